@@ -1,0 +1,36 @@
+"""The attention backend contract."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Computes paged attention for one layer over a flattened mixed batch.
+
+    Contract of ``forward``: write the new ``key``/``value`` rows into ``kv_cache`` at
+    ``metadata.slot_mapping`` (skipping -1), then for every query row attend over the request's
+    cached keys up to and including its own position (causal), restricted to the last
+    ``sliding_window`` positions when given, with softmax scale ``scale`` and GQA (query head h
+    reads KV head h // (num_heads // num_kv_heads)). Returns [num_tokens, num_heads * head_dim].
+
+    ``kv_cache`` layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V).
+    """
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor: ...

@@ -1,0 +1,162 @@
+"""Paged attention in plain PyTorch: the CPU backend and the reference for the GPU kernels.
+
+Decode rows (one query token per request) of a step are attended in one batched SDPA call over
+keys gathered from their blocks; each prefill chunk gets its own SDPA call (or, for a first
+chunk on a full-attention layer, plain causal SDPA over its new keys without touching the cache).
+The gather indices and masks are planned once per step and shared by every layer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from pagedllm.attention.backends.base import AttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Reference KV write: kv_cache[0/1].view(-1, kvh, d)[slot] = key/value[t]; slot -1 skipped."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    n = slot_mapping.shape[0]
+    slots = slot_mapping
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[:n][keep], value[:n][keep]
+    k_flat.index_copy_(0, slots, key[: slots.shape[0]].to(k_flat.dtype))
+    v_flat.index_copy_(0, slots, value[: slots.shape[0]].to(v_flat.dtype))
+
+
+def _key_slots(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    # Example: block_size 4, block_table [7, 2], positions [0..5] -> [28, 29, 30, 31, 8, 9]
+    return (
+        block_table[positions // block_size].astype(np.int64) * block_size + positions % block_size
+    )
+
+
+def _visible(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
+    # [num_queries, num_keys] bool: causal, within the window when one is given
+    vis = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        vis &= k_pos[None, :] > q_pos[:, None] - window
+    return vis
+
+
+class TorchNativeBackend(AttentionBackend):
+    """CPU paged attention with torch SDPA (see module docstring)."""
+
+    name = "torch_native"
+
+    def _plan(self, md: AttentionMetadata, window: int | None) -> dict:
+        key = ("torch_native", window)
+        if key in md.plan:
+            return md.plan[key]
+        qsl = md.query_start_loc_np
+        seq_lens = md.seq_lens_np
+        assert qsl is not None and seq_lens is not None
+        block_tables = md.plan.get("block_tables_np")
+        if block_tables is None:
+            block_tables = md.block_tables.cpu().numpy()
+            md.plan["block_tables_np"] = block_tables
+        bs = md.block_size
+        q_lens = np.diff(qsl[: md.num_reqs + 1])
+        dec = np.nonzero(q_lens == 1)[0]
+        plan: dict = {"decode": None, "prefill": []}
+        if len(dec) > 0:
+            s_max = int(seq_lens[dec].max())
+            pos = np.arange(s_max)
+            # [num_decodes, s_max]: slots of every key position (0 where past the sequence)
+            nblk = (s_max + bs - 1) // bs
+            bt = block_tables[dec, :nblk].astype(np.int64)
+            slots = bt[:, pos // bs] * bs + pos % bs
+            lens = seq_lens[dec][:, None]
+            valid = pos[None, :] < lens
+            if window is not None:
+                valid &= pos[None, :] > lens - 1 - window
+            slots = np.where(valid, slots, 0)
+            plan["decode"] = (
+                torch.from_numpy(qsl[dec].astype(np.int64)),
+                torch.from_numpy(slots.reshape(-1)),
+                torch.from_numpy(valid)[:, None, None, :],  # [B, 1, 1, s_max]
+                s_max,
+            )
+        for r in np.nonzero(q_lens > 1)[0]:
+            start, end, seq_len = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
+            ctx = seq_len - (end - start)
+            if ctx == 0 and window is None:
+                plan["prefill"].append((start, end, None, None))  # pure causal over new keys
+                continue
+            k_pos = np.arange(seq_len)
+            q_pos = np.arange(ctx, seq_len)
+            if window is not None:  # keys older than every query's window are never read
+                first = max(0, ctx - window + 1)
+                k_pos = k_pos[first:]
+            slots = _key_slots(block_tables[r], k_pos, bs)
+            mask = torch.from_numpy(_visible(q_pos, k_pos, window))[None, None]
+            plan["prefill"].append((start, end, torch.from_numpy(slots), mask))
+        md.plan[key] = plan
+        return plan
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads = key.shape[1]
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        plan = self._plan(metadata, sliding_window)
+        out = torch.empty_like(query)
+        gqa = num_heads != num_kv_heads
+        if plan["decode"] is not None:
+            rows, slots, mask, s_max = plan["decode"]
+            b = rows.shape[0]
+            q = query.index_select(0, rows).unsqueeze(2)  # [B, num_heads, 1, head_dim]
+            k = k_flat.index_select(0, slots).view(b, s_max, num_kv_heads, head_dim)
+            v = v_flat.index_select(0, slots).view(b, s_max, num_kv_heads, head_dim)
+            o = F.scaled_dot_product_attention(
+                q,
+                k.transpose(1, 2).to(q.dtype),
+                v.transpose(1, 2).to(q.dtype),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=gqa,
+            )  # [B, num_heads, 1, head_dim]
+            out.index_copy_(0, rows, o.squeeze(2))
+        for start, end, slots, mask in plan["prefill"]:
+            q = query[start:end].transpose(0, 1)  # [num_heads, q_len, head_dim]
+            if slots is None:
+                k, v = key[start:end], value[start:end]
+                o = F.scaled_dot_product_attention(
+                    q,
+                    k.transpose(0, 1),
+                    v.transpose(0, 1),
+                    is_causal=True,
+                    scale=scale,
+                    enable_gqa=gqa,
+                )
+            else:
+                k = k_flat.index_select(0, slots).to(q.dtype)
+                v = v_flat.index_select(0, slots).to(q.dtype)
+                o = F.scaled_dot_product_attention(
+                    q[None],
+                    k.transpose(0, 1)[None],
+                    v.transpose(0, 1)[None],
+                    attn_mask=mask,
+                    scale=scale,
+                    enable_gqa=gqa,
+                )[0]
+            out[start:end] = o.transpose(0, 1)
+        return out.view(num_tokens, num_heads * head_dim)

@@ -1,0 +1,39 @@
+"""Per-step attention metadata: where each request's queries and keys are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one flattened batch of tokens from several requests.
+
+    Request r owns query rows ``query_start_loc[r]:query_start_loc[r+1]``; its keys are the
+    first ``seq_lens[r]`` tokens of its sequence, stored in the blocks ``block_tables[r]``.
+    Query row i of request r sits at position ``seq_lens[r] - query_len[r] + i`` and sees keys
+    at positions <= its own (and > position - window on sliding-window layers).
+
+    Example: a prefill chunk of 3 tokens after 5 cached ones, and a decode at position 9:
+    query_start_loc [0, 3, 4], seq_lens [8, 10], query positions [5, 6, 7, 9].
+    ``slot_mapping[t]`` is the cache slot (block_id * block_size + offset) where token t's new
+    K/V go; -1 means "do not write" (padding rows).
+    """
+
+    num_reqs: int
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Host copies for backends that plan on the CPU.
+    query_start_loc_np: np.ndarray | None = None
+    seq_lens_np: np.ndarray | None = None
+    # Backend-private per-step plans (e.g. gathered key slots), built once, shared by layers.
+    plan: dict = field(default_factory=dict)

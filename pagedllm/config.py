@@ -1,0 +1,282 @@
+"""Engine configuration: frozen dataclasses validated in ``__post_init__``.
+
+``EngineArgs`` holds what a user passes (the names are vLLM's); ``create_engine_config()`` checks
+each value, resolves 'auto' choices and the model's own config, and returns an ``EngineConfig``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+_DEVICES = ("auto", "cpu", "cuda")
+_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model: where it lives, its HF config, dtype and context length."""
+
+    model: str
+    tokenizer: str
+    load_format: str  # safetensors | gguf | dummy
+    dtype: str  # float32 | bfloat16 | float16
+    max_model_len: int
+    seed: int
+    hf_config: Any = field(compare=False, repr=False)
+    served_model_name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("safetensors", "gguf", "dummy"):
+            raise ValueError(
+                f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}."
+            )
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
+        _positive_int("max_model_len", self.max_model_len)
+
+    @property
+    def torch_dtype(self):  # noqa: ANN201 - torch imported lazily
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def text_config(self) -> Any:
+        return getattr(self.hf_config, "text_config", None) or self.hf_config
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.text_config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.text_config
+        return int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        c = self.text_config
+        return int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.text_config.vocab_size)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size and how much memory (or how many blocks) it gets."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None  # CPU (or explicit GPU) size of the KV cache
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 8, 16, 32, 64, 128):
+            raise ValueError(
+                f"block_size must be one of 1, 8, 16, 32, 64, 128, got {self.block_size!r}."
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}."
+            )
+        _positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override, allow_none=True)
+        _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The token budget of one step and how many requests may run at once."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}) while enable_chunked_prefill is False: "
+                "long prompts could never be scheduled. Raise max_num_batched_tokens or enable "
+                "chunked prefill."
+            )
+        if self.policy not in ("fcfs",):
+            raise ValueError(f"scheduling_policy must be 'fcfs', got {self.policy!r}.")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the model runs."""
+
+    device: str = "cpu"  # resolved: cpu | cuda
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}.")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor and data parallel sizes (1 and 1 until distributed support lands)."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int("data_parallel_size", self.data_parallel_size)
+        if self.tensor_parallel_size != 1 or self.data_parallel_size != 1:
+            raise ValueError("tensor_parallel_size and data_parallel_size must be 1 for now.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine core, scheduler and model runner need, resolved and validated."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig
+    parallel_config: ParallelConfig
+
+
+@dataclass
+class EngineArgs:
+    """Arguments of ``LLM(...)`` and ``pagedllm serve``, with vLLM's names and defaults."""
+
+    model: str = ""
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    swap_space: float = 0.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    enforce_eager: bool = False
+    device: str = "auto"
+    load_format: str = "auto"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def create_engine_config(self) -> EngineConfig:
+        """Validate every argument, load the model's HF config and resolve 'auto' values."""
+        from pagedllm.model.loader import detect_load_format, load_hf_config
+
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a path to an HF model folder or a .gguf file.")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}.")
+        if self.load_format not in _LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}."
+            )
+        _positive_int("max_model_len", self.max_model_len, allow_none=True)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be non-negative, got {self.swap_space!r}.")
+
+        device = self.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        load_format = detect_load_format(self.model, self.load_format)
+        hf_config = load_hf_config(self.model, load_format)
+        dtype = _resolve_dtype(self.dtype, hf_config, load_format, device)
+        text_config = getattr(hf_config, "text_config", None) or hf_config
+        model_max = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
+        max_model_len = self.max_model_len or model_max
+        if max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is larger than the model's "
+                f"max_position_embeddings ({model_max})."
+            )
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            # vLLM's default with chunked prefill is 2048 (8192 on GPUs for throughput).
+            max_num_batched_tokens = 8192 if device == "cuda" else 2048
+            if not self.enable_chunked_prefill:
+                max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        tokenizer = self.tokenizer or self.model
+        model_config = ModelConfig(
+            model=self.model,
+            tokenizer=tokenizer,
+            load_format=load_format,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=self.seed,
+            hf_config=hf_config,
+            served_model_name=self.served_model_name or os.path.basename(self.model.rstrip("/")),
+        )
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                policy=self.scheduling_policy,
+            ),
+            device_config=DeviceConfig(device=device, enforce_eager=self.enforce_eager),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                data_parallel_size=self.data_parallel_size,
+            ),
+        )
+
+
+def _resolve_dtype(dtype: str, hf_config: Any, load_format: str, device: str) -> str:
+    aliases = {"float": "float32", "half": "float16"}
+    if dtype != "auto":
+        return aliases.get(dtype, dtype)
+    if load_format == "gguf":
+        return "float32" if device == "cpu" else "bfloat16"
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    cfg = getattr(text_config, "dtype", None) or getattr(text_config, "torch_dtype", None)
+    name = str(cfg).replace("torch.", "") if cfg is not None else "float32"
+    if name not in ("float32", "bfloat16", "float16"):
+        name = "float32"
+    if name == "float16" and device == "cpu":
+        name = "bfloat16"  # half-precision matmuls are slow on CPUs; bf16 keeps the range
+    return name

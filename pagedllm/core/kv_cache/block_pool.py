@@ -1,0 +1,115 @@
+"""The pool of physical KV cache blocks: allocation, ref counts and the prefix cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pagedllm.core.kv_cache.block import BlockHash, FreeBlockQueue, KVCacheBlock
+
+
+class BlockPool:
+    """Owns every block. Free blocks wait in an LRU queue; a block whose contents are cached
+    (it has a ``block_hash``) stays findable by its hash until it is evicted by reuse.
+
+    Eviction order: blocks that were never cached are freed to the front of the queue (reused
+    first); cached blocks are freed to the back, tail blocks of a request before its head blocks,
+    so the longest-lived entries are the shared prefixes.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}.")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.num_evictions = 0
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free, whether or not their contents are cached)."""
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of blocks in use by some request, in [0, 1]."""
+        return 1.0 - self.get_num_free_blocks() / self.num_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` blocks from the front of the free queue, evicting cached
+        contents, each with ref_cnt 1."""
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(
+                f"cannot get {num_blocks} blocks: only {self.get_num_free_blocks()} free"
+            )
+        out = []
+        for _ in range(num_blocks):
+            block = self.free_block_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached_block_hash_to_block.get(block.block_hash) is block:
+            del self.cached_block_hash_to_block[block.block_hash]
+        block.block_hash = None
+        self.num_evictions += 1
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference on each block (a prefix hit or a fork); a block that was free
+        leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block; blocks reaching 0 join the free queue in the given
+        order (the caller passes a request's blocks tail first)."""
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_block_queue.appendleft(block)
+                else:
+                    self.free_block_queue.append(block)
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The block holding these contents, if still cached."""
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Register a just-filled block under its hash (first writer wins on duplicates)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        self.cached_block_hash_to_block.setdefault(block_hash, block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; only possible when no block is in use."""
+        if self.get_num_free_blocks() != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
+
+    def check_integrity(self) -> None:
+        """Assert the pool's invariants: free queue = blocks with ref_cnt 0; the hash map only
+        points at blocks that carry that hash."""
+        in_queue = set()
+        for block in self.free_block_queue:
+            assert block.ref_cnt == 0, f"{block} in free queue with references"
+            assert block.block_id not in in_queue, f"{block} twice in free queue"
+            in_queue.add(block.block_id)
+        assert len(in_queue) == self.free_block_queue.num_free_blocks
+        for block in self.blocks:
+            assert block.ref_cnt >= 0
+            if block.ref_cnt == 0:
+                assert block.block_id in in_queue, f"{block} unreferenced but not free"
+        for h, block in self.cached_block_hash_to_block.items():
+            assert block.block_hash == h, f"{block} indexed under a hash it does not carry"

@@ -1,0 +1,152 @@
+"""Per-request block tables on top of the block pool."""
+
+from __future__ import annotations
+
+from pagedllm.core.kv_cache.block import BlockHash, KVCacheBlock
+from pagedllm.core.kv_cache.block_pool import BlockPool
+from pagedllm.core.kv_cache.hashing import hash_request_blocks
+from pagedllm.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Maps each request to the list of blocks that hold its KV (its block table).
+
+    Token ``i`` of a request lives in block ``blocks[i // block_size]`` at offset
+    ``i % block_size``. With prefix caching on, full blocks are registered by chained hash so a
+    later request with the same prefix reuses them (``get_computed_blocks``).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the cache's blocks in use by requests."""
+        return self.block_pool.get_usage()
+
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
+        return hash_request_blocks(
+            request.all_token_ids,
+            self.block_size,
+            hashes,
+            getattr(request, "cache_salt", None),
+        )
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached blocks that starts the request's tokens, and how many
+        tokens they cover. At most ``num_tokens - 1`` tokens are reused, so the last token is
+        always recomputed to produce logits.
+
+        Example: block_size 4, 10 tokens, blocks 0 and 1 cached -> 2 blocks, 8 tokens;
+        with 8 tokens and both cached -> 1 block, 4 tokens (8 would leave nothing to compute).
+        """
+        if not self.enable_caching:
+            return [], 0
+        hashes = self._block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hit: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hit.append(block)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += len(hit) * self.block_size
+        return hit, len(hit) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens of ``request`` (after its computed ones
+        and any ``new_computed_blocks`` from a prefix hit), plus lookahead slots for speculative
+        tokens. Returns the newly allocated blocks, or None if the pool is too short (then
+        nothing changes).
+
+        Example: block_size 16, 20 computed tokens in 2 blocks, 13 new tokens -> 33 tokens need
+        3 blocks -> 1 new block.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_needed = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
+        num_new_blocks = max(0, num_needed - len(blocks) - len(new_computed_blocks))
+        # Reviving cached blocks that sit in the free queue takes them out of it.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_revived:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self.num_cached_blocks[request.request_id] = len(blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            # Register blocks that become full with this step's tokens (known tokens only:
+            # lookahead slots hold speculative tokens that may be rejected).
+            num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
+            self._cache_full_blocks(request, blocks, num_full)
+        return new_blocks
+
+    def _cache_full_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], num_full: int
+    ) -> None:
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request)
+        for i in range(start, num_full):
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so its prefix outlives its suffix in the
+        prefix cache."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.block_pool.free_blocks(reversed(blocks))
+        self.num_cached_blocks.pop(request.request_id, None)
+        if request.is_finished:
+            self.req_to_block_hashes.pop(request.request_id, None)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """Physical block ids of a request, in token order."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def check_integrity(self) -> None:
+        """Assert: every block's ref_cnt equals the number of block tables holding it, and
+        free + in use == total."""
+        self.block_pool.check_integrity()
+        refs: dict[int, int] = {}
+        for blocks in self.req_to_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for block in self.block_pool.blocks:
+            assert block.ref_cnt == refs.get(block.block_id, 0), (
+                f"{block}: ref_cnt != {refs.get(block.block_id, 0)} table references"
+            )
+        num_used = sum(1 for b in self.block_pool.blocks if b.ref_cnt > 0)
+        assert num_used + self.num_free_blocks() == self.num_blocks

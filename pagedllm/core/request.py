@@ -1,0 +1,122 @@
+"""The scheduler's view of one request: its tokens, progress and status."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from enum import IntEnum
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(IntEnum):
+    """Lifecycle of a request. Every finished state comes after PREEMPTED, so
+    ``status > RequestStatus.PREEMPTED`` is "finished" in one comparison."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6  # rejected: could never be served
+
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+}
+
+
+class ConstantList(Sequence[int]):
+    """A read-only view of a list, so callers cannot change a request's tokens behind its back."""
+
+    __slots__ = ("_x",)
+
+    def __init__(self, x: list[int]) -> None:
+        self._x = x
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204
+        return self._x[i]
+
+    def __len__(self) -> int:
+        return len(self._x)
+
+    def __repr__(self) -> str:
+        return f"ConstantList({self._x!r})"
+
+
+class Request:
+    """One prompt and the tokens generated for it so far.
+
+    ``num_computed_tokens`` counts the tokens whose K/V are in the cache; each step the scheduler
+    gives the request enough tokens to catch up with ``num_tokens`` (prompt + output).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 = not yet
+        self.num_preemptions = 0
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        max_tokens = sampling_params.max_tokens
+        if max_model_len is not None:
+            room = max_model_len - self.num_prompt_tokens
+            max_tokens = room if max_tokens is None else min(max_tokens, room)
+        self.max_tokens: int = max_tokens if max_tokens is not None else 2**31
+        self.output_token_ids = ConstantList(self._output_token_ids)
+        self.all_token_ids = ConstantList(self._all_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self._output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+
+    def get_finished_reason(self) -> str | None:
+        return self.status.finish_reason()
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -1,0 +1,80 @@
+"""What the scheduler tells the model runner each step, and what comes back to the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or has dropped, after a preemption): sent in full."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resuming a preempted request by recompute
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. The batch order is the insertion order of ``num_scheduled_tokens``."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Tokens sampled this step, per request of the batch that reached the end of its tokens.
+
+    ``sampled_token_ids[i]`` is empty for a request whose prefill chunk did not reach its last
+    token; with speculative decoding it may hold several tokens.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # per request: list (one per sampled token) of (token ids, logprobs, ranks) top-N + sampled
+    logprobs: list[list[tuple[list[int], list[float], list[int]]] | None] | None = None
+    # per request: (first prompt position predicted, [(token ids, logprobs, ranks)] per position)
+    prompt_logprobs: dict[str, tuple[int, list[tuple[list[int], list[float], list[int]]]]] = field(
+        default_factory=dict
+    )
+
+
+@dataclass
+class EngineCoreOutput:
+    """What changed for one request in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[list[int], list[float], list[int]]] | None = None
+    new_prompt_logprobs: tuple[int, list[tuple[list[int], list[float], list[int]]]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,295 @@
+"""The iteration-level scheduler.
+
+THE RULE. There is no prefill phase and no decode phase. Every request has
+``num_computed_tokens`` (tokens whose K/V are in the cache) and ``num_tokens`` (prompt + output
+so far). Each step hands out one token budget, ``max_num_batched_tokens``, so that requests catch
+up: first the running requests, in policy order (a decode needs 1 token, an unfinished prompt
+gets the rest of the budget, chunked), then the waiting requests, in policy order, while the
+budget, ``max_num_seqs`` and the KV cache allow. When a running request cannot get a block, the
+running request ranked last (for FCFS: the most recently arrived) is preempted by recompute: its
+blocks are freed, ``num_computed_tokens`` goes back to 0, and it waits again at the place its
+rank gives it (for FCFS: the front). No waiting request is admitted in a step that preempted.
+
+Example (budget 1024, chunked prefill): three waiting prompts of 400, 400 and 600 tokens are
+scheduled 400, 400, 224 in the first step; the next step gives the third prompt its last 376
+tokens and 1 token to each of the first two, which are decoding.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache.manager import KVCacheManager, cdiv
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagedllm.core.sched.policy import RankedQueue, make_policy
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each computes."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+    ) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.policy = make_policy(scheduler_config.policy)
+        self.requests: dict[str, Request] = {}
+        self.waiting = RankedQueue(self.policy)
+        self.running = RankedQueue(self.policy)
+        # Requests finished since the last schedule(): the runner drops their state.
+        self.finished_req_ids: set[str] = set()
+        # Requests the runner holds state for (scheduled at least once since last (re)start).
+        self._runner_has: set[str] = set()
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- requests in and out
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request. Raises ValueError if it could never be served."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use.")
+        if request.num_prompt_tokens < 1:
+            raise ValueError("prompt must contain at least one token.")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens, more than max_model_len "
+                f"({self.max_model_len})."
+            )
+        capacity = self.kv_cache_manager.num_blocks * self.block_size
+        if request.num_prompt_tokens + 1 > capacity:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens but the KV cache holds only "
+                f"{capacity} tokens in all; it could never be served."
+            )
+        # Generation may not outgrow the cache either: cap it so one request alone always fits.
+        request.max_tokens = min(request.max_tokens, capacity - request.num_prompt_tokens)
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None:
+        """End requests from outside the loop (abort, or a stop string found by the
+        detokenizer). Unknown or already finished ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.requests.pop(request.request_id, None)
+        if request.request_id in self._runner_has:
+            self._runner_has.discard(request.request_id)
+            self.finished_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return len(self.waiting) + len(self.running) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ----------------------------------------------------------------------- scheduling
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step under the token budget (see THE RULE at the top of this file)."""
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            new_blocks = None
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop_back()  # ranked last; never one already scheduled
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            self._add_to_output(request, new_blocks, new_reqs, cached_reqs)
+            i += 1
+
+        while not preempted and len(self.waiting) > 0 and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting.peek()
+            computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.pop_front()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.add(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            self._add_to_output(request, new_blocks, new_reqs, cached_reqs)
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        # Advance progress now: the runner computes exactly what was scheduled.
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        return out
+
+    def _add_to_output(
+        self,
+        request: Request,
+        new_blocks: list,
+        new_reqs: list[NewRequestData],
+        cached_reqs: list[CachedRequestData],
+    ) -> None:
+        rid = request.request_id
+        if rid in self._runner_has:
+            cached_reqs.append(
+                CachedRequestData(
+                    rid, [b.block_id for b in new_blocks], request.num_computed_tokens
+                )
+            )
+            return
+        self._runner_has.add(rid)
+        new_reqs.append(
+            NewRequestData(
+                req_id=rid,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(rid),
+                num_computed_tokens=request.num_computed_tokens,
+            )
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: free the blocks, forget progress, wait again."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if request.request_id in self._runner_has:
+            self._runner_has.discard(request.request_id)
+            self.finished_req_ids.add(request.request_id)  # the runner drops its state
+        self.waiting.add(request)
+
+    # ------------------------------------------------------------------------- results
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests."""
+        outputs: list[EngineCoreOutput] = []
+        sampled = dict(zip(runner_output.req_ids, range(len(runner_output.req_ids))))
+        for rid in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            idx = sampled.get(rid)
+            token_ids = runner_output.sampled_token_ids[idx] if idx is not None else []
+            prompt_lp = runner_output.prompt_logprobs.get(rid)
+            if not token_ids and prompt_lp is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            new_tokens: list[int] = []
+            for tok in token_ids:
+                request.append_output_token_ids(tok)
+                new_tokens.append(tok)
+                if self._check_stop(request, tok):
+                    break
+            logprobs = None
+            if runner_output.logprobs is not None and idx is not None:
+                lp = runner_output.logprobs[idx]
+                logprobs = lp[: len(new_tokens)] if lp is not None else None
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=rid,
+                    new_token_ids=new_tokens,
+                    new_logprobs=logprobs,
+                    new_prompt_logprobs=prompt_lp,
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            if request.is_finished:
+                self.running.remove(request)
+                self._free_request(request)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in params.all_stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+                return True
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # --------------------------------------------------------------------------- stats
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def make_stats(self) -> dict[str, float]:
+        kv = self.kv_cache_manager
+        return {
+            "num_running_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting),
+            "kv_cache_usage": kv.usage,
+            "num_preemptions": self.num_preemptions,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "time": time.monotonic(),
+        }

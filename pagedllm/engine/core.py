@@ -1,0 +1,60 @@
+"""EngineCore: the loop of schedule -> execute -> update, with no tokenizer and no HTTP."""
+
+from __future__ import annotations
+
+import logging
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched.output import EngineCoreOutput
+from pagedllm.core.sched.scheduler import Scheduler
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the scheduler and the model runner.
+
+    Each ``step()``: ``Scheduler.schedule()`` -> ``SchedulerOutput`` ->
+    ``ModelRunner.execute_model()`` -> ``ModelRunnerOutput`` -> ``Scheduler.update_from_output()``
+    -> one ``EngineCoreOutput`` per request that produced something or finished.
+    """
+
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int] | None = None) -> None:
+        self.config = config
+        self.model_runner = ModelRunner(config, eos_token_ids)
+        num_blocks = self.model_runner.determine_num_blocks()
+        self.model_runner.initialize_kv_cache(num_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+        self.num_blocks = num_blocks
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it could never be served (nothing is queued then)."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str] | str) -> None:
+        """End requests now and free their blocks; unknown ids are ignored."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests_stopped(self, request_ids: list[str]) -> None:
+        """End requests that hit a stop string (found by the detokenizer)."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one iteration; returns what changed."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def check_integrity(self) -> None:
+        """KV cache invariants; when idle, every block is free."""
+        kv = self.scheduler.kv_cache_manager
+        kv.check_integrity()
+        if not self.scheduler.has_unfinished_requests():
+            assert kv.num_free_blocks() == kv.num_blocks, "blocks leaked while idle"

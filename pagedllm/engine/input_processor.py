@@ -1,0 +1,94 @@
+"""Turns a user's prompt and sampling parameters into a validated Request."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from pagedllm.config import ModelConfig
+from pagedllm.core.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class InputProcessor:
+    """Tokenizes, validates and clamps; every problem is a ValueError naming the field."""
+
+    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_id = self._eos_id()
+
+    def _eos_id(self) -> int | None:
+        eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer else None
+        if eos is None:
+            eos = getattr(self.model_config.text_config, "eos_token_id", None)
+            if isinstance(eos, list):
+                eos = eos[0] if eos else None
+        return eos
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) for a string, {"prompt": ...},
+        {"prompt_token_ids": [...]} or a list of ids."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("prompt must not be empty.")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompt_token_ids.")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(list(prompt))
+        raise ValueError(f"prompt must be a string, a token id list or a dict, got {type(prompt)}.")
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or len(ids) == 0:
+            raise ValueError("prompt must not be empty (prompt_token_ids has no tokens).")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers.")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids contains ids out of vocabulary (size {self.vocab_size}): "
+                f"{bad[:5]}"
+            )
+        return list(ids)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> tuple[Request, str | None]:
+        """A ready Request (with its own copy of the params) and the prompt text."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params)}.")
+        text, ids = self.tokenize(prompt)
+        max_len = self.model_config.max_model_len
+        if len(ids) > max_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens long, longer than max_model_len ({max_len})."
+            )
+        params = copy.copy(params)
+        params.stop = list(params.stop or [])
+        params.all_stop_token_ids = set(params.stop_token_ids or [])
+        req = Request(
+            request_id,
+            ids,
+            params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=arrival_time,
+            priority=priority,
+            max_model_len=max_len,
+        )
+        return req, text

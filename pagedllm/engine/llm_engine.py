@@ -1,0 +1,78 @@
+"""LLMEngine: the synchronous front end (tokenize -> EngineCore -> detokenize)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.engine.core import EngineCore
+from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.model.loader import load_tokenizer
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    """Adds requests, steps the core, returns RequestOutputs. Used by ``LLM`` and the server."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
+        self.config = config
+        mc = config.model_config
+        if tokenizer is None:
+            tokenizer = load_tokenizer(
+                mc.model, mc.tokenizer if mc.tokenizer != mc.model else None, mc.load_format
+            )
+        self.tokenizer = tokenizer
+        self.input_processor = InputProcessor(mc, tokenizer)
+        eos = self.input_processor.eos_token_id
+        self.engine_core = EngineCore(config, {eos} if eos is not None else set())
+        self.output_processor = OutputProcessor(tokenizer)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        output_kind: str = "final",
+    ) -> None:
+        """Validate and queue one request. Raises ValueError (nothing queued) on bad input."""
+        if self.output_processor.has(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        request, text = self.input_processor.process(request_id, prompt, params, priority)
+        self.engine_core.add_request(request)
+        self.output_processor.add_request(
+            request_id, text, request.prompt_token_ids, request.sampling_params, output_kind
+        )
+
+    def abort_request(self, request_ids: list[str] | str) -> list[RequestOutput]:
+        """Abort requests; returns their final outputs (finish_reason 'abort')."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        self.engine_core.abort_requests(request_ids)
+        outs = [self.output_processor.abort(rid) for rid in request_ids]
+        return [o for o in outs if o is not None]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; the outputs of requests that progressed (or finished)."""
+        core_outputs = self.engine_core.step()
+        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        if stopped:
+            self.engine_core.finish_requests_stopped(stopped)
+        return outputs
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer

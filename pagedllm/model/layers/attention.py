@@ -1,0 +1,47 @@
+"""The attention layer as a model sees it: q, k, v in, attended values out."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backends.base import AttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Holds one layer's paged KV cache (bound by the model runner after allocation) and
+    delegates to the attention backend."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.kv_cache: torch.Tensor = torch.empty(0)  # [2, num_blocks, block_size, kvh, d]
+        self.backend: AttentionBackend | None = None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        # q: [num_tokens, num_heads * head_dim], k/v: [num_tokens, num_kv_heads * head_dim]
+        assert self.backend is not None, "attention backend not bound (model runner does it)"
+        n = q.shape[0]
+        return self.backend.forward(
+            q.view(n, self.num_heads, self.head_dim),
+            k.view(n, self.num_kv_heads, self.head_dim),
+            v.view(n, self.num_kv_heads, self.head_dim),
+            self.kv_cache,
+            metadata,
+            self.scale,
+            self.sliding_window,
+        )

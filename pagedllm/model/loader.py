@@ -1,0 +1,103 @@
+"""Finding, configuring and loading models: HF folders (safetensors, sharded too), GGUF files,
+and random 'dummy' weights."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def detect_load_format(model: str, load_format: str = "auto") -> str:
+    """'gguf' for a .gguf file, 'safetensors' for an HF folder; FileNotFoundError if neither."""
+    if load_format == "dummy":
+        if not os.path.exists(model):
+            raise FileNotFoundError(f"model config not found: {model!r}")
+        return "dummy"
+    if not os.path.exists(model):
+        raise FileNotFoundError(
+            f"model not found: {model!r} (give an HF model folder or a .gguf file; "
+            "nothing is downloaded)"
+        )
+    if os.path.isfile(model):
+        if load_format in ("auto", "gguf"):
+            return "gguf"
+        raise ValueError(f"model {model!r} is a file; load_format {load_format!r} needs a folder")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        raise FileNotFoundError(f"no config.json in model folder {model!r}")
+    if load_format == "gguf":
+        raise ValueError(f"load_format 'gguf' needs a .gguf file, got folder {model!r}")
+    return "safetensors"
+
+
+def load_hf_config(model: str, load_format: str) -> Any:
+    """The model's transformers config (from config.json, or from GGUF metadata)."""
+    if load_format == "gguf":
+        from pagedllm.model.gguf_loader import load_gguf_config
+
+        return load_gguf_config(model)
+    from transformers import AutoConfig
+
+    path = model if os.path.isdir(model) else os.path.dirname(model)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read the model config in {path!r}: {e}") from e
+
+
+def load_tokenizer(model_path: str, tokenizer_path: str | None, load_format: str) -> Any:
+    """The HF tokenizer for a model (from the folder, or from GGUF metadata)."""
+    tok = tokenizer_path or model_path
+    if tok.endswith(".gguf") and os.path.isfile(tok):
+        from pagedllm.model.gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(tok)
+    from transformers import AutoTokenizer
+
+    if not os.path.exists(tok):
+        raise FileNotFoundError(f"tokenizer not found: {tok!r}")
+    return AutoTokenizer.from_pretrained(tok, local_files_only=True)
+
+
+def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder's *.safetensors files (sharded checkpoints included)."""
+    from safetensors import safe_open
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(folder, x) for x in files]
+    else:
+        files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder!r}")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def build_model(model_config: Any, device: str) -> torch.nn.Module:
+    """Instantiate the architecture on ``device`` in the configured dtype and load weights."""
+    from pagedllm.model.registry import get_model_class
+
+    hf = model_config.text_config
+    cls = get_model_class(model_config.hf_config)
+    dtype = model_config.torch_dtype
+    with torch.device(device):
+        model = cls(hf, dtype)
+    fmt = model_config.load_format
+    if fmt == "dummy":
+        model.init_dummy_weights(model_config.seed)
+    elif fmt == "gguf":
+        from pagedllm.model.gguf_loader import iter_gguf_weights
+
+        model.load_weights(iter_gguf_weights(model_config.model))
+    else:
+        model.load_weights(iter_safetensors(model_config.model))
+    return model.eval()

@@ -1,0 +1,109 @@
+"""What every decoder-only model shares: weight loading through per-parameter loaders."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+class CausalLM(nn.Module):
+    """Base of the model classes. Subclasses build ``self.model`` (embeddings, layers, norm)
+    and ``self.lm_head``, and list in ``packed_modules`` how checkpoint names map onto fused
+    layers: (fused name, checkpoint name, shard id)."""
+
+    packed_modules: list[tuple[str, str, str | int]] = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+    tie_word_embeddings: bool = False
+    final_logit_softcapping: float | None = None
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """[num_tokens] ids and positions -> [num_tokens, hidden_size] final hidden states."""
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] float32 logits."""
+        logits = self.lm_head(hidden_states)
+        if self.final_logit_softcapping:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def attention_layers(self) -> list[nn.Module]:
+        from pagedllm.model.layers.attention import Attention
+
+        return [m for m in self.modules() if isinstance(m, Attention)]
+
+    def normalize_name(self, name: str) -> str | None:
+        """Checkpoint name -> our parameter name; None to skip the tensor."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name.startswith("language_model."):
+            name = name[len("language_model.") :]
+        if self.tie_word_embeddings and name == "lm_head.weight":
+            return None
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (checkpoint name, tensor) pairs; raises ValueError on an unknown name, a shape
+        mismatch, or parameters that no tensor filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for ckpt_name, tensor in weights:
+            name = self.normalize_name(ckpt_name)
+            if name is None:
+                continue
+            for fused, part, shard in self.packed_modules:
+                if f".{part}." in name:
+                    target = name.replace(f".{part}.", f".{fused}.")
+                    if target not in params:
+                        raise ValueError(f"checkpoint tensor {ckpt_name!r} has no parameter")
+                    param = params[target]
+                    param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
+                    loaded.add(target)
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r} has no parameter")
+                param = params[name]
+                loader = getattr(param, "weight_loader", None)
+                if loader is not None:
+                    loader(param, tensor)
+                else:
+                    if param.shape != tensor.shape:
+                        raise ValueError(
+                            f"{ckpt_name}: expected shape {tuple(param.shape)}, "
+                            f"got {tuple(tensor.shape)}"
+                        )
+                    param.data.copy_(tensor)
+                loaded.add(name)
+        missing = [n for n in params if n not in loaded and not self._is_tied(n)]
+        if missing:
+            raise ValueError(f"checkpoint has no weights for {missing[:5]} ({len(missing)} in all)")
+
+    def _is_tied(self, name: str) -> bool:
+        return self.tie_word_embeddings and name == "lm_head.weight"
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights (``--load-format dummy``) of a realistic scale, for speed tests."""
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if "norm" in name:
+                if getattr(self, "norm_offset", 0.0):
+                    p.data.zero_()
+                else:
+                    p.data.fill_(1.0)
+                continue
+            t = torch.empty(p.shape, dtype=torch.float32)
+            t.uniform_(-0.02, 0.02, generator=g)
+            p.data.copy_(t)

@@ -1,0 +1,172 @@
+"""Llama-family decoders: Llama 2/3, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.model.layers.activation import get_act_and_mul
+from pagedllm.model.layers.attention import Attention
+from pagedllm.model.layers.embedding import LMHead, VocabEmbedding
+from pagedllm.model.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.rotary import RotaryEmbedding, rope_params
+from pagedllm.model.models.base import CausalLM
+
+
+def layer_window(config: Any, layer_idx: int) -> int | None:
+    """The sliding window of a layer, or None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if not getattr(config, "use_sliding_window", True):
+        return None
+    return window
+
+
+class LlamaMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused."""
+
+    def __init__(
+        self, hidden: int, intermediate: int, act: str, bias: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias, dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, dtype)
+        self.act_fn = get_act_and_mul(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused qkv, RoPE, optional per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(
+        self, config: Any, layer_idx: int, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        o_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias or o_bias, dtype
+        )
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, hidden, o_bias, dtype)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.qk_norm = qk_norm
+        theta, scaling = rope_params(config)
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, config.max_position_embeddings, theta, scaling
+        )
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            layer_window(config, layer_idx),
+        )
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v, metadata)
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention block then pre-norm MLP block, each with a residual."""
+
+    def __init__(
+        self, config: Any, layer_idx: int, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, dtype, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            bool(getattr(config, "mlp_bias", False)),
+            dtype,
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers and the final norm."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype, qkv_bias, qk_norm)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, metadata)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama 2/3 and Mistral."""
+
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = LlamaModel(config, dtype, self.qkv_bias, self.qk_norm)
+        self.lm_head = LMHead(
+            config.vocab_size,
+            config.hidden_size,
+            dtype,
+            tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+        )
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5: Llama with biases on q, k and v."""
+
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with RMSNorm on each query and key head before RoPE."""
+
+    qk_norm = True

@@ -1,0 +1,78 @@
+"""The model runner's persistent per-request state, kept in preallocated numpy arrays.
+
+Each live request owns a row. Token ids, progress and block tables are written into the rows
+once and updated in place, so preparing a step's inputs is a few vectorized numpy gathers, with
+no per-request Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagedllm.core.sched.output import NewRequestData
+from pagedllm.sampling_params import SamplingParams
+
+
+class InputBatch:
+    """Rows of request state: token ids, counts, block table and sampling parameters."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_blocks_per_req = -(-max_model_len // block_size) + 1
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.req_ids: list[str | None] = [None] * max_num_reqs
+        self.req_id_to_row: dict[str, int] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.req_id_to_row)
+
+    def add_request(self, new: NewRequestData) -> int:
+        """Give a new (or resumed) request a row and copy its tokens and blocks in."""
+        if not self._free_rows:
+            raise RuntimeError("input batch full: more requests than max_num_seqs")
+        row = self._free_rows.pop()
+        tokens = new.prompt_token_ids + new.output_token_ids
+        n = len(tokens)
+        self.token_ids[row, :n] = tokens
+        self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = len(new.prompt_token_ids)
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(row, new.block_ids)
+        self.sampling_params[row] = new.sampling_params
+        self.req_ids[row] = new.req_id
+        self.req_id_to_row[new.req_id] = row
+        return row
+
+    def remove_request(self, req_id: str) -> None:
+        row = self.req_id_to_row.pop(req_id, None)
+        if row is None:
+            return
+        self.sampling_params[row] = None
+        self.req_ids[row] = None
+        self._free_rows.append(row)
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def append_token(self, row: int, token_id: int) -> None:
+        n = int(self.num_tokens[row])
+        self.token_ids[row, n] = token_id
+        self.num_tokens[row] = n + 1
+
+    def prompt_ids(self, row: int) -> list[int]:
+        return self.token_ids[row, : self.num_prompt_tokens[row]].tolist()
+
+    def output_ids(self, row: int) -> list[int]:
+        return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]].tolist()

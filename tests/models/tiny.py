@@ -1,0 +1,129 @@
+"""Tiny random-weight models of each supported architecture, and HF greedy references."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+# A small byte-level tokenizer is enough for engine tests; we build one without downloads.
+_COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _config(arch: str):  # noqa: ANN202
+    import transformers as tf
+
+    if arch == "llama":
+        return tf.LlamaConfig(**_COMMON)
+    if arch == "mistral":
+        return tf.MistralConfig(**{**_COMMON, "sliding_window": 24})
+    if arch == "qwen2":
+        return tf.Qwen2Config(**{**_COMMON, "tie_word_embeddings": True})
+    if arch == "qwen3":
+        return tf.Qwen3Config(**{**_COMMON, "head_dim": 32})
+    if arch == "gemma3":
+        return tf.Gemma3TextConfig(
+            **{**_COMMON, "num_hidden_layers": 4, "head_dim": 32, "tie_word_embeddings": True},
+            sliding_window=12,
+            query_pre_attn_scalar=24,
+            layer_types=[
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ],
+            hidden_activation="gelu_pytorch_tanh",
+        )
+    raise ValueError(arch)
+
+
+_MODEL_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+
+
+def make_tiny_model(arch: str, path: str, seed: int = 0) -> str:
+    """Save a random-weight model (float32 safetensors + a small tokenizer) to ``path``."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = _config(arch)
+    model = getattr(tf, _MODEL_CLASSES[arch])(config)
+    # Larger-than-default weights make the distribution peaky, so greedy choices are decisive
+    # and a wrong kernel shows as different tokens, not as a tie broken differently.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    _save_tokenizer(path, config.vocab_size)
+    return path
+
+
+def _save_tokenizer(path: str, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer with no merges: one token per byte, plus specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {s: i for i, s in enumerate(specials)}
+    for b in pre_tokenizers.ByteLevel.alphabet():
+        vocab[b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    fast.save_pretrained(path)
+    assert len(vocab) <= vocab_size
+    with open(os.path.join(path, "config.json")) as f:
+        json.load(f)
+
+
+def hf_greedy(
+    path: str, prompts: list[list[int]], max_new_tokens: int, num_logprobs: int = 0
+) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """HF transformers' greedy continuation of each prompt (one at a time, no padding), and
+    the log-softmax of the logits at each generated position."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Never stop at EOS and never mask it (min_new_tokens would): pagedllm runs with ignore_eos.
+    model.generation_config.eos_token_id = None
+    tokens, logprobs = [], []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+        tokens.append(out.sequences[0, len(p) :].tolist())
+        logprobs.append([lg[0].float().log_softmax(-1) for lg in out.logits])
+    return tokens, logprobs
