@@ -84,10 +84,9 @@ class CacheConfig:
     enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
-        if self.block_size not in (1, 8, 16, 32, 64, 128):
-            raise ValueError(
-                f"block_size must be one of 1, 8, 16, 32, 64, 128, got {self.block_size!r}."
-            )
+        bs = self.block_size
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two from 1 to 256, got {bs!r}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}."

@@ -50,6 +50,13 @@ class ConstantList(Sequence[int]):
     def __len__(self) -> int:
         return len(self._x)
 
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ConstantList):
+            other = other._x
+        return self._x == other
+
+    __hash__ = None  # type: ignore[assignment]
+
     def __repr__(self) -> str:
         return f"ConstantList({self._x!r})"
 
