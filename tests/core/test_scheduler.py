@@ -43,7 +43,7 @@ def make_req(rid: str, n: int, max_tokens: int = 100, **kw) -> Request:
 def fake_run(so: SchedulerOutput, sched: Scheduler, token: int = 7) -> ModelRunnerOutput:
     """What a model runner would return: one token for every request that reached its end."""
     ids, toks = [], []
-    for rid, n in so.num_scheduled_tokens.items():
+    for rid in so.num_scheduled_tokens:
         req = sched.requests[rid]
         ids.append(rid)
         toks.append([token] if req.num_computed_tokens == req.num_tokens else [])
