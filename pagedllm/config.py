@@ -188,7 +188,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every argument, load the model's HF config and resolve 'auto' values."""
-        from pagedllm.model.loader import detect_load_format, load_hf_config
+        from pagedllm.model.loader import detect_load_format, load_hf_config, resolve_model_path
 
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a path to an HF model folder or a .gguf file.")
@@ -214,7 +214,7 @@ class EngineArgs:
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
         load_format = detect_load_format(self.model, self.load_format)
-        hf_config = load_hf_config(self.model, load_format)
+        hf_config = load_hf_config(resolve_model_path(self.model, load_format), load_format)
         dtype = _resolve_dtype(self.dtype, hf_config, load_format, device)
         text_config = getattr(hf_config, "text_config", None) or hf_config
         model_max = int(getattr(text_config, "max_position_embeddings", 0) or 2048)

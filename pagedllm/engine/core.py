@@ -26,6 +26,7 @@ class EngineCore:
         self.model_runner = ModelRunner(config, eos_token_ids)
         num_blocks = self.model_runner.determine_num_blocks()
         self.model_runner.initialize_kv_cache(num_blocks)
+        self.model_runner.capture_cuda_graphs()
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
         self.num_blocks = num_blocks
 

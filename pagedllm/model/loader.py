@@ -11,12 +11,27 @@ from typing import Any
 
 import torch
 
+BUILTIN_CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
+
+
+def resolve_model_path(model: str, load_format: str) -> str:
+    """With ``load_format='dummy'`` a built-in shape name (``qwen3-0.6b``, ``llama-3.1-8b``)
+    stands for its config folder in ``pagedllm/model/configs``; other paths are unchanged."""
+    builtin = os.path.join(BUILTIN_CONFIGS, model)
+    if load_format == "dummy" and not os.path.exists(model) and os.path.isdir(builtin):
+        return builtin
+    return model
+
 
 def detect_load_format(model: str, load_format: str = "auto") -> str:
-    """'gguf' for a .gguf file, 'safetensors' for an HF folder; FileNotFoundError if neither."""
+    """'gguf' for a .gguf file, 'safetensors' for an HF folder; FileNotFoundError if neither.
+    'dummy' (random weights) needs only a config folder or a built-in shape name."""
     if load_format == "dummy":
-        if not os.path.exists(model):
-            raise FileNotFoundError(f"model config not found: {model!r}")
+        if not os.path.exists(os.path.join(resolve_model_path(model, "dummy"), "config.json")):
+            names = sorted(os.listdir(BUILTIN_CONFIGS))
+            raise FileNotFoundError(
+                f"model config not found: {model!r} (a folder with config.json, or one of {names})"
+            )
         return "dummy"
     if not os.path.exists(model):
         raise FileNotFoundError(
@@ -50,8 +65,17 @@ def load_hf_config(model: str, load_format: str) -> Any:
 
 
 def load_tokenizer(model_path: str, tokenizer_path: str | None, load_format: str) -> Any:
-    """The HF tokenizer for a model (from the folder, or from GGUF metadata)."""
+    """The HF tokenizer for a model (from the folder, or from GGUF metadata). None for a dummy
+    model whose folder has no tokenizer (then prompts must be token ids)."""
     tok = tokenizer_path or model_path
+    if load_format == "dummy" and tokenizer_path is None:
+        folder = resolve_model_path(model_path, "dummy")
+        if not any(
+            os.path.exists(os.path.join(folder, f))
+            for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        ):
+            return None
+        tok = folder
     if tok.endswith(".gguf") and os.path.isfile(tok):
         from pagedllm.model.gguf_loader import load_gguf_tokenizer
 

@@ -7,21 +7,35 @@ import logging
 import numpy as np
 import torch
 
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.model.loader import build_model
-from pagedllm.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
-from pagedllm.sampling_params import SamplingType
+from pagedllm.sample.sampler import Sampler, SamplerOutput
+from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.inputs import InputPreparer, StepInputs
+from pagedllm.worker.sampling_inputs import build_sampling_metadata
 
 logger = logging.getLogger(__name__)
 
-_CPU_DEFAULT_KV_BYTES = 2 << 30  # like VLLM_CPU_KVCACHE_SPACE's order of magnitude
+_CPU_DEFAULT_KV_BYTES = 2 << 30  # the order of VLLM_CPU_KVCACHE_SPACE's default
+
+
+def make_backend(device: torch.device) -> AttentionBackend:
+    """Triton kernels on a GPU, torch ops on the CPU."""
+    if device.type == "cuda":
+        from pagedllm.attention.backends.triton_backend import TritonBackend
+
+        return TritonBackend()
+    from pagedllm.attention.backends.torch_native import TorchNativeBackend
+
+    return TorchNativeBackend()
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors and the persistent input batch of one device."""
+    """Owns the model, the KV cache tensors, the persistent input batch and (on a GPU) the
+    CUDA graphs of one device."""
 
     def __init__(self, config: EngineConfig, eos_token_ids: set[int] | None = None) -> None:
         self.config = config
@@ -30,35 +44,37 @@ class ModelRunner:
         self.device = torch.device(config.device_config.device)
         self.block_size = config.cache_config.block_size
         self.max_model_len = config.model_config.max_model_len
+        self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         self.eos_token_ids = eos_token_ids or set()
         torch.manual_seed(config.model_config.seed)
         self.generator = torch.Generator(device=self.device).manual_seed(config.model_config.seed)
         self.model = build_model(self.model_config, str(self.device))
-        self.backend = self._make_backend()
+        self.backend = make_backend(self.device)
         for layer in self.model.attention_layers():
             layer.backend = self.backend
         self.sampler = Sampler()
         self.input_batch = InputBatch(
             config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size
         )
+        self.inputs = InputPreparer(self.input_batch, self.max_num_tokens, self.device)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
-
-    def _make_backend(self):  # noqa: ANN202
-        from pagedllm.attention.backends.torch_native import TorchNativeBackend
-
-        return TorchNativeBackend()
+        self.graph_runner: CUDAGraphRunner | None = None
 
     # ------------------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block across every layer: 2 (K, V) x block_size x kvh x head_dim."""
-        layers = self.model.attention_layers()
         elem = torch.empty(0, dtype=self.model_config.torch_dtype).element_size()
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem for a in layers)
+        return sum(
+            2 * self.block_size * a.num_kv_heads * a.head_dim * elem
+            for a in self.model.attention_layers()
+        )
 
     def determine_num_blocks(self) -> int:
-        """How many blocks the KV cache gets: the override, the byte budget, or (CPU default)
-        2 GiB capped at what max_num_seqs requests of max_model_len could ever use."""
+        """How many blocks the KV cache gets: the override; else the byte budget; else on a GPU
+        ``gpu_memory_utilization`` x total memory minus the peak of a profiling forward pass at
+        the largest batch; else (CPU) 2 GiB, capped at what max_num_seqs full-length requests
+        could ever use."""
         cc = self.cache_config
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override
@@ -72,19 +88,60 @@ class ModelRunner:
                 )
             return int(n)
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * cc.gpu_memory_utilization) - used
-            n = budget // per_block
-            if n < 1:
-                raise ValueError(
-                    "no GPU memory left for the KV cache; raise gpu_memory_utilization"
-                )
-            return int(n)
-        most = self.config.scheduler_config.max_num_seqs * (self.input_batch.max_blocks_per_req)
+            return self._profile_gpu_blocks(per_block)
+        most = self.config.scheduler_config.max_num_seqs * self.input_batch.max_blocks_per_req
         return int(max(1, min(_CPU_DEFAULT_KV_BYTES // per_block, most)))
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    @torch.inference_mode()
+    def _profile_gpu_blocks(self, per_block: int) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = self.max_num_tokens
+        blocks = -(-num_tokens // self.block_size)
+        self.initialize_kv_cache(blocks, log=False)  # temporary, for the profiling pass
+        temp_bytes = blocks * per_block
+        self._dummy_run(num_tokens, blocks)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - temp_bytes
+        self._release_kv_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.cache_config.gpu_memory_utilization) - peak - max(non_torch, 0)
+        n = budget // per_block
+        logger.info(
+            "memory profile: total %.1f GiB, peak %.2f GiB, non-torch %.2f GiB, KV budget %.2f GiB",
+            total / 2**30,
+            peak / 2**30,
+            non_torch / 2**30,
+            budget / 2**30,
+        )
+        if n < 1:
+            raise ValueError(
+                "no GPU memory left for the KV cache after the profiling run; raise "
+                "gpu_memory_utilization or lower max_num_batched_tokens"
+            )
+        return int(n)
+
+    def _dummy_run(self, num_tokens: int, num_blocks: int) -> None:
+        """A forward pass over ``num_tokens`` prompt tokens (split into max_model_len-long
+        requests) plus the logits and sampler of max_num_seqs rows: the activation peak."""
+        ib = self.input_batch
+        num_reqs = min(ib.max_num_reqs, -(-num_tokens // self.max_model_len))
+        n_sched = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
+        n_sched[: num_tokens % num_reqs] += 1
+        rows = np.arange(num_reqs)
+        saved = (ib.num_computed_tokens[rows].copy(), ib.block_table[rows].copy())
+        ib.num_computed_tokens[rows] = 0
+        nb = -(-int(n_sched.max()) // self.block_size)
+        ib.block_table[rows, :nb] = np.arange(nb) % num_blocks
+        inputs = self.inputs.prepare(rows, n_sched)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        n_logits = min(ib.max_num_reqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:n_logits])
+        logits.softmax(-1).argmax(-1)
+        ib.num_computed_tokens[rows], ib.block_table[rows] = saved
+
+    def initialize_kv_cache(self, num_blocks: int, log: bool = True) -> None:
         """Allocate [2, num_blocks, block_size, kvh, head_dim] per layer (zeroed) and bind it."""
         self.num_blocks = num_blocks
         self.kv_caches = []
@@ -100,12 +157,39 @@ class ModelRunner:
             )
             layer.kv_cache = cache
             self.kv_caches.append(cache)
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
-            num_blocks,
+        if log:
+            tokens = num_blocks * self.block_size
+            logger.info(
+                "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); max concurrency at "
+                "max_model_len %d: %.1fx",
+                num_blocks,
+                self.block_size,
+                tokens,
+                num_blocks * self.kv_bytes_per_block() / 2**30,
+                self.max_model_len,
+                tokens / self.max_model_len,
+            )
+
+    def _release_kv_cache(self) -> None:
+        for layer in self.model.attention_layers():
+            layer.kv_cache = torch.empty(0)
+        self.kv_caches = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode graphs (GPU only, unless enforce_eager)."""
+        if self.device.type != "cuda" or self.config.device_config.enforce_eager:
+            return
+        self.graph_runner = CUDAGraphRunner(
+            self.model,
+            self.input_batch.max_num_reqs,
+            self.input_batch.max_blocks_per_req,
             self.block_size,
-            num_blocks * self.kv_bytes_per_block() / 2**20,
+            self.max_model_len,
+            self.device,
         )
+        self.graph_runner.capture()
 
     # ------------------------------------------------------------------------- the step
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -120,6 +204,13 @@ class ModelRunner:
                 ib.append_blocks(row, cached.new_block_ids)
             ib.num_computed_tokens[row] = cached.num_computed_tokens
 
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        md = inputs.metadata
+        gr = self.graph_runner
+        if gr is not None and md.max_query_len == 1 and gr.can_run(md.num_reqs):
+            return gr.run(inputs.input_ids, inputs.positions, md)
+        return self.model(inputs.input_ids, inputs.positions, md)
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: update request rows, build inputs, forward, sample, return tokens."""
@@ -132,31 +223,33 @@ class ModelRunner:
             (ib.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
         )
         n_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        md, input_ids, positions = self._prepare_inputs(rows, n_sched)
-        hidden = self.model(input_ids, positions, md)  # [num_tokens, hidden]
-
-        seq_lens = md.seq_lens_np
-        assert seq_lens is not None
+        inputs = self.inputs.prepare(rows, n_sched)
+        hidden = self._forward(inputs)  # [num_tokens, hidden]
+        qsl, seq_lens = inputs.metadata.query_start_loc_np, inputs.metadata.seq_lens_np
+        assert qsl is not None and seq_lens is not None
+        prompt_lp = self._prompt_logprobs(req_ids, rows, hidden, qsl, seq_lens)
         # Rows that reached the end of their known tokens sample the next one; a prefill
         # chunk that stops short of the prompt's end samples nothing.
-        sample_mask = seq_lens == ib.num_tokens[rows]
-        sample_idx = np.nonzero(sample_mask)[0]
-        qsl = md.query_start_loc_np
-        assert qsl is not None
-        prompt_lp = self._prompt_logprobs(req_ids, rows, hidden, qsl, seq_lens)
+        sample_idx = np.nonzero(seq_lens == ib.num_tokens[rows])[0]
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprobs: list | None = None
         if len(sample_idx) > 0:
-            logits_idx = torch.from_numpy(qsl[sample_idx + 1] - 1).to(self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, logits_idx))
-            smd = self._sampling_metadata(rows[sample_idx])
+            if len(sample_idx) == inputs.metadata.num_actual_tokens:
+                selected = hidden[: len(sample_idx)]  # pure decode: every row samples
+            else:
+                idx = torch.from_numpy(qsl[sample_idx + 1] - 1).to(self.device)
+                selected = hidden.index_select(0, idx)
+            logits = self.model.compute_logits(selected)
+            smd = build_sampling_metadata(
+                ib, rows[sample_idx], self.device, self.generator, self.eos_token_ids
+            )
             out = self.sampler(logits, smd)
             tokens = out.sampled.tolist()
             for j, i in enumerate(sample_idx):
                 ib.append_token(int(rows[i]), tokens[j])
                 sampled_lists[i] = [tokens[j]]
             if smd.max_num_logprobs >= 0:
-                logprobs = self._to_logprob_lists(out, sample_idx, len(req_ids), rows)
+                logprobs = self._to_logprob_lists(out, sample_idx, len(req_ids))
         ib.num_computed_tokens[rows] = seq_lens
         return ModelRunnerOutput(
             req_ids=req_ids,
@@ -165,91 +258,8 @@ class ModelRunner:
             prompt_logprobs=prompt_lp,
         )
 
-    def _prepare_inputs(
-        self, rows: np.ndarray, n_sched: np.ndarray
-    ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-        ib = self.input_batch
-        bs = self.block_size
-        cu = np.cumsum(n_sched)
-        total = int(cu[-1])
-        # Example: n_sched [2, 5, 3] -> req_idx [0, 0, 1, 1, 1, 1, 1, 2, 2, 2]
-        #          offsets       [0, 1, 0, 1, 2, 3, 4, 0, 1, 2]
-        req_idx = np.repeat(np.arange(len(rows)), n_sched)
-        offsets = np.arange(total) - np.repeat(cu - n_sched, n_sched)
-        token_rows = rows[req_idx]
-        positions = ib.num_computed_tokens[token_rows] + offsets
-        input_ids = ib.token_ids[token_rows, positions]
-        slots = ib.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = ib.num_computed_tokens[rows] + n_sched
-        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
-        qsl[1:] = cu
-        max_blocks = int(-(-seq_lens.max() // bs))
-        block_tables = ib.block_table[rows, :max_blocks]
-        dev = self.device
-        md = AttentionMetadata(
-            num_reqs=len(rows),
-            num_actual_tokens=total,
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev),
-            max_query_len=int(n_sched.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_size=bs,
-            query_start_loc_np=qsl,
-            seq_lens_np=seq_lens,
-        )
-        md.plan["block_tables_np"] = block_tables
-        return md, torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev)
-
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        ib = self.input_batch
-        params = [ib.sampling_params[int(r)] for r in rows]
-        assert all(p is not None for p in params)
-        dev = self.device
-
-        def col(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=dev)
-
-        out_pos = (ib.num_tokens[rows] - ib.num_prompt_tokens[rows]).tolist()
-        md = SamplingMetadata(
-            temperature=col("temperature"),
-            top_p=col("top_p"),
-            top_k=col("top_k", torch.int64),
-            min_p=col("min_p"),
-            seeds=[p.seed if p.sampling_type == SamplingType.RANDOM_SEED else None for p in params],  # type: ignore[union-attr]
-            output_positions=out_pos,
-            all_greedy=all(p.sampling_type == SamplingType.GREEDY for p in params),  # type: ignore[union-attr]
-            any_top_p=any(p.top_p < 1.0 for p in params),  # type: ignore[union-attr]
-            any_top_k=any(p.top_k > 0 for p in params),  # type: ignore[union-attr]
-            any_min_p=any(p.min_p > 0.0 for p in params),  # type: ignore[union-attr]
-            generator=self.generator,
-        )
-        if any(p.uses_penalties for p in params):  # type: ignore[union-attr]
-            md.presence = col("presence_penalty")
-            md.frequency = col("frequency_penalty")
-            md.repetition = col("repetition_penalty")
-            md.prompt_ids = [ib.prompt_ids(int(r)) for r in rows]
-            md.output_ids = [ib.output_ids(int(r)) for r in rows]
-        masks = []
-        for i, p in enumerate(params):
-            assert p is not None
-            if out_pos[i] < p.min_tokens:
-                stop_ids = set(p.all_stop_token_ids)
-                if not p.ignore_eos:
-                    stop_ids |= self.eos_token_ids
-                if stop_ids:
-                    masks.append((i, sorted(stop_ids)))
-        md.min_tokens_masks = masks or None
-        md.max_num_logprobs = max(
-            (p.logprobs for p in params if p is not None and p.logprobs is not None), default=-1
-        )
-        return md
-
     @staticmethod
-    def _to_logprob_lists(
-        out: SamplerOutput, sample_idx: np.ndarray, num_reqs: int, rows: np.ndarray
-    ) -> list:
+    def _to_logprob_lists(out: SamplerOutput, sample_idx: np.ndarray, num_reqs: int) -> list:
         assert out.logprob_ids is not None and out.logprobs is not None and out.ranks is not None
         ids, lps, ranks = out.logprob_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
         result: list = [None] * num_reqs
@@ -265,7 +275,8 @@ class ModelRunner:
         qsl: np.ndarray,
         seq_lens: np.ndarray,
     ) -> dict:
-        """Logprobs of prompt tokens 1.. (token p+1 predicted at position p), chunk by chunk."""
+        """Logprobs of prompt tokens 1.. (token p+1 is predicted at position p), chunk by
+        chunk: a chunk over positions [s, e) yields tokens s+1 .. min(e, prompt_len - 1)."""
         ib = self.input_batch
         result: dict = {}
         for i, rid in enumerate(req_ids):
@@ -285,10 +296,10 @@ class ModelRunner:
             n = p.prompt_logprobs
             if n > 0:
                 top_lp, top_ids = lp.topk(n, dim=-1)
+                rk = torch.arange(1, n + 1, device=lp.device).expand(len(targets), n)
                 ids = torch.cat([targets[:, None], top_ids], 1).tolist()
                 lps = torch.cat([tgt_lp, top_lp], 1).tolist()
-                rk = torch.arange(1, n + 1).expand(len(targets), n)
-                ranks = torch.cat([tgt_rank.cpu(), rk], 1).tolist()
+                ranks = torch.cat([tgt_rank, rk], 1).tolist()
             else:
                 ids, lps, ranks = targets[:, None].tolist(), tgt_lp.tolist(), tgt_rank.tolist()
             result[rid] = (start + 1, list(zip(ids, lps, ranks)))

@@ -76,3 +76,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     dtype = x.dtype
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
+
+
+_ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
+
+
+def get_rope(
+    head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None = None
+) -> RotaryEmbedding:
+    """A shared RotaryEmbedding: every layer with the same parameters (on the same default
+    device) uses one cos/sin table instead of one per layer (64 MiB each at 128k positions)."""
+    device = torch.get_default_device()
+    key = (head_dim, max_position, theta, repr(sorted((scaling or {}).items())), str(device))
+    rope = _ROPE_CACHE.get(key)
+    if rope is None:
+        rope = _ROPE_CACHE[key] = RotaryEmbedding(head_dim, max_position, theta, scaling)
+    return rope

@@ -13,7 +13,7 @@ from pagedllm.model.layers.attention import Attention
 from pagedllm.model.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedllm.model.layers.norm import RMSNorm
-from pagedllm.model.layers.rotary import RotaryEmbedding, rope_params
+from pagedllm.model.layers.rotary import get_rope, rope_params
 from pagedllm.model.models.base import CausalLM
 from pagedllm.model.models.llama import LlamaMLP, layer_window
 
@@ -47,7 +47,7 @@ class Gemma3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, offset=1.0)
         theta, scaling = _layer_rope(config, layer_idx)
-        self.rotary_emb = RotaryEmbedding(
+        self.rotary_emb = get_rope(
             self.head_dim, config.max_position_embeddings, theta, scaling
         )
         self.attn = Attention(

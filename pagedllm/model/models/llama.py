@@ -17,7 +17,7 @@ from pagedllm.model.layers.linear import (
     RowParallelLinear,
 )
 from pagedllm.model.layers.norm import RMSNorm
-from pagedllm.model.layers.rotary import RotaryEmbedding, rope_params
+from pagedllm.model.layers.rotary import get_rope, rope_params
 from pagedllm.model.models.base import CausalLM
 
 
@@ -70,7 +70,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.qk_norm = qk_norm
         theta, scaling = rope_params(config)
-        self.rotary_emb = RotaryEmbedding(
+        self.rotary_emb = get_rope(
             self.head_dim, config.max_position_embeddings, theta, scaling
         )
         self.attn = Attention(

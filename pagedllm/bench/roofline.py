@@ -1,0 +1,126 @@
+"""The roofline of a generation run: how fast it could have been on this device.
+
+Each step must at least read every weight once and the live KV cache of its requests (memory
+bound) and do 2 x params FLOPs per token plus the attention FLOPs (compute bound). The ideal
+step time is the larger of bytes / bandwidth and FLOPs / peak FLOP/s; the ideal run time is the
+sum over the steps the engine actually took. achieved fraction = ideal time / measured time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StepRecord:
+    """What one step computed: tokens per request and each request's context length after."""
+
+    num_tokens: list[int]
+    seq_lens: list[int]
+
+
+@dataclass
+class ModelCost:
+    """Bytes and FLOPs of a model: weights, KV bytes per token, attention FLOPs per key."""
+
+    weight_bytes: int
+    num_params: int
+    kv_bytes_per_token: int
+    attn_flops_per_query_key: int  # 4 x num_layers x num_heads x head_dim
+
+
+@dataclass
+class Roofline:
+    """Ideal time of a recorded run and its parts."""
+
+    ideal_s: float = 0.0
+    memory_s: float = 0.0
+    compute_s: float = 0.0
+    bytes_read: float = 0.0
+    flops: float = 0.0
+    steps: int = 0
+    decode_steps: int = 0
+    details: dict = field(default_factory=dict)
+
+
+def model_cost(model: torch.nn.Module, dtype: torch.dtype) -> ModelCost:
+    params = list(model.parameters())
+    uniq = {p.data_ptr(): p for p in params}.values()  # tied weights counted once
+    num_params = sum(p.numel() for p in uniq)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    layers = model.attention_layers()  # type: ignore[operator]
+    kv = sum(2 * a.num_kv_heads * a.head_dim * elem for a in layers)
+    attn = sum(4 * a.num_heads * a.head_dim for a in layers)
+    return ModelCost(num_params * elem, num_params, kv, attn)
+
+
+def roofline(
+    steps: list[StepRecord], cost: ModelCost, bandwidth: float, peak_flops: float
+) -> Roofline:
+    """Sum of per-step max(bytes / bandwidth, flops / peak) over the recorded steps."""
+    r = Roofline()
+    for s in steps:
+        ctx = sum(s.seq_lens)
+        toks = sum(s.num_tokens)
+        nbytes = cost.weight_bytes + ctx * cost.kv_bytes_per_token
+        # attention: each query token attends to (on average) its own context
+        attn = sum(n * (sl - n / 2) for n, sl in zip(s.num_tokens, s.seq_lens))
+        flops = 2 * cost.num_params * toks + cost.attn_flops_per_query_key * attn
+        m, c = nbytes / bandwidth, flops / peak_flops
+        r.memory_s += m
+        r.compute_s += c
+        r.ideal_s += max(m, c)
+        r.bytes_read += nbytes
+        r.flops += flops
+        r.steps += 1
+        r.decode_steps += int(max(s.num_tokens) == 1)
+    return r
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read + written (the read-only roofline
+    for decode is about this number: HBM serves reads and writes from one budget)."""
+    if device.type != "cuda":
+        x = torch.empty(nbytes // 8, dtype=torch.uint8)
+        y = torch.empty_like(x)
+        y.copy_(x)
+        t = time.perf_counter()
+        for _ in range(3):
+            y.copy_(x)
+        return 3 * 2 * x.numel() / (time.perf_counter() - t)
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    bw = 10 * 2 * nbytes / (start.elapsed_time(end) / 1e3)
+    del x, y
+    torch.cuda.empty_cache()
+    return bw
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Dense matmul FLOP/s (8192^3 on a GPU, 1024^3 on a CPU)."""
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    for _ in range(2):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    reps = 10
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return reps * 2 * n**3 / (time.perf_counter() - t)

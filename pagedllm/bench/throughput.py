@@ -1,0 +1,237 @@
+"""``pagedllm bench throughput``: offline throughput on random token-id prompts.
+
+Prompts and output lengths are drawn like vLLM's random dataset (uniform in
+[len x (1 - range_ratio), len x (1 + range_ratio)]); every request ignores EOS so the output
+length is fixed. Reports requests/s, output and total tokens/s, peak memory, the scheduler +
+input-preparation cost per decode step, and the roofline fraction; writes JSON (and a PNG when
+matplotlib is available) under ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.bench.roofline import (
+    StepRecord,
+    measure_copy_bandwidth,
+    measure_matmul_flops,
+    model_cost,
+    roofline,
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.0)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--name", default=None, help="result file stem")
+
+
+def make_workload(
+    num: int, input_len: int, output_len: int, range_ratio: float, vocab: int, seed: int
+) -> tuple[list[list[int]], list[int]]:
+    """Random prompts (ids in [100, vocab - 100)) and per-request output lengths."""
+    rng = np.random.default_rng(seed)
+
+    def lens(center: int) -> np.ndarray:
+        lo = max(1, int(center * (1 - range_ratio)))
+        hi = max(lo, int(center * (1 + range_ratio)))
+        return rng.integers(lo, hi + 1, size=num)
+
+    in_lens, out_lens = lens(input_len), lens(output_len)
+    prompts = [rng.integers(100, vocab - 100, size=int(n)).tolist() for n in in_lens]
+    return prompts, [int(n) for n in out_lens]
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+class StepRecorder:
+    """Wraps the scheduler and input preparation of an engine to record each step's shape and
+    the host time they take (the engine's own overhead)."""
+
+    def __init__(self, llm: Any) -> None:
+        core = llm.llm_engine.engine_core
+        self.steps: list[StepRecord] = []
+        self.host_s: list[float] = []
+        self.decode_host_s: list[float] = []
+        sched, prep = core.scheduler, core.model_runner.inputs
+        orig_schedule, orig_prepare = sched.schedule, prep.prepare
+        self._t = 0.0
+
+        def schedule():  # noqa: ANN202
+            t = time.perf_counter()
+            so = orig_schedule()
+            self._t = time.perf_counter() - t
+            if so.total_num_scheduled_tokens:
+                seq = [sched.requests[r].num_computed_tokens for r in so.num_scheduled_tokens]
+                self.steps.append(StepRecord(list(so.num_scheduled_tokens.values()), seq))
+            return so
+
+        def prepare(rows, n_sched):  # noqa: ANN001, ANN202
+            t = time.perf_counter()
+            out = orig_prepare(rows, n_sched)
+            host = self._t + time.perf_counter() - t
+            self.host_s.append(host)
+            if int(n_sched.max()) == 1:
+                self.decode_host_s.append(host)
+            return out
+
+        sched.schedule, prep.prepare = schedule, prepare
+
+
+def run(args: argparse.Namespace) -> dict:
+    from pagedllm import LLM, SamplingParams
+
+    kwargs = dict(
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+    )
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **kwargs)
+    startup = time.perf_counter() - t0
+    mc = llm.llm_engine.config.model_config
+    runner = llm.llm_engine.engine_core.model_runner
+    device = runner.device
+    prompts, out_lens = make_workload(
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.range_ratio,
+        mc.vocab_size,
+        args.seed,
+    )
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(
+        inputs[:4], [SamplingParams(max_tokens=4, ignore_eos=True)] * 4, use_tqdm=False
+    )  # warm-up
+    rec = StepRecorder(llm)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    t = time.perf_counter()
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(p) for p in prompts)
+    assert n_out == sum(out_lens), "every request must produce exactly its output length"
+    bw = measure_copy_bandwidth(device)
+    flops = measure_matmul_flops(device, mc.torch_dtype)
+    cost = model_cost(runner.model, mc.torch_dtype)
+    roof = roofline(rec.steps, cost, bw, flops)
+    result = {
+        "engine": "pagedllm",
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "model": args.model,
+        "dtype": mc.dtype,
+        "num_params": cost.num_params,
+        "cuda_graphs": device.type == "cuda" and not args.enforce_eager,
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "range_ratio": args.range_ratio,
+            "total_input_tokens": n_in,
+            "total_output_tokens": n_out,
+        },
+        "startup_s": startup,
+        "elapsed_s": elapsed,
+        "requests_per_s": len(prompts) / elapsed,
+        "output_tokens_per_s": n_out / elapsed,
+        "total_tokens_per_s": (n_in + n_out) / elapsed,
+        "peak_memory_gib": (
+            torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        ),
+        "kv_cache_blocks": runner.num_blocks,
+        "steps": len(rec.steps),
+        "host_ms_per_step_mean": 1e3 * float(np.mean(rec.host_s)) if rec.host_s else None,
+        "host_ms_per_decode_step_mean": (
+            1e3 * float(np.mean(rec.decode_host_s)) if rec.decode_host_s else None
+        ),
+        "max_running_in_decode_step": max(
+            (len(s.num_tokens) for s in rec.steps if max(s.num_tokens) == 1), default=0
+        ),
+        "copy_bandwidth_GBps": bw / 1e9,
+        "matmul_TFLOPs": flops / 1e12,
+        "roofline": {
+            "ideal_s": roof.ideal_s,
+            "memory_s": roof.memory_s,
+            "compute_s": roof.compute_s,
+            "achieved_fraction": roof.ideal_s / elapsed,
+            "decode_steps": roof.decode_steps,
+            "steps": roof.steps,
+        },
+        "first_tokens": [o.outputs[0].token_ids[:8] for o in outs[:4]],
+    }
+    return result
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return None
+
+
+def write_result(result: dict, name: str, out_dir: str = "benchmarks/results") -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    return path
+
+
+def main(args: argparse.Namespace) -> None:
+    result = run(args)
+    name = args.name or f"throughput_{args.model.replace('/', '_')}_{result['device']}".replace(
+        " ", "_"
+    )
+    path = args.output_json or write_result(result, name)
+    if args.output_json:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+    keys = (
+        "device",
+        "requests_per_s",
+        "output_tokens_per_s",
+        "total_tokens_per_s",
+        "host_ms_per_decode_step_mean",
+    )
+    print(json.dumps({k: result[k] for k in keys} | {"roofline": result["roofline"]}, indent=2))
+    print(f"wrote {path}")

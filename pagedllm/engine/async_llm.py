@@ -1,0 +1,420 @@
+"""AsyncLLM: an asyncio front for ``LLMEngine``, whose loop runs on one background thread.
+
+Why a thread and not a separate engine process over ZMQ (as vLLM V1 does)
+-------------------------------------------------------------------------
+The engine is not thread-safe, so exactly one thread (``pagedllm-engine``) touches it: it
+takes commands (add, abort, call) from a queue, runs ``LLMEngine.step()`` while work is
+pending, and hands each step's delta outputs to per-request ``asyncio.Queue``s on the
+server's event loop with ONE ``loop.call_soon_threadsafe`` per step. When idle it sleeps on a
+``threading.Condition`` (no busy loop). The asyncio thread does HTTP parsing, chat templates,
+tokenization, validation, JSON and SSE framing.
+
+A second process would take the engine's Python work (scheduler, input preparation, sampler,
+detokenizer) off the GIL that the HTTP thread needs, at the price of serializing every request
+and every step's outputs through ZMQ, a second copy of the tokenizer, and process start-up and
+shutdown handling. On this engine the thread costs little:
+
+* Most of a step is spent inside torch ops (matmuls, attention, sampling kernels), which release
+  the GIL, so the event loop runs during them.
+* Per output token the front does a few microseconds of Python (one queue put, one JSON chunk,
+  one socket write); a CPU step of the default model (SmolLM2-135M, 64 sequences) takes
+  ~200 ms, a GPU decode step a few ms.
+
+Measured on the 2-core CPU dev box (SmolLM2-135M GGUF, float32, 64 prompts x 16 greedy
+tokens, warm, noisy shared machine): offline ``LLMEngine`` loop ~3.5-10 s; the same workload as
+64 concurrent streaming HTTP clients against ``pagedllm serve`` 5-12 s, i.e. the HTTP path
+stays within the step-to-step noise of this box. So we keep the simpler design; the command
+queue already isolates the engine behind ``add / abort / call``, so moving it into a process
+later only replaces this module's transport.
+
+Failure isolation: a request that fails validation raises ``ValueError`` in the caller before
+any output is streamed (``add_request`` validates synchronously in the caller's thread, then the
+engine thread reports the engine's own checks back through a future). An exception inside
+``LLMEngine.step()`` is delivered to every request in flight (as ``EngineError``), those
+requests are aborted, and the loop goes on serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+# Called on the engine thread after each iteration with (engine stats, outputs of the iteration).
+StatLogger = Callable[[dict[str, Any], list[RequestOutput]], None]
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running this request (the request has been aborted)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (shut down, or never started)."""
+
+
+class RequestStream:
+    """Async iterator over one request's delta ``RequestOutput``s; ends after ``finished``.
+
+    Deltas that queued up while the consumer was busy are merged into one output, so a slow
+    client gets fewer, larger chunks instead of falling behind.
+    """
+
+    def __init__(self, request_id: str, owner: AsyncLLM, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.finished = False
+        self._owner = owner
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending_error: BaseException | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Event-loop side: enqueue one output (or an error to raise in the consumer)."""
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._pending_error is not None:
+            err, self._pending_error = self._pending_error, None
+            self.finished = True
+            raise err
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
+            nxt = self._queue.get_nowait()
+            if isinstance(nxt, BaseException):
+                self._pending_error = nxt
+                break
+            item = merge_deltas(item, nxt)
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the request if it is still running (safe to call from ``finally`` blocks)."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort_nowait(self.request_id)
+
+
+def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One delta output equivalent to ``a`` followed by ``b`` (same request)."""
+    ca, cb = a.outputs[0], b.outputs[0]
+    logprobs = None
+    if ca.logprobs is not None or cb.logprobs is not None:
+        logprobs = list(ca.logprobs or []) + list(cb.logprobs or [])
+    merged = CompletionOutput(
+        index=cb.index,
+        text=ca.text + cb.text,
+        token_ids=list(ca.token_ids) + list(cb.token_ids),
+        cumulative_logprob=cb.cumulative_logprob,
+        logprobs=logprobs,
+        finish_reason=cb.finish_reason,
+        stop_reason=cb.stop_reason,
+    )
+    return dataclasses.replace(b, outputs=[merged], prompt_logprobs=b.prompt_logprobs)
+
+
+@dataclasses.dataclass
+class _Add:
+    stream: RequestStream
+    prompt: Any
+    params: SamplingParams
+    priority: int
+    done: concurrent.futures.Future[None]
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclasses.dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future[Any]
+
+
+class AsyncLLM:
+    """Serves many concurrent asyncio callers from one ``LLMEngine`` on a background thread.
+
+    Use ``add_request`` (validates, returns a ``RequestStream``) or ``generate`` (an async
+    generator of delta outputs). ``stats()`` is a thread-safe snapshot of the scheduler's
+    numbers as of the last engine iteration.
+    """
+
+    def __init__(self, engine: LLMEngine, stat_loggers: list[StatLogger] | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.config = engine.config
+        self.model_config = engine.config.model_config
+        self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        self._cond = threading.Condition()
+        self._commands: deque[_Add | _Abort | _Call] = deque()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._stopping = False
+        self._dead_error: BaseException | None = None
+        self._stats: dict[str, Any] = self._collect_stats()
+        self._ids = 0
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(
+        cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None
+    ) -> AsyncLLM:
+        """Build the engine (loads the model: slow) and start its thread."""
+        from pagedllm.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_engine_args(args), stat_loggers)
+
+    # ----------------------------------------------------------------- caller (asyncio) side
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread is alive and accepting work."""
+        return self._thread.is_alive() and not self._stopping
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        self._ids += 1
+        return f"{prefix}-{self._ids}"
+
+    def validate(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Tokenize and check one prompt in the caller's thread: (prompt text, token ids).
+        Raises ValueError naming the field. Read-only use of the engine's input processor
+        (the tokenizer is only read on both threads)."""
+        req, text = self.engine.input_processor.process("validate", prompt, params)
+        return text, list(req.prompt_token_ids)
+
+    async def add_request(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Validate and queue a request; returns its output stream.
+
+        Raises ValueError (nothing queued) on bad input, EngineDeadError if the engine stopped.
+        """
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running.") from self._dead_error
+        text, ids = self.validate(prompt, params)
+        request_id = request_id or self.new_request_id()
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, self, loop)
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._submit(_Add(stream, {"prompt": text, "prompt_token_ids": ids}, params, priority, done))
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            self.abort_nowait(request_id)
+            raise
+        return stream
+
+    async def generate(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Delta outputs of one request. Raises ValueError at the first ``__anext__`` (before
+        any output) on bad input. Closing the generator early aborts the request."""
+        stream = await self.add_request(prompt, params, request_id, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored); their blocks are freed."""
+        self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str | list[str]) -> None:
+        """``abort`` without awaiting: usable from any thread and from ``finally`` blocks."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if self._thread.is_alive():
+            self._submit(_Abort(ids))
+
+    async def call_in_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps; returns its result."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running.")
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._submit(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
+    def stats(self) -> dict[str, Any]:
+        """Snapshot as of the last iteration: scheduler stats plus num_free_blocks, num_blocks,
+        num_streams (requests the front still tracks)."""
+        return dict(self._stats)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; requests still running get an EngineDeadError."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _submit(self, cmd: _Add | _Abort | _Call) -> None:
+        with self._cond:
+            if self._stopping:
+                if isinstance(cmd, (_Add, _Call)) and cmd.done.set_running_or_notify_cancel():
+                    cmd.done.set_exception(EngineDeadError("the engine is not running."))
+                return
+            self._commands.append(cmd)
+            self._cond.notify()
+
+    # --------------------------------------------------------------------- engine thread side
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while (
+                        not self._commands
+                        and not self._stopping
+                        and not self.engine.has_unfinished_requests()
+                    ):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    commands = list(self._commands)
+                    self._commands.clear()
+                outputs: list[RequestOutput] = []
+                for cmd in commands:
+                    outputs.extend(self._handle(cmd))
+                if self.engine.has_unfinished_requests():
+                    outputs.extend(self._step())
+                self._deliver(outputs)
+                self._stats = self._collect_stats()
+                for log in self.stat_loggers:
+                    try:
+                        log(self._stats, outputs)
+                    except Exception:  # a metrics bug must not stop the engine
+                        logger.exception("stat logger failed")
+        except BaseException as e:  # pragma: no cover - only on bugs in this loop itself
+            logger.exception("engine thread died")
+            self._dead_error = e
+        finally:
+            with self._cond:
+                self._stopping = True
+                self._fail_all(EngineDeadError("the engine was shut down."))
+
+    def _handle(self, cmd: _Add | _Abort | _Call) -> list[RequestOutput]:
+        if isinstance(cmd, _Abort):
+            ids = [i for i in cmd.request_ids if i in self._streams]
+            if not ids:
+                return []
+            try:
+                return self.engine.abort_request(ids)
+            except Exception:
+                logger.exception("abort of %s failed", ids)
+                return []
+        if isinstance(cmd, _Call):
+            if cmd.done.set_running_or_notify_cancel():
+                try:
+                    cmd.done.set_result(cmd.fn(self.engine))
+                except Exception as e:
+                    cmd.done.set_exception(e)
+            return []
+        rid = cmd.stream.request_id
+        if not cmd.done.set_running_or_notify_cancel():
+            return []
+        try:
+            if rid in self._streams:
+                raise ValueError(f"request_id {rid!r} is already in use.")
+            self.engine.add_request(rid, cmd.prompt, cmd.params, cmd.priority, "delta")
+        except Exception as e:  # ValueError from validation, or anything else: this request only
+            cmd.done.set_exception(e)
+            return []
+        self._streams[rid] = cmd.stream
+        cmd.done.set_result(None)
+        return []
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except Exception as e:
+            ids = list(self._streams)
+            logger.exception("engine step failed; aborting the %d requests in flight", len(ids))
+            err = EngineError(f"the engine failed while running this request: {e!r}")
+            err.__cause__ = e
+            try:
+                self.engine.abort_request(ids)
+            except Exception:
+                logger.exception("abort after a failed step failed too")
+            self._fail_all(err)
+            return []
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _put_all, items)
+
+    def _fail_all(self, err: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        for s in streams.values():
+            by_loop.setdefault(s.loop, []).append((s, err))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _put_all, items)
+        while self._commands and self._stopping:
+            cmd = self._commands.popleft()
+            if isinstance(cmd, (_Add, _Call)) and cmd.done.set_running_or_notify_cancel():
+                cmd.done.set_exception(EngineDeadError("the engine was shut down."))
+
+    def _collect_stats(self) -> dict[str, Any]:
+        core = self.engine.engine_core
+        stats = dict(core.scheduler.make_stats())
+        kv = core.scheduler.kv_cache_manager
+        stats["num_free_blocks"] = kv.num_free_blocks()
+        stats["num_blocks"] = kv.num_blocks
+        stats["num_streams"] = len(getattr(self, "_streams", ()))
+        stats["time"] = time.monotonic()
+        return stats
+
+
+def _put_all(items: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in items:
+        try:
+            stream.put(item)
+        except Exception:  # one broken consumer must not starve the others
+            logger.exception("delivering output of %s failed", stream.request_id)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+        pass

@@ -1,0 +1,341 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and the OpenAI error body.
+
+Fields are OpenAI's plus vLLM's extras (``top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, stop_token_ids, skip_special_tokens, spaces_between_special_tokens,
+include_stop_str_in_output, echo, add_generation_prompt, continue_final_message,
+add_special_tokens, priority, chat_template, chat_template_kwargs``).
+
+Unknown fields are IGNORED, as vLLM does by default (OpenAI SDKs send fields a server may not
+know, such as ``store`` or ``metadata``); their names are logged at WARNING level once per
+request. Types are checked by pydantic (lax mode, like vLLM: ``"5"`` is accepted for an int);
+value ranges are checked by ``SamplingParams`` itself, so the rules live in one place.
+Responses are plain dicts built in ``completions.py`` / ``chat.py`` (faster to serialize than
+pydantic models when streaming one chunk per token).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+_LONG_MIN, _LONG_MAX = -(2**63), 2**64 - 1
+
+
+class OpenAIBaseModel(BaseModel):
+    """Ignores unknown fields and logs their names (vLLM's behaviour)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = set(cls.model_fields)
+            unknown = [k for k in data if k not in known]
+            if unknown:
+                logger.warning("ignored unknown request field(s): %s", ", ".join(unknown))
+        return data
+
+
+class StreamOptions(OpenAIBaseModel):
+    """``stream_options``: usage in the last chunk (and, vLLM's extra, in every chunk)."""
+
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=_LONG_MIN, le=_LONG_MAX)
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    echo: bool = False
+    priority: int = 0
+    request_id: str | None = None
+
+    def _check_common(self) -> None:
+        if self.n != 1:
+            raise RequestError(
+                f"n must be 1: parallel sampling (n > 1) is not supported yet, got {self.n}.",
+                param="n",
+            )
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported yet.", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options can only be set when stream is true.",
+                               param="stream_options")  # fmt: skip
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None) -> SamplingParams:  # fmt: skip
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=(
+                    1.0 if self.repetition_penalty is None else self.repetition_penalty
+                ),
+                seed=self.seed,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            raise RequestError(str(e), param=param_of(str(e))) from e
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        so = self.stream_options
+        return bool(self.stream and so and so.include_usage and so.continuous_usage_stats)
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, one per choice; RequestError if empty."""
+        p = self.prompt
+        if isinstance(p, str):
+            items: list[Any] = [p]
+        elif len(p) == 0:
+            raise RequestError("prompt must not be empty.", param="prompt")
+        elif isinstance(p[0], int):
+            items = [p]
+        else:
+            items = list(p)
+        for item in items:
+            if len(item) == 0:
+                raise RequestError("prompt must not be empty.", param="prompt")
+        return items
+
+    def to_sampling_params(self) -> SamplingParams:
+        """SamplingParams of this request (RequestError naming the field if out of range)."""
+        self._check_common()
+        if self.suffix:
+            raise RequestError("suffix is not supported.", param="suffix")
+        if self.best_of not in (None, 1):
+            raise RequestError("best_of must be 1 (not supported yet).", param="best_of")
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+
+
+class ChatMessage(OpenAIBaseModel):
+    """One message; ``content`` is a string or a list of ``{"type": "text", "text": ...}``."""
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The text of the content (text parts joined with newlines)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(
+                    f"only text content parts are supported, got type {part.get('type')!r}.",
+                    param="messages",
+                )
+            parts.append(part["text"])
+        return "\n".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = "none"
+    parallel_tool_calls: bool | None = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens  # fmt: skip
+
+    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+        """SamplingParams of this request; ``default_max_tokens`` when the body gives none."""
+        self._check_common()
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs set to true.", param="top_logprobs")
+        if self.tools and self.tool_choice not in (None, "none"):
+            raise RequestError("tool calling is not supported yet.", param="tools")
+        rf = (self.response_format or {}).get("type", "text")
+        if rf != "text":
+            raise RequestError(
+                f"response_format {rf!r} is not supported yet (only 'text').",
+                param="response_format",
+            )
+        if self.continue_final_message and self.add_generation_prompt:
+            raise RequestError(
+                "continue_final_message and add_generation_prompt can not both be true.",
+                param="continue_final_message",
+            )
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_new_tokens()
+        if max_tokens is None:
+            max_tokens = default_max_tokens
+        return self._sampling_params(max_tokens, logprobs, None)
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as plain dicts for the chat template."""
+        conv = []
+        for m in self.messages:
+            d: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                d["name"] = m.name
+            conv.append(d)
+        return conv
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """``POST /tokenize``: a prompt, or messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages.")
+        return self
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class RequestError(Exception):
+    """A client error: becomes an OpenAI error body with ``status_code``."""
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status_code: int = 400,
+        err_type: str = "BadRequestError",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status_code = status_code
+        self.err_type = err_type
+
+
+class ErrorInfo(BaseModel):
+    """OpenAI's error object. ``type`` and ``code`` follow vLLM: the error class name and the
+    HTTP status (e.g. ``"BadRequestError"``, 400; ``"NotFoundError"``, 404)."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+    @classmethod
+    def of(cls, err: RequestError) -> ErrorResponse:
+        return cls(
+            error=ErrorInfo(
+                message=err.message, type=err.err_type, param=err.param, code=err.status_code
+            )
+        )
+
+
+_PARAM_NAMES = set(SamplingParams.__dataclass_fields__) | {"prompt", "messages", "model"}
+
+
+def param_of(message: str) -> str | None:
+    """The field an engine ValueError names: its first word, if that is a request field."""
+    word = message.split(" ", 1)[0].strip(":,.'\"`")
+    if word in _PARAM_NAMES:
+        return word
+    if word.startswith("prompt"):
+        return "prompt"
+    return None
+
+
+def random_id(prefix: str) -> str:
+    """An OpenAI-style object id, e.g. ``cmpl-3f2a...``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """Unix time in seconds (the ``created`` field)."""
+    return int(time.time())
+
+
+FinishReason = Literal["stop", "length", "abort"]

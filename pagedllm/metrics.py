@@ -1,0 +1,156 @@
+"""Prometheus metrics of the server, exported at ``GET /metrics``.
+
+Naming: every metric that vLLM also has is exported under vLLM's own name (``vllm:...``), with
+vLLM's ``model_name`` label, so existing vLLM dashboards, alerts and benchmark scripts work
+unchanged. Metrics that only pagedllm has use the ``pagedllm:`` prefix. No metric is exported
+twice under both prefixes (that would double every series and invite dashboards to mix them).
+
+vLLM names: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc`` (0..1), ``vllm:num_preemptions_total``,
+``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
+``vllm:request_success_total{finished_reason}``, ``vllm:prefix_cache_queries_total``,
+``vllm:prefix_cache_hits_total``, histograms ``vllm:time_to_first_token_seconds``,
+``vllm:time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds``,
+``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``.
+
+pagedllm names: ``pagedllm:kv_cache_free_blocks``, ``pagedllm:kv_cache_total_blocks`` (so a
+probe can check that every block came back), ``pagedllm:engine_steps_total``.
+
+Every metric lives in a per-server ``CollectorRegistry`` (not the process-global one), so
+several servers can run in one process (tests). Counters and histograms are updated on the
+engine thread after each iteration (prometheus-client is thread-safe); ``prompt_tokens_total``
+counts a request's prompt when its first output arrives (prefill done) or when it ends.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE_LATEST
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedllm.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+_TPOT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+    7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+class ServerMetrics:
+    """The server's Prometheus metrics; ``record`` is an ``AsyncLLM`` stat logger."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=reg)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels + list(extra), registry=reg)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg)
+
+        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = 100 percent).")
+        self.free_blocks = gauge("pagedllm:kv_cache_free_blocks", "Free KV-cache blocks.")
+        self.total_blocks = gauge("pagedllm:kv_cache_total_blocks", "KV-cache blocks in all.")
+        # Counter names are given without "_total": prometheus-client appends it.
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative preemptions.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
+        self.success = counter(
+            "vllm:request_success", "Finished requests by reason.", ("finished_reason",)
+        )
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix-cache queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hit tokens.")
+        self.steps = counter("pagedllm:engine_steps", "Engine iterations that ran the model.")
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
+        )
+        self.tpot = hist(
+            "vllm:time_per_output_token_seconds", "Time per output token.", _TPOT_BUCKETS
+        )
+        self.e2e = hist(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS
+        )
+        self.req_prompt = hist(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS
+        )
+        self.req_gen = hist(
+            "vllm:request_generation_tokens", "Generation tokens per request.", _TOKEN_BUCKETS
+        )
+        self._last: dict[str, float] = {}
+        self._counted_prompts: set[str] = set()
+        self._num_tokens: dict[str, int] = {}
+
+    def _l(self, metric: Any, **extra: str) -> Any:
+        return metric.labels(model_name=self.model_name, **extra)
+
+    def record(self, stats: dict[str, Any], outputs: list[RequestOutput]) -> None:
+        """Update every metric from one engine iteration (called on the engine thread)."""
+        self._l(self.running).set(stats.get("num_running_reqs", 0))
+        self._l(self.waiting).set(stats.get("num_waiting_reqs", 0))
+        self._l(self.kv_usage).set(stats.get("kv_cache_usage", 0.0))
+        self._l(self.free_blocks).set(stats.get("num_free_blocks", 0))
+        self._l(self.total_blocks).set(stats.get("num_blocks", 0))
+        for key, metric in (
+            ("num_preemptions", self.preemptions),
+            ("prefix_cache_queries", self.prefix_queries),
+            ("prefix_cache_hits", self.prefix_hits),
+        ):
+            value = float(stats.get(key, 0))
+            delta = value - self._last.get(key, 0.0)
+            if delta > 0:
+                self._l(metric).inc(delta)
+            self._last[key] = value
+        if outputs:
+            self._l(self.steps).inc()
+        now = time.monotonic()
+        for out in outputs:
+            self._record_output(out, now)
+
+    def _record_output(self, out: RequestOutput, now: float) -> None:
+        rid = out.request_id
+        completion = out.outputs[0] if out.outputs else None
+        n_new = len(completion.token_ids) if completion is not None else 0
+        if n_new:
+            self._l(self.generation_tokens).inc(n_new)
+        total = self._num_tokens.get(rid, 0) + n_new
+        if (n_new or out.finished) and rid not in self._counted_prompts:
+            self._counted_prompts.add(rid)
+            self._l(self.prompt_tokens).inc(len(out.prompt_token_ids))
+            first = out.metrics.get("first_token_time")
+            arrival = out.metrics.get("arrival_time")
+            if first is not None and arrival is not None and n_new:
+                self._l(self.ttft).observe(max(0.0, first - arrival))
+        if not out.finished:
+            self._num_tokens[rid] = total
+            return
+        self._num_tokens.pop(rid, None)
+        self._counted_prompts.discard(rid)
+        reason = (completion.finish_reason if completion else None) or "abort"
+        self._l(self.success, finished_reason=reason).inc()
+        arrival = out.metrics.get("arrival_time")
+        first = out.metrics.get("first_token_time")
+        if arrival is not None:
+            self._l(self.e2e).observe(max(0.0, now - arrival))
+        if first is not None and total > 1:
+            self._l(self.tpot).observe(max(0.0, now - first) / (total - 1))
+        self._l(self.req_prompt).observe(len(out.prompt_token_ids))
+        self._l(self.req_gen).observe(total)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)

@@ -1,0 +1,607 @@
+"""Triton paged attention over a flattened mixed batch (prefill chunks + decodes), with a
+split-K (flash-decoding) path for decode-only batches with long contexts at small batch.
+
+Inputs (all on one device):
+
+- ``query`` [num_tokens, num_heads, head_dim]; request r owns rows
+  ``query_start_loc[r]:query_start_loc[r+1]``; row i of r sits at position
+  ``seq_lens[r] - q_len[r] + i``.
+- ``kv_cache`` [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V). The step's new
+  K/V are already written (see :mod:`pagedllm.ops.kv_write`), so the kernels read only the cache:
+  position p of request r lives at ``kv_cache[:, block_tables[r, p // block_size],
+  p % block_size]``.
+- Causal: key j is visible to the query at position p iff ``j <= p`` (and ``j > p - window`` on a
+  sliding-window layer). GQA: query head h reads KV head ``h // (num_heads // num_kv_heads)``.
+
+Kernels:
+
+- ``_unified_kernel``: one program per (query tile of one request, KV head). A tile holds
+  ``BLOCK_Q`` consecutive query tokens of one request times the ``G = num_heads / num_kv_heads``
+  query heads that share the KV head, flattened into ``BLOCK_M = BLOCK_Q * G`` (padded) rows, so
+  every K/V tile loaded from the cache serves the whole GQA group. Online softmax over tiles of
+  ``TILE_N`` keys (a tile may span several cache blocks: each key looks up its own block id).
+- ``_split_kernel`` + ``_reduce_kernel``: decode-only batches (every q_len <= 1). One program per
+  (request, KV head, split); split s attends over the s-th of ``NUM_SPLITS`` equal slices of the
+  request's key tiles and writes its un-normalised accumulator, running max and running sum; the
+  reduce kernel rescales and combines them. The slice length is computed in the kernel from
+  ``seq_lens``, so ``NUM_SPLITS`` is the only shape and a captured CUDA graph stays right as
+  sequences grow.
+
+Everything is sized from host ints (tensor shapes, ``max_query_len``, ``max_seq_len``): no host
+sync and no Python branch on device values, so decode batches are CUDA-graph capturable. Rows of
+``query`` past ``query_start_loc[-1]`` (CUDA-graph padding) are never written.
+
+This module imports Triton at import time: import it only where Triton is installed. Under
+``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (slowly), for tests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_attention", "paged_attention_ref", "choose_num_splits"]
+
+LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------------------------
+# Device helpers
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _find_request(qsl_ptr, tile_idx, num_reqs, BLOCK_Q: tl.constexpr):
+    """The request r whose query tiles contain global tile ``tile_idx`` (binary search).
+
+    Request r's tiles are numbered from ``qsl[r] // BLOCK_Q + r``: that leaves at least
+    ceil(q_len / BLOCK_Q) numbers per request, and the total is at most
+    ``num_tokens // BLOCK_Q + num_reqs`` (the grid size), known on the host.
+    Example: BLOCK_Q 4, qsl [0, 5, 6, 16] -> first tiles [0, 2, 4], grid 16 // 4 + 3 = 7:
+    tiles 0-1 -> request 0 (tokens 0-3, 4), tiles 2-3 -> request 1 (token 5; tile 3 empty),
+    tiles 4-6 -> request 2 (tokens 6-9, 10-13, 14-15).
+    """
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if first <= tile_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tiles(
+    acc,  # [BLOCK_M, HEAD_PAD] fp32, un-normalised output
+    l_i,  # [BLOCK_M] fp32 running sum of exp2
+    m_i,  # [BLOCK_M] fp32 running max (log2 units)
+    q,  # [BLOCK_M, HEAD_PAD] query tile (query dtype)
+    q_pos,  # [BLOCK_M] int32 position of each query row
+    win_lo,  # [BLOCK_M] int32: keys must be > win_lo (-1 without a window)
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row_ptr,  # block table row of the request
+    kv_head_off,  # kv_head * stride_ch
+    tile_lo,
+    tile_hi,
+    key_end,  # keys >= key_end are never read
+    qk_scale,  # softmax scale * log2(e)
+    stride_cb,
+    stride_cs,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    UPCAST: tl.constexpr,  # dots in fp32 (the CPU interpreter mis-computes bf16 dots)
+    PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else "tf32" (unused for 16-bit)
+):
+    """Online softmax over key tiles ``[tile_lo, tile_hi)``; returns the updated (acc, l, m)."""
+    d = tl.arange(0, HEAD_PAD)
+    d_mask = d < HEAD_DIM
+    for tile in range(tile_lo, tile_hi):
+        j = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] key positions
+        j_mask = j < key_end
+        # Example: BLOCK_SIZE 16, j = 37 -> block table column 2, offset 5 in that block.
+        blk = tl.load(bt_row_ptr + j // BLOCK_SIZE, mask=j_mask, other=0).to(tl.int64)
+        off = blk * stride_cb + (j % BLOCK_SIZE) * stride_cs + kv_head_off  # [TILE_N]
+        kv_mask = j_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+        s = s * qk_scale  # [BLOCK_M, TILE_N], log2 units
+        visible = (
+            (j[None, :] <= q_pos[:, None]) & (j[None, :] > win_lo[:, None]) & j_mask[None, :]
+        )
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no visible key yet keeps max -inf: use 0 so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if UPCAST:
+            pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _unified_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    bt_ptr,  # [num_reqs, max_blocks] int32
+    qsl_ptr,  # [num_reqs + 1] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    num_reqs,
+    qk_scale,
+    window,  # 0 = no sliding window
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    G: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # BLOCK_M // G query tokens per tile
+    TILE_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    r = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + r)
+    q_len = tl.load(qsl_ptr + r + 1) - q_start
+    local = pid - (q_start // BLOCK_Q + r)  # tile index within request r
+    if local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + r)
+    ctx = seq_len - q_len  # tokens cached before this chunk
+
+    # Row m of the tile = query token local * BLOCK_Q + m // G, query head kvh * G + m % G.
+    # Example: G 4, BLOCK_M 16 (BLOCK_Q 4), kvh 1, m 9 -> token offset 2, head 5.
+    m = tl.arange(0, BLOCK_M)
+    qi = local * BLOCK_Q + m // G  # [BLOCK_M] query index within the request
+    head = kvh * G + m % G
+    row_mask = (m < BLOCK_Q * G) & (qi < q_len)
+    q_pos = ctx + qi
+    win_lo = tl.where(window > 0, q_pos - window, -1)
+    d = tl.arange(0, HEAD_PAD)
+    d_mask = d < HEAD_DIM
+    tok = (q_start + qi).to(tl.int64)
+    io_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=io_mask,
+        other=0.0,
+    )
+
+    # Keys this tile can see: [first query pos - window + 1, last query pos].
+    first_pos = ctx + local * BLOCK_Q
+    key_end = ctx + tl.minimum((local + 1) * BLOCK_Q, q_len)
+    key_start = tl.maximum(tl.where(window > 0, first_pos - window + 1, 0), 0)
+    tile_lo = key_start // TILE_N
+    tile_hi = (key_end + TILE_N - 1) // TILE_N
+
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _attend_tiles(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        win_lo,
+        k_cache_ptr,
+        v_cache_ptr,
+        bt_ptr + r.to(tl.int64) * stride_bt,
+        kvh * stride_ch,
+        tile_lo,
+        tile_hi,
+        key_end,
+        qk_scale,
+        stride_cb,
+        stride_cs,
+        HEAD_DIM,
+        HEAD_PAD,
+        BLOCK_SIZE,
+        TILE_N,
+        UPCAST,
+        PRECISION,
+    )
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
+
+
+@triton.jit
+def _split_kernel(
+    part_acc_ptr,  # [num_reqs, num_heads, NUM_SPLITS, HEAD_PAD] fp32
+    part_m_ptr,  # [num_reqs, num_heads, NUM_SPLITS] fp32
+    part_l_ptr,  # [num_reqs, num_heads, NUM_SPLITS] fp32
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # >= G; rows = the G query heads of one decode token
+    TILE_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + r)
+    q_len = tl.load(qsl_ptr + r + 1) - q_start
+    if q_len == 0:  # a padded request: nothing to do (the reduce skips it too)
+        return
+    seq_len = tl.load(seq_lens_ptr + r)
+
+    m = tl.arange(0, BLOCK_M)
+    head = kvh * G + m
+    row_mask = m < G
+    d = tl.arange(0, HEAD_PAD)
+    d_mask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    pos = seq_len - 1  # the decode token's position
+    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + pos
+    win_lo = tl.where(window > 0, q_pos - window, -1)
+    key_start = tl.maximum(tl.where(window > 0, pos - window + 1, 0), 0)
+    all_lo = key_start // TILE_N
+    all_hi = (seq_len + TILE_N - 1) // TILE_N
+    # Split s takes tiles [all_lo + s * per, all_lo + (s + 1) * per) clipped to all_hi.
+    # Example: 20 tiles, NUM_SPLITS 8 -> per 3: splits 0-5 get 3 tiles, 6 gets 2, 7 gets none.
+    per = (all_hi - all_lo + NUM_SPLITS - 1) // NUM_SPLITS
+    tile_lo = all_lo + s * per
+    tile_hi = tl.minimum(tile_lo + per, all_hi)
+
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _attend_tiles(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        win_lo,
+        k_cache_ptr,
+        v_cache_ptr,
+        bt_ptr + r.to(tl.int64) * stride_bt,
+        kvh * stride_ch,
+        tile_lo,
+        tile_hi,
+        seq_len,
+        qk_scale,
+        stride_cb,
+        stride_cs,
+        HEAD_DIM,
+        HEAD_PAD,
+        BLOCK_SIZE,
+        TILE_N,
+        UPCAST,
+        PRECISION,
+    )
+    # Example: NUM_HEADS 32, NUM_SPLITS 8, r 2, head 5, s 3 -> row (2 * 32 + 5) * 8 + 3.
+    row = (r.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + s  # [BLOCK_M]
+    tl.store(part_m_ptr + row, m_i, mask=row_mask)
+    tl.store(part_l_ptr + row, l_i, mask=row_mask)
+    tl.store(
+        part_acc_ptr + row[:, None] * HEAD_PAD + d[None, :],
+        acc,
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_acc_ptr,  # [num_reqs, num_heads, NUM_SPLITS, HEAD_PAD] fp32
+    part_m_ptr,  # [num_reqs, num_heads, NUM_SPLITS] fp32
+    part_l_ptr,
+    qsl_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+):
+    """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, with M = max_s m_s."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + r)
+    q_len = tl.load(qsl_ptr + r + 1) - q_start
+    if q_len == 0:
+        return
+    sp = tl.arange(0, NUM_SPLITS)
+    row = (r.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS + sp  # [NUM_SPLITS]
+    m_s = tl.load(part_m_ptr + row)
+    l_s = tl.load(part_l_ptr + row)
+    m_all = tl.max(m_s, axis=0)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.exp2(m_s - m_all)  # empty splits (m -inf) weigh 0
+    denom = tl.sum(w * l_s, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    d = tl.arange(0, HEAD_PAD)
+    d_mask = d < HEAD_DIM
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_PAD + d[None, :])  # [NUM_SPLITS, HEAD_PAD]
+    out = tl.sum(acc * w[:, None], axis=0) / denom
+    tl.store(
+        out_ptr + q_start.to(tl.int64) * stride_ot + h * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # CPU interpreter: only steers the dispatch in tests
+
+
+def choose_num_splits(
+    num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, device: torch.device
+) -> int:
+    """Splits of the key sequence for the decode path; 1 means the unified kernel.
+
+    Split only decode-only batches (max_query_len <= 1) whose (request, KV head) programs would
+    leave the GPU under-filled (< 2 per SM), aiming at ~4 programs per SM with at least 256
+    keys per split. Example (H100, 132 SMs): batch 1, 8 KV heads, 32k context -> 8 programs ->
+    64 splits; batch 32 -> 256 programs -> 4 splits at 4k context; batch 256 -> 1.
+    For CUDA graphs the choice is baked in at capture: capture with max_seq_len = the model's
+    max length (correctness never depends on the choice, only speed).
+    """
+    if max_query_len > 1:
+        return 1
+    programs = num_reqs * num_kv_heads
+    sms = _num_sms(device)
+    if programs >= 2 * sms or max_seq_len < 512:
+        return 1
+    want = triton.cdiv(4 * sms, programs)
+    cap = max(1, max_seq_len // 256)
+    return max(1, min(64, triton.next_power_of_2(want), triton.next_power_of_2(cap)))
+
+
+def _tiles(head_pad: int, decode: bool, g: int) -> tuple[int, int, int]:
+    """(BLOCK_M, TILE_N, num_warps) by head size and batch kind."""
+    block_m = 16 if decode else (64 if head_pad <= 128 else 32)
+    block_m = max(block_m, triton.next_power_of_2(g))
+    tile_n = 64 if head_pad <= 128 else 32
+    return block_m, tile_n, 4
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    num_splits: int | None = None,  # force a path: 1 = unified, > 1 (power of 2) = split-K
+) -> torch.Tensor:
+    """Causal paged attention for a flattened mixed batch; returns [num_tokens, H, D].
+
+    Dispatch (host ints only): decode-only batches that under-fill the GPU take the split-K
+    path (see :func:`choose_num_splits`), everything else the unified kernel. Rows past
+    ``query_start_loc[-1]`` are left as they were in ``out``.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    assert kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim
+    assert num_heads % num_kv_heads == 0
+    g = num_heads // num_kv_heads
+    num_reqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    assert out.stride(2) == 1
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    window = int(sliding_window) if sliding_window else 0
+    qk_scale = float(scale) * LOG2E
+    head_pad = triton.next_power_of_2(head_dim)
+    upcast = query.device.type == "cpu"
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    decode = max_query_len <= 1
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            num_reqs, num_kv_heads, max_query_len, max_seq_len, query.device
+        )
+    block_m, tile_n, warps = _tiles(head_pad, decode, g)
+
+    if num_splits > 1:
+        assert decode, "the split-K path takes decode-only batches (max_query_len <= 1)"
+        assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+        part_acc = torch.empty(
+            (num_reqs, num_heads, num_splits, head_pad), dtype=torch.float32, device=query.device
+        )
+        part_m = torch.empty(
+            (num_reqs, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+        part_l = torch.empty_like(part_m)
+        _split_kernel[(num_reqs, num_kv_heads, num_splits)](
+            part_acc,
+            part_m,
+            part_l,
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            qk_scale,
+            window,
+            query.stride(0),
+            query.stride(1),
+            block_tables.stride(0),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            NUM_HEADS=num_heads,
+            NUM_SPLITS=num_splits,
+            G=g,
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad,
+            BLOCK_SIZE=block_size,
+            BLOCK_M=max(16, triton.next_power_of_2(g)),
+            TILE_N=tile_n,
+            UPCAST=upcast,
+            PRECISION=precision,
+            num_warps=warps,
+            num_stages=2,
+        )
+        _reduce_kernel[(num_reqs, num_heads)](
+            out,
+            part_acc,
+            part_m,
+            part_l,
+            query_start_loc,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            NUM_SPLITS=num_splits,
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad,
+            num_warps=4 if head_pad >= 128 else 2,
+        )
+        return out
+
+    block_q = block_m // g
+    # Upper bound on the tiles of all requests (see _find_request).
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    _unified_kernel[grid](
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        num_reqs,
+        qk_scale,
+        window,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        G=g,
+        HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        TILE_N=tile_n,
+        UPCAST=upcast,
+        PRECISION=precision,
+        num_warps=warps,
+        num_stages=2,
+    )
+    return out
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [num_reqs + 1]
+    seq_lens: torch.Tensor,  # [num_reqs]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks]
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch reference in float32, one request at a time; returns [num_tokens, H, D]
+    float32 (rows of no request are 0). Slow and simple on purpose."""
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    g = num_heads // num_kv_heads
+    k_flat = kv_cache[0].reshape(-1, num_kv_heads, head_dim)
+    v_flat = kv_cache[1].reshape(-1, num_kv_heads, head_dim)
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    tables = block_tables.long()
+    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device)
+    for r, seq_len in enumerate(lens):
+        start, end = qsl[r], qsl[r + 1]
+        if end == start:
+            continue
+        k_pos = torch.arange(seq_len, device=query.device)
+        # Example: block_size 4, table [7, 2], positions [0..5] -> slots [28..31, 8, 9]
+        slots = tables[r, k_pos // block_size] * block_size + k_pos % block_size
+        k = k_flat[slots].float().repeat_interleave(g, dim=1)  # [seq_len, H, D]
+        v = v_flat[slots].float().repeat_interleave(g, dim=1)
+        q = query[start:end].float()  # [q_len, H, D]
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
+        vis = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        if sliding_window:
+            vis &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        s = torch.einsum("nhd,lhd->hnl", q, k) * scale
+        s = s.masked_fill(~vis[None], float("-inf"))
+        out[start:end] = torch.einsum("hnl,lhd->nhd", s.softmax(dim=-1), v)
+    return out

@@ -1,0 +1,103 @@
+"""Building one step's model inputs with numpy, moved to the device in one copy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.worker.input_batch import InputBatch
+
+
+@dataclass
+class StepInputs:
+    """Flattened token inputs of one step and the attention metadata describing them."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    metadata: AttentionMetadata
+    n_sched: np.ndarray  # [num_reqs] tokens per request
+
+
+class InputPreparer:
+    """Prepares inputs for the rows of an InputBatch.
+
+    On a GPU every per-step integer array is packed into one pinned int32 host buffer and sent
+    with a single non-blocking host-to-device copy; the tensors are views of the device copy.
+    On the CPU the numpy arrays are used in place.
+    """
+
+    def __init__(self, batch: InputBatch, max_num_tokens: int, device: torch.device) -> None:
+        self.batch = batch
+        self.device = device
+        r = batch.max_num_reqs
+        # ids, positions, slots per token; qsl, seq_lens, block table per request
+        cap = 3 * max_num_tokens + 2 * r + 1 + r * batch.max_blocks_per_req
+        self.use_staging = device.type == "cuda"
+        if self.use_staging:
+            self.host = torch.zeros(cap, dtype=torch.int32, pin_memory=True)
+            self.host_np = self.host.numpy()
+            self.dev = torch.zeros(cap, dtype=torch.int32, device=device)
+
+    def prepare(self, rows: np.ndarray, n_sched: np.ndarray) -> StepInputs:
+        """Inputs for requests at ``rows`` computing ``n_sched`` tokens each, from their
+        ``num_computed_tokens`` on."""
+        ib = self.batch
+        bs = ib.block_size
+        cu = np.cumsum(n_sched)
+        total = int(cu[-1])
+        # Example: n_sched [2, 5, 3] -> req_idx [0, 0, 1, 1, 1, 1, 1, 2, 2, 2]
+        #                               offsets [0, 1, 0, 1, 2, 3, 4, 0, 1, 2]
+        req_idx = np.repeat(np.arange(len(rows)), n_sched)
+        offsets = np.arange(total) - np.repeat(cu - n_sched, n_sched)
+        token_rows = rows[req_idx]
+        positions = ib.num_computed_tokens[token_rows] + offsets
+        input_ids = ib.token_ids[token_rows, positions]
+        # slot = block_table[row, pos // bs] * bs + pos % bs; e.g. bs 16, table [7, 3], pos 20
+        # -> 3 * 16 + 4 = 52
+        slots = ib.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = ib.num_computed_tokens[rows] + n_sched
+        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+        qsl[1:] = cu
+        max_blocks = int(-(-int(seq_lens.max()) // bs))
+        block_tables = ib.block_table[rows, :max_blocks]
+        if self.use_staging:
+            parts = [input_ids, positions, slots, qsl, seq_lens, block_tables.reshape(-1)]
+            views = self._ship(parts)
+            ids_t, pos_t, slot_t, qsl_t, sl_t, bt_t = views
+            slot_t = slot_t.long()
+            bt_t = bt_t.view(len(rows), max_blocks)
+        else:
+            ids_t, pos_t = torch.from_numpy(input_ids), torch.from_numpy(positions)
+            slot_t = torch.from_numpy(slots)
+            qsl_t = torch.from_numpy(qsl.astype(np.int32))
+            sl_t = torch.from_numpy(seq_lens.astype(np.int32))
+            bt_t = torch.from_numpy(np.ascontiguousarray(block_tables))
+        md = AttentionMetadata(
+            num_reqs=len(rows),
+            num_actual_tokens=total,
+            query_start_loc=qsl_t,
+            seq_lens=sl_t,
+            slot_mapping=slot_t,
+            block_tables=bt_t,
+            max_query_len=int(n_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=bs,
+            query_start_loc_np=qsl,
+            seq_lens_np=seq_lens,
+        )
+        md.plan["block_tables_np"] = block_tables
+        return StepInputs(ids_t, pos_t, md, n_sched)
+
+    def _ship(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """Pack int arrays into the pinned buffer, copy once, return device views."""
+        offs = [0]
+        for p in parts:
+            offs.append(offs[-1] + p.size)
+        for p, a in zip(parts, offs):
+            self.host_np[a : a + p.size] = p
+        n = offs[-1]
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        return [self.dev[a:b] for a, b in zip(offs[:-1], offs[1:])]
