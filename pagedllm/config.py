@@ -81,7 +81,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None  # CPU (or explicit GPU) size of the KV cache
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
+    swap_space_bytes: int = 0  # host memory for swapped-out blocks
+    preemption_mode: str = "recompute"  # recompute | swap | auto
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -93,6 +95,15 @@ class CacheConfig:
             )
         _positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override, allow_none=True)
         _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(
+                "preemption_mode must be one of ('recompute', 'swap', 'auto'), got "
+                f"{self.preemption_mode!r}."
+            )
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space must be non-negative, got {self.swap_space_bytes!r}.")
+        if self.preemption_mode == "swap" and self.swap_space_bytes == 0:
+            raise ValueError("preemption_mode 'swap' needs swap_space > 0 (GiB of host memory).")
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    sjf_aging_rate: float = 100.0  # tokens of rank gained per second of waiting (sjf)
 
     def __post_init__(self) -> None:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -115,8 +127,13 @@ class SchedulerConfig:
                 "long prompts could never be scheduled. Raise max_num_batched_tokens or enable "
                 "chunked prefill."
             )
-        if self.policy not in ("fcfs",):
-            raise ValueError(f"scheduling_policy must be 'fcfs', got {self.policy!r}.")
+        if self.policy not in ("fcfs", "priority", "sjf"):
+            raise ValueError(
+                "scheduling_policy must be one of ('fcfs', 'priority', 'sjf'), got "
+                f"{self.policy!r}."
+            )
+        if not self.sjf_aging_rate >= 0:
+            raise ValueError(f"sjf_aging_rate must be non-negative, got {self.sjf_aging_rate!r}.")
 
 
 @dataclass(frozen=True)
@@ -169,12 +186,14 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
-    swap_space: float = 0.0
+    swap_space: float = 0.0  # GiB of host memory for swap preemption
+    preemption_mode: str = "recompute"
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    sjf_aging_rate: float = 100.0
     seed: int = 0
     enforce_eager: bool = False
     device: str = "auto"
@@ -249,6 +268,8 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 enable_prefix_caching=self.enable_prefix_caching,
+                swap_space_bytes=int(self.swap_space * 2**30),
+                preemption_mode=self.preemption_mode,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -256,6 +277,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
+                sjf_aging_rate=self.sjf_aging_rate,
             ),
             device_config=DeviceConfig(device=device, enforce_eager=self.enforce_eager),
             parallel_config=ParallelConfig(

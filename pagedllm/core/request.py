@@ -90,6 +90,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 = not yet
         self.num_preemptions = 0
+        self.swapped = False  # preempted by swap: its KV waits in host memory
+        self.cache_salt: str | None = None  # isolates this tenant's prefix-cache entries
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

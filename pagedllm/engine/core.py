@@ -27,7 +27,14 @@ class EngineCore:
         num_blocks = self.model_runner.determine_num_blocks()
         self.model_runner.initialize_kv_cache(num_blocks)
         self.model_runner.capture_cuda_graphs()
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+        num_host_blocks = self.model_runner.initialize_swap_space()
+        self.scheduler = Scheduler(
+            config.scheduler_config,
+            config.cache_config,
+            num_blocks,
+            num_host_blocks,
+            swap_is_cheaper=self.model_runner.swap_is_cheaper(),
+        )
         self.num_blocks = num_blocks
 
     def add_request(self, request: Request) -> None:

@@ -58,6 +58,7 @@ class ModelRunner:
         )
         self.inputs = InputPreparer(self.input_batch, self.max_num_tokens, self.device)
         self.kv_caches: list[torch.Tensor] = []
+        self.host_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.graph_runner: CUDAGraphRunner | None = None
 
@@ -170,6 +171,53 @@ class ModelRunner:
                 tokens / self.max_model_len,
             )
 
+    def initialize_swap_space(self) -> int:
+        """Allocate host blocks for swap preemption (pinned when the device is a GPU);
+        returns their number."""
+        per_block = self.kv_bytes_per_block()
+        n = self.cache_config.swap_space_bytes // per_block
+        self.host_caches = []
+        if n <= 0:
+            return 0
+        pin = self.device.type == "cuda"
+        for layer in self.model.attention_layers():
+            self.host_caches.append(
+                torch.zeros(
+                    2,
+                    n,
+                    self.block_size,
+                    layer.num_kv_heads,
+                    layer.head_dim,
+                    dtype=self.model_config.torch_dtype,
+                    pin_memory=pin,
+                )
+            )
+        logger.info("swap space: %d host blocks (%.2f GiB)", n, n * per_block / 2**30)
+        return int(n)
+
+    def swap_is_cheaper(self) -> bool:
+        """The 'auto' preemption rule: moving a token's KV out and back over the host link
+        costs less than recomputing it (2 x params FLOPs). Rough device constants: a GPU
+        ~25 GB/s host link and ~400 TFLOP/s; a CPU ~10 GB/s memcpy and ~100 GFLOP/s."""
+        per_token = self.kv_bytes_per_block() / self.block_size
+        params = sum(p.numel() for p in self.model.parameters())
+        host_bw, flops = (25e9, 4e14) if self.device.type == "cuda" else (1e10, 1e11)
+        return 2 * per_token / host_bw < 2 * params / flops
+
+    def _swap(self, so: SchedulerOutput) -> None:
+        """Copy swapped-out blocks to host memory and swapped-in blocks back, before the
+        forward pass may overwrite the freed device blocks."""
+        if so.blocks_to_swap_out:
+            src = torch.tensor([d for d, _ in so.blocks_to_swap_out], device=self.device)
+            dst = torch.tensor([h for _, h in so.blocks_to_swap_out])
+            for dev, host in zip(self.kv_caches, self.host_caches):
+                host.index_copy_(1, dst, dev.index_select(1, src).cpu())
+        if so.blocks_to_swap_in:
+            src = torch.tensor([h for h, _ in so.blocks_to_swap_in])
+            dst = torch.tensor([d for _, d in so.blocks_to_swap_in], device=self.device)
+            for dev, host in zip(self.kv_caches, self.host_caches):
+                dev.index_copy_(1, dst, host.index_select(1, src).to(self.device))
+
     def _release_kv_cache(self) -> None:
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.empty(0)
@@ -214,6 +262,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: update request rows, build inputs, forward, sample, return tokens."""
+        self._swap(so)
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

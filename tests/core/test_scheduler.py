@@ -12,28 +12,48 @@ from pagedllm.sampling_params import SamplingParams
 
 
 def make_scheduler(
-    budget=1024, max_seqs=16, num_blocks=1000, block_size=16, max_len=4096, chunked=True
+    budget=1024,
+    max_seqs=16,
+    num_blocks=1000,
+    block_size=16,
+    max_len=4096,
+    chunked=True,
+    caching=False,
+    policy="fcfs",
+    clock=None,
+    **cache_kw,
 ) -> Scheduler:
+    extra = {"clock": clock} if clock is not None else {}
     return Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=budget,
             max_num_seqs=max_seqs,
             max_model_len=max_len,
             enable_chunked_prefill=chunked,
+            policy=policy,
         ),
-        CacheConfig(block_size=block_size),
+        CacheConfig(block_size=block_size, enable_prefix_caching=caching, **cache_kw),
         num_blocks,
+        _host_blocks(cache_kw),
+        **extra,
     )
+
+
+def _host_blocks(cache_kw: dict) -> int:
+    """In these tests swap_space_bytes counts host blocks directly."""
+    return cache_kw.get("swap_space_bytes", 0)
 
 
 _clock = [0.0]
 
 
 def make_req(rid: str, n: int, max_tokens: int = 100, **kw) -> Request:
+    """Distinct prompts (no prefix shared by accident) arriving one second apart."""
     _clock[0] += 1.0
+    start = 1 + int(_clock[0]) * 10_000
     return Request(
         rid,
-        list(range(1, n + 1)),
+        list(range(start, start + n)),
         SamplingParams(max_tokens=max_tokens, **kw),
         eos_token_id=0,
         arrival_time=_clock[0],

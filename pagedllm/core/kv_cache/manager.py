@@ -5,6 +5,7 @@ from __future__ import annotations
 from pagedllm.core.kv_cache.block import BlockHash, KVCacheBlock
 from pagedllm.core.kv_cache.block_pool import BlockPool
 from pagedllm.core.kv_cache.hashing import hash_request_blocks
+from pagedllm.core.kv_cache.swap import SwapSpace
 from pagedllm.core.request import Request
 
 
@@ -20,10 +21,17 @@ class KVCacheManager:
     later request with the same prefix reuses them (``get_computed_blocks``).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = False,
+        num_host_blocks: int = 0,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.swap_space = SwapSpace(num_host_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -51,6 +59,19 @@ class KVCacheManager:
             getattr(request, "cache_salt", None),
         )
 
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        """Tokens a prefix hit would give the request now (no side effects, no stats)."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return 0
+        n = 0
+        for block_hash in self._block_hashes(request)[
+            : (request.num_tokens - 1) // self.block_size
+        ]:
+            if self.block_pool.get_cached_block(block_hash) is None:
+                break
+            n += self.block_size
+        return n
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached blocks that starts the request's tokens, and how many
         tokens they cover. At most ``num_tokens - 1`` tokens are reused, so the last token is
@@ -59,8 +80,8 @@ class KVCacheManager:
         Example: block_size 4, 10 tokens, blocks 0 and 1 cached -> 2 blocks, 8 tokens;
         with 8 tokens and both cached -> 1 block, 4 tokens (8 would leave nothing to compute).
         """
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need the logits of every prompt position
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hit: list[KVCacheBlock] = []
@@ -69,9 +90,13 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count one admitted request's lookup in the prefix-cache metrics (tokens)."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit
 
     def allocate_slots(
         self,
@@ -131,6 +156,29 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         if request.is_finished:
             self.req_to_block_hashes.pop(request.request_id, None)
+            self.swap_space.discard(request.request_id)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to host memory: returns (device, host) block pairs for the
+        runner to copy, and frees the device blocks (they stay prefix-cached). None (and no
+        change) when the swap space is too small."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        if not blocks or not self.swap_space.can_hold(len(blocks)):
+            return None
+        pairs = self.swap_space.swap_out(request.request_id, blocks)
+        self.free(request)
+        return pairs
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back into new device blocks: (host, device) pairs, or None
+        when the device pool is too short."""
+        n = self.swap_space.num_swapped_blocks(request.request_id)
+        if n > self.block_pool.get_num_free_blocks():
+            return None
+        blocks = self.block_pool.get_new_blocks(n)
+        self.req_to_blocks[request.request_id] = blocks
+        self.num_cached_blocks[request.request_id] = 0  # re-registered as they are full
+        return self.swap_space.swap_in(request.request_id, blocks)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """Physical block ids of a request, in token order."""
@@ -150,3 +198,4 @@ class KVCacheManager:
             )
         num_used = sum(1 for b in self.block_pool.blocks if b.ref_cnt > 0)
         assert num_used + self.num_free_blocks() == self.num_blocks
+        self.swap_space.check_integrity()

@@ -1,50 +1,109 @@
-"""Scheduling policies: the order in which waiting requests are admitted and running requests
-keep their place, and which running request is preempted first."""
+"""Scheduling policies behind one small interface.
+
+A policy ranks requests; lower ranks are served first. The waiting queue is ordered by
+``waiting_rank`` (re-sorted each step when the rank depends on time), the running list by
+``running_rank``: the running request ranked last is the first preempted.
+
+- fcfs: by arrival. Preemption victim: the latest arrival.
+- priority: by (priority, arrival), lower value first. A waiting request whose priority value
+  is strictly lower than that of the worst running request may preempt it when memory or
+  max_num_seqs is short (see ``Scheduler._preempt_for_priority``). Victim: the largest priority
+  value, latest arrival among equals.
+- sjf: shortest job first by the tokens the request still has to prefill (prompt tokens not in
+  the prefix cache), with aging: rank = uncached_tokens - aging_rate x seconds waited. A job of
+  L tokens outranks every newly arriving job (rank >= 1) after (L - 1) / aging_rate seconds, so
+  its wait is bounded. Running requests keep FCFS order (victim: the latest arrival), so a
+  short job never evicts work already in progress.
+"""
 
 from __future__ import annotations
 
 import bisect
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from pagedllm.core.request import Request
 
 
 class SchedulingPolicy(ABC):
-    """A policy ranks requests: lower rank is served first and preempted last."""
+    """Ranks requests: lower is served first and preempted last."""
 
     name: str
+    dynamic = False  # waiting ranks change with time: re-sort every step
 
     @abstractmethod
-    def rank(self, request: Request) -> tuple:
-        """Sort key of a request; ties broken by arrival order by the queues."""
+    def waiting_rank(self, request: Request, now: float) -> tuple:
+        """Order of admission among waiting requests."""
+
+    def running_rank(self, request: Request) -> tuple:
+        """Order among running requests; the last is preempted first."""
+        return (request.arrival_time,)
+
+    def may_preempt_for(self, waiting: Request, running: Request) -> bool:
+        """Whether ``waiting`` may take the place of ``running`` (priority policy only)."""
+        return False
 
 
 class FCFSPolicy(SchedulingPolicy):
-    """First come, first served: earlier arrival first; the latest arrival is preempted first."""
+    """First come, first served."""
 
     name = "fcfs"
 
-    def rank(self, request: Request) -> tuple:
+    def waiting_rank(self, request: Request, now: float) -> tuple:
         return (request.arrival_time,)
 
 
-class RankedQueue:
-    """Requests kept sorted by (policy rank, insertion number). Used for both the waiting
-    queue and the running list, so that the running request preempted first is always the last
-    one, which is also the one scheduled last in a step."""
+class PriorityPolicy(SchedulingPolicy):
+    """Lower ``priority`` value first; ties by arrival."""
 
-    def __init__(self, policy: SchedulingPolicy) -> None:
-        self.policy = policy
+    name = "priority"
+
+    def waiting_rank(self, request: Request, now: float) -> tuple:
+        return (request.priority, request.arrival_time)
+
+    def running_rank(self, request: Request) -> tuple:
+        return (request.priority, request.arrival_time)
+
+    def may_preempt_for(self, waiting: Request, running: Request) -> bool:
+        return waiting.priority < running.priority
+
+
+class SJFPolicy(SchedulingPolicy):
+    """Shortest (uncached) prefill first, aged by waiting time."""
+
+    name = "sjf"
+    dynamic = True
+
+    def __init__(self, aging_rate: float, cached_tokens: Callable[[Request], int]) -> None:
+        self.aging_rate = aging_rate
+        self.cached_tokens = cached_tokens
+
+    def waiting_rank(self, request: Request, now: float) -> tuple:
+        todo = request.num_tokens - self.cached_tokens(request)
+        return (todo - self.aging_rate * (now - request.arrival_time), request.arrival_time)
+
+
+class RankedQueue:
+    """Requests kept sorted by (rank, insertion number)."""
+
+    def __init__(self, key: Callable[[Request], tuple]) -> None:
+        self.key = key
         self._keys: list[tuple] = []
         self._reqs: list[Request] = []
         self._counter = itertools.count()
 
     def add(self, request: Request) -> None:
-        key = (self.policy.rank(request), next(self._counter))
+        key = (self.key(request), next(self._counter))
         i = bisect.bisect_right(self._keys, key)
         self._keys.insert(i, key)
         self._reqs.insert(i, request)
+
+    def resort(self) -> None:
+        """Recompute every key (for ranks that change with time)."""
+        pairs = sorted(((self.key(r), k[1]), r) for k, r in zip(self._keys, self._reqs))
+        self._keys = [k for k, _ in pairs]
+        self._reqs = [r for _, r in pairs]
 
     def peek(self) -> Request:
         return self._reqs[0]
@@ -75,7 +134,16 @@ class RankedQueue:
         return request in self._reqs
 
 
-def make_policy(name: str) -> SchedulingPolicy:
+POLICIES = ("fcfs", "priority", "sjf")
+
+
+def make_policy(
+    name: str, aging_rate: float = 0.0, cached_tokens: Callable[[Request], int] | None = None
+) -> SchedulingPolicy:
     if name == "fcfs":
         return FCFSPolicy()
-    raise ValueError(f"scheduling_policy must be 'fcfs', got {name!r}.")
+    if name == "priority":
+        return PriorityPolicy()
+    if name == "sjf":
+        return SJFPolicy(aging_rate, cached_tokens or (lambda r: 0))
+    raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {name!r}.")

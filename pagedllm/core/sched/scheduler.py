@@ -6,9 +6,19 @@ so far). Each step hands out one token budget, ``max_num_batched_tokens``, so th
 up: first the running requests, in policy order (a decode needs 1 token, an unfinished prompt
 gets the rest of the budget, chunked), then the waiting requests, in policy order, while the
 budget, ``max_num_seqs`` and the KV cache allow. When a running request cannot get a block, the
-running request ranked last (for FCFS: the most recently arrived) is preempted by recompute: its
-blocks are freed, ``num_computed_tokens`` goes back to 0, and it waits again at the place its
-rank gives it (for FCFS: the front). No waiting request is admitted in a step that preempted.
+running request ranked last (for FCFS: the most recently arrived) is preempted: by recompute
+(its blocks are freed, ``num_computed_tokens`` goes back to 0; with prefix caching its full
+blocks stay cached, so resuming is mostly a cache hit) or by swap (its blocks are copied to host
+memory and back on resume); it waits again at the place its rank gives it (for FCFS: the
+front). No waiting request is admitted in a step whose running phase preempted. Under the
+priority policy a waiting request may, before the running phase, preempt running requests of
+a strictly larger priority value when memory or max_num_seqs is short (see
+``_preempt_for_priority``).
+
+Swap or recompute (``preemption_mode``): 'recompute'; 'swap' (falls back to recompute when the
+swap space is full); 'auto' swaps when moving a token's KV out and back costs less than
+recomputing it: 2 x kv_bytes_per_token / host_bandwidth < 2 x num_params / device_flops, which
+holds on CPUs and for large models, and usually fails on GPUs for small ones.
 
 Example (budget 1024, chunked prefill): three waiting prompts of 400, 400 and 600 tokens are
 scheduled 400, 400, 224 in the first step; the next step gives the third prompt its last 376
@@ -18,6 +28,7 @@ tokens and 1 token to each of the first two, which are decoding.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache.manager import KVCacheManager, cdiv
@@ -40,17 +51,33 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         num_blocks: int,
+        num_host_blocks: int = 0,
+        swap_is_cheaper: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            num_host_blocks,
         )
-        self.policy = make_policy(scheduler_config.policy)
+        mode = cache_config.preemption_mode
+        self.use_swap = mode == "swap" or (mode == "auto" and swap_is_cheaper)
+        self.clock = clock
+        self._now = clock()
+        self.policy = make_policy(
+            scheduler_config.policy,
+            scheduler_config.sjf_aging_rate,
+            self.kv_cache_manager.num_cached_prefix_tokens,
+        )
         self.requests: dict[str, Request] = {}
-        self.waiting = RankedQueue(self.policy)
-        self.running = RankedQueue(self.policy)
+        self.waiting = RankedQueue(lambda r: self.policy.waiting_rank(r, self._now))
+        self.running = RankedQueue(self.policy.running_rank)
+        self._swap_out: list[tuple[int, int]] = []
+        self.num_swaps = 0
         # Requests finished since the last schedule(): the runner drops their state.
         self.finished_req_ids: set[str] = set()
         # Requests the runner holds state for (scheduled at least once since last (re)start).
@@ -113,11 +140,16 @@ class Scheduler:
     # ----------------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
         """Plan one step under the token budget (see THE RULE at the top of this file)."""
+        self._now = self.clock()
+        if self.policy.dynamic:
+            self.waiting.resort()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
-        preempted: set[str] = set()
+        swap_in: list[tuple[int, int]] = []
+        preempted = self._preempt_for_priority(budget)
+        running_preempted = False
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -134,6 +166,7 @@ class Scheduler:
                 victim = self.running.pop_back()  # ranked last; never one already scheduled
                 self._preempt(victim)
                 preempted.add(victim.request_id)
+                running_preempted = True
                 if victim is request:
                     break
             if new_blocks is None:
@@ -143,18 +176,29 @@ class Scheduler:
             self._add_to_output(request, new_blocks, new_reqs, cached_reqs)
             i += 1
 
-        while not preempted and len(self.waiting) > 0 and budget > 0:
+        while not running_preempted and len(self.waiting) > 0 and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
-            computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit
-            if not self.config.enable_chunked_prefill and num_new > budget:
-                break
-            num_new = min(num_new, budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
-            if new_blocks is None:
-                break
+            if request.swapped:
+                pairs = self._swap_in(request, budget)
+                if pairs is None:
+                    break
+                swap_in.extend(pairs)
+                num_hit = request.num_computed_tokens
+                num_new = min(request.num_tokens - num_hit, budget)
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                assert new_blocks is not None  # _swap_in checked the room
+            else:
+                computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit
+                if not self.config.enable_chunked_prefill and num_new > budget:
+                    break
+                num_new = min(num_new, budget)
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+                if new_blocks is None:
+                    break
+                self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
             self.waiting.pop_front()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -172,8 +216,11 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
+            blocks_to_swap_out=self._swap_out,
+            blocks_to_swap_in=swap_in,
         )
         self.finished_req_ids = set()
+        self._swap_out = []
         # Advance progress now: the runner computes exactly what was scheduled.
         for rid, n in num_scheduled.items():
             self.requests[rid].num_computed_tokens += n
@@ -206,11 +253,50 @@ class Scheduler:
             )
         )
 
+    def _preempt_for_priority(self, budget: int) -> set[str]:
+        """Priority policy: while the best waiting request outranks (strictly smaller priority
+        value) the worst running one and cannot start because max_num_seqs is reached or the
+        free blocks are fewer than its next chunk needs, preempt that running request."""
+        preempted: set[str] = set()
+        kv = self.kv_cache_manager
+        while len(self.waiting) > 0 and len(self.running) > 0:
+            head, victim = self.waiting.peek(), self.running[-1]
+            if not self.policy.may_preempt_for(head, victim):
+                break
+            hit = kv.num_cached_prefix_tokens(head) if not head.swapped else 0
+            start = head.num_computed_tokens if head.swapped else hit
+            chunk = min(head.num_tokens - start, budget)
+            need = cdiv(start + chunk, self.block_size) - hit // self.block_size
+            if len(self.running) < self.config.max_num_seqs and kv.num_free_blocks() >= need:
+                break
+            self.running.pop_back()
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+        return preempted
+
+    def _swap_in(self, request: Request, budget: int) -> list[tuple[int, int]] | None:
+        """Device room for a swapped request's blocks and its next tokens, then swap it in."""
+        kv = self.kv_cache_manager
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        need = cdiv(request.num_computed_tokens + num_new, self.block_size)
+        if need > kv.num_free_blocks():
+            return None
+        pairs = kv.swap_in(request)
+        request.swapped = False
+        return pairs
+
     def _preempt(self, request: Request) -> None:
-        """Recompute preemption: free the blocks, forget progress, wait again."""
-        self.kv_cache_manager.free(request)
+        """Preempt a running request: swap its blocks to host memory when swapping is the mode
+        and there is room, else recompute (free the blocks and forget progress)."""
+        pairs = self.kv_cache_manager.swap_out(request) if self.use_swap else None
+        if pairs is not None:
+            self._swap_out.extend(pairs)
+            request.swapped = True
+            self.num_swaps += 1
+        else:
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         if request.request_id in self._runner_has:
@@ -291,5 +377,6 @@ class Scheduler:
             "num_preemptions": self.num_preemptions,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_swaps": self.num_swaps,
             "time": time.monotonic(),
         }
