@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import prometheus_client
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE_LATEST
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -47,6 +48,7 @@ class ServerMetrics:
     """The server's Prometheus metrics; ``record`` is an ``AsyncLLM`` stat logger."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        prometheus_client.disable_created_metrics()  # no *_created series (vLLM does the same)
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]

@@ -224,7 +224,9 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, loop)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._submit(_Add(stream, {"prompt": text, "prompt_token_ids": ids}, params, priority, done))
+        self._submit(
+            _Add(stream, {"prompt": text, "prompt_token_ids": ids}, params, priority, done)
+        )
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -309,13 +311,13 @@ class AsyncLLM:
                     outputs.extend(self._handle(cmd))
                 if self.engine.has_unfinished_requests():
                     outputs.extend(self._step())
-                self._deliver(outputs)
                 self._stats = self._collect_stats()
-                for log in self.stat_loggers:
-                    try:
+                for log in self.stat_loggers:  # before delivery: a client that got its last
+                    try:  # token and then reads /metrics sees its request counted
                         log(self._stats, outputs)
                     except Exception:  # a metrics bug must not stop the engine
                         logger.exception("stat logger failed")
+                self._deliver(outputs)
         except BaseException as e:  # pragma: no cover - only on bugs in this loop itself
             logger.exception("engine thread died")
             self._dead_error = e

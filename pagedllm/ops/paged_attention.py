@@ -118,9 +118,7 @@ def _attend_tiles(
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
         s = s * qk_scale  # [BLOCK_M, TILE_N], log2 units
-        visible = (
-            (j[None, :] <= q_pos[:, None]) & (j[None, :] > win_lo[:, None]) & j_mask[None, :]
-        )
+        visible = (j[None, :] <= q_pos[:, None]) & (j[None, :] > win_lo[:, None]) & j_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen no visible key yet keeps max -inf: use 0 so exp2 gives 0, not NaN.
@@ -453,7 +451,7 @@ def paged_attention(
     g = num_heads // num_kv_heads
     num_reqs = seq_lens.shape[0]
     if out is None:
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_reqs == 0:
         return out
     if query.stride(2) != 1:

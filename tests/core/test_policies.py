@@ -92,7 +92,6 @@ def test_sjf_serves_short_first_and_bounds_the_long_wait():
     clock = Clock()
     rate = 10.0  # rank tokens per second of waiting
     s = make_scheduler(max_seqs=1, budget=4096, policy="sjf", clock=clock)
-    s.config.__dict__  # frozen; the aging rate comes from the config default unless set
     s.policy.aging_rate = rate
     s.add_request(mk("long", 200, t=0.0, max_tokens=1))
     s.add_request(mk("short0", 10, t=0.0, max_tokens=1))

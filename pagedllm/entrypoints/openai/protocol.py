@@ -80,7 +80,6 @@ class _SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     echo: bool = False
     priority: int = 0
-    request_id: str | None = None
 
     def _check_common(self) -> None:
         if self.n != 1:
