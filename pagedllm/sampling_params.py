@@ -23,6 +23,7 @@ class SamplingParams:
     """
 
     n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -60,8 +61,12 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if self.n != 1:
-            raise bad("n", "must be 1 (parallel sampling is not supported yet)")
+        if self.best_of is not None:
+            if not isinstance(self.best_of, int) or self.best_of < self.n:
+                raise bad("best_of", f"must be an integer >= n ({self.n})")
+            if self.best_of > 1 and self.temperature < _SAMPLING_EPS:
+                raise bad("best_of", "must be 1 (or unset) for greedy sampling")
+
         if not self.temperature >= 0.0:
             raise bad("temperature", "must be non-negative")
         if not 0.0 < self.top_p <= 1.0:

@@ -91,6 +91,8 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 = not yet
         self.num_preemptions = 0
         self.swapped = False  # preempted by swap: its KV waits in host memory
+        self.parent_id: str | None = None  # parallel sampling: the request this sequence is of
+        self.seq_index = 0  # which of the request's n sequences
         self.cache_salt: str | None = None  # isolates this tenant's prefix-cache entries
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)

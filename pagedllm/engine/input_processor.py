@@ -80,6 +80,9 @@ class InputProcessor:
                 f"prompt is {len(ids)} tokens long, longer than max_model_len ({max_len})."
             )
         params = copy.copy(params)
+        if (params.best_of or params.n) > params.n and params.logprobs is None:
+            params.logprobs = 0  # best_of ranks by cumulative logprob; hidden from the output
+            params._hide_logprobs = True  # type: ignore[attr-defined]
         params.stop = list(params.stop or [])
         params.all_stop_token_ids = set(params.stop_token_ids or [])
         req = Request(

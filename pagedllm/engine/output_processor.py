@@ -1,4 +1,5 @@
-"""Turns EngineCoreOutputs into RequestOutputs: detokenized text, logprobs, stop strings."""
+"""Turns EngineCoreOutputs into RequestOutputs: detokenized text, logprobs, stop strings,
+and the n sequences of parallel sampling gathered under their request."""
 
 from __future__ import annotations
 
@@ -15,6 +16,21 @@ LogprobTriple = tuple[list[int], list[float], list[int]]
 
 
 @dataclass
+class SeqState:
+    """One generated sequence of a request."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+
+
+@dataclass
 class RequestState:
     """What the front end keeps per request while it runs."""
 
@@ -22,17 +38,16 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer | None
     output_kind: str  # "final" | "delta" | "cumulative"
     arrival_time: float
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None
+    seqs: list[SeqState] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     first_token_time: float | None = None
-    sent_tokens: int = 0
-    sent_logprobs: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
 
 
 class OutputProcessor:
@@ -42,14 +57,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        output_kind: str = "final",
-    ) -> None:
+    def _new_seq(self, index: int, prompt_token_ids: list[int], params: SamplingParams) -> SeqState:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
@@ -60,12 +68,24 @@ class OutputProcessor:
                 stop=list(params.stop or []),
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
-        state = RequestState(
-            request_id, prompt, prompt_token_ids, params, detok, output_kind, time.monotonic()
-        )
+        seq = SeqState(index, detok)
         if params.logprobs is not None:
-            state.logprobs = []
-            state.cumulative_logprob = 0.0
+            seq.logprobs, seq.cumulative_logprob = [], 0.0
+        return seq
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_kind: str = "final",
+    ) -> None:
+        num_seqs = max(params.n, params.best_of or params.n)
+        state = RequestState(
+            request_id, prompt, prompt_token_ids, params, output_kind, time.monotonic()
+        )
+        state.seqs = [self._new_seq(i, prompt_token_ids, params) for i in range(num_seqs)]
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         self.states[request_id] = state
@@ -78,20 +98,25 @@ class OutputProcessor:
         state = self.states.pop(request_id, None)
         if state is None:
             return None
-        return self._make_output(state, "abort", None, finished=True)
+        for seq in state.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+        return self._make_output(state, state.seqs)
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:
-        """(RequestOutputs to hand out, ids that hit a stop string and must be finished in the
-        engine core)."""
-        results: list[RequestOutput] = []
+        """(RequestOutputs to hand out, engine-core ids of sequences that hit a stop string and
+        must be finished in the core)."""
         stopped: list[str] = []
+        touched: dict[str, list[SeqState]] = {}
         now = time.monotonic()
         for out in outputs:
-            state = self.states.get(out.request_id)
+            rid = out.parent_id or out.request_id
+            state = self.states.get(rid)
             if state is None:
                 continue
+            seq = state.seqs[out.seq_index]
             if out.new_token_ids and state.first_token_time is None:
                 state.first_token_time = now
             state.num_cached_tokens = out.num_cached_tokens
@@ -99,27 +124,39 @@ class OutputProcessor:
                 start, rows = out.new_prompt_logprobs
                 if start == len(state.prompt_logprobs):  # ignore a recompute after preemption
                     state.prompt_logprobs.extend(self._logprob_dicts(rows))
-            finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            state.token_ids.extend(out.new_token_ids)
-            if state.logprobs is not None and out.new_logprobs:
-                dicts = self._logprob_dicts(out.new_logprobs)
-                state.logprobs.extend(dicts)
-                for tok, d in zip(out.new_token_ids, dicts):
-                    state.cumulative_logprob = (state.cumulative_logprob or 0.0) + d[tok].logprob
-            if state.detokenizer is not None and out.new_token_ids:
-                stop_str = state.detokenizer.update(
-                    out.new_token_ids, stop_terminated=finish_reason == "stop"
-                )
-                if stop_str is not None and finish_reason is None:
-                    finish_reason, stop_reason = "stop", stop_str
-                    stopped.append(out.request_id)
-            finished = finish_reason is not None
+            if self._update_seq(seq, out):
+                stopped.append(out.request_id)
+            touched.setdefault(rid, [])
+            if seq not in touched[rid]:
+                touched[rid].append(seq)
+        results = []
+        for rid, seqs in touched.items():
+            state = self.states[rid]
+            finished = state.finished
             if state.output_kind == "final" and not finished:
                 continue
-            results.append(self._make_output(state, finish_reason, stop_reason, finished))
+            results.append(self._make_output(state, seqs))
             if finished:
-                del self.states[out.request_id]
+                del self.states[rid]
         return results, stopped
+
+    def _update_seq(self, seq: SeqState, out: EngineCoreOutput) -> bool:
+        """Apply one step's tokens to a sequence; True if a stop string ended it."""
+        seq.token_ids.extend(out.new_token_ids)
+        if seq.logprobs is not None and out.new_logprobs:
+            dicts = self._logprob_dicts(out.new_logprobs)
+            seq.logprobs.extend(dicts)
+            for tok, d in zip(out.new_token_ids, dicts):
+                seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + d[tok].logprob
+        seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+        if seq.detokenizer is not None and out.new_token_ids:
+            stop_str = seq.detokenizer.update(
+                out.new_token_ids, stop_terminated=out.finish_reason == "stop"
+            )
+            if stop_str is not None and out.finish_reason is None:
+                seq.finish_reason, seq.stop_reason = "stop", stop_str
+                return True
+        return False
 
     def _logprob_dicts(self, rows: list[LogprobTriple]) -> list[dict[int, Logprob]]:
         result = []
@@ -132,34 +169,42 @@ class OutputProcessor:
             result.append(d)
         return result
 
-    def _make_output(
-        self,
-        state: RequestState,
-        finish_reason: str | None,
-        stop_reason: int | str | None,
-        finished: bool,
-    ) -> RequestOutput:
+    def _completion(self, state: RequestState, seq: SeqState) -> CompletionOutput:
         delta = state.output_kind == "delta"
-        text = ""
-        if state.detokenizer is not None:
-            text = state.detokenizer.get_next_output_text(finished, delta)
+        done = seq.finish_reason is not None
+        text = seq.detokenizer.get_next_output_text(done, delta) if seq.detokenizer else ""
         if delta:
-            token_ids = state.token_ids[state.sent_tokens :]
-            logprobs = state.logprobs[state.sent_logprobs :] if state.logprobs is not None else None
-            state.sent_tokens = len(state.token_ids)
-            state.sent_logprobs = len(state.logprobs) if state.logprobs is not None else 0
+            token_ids = seq.token_ids[seq.sent_tokens :]
+            logprobs = seq.logprobs[seq.sent_logprobs :] if seq.logprobs is not None else None
+            seq.sent_tokens = len(seq.token_ids)
+            seq.sent_logprobs = len(seq.logprobs) if seq.logprobs is not None else 0
         else:
-            token_ids = list(state.token_ids)
-            logprobs = list(state.logprobs) if state.logprobs is not None else None
-        completion = CompletionOutput(
-            index=0,
+            token_ids = list(seq.token_ids)
+            logprobs = list(seq.logprobs) if seq.logprobs is not None else None
+        if getattr(state.params, "_hide_logprobs", False):
+            logprobs = None  # computed only to rank best_of sequences
+        return CompletionOutput(
+            index=seq.index,
             text=text,
             token_ids=token_ids,
-            cumulative_logprob=state.cumulative_logprob,
+            cumulative_logprob=seq.cumulative_logprob,
             logprobs=logprobs,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
         )
+
+    def _make_output(self, state: RequestState, seqs: list[SeqState]) -> RequestOutput:
+        finished = state.finished
+        n = state.params.n
+        if state.output_kind == "final" or (finished and state.output_kind != "delta"):
+            seqs = state.seqs
+        completions = [self._completion(state, s) for s in seqs]
+        if finished and len(state.seqs) > n and state.output_kind != "delta":
+            # best_of: the n sequences with the highest cumulative logprob, re-indexed
+            completions.sort(key=lambda c: c.cumulative_logprob or 0.0, reverse=True)
+            completions = completions[:n]
+            for i, c in enumerate(completions):
+                c.index = i
         metrics = {"arrival_time": state.arrival_time}
         if state.first_token_time is not None:
             metrics["first_token_time"] = state.first_token_time
@@ -168,7 +213,7 @@ class OutputProcessor:
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=state.prompt_logprobs,
-            outputs=[completion],
+            outputs=completions,
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             metrics=metrics,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import numpy as np
@@ -15,7 +16,7 @@ from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.inputs import InputPreparer, StepInputs
-from pagedllm.worker.sampling_inputs import build_sampling_metadata
+from pagedllm.worker.sampling_inputs import build_for_params, build_sampling_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +249,8 @@ class ModelRunner:
             ib.add_request(new)
         for cached in so.scheduled_cached_reqs:
             row = ib.req_id_to_row[cached.req_id]
+            for idx, block_id in cached.replaced_block_ids:
+                ib.block_table[row, idx] = block_id
             if cached.new_block_ids:
                 ib.append_blocks(row, cached.new_block_ids)
             ib.num_computed_tokens[row] = cached.num_computed_tokens
@@ -263,6 +266,7 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: update request rows, build inputs, forward, sample, return tokens."""
         self._swap(so)
+        self._copy_blocks(so.blocks_to_copy)
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -294,18 +298,73 @@ class ModelRunner:
             )
             out = self.sampler(logits, smd)
             tokens = out.sampled.tolist()
+            forked = self._sample_forks(req_ids, rows, sample_idx, smd.output_positions, logits)
             for j, i in enumerate(sample_idx):
                 ib.append_token(int(rows[i]), tokens[j])
                 sampled_lists[i] = [tokens[j]]
             if smd.max_num_logprobs >= 0:
                 logprobs = self._to_logprob_lists(out, sample_idx, len(req_ids))
+        else:
+            forked = ({}, {})
         ib.num_computed_tokens[rows] = seq_lens
         return ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=sampled_lists,
             logprobs=logprobs,
             prompt_logprobs=prompt_lp,
+            forked_token_ids=forked[0],
+            forked_logprobs=forked[1],
         )
+
+    def _sample_forks(
+        self,
+        req_ids: list[str],
+        rows: np.ndarray,
+        sample_idx: np.ndarray,
+        out_pos: list[int],
+        logits: torch.Tensor,
+    ) -> tuple[dict, dict]:
+        """Parallel sampling: a request with n > 1 sequences sampling its first token also
+        samples the first token of sequences 1..n-1 from the same logits, sequence i with seed
+        seed + i (see core/sched/groups.py)."""
+        ib = self.input_batch
+        tokens: dict[str, list[int]] = {}
+        lps: dict[str, list] = {}
+        for j, i in enumerate(sample_idx):
+            p = ib.sampling_params[int(rows[i])]
+            assert p is not None
+            k = max(p.n, p.best_of or p.n) - 1
+            if k <= 0 or out_pos[j] != 0:
+                continue
+            params = []
+            for s in range(1, k + 1):
+                q = copy.copy(p)
+                q.seed = None if p.seed is None else p.seed + s
+                params.append(q)
+            row = int(rows[i])
+            md = build_for_params(
+                params,
+                [0] * k,
+                lambda row=row: [ib.prompt_ids(row)] * k,
+                lambda: [[] for _ in range(k)],
+                self.device,
+                self.generator,
+                self.eos_token_ids,
+            )
+            out = self.sampler(logits[j : j + 1].expand(k, -1), md)
+            tokens[req_ids[i]] = out.sampled.tolist()
+            if md.max_num_logprobs >= 0:
+                lps[req_ids[i]] = [t[0] for t in self._to_logprob_lists(out, np.arange(k), k)]
+        return tokens, lps
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write copies of whole blocks (every layer, K and V) before the forward."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in self.kv_caches:
+            cache.index_copy_(1, dst, cache.index_select(1, src))
 
     @staticmethod
     def _to_logprob_lists(out: SamplerOutput, sample_idx: np.ndarray, num_reqs: int) -> list:

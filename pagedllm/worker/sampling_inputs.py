@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -17,10 +19,32 @@ def build_sampling_metadata(
     generator: torch.Generator,
     eos_token_ids: set[int],
 ) -> SamplingMetadata:
-    """Parameter columns are built only when some row needs them: an all-greedy batch makes
-    no tensors at all (no host-to-device copies)."""
+    """Sampling metadata of InputBatch rows (see ``build_for_params``)."""
     params: list[SamplingParams] = [ib.sampling_params[int(r)] for r in rows]  # type: ignore[misc]
     out_pos = (ib.num_tokens[rows] - ib.num_prompt_tokens[rows]).tolist()
+    return build_for_params(
+        params,
+        out_pos,
+        lambda: [ib.prompt_ids(int(r)) for r in rows],
+        lambda: [ib.output_ids(int(r)) for r in rows],
+        device,
+        generator,
+        eos_token_ids,
+    )
+
+
+def build_for_params(
+    params: list[SamplingParams],
+    out_pos: list[int],
+    prompt_ids: Callable[[], list[list[int]]],
+    output_ids: Callable[[], list[list[int]]],
+    device: torch.device,
+    generator: torch.Generator,
+    eos_token_ids: set[int],
+) -> SamplingMetadata:
+    """Parameter columns are built only when some row needs them: an all-greedy batch makes
+    no tensors at all (no host-to-device copies). Token lists for penalties are fetched only
+    when some row uses penalties."""
     all_greedy = all(p.sampling_type == SamplingType.GREEDY for p in params)
     md = SamplingMetadata(
         temperature=torch.zeros(0),
@@ -48,8 +72,8 @@ def build_sampling_metadata(
             dtype=torch.float32,
         ).to(device, non_blocking=True)
         md.presence, md.frequency, md.repetition = pen[:, 0], pen[:, 1], pen[:, 2]
-        md.prompt_ids = [ib.prompt_ids(int(r)) for r in rows]
-        md.output_ids = [ib.output_ids(int(r)) for r in rows]
+        md.prompt_ids = prompt_ids()
+        md.output_ids = output_ids()
     masks = []
     for i, p in enumerate(params):
         if out_pos[i] < p.min_tokens:

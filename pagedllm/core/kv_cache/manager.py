@@ -37,6 +37,11 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        # Copy-on-write copies (src block id, dst block id) for the runner, drained each step.
+        self.pending_copies: list[tuple[int, int]] = []
+        # Per request: (table index, new block id) replaced by copy-on-write since last taken.
+        self.replaced: dict[str, list[tuple[int, int]]] = {}
+        self.num_cow_copies = 0
 
     @property
     def num_blocks(self) -> int:
@@ -118,12 +123,19 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_needed = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_new_blocks = max(0, num_needed - len(blocks) - len(new_computed_blocks))
+        # Copy-on-write: the block that receives the first new token is shared with a forked
+        # sibling (ref_cnt > 1): this request writes into a private copy.
+        cow = self._shared_write_block(blocks, num_computed, num_new_tokens)
         # Reviving cached blocks that sit in the free queue takes them out of it.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_revived:
+        if num_new_blocks + int(cow is not None) > (
+            self.block_pool.get_num_free_blocks() - num_revived
+        ):
             if not blocks:
                 del self.req_to_blocks[request.request_id]
             return None
+        if cow is not None:
+            self._copy_on_write(request, blocks, cow)
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
@@ -136,6 +148,51 @@ class KVCacheManager:
             num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
             self._cache_full_blocks(request, blocks, num_full)
         return new_blocks
+
+    def _shared_write_block(
+        self, blocks: list[KVCacheBlock], num_computed: int, num_new_tokens: int
+    ) -> int | None:
+        """Index of the existing block the next token lands in, if other tables share it."""
+        i = num_computed // self.block_size
+        if num_new_tokens > 0 and i < len(blocks) and blocks[i].ref_cnt > 1:
+            return i
+        return None
+
+    def _copy_on_write(self, request: Request, blocks: list[KVCacheBlock], i: int) -> None:
+        """Give ``request`` a private copy of its shared block ``i``; the runner copies the
+        contents before the step's forward pass."""
+        old = blocks[i]
+        (new,) = self.block_pool.get_new_blocks(1)
+        self.pending_copies.append((old.block_id, new.block_id))
+        self.block_pool.free_blocks([old])  # one reference less; siblings keep theirs
+        blocks[i] = new
+        self.replaced.setdefault(request.request_id, []).append((i, new.block_id))
+        self.num_cow_copies += 1
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Share every block of ``parent`` with ``child`` (ref_cnt + 1 each): the prompt is
+        stored once; a partly filled last block is copied when one of them writes to it.
+
+        Example: block_size 4, a 6-token prompt in blocks [3, 8]: after fork(parent, c1)
+        both tables are [3, 8] with ref_cnt 2; c1's next token (position 6) lands in block 8,
+        so c1 gets a copy [3, 9] and block 8 drops back to ref_cnt 1.
+        """
+        blocks = self.req_to_blocks.get(parent.request_id, [])
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = list(blocks)
+        prompt_blocks = parent.num_prompt_tokens // self.block_size
+        cached = min(self.num_cached_blocks.get(parent.request_id, 0), prompt_blocks)
+        self.num_cached_blocks[child.request_id] = cached
+        hashes = self.req_to_block_hashes.get(parent.request_id, [])
+        self.req_to_block_hashes[child.request_id] = list(hashes[:prompt_blocks])
+
+    def take_replaced(self, request_id: str) -> list[tuple[int, int]]:
+        """(table index, new block id) pairs that copy-on-write changed for a request."""
+        return self.replaced.pop(request_id, [])
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def _cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_full: int

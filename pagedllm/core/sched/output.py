@@ -26,6 +26,8 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # (table index, block id): entries copy-on-write replaced (a forked block made private)
+    replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -42,6 +44,8 @@ class SchedulerOutput:
     # pairs in, before the forward pass.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Copy-on-write: (src, dst) device blocks to copy before the forward pass.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -64,6 +68,10 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[tuple[list[int], list[float], list[int]]]]] = field(
         default_factory=dict
     )
+    # Parallel sampling: first tokens of sequences 1..n-1 of a request whose prompt completed
+    # this step (sampled from the same logits), with their logprob triples when asked.
+    forked_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    forked_logprobs: dict[str, list] = field(default_factory=dict)
 
 
 @dataclass
@@ -78,6 +86,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    parent_id: str | None = None  # set for the sequences of a request with n > 1
+    seq_index: int = 0
 
     @property
     def finished(self) -> bool:

@@ -121,6 +121,9 @@ class RankedQueue:
         del self._keys[i]
         del self._reqs[i]
 
+    def index(self, request: Request) -> int:
+        return self._reqs.index(request)
+
     def __getitem__(self, i: int) -> Request:
         return self._reqs[i]
 

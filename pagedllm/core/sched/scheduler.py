@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache.manager import KVCacheManager, cdiv
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched.groups import SequenceGroups
 from pagedllm.core.sched.output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -78,6 +79,7 @@ class Scheduler:
         self.running = RankedQueue(self.policy.running_rank)
         self._swap_out: list[tuple[int, int]] = []
         self.num_swaps = 0
+        self.groups = SequenceGroups()
         # Requests finished since the last schedule(): the runner drops their state.
         self.finished_req_ids: set[str] = set()
         # Requests the runner holds state for (scheduled at least once since last (re)start).
@@ -106,6 +108,7 @@ class Scheduler:
         request.max_tokens = min(request.max_tokens, capacity - request.num_prompt_tokens)
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
+        self.groups.register(request)
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None:
@@ -113,6 +116,8 @@ class Scheduler:
         detokenizer). Unknown or already finished ids are ignored."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        if status == RequestStatus.FINISHED_ABORTED:
+            request_ids = self.groups.expand_ids(request_ids)  # all n sequences
         for rid in request_ids:
             request = self.requests.get(rid)
             if request is None or request.is_finished:
@@ -127,6 +132,7 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
+        self.groups.finished(request)
         if request.request_id in self._runner_has:
             self._runner_has.discard(request.request_id)
             self.finished_req_ids.add(request.request_id)
@@ -164,17 +170,18 @@ class Scheduler:
                 if new_blocks is not None:
                     break
                 victim = self.running.pop_back()  # ranked last; never one already scheduled
-                self._preempt(victim)
-                preempted.add(victim.request_id)
+                gang = self._preempt_group(victim, num_scheduled, new_reqs, cached_reqs)
+                budget += gang.pop("_budget", 0)
+                preempted.update(gang)
                 running_preempted = True
-                if victim is request:
+                if request.request_id in gang:
                     break
             if new_blocks is None:
                 break
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             self._add_to_output(request, new_blocks, new_reqs, cached_reqs)
-            i += 1
+            i = self.running.index(request) + 1  # a gang preemption may shift positions
 
         while not running_preempted and len(self.waiting) > 0 and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
@@ -218,6 +225,7 @@ class Scheduler:
             preempted_req_ids=preempted,
             blocks_to_swap_out=self._swap_out,
             blocks_to_swap_in=swap_in,
+            blocks_to_copy=self.kv_cache_manager.take_pending_copies(),
         )
         self.finished_req_ids = set()
         self._swap_out = []
@@ -234,10 +242,12 @@ class Scheduler:
         cached_reqs: list[CachedRequestData],
     ) -> None:
         rid = request.request_id
+        replaced = self.kv_cache_manager.take_replaced(rid)
         if rid in self._runner_has:
             cached_reqs.append(
                 CachedRequestData(
-                    rid, [b.block_id for b in new_blocks], request.num_computed_tokens
+                    rid, [b.block_id for b in new_blocks], request.num_computed_tokens,
+                    replaced,
                 )
             )
             return
@@ -252,6 +262,33 @@ class Scheduler:
                 num_computed_tokens=request.num_computed_tokens,
             )
         )
+
+    def _preempt_group(
+        self,
+        victim: Request,
+        num_scheduled: dict[str, int],
+        new_reqs: list[NewRequestData],
+        cached_reqs: list[CachedRequestData],
+    ) -> dict:
+        """Preempt ``victim`` and every other running sequence of its group (all-or-nothing),
+        taking back the tokens of members already scheduled in this step. Returns the ids
+        preempted (and, under "_budget", the tokens given back)."""
+        out: dict = {}
+        given_back = 0
+        for member in self.groups.group_of(victim):
+            if member is not victim:
+                if member not in self.running:
+                    continue
+                self.running.remove(member)
+            rid = member.request_id
+            if rid in num_scheduled:
+                given_back += num_scheduled.pop(rid)
+                new_reqs[:] = [r for r in new_reqs if r.req_id != rid]
+                cached_reqs[:] = [r for r in cached_reqs if r.req_id != rid]
+            self._preempt(member)
+            out[rid] = True
+        out["_budget"] = given_back
+        return out
 
     def _preempt_for_priority(self, budget: int) -> set[str]:
         """Priority policy: while the best waiting request outranks (strictly smaller priority
@@ -270,8 +307,9 @@ class Scheduler:
             if len(self.running) < self.config.max_num_seqs and kv.num_free_blocks() >= need:
                 break
             self.running.pop_back()
-            self._preempt(victim)
-            preempted.add(victim.request_id)
+            gang = self._preempt_group(victim, {}, [], [])
+            gang.pop("_budget")
+            preempted.update(gang)
         return preempted
 
     def _swap_in(self, request: Request, budget: int) -> list[tuple[int, int]] | None:
@@ -320,6 +358,9 @@ class Scheduler:
             prompt_lp = runner_output.prompt_logprobs.get(rid)
             if not token_ids and prompt_lp is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
+            forked = runner_output.forked_token_ids.get(rid)
+            if forked:
+                outputs.extend(self._fork(request, forked, runner_output))
             new_tokens: list[int] = []
             for tok in token_ids:
                 request.append_output_token_ids(tok)
@@ -339,11 +380,42 @@ class Scheduler:
                     finish_reason=request.get_finished_reason(),
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    parent_id=request.parent_id,
+                    seq_index=request.seq_index,
                 )
             )
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
+        return outputs
+
+    def _fork(
+        self, parent: Request, tokens: list[int], runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Create the other sequences of ``parent`` (parallel sampling) after its prefill, each
+        with its first token; outputs for them, and those that finish at once are freed."""
+        children = self.groups.fork(parent, tokens, self.kv_cache_manager)
+        lps = runner_output.forked_logprobs.get(parent.request_id)
+        outputs = []
+        for j, child in enumerate(children):
+            self.requests[child.request_id] = child
+            self.running.add(child)
+            self._check_stop(child, child.output_token_ids[-1])
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=child.request_id,
+                    new_token_ids=[child.output_token_ids[-1]],
+                    new_logprobs=[lps[j]] if lps else None,
+                    finish_reason=child.get_finished_reason(),
+                    stop_reason=child.stop_reason,
+                    num_cached_tokens=child.num_cached_tokens,
+                    parent_id=child.parent_id,
+                    seq_index=child.seq_index,
+                )
+            )
+            if child.is_finished:
+                self.running.remove(child)
+                self._free_request(child)
         return outputs
 
     def _check_stop(self, request: Request, token: int) -> bool:
