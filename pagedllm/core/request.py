@@ -93,6 +93,8 @@ class Request:
         self.swapped = False  # preempted by swap: its KV waits in host memory
         self.parent_id: str | None = None  # parallel sampling: the request this sequence is of
         self.seq_index = 0  # which of the request's n sequences
+        self.beam_group: str | None = None  # beam search: the search this beam belongs to
+        self.pending_runner_tokens: list[int] = []  # tokens chosen here, not yet sent
         self.cache_salt: str | None = None  # isolates this tenant's prefix-cache entries
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)

@@ -41,6 +41,11 @@ class EngineCore:
         """Queue a request; ValueError if it could never be served (nothing is queued then)."""
         self.scheduler.add_request(request)
 
+    def add_beam_request(self, request: Request, params, eos_ids: set[int]) -> None:  # noqa: ANN001
+        """Queue a beam search whose first beam is ``request``."""
+        self.scheduler.add_request(request)
+        self.scheduler.beams.register(request, params, eos_ids)
+
     def abort_requests(self, request_ids: list[str] | str) -> None:
         """End requests now and free their blocks; unknown ids are ignored."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from pagedllm.beam_search import BeamSearchParams
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
@@ -54,6 +55,23 @@ class LLMEngine:
         self.output_processor.add_request(
             request_id, text, request.prompt_token_ids, request.sampling_params, output_kind
         )
+
+    def add_beam_request(
+        self, request_id: str, prompt: PromptType, params: BeamSearchParams
+    ) -> None:
+        """Queue a beam search; its one RequestOutput (when it ends) has a CompletionOutput per
+        hypothesis, best first."""
+        if self.output_processor.has(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        keep = max(2, 1 + (0 if params.ignore_eos else 1)) * params.beam_width
+        sp = SamplingParams(
+            temperature=0.0, max_tokens=params.max_tokens + 1, ignore_eos=True, logprobs=keep
+        )
+        sp._external_tokens = True  # type: ignore[attr-defined]
+        request, text = self.input_processor.process(request_id, prompt, sp)
+        eos = self.input_processor.eos_token_id
+        self.engine_core.add_beam_request(request, params, {eos} if eos is not None else set())
+        self.output_processor.add_request(request_id, text, request.prompt_token_ids, sp)
 
     def abort_request(self, request_ids: list[str] | str) -> list[RequestOutput]:
         """Abort requests; returns their final outputs (finish_reason 'abort')."""

@@ -109,12 +109,17 @@ class OutputProcessor:
         """(RequestOutputs to hand out, engine-core ids of sequences that hit a stop string and
         must be finished in the core)."""
         stopped: list[str] = []
+        results: list[RequestOutput] = []
         touched: dict[str, list[SeqState]] = {}
         now = time.monotonic()
         for out in outputs:
             rid = out.parent_id or out.request_id
             state = self.states.get(rid)
             if state is None:
+                continue
+            if out.beam_sequences is not None:
+                results.append(self._beam_output(state, out))
+                del self.states[rid]
                 continue
             seq = state.seqs[out.seq_index]
             if out.new_token_ids and state.first_token_time is None:
@@ -129,7 +134,6 @@ class OutputProcessor:
             touched.setdefault(rid, [])
             if seq not in touched[rid]:
                 touched[rid].append(seq)
-        results = []
         for rid, seqs in touched.items():
             state = self.states[rid]
             finished = state.finished
@@ -191,6 +195,32 @@ class OutputProcessor:
             logprobs=logprobs,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
+        )
+
+    def _beam_output(self, state: RequestState, out: EngineCoreOutput) -> RequestOutput:
+        """The hypotheses of a finished beam search as CompletionOutputs, best first."""
+        assert out.beam_sequences is not None
+        completions = []
+        for i, (tokens, cum, _score, reason) in enumerate(out.beam_sequences):
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer else ""
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=list(tokens),
+                    cumulative_logprob=cum,
+                    logprobs=None,
+                    finish_reason=reason,
+                )
+            )
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=completions,
+            finished=True,
+            num_cached_tokens=out.num_cached_tokens,
         )
 
     def _make_output(self, state: RequestState, seqs: list[SeqState]) -> RequestOutput:

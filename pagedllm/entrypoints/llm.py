@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.config import EngineArgs
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
@@ -63,6 +64,41 @@ class LLM:
             engine.add_request(rid, p, sp, priority=pr)
         return self._run_engine(ids, use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (HF transformers' rule, see pagedllm/beam_search.py);
+        beams of all prompts run together in the continuous batch, sharing blocks."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        engine = self.llm_engine
+        ids = [engine.next_request_id() for _ in prompts]
+        for rid, p in zip(ids, prompts):
+            engine.add_beam_request(rid, p, params)
+        outs = self._run_engine(ids, use_tqdm)
+        return [
+            BeamSearchOutput(
+                sequences=[
+                    BeamSearchSequence(
+                        c.token_ids,
+                        c.cumulative_logprob or 0.0,
+                        _score(c, params),
+                        c.text,
+                        c.finish_reason or "",
+                    )
+                    for c in o.outputs
+                ],
+                prompt_token_ids=o.prompt_token_ids,
+            )
+            for o in outs
+        ]
+
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -108,3 +144,8 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+
+def _score(c: object, params: BeamSearchParams) -> float:
+    n = max(1, len(c.token_ids))  # type: ignore[attr-defined]
+    return (c.cumulative_logprob or 0.0) / n**params.length_penalty  # type: ignore[attr-defined]

@@ -251,6 +251,8 @@ class ModelRunner:
             row = ib.req_id_to_row[cached.req_id]
             for idx, block_id in cached.replaced_block_ids:
                 ib.block_table[row, idx] = block_id
+            for token in cached.append_token_ids:
+                ib.append_token(row, token)
             if cached.new_block_ids:
                 ib.append_blocks(row, cached.new_block_ids)
             ib.num_computed_tokens[row] = cached.num_computed_tokens
@@ -300,7 +302,9 @@ class ModelRunner:
             tokens = out.sampled.tolist()
             forked = self._sample_forks(req_ids, rows, sample_idx, smd.output_positions, logits)
             for j, i in enumerate(sample_idx):
-                ib.append_token(int(rows[i]), tokens[j])
+                p = ib.sampling_params[int(rows[i])]
+                if not getattr(p, "_external_tokens", False):  # beams: the scheduler chooses
+                    ib.append_token(int(rows[i]), tokens[j])
                 sampled_lists[i] = [tokens[j]]
             if smd.max_num_logprobs >= 0:
                 logprobs = self._to_logprob_lists(out, sample_idx, len(req_ids))

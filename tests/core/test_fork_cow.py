@@ -73,15 +73,20 @@ def test_cow_counts_against_free_blocks():
 
 def test_scheduler_forks_n_sequences_and_frees_all():
     s = make_scheduler(num_blocks=20, block_size=4)
-    r = Request("r", list(range(100, 106)),
-                SamplingParams(n=3, temperature=1.0, max_tokens=3, ignore_eos=True))
+    r = Request(
+        "r",
+        list(range(100, 106)),
+        SamplingParams(n=3, temperature=1.0, max_tokens=3, ignore_eos=True),
+    )
     s.add_request(r)
     so = s.schedule()
-    out = ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[7]],
-                            forked_token_ids={"r": [8, 9]})
+    out = ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[7]], forked_token_ids={"r": [8, 9]})
     outs = s.update_from_output(so, out)
     assert {(o.request_id, tuple(o.new_token_ids)) for o in outs} == {
-        ("r", (7,)), ("r#1", (8,)), ("r#2", (9,))}
+        ("r", (7,)),
+        ("r#1", (8,)),
+        ("r#2", (9,)),
+    }
     assert all(o.parent_id == "r" for o in outs)
     kv = s.kv_cache_manager
     assert kv.get_block_ids("r#1") == kv.get_block_ids("r") == [0, 1]
@@ -99,15 +104,23 @@ def test_scheduler_forks_n_sequences_and_frees_all():
 
 def test_group_preempted_all_or_nothing():
     s = make_scheduler(num_blocks=5, block_size=4, max_len=64)
-    s.add_request(Request("a", list(range(100, 104)), SamplingParams(max_tokens=20,
-                                                                   ignore_eos=True)))
-    g = Request("g", list(range(200, 206)), SamplingParams(n=2, temperature=1.0,
-                                                          max_tokens=20, ignore_eos=True))
+    s.add_request(
+        Request("a", list(range(100, 104)), SamplingParams(max_tokens=20, ignore_eos=True))
+    )
+    g = Request(
+        "g",
+        list(range(200, 206)),
+        SamplingParams(n=2, temperature=1.0, max_tokens=20, ignore_eos=True),
+    )
     g.arrival_time = s.requests["a"].arrival_time + 1
     s.add_request(g)
     so = s.schedule()
-    s.update_from_output(so, ModelRunnerOutput(req_ids=["a", "g"], sampled_token_ids=[[5], [6]],
-                                               forked_token_ids={"g": [7]}))
+    s.update_from_output(
+        so,
+        ModelRunnerOutput(
+            req_ids=["a", "g"], sampled_token_ids=[[5], [6]], forked_token_ids={"g": [7]}
+        ),
+    )
     preempted = set()
     for _ in range(20):
         so = s.schedule()

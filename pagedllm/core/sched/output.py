@@ -28,6 +28,8 @@ class CachedRequestData:
     num_computed_tokens: int
     # (table index, block id): entries copy-on-write replaced (a forked block made private)
     replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)
+    # Tokens the scheduler chose (beam search) for the runner to append to its copy.
+    append_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -88,6 +90,8 @@ class EngineCoreOutput:
     error: str | None = None
     parent_id: str | None = None  # set for the sequences of a request with n > 1
     seq_index: int = 0
+    # beam search, when it ends: (tokens, cumulative logprob, score, finish reason), best first
+    beam_sequences: list[tuple[list[int], float, float, str]] | None = None
 
     @property
     def finished(self) -> bool:

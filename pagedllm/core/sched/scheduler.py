@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache.manager import KVCacheManager, cdiv
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched.beams import BeamManager
 from pagedllm.core.sched.groups import SequenceGroups
 from pagedllm.core.sched.output import (
     CachedRequestData,
@@ -80,6 +81,7 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []
         self.num_swaps = 0
         self.groups = SequenceGroups()
+        self.beams = BeamManager(self.kv_cache_manager, self.groups)
         # Requests finished since the last schedule(): the runner drops their state.
         self.finished_req_ids: set[str] = set()
         # Requests the runner holds state for (scheduled at least once since last (re)start).
@@ -117,7 +119,9 @@ class Scheduler:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         if status == RequestStatus.FINISHED_ABORTED:
-            request_ids = self.groups.expand_ids(request_ids)  # all n sequences
+            for rid in request_ids:
+                self.beams.abort(rid)
+            request_ids = self.groups.expand_ids(request_ids)  # all n sequences / beams
         for rid in request_ids:
             request = self.requests.get(rid)
             if request is None or request.is_finished:
@@ -243,11 +247,15 @@ class Scheduler:
     ) -> None:
         rid = request.request_id
         replaced = self.kv_cache_manager.take_replaced(rid)
+        appended, request.pending_runner_tokens = request.pending_runner_tokens, []
         if rid in self._runner_has:
             cached_reqs.append(
                 CachedRequestData(
-                    rid, [b.block_id for b in new_blocks], request.num_computed_tokens,
+                    rid,
+                    [b.block_id for b in new_blocks],
+                    request.num_computed_tokens,
                     replaced,
+                    appended,
                 )
             )
             return
@@ -358,6 +366,12 @@ class Scheduler:
             prompt_lp = runner_output.prompt_logprobs.get(rid)
             if not token_ids and prompt_lp is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
+            if request.beam_group is not None:
+                lps = runner_output.logprobs
+                outputs.extend(
+                    self._beam_step(request, lps[idx] if lps and idx is not None else None)
+                )
+                continue
             forked = runner_output.forked_token_ids.get(rid)
             if forked:
                 outputs.extend(self._fork(request, forked, runner_output))
@@ -388,6 +402,18 @@ class Scheduler:
                 self.running.remove(request)
                 self._free_request(request)
         return outputs
+
+    def _beam_step(self, request: Request, logprobs: list | None) -> list[EngineCoreOutput]:
+        """Feed a beam's logprobs to its search; apply the search's forks and drops."""
+        forks, dropped, final = self.beams.on_step(request, logprobs, self.requests)
+        for child in forks:
+            self.requests[child.request_id] = child
+            self.running.add(child)
+        for r in dropped:
+            if r in self.running:
+                self.running.remove(r)
+            self._free_request(r)
+        return [final] if final is not None else []
 
     def _fork(
         self, parent: Request, tokens: list[int], runner_output: ModelRunnerOutput
