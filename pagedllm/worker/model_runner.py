@@ -349,8 +349,8 @@ class ModelRunner:
             md = build_for_params(
                 params,
                 [0] * k,
-                lambda row=row: [ib.prompt_ids(row)] * k,
-                lambda: [[] for _ in range(k)],
+                lambda row=row, k=k: [ib.prompt_ids(row)] * k,
+                lambda k=k: [[] for _ in range(k)],
                 self.device,
                 self.generator,
                 self.eos_token_ids,
