@@ -84,12 +84,18 @@ class BeamSearchState:
     """HF-equivalent beam bookkeeping for one prompt (see module docstring)."""
 
     def __init__(
-        self, params: BeamSearchParams, prompt_len: int, eos_ids: set[int], first_request_id: str
+        self,
+        params: BeamSearchParams,
+        prompt_len: int,
+        eos_ids: set[int],
+        first_request_id: str,
+        max_new_tokens: int | None = None,
     ) -> None:
         self.k = params.beam_width
         self.params = params
         self.prompt_len = prompt_len
-        self.max_length = prompt_len + params.max_tokens
+        limit = min(params.max_tokens, max_new_tokens or params.max_tokens)
+        self.max_length = prompt_len + limit  # capped by max_model_len and the cache size
         self.eos_ids = set() if params.ignore_eos else set(eos_ids)
         self.cur_len = prompt_len
         self.beams = [Beam(first_request_id, 0.0, [])]

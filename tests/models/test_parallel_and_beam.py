@@ -120,3 +120,20 @@ def test_beam_blocks_are_shared_not_copied(llm):
     assert 0 < kv.num_cow_copies - before <= 4 * 8
     core.check_integrity()
     assert kv.num_free_blocks() == kv.num_blocks
+
+
+def test_beam_search_stops_at_max_model_len(tiny_models):
+    small = LLM(tiny_models("llama"), dtype="float32", max_model_len=48)
+    out = small.beam_search(
+        [{"prompt_token_ids": _prompt(40, 7)}],
+        BeamSearchParams(beam_width=3, max_tokens=50, ignore_eos=True),
+    )[0]
+    assert all(len(s.tokens) == 8 for s in out.sequences)  # 48 - 40 tokens of room
+    small.llm_engine.engine_core.check_integrity()
+
+
+def test_bad_beam_params():
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(ValueError, match="early_stopping"):
+        BeamSearchParams(beam_width=2, max_tokens=4, early_stopping="sometimes")

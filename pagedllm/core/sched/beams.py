@@ -25,7 +25,10 @@ class BeamManager:
     def register(self, request: Request, params: BeamSearchParams, eos_ids: set[int]) -> None:
         """Make ``request`` (the prompt) the first beam of a new search."""
         gid = request.request_id
-        self.states[gid] = BeamSearchState(params, request.num_prompt_tokens, eos_ids, gid)
+        # the request's max_tokens is already capped to the room left in max_model_len / cache
+        self.states[gid] = BeamSearchState(
+            params, request.num_prompt_tokens, eos_ids, gid, max_new_tokens=request.max_tokens
+        )
         request.beam_group = gid
         request.parent_id = gid
         self.groups.members[gid] = [request]
