@@ -47,3 +47,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why the engine ended the request early (e.g. a bad grammar)

@@ -42,6 +42,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: object | None = None  # StructuredOutputsParams or an equivalent dict
     # Filled by the engine: the model's EOS ids, beyond which stop_token_ids also stop.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -54,6 +55,10 @@ class SamplingParams:
             self.top_k = 0
         self._verify()
         self.all_stop_token_ids = set(self.stop_token_ids)
+        if self.structured_outputs is not None:
+            from pagedllm.structured_output.params import StructuredOutputsParams
+
+            self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
 
     def _verify(self) -> None:
         def bad(name: str, why: str) -> ValueError:

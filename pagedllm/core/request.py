@@ -14,12 +14,13 @@ class RequestStatus(IntEnum):
     ``status > RequestStatus.PREEMPTED`` is "finished" in one comparison."""
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_IGNORED = 6  # rejected: could never be served
+    WAITING_FOR_GRAMMAR = 1  # structured output: its grammar is still compiling
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_IGNORED = 7  # rejected: could never be served
 
     def is_finished(self) -> bool:
         return self > RequestStatus.PREEMPTED
@@ -95,6 +96,9 @@ class Request:
         self.seq_index = 0  # which of the request's n sequences
         self.beam_group: str | None = None  # beam search: the search this beam belongs to
         self.pending_runner_tokens: list[int] = []  # tokens chosen here, not yet sent
+        self.grammar_future = None  # structured output: Future of the compiled grammar
+        self.matcher = None  # structured output: xgrammar matcher, advanced per token
+        self.error: str | None = None  # why the engine ended the request (e.g. bad grammar)
         self.cache_salt: str | None = None  # isolates this tenant's prefix-cache entries
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)

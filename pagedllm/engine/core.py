@@ -21,7 +21,9 @@ class EngineCore:
     -> one ``EngineCoreOutput`` per request that produced something or finished.
     """
 
-    def __init__(self, config: EngineConfig, eos_token_ids: set[int] | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, eos_token_ids: set[int] | None = None, tokenizer: object = None
+    ) -> None:
         self.config = config
         self.model_runner = ModelRunner(config, eos_token_ids)
         num_blocks = self.model_runner.determine_num_blocks()
@@ -36,9 +38,27 @@ class EngineCore:
             swap_is_cheaper=self.model_runner.swap_is_cheaper(),
         )
         self.num_blocks = num_blocks
+        self.tokenizer = tokenizer
+
+    def structured_output_manager(self):  # noqa: ANN201
+        """The grammar compiler, made on first use (xgrammar is an optional dependency)."""
+        if self.scheduler.structured is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer.")
+            try:
+                from pagedllm.structured_output.compiler import StructuredOutputManager
+            except ImportError as e:  # pragma: no cover - depends on the environment
+                raise ValueError("structured outputs need the 'xgrammar' package.") from e
+            mc = self.config.model_config
+            self.scheduler.structured = StructuredOutputManager(
+                self.tokenizer, mc.vocab_size, cache_key=f"{mc.tokenizer}|{mc.model}"
+            )
+        return self.scheduler.structured
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError if it could never be served (nothing is queued then)."""
+        if request.sampling_params.structured_outputs is not None:
+            self.structured_output_manager()
         self.scheduler.add_request(request)
 
     def add_beam_request(self, request: Request, params, eos_ids: set[int]) -> None:  # noqa: ANN001

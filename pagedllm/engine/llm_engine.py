@@ -28,7 +28,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(mc, tokenizer)
         eos = self.input_processor.eos_token_id
-        self.engine_core = EngineCore(config, {eos} if eos is not None else set())
+        self.engine_core = EngineCore(config, {eos} if eos is not None else set(), tokenizer)
         self.output_processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
 
@@ -72,6 +72,12 @@ class LLMEngine:
         eos = self.input_processor.eos_token_id
         self.engine_core.add_beam_request(request, params, {eos} if eos is not None else set())
         self.output_processor.add_request(request_id, text, request.prompt_token_ids, sp)
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile a request's grammar now (cached for when it runs); ValueError with the
+        compiler's message if it is invalid."""
+        if params.structured_outputs is not None:
+            self.engine_core.structured_output_manager().compile_now(params.structured_outputs)
 
     def abort_request(self, request_ids: list[str] | str) -> list[RequestOutput]:
         """Abort requests; returns their final outputs (finish_reason 'abort')."""

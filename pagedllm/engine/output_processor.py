@@ -121,6 +121,14 @@ class OutputProcessor:
                 results.append(self._beam_output(state, out))
                 del self.states[rid]
                 continue
+            if out.error is not None:  # the engine ended the whole request (e.g. bad grammar)
+                for s in state.seqs:
+                    s.finish_reason = s.finish_reason or "abort"
+                result = self._make_output(state, state.seqs)
+                result.error = out.error
+                results.append(result)
+                del self.states[rid]
+                continue
             seq = state.seqs[out.seq_index]
             if out.new_token_ids and state.first_token_time is None:
                 state.first_token_time = now

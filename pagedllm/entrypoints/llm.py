@@ -59,6 +59,7 @@ class LLM:
         engine = self.llm_engine
         for p, sp in zip(prompts, params):  # validate all first
             engine.input_processor.process("validate", p, sp)
+            engine.check_structured_outputs(sp)
         ids = [engine.next_request_id() for _ in prompts]
         for rid, p, sp, pr in zip(ids, prompts, params, prios):
             engine.add_request(rid, p, sp, priority=pr)

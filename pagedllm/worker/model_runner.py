@@ -280,6 +280,8 @@ class ModelRunner:
         n_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         inputs = self.inputs.prepare(rows, n_sched)
         hidden = self._forward(inputs)  # [num_tokens, hidden]
+        # Structured outputs: fill the token bitmask on the CPU while the GPU runs the forward.
+        bitmask = self._fill_bitmask(so.structured_requests)
         qsl, seq_lens = inputs.metadata.query_start_loc_np, inputs.metadata.seq_lens_np
         assert qsl is not None and seq_lens is not None
         prompt_lp = self._prompt_logprobs(req_ids, rows, hidden, qsl, seq_lens)
@@ -295,6 +297,8 @@ class ModelRunner:
                 idx = torch.from_numpy(qsl[sample_idx + 1] - 1).to(self.device)
                 selected = hidden.index_select(0, idx)
             logits = self.model.compute_logits(selected)
+            if bitmask is not None:
+                self._apply_bitmask(logits, bitmask, [req_ids[i] for i in sample_idx])
             smd = build_sampling_metadata(
                 ib, rows[sample_idx], self.device, self.generator, self.eos_token_ids
             )
@@ -360,6 +364,36 @@ class ModelRunner:
             if md.max_num_logprobs >= 0:
                 lps[req_ids[i]] = [t[0] for t in self._to_logprob_lists(out, np.arange(k), k)]
         return tokens, lps
+
+    def _fill_bitmask(self, matchers: dict) -> tuple[list[str], torch.Tensor] | None:
+        """One int32 bitmask row per structured request that samples this step."""
+        if not matchers:
+            return None
+        import xgrammar as xgr
+
+        vocab = self.model_config.vocab_size
+        mask = xgr.allocate_token_bitmask(len(matchers), vocab)  # [n, ceil(vocab / 32)]
+        for i, m in enumerate(matchers.values()):
+            m.fill_next_token_bitmask(mask, i)
+        return list(matchers), mask
+
+    def _apply_bitmask(
+        self,
+        logits: torch.Tensor,
+        bitmask: tuple[list[str], torch.Tensor],
+        sample_req_ids: list[str],
+    ) -> None:
+        """Mask the sampled rows of structured requests in one vectorized operation."""
+        from pagedllm.structured_output.bitmask import apply_token_bitmask
+
+        ids, mask = bitmask
+        pos = {rid: j for j, rid in enumerate(sample_req_ids)}
+        keep = [k for k, rid in enumerate(ids) if rid in pos]
+        if not keep:
+            return
+        rows = torch.tensor([pos[ids[k]] for k in keep], device=logits.device)
+        mask = mask[keep] if len(keep) != len(ids) else mask
+        apply_token_bitmask(logits, mask.to(logits.device, non_blocking=True), rows)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write copies of whole blocks (every layer, K and V) before the forward."""

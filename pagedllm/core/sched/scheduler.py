@@ -81,6 +81,8 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []
         self.num_swaps = 0
         self.groups = SequenceGroups()
+        self.structured = None  # StructuredOutputManager, set by the engine core when needed
+        self.failed: list[Request] = []  # ended by the engine (bad grammar), to report
         self.beams = BeamManager(self.kv_cache_manager, self.groups)
         # Requests finished since the last schedule(): the runner drops their state.
         self.finished_req_ids: set[str] = set()
@@ -110,6 +112,12 @@ class Scheduler:
         request.max_tokens = min(request.max_tokens, capacity - request.num_prompt_tokens)
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
+        so_params = request.sampling_params.structured_outputs
+        if so_params is not None:
+            if self.structured is None:
+                raise ValueError("structured outputs need a tokenizer and the xgrammar package.")
+            request.grammar_future = self.structured.submit(so_params)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.groups.register(request)
         self.waiting.add(request)
 
@@ -153,6 +161,7 @@ class Scheduler:
         self._now = self.clock()
         if self.policy.dynamic:
             self.waiting.resort()
+        self._grammars_ready()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -190,7 +199,9 @@ class Scheduler:
         while not running_preempted and len(self.waiting) > 0 and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            request = self.waiting.peek()
+            request = self._next_admissible()
+            if request is None:
+                break
             if request.swapped:
                 pairs = self._swap_in(request, budget)
                 if pairs is None:
@@ -210,7 +221,7 @@ class Scheduler:
                 if new_blocks is None:
                     break
                 self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
-            self.waiting.pop_front()
+            self.waiting.remove(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
@@ -220,7 +231,14 @@ class Scheduler:
             budget -= num_new
             self._add_to_output(request, new_blocks, new_reqs, cached_reqs)
 
+        structured = [
+            self.requests[rid]
+            for rid, n in num_scheduled.items()
+            if self.requests[rid].matcher is not None
+            and self.requests[rid].num_computed_tokens + n >= self.requests[rid].num_tokens
+        ]
         out = SchedulerOutput(
+            structured_requests={r.request_id: r.matcher for r in structured},
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
@@ -271,6 +289,31 @@ class Scheduler:
             )
         )
 
+    def _next_admissible(self) -> Request | None:
+        """The best-ranked waiting request whose grammar (if any) is ready: a request still
+        compiling its grammar waits without blocking the others."""
+        for request in self.waiting:
+            if request.status != RequestStatus.WAITING_FOR_GRAMMAR:
+                return request
+        return None
+
+    def _grammars_ready(self) -> None:
+        """Give requests whose grammar compiled a matcher; end those whose grammar failed."""
+        for request in self.waiting:
+            fut = request.grammar_future
+            if request.status != RequestStatus.WAITING_FOR_GRAMMAR or not fut.done():
+                continue
+            err = fut.exception()
+            if err is not None:
+                request.error = str(err)
+                self.waiting.remove(request)
+                request.status = RequestStatus.FINISHED_ABORTED
+                self._free_request(request)
+                self.failed.append(request)
+                continue
+            request.matcher = self.structured.matcher(fut.result())
+            request.status = RequestStatus.WAITING
+
     def _preempt_group(
         self,
         victim: Request,
@@ -305,7 +348,9 @@ class Scheduler:
         preempted: set[str] = set()
         kv = self.kv_cache_manager
         while len(self.waiting) > 0 and len(self.running) > 0:
-            head, victim = self.waiting.peek(), self.running[-1]
+            head, victim = self._next_admissible(), self.running[-1]
+            if head is None:
+                break
             if not self.policy.may_preempt_for(head, victim):
                 break
             hit = kv.num_cached_prefix_tokens(head) if not head.swapped else 0
@@ -355,7 +400,18 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests."""
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = [
+            EngineCoreOutput(
+                r.request_id,
+                [],
+                finish_reason="abort",
+                error=r.error,
+                parent_id=r.parent_id,
+                seq_index=r.seq_index,
+            )
+            for r in self.failed
+        ]
+        self.failed = []
         sampled = dict(zip(runner_output.req_ids, range(len(runner_output.req_ids))))
         for rid in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(rid)
@@ -379,7 +435,7 @@ class Scheduler:
             for tok in token_ids:
                 request.append_output_token_ids(tok)
                 new_tokens.append(tok)
-                if self._check_stop(request, tok):
+                if self._check_stop(request, tok) or self._accept_structured(request, tok):
                     break
             logprobs = None
             if runner_output.logprobs is not None and idx is not None:
@@ -426,7 +482,10 @@ class Scheduler:
         for j, child in enumerate(children):
             self.requests[child.request_id] = child
             self.running.add(child)
-            self._check_stop(child, child.output_token_ids[-1])
+            tok = child.output_token_ids[-1]
+            if parent.matcher is not None:  # fork before the parent accepts its own token
+                child.matcher = parent.matcher.fork()
+            self._check_stop(child, tok) or self._accept_structured(child, tok)
             outputs.append(
                 EngineCoreOutput(
                     request_id=child.request_id,
@@ -443,6 +502,29 @@ class Scheduler:
                 self.running.remove(child)
                 self._free_request(child)
         return outputs
+
+    @staticmethod
+    def _accept_structured(request: Request, token: int) -> bool:
+        """Advance the request's grammar matcher; True when the grammar has terminated (the
+        request then finishes with reason 'stop')."""
+        m = request.matcher
+        if m is None or request.is_finished:
+            return False
+        if not m.accept_token(token):
+            request.error = f"token {token} rejected by the grammar"
+            request.status = RequestStatus.FINISHED_ABORTED
+            return True
+        if m.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
+
+    def rollback_structured(self, request_id: str, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens in a request's grammar matcher (for
+        rejected speculative tokens)."""
+        request = self.requests[request_id]
+        if request.matcher is not None and num_tokens > 0:
+            request.matcher.rollback(num_tokens)
 
     def _check_stop(self, request: Request, token: int) -> bool:
         params = request.sampling_params

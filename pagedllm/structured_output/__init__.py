@@ -1,0 +1,1 @@
+"""Structured outputs (JSON schema, regex, EBNF grammar, choice) on xgrammar."""

@@ -1,0 +1,23 @@
+"""Applying a batch's token bitmask to the logits in one vectorized operation."""
+
+from __future__ import annotations
+
+import torch
+
+# bit j of int32 word w allows token 32 * w + j
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Set logits[rows[i], t] = -inf where bit t of bitmask[i] is 0.
+
+    logits: [num_rows, vocab] float32; bitmask: [len(rows), ceil(vocab / 32)] int32 on the
+    same device; rows: [len(rows)] int64. Works on CPU and GPU, no host sync.
+    Example: vocab 40, word 0 = 0b101, word 1 = 0 -> only tokens 0 and 2 stay.
+    """
+    vocab = logits.shape[1]
+    shifts = _SHIFTS.to(bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [n, words, 32]
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()  # [n, vocab]
+    sub = logits.index_select(0, rows)
+    logits.index_copy_(0, rows, sub.masked_fill(~allowed, float("-inf")))

@@ -1,0 +1,121 @@
+"""Compiling grammars off the engine loop, with a cache, and the per-request matcher."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+_MAX_SCHEMA_BYTES = 2 << 20
+
+
+class GrammarCompileError(ValueError):
+    """The grammar of a request could not be compiled (the message says why)."""
+
+
+class StructuredOutputManager:
+    """Owns xgrammar's tokenizer info and compiler. ``submit`` compiles on a thread pool and
+    returns a Future of the compiled grammar; equal specs share one compilation (cache keyed by
+    the canonical spec). Tokenizer info is built once per model and kept on disk, since it
+    takes seconds for a 262k vocabulary."""
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, cache_key: str = "", max_threads: int = 2
+    ) -> None:
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.vocab_size = vocab_size
+        self.tokenizer_info = self._tokenizer_info(tokenizer, vocab_size, cache_key)
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
+        self.pool = ThreadPoolExecutor(
+            max_workers=max_threads, thread_name_prefix="pagedllm-grammar"
+        )
+        self._cache: dict[tuple[str, str], Future] = {}
+
+    def _tokenizer_info(self, tokenizer: Any, vocab_size: int, cache_key: str) -> Any:
+        xgr = self.xgr
+        path = None
+        if cache_key:
+            digest = hashlib.sha256(f"{cache_key}|{vocab_size}|{len(tokenizer)}".encode())
+            root = os.path.join(os.path.expanduser("~"), ".cache", "pagedllm", "xgrammar")
+            path = os.path.join(root, digest.hexdigest()[:24] + ".json")
+            if os.path.exists(path):
+                try:
+                    with open(path) as f:
+                        return xgr.TokenizerInfo.deserialize_json(f.read())
+                except Exception:  # a stale or broken cache file: rebuild it
+                    logger.warning("ignoring unreadable tokenizer-info cache %s", path)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        if path is not None:
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = path + f".{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    f.write(info.serialize_json())
+                os.replace(tmp, path)
+            except OSError:
+                pass
+        return info
+
+    def submit(self, params: StructuredOutputsParams) -> Future:
+        """A Future of the compiled grammar (shared with equal earlier specs)."""
+        key = params.key()
+        fut = self._cache.get(key)
+        if fut is None:
+            fut = self.pool.submit(self._compile, key)
+            self._cache[key] = fut
+            if len(self._cache) > 512:  # keep the cache bounded; failures are not kept
+                self._cache.pop(next(iter(self._cache)))
+        return fut
+
+    def compile_now(self, params: StructuredOutputsParams) -> Any:
+        """Compile (or fetch) synchronously; GrammarCompileError with the compiler's message."""
+        fut = self.submit(params)
+        try:
+            return fut.result()
+        except GrammarCompileError:
+            self._cache.pop(params.key(), None)
+            raise
+
+    def _compile(self, key: tuple[str, str]) -> Any:
+        kind, spec = key
+        c = self.compiler
+        try:
+            if kind == "json":
+                if len(spec) > _MAX_SCHEMA_BYTES:
+                    raise GrammarCompileError(
+                        f"JSON schema is {len(spec)} bytes, more than {_MAX_SCHEMA_BYTES}."
+                    )
+                json.loads(spec)
+                return c.compile_json_schema(spec)
+            if kind == "json_object":
+                return c.compile_builtin_json_grammar()
+            if kind == "regex":
+                return c.compile_regex(spec)
+            if kind == "grammar":
+                return c.compile_grammar(spec)
+            choices = json.loads(spec)
+            ebnf = "root ::= " + " | ".join(json.dumps(ch) for ch in choices)
+            return c.compile_grammar(ebnf)
+        except GrammarCompileError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses
+            raise GrammarCompileError(f"invalid {kind}: {e}") from e
+
+    def matcher(self, compiled: Any) -> Any:
+        """A fresh matcher at the grammar's start, able to roll back speculative tokens."""
+        return self.xgr.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar 0.2
+
+    def allocate_bitmask(self, rows: int) -> Any:
+        return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
