@@ -9,6 +9,26 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _eager_when_asked():
+    """PAGEDLLM_TEST_EAGER=1 runs every engine with enforce_eager=True (on a GPU: the same tests
+    without CUDA graphs), so the greedy-equality tests cover both modes."""
+    if os.environ.get("PAGEDLLM_TEST_EAGER") != "1":
+        yield
+        return
+    from pagedllm.entrypoints import llm as llm_mod
+
+    orig = llm_mod.LLM.__init__
+
+    def init(self, model, **kw):  # noqa: ANN001, ANN202
+        kw.setdefault("enforce_eager", True)
+        orig(self, model, **kw)
+
+    llm_mod.LLM.__init__ = init
+    yield
+    llm_mod.LLM.__init__ = orig
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory):
     """A function arch -> path of a saved tiny random model of that architecture."""

@@ -89,9 +89,10 @@ class ModelRunner:
                     f"block ({per_block} bytes)."
                 )
             return int(n)
-        if self.device.type == "cuda":
-            return self._profile_gpu_blocks(per_block)
+        # No more blocks than max_num_seqs full-length requests could ever hold.
         most = self.config.scheduler_config.max_num_seqs * self.input_batch.max_blocks_per_req
+        if self.device.type == "cuda":
+            return min(self._profile_gpu_blocks(per_block), most)
         return int(max(1, min(_CPU_DEFAULT_KV_BYTES // per_block, most)))
 
     @torch.inference_mode()

@@ -1,0 +1,286 @@
+"""Everything the GPU issue asks to show, in one script for one device call per part:
+
+  python benchmarks/gpu_suite.py check   # greedy equality vs HF (fp32 exact, bf16 close),
+                                         # CUDA graphs on and off, Qwen3-0.6B shape
+  python benchmarks/gpu_suite.py bench-a # Benchmark A + HF peers + roofline
+  python benchmarks/gpu_suite.py extras  # prefix-caching overhead at 0% hit and its gain on
+                                         # shared prefixes; structured-output overhead
+
+Results: JSON (and PNG) under --out (default benchmarks/results), named with the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.peers import hf_gpu  # noqa: E402
+from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm.bench.roofline import (  # noqa: E402
+    measure_copy_bandwidth,
+    measure_matmul_flops,
+    model_cost,
+    roofline,
+)
+from pagedllm.bench.throughput import StepRecorder, make_workload  # noqa: E402
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "pagedllm", "model", "configs")
+
+
+def device_tag() -> str:
+    return torch.cuda.get_device_name(0).replace(" ", "_")
+
+
+def make_hf_model(shape: str, dtype: torch.dtype, path: str, seed: int = 0) -> str:
+    """Random-weight HF model of a real shape saved as safetensors, so pagedllm and HF load
+    the very same weights."""
+    import transformers as tf
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    config = tf.AutoConfig.from_pretrained(os.path.join(CONFIGS, shape))
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(path, safe_serialization=True)
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+def free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def check(args: argparse.Namespace) -> dict:
+    import transformers as tf
+
+    out: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 150000, size=int(n)).tolist() for n in (17, 64, 150, 333)]
+    for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        path = make_hf_model("qwen3-0.6b", dtype, f"/tmp/qwen3_{dtype_name}")
+        model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+        model.generation_config.eos_token_id = None
+        ref, ref_lp = [], []
+        for p in prompts:
+            with torch.no_grad():
+                g = model.generate(torch.tensor([p]).cuda(), max_new_tokens=32, do_sample=False,
+                                   output_logits=True, return_dict_in_generate=True,
+                                   pad_token_id=0)
+            ref.append(g.sequences[0, len(p):].tolist())
+            ref_lp.append([lg[0].float().log_softmax(-1).cpu() for lg in g.logits])
+        del model
+        free()
+        for eager in (False, True):
+            llm = LLM(path, dtype=dtype_name, max_model_len=1024, enforce_eager=eager,
+                      gpu_memory_utilization=0.5, max_num_seqs=16)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
+                                               logprobs=5), use_tqdm=False)
+            got = [o.outputs[0].token_ids for o in outs]
+            exact = sum(g == r for g, r in zip(got, ref))
+            first = [sum(1 for _ in _prefix(g, r)) for g, r in zip(got, ref)]
+            lp_err = 0.0
+            for o, lps, r in zip(outs, ref_lp, ref):
+                for pos, d in enumerate(o.outputs[0].logprobs):
+                    if o.outputs[0].token_ids[: pos + 1] != r[: pos + 1]:
+                        break
+                    tok = o.outputs[0].token_ids[pos]
+                    lp_err = max(lp_err, abs(d[tok].logprob - float(lps[pos][tok])))
+            out[f"{dtype_name}_{'eager' if eager else 'graphs'}"] = {
+                "sequences_equal": f"{exact}/{len(ref)}", "matching_prefix_tokens": first,
+                "max_logprob_abs_err_on_matching_prefix": lp_err,
+            }
+            del llm
+            free()
+    return out
+
+
+def _prefix(a: list[int], b: list[int]):  # noqa: ANN202
+    for x, y in zip(a, b):
+        if x != y:
+            return
+        yield x
+
+
+def bench_a(args: argparse.Namespace) -> dict:
+    """Qwen3-0.6B shape, bf16, 256 prompts, input and output lengths uniform in 100-1024."""
+    path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
+    n = args.num_prompts
+    prompts, out_lens = make_workload(n, 562, 562, 462 / 562, 151936, seed=0)
+    result: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                    "workload": {"model": "qwen3-0.6b shape, random weights, bf16",
+                                 "num_prompts": n, "input_len": "100-1024",
+                                 "output_len": "100-1024", "ignore_eos": True,
+                                 "input_tokens": sum(map(len, prompts)),
+                                 "output_tokens": sum(out_lens)}}
+    bw = measure_copy_bandwidth(torch.device("cuda"))
+    flops = measure_matmul_flops(torch.device("cuda"))
+    result["copy_bandwidth_GBps"] = bw / 1e9
+    result["matmul_bf16_TFLOPs"] = flops / 1e12
+    for eager in ([False, True] if args.eager_too else [False]):
+        llm = LLM(path, dtype="bfloat16", max_model_len=2048, enforce_eager=eager,
+                  max_num_seqs=256, gpu_memory_utilization=0.85)
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:8]],
+                     SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        rec = StepRecorder(llm)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+                             for m in out_lens], use_tqdm=False)
+        torch.cuda.synchronize()
+        el = time.perf_counter() - t
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        runner = llm.llm_engine.engine_core.model_runner
+        roof = roofline(rec.steps, model_cost(runner.model, torch.bfloat16), bw, flops)
+        result[f"pagedllm_{'eager' if eager else 'cuda_graphs'}"] = {
+            "elapsed_s": el, "output_tokens": produced, "output_tokens_per_s": produced / el,
+            "total_tokens_per_s": (produced + sum(map(len, prompts))) / el,
+            "requests_per_s": n / el, "kv_cache_blocks": runner.num_blocks,
+            "steps": len(rec.steps),
+            "host_ms_per_decode_step": 1e3 * float(np.mean(rec.decode_host_s or [0])),
+            "max_decode_batch": max((len(s.num_tokens) for s in rec.steps
+                                     if max(s.num_tokens) == 1), default=0),
+            "roofline_ideal_s": roof.ideal_s, "roofline_memory_s": roof.memory_s,
+            "roofline_compute_s": roof.compute_s, "roofline_fraction": roof.ideal_s / el,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }
+        print(json.dumps(result, indent=1), flush=True)
+        del llm, rec
+        free()
+    if not args.skip_peers:
+        model = hf_gpu.load(path, torch.bfloat16)
+        sub = args.peer_prompts or n
+        for name, fn in (("hf_continuous_batching", hf_gpu.continuous_batching),
+                         ("hf_static_generate", hf_gpu.static_generate)):
+            try:
+                r = fn(model, prompts[:sub], out_lens[:sub])
+                r["num_prompts"] = sub
+                result[name] = r
+            except Exception as e:  # a peer failing must not lose the other results
+                result[name] = {"error": repr(e)[:500]}
+            print(json.dumps({name: result[name]}, indent=1), flush=True)
+            free()
+    ours = result["pagedllm_cuda_graphs"]["output_tokens_per_s"]
+    for name in ("hf_continuous_batching", "hf_static_generate"):
+        peer = result.get(name, {})
+        if "output_tokens_per_s" in peer:
+            result[f"ratio_vs_{name}"] = ours / peer["output_tokens_per_s"]
+    return result
+
+
+def extras(args: argparse.Namespace) -> dict:
+    path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
+    result: dict = {"device": torch.cuda.get_device_name(0)}
+    rng = np.random.default_rng(1)
+    # (1) prefix caching at a 0% hit rate: distinct random prompts, caching on vs off
+    prompts = [rng.integers(100, 150000, size=512).tolist() for _ in range(256)]
+    sp = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    for caching in (False, True, False, True):
+        llm = LLM(path, dtype="bfloat16", max_model_len=2048, enable_prefix_caching=caching,
+                  gpu_memory_utilization=0.85)
+        llm.generate([{"prompt_token_ids": prompts[0][:8]}], sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        key = f"zero_hit_caching_{'on' if caching else 'off'}_tok_s"
+        result.setdefault(key, []).append(256 * 128 / (time.perf_counter() - t))
+        del llm
+        free()
+    on, off = (np.median(result[f"zero_hit_caching_{k}_tok_s"]) for k in ("on", "off"))
+    result["zero_hit_overhead_fraction"] = 1 - on / off
+    # (2) shared prefix (341 tokens) + distinct suffixes: throughput caching on vs off
+    prefix = rng.integers(100, 150000, size=341).tolist()
+    shared = [prefix + rng.integers(100, 150000, size=32).tolist() for _ in range(256)]
+    for caching in (False, True):
+        llm = LLM(path, dtype="bfloat16", max_model_len=2048, enable_prefix_caching=caching,
+                  gpu_memory_utilization=0.85)
+        llm.generate([{"prompt_token_ids": shared[0][:8]}], sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in shared],
+                            SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+                            use_tqdm=False)
+        torch.cuda.synchronize()
+        el = time.perf_counter() - t
+        result[f"shared_prefix_caching_{'on' if caching else 'off'}"] = {
+            "output_tok_s": 256 * 64 / el, "cached_tokens": sum(o.num_cached_tokens
+                                                                for o in outs)}
+        del llm
+        free()
+    result["shared_prefix_speedup"] = (result["shared_prefix_caching_on"]["output_tok_s"]
+                                       / result["shared_prefix_caching_off"]["output_tok_s"])
+    # (3) structured outputs: every request constrained by a JSON schema vs none
+    tok_dir = os.environ.get("PAGEDLLM_TOKENIZER_DIR")
+    if tok_dir:
+        try:
+            result["structured"] = _structured_overhead(path, tok_dir)
+        except Exception as e:
+            result["structured"] = {"error": repr(e)[:500]}
+    return result
+
+
+def _structured_overhead(path: str, tok_dir: str) -> dict:
+    from pagedllm.structured_output.params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "n": {"type": "integer"}},
+              "required": ["name", "n"]}
+    out = {}
+    for constrained in (False, True, False, True):
+        llm = LLM(path, tokenizer=tok_dir, dtype="bfloat16", max_model_len=1024,
+                  gpu_memory_utilization=0.85)
+        so = StructuredOutputsParams(json=schema) if constrained else None
+        params = SamplingParams(temperature=1.0, seed=0, max_tokens=128, ignore_eos=True,
+                                structured_outputs=so)
+        prompts = [{"prompt_token_ids": list(range(1000 + i, 1064 + i))} for i in range(128)]
+        llm.generate(prompts[:2], params, use_tqdm=False)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        toks = sum(len(o.outputs[0].token_ids) for o in outs)
+        out.setdefault("constrained" if constrained else "free", []).append(
+            toks / (time.perf_counter() - t))
+        del llm
+        free()
+    c, f = np.median(out["constrained"]), np.median(out["free"])
+    out["overhead_fraction"] = 1 - c / f
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("part", choices=["check", "bench-a", "extras"])
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--peer-prompts", type=int, default=0)
+    p.add_argument("--skip-peers", action="store_true")
+    p.add_argument("--eager-too", action="store_true")
+    args = p.parse_args()
+    fn = {"check": check, "bench-a": bench_a, "extras": extras}[args.part]
+    result = fn(args)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"gpu_{args.part}_{device_tag()}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
