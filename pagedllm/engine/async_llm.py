@@ -12,20 +12,21 @@ tokenization, validation, JSON and SSE framing.
 A second process would take the engine's Python work (scheduler, input preparation, sampler,
 detokenizer) off the GIL that the HTTP thread needs, at the price of serializing every request
 and every step's outputs through ZMQ, a second copy of the tokenizer, and process start-up and
-shutdown handling. On this engine the thread costs little:
+shutdown handling. What the HTTP thread costs, measured as per-thread CPU time (robust to the
+noise of a shared machine) in one server process on the 2-core CPU dev box: SmolLM2-135M GGUF,
+float32, 5 x 64 concurrent streaming clients x 16 greedy tokens (the client in another
+process):
 
-* Most of a step is spent inside torch ops (matmuls, attention, sampling kernels), which release
-  the GIL, so the event loop runs during them.
-* Per output token the front does a few microseconds of Python (one queue put, one JSON chunk,
-  one socket write); a CPU step of the default model (SmolLM2-135M, 64 sequences) takes
-  ~200 ms, a GPU decode step a few ms.
+    asyncio/uvicorn thread (HTTP, JSON, SSE, queues)   0.14 ms CPU per streamed token
+    engine thread (scheduler, runner, sampler, detok)  4.2  ms
+    torch intra-op worker threads                      3.5  ms
 
-Measured on the 2-core CPU dev box (SmolLM2-135M GGUF, float32, 64 prompts x 16 greedy
-tokens, warm, noisy shared machine): offline ``LLMEngine`` loop ~3.5-10 s; the same workload as
-64 concurrent streaming HTTP clients against ``pagedllm serve`` 5-12 s, i.e. the HTTP path
-stays within the step-to-step noise of this box. So we keep the simpler design; the command
-queue already isolates the engine behind ``add / abort / call``, so moving it into a process
-later only replaces this module's transport.
+So the front uses under 2% of the CPU and can hold the GIL at most that long; most of a step
+runs inside torch ops, which release the GIL. A thread is the simpler and, on CPU, the cheaper
+choice. On a GPU, where a decode step of a large batch may cost ~0.1-0.2 ms per token (an
+estimate, not measured here), the front's ~0.14 ms per token becomes comparable and an engine
+process (vLLM V1's layout) pays off: the command queue below (add / abort / call) already
+isolates the engine, so that change replaces only this module's transport.
 
 Failure isolation: a request that fails validation raises ``ValueError`` in the caller before
 any output is streamed (``add_request`` validates synchronously in the caller's thread, then the
@@ -118,21 +119,29 @@ class RequestStream:
 
 
 def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """One delta output equivalent to ``a`` followed by ``b`` (same request)."""
-    ca, cb = a.outputs[0], b.outputs[0]
-    logprobs = None
-    if ca.logprobs is not None or cb.logprobs is not None:
-        logprobs = list(ca.logprobs or []) + list(cb.logprobs or [])
-    merged = CompletionOutput(
-        index=cb.index,
-        text=ca.text + cb.text,
-        token_ids=list(ca.token_ids) + list(cb.token_ids),
-        cumulative_logprob=cb.cumulative_logprob,
-        logprobs=logprobs,
-        finish_reason=cb.finish_reason,
-        stop_reason=cb.stop_reason,
-    )
-    return dataclasses.replace(b, outputs=[merged], prompt_logprobs=b.prompt_logprobs)
+    """One delta output equivalent to ``a`` followed by ``b`` (same request; completions are
+    matched by ``index``, so parallel sampling merges too)."""
+    merged: dict[int, CompletionOutput] = {c.index: c for c in a.outputs}
+    for cb in b.outputs:
+        ca = merged.get(cb.index)
+        if ca is None:
+            merged[cb.index] = cb
+            continue
+        logprobs = None
+        if ca.logprobs is not None or cb.logprobs is not None:
+            logprobs = list(ca.logprobs or []) + list(cb.logprobs or [])
+        merged[cb.index] = CompletionOutput(
+            index=cb.index,
+            text=ca.text + cb.text,
+            token_ids=list(ca.token_ids) + list(cb.token_ids),
+            cumulative_logprob=cb.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=cb.finish_reason,
+            stop_reason=cb.stop_reason,
+        )
+    outputs = [merged[i] for i in sorted(merged)]
+    prompt_logprobs = b.prompt_logprobs if b.prompt_logprobs is not None else a.prompt_logprobs
+    return dataclasses.replace(b, outputs=outputs, prompt_logprobs=prompt_logprobs)
 
 
 @dataclasses.dataclass
@@ -308,16 +317,19 @@ class AsyncLLM:
                     self._commands.clear()
                 outputs: list[RequestOutput] = []
                 for cmd in commands:
-                    outputs.extend(self._handle(cmd))
-                if self.engine.has_unfinished_requests():
-                    outputs.extend(self._step())
+                    outs = self._handle(cmd)
+                    self._deliver(outs)  # aborted streams end (and are untracked) at once
+                    outputs.extend(outs)
+                step_outputs = self._step() if self.engine.has_unfinished_requests() else []
+                outputs.extend(step_outputs)
                 self._stats = self._collect_stats()
                 for log in self.stat_loggers:  # before delivery: a client that got its last
                     try:  # token and then reads /metrics sees its request counted
                         log(self._stats, outputs)
                     except Exception:  # a metrics bug must not stop the engine
                         logger.exception("stat logger failed")
-                self._deliver(outputs)
+                self._deliver(step_outputs)
+                self._stats = {**self._stats, "num_streams": len(self._streams)}
         except BaseException as e:  # pragma: no cover - only on bugs in this loop itself
             logger.exception("engine thread died")
             self._dead_error = e
@@ -373,6 +385,8 @@ class AsyncLLM:
             return []
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (FastAPI): ``server.build_app`` / ``server.run_server``."""

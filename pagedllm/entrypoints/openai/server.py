@@ -1,0 +1,318 @@
+"""The OpenAI-compatible HTTP server: ``build_app(async_llm, args)`` and ``run_server(args)``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``.
+With an API key (``--api-key`` or ``PAGEDLLM_API_KEY``) every ``/v1`` route needs
+``Authorization: Bearer <key>`` (401 otherwise); the others stay open, as in vLLM.
+
+Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
+JSON, missing fields, wrong types, out-of-range values and prompts longer than the context, 401
+for a missing or wrong key, 404 for an unknown model or route, 500 if the engine fails (it keeps
+serving the other requests). A client that disconnects aborts its request, streaming or not.
+
+Importing this module loads FastAPI but not torch; the model loads in ``run_server``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+from collections.abc import Awaitable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedllm import __version__
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineError
+from pagedllm.entrypoints.openai.chat import ServingChat, load_chat_template
+from pagedllm.entrypoints.openai.completions import ServingCompletion, SSEStream
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    RequestError,
+    TokenizeRequest,
+    now,
+)
+from pagedllm.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+def error_response(err: RequestError) -> JSONResponse:
+    """OpenAI's error body with the error's HTTP status."""
+    return JSONResponse(ErrorResponse.of(err).model_dump(), status_code=err.status_code)
+
+
+class APIKeyMiddleware:
+    """Pure ASGI middleware (no buffering of streamed bodies): ``/v1`` needs the bearer key."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["path"].startswith("/v1")
+            and scope.get("method") != "OPTIONS"
+        ):
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not secrets.compare_digest(auth, self.expected):
+                err = RequestError(
+                    "Unauthorized: a valid 'Authorization: Bearer <api key>' header is required.",
+                    status_code=401,
+                    err_type="AuthenticationError",
+                )
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    """The JSON body validated as ``model``; RequestError(400) naming the field otherwise."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"Invalid JSON in the request body: {e}") from e
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from e
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "null"}
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    """``("prompt", "list[int]", 0)`` -> ``"prompt.0"``: drop pydantic's union-member tags."""
+    parts = [
+        str(x)
+        for x in loc
+        if isinstance(x, int) or ("[" not in str(x) and str(x) not in _TYPE_TAGS)
+    ]
+    return ".".join(parts)
+
+
+def validation_error(e: ValidationError) -> RequestError:
+    """A 400 naming the first bad field; a value that fits none of a union's types gets one
+    message, not one per member."""
+    errors = e.errors()
+    first = errors[0]
+    loc = _field_path(tuple(first.get("loc", ())))
+    union = [x for x in errors if _field_path(tuple(x.get("loc", ()))).startswith(loc)]
+    if loc and len(union) > 1 and len(union) == len(errors):
+        got = type(first.get("input")).__name__
+        msg = f"{loc}: invalid value of type {got} ({first.get('msg', 'invalid value')}, ...)"
+    else:
+        more = len(errors) - 1
+        msg = f"{loc}: {first.get('msg')}" if loc else str(first.get("msg"))
+        msg += f" (and {more} more errors)" if more else ""
+    return RequestError(msg, param=loc or None)
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def with_cancellation(request: Request, work: Awaitable[Any]) -> Any:
+    """Await ``work``, cancelling it if the client disconnects first (then returns None).
+    The cancelled handler's ``finally`` blocks abort its engine requests."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    return None
+
+
+def build_app(async_llm: AsyncLLM, args: Any = None) -> FastAPI:
+    """The FastAPI app serving ``async_llm``.
+
+    ``args`` is any object with (all optional) attributes ``served_model_name``, ``api_key``
+    (``PAGEDLLM_API_KEY`` is used when it is unset), ``chat_template`` (path or Jinja text),
+    ``max_log_len``. The app adds a ``ServerMetrics`` stat logger to ``async_llm``.
+    """
+    model_name = (
+        getattr(args, "served_model_name", None) or async_llm.model_config.served_model_name
+    )
+    api_key = getattr(args, "api_key", None) or os.environ.get("PAGEDLLM_API_KEY") or None
+    chat_template = load_chat_template(getattr(args, "chat_template", None))
+    metrics = ServerMetrics(model_name)
+    async_llm.stat_loggers.append(metrics.record)
+    completions = ServingCompletion(async_llm, model_name)
+    chat = ServingChat(async_llm, model_name, chat_template)
+    tokenizer = async_llm.tokenizer
+    max_model_len = async_llm.model_config.max_model_len
+    created = now()
+
+    app = FastAPI(title="pagedllm OpenAI-compatible server", version=__version__)
+    app.state.async_llm = async_llm
+    app.state.metrics = metrics
+    app.state.model_name = model_name
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err_type = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(exc.status_code, "Error")
+        return error_response(RequestError(str(exc.detail), None, exc.status_code, err_type))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        status, kind = (503, "ServiceUnavailable") if isinstance(exc, EngineDeadError) else (
+            500, "InternalServerError")  # fmt: skip
+        return error_response(RequestError(f"{type(exc).__name__}: {exc}", None, status, kind))
+
+    async def respond(request: Request, result: Any) -> Response:
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return SSEResponse(result)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        req = await parse_body(request, CompletionRequest)
+        return await handle(request, completions.create(req), bool(req.stream))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        req = await parse_body(request, ChatCompletionRequest)
+        return await handle(request, chat.create(req), bool(req.stream))
+
+    async def handle(request: Request, work: Awaitable[Any], stream: bool) -> Response:
+        try:
+            if stream:  # the SSE generator watches for the disconnect itself
+                result = await work
+            else:
+                result = await with_cancellation(request, work)
+                if result is None:  # client gone; nobody reads this
+                    return Response(status_code=499)
+        except (EngineError, EngineDeadError) as e:
+            return error_response(RequestError(str(e), None, 500, "InternalServerError"))
+        return await respond(request, result)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "pagedllm",
+            "root": async_llm.model_config.model,
+            "parent": None,
+            "max_model_len": max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if async_llm.is_running else 503)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        req = await parse_body(request, TokenizeRequest)
+        chat.check_model(req.model)
+        if req.messages is not None:
+            creq = ChatCompletionRequest(
+                messages=req.messages, add_generation_prompt=req.add_generation_prompt,
+                add_special_tokens=req.add_special_tokens,
+            )  # fmt: skip
+            _, ids = chat.render(creq)
+        else:
+            ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+        return JSONResponse(body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        req = await parse_body(request, DetokenizeRequest)
+        chat.check_model(req.model)
+        vocab = async_llm.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"tokens out of vocabulary (size {vocab}): {bad[:5]}", "tokens")
+        return JSONResponse({"prompt": tokenizer.decode(req.tokens)})
+
+    return app
+
+
+class SSEResponse(StreamingResponse):
+    """Streams an ``SSEStream``; however the response ends (done, client gone, send error),
+    the requests behind it are aborted (a no-op for the finished ones)."""
+
+    def __init__(self, stream: SSEStream) -> None:
+        super().__init__(stream.events, media_type="text/event-stream")
+        self.stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.stream.abort()
+
+
+def run_server(args: Any) -> None:
+    """Load the model, then serve on ``args.host:args.port`` until interrupted.
+
+    ``args`` is the namespace of ``pagedllm serve`` (see ``pagedllm.entrypoints.cli``).
+    """
+    import uvicorn
+
+    from pagedllm.entrypoints.cli import engine_args_from
+
+    engine_args = engine_args_from(args)
+    logger.info("loading %s", engine_args.model)
+    async_llm = AsyncLLM.from_engine_args(engine_args)
+    try:
+        app = build_app(async_llm, args)
+        mc = async_llm.model_config
+        logger.info(
+            "serving %s (max_model_len %d, %d KV blocks) on http://%s:%d",
+            app.state.model_name,
+            mc.max_model_len,
+            async_llm.stats()["num_blocks"],
+            args.host,
+            args.port,
+        )
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=getattr(args, "uvicorn_log_level", "info"),
+            timeout_keep_alive=5,
+        )
+        uvicorn.Server(config).run()
+    finally:
+        async_llm.shutdown()

@@ -1,0 +1,148 @@
+"""AsyncLLM on a tiny random model, in-process: streaming, validation, abort, failures, idle."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineError
+from pagedllm.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models) -> Iterator[AsyncLLM]:  # noqa: ANN001
+    from pagedllm.config import EngineArgs
+
+    args = EngineArgs(model=tiny_models("llama"), dtype="float32", max_model_len=128,
+                      num_gpu_blocks_override=64, device="cpu")  # fmt: skip
+    engine = AsyncLLM.from_engine_args(args)
+    yield engine
+    engine.shutdown()
+
+
+def _idle_ok(llm: AsyncLLM) -> None:
+    """On the engine thread (so after every earlier iteration): no request tracked, every
+    block free, KV invariants hold."""
+
+    async def check() -> tuple[int, int, int]:
+        def probe(engine):  # noqa: ANN001, ANN202
+            engine.engine_core.check_integrity()
+            kv = engine.engine_core.scheduler.kv_cache_manager
+            return len(llm._streams), kv.num_free_blocks(), kv.num_blocks
+
+        return await llm.call_in_engine(probe)
+
+    streams, free, total = asyncio.run(check())
+    assert streams == 0 and free == total
+
+
+async def _collect(llm: AsyncLLM, prompt: str, params: SamplingParams = GREEDY) -> list:
+    return [out async for out in llm.generate(prompt, params)]
+
+
+def test_generate_streams_deltas(llm: AsyncLLM) -> None:
+    outs = asyncio.run(_collect(llm, "Hello there"))
+    assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+    tokens = [t for o in outs for t in o.outputs[0].token_ids]
+    assert len(tokens) == 8 and outs[-1].outputs[0].finish_reason == "length"
+    again = asyncio.run(_collect(llm, "Hello there"))
+    assert [t for o in again for t in o.outputs[0].token_ids] == tokens  # greedy: same
+    _idle_ok(llm)
+
+
+def test_many_concurrent_requests(llm: AsyncLLM) -> None:
+    async def run() -> list[list]:
+        return await asyncio.gather(*(_collect(llm, f"prompt {i}") for i in range(12)))
+
+    results = asyncio.run(run())
+    assert all(sum(len(o.outputs[0].token_ids) for o in r) == 8 for r in results)
+    _idle_ok(llm)
+
+
+def test_validation_error_before_streaming(llm: AsyncLLM) -> None:
+    async def run() -> None:
+        with pytest.raises(ValueError, match="prompt"):
+            await llm.add_request("", GREEDY)
+        with pytest.raises(ValueError, match="max_model_len"):
+            await llm.add_request(list(range(3, 200)), GREEDY)
+        gen = llm.generate([10**6], GREEDY)
+        with pytest.raises(ValueError, match="vocab"):
+            await gen.__anext__()
+        stream = await llm.add_request("ok", GREEDY, request_id="dup")
+        with pytest.raises(ValueError, match="already in use"):
+            await llm.add_request("ok", GREEDY, request_id="dup")
+        assert [o async for o in stream][-1].finished
+
+    asyncio.run(run())
+    _idle_ok(llm)
+
+
+def test_abort_and_close_free_blocks(llm: AsyncLLM) -> None:
+    long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+
+    async def run() -> None:
+        stream = await llm.add_request("abort me", long, request_id="a1")
+        await stream.__anext__()
+        await llm.abort("a1")
+        rest = [o async for o in stream]
+        assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+        gen = llm.generate("close me", long)
+        await gen.__anext__()
+        await gen.aclose()  # the consumer walks away: the request is aborted
+
+    asyncio.run(run())
+    _idle_ok(llm)
+
+
+def test_engine_failure_is_reported_and_survived(llm: AsyncLLM) -> None:
+    real_step = llm.engine.step
+    calls = {"n": 0}
+
+    def flaky_step():  # noqa: ANN202
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real_step()
+
+    llm.engine.step = flaky_step  # type: ignore[method-assign]
+    try:
+        with pytest.raises(EngineError, match="boom"):
+            asyncio.run(_collect(llm, "this one fails"))
+    finally:
+        del llm.engine.step  # back to the class method
+    assert llm.is_running
+    outs = asyncio.run(_collect(llm, "this one works"))
+    assert outs[-1].finished
+    _idle_ok(llm)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+def test_idle_engine_thread_sleeps(llm: AsyncLLM) -> None:
+    tid = llm._thread.native_id
+
+    def cpu_ticks() -> int:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+
+    before = cpu_ticks()
+    time.sleep(0.5)
+    assert cpu_ticks() - before <= 2  # a busy loop would burn ~50 ticks
+
+
+def test_shutdown(tiny_models) -> None:  # noqa: ANN001
+    from pagedllm.config import EngineArgs
+
+    args = EngineArgs(model=tiny_models("llama"), dtype="float32", max_model_len=64,
+                      num_gpu_blocks_override=16, device="cpu")  # fmt: skip
+    llm = AsyncLLM.from_engine_args(args)
+    llm.shutdown()
+    assert not llm.is_running and not llm._thread.is_alive()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(llm.add_request("hi", GREEDY))

