@@ -19,7 +19,8 @@ Kernels:
   ``BLOCK_Q`` consecutive query tokens of one request times the ``G = num_heads / num_kv_heads``
   query heads that share the KV head, flattened into ``BLOCK_M = BLOCK_Q * G`` (padded) rows, so
   every K/V tile loaded from the cache serves the whole GQA group. Online softmax over tiles of
-  ``TILE_N`` keys (a tile may span several cache blocks: each key looks up its own block id).
+  ``TILE_N`` keys (a tile may span several cache blocks: each key looks up its own block id);
+  tiles that every row sees whole skip the causal/window mask and the bounds checks.
 - ``_split_kernel`` + ``_reduce_kernel``: decode-only batches (every q_len <= 1). One program per
   (request, KV head, split); split s attends over the s-th of ``NUM_SPLITS`` equal slices of the
   request's key tiles and writes its un-normalised accumulator, running max and running sum; the
@@ -31,6 +32,9 @@ Everything is sized from host ints (tensor shapes, ``max_query_len``, ``max_seq_
 sync and no Python branch on device values, so decode batches are CUDA-graph capturable. Rows of
 ``query`` past ``query_start_loc[-1]`` (CUDA-graph padding) are never written.
 
+Measured on an H200 (benchmarks/results/kernels_nvidia_h200.json): decode at 0.86-1.07 of the
+copy bandwidth from 32 x 4k or 256 x 512 up; prefill ~280-300 TFLOP/s (head_dim 128, bf16).
+
 This module imports Triton at import time: import it only where Triton is installed. Under
 ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (slowly), for tests.
 """
@@ -38,12 +42,19 @@ This module imports Triton at import time: import it only where Triton is instal
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["paged_attention", "paged_attention_ref", "choose_num_splits"]
+__all__ = [
+    "TileConfig",
+    "choose_num_splits",
+    "default_tile_config",
+    "paged_attention",
+    "paged_attention_ref",
+]
 
 LOG2E = 1.4426950408889634
 
@@ -100,6 +111,7 @@ def _attend_tiles(
     TILE_N: tl.constexpr,
     UPCAST: tl.constexpr,  # dots in fp32 (the CPU interpreter mis-computes bf16 dots)
     PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else "tf32" (unused for 16-bit)
+    MASKED: tl.constexpr,  # False: every key of every tile is visible to every valid row
 ):
     """Online softmax over key tiles ``[tile_lo, tile_hi)``; returns the updated (acc, l, m)."""
     d = tl.arange(0, HEAD_PAD)
@@ -108,18 +120,32 @@ def _attend_tiles(
         j = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] key positions
         j_mask = j < key_end
         # Example: BLOCK_SIZE 16, j = 37 -> block table column 2, offset 5 in that block.
-        blk = tl.load(bt_row_ptr + j // BLOCK_SIZE, mask=j_mask, other=0).to(tl.int64)
+        if MASKED:
+            blk = tl.load(bt_row_ptr + j // BLOCK_SIZE, mask=j_mask, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row_ptr + j // BLOCK_SIZE).to(tl.int64)
         off = blk * stride_cb + (j % BLOCK_SIZE) * stride_cs + kv_head_off  # [TILE_N]
-        kv_mask = j_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        kv_ptrs = off[:, None] + d[None, :]  # [TILE_N, HEAD_PAD]
+        if MASKED:
+            kv_mask = j_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        elif HEAD_PAD == HEAD_DIM:
+            k = tl.load(k_cache_ptr + kv_ptrs)
+            v = tl.load(v_cache_ptr + kv_ptrs)
+        else:
+            k = tl.load(k_cache_ptr + kv_ptrs, mask=d_mask[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + kv_ptrs, mask=d_mask[None, :], other=0.0)
         if UPCAST:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
         s = s * qk_scale  # [BLOCK_M, TILE_N], log2 units
-        visible = (j[None, :] <= q_pos[:, None]) & (j[None, :] > win_lo[:, None]) & j_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
+        if MASKED:
+            visible = (
+                (j[None, :] <= q_pos[:, None]) & (j[None, :] > win_lo[:, None]) & j_mask[None, :]
+            )
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen no visible key yet keeps max -inf: use 0 so exp2 gives 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -132,6 +158,61 @@ def _attend_tiles(
             pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_range(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    win_lo,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row_ptr,
+    kv_head_off,
+    tile_lo,
+    tile_hi,
+    first_pos,  # smallest position of the valid query rows
+    key_end,  # largest position of the valid query rows + 1
+    window,
+    qk_scale,
+    stride_cb,
+    stride_cs,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Tiles ``[tile_lo, tile_hi)`` in three runs: masked, mask-free, masked.
+
+    A tile is mask-free when all its keys are visible to every valid query row: it ends at or
+    before ``first_pos`` (causal) and starts at or after ``key_end - window`` (window).
+    Example: TILE_N 64, no window, one prefill tile of rows at positions 100..115, tiles [0, 2):
+    tile 0 (keys 0-63) is mask-free, tile 1 (keys 64-127) straddles the diagonal: masked.
+    """
+    win_full = tl.where(window > 0, (tl.maximum(key_end - window, 0) + TILE_N - 1) // TILE_N, 0)
+    full_lo = tl.minimum(tl.maximum(win_full, tile_lo), tile_hi)
+    full_hi = tl.minimum(tl.maximum((first_pos + 1) // TILE_N, full_lo), tile_hi)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off,
+        tile_lo, full_lo, key_end, qk_scale, stride_cb, stride_cs,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST, PRECISION, True,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off,
+        full_lo, full_hi, key_end, qk_scale, stride_cb, stride_cs,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST, PRECISION, False,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off,
+        full_hi, tile_hi, key_end, qk_scale, stride_cb, stride_cs,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST, PRECISION, True,
+    )  # fmt: skip
     return acc, l_i, m_i
 
 
@@ -209,30 +290,12 @@ def _unified_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _attend_tiles(
-        acc,
-        l_i,
-        m_i,
-        q,
-        q_pos,
-        win_lo,
-        k_cache_ptr,
-        v_cache_ptr,
-        bt_ptr + r.to(tl.int64) * stride_bt,
-        kvh * stride_ch,
-        tile_lo,
-        tile_hi,
-        key_end,
-        qk_scale,
-        stride_cb,
-        stride_cs,
-        HEAD_DIM,
-        HEAD_PAD,
-        BLOCK_SIZE,
-        TILE_N,
-        UPCAST,
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr,
+        bt_ptr + r.to(tl.int64) * stride_bt, kvh * stride_ch, tile_lo, tile_hi, first_pos, key_end,
+        window, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
         PRECISION,
-    )
+    )  # fmt: skip
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     tl.store(
@@ -306,30 +369,12 @@ def _split_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _attend_tiles(
-        acc,
-        l_i,
-        m_i,
-        q,
-        q_pos,
-        win_lo,
-        k_cache_ptr,
-        v_cache_ptr,
-        bt_ptr + r.to(tl.int64) * stride_bt,
-        kvh * stride_ch,
-        tile_lo,
-        tile_hi,
-        seq_len,
-        qk_scale,
-        stride_cb,
-        stride_cs,
-        HEAD_DIM,
-        HEAD_PAD,
-        BLOCK_SIZE,
-        TILE_N,
-        UPCAST,
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr,
+        bt_ptr + r.to(tl.int64) * stride_bt, kvh * stride_ch, tile_lo, tile_hi, pos, seq_len,
+        window, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
         PRECISION,
-    )
+    )  # fmt: skip
     # Example: NUM_HEADS 32, NUM_SPLITS 8, r 2, head 5, s 3 -> row (2 * 32 + 5) * 8 + 3.
     row = (r.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + s  # [BLOCK_M]
     tl.store(part_m_ptr + row, m_i, mask=row_mask)
@@ -373,7 +418,9 @@ def _reduce_kernel(
     denom = tl.where(denom == 0.0, 1.0, denom)
     d = tl.arange(0, HEAD_PAD)
     d_mask = d < HEAD_DIM
-    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_PAD + d[None, :])  # [NUM_SPLITS, HEAD_PAD]
+    acc = tl.load(  # [NUM_SPLITS, HEAD_PAD]; lanes >= HEAD_DIM were never written
+        part_acc_ptr + row[:, None] * HEAD_PAD + d[None, :], mask=d_mask[None, :], other=0.0
+    )
     out = tl.sum(acc * w[:, None], axis=0) / denom
     tl.store(
         out_ptr + q_start.to(tl.int64) * stride_ot + h * stride_oh + d,
@@ -395,14 +442,21 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(
-    num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, device: torch.device
+    num_reqs: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_seq_len: int,
+    device: torch.device,
+    tile_n: int = 64,
 ) -> int:
     """Splits of the key sequence for the decode path; 1 means the unified kernel.
 
-    Split only decode-only batches (max_query_len <= 1) whose (request, KV head) programs would
-    leave the GPU under-filled (< 2 per SM), aiming at ~4 programs per SM with at least 256
-    keys per split. Example (H100, 132 SMs): batch 1, 8 KV heads, 32k context -> 8 programs ->
-    64 splits; batch 32 -> 256 programs -> 4 splits at 4k context; batch 256 -> 1.
+    Split only decode-only batches (max_query_len <= 1) whose (request, KV head) programs
+    would leave the GPU under-filled (< 2 per SM): the largest power of two that keeps
+    programs x splits <= 4 per SM, at most 64, and no more splits than key tiles. Example
+    (H200, 132 SMs, 8 KV heads): batch 1 -> 8 programs -> 64 splits at 32k context, 8 at 512
+    (8 tiles of 64 keys); batch 32 -> 256 programs -> 2 splits; batch 256 -> 1. Measured there
+    (benchmarks/kernels.py), these were the fastest split counts or within 5% of them.
     For CUDA graphs the choice is baked in at capture: capture with max_seq_len = the model's
     max length (correctness never depends on the choice, only speed).
     """
@@ -410,19 +464,42 @@ def choose_num_splits(
         return 1
     programs = num_reqs * num_kv_heads
     sms = _num_sms(device)
-    if programs >= 2 * sms or max_seq_len < 512:
+    if programs >= 2 * sms:
         return 1
-    want = triton.cdiv(4 * sms, programs)
-    cap = max(1, max_seq_len // 256)
-    return max(1, min(64, triton.next_power_of_2(want), triton.next_power_of_2(cap)))
+    want = max(1, (4 * sms) // programs)
+    tiles = max(1, triton.cdiv(max_seq_len, tile_n))
+    splits = min(64, want, tiles)
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two
 
 
-def _tiles(head_pad: int, decode: bool, g: int) -> tuple[int, int, int]:
-    """(BLOCK_M, TILE_N, num_warps) by head size and batch kind."""
-    block_m = 16 if decode else (64 if head_pad <= 128 else 32)
-    block_m = max(block_m, triton.next_power_of_2(g))
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape of the attention kernels.
+
+    ``block_m``: query rows per program of the unified kernel (query tokens x GQA group); the
+    split kernel always uses max(16, next_pow2(G)) rows (one decode token's group).
+    ``tile_n``: keys per inner-loop step. ``num_stages``: software-pipelining depth of the
+    K/V loads (unified kernel; ``split_num_stages`` for the split-K kernel).
+    """
+
+    block_m: int
+    tile_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    split_num_stages: int = 3  # the split-K kernel's pipelining depth
+
+
+def default_tile_config(head_pad: int, decode: bool) -> TileConfig:
+    """Defaults by head size and batch kind (decode-only batches get 16-row tiles).
+
+    Picked from the sweep in benchmarks/kernels.py on an H200 (head_dim 128, GQA 4, bf16).
+    """
     tile_n = 64 if head_pad <= 128 else 32
-    return block_m, tile_n, 4
+    if decode:
+        return TileConfig(block_m=16, tile_n=tile_n)
+    if head_pad <= 128:
+        return TileConfig(block_m=64, tile_n=tile_n, num_stages=3)
+    return TileConfig(block_m=32, tile_n=tile_n)
 
 
 def paged_attention(
@@ -437,6 +514,7 @@ def paged_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     num_splits: int | None = None,  # force a path: 1 = unified, > 1 (power of 2) = split-K
+    tile_config: TileConfig | None = None,  # override the launch shape (tuning)
 ) -> torch.Tensor:
     """Causal paged attention for a flattened mixed batch; returns [num_tokens, H, D].
 
@@ -465,11 +543,13 @@ def paged_attention(
     upcast = query.device.type == "cpu"
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     decode = max_query_len <= 1
+    cfg = tile_config or default_tile_config(head_pad, decode)
     if num_splits is None:
         num_splits = choose_num_splits(
-            num_reqs, num_kv_heads, max_query_len, max_seq_len, query.device
+            num_reqs, num_kv_heads, max_query_len, max_seq_len, query.device, cfg.tile_n
         )
-    block_m, tile_n, warps = _tiles(head_pad, decode, g)
+    block_m = max(cfg.block_m, triton.next_power_of_2(g))
+    tile_n = cfg.tile_n
 
     if num_splits > 1:
         assert decode, "the split-K path takes decode-only batches (max_query_len <= 1)"
@@ -482,86 +562,32 @@ def paged_attention(
         )
         part_l = torch.empty_like(part_m)
         _split_kernel[(num_reqs, num_kv_heads, num_splits)](
-            part_acc,
-            part_m,
-            part_l,
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            query_start_loc,
-            seq_lens,
-            qk_scale,
-            window,
-            query.stride(0),
-            query.stride(1),
-            block_tables.stride(0),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            NUM_HEADS=num_heads,
-            NUM_SPLITS=num_splits,
-            G=g,
-            HEAD_DIM=head_dim,
-            HEAD_PAD=head_pad,
-            BLOCK_SIZE=block_size,
-            BLOCK_M=max(16, triton.next_power_of_2(g)),
-            TILE_N=tile_n,
-            UPCAST=upcast,
-            PRECISION=precision,
-            num_warps=warps,
-            num_stages=2,
-        )
+            part_acc, part_m, part_l, query, k_cache, v_cache, block_tables, query_start_loc,
+            seq_lens, qk_scale, window, query.stride(0), query.stride(1), block_tables.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NUM_HEADS=num_heads,
+            NUM_SPLITS=num_splits, G=g, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+            BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(g)), TILE_N=tile_n,
+            UPCAST=upcast, PRECISION=precision, num_warps=cfg.num_warps,
+            num_stages=cfg.split_num_stages,
+        )  # fmt: skip
         _reduce_kernel[(num_reqs, num_heads)](
-            out,
-            part_acc,
-            part_m,
-            part_l,
-            query_start_loc,
-            out.stride(0),
-            out.stride(1),
-            NUM_HEADS=num_heads,
-            NUM_SPLITS=num_splits,
-            HEAD_DIM=head_dim,
-            HEAD_PAD=head_pad,
+            out, part_acc, part_m, part_l, query_start_loc, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
             num_warps=4 if head_pad >= 128 else 2,
-        )
+        )  # fmt: skip
         return out
 
     block_q = block_m // g
     # Upper bound on the tiles of all requests (see _find_request).
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _unified_kernel[grid](
-        out,
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        query_start_loc,
-        seq_lens,
-        num_reqs,
-        qk_scale,
-        window,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        G=g,
-        HEAD_DIM=head_dim,
-        HEAD_PAD=head_pad,
-        BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
-        TILE_N=tile_n,
-        UPCAST=upcast,
-        PRECISION=precision,
-        num_warps=warps,
-        num_stages=2,
-    )
+        out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, num_reqs, qk_scale,
+        window, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), G=g,
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        BLOCK_Q=block_q, TILE_N=tile_n, UPCAST=upcast, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     return out
 
 
