@@ -1,0 +1,66 @@
+"""The GPU attention backend: Triton KV write + Triton paged attention.
+
+Per layer and step: :func:`pagedllm.ops.kv_write.write_kv_cache` stores the new K/V rows at
+``metadata.slot_mapping`` (slot -1 = CUDA-graph padding, skipped), then
+:func:`pagedllm.ops.paged_attention.paged_attention` attends every query row over its request's
+cached keys (the unified kernel for mixed prefill/decode batches, split-K for decode-only batches
+that under-fill the GPU). All sizes come from host ints in the metadata and tensor shapes, so a
+decode step captured in a CUDA graph replays correctly as sequences grow.
+
+The metadata lives on the GPU: query_start_loc [R + 1] int32, seq_lens [R] int32,
+block_tables [R, max_blocks] int32, slot_mapping [num_tokens] int64. The token count may be
+padded past ``query_start_loc[-1]`` (CUDA graphs): those output rows are left uninitialised.
+
+Importing this module imports Triton; the engine imports it only when it picks this backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.backends.base import AttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.ops.kv_write import write_kv_cache
+from pagedllm.ops.paged_attention import paged_attention
+
+
+class TritonBackend(AttentionBackend):
+    """GPU paged attention with Triton kernels (see module docstring).
+
+    ``num_splits`` forces the attention path for every call (1 = unified kernel, a power of two
+    > 1 = split-K on decode-only batches); None lets the dispatcher choose per step.
+    """
+
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        self.num_splits = num_splits
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = query.shape
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        num_splits = self.num_splits
+        if num_splits is not None and metadata.max_query_len > 1:
+            num_splits = 1  # split-K takes decode-only batches
+        out = paged_attention(
+            query,
+            kv_cache,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            metadata.block_tables,
+            metadata.max_query_len,
+            metadata.max_seq_len,
+            scale,
+            sliding_window,
+            num_splits=num_splits,
+        )  # [num_tokens, num_heads, head_dim]
+        return out.view(num_tokens, num_heads * head_dim)
