@@ -99,7 +99,9 @@ class ModelRunner:
     def _profile_gpu_blocks(self, per_block: int) -> int:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = self.max_num_tokens
+        ib = self.input_batch
+        # the largest step: the token budget, but no more than max_num_seqs full requests hold
+        num_tokens = min(self.max_num_tokens, ib.max_num_reqs * self.max_model_len)
         blocks = -(-num_tokens // self.block_size)
         self.initialize_kv_cache(blocks, log=False)  # temporary, for the profiling pass
         temp_bytes = blocks * per_block
