@@ -16,6 +16,12 @@ vLLM names: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 pagedllm names: ``pagedllm:kv_cache_free_blocks``, ``pagedllm:kv_cache_total_blocks`` (so a
 probe can check that every block came back), ``pagedllm:engine_steps_total``.
 
+``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` count prompt tokens
+looked up in / found in the prefix cache when a request is admitted (the scheduler's
+cumulative ``prefix_cache_queries`` / ``prefix_cache_hits``, exported as they grow); hits over
+queries is the hit rate. ``vllm:generation_tokens_total`` counts the tokens of every sequence
+of a request (n > 1, best_of); a beam search counts its returned hypotheses when it ends.
+
 Every metric lives in a per-server ``CollectorRegistry`` (not the process-global one), so
 several servers can run in one process (tests). Counters and histograms are updated on the
 engine thread after each iteration (prometheus-client is thread-safe); ``prompt_tokens_total``
@@ -95,7 +101,7 @@ class ServerMetrics:
         )
         self._last: dict[str, float] = {}
         self._counted_prompts: set[str] = set()
-        self._num_tokens: dict[str, int] = {}
+        self._num_tokens: dict[str, dict[int, int]] = {}  # request -> sequence index -> tokens
 
     def _l(self, metric: Any, **extra: str) -> Any:
         return metric.labels(model_name=self.model_name, **extra)
@@ -124,12 +130,16 @@ class ServerMetrics:
             self._record_output(out, now)
 
     def _record_output(self, out: RequestOutput, now: float) -> None:
+        """Count one output. With parallel sampling (n > 1) the generation tokens of every
+        sequence count; TPOT is measured along the longest sequence. A beam search reports
+        once, at its end, with its hypotheses as the outputs."""
         rid = out.request_id
-        completion = out.outputs[0] if out.outputs else None
-        n_new = len(completion.token_ids) if completion is not None else 0
+        n_new = sum(len(c.token_ids) for c in out.outputs)
         if n_new:
             self._l(self.generation_tokens).inc(n_new)
-        total = self._num_tokens.get(rid, 0) + n_new
+        per_seq = self._num_tokens.setdefault(rid, {})
+        for c in out.outputs:
+            per_seq[c.index] = per_seq.get(c.index, 0) + len(c.token_ids)
         if (n_new or out.finished) and rid not in self._counted_prompts:
             self._counted_prompts.add(rid)
             self._l(self.prompt_tokens).inc(len(out.prompt_token_ids))
@@ -138,20 +148,21 @@ class ServerMetrics:
             if first is not None and arrival is not None and n_new:
                 self._l(self.ttft).observe(max(0.0, first - arrival))
         if not out.finished:
-            self._num_tokens[rid] = total
             return
         self._num_tokens.pop(rid, None)
         self._counted_prompts.discard(rid)
+        completion = out.outputs[0] if out.outputs else None
         reason = (completion.finish_reason if completion else None) or "abort"
         self._l(self.success, finished_reason=reason).inc()
         arrival = out.metrics.get("arrival_time")
         first = out.metrics.get("first_token_time")
         if arrival is not None:
             self._l(self.e2e).observe(max(0.0, now - arrival))
-        if first is not None and total > 1:
-            self._l(self.tpot).observe(max(0.0, now - first) / (total - 1))
+        longest = max(per_seq.values(), default=0)
+        if first is not None and longest > 1:
+            self._l(self.tpot).observe(max(0.0, now - first) / (longest - 1))
         self._l(self.req_prompt).observe(len(out.prompt_token_ids))
-        self._l(self.req_gen).observe(total)
+        self._l(self.req_gen).observe(sum(per_seq.values()))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""

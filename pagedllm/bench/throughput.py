@@ -135,7 +135,9 @@ def run(args: argparse.Namespace) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
     inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(
-        inputs[:4], [SamplingParams(max_tokens=4, ignore_eos=True)] * 4, use_tqdm=False
+        inputs[:4],
+        [SamplingParams(max_tokens=4, ignore_eos=True)] * len(inputs[:4]),
+        use_tqdm=False,
     )  # warm-up
     rec = StepRecorder(llm)
     if device.type == "cuda":

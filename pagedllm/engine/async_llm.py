@@ -33,6 +33,16 @@ any output is streamed (``add_request`` validates synchronously in the caller's 
 engine thread reports the engine's own checks back through a future). An exception inside
 ``LLMEngine.step()`` is delivered to every request in flight (as ``EngineError``), those
 requests are aborted, and the loop goes on serving new requests.
+
+Structured outputs: the grammar manager (xgrammar tokenizer info and compiler) is created once,
+on a helper thread (``prepare_structured_outputs``), never on the event loop nor the engine
+thread; every structured request waits for it before it is queued, so the engine thread never
+creates a second one. ``check_structured_outputs`` compiles a request's grammar on an executor
+thread (the result is cached for when the request runs) so a bad grammar is a ``ValueError``
+before the request is queued.
+
+Beam search (``add_beam_request``) runs on the same engine thread; its stream yields one
+``RequestOutput`` at the end, whose outputs are the hypotheses, best first.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.beam_search import BeamSearchParams
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -147,10 +158,11 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 @dataclasses.dataclass
 class _Add:
     stream: RequestStream
-    prompt: Any
-    params: SamplingParams
+    prompt: dict[str, Any]
+    params: SamplingParams | BeamSearchParams
     priority: int
     done: concurrent.futures.Future[None]
+    output_kind: str = "delta"
 
 
 @dataclasses.dataclass
@@ -185,6 +197,8 @@ class AsyncLLM:
         self._dead_error: BaseException | None = None
         self._stats: dict[str, Any] = self._collect_stats()
         self._ids = 0
+        self._structured_lock = threading.Lock()
+        self._structured_ready: concurrent.futures.Future[Any] | None = None
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
@@ -221,27 +235,98 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        output_kind: str = "delta",
     ) -> RequestStream:
         """Validate and queue a request; returns its output stream.
 
+        ``prompt`` may be a dict with a ``cache_salt`` (a string isolating this tenant's
+        prefix-cache entries). ``output_kind`` "delta" (default) streams what each step added;
+        "final" yields one output at the end (for ``best_of > n``: the n best, re-indexed).
         Raises ValueError (nothing queued) on bad input, EngineDeadError if the engine stopped.
         """
+        if output_kind not in ("delta", "final"):
+            raise ValueError(f"output_kind must be 'delta' or 'final', got {output_kind!r}.")
+        self._check_running()
+        text, ids = self.validate(prompt, params)
+        if params.structured_outputs is not None:
+            await asyncio.wrap_future(self.prepare_structured_outputs())
+        return await self._queue(prompt, text, ids, params, request_id, priority, output_kind)
+
+    async def add_beam_request(
+        self, prompt: Any, params: BeamSearchParams, request_id: str | None = None
+    ) -> RequestStream:
+        """Validate and queue a beam search; its stream yields ONE ``RequestOutput`` when the
+        search ends, whose outputs are the hypotheses, best first (``index`` 0, 1, ...)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}.")
+        self._check_running()
+        text, ids = self.validate(prompt, SamplingParams(max_tokens=params.max_tokens))
+        return await self._queue(prompt, text, ids, params, request_id, 0, "final")
+
+    def _check_running(self) -> None:
         if not self.is_running:
             raise EngineDeadError("the engine is not running.") from self._dead_error
-        text, ids = self.validate(prompt, params)
+
+    async def _queue(
+        self,
+        prompt: Any,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams | BeamSearchParams,
+        request_id: str | None,
+        priority: int,
+        output_kind: str,
+    ) -> RequestStream:
         request_id = request_id or self.new_request_id()
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, loop)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._submit(
-            _Add(stream, {"prompt": text, "prompt_token_ids": ids}, params, priority, done)
-        )
+        engine_prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None:
+            if not isinstance(salt, str) or not salt:
+                raise ValueError("cache_salt must be a non-empty string.")
+            if isinstance(params, BeamSearchParams):
+                raise ValueError("cache_salt is not supported with beam search.")
+            engine_prompt["cache_salt"] = salt
+        self._submit(_Add(stream, engine_prompt, params, priority, done, output_kind))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
             self.abort_nowait(request_id)
             raise
         return stream
+
+    def prepare_structured_outputs(self) -> concurrent.futures.Future[Any]:
+        """Create the engine's grammar manager on a helper thread (once; idempotent): a Future
+        of it. Its exception is a ValueError when structured outputs are unavailable (no
+        xgrammar). Call it at start-up to have the tokenizer info ready before the first
+        structured request."""
+        with self._structured_lock:
+            if self._structured_ready is None:
+                fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+                self._structured_ready = fut
+                core = self.engine.engine_core
+
+                def create() -> None:
+                    try:
+                        fut.set_result(core.structured_output_manager())
+                    except BaseException as e:  # noqa: BLE001 - handed to the waiters
+                        logger.warning("structured outputs unavailable: %s", e)
+                        fut.set_exception(e if isinstance(e, ValueError) else ValueError(str(e)))
+
+                threading.Thread(target=create, name="pagedllm-grammar-init", daemon=True).start()
+            return self._structured_ready
+
+    async def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile the request's grammar now, off the event loop and off the engine thread
+        (cached for when the request runs). ValueError (``GrammarCompileError``) with the
+        compiler's message if it is invalid; a no-op without structured outputs."""
+        if params.structured_outputs is None:
+            return
+        await asyncio.wrap_future(self.prepare_structured_outputs())
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.engine.check_structured_outputs, params)
 
     async def generate(
         self,
@@ -361,13 +446,33 @@ class AsyncLLM:
         try:
             if rid in self._streams:
                 raise ValueError(f"request_id {rid!r} is already in use.")
-            self.engine.add_request(rid, cmd.prompt, cmd.params, cmd.priority, "delta")
+            if isinstance(cmd.params, BeamSearchParams):
+                self.engine.add_beam_request(rid, cmd.prompt, cmd.params)
+            elif "cache_salt" in cmd.prompt:
+                self._add_salted(rid, cmd)
+            else:
+                self.engine.add_request(rid, cmd.prompt, cmd.params, cmd.priority, cmd.output_kind)
         except Exception as e:  # ValueError from validation, or anything else: this request only
             cmd.done.set_exception(e)
             return []
         self._streams[rid] = cmd.stream
         cmd.done.set_result(None)
         return []
+
+    def _add_salted(self, rid: str, cmd: _Add) -> None:
+        """``LLMEngine.add_request`` for a prompt with a ``cache_salt``, setting the salt on the
+        Request before the scheduler sees it (``InputProcessor.process`` does not carry it
+        over; the scheduler may hash the prompt's blocks as soon as the request is queued)."""
+        engine = self.engine
+        assert isinstance(cmd.params, SamplingParams)
+        if engine.output_processor.has(rid):
+            raise ValueError(f"request_id {rid!r} is already in use.")
+        request, text = engine.input_processor.process(rid, cmd.prompt, cmd.params, cmd.priority)
+        request.cache_salt = cmd.prompt["cache_salt"]
+        engine.engine_core.add_request(request)
+        engine.output_processor.add_request(
+            rid, text, request.prompt_token_ids, request.sampling_params, cmd.output_kind
+        )
 
     def _step(self) -> list[RequestOutput]:
         try:

@@ -63,6 +63,11 @@ class EngineCore:
 
     def add_beam_request(self, request: Request, params, eos_ids: set[int]) -> None:  # noqa: ANN001
         """Queue a beam search whose first beam is ``request``."""
+        if params.beam_width > self.config.scheduler_config.max_num_seqs:
+            raise ValueError(
+                f"beam_width ({params.beam_width}) is larger than max_num_seqs "
+                f"({self.config.scheduler_config.max_num_seqs})."
+            )
         self.scheduler.add_request(request)
         self.scheduler.beams.register(request, params, eos_ids)
 

@@ -85,6 +85,8 @@ class InputProcessor:
             params._hide_logprobs = True  # type: ignore[attr-defined]
         params.stop = list(params.stop or [])
         params.all_stop_token_ids = set(params.stop_token_ids or [])
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}.")
         req = Request(
             request_id,
             ids,
@@ -94,4 +96,9 @@ class InputProcessor:
             priority=priority,
             max_model_len=max_len,
         )
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            salt = prompt["cache_salt"]
+            if not isinstance(salt, str) or not salt:
+                raise ValueError("cache_salt must be a non-empty string.")
+            req.cache_salt = salt
         return req, text

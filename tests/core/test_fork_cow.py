@@ -133,3 +133,19 @@ def test_group_preempted_all_or_nothing():
         s.kv_cache_manager.check_integrity()
     assert preempted == {"g", "g#1"}
     s.kv_cache_manager.check_integrity()
+
+
+def test_group_reserves_its_slots_and_too_wide_is_rejected():
+    import pytest
+
+    s = make_scheduler(num_blocks=50, block_size=4, max_seqs=4)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        s.add_request(Request("wide", [1, 2, 3], SamplingParams(n=5, temperature=1.0)))
+    for i in range(3):
+        s.add_request(Request(f"r{i}", [10 + i, 2, 3], SamplingParams(max_tokens=5)))
+    s.add_request(Request("g", [9, 9, 9], SamplingParams(n=2, temperature=1.0, max_tokens=5)))
+    so = s.schedule()
+    assert "g" not in so.num_scheduled_tokens  # 3 running + 2 sequences > 4
+    ids = list(so.num_scheduled_tokens)
+    s.update_from_output(so, ModelRunnerOutput(req_ids=ids, sampled_token_ids=[[5]] * len(ids)))
+    assert len(s.running) <= 4

@@ -71,3 +71,83 @@ def test_merge_deltas() -> None:
 
     m = merge_deltas(out("a", [1], None), out("bc", [2, 3], "stop"))
     assert (m.outputs[0].text, m.outputs[0].token_ids, m.finished) == ("abc", [1, 2, 3], True)
+
+
+def test_priority_and_cache_salt_reach_the_engine(llm: AsyncLLM, monkeypatch) -> None:  # noqa: ANN001
+    """The body's ``priority`` and ``cache_salt`` arrive on the engine's Request (as the
+    scheduler sees it when the request is queued), for completions and chat."""
+    seen: list[tuple[int, str | None, list[int]]] = []
+    core = llm.engine.engine_core
+    orig = core.add_request
+
+    def spy(request):  # noqa: ANN001, ANN202 - runs on the engine thread
+        seen.append((request.priority, request.cache_salt, list(request.prompt_token_ids)))
+        return orig(request)
+
+    monkeypatch.setattr(core, "add_request", spy)
+    app = build_app(llm, Namespace(chat_template=TEMPLATE))
+    body = {"prompt": [5, 6, 7], "max_tokens": 2, "priority": -3, "cache_salt": "tenant-1"}
+    assert _call(app, "POST", "/v1/completions", json=body).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "priority": 2}
+    assert _call(app, "POST", "/v1/chat/completions", json=chat).status_code == 200
+    assert _call(app, "POST", "/v1/completions", json={"prompt": [5], "max_tokens": 1}).is_success
+    assert [(p, s) for p, s, _ in seen] == [(-3, "tenant-1"), (2, None), (0, None)]
+    assert seen[0][2] == [5, 6, 7]
+    r = _call(app, "POST", "/v1/completions", json={**body, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_grammar_compiles_off_the_loop_and_engine_thread(llm: AsyncLLM, monkeypatch) -> None:  # noqa: ANN001
+    """build_app creates the grammar manager on a helper thread; each request's grammar is
+    compiled on an executor thread, never on the event loop's nor the engine's."""
+    pytest.importorskip("xgrammar")
+    import threading
+
+    threads: list[str] = []
+    engine = llm.engine
+    orig = engine.check_structured_outputs
+
+    def spy(params):  # noqa: ANN001, ANN202
+        threads.append(threading.current_thread().name)
+        return orig(params)
+
+    monkeypatch.setattr(engine, "check_structured_outputs", spy)
+    app = build_app(llm, Namespace())
+    assert llm.prepare_structured_outputs().result(timeout=60) is not None
+    body = {"prompt": "x", "max_tokens": 3, "temperature": 0, "guided_choice": ["yes", "no"]}
+    r = _call(app, "POST", "/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no")
+    r = _call(
+        app, "POST", "/v1/completions", json={**body, "guided_regex": "(", "guided_choice": None}
+    )
+    assert r.status_code == 400 and "invalid regex" in r.json()["error"]["message"]
+    assert len(threads) == 2
+    assert all(t not in ("MainThread", "pagedllm-engine") for t in threads), threads
+
+
+def test_sequences_must_fit_one_batch(tiny_models) -> None:  # noqa: ANN001
+    """n, best_of and the beam width may not exceed --max-num-seqs (the engine runs a
+    request's sequences in one batch): a 400, not a failed engine step."""
+    from pagedllm.config import EngineArgs
+
+    args = EngineArgs(model=tiny_models("llama"), dtype="float32", max_model_len=64,
+                      num_gpu_blocks_override=16, device="cpu", max_num_seqs=2)  # fmt: skip
+    small = AsyncLLM.from_engine_args(args)
+    try:
+        app = build_app(small, Namespace(chat_template=TEMPLATE))
+        base = {"prompt": [5, 6], "max_tokens": 2}
+        for extra, param in (
+            ({"n": 3}, "n"),
+            ({"n": 2, "best_of": 3, "temperature": 1.0}, "best_of"),
+            ({"n": 3, "use_beam_search": True}, "n"),
+        ):
+            r = _call(app, "POST", "/v1/completions", json={**base, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert "max_num_seqs (2)" in r.json()["error"]["message"]
+        msgs = [{"role": "user", "content": "Hi"}]
+        r = _call(app, "POST", "/v1/chat/completions", json={"messages": msgs, "n": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        r = _call(app, "POST", "/v1/completions", json={**base, "n": 2, "temperature": 1.0})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    finally:
+        small.shutdown()

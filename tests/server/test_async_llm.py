@@ -122,6 +122,42 @@ def test_engine_failure_is_reported_and_survived(llm: AsyncLLM) -> None:
     _idle_ok(llm)
 
 
+def test_parallel_sampling_deltas_best_of_and_beam(llm: AsyncLLM) -> None:
+    """n > 1 streams deltas tagged with their sequence index; output_kind "final" with
+    best_of > n ends with the n best re-indexed; a beam search ends with one output holding
+    the hypotheses, best first; a cache_salt rides along; nothing leaks."""
+    from pagedllm.beam_search import BeamSearchParams
+
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+
+    async def run() -> None:
+        params = SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=6, ignore_eos=True)
+        outs = [o async for o in await llm.add_request(prompt, params)]
+        per_seq: dict[int, list[int]] = {}
+        for o in outs:
+            assert len({c.index for c in o.outputs}) == len(o.outputs)
+            for c in o.outputs:
+                per_seq.setdefault(c.index, []).extend(c.token_ids)
+        assert sorted(per_seq) == [0, 1, 2] and all(len(t) == 6 for t in per_seq.values())
+        best = SamplingParams(n=2, best_of=4, temperature=1.0, seed=4, max_tokens=5)
+        finals = [o async for o in await llm.add_request(prompt, best, output_kind="final")]
+        assert len(finals) == 1 and [c.index for c in finals[0].outputs] == [0, 1]
+        lps = [c.cumulative_logprob for c in finals[0].outputs]
+        assert lps == sorted(lps, reverse=True)
+        beam = await llm.add_beam_request(prompt, BeamSearchParams(beam_width=3, max_tokens=4))
+        (result,) = [o async for o in beam]
+        assert result.finished and [c.index for c in result.outputs] == [0, 1, 2]
+        salted = {**prompt, "cache_salt": "s"}
+        assert [o async for o in await llm.add_request(salted, GREEDY)][-1].finished
+        with pytest.raises(ValueError, match="cache_salt"):
+            await llm.add_request({**prompt, "cache_salt": 3}, GREEDY)
+        with pytest.raises(ValueError, match="output_kind"):
+            await llm.add_request(prompt, GREEDY, output_kind="cumulative")
+
+    asyncio.run(run())
+    _idle_ok(llm)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
 def test_idle_engine_thread_sleeps(llm: AsyncLLM) -> None:
     tid = llm._thread.native_id

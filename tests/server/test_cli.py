@@ -100,3 +100,43 @@ def test_bench_dispatch_lists_benchmarks(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["bench", "--help"]) == 0
     assert main(["bench", "no_such_bench"]) == 2
     assert "usage: pagedllm bench {" in capsys.readouterr().err
+
+
+def test_scheduling_and_cache_flags() -> None:
+    ns = build_parser().parse_args(
+        ["serve", "m", "--no-enable-prefix-caching", "--scheduling-policy", "priority",
+         "--preemption-mode", "swap", "--swap-space", "1.5", "--sjf-aging-rate", "10"]
+    )  # fmt: skip
+    a = engine_args_from(ns)
+    assert a.enable_prefix_caching is False and a.scheduling_policy == "priority"
+    assert (a.preemption_mode, a.swap_space, a.sjf_aging_rate) == ("swap", 1.5, 10.0)
+    assert engine_args_from(build_parser().parse_args(["serve", "m", "--enable-prefix-caching"])
+                            ).enable_prefix_caching is True  # fmt: skip
+    for bad in (["--scheduling-policy", "lifo"], ["--preemption-mode", "drop"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "m", *bad])
+
+
+def test_bench_prefix_policy_throughput(tiny_models, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """``pagedllm bench prefix|policy|throughput`` run end to end (tiny workloads) and write
+    their JSON."""
+    import json
+
+    model = tiny_models("llama")
+    common = ["--model", model, "--device", "cpu", "--dtype", "float32", "--max-model-len", "128"]
+    assert main(["bench", "prefix", *common, "--num-requests", "3", "--prefix-len", "40",
+                 "--suffix-len", "4", "--output-len", "2", "--turns", "2", "--conversations",
+                 "2", "--out", str(tmp_path)]) == 0  # fmt: skip
+    path = capsys.readouterr().out.strip().splitlines()[-1]
+    result = json.loads(Path(path).read_text())
+    assert result["shared_prefix"]["caching_on"]["hit_rate"] > 0.3
+    assert result["shared_prefix"]["caching_off"]["hit_rate"] == 0
+    assert main(["bench", "policy", *common, "--rate", "40", "--duration", "0.3",
+                 "--long-input-len", "64", "--out", str(tmp_path)]) == 0  # fmt: skip
+    path = capsys.readouterr().out.strip().splitlines()[-1]
+    result = json.loads(Path(path).read_text())
+    assert result["fcfs"]["short"]["count"] + result["fcfs"].get("long", {}).get("count", 0) == 12
+    out = tmp_path / "tp.json"
+    main(["bench", "throughput", *common, "--num-prompts", "4", "--input-len", "8",
+          "--output-len", "2", "--output-json", str(out)])  # fmt: skip
+    assert json.loads(out.read_text())["workload"]["total_output_tokens"] == 8

@@ -38,8 +38,18 @@ CASES: list[tuple[str, Any, int, str | None]] = [
     (CMPL, {"prompt": "Hi", "logprobs": 50}, 400, "logprobs"),
     (CMPL, {"prompt": "Hi", "seed": 2**70}, 400, "seed"),
     (CMPL, {"prompt": "Hi", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
-    (CMPL, {"prompt": "Hi", "n": 2}, 400, "n"),
-    (CHAT, {"messages": MSGS, "n": 3}, 400, "n"),
+    (CMPL, {"prompt": "Hi", "n": 0}, 400, "n"),  # parallel sampling and beam search
+    (CHAT, {"messages": MSGS, "n": 1000}, 400, "n"),
+    (CMPL, {"prompt": "Hi", "n": 3, "best_of": 2}, 400, "best_of"),
+    (CMPL, {"prompt": "Hi", "best_of": 2, "temperature": 0}, 400, "best_of"),
+    (CMPL, {"prompt": "Hi", "n": 2, "best_of": 3, "stream": True}, 400, "best_of"),
+    (CHAT, {"messages": MSGS, "n": 2, "use_beam_search": True, "stream": True}, 400, "stream"),
+    (CHAT, {"messages": MSGS, "use_beam_search": True, "logprobs": True}, 400, "logprobs"),
+    (CMPL, {"prompt": "Hi", "use_beam_search": True, "length_penalty": "x"}, 400, "length_penalty"),
+    (CHAT, {"messages": MSGS, "response_format": {"type": "yaml"}}, 400, "response_format"),
+    (CMPL, {"prompt": "Hi", "guided_choice": "a"}, 400, "guided_choice"),
+    (CMPL, {"prompt": "Hi", "cache_salt": 5}, 400, "cache_salt"),  # cache_salt, priority
+    (CMPL, {"prompt": "Hi", "priority": "high"}, 400, "priority"),
     (CHAT, {"messages": MSGS, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"messages": MSGS, "top_logprobs": 21, "logprobs": True}, 400, "top_logprobs"),
     (CMPL, {"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
@@ -83,8 +93,11 @@ def test_bad_input(server: LiveServer, route: str, body: Any, status: int, param
 def test_messages_are_clear(server: LiveServer) -> None:
     err = _check_error(_post(server, CMPL, {"prompt": "Hi", "model": "x"}), 404, "model")
     assert err["message"] == "The model `x` does not exist."
-    err = _check_error(_post(server, CMPL, {"prompt": "Hi", "n": 2}), 400, "n")
-    assert "n must be 1" in err["message"] and "not supported" in err["message"]
+    err = _check_error(_post(server, CMPL, {"prompt": "Hi", "n": 2, "best_of": 1}), 400, "best_of")
+    assert "best_of must be an integer >= n (2)" in err["message"]
+    body = {"prompt": "Hi", "use_beam_search": True, "temperature": 1}
+    err = _check_error(_post(server, CMPL, body), 400, "temperature")
+    assert "not supported with use_beam_search" in err["message"]
     err = _check_error(_post(server, CMPL, {"prompt": LONG_TEXT}), 400, "prompt")
     assert "maximum context length is 512 tokens" in err["message"]
 

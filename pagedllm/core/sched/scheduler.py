@@ -34,7 +34,7 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache.manager import KVCacheManager, cdiv
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.beams import BeamManager
-from pagedllm.core.sched.groups import SequenceGroups
+from pagedllm.core.sched.groups import SequenceGroups, num_sequences
 from pagedllm.core.sched.output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -95,6 +95,11 @@ class Scheduler:
         """Queue a validated request. Raises ValueError if it could never be served."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
+        if num_sequences(request) > self.config.max_num_seqs:
+            raise ValueError(
+                f"n / best_of ({num_sequences(request)}) is larger than max_num_seqs "
+                f"({self.config.max_num_seqs}): the sequences could never run together."
+            )
         if request.num_prompt_tokens < 1:
             raise ValueError("prompt must contain at least one token.")
         if request.num_prompt_tokens > self.max_model_len:
@@ -202,6 +207,9 @@ class Scheduler:
             request = self._next_admissible()
             if request is None:
                 break
+            # A request about to fork n sequences (or beams) reserves all their slots.
+            if len(self.running) + self._width(request) > self.config.max_num_seqs:
+                break
             if request.swapped:
                 pairs = self._swap_in(request, budget)
                 if pairs is None:
@@ -288,6 +296,16 @@ class Scheduler:
                 num_computed_tokens=request.num_computed_tokens,
             )
         )
+
+    def _width(self, request: Request) -> int:
+        """Running slots a request will take once it forks: n (or best_of) sequences, or the
+        beam width, before its first token; 1 otherwise."""
+        if request.num_output_tokens > 0 or request.parent_id is None:
+            return 1
+        if request.beam_group is not None:
+            state = self.beams.states.get(request.beam_group)
+            return state.k if state is not None else 1
+        return num_sequences(request)
 
     def _next_admissible(self) -> Request | None:
         """The best-ranked waiting request whose grammar (if any) is ready: a request still

@@ -3,6 +3,10 @@
 The template comes from (first found): the request's ``chat_template`` (a vLLM extra), the
 server's ``--chat-template`` (a file path or an inline Jinja string), the tokenizer's own (HF
 ``tokenizer_config.json`` or the GGUF's ``tokenizer.chat_template`` metadata).
+
+``n`` > 1 answers n choices (each streamed with its ``index``, each opened by its own role
+chunk); ``use_beam_search`` answers the n best hypotheses of a width-n beam search
+(non-streaming only); structured outputs and ``cache_salt`` work as in completions.
 """
 
 from __future__ import annotations
@@ -11,21 +15,21 @@ import os
 from typing import Any
 
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.entrypoints.openai.completions import (
-    Collected,
-    ServingBase,
-    SSEStream,
-    Started,
-    clamp_logprob,
-    usage_dict,
-)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     RequestError,
     now,
     random_id,
 )
-from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.entrypoints.openai.serving import (
+    Choice,
+    Collected,
+    ServingBase,
+    SSEStream,
+    Started,
+    clamp_logprob,
+)
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 # Keyword arguments of apply_chat_template that chat_template_kwargs may not override.
@@ -90,15 +94,21 @@ class ServingChat(ServingBase):
         """Check, render and tokenize: (prompt text, ids, sampling params)."""
         self.check_model(req.model)
         params = req.to_sampling_params()
-        text, ids = self.render(req)
-        if not ids:
-            raise RequestError("the rendered conversation has no tokens.", param="messages")
-        self.check_length(len(ids), req.max_new_tokens(), "messages")
+        self.check_num_seqs(req.n, "n")
+        text, ids = self._render_checked(req, req.max_new_tokens())
         try:
             self.llm.validate({"prompt": text, "prompt_token_ids": ids}, params)
         except ValueError as e:
             raise RequestError(str(e), param="messages") from e
         return text, ids, params
+
+    def _render_checked(self, req: ChatCompletionRequest, max_tokens: int | None
+                        ) -> tuple[str, list[int]]:  # fmt: skip
+        text, ids = self.render(req)
+        if not ids:
+            raise RequestError("the rendered conversation has no tokens.", param="messages")
+        self.check_length(len(ids), max_tokens, "messages")
+        return text, ids
 
     def _role(self, req: ChatCompletionRequest) -> str:
         return "assistant" if req.add_generation_prompt else req.messages[-1].role
@@ -112,39 +122,61 @@ class ServingChat(ServingBase):
 
     async def create(self, req: ChatCompletionRequest) -> dict[str, Any] | SSEStream:
         """The response body (dict) or, when streaming, an SSE text iterator."""
+        if req.use_beam_search:
+            return await self._beam_search(req)
         text, ids, params = self.prepare(req)
+        await self.check_structured(params, req.structured_field)
         rid = random_id("chatcmpl")
-        started = await self.start([(text, ids)], params, rid, req.priority)
+        started = await self.start([(text, ids)], params, rid, req.priority, req.cache_salt,
+                                   req.n)  # fmt: skip
         created = now()
         if req.stream:
             return self._stream(req, started, rid, created)
-        (r,) = await self.collect(started)
-        logprobs = None
-        if req.logprobs:
-            logprobs = {"content": self._logprobs(r, req.top_logprobs or 0)}
-        message = {"role": self._role(req), "content": self._echo_text(req) + r.text}
+        return self._response(req, await self.collect(started), rid, created)
+
+    async def _beam_search(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        req.to_beam_search_params(1)  # checks the fields before the template is rendered
+        self.check_num_seqs(req.n, "n")
+        text, ids = self._render_checked(req, req.max_new_tokens())
+        params = req.to_beam_search_params(self.max_model_len - len(ids))
+        rid = random_id("chatcmpl")
+        started = await self.start([(text, ids)], params, rid, n=req.n)
+        return self._response(req, await self.collect(started), rid, now())
+
+    def _response(
+        self, req: ChatCompletionRequest, results: list[Collected], rid: str, created: int
+    ) -> dict[str, Any]:
+        (r,) = results
+        choices = []
+        for c in r.ordered(req.n):
+            logprobs = None
+            if req.logprobs:
+                logprobs = {"content": self._logprobs(c, req.top_logprobs or 0)}
+            message = {"role": self._role(req), "content": self._echo_text(req) + c.text}
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return {
             "id": rid,
             "object": "chat.completion",
             "created": created,
             "model": self.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": logprobs,
-                    "finish_reason": r.finish_reason,
-                    "stop_reason": r.stop_reason,
-                }
-            ],
-            "usage": usage_dict(len(ids), len(r.token_ids)),
+            "choices": choices,
+            "usage": self.usage(results, req.n),
         }
 
     def _stream(
         self, req: ChatCompletionRequest, started: list[Started], rid: str, created: int
     ) -> SSEStream:
-        def chunk(delta: dict[str, Any], logprobs: Any = None, fr: Any = None, sr: Any = None
-                  ) -> dict[str, Any]:  # fmt: skip
+        def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, fr: Any = None,
+                  sr: Any = None) -> dict[str, Any]:  # fmt: skip
             c: dict[str, Any] = {
                 "id": rid,
                 "object": "chat.completion.chunk",
@@ -152,7 +184,7 @@ class ServingChat(ServingBase):
                 "model": self.model_name,
                 "choices": [
                     {
-                        "index": 0,
+                        "index": index,
                         "delta": delta,
                         "logprobs": logprobs,
                         "finish_reason": fr,
@@ -165,24 +197,25 @@ class ServingChat(ServingBase):
             return c
 
         def first_chunks(s: Started) -> list[dict[str, Any]]:
-            chunks = [chunk({"role": self._role(req), "content": ""})]
+            chunks = []
             echo = self._echo_text(req)
-            if echo:
-                chunks.append(chunk({"content": echo}))
+            for i in range(req.n):  # each choice opens with its role (as vLLM does)
+                chunks.append(chunk(i, {"role": self._role(req), "content": ""}))
+                if echo:
+                    chunks.append(chunk(i, {"content": echo}))
             return chunks
 
-        def make_chunks(s: Started, out: RequestOutput) -> list[dict[str, Any]]:
-            c = out.outputs[0]
+        def make_chunks(s: Started, c: CompletionOutput, out: RequestOutput
+                        ) -> list[dict[str, Any]]:  # fmt: skip
             if not c.text and c.finish_reason is None and not (req.logprobs and c.token_ids):
                 return []
             logprobs = None
             if req.logprobs:
-                col = Collected(None, [], c.text, list(c.token_ids), list(c.logprobs or []))
-                logprobs = {"content": self._logprobs(col, req.top_logprobs or 0)}
+                logprobs = {"content": self._logprobs(Choice.of(c), req.top_logprobs or 0)}
             delta = {"content": c.text} if c.text else {}
-            return [chunk(delta, logprobs, c.finish_reason, c.stop_reason)]
+            return [chunk(c.index, delta, logprobs, c.finish_reason, c.stop_reason)]
 
-        def usage_chunk(usage: dict[str, int]) -> dict[str, Any]:
+        def usage_chunk(usage: dict[str, Any]) -> dict[str, Any]:
             return {
                 "id": rid,
                 "object": "chat.completion.chunk",
@@ -200,7 +233,7 @@ class ServingChat(ServingBase):
             req.continuous_usage,
         )
 
-    def _logprobs(self, r: Collected, num: int) -> list[dict[str, Any]]:
+    def _logprobs(self, r: Choice, num: int) -> list[dict[str, Any]]:
         """OpenAI's ``logprobs.content``: one entry per generated token with its top_logprobs
         (the ``num`` most likely tokens, by rank)."""
         content = []

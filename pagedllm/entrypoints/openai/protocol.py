@@ -3,7 +3,10 @@
 Fields are OpenAI's plus vLLM's extras (``top_k, min_p, repetition_penalty, min_tokens,
 ignore_eos, stop_token_ids, skip_special_tokens, spaces_between_special_tokens,
 include_stop_str_in_output, echo, add_generation_prompt, continue_final_message,
-add_special_tokens, priority, chat_template, chat_template_kwargs``).
+add_special_tokens, priority, cache_salt, chat_template, chat_template_kwargs``), beam search
+(``use_beam_search, length_penalty, early_stopping``, with ``n`` the beam width) and
+structured outputs (``response_format``, ``guided_json, guided_regex, guided_choice,
+guided_grammar``, ``structured_outputs``; see ``structured.py``).
 
 Unknown fields are IGNORED, as vLLM does by default (OpenAI SDKs send fields a server may not
 know, such as ``store`` or ``metadata``); their names are logged at WARNING level once per
@@ -20,13 +23,15 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from pagedllm.beam_search import BeamSearchParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_N = 128  # most sequences (n, best_of, beam width) one request may ask for
 _LONG_MIN, _LONG_MAX = -(2**63), 2**64 - 1
 
 
@@ -57,7 +62,7 @@ class _SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
@@ -68,6 +73,7 @@ class _SamplingFields(OpenAIBaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
@@ -80,24 +86,49 @@ class _SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     echo: bool = False
     priority: int = 0
+    cache_salt: str | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    # the request field the structured-output constraint came from (for error messages)
+    _structured_field: str | None = PrivateAttr(None)
 
     def _check_common(self) -> None:
-        if self.n != 1:
-            raise RequestError(
-                f"n must be 1: parallel sampling (n > 1) is not supported yet, got {self.n}.",
-                param="n",
-            )
         if self.logit_bias:
             raise RequestError("logit_bias is not supported yet.", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options can only be set when stream is true.",
                                param="stream_options")  # fmt: skip
+        if self.cache_salt is not None and not self.cache_salt:
+            raise RequestError("cache_salt must be a non-empty string.", param="cache_salt")
+
+    @property
+    def structured_field(self) -> str | None:
+        """The field that asked for structured outputs (set by ``to_sampling_params``)."""
+        return self._structured_field
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None) -> SamplingParams:  # fmt: skip
+                         prompt_logprobs: int | None, best_of: int | None = None,
+                         ) -> SamplingParams:  # fmt: skip
+        from pagedllm.entrypoints.openai.structured import structured_outputs_of
+
+        structured, self._structured_field = structured_outputs_of(self)
+        if best_of is not None and best_of > self.n and self.stream:
+            raise RequestError(
+                "best_of > n is not supported when streaming (the best sequences are known "
+                "only at the end).",
+                param="best_of",
+            )
         try:
             return SamplingParams(
                 n=self.n,
+                best_of=best_of,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k is None else self.top_k,
@@ -118,9 +149,51 @@ class _SamplingFields(OpenAIBaseModel):
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                structured_outputs=structured,
             )
         except ValueError as e:
             raise RequestError(str(e), param=param_of(str(e))) from e
+
+    def _beam_params(self, max_tokens: int, beam_width: int, wants_logprobs: bool
+                     ) -> BeamSearchParams:  # fmt: skip
+        """BeamSearchParams for ``use_beam_search``; 400 naming the first field that beam
+        search can not honour (it is deterministic, non-streaming, without logprobs)."""
+        unsupported: list[tuple[str, bool]] = [
+            ("stream", bool(self.stream)),
+            ("logprobs", wants_logprobs),
+            ("temperature", self.temperature not in (None, 0.0)),
+            ("stop", bool(self.stop)),
+            ("stop_token_ids", bool(self.stop_token_ids)),
+            ("min_tokens", self.min_tokens > 0),
+            ("presence_penalty", bool(self.presence_penalty)),
+            ("frequency_penalty", bool(self.frequency_penalty)),
+            ("repetition_penalty", self.repetition_penalty not in (None, 1.0)),
+            ("cache_salt", self.cache_salt is not None),
+        ]
+        for name, bad in unsupported:
+            if bad:
+                raise RequestError(
+                    f"{name} is not supported with use_beam_search (beam search is greedy, "
+                    "non-streaming and returns no logprobs).",
+                    param=name,
+                )
+        from pagedllm.entrypoints.openai.structured import structured_outputs_of
+
+        source = structured_outputs_of(self)[1]
+        if source is not None:
+            raise RequestError("structured outputs are not supported with use_beam_search.",
+                               param=source)  # fmt: skip
+        try:
+            return BeamSearchParams(
+                beam_width=beam_width,
+                max_tokens=max_tokens,
+                ignore_eos=self.ignore_eos,
+                length_penalty=self.length_penalty,
+                early_stopping=self.early_stopping,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            raise RequestError(str(e), param=param_of(str(e)) or "use_beam_search") from e
 
     @property
     def include_usage(self) -> bool:
@@ -139,7 +212,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     add_special_tokens: bool = True
 
     def prompts(self) -> list[str | list[int]]:
@@ -163,10 +236,21 @@ class CompletionRequest(_SamplingFields):
         self._check_common()
         if self.suffix:
             raise RequestError("suffix is not supported.", param="suffix")
-        if self.best_of not in (None, 1):
-            raise RequestError("best_of must be 1 (not supported yet).", param="best_of")
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs,
+                                     self.best_of)  # fmt: skip
+
+    def to_beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
+        """``use_beam_search``: beam width ``best_of`` (or ``n``); the n best are returned."""
+        self._check_common()
+        if self.suffix:
+            raise RequestError("suffix is not supported.", param="suffix")
+        if self.best_of is not None and self.best_of < self.n:
+            raise RequestError(f"best_of must be >= n ({self.n}), got {self.best_of}.",
+                               param="best_of")  # fmt: skip
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        width = self.best_of or self.n
+        return self._beam_params(max_tokens, width, self.logprobs is not None)
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -199,7 +283,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = "none"
     parallel_tool_calls: bool | None = None
@@ -214,29 +297,34 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens  # fmt: skip
 
-    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
-        """SamplingParams of this request; ``default_max_tokens`` when the body gives none."""
+    def _check_chat(self) -> int | None:
+        """Checks chat's own fields; returns max_tokens as the body gives it (or None)."""
         self._check_common()
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs set to true.", param="top_logprobs")
         if self.tools and self.tool_choice not in (None, "none"):
             raise RequestError("tool calling is not supported yet.", param="tools")
-        rf = (self.response_format or {}).get("type", "text")
-        if rf != "text":
-            raise RequestError(
-                f"response_format {rf!r} is not supported yet (only 'text').",
-                param="response_format",
-            )
         if self.continue_final_message and self.add_generation_prompt:
             raise RequestError(
                 "continue_final_message and add_generation_prompt can not both be true.",
                 param="continue_final_message",
             )
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = self.max_new_tokens()
+        return self.max_new_tokens()
+
+    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+        """SamplingParams of this request; ``default_max_tokens`` when the body gives none."""
+        max_tokens = self._check_chat()
         if max_tokens is None:
             max_tokens = default_max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs, None)
+
+    def to_beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
+        """``use_beam_search``: beam width ``n``, all n hypotheses returned as choices."""
+        max_tokens = self._check_chat()
+        if max_tokens is None:
+            max_tokens = default_max_tokens
+        return self._beam_params(max_tokens, self.n, bool(self.logprobs))
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as plain dicts for the chat template."""

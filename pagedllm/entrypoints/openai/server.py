@@ -10,12 +10,35 @@ JSON, missing fields, wrong types, out-of-range values and prompts longer than t
 for a missing or wrong key, 404 for an unknown model or route, 500 if the engine fails (it keeps
 serving the other requests). A client that disconnects aborts its request, streaming or not.
 
+Engine features reachable over HTTP (body fields; vLLM's extras go in the JSON body, e.g. the
+``openai`` client's ``extra_body``):
+
+- ``n`` sequences per prompt (parallel sampling on shared KV blocks), streamed as chunks that
+  each carry one choice with its ``index``; ``best_of`` (completions, non-streaming) returns
+  the n best of best_of by cumulative logprob. n, best_of and the beam width may not exceed
+  ``--max-num-seqs`` (400): a request's sequences run in one batch.
+- ``use_beam_search`` with ``n`` (the beam width; completions: ``best_of`` if given),
+  ``length_penalty``, ``early_stopping`` (true, false or "never"); non-streaming only, and
+  fields beam search cannot honour (logprobs, stop, penalties, temperature > 0, structured
+  outputs, cache_salt) are a 400 naming the field.
+- Structured outputs: ``response_format`` (``json_object``, ``json_schema``), ``guided_json``,
+  ``guided_regex``, ``guided_choice``, ``guided_grammar``, or ``structured_outputs``
+  (see ``structured.py``). The grammar is compiled before the request is queued, off the event
+  loop and the engine thread: one that does not compile is a 400 with the compiler's message.
+  The grammar manager (xgrammar's tokenizer info) is created on a helper thread at start-up.
+- ``priority`` (int, default 0): lower is served first under ``--scheduling-policy
+  priority``; ignored by the other policies and by beam search.
+- ``cache_salt`` (string): the request's prompt blocks are hashed with this salt, so it shares
+  prefix-cache entries only with requests giving the same salt (tenant isolation).
+  ``usage.prompt_tokens_details.cached_tokens`` reports every response's prefix-cache hit.
+
 Importing this module loads FastAPI but not torch; the model loads in ``run_server``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -32,7 +55,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedllm import __version__
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineError
 from pagedllm.entrypoints.openai.chat import ServingChat, load_chat_template
-from pagedllm.entrypoints.openai.completions import ServingCompletion, SSEStream
+from pagedllm.entrypoints.openai.completions import ServingCompletion
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,6 +65,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     now,
 )
+from pagedllm.entrypoints.openai.serving import SSEStream
 from pagedllm.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -148,7 +172,8 @@ def build_app(async_llm: AsyncLLM, args: Any = None) -> FastAPI:
 
     ``args`` is any object with (all optional) attributes ``served_model_name``, ``api_key``
     (``PAGEDLLM_API_KEY`` is used when it is unset), ``chat_template`` (path or Jinja text),
-    ``max_log_len``. The app adds a ``ServerMetrics`` stat logger to ``async_llm``.
+    ``max_log_len``. The app adds a ``ServerMetrics`` stat logger to ``async_llm`` and, when
+    xgrammar is installed, starts creating the structured-output manager on a helper thread.
     """
     model_name = (
         getattr(args, "served_model_name", None) or async_llm.model_config.served_model_name
@@ -157,6 +182,8 @@ def build_app(async_llm: AsyncLLM, args: Any = None) -> FastAPI:
     chat_template = load_chat_template(getattr(args, "chat_template", None))
     metrics = ServerMetrics(model_name)
     async_llm.stat_loggers.append(metrics.record)
+    if importlib.util.find_spec("xgrammar") is not None:
+        async_llm.prepare_structured_outputs()  # tokenizer info ready before the first request
     completions = ServingCompletion(async_llm, model_name)
     chat = ServingChat(async_llm, model_name, chat_template)
     tokenizer = async_llm.tokenizer
