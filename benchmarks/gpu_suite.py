@@ -58,7 +58,7 @@ def make_hf_model(shape: str, dtype: torch.dtype, path: str, seed: int = 0) -> s
     return path
 
 
-def free() -> None:
+def free_mem() -> None:
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -82,7 +82,7 @@ def check(args: argparse.Namespace) -> dict:
             ref.append(g.sequences[0, len(p):].tolist())
             ref_lp.append([lg[0].float().log_softmax(-1).cpu() for lg in g.logits])
         del model
-        free()
+        free_mem()
         for eager in (False, True):
             llm = LLM(path, dtype=dtype_name, max_model_len=1024, enforce_eager=eager,
                       gpu_memory_utilization=0.5, max_num_seqs=16)
@@ -104,7 +104,7 @@ def check(args: argparse.Namespace) -> dict:
                 "max_logprob_abs_err_on_matching_prefix": lp_err,
             }
             del llm
-            free()
+            free_mem()
     return out
 
 
@@ -160,7 +160,7 @@ def bench_a(args: argparse.Namespace) -> dict:
         }
         print(json.dumps(result, indent=1), flush=True)
         del llm, rec
-        free()
+        free_mem()
     if not args.skip_peers:
         model = hf_gpu.load(path, torch.bfloat16)
         sub = args.peer_prompts or n
@@ -173,7 +173,7 @@ def bench_a(args: argparse.Namespace) -> dict:
             except Exception as e:  # a peer failing must not lose the other results
                 result[name] = {"error": repr(e)[:500]}
             print(json.dumps({name: result[name]}, indent=1), flush=True)
-            free()
+            free_mem()
     ours = result["pagedllm_cuda_graphs"]["output_tokens_per_s"]
     for name in ("hf_continuous_batching", "hf_static_generate"):
         peer = result.get(name, {})
@@ -185,11 +185,15 @@ def bench_a(args: argparse.Namespace) -> dict:
 def extras(args: argparse.Namespace) -> dict:
     path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
     result: dict = {"device": torch.cuda.get_device_name(0)}
+    if args.only_structured:
+        result["structured"] = _structured_overhead(path, os.environ["PAGEDLLM_TOKENIZER_DIR"])
+        return result
     rng = np.random.default_rng(1)
     # (1) prefix caching at a 0% hit rate: distinct random prompts, caching on vs off
     prompts = [rng.integers(100, 150000, size=512).tolist() for _ in range(256)]
     sp = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-    for caching in (False, True, False, True):
+    # a discarded first engine compiles the kernels for these shapes; then alternate
+    for i, caching in enumerate((True, False, True, False, True, False, True)):
         llm = LLM(path, dtype="bfloat16", max_model_len=2048, enable_prefix_caching=caching,
                   gpu_memory_utilization=0.85)
         llm.generate([{"prompt_token_ids": prompts[0][:8]}], sp, use_tqdm=False)
@@ -198,9 +202,10 @@ def extras(args: argparse.Namespace) -> dict:
         llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         torch.cuda.synchronize()
         key = f"zero_hit_caching_{'on' if caching else 'off'}_tok_s"
-        result.setdefault(key, []).append(256 * 128 / (time.perf_counter() - t))
+        if i > 0:
+            result.setdefault(key, []).append(256 * 128 / (time.perf_counter() - t))
         del llm
-        free()
+        free_mem()
     on, off = (np.median(result[f"zero_hit_caching_{k}_tok_s"]) for k in ("on", "off"))
     result["zero_hit_overhead_fraction"] = 1 - on / off
     # (2) shared prefix (341 tokens) + distinct suffixes: throughput caching on vs off
@@ -221,7 +226,7 @@ def extras(args: argparse.Namespace) -> dict:
             "output_tok_s": 256 * 64 / el, "cached_tokens": sum(o.num_cached_tokens
                                                                 for o in outs)}
         del llm
-        free()
+        free_mem()
     result["shared_prefix_speedup"] = (result["shared_prefix_caching_on"]["output_tok_s"]
                                        / result["shared_prefix_caching_off"]["output_tok_s"])
     # (3) structured outputs: every request constrained by a JSON schema vs none
@@ -235,31 +240,44 @@ def extras(args: argparse.Namespace) -> dict:
 
 
 def _structured_overhead(path: str, tok_dir: str) -> dict:
+    """A JSON-schema-constrained batch vs the same batch unconstrained, doing equal work: the
+    free run gets each request's constrained output length as max_tokens (a grammar that ends
+    a request early must not make the comparison about batch size)."""
     from pagedllm.structured_output.params import StructuredOutputsParams
 
-    schema = {"type": "object", "properties": {"name": {"type": "string"},
-                                               "n": {"type": "integer"}},
-              "required": ["name", "n"]}
-    out = {}
-    for constrained in (False, True, False, True):
-        llm = LLM(path, tokenizer=tok_dir, dtype="bfloat16", max_model_len=1024,
-                  gpu_memory_utilization=0.85)
-        so = StructuredOutputsParams(json=schema) if constrained else None
-        params = SamplingParams(temperature=1.0, seed=0, max_tokens=128, ignore_eos=True,
-                                structured_outputs=so)
-        prompts = [{"prompt_token_ids": list(range(1000 + i, 1064 + i))} for i in range(128)]
-        llm.generate(prompts[:2], params, use_tqdm=False)
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["name", "age", "tags"]}
+    prompts = [{"prompt_token_ids": list(range(1000 + i, 1064 + i))} for i in range(128)]
+    out: dict = {"schema": schema}
+    llm = LLM(path, tokenizer=tok_dir, dtype="bfloat16", max_model_len=1024,
+              gpu_memory_utilization=0.85)
+    so = StructuredOutputsParams(json=schema)
+    constrained = [SamplingParams(temperature=1.0, seed=i, max_tokens=256, ignore_eos=True,
+                                  structured_outputs=so) for i in range(len(prompts))]
+    llm.generate(prompts[:2], constrained[:2], use_tqdm=False)
+    lengths = None
+    for _ in range(3):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, constrained, use_tqdm=False)
         torch.cuda.synchronize()
-        toks = sum(len(o.outputs[0].token_ids) for o in outs)
-        out.setdefault("constrained" if constrained else "free", []).append(
-            toks / (time.perf_counter() - t))
-        del llm
-        free()
+        el = time.perf_counter() - t
+        lengths = [len(o.outputs[0].token_ids) for o in outs]
+        out.setdefault("constrained", []).append(sum(lengths) / el)
+        free = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True)
+                for i, n in enumerate(lengths)]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, free, use_tqdm=False)
+        torch.cuda.synchronize()
+        out.setdefault("free", []).append(sum(lengths) / (time.perf_counter() - t))
+    out["mean_output_len"] = float(np.mean(lengths))
     c, f = np.median(out["constrained"]), np.median(out["free"])
     out["overhead_fraction"] = 1 - c / f
+    del llm
+    free_mem()
     return out
 
 
@@ -271,11 +289,13 @@ def main() -> None:
     p.add_argument("--peer-prompts", type=int, default=0)
     p.add_argument("--skip-peers", action="store_true")
     p.add_argument("--eager-too", action="store_true")
+    p.add_argument("--only-structured", action="store_true")
     args = p.parse_args()
     fn = {"check": check, "bench-a": bench_a, "extras": extras}[args.part]
     result = fn(args)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"gpu_{args.part}_{device_tag()}.json")
+    part = args.part + ("_structured" if args.only_structured else "")
+    path = os.path.join(args.out, f"gpu_{part}_{device_tag()}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))

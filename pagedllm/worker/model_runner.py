@@ -62,6 +62,7 @@ class ModelRunner:
         self.host_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.graph_runner: CUDAGraphRunner | None = None
+        self._batch_matcher = None  # xgrammar's multi-threaded bitmask filler, made on first use
 
     # ------------------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self) -> int:
@@ -376,8 +377,12 @@ class ModelRunner:
 
         vocab = self.model_config.vocab_size
         mask = xgr.allocate_token_bitmask(len(matchers), vocab)  # [n, ceil(vocab / 32)]
-        for i, m in enumerate(matchers.values()):
-            m.fill_next_token_bitmask(mask, i)
+        if len(matchers) == 1:
+            next(iter(matchers.values())).fill_next_token_bitmask(mask, 0)
+        else:  # xgrammar fills the rows on its own thread pool
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher()
+            self._batch_matcher.batch_fill_next_token_bitmask(list(matchers.values()), mask)
         return list(matchers), mask
 
     def _apply_bitmask(
