@@ -182,6 +182,70 @@ def bench_a(args: argparse.Namespace) -> dict:
     return result
 
 
+def bench_b(args: argparse.Namespace) -> dict:
+    """Llama-3.1-8B shape, bf16, 1,000 prompts: input 1024 / output 128 and input 128 / output
+    1024. pagedllm builds the random weights itself (--load-format dummy); the HF peers run the
+    same shape with HF's own random init (speed does not depend on the values) on a subset."""
+    import transformers as tf
+
+    result: dict = {"benchmark": "B-llama8b", "device": torch.cuda.get_device_name(0),
+                    "torch": torch.__version__}
+    bw = measure_copy_bandwidth(torch.device("cuda"))
+    flops = measure_matmul_flops(torch.device("cuda"))
+    result["copy_bandwidth_GBps"] = bw / 1e9
+    result["matmul_bf16_TFLOPs"] = flops / 1e12
+    shapes = [(1024, 128), (128, 1024)]
+    llm = LLM("llama-3.1-8b", load_format="dummy", dtype="bfloat16", max_model_len=2048,
+              max_num_seqs=256, gpu_memory_utilization=0.85)
+    for n_in, n_out in shapes:
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(100, 128000, size=n_in).tolist() for _ in range(args.num_b)]
+        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4,
+                                                                         ignore_eos=True),
+                     use_tqdm=False)
+        rec = StepRecorder(llm)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True),
+                     use_tqdm=False)
+        torch.cuda.synchronize()
+        el = time.perf_counter() - t
+        runner = llm.llm_engine.engine_core.model_runner
+        roof = roofline(rec.steps, model_cost(runner.model, torch.bfloat16), bw, flops)
+        n_tok = args.num_b * n_out
+        result[f"in{n_in}_out{n_out}"] = {
+            "num_prompts": args.num_b, "elapsed_s": el, "output_tokens_per_s": n_tok / el,
+            "total_tokens_per_s": args.num_b * (n_in + n_out) / el,
+            "roofline_output_tokens_per_s": n_tok / roof.ideal_s,
+            "roofline_fraction": roof.ideal_s / el, "steps": len(rec.steps),
+            "host_ms_per_decode_step": 1e3 * float(np.mean(rec.decode_host_s or [0])),
+        }
+        print(json.dumps(result, indent=1), flush=True)
+        llm.llm_engine.engine_core.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+    del llm
+    free_mem()
+    if not args.skip_peers:
+        config = tf.AutoConfig.from_pretrained(os.path.join(CONFIGS, "llama-3.1-8b"))
+        with torch.device("cuda"):
+            model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+        model.generation_config.eos_token_id = None
+        for n_in, n_out in shapes:
+            rng = np.random.default_rng(0)
+            sub = [rng.integers(100, 128000, size=n_in).tolist() for _ in range(args.peer_b)]
+            for name, fn in (("hf_continuous_batching", hf_gpu.continuous_batching),
+                             ("hf_static_generate", hf_gpu.static_generate)):
+                try:
+                    r = fn(model, sub, [n_out] * len(sub))
+                    r["num_prompts"] = len(sub)
+                except Exception as e:
+                    r = {"error": repr(e)[:300]}
+                result[f"in{n_in}_out{n_out}"][name] = r
+                print(json.dumps({name: r}), flush=True)
+                free_mem()
+    return result
+
+
 def extras(args: argparse.Namespace) -> dict:
     path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
     result: dict = {"device": torch.cuda.get_device_name(0)}
@@ -283,7 +347,9 @@ def _structured_overhead(path: str, tok_dir: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["check", "bench-a", "extras"])
+    p.add_argument("part", choices=["check", "bench-a", "bench-b", "extras"])
+    p.add_argument("--num-b", type=int, default=1000)
+    p.add_argument("--peer-b", type=int, default=64)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--peer-prompts", type=int, default=0)
@@ -291,7 +357,7 @@ def main() -> None:
     p.add_argument("--eager-too", action="store_true")
     p.add_argument("--only-structured", action="store_true")
     args = p.parse_args()
-    fn = {"check": check, "bench-a": bench_a, "extras": extras}[args.part]
+    fn = {"check": check, "bench-a": bench_a, "bench-b": bench_b, "extras": extras}[args.part]
     result = fn(args)
     os.makedirs(args.out, exist_ok=True)
     part = args.part + ("_structured" if args.only_structured else "")
