@@ -459,23 +459,32 @@ class Scheduler:
             if runner_output.logprobs is not None and idx is not None:
                 lp = runner_output.logprobs[idx]
                 logprobs = lp[: len(new_tokens)] if lp is not None else None
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=rid,
-                    new_token_ids=new_tokens,
-                    new_logprobs=logprobs,
-                    new_prompt_logprobs=prompt_lp,
-                    finish_reason=request.get_finished_reason(),
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    parent_id=request.parent_id,
-                    seq_index=request.seq_index,
-                )
-            )
-            if request.is_finished:
-                self.running.remove(request)
-                self._free_request(request)
+            outputs.append(self._emit(request, new_tokens, logprobs, prompt_lp))
         return outputs
+
+    def _emit(
+        self,
+        request: Request,
+        new_tokens: list[int],
+        logprobs: list | None,
+        prompt_lp: tuple | None = None,
+    ) -> EngineCoreOutput:
+        """The step's output for one request; a request that finished is freed here."""
+        out = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_tokens,
+            new_logprobs=logprobs,
+            new_prompt_logprobs=prompt_lp,
+            finish_reason=request.get_finished_reason(),
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            parent_id=request.parent_id,
+            seq_index=request.seq_index,
+        )
+        if request.is_finished:
+            self.running.remove(request)
+            self._free_request(request)
+        return out
 
     def _beam_step(self, request: Request, logprobs: list | None) -> list[EngineCoreOutput]:
         """Feed a beam's logprobs to its search; apply the search's forks and drops."""
@@ -504,21 +513,7 @@ class Scheduler:
             if parent.matcher is not None:  # fork before the parent accepts its own token
                 child.matcher = parent.matcher.fork()
             self._check_stop(child, tok) or self._accept_structured(child, tok)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=child.request_id,
-                    new_token_ids=[child.output_token_ids[-1]],
-                    new_logprobs=[lps[j]] if lps else None,
-                    finish_reason=child.get_finished_reason(),
-                    stop_reason=child.stop_reason,
-                    num_cached_tokens=child.num_cached_tokens,
-                    parent_id=child.parent_id,
-                    seq_index=child.seq_index,
-                )
-            )
-            if child.is_finished:
-                self.running.remove(child)
-                self._free_request(child)
+            outputs.append(self._emit(child, [tok], [lps[j]] if lps else None))
         return outputs
 
     @staticmethod
