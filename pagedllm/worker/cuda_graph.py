@@ -86,6 +86,7 @@ class CUDAGraphRunner:
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     def can_run(self, num_reqs: int) -> bool:
+        """Whether a decode batch of this size has a captured graph."""
         return bool(self.graphs) and num_reqs <= self.max_bs
 
     def run(

@@ -54,6 +54,7 @@ class InputBatch:
         return row
 
     def remove_request(self, req_id: str) -> None:
+        """Free a request's row (unknown ids are ignored)."""
         row = self.req_id_to_row.pop(req_id, None)
         if row is None:
             return
@@ -62,17 +63,21 @@ class InputBatch:
         self._free_rows.append(row)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        """Extend a row's block table."""
         start = int(self.num_blocks[row])
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
     def append_token(self, row: int, token_id: int) -> None:
+        """Append one token to a row's token ids."""
         n = int(self.num_tokens[row])
         self.token_ids[row, n] = token_id
         self.num_tokens[row] = n + 1
 
     def prompt_ids(self, row: int) -> list[int]:
+        """The prompt tokens of a row."""
         return self.token_ids[row, : self.num_prompt_tokens[row]].tolist()
 
     def output_ids(self, row: int) -> list[int]:
+        """The generated tokens of a row."""
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]].tolist()

@@ -45,6 +45,7 @@ class KVCacheManager:
 
     @property
     def num_blocks(self) -> int:
+        """Total blocks in the pool."""
         return self.block_pool.num_blocks
 
     @property
@@ -53,6 +54,7 @@ class KVCacheManager:
         return self.block_pool.get_usage()
 
     def num_free_blocks(self) -> int:
+        """Blocks that can be allocated now (cached-but-free ones included)."""
         return self.block_pool.get_num_free_blocks()
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
@@ -191,6 +193,7 @@ class KVCacheManager:
         return self.replaced.pop(request_id, [])
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Drain the copy-on-write (src, dst) copies for the runner."""
         copies, self.pending_copies = self.pending_copies, []
         return copies
 

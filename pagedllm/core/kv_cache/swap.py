@@ -18,12 +18,15 @@ class SwapSpace:
 
     @property
     def num_blocks(self) -> int:
+        """Total host blocks."""
         return self.pool.num_blocks if self.pool is not None else 0
 
     def num_free_blocks(self) -> int:
+        """Host blocks not holding a swapped request."""
         return self.pool.get_num_free_blocks() if self.pool is not None else 0
 
     def can_hold(self, num_blocks: int) -> bool:
+        """Whether ``num_blocks`` more blocks fit in host memory."""
         return self.pool is not None and num_blocks <= self.pool.get_num_free_blocks()
 
     def swap_out(self, request_id: str, device_blocks: list[KVCacheBlock]) -> list[tuple[int, int]]:
@@ -43,6 +46,7 @@ class SwapSpace:
         return pairs
 
     def num_swapped_blocks(self, request_id: str) -> int:
+        """Host blocks a swapped request holds."""
         return len(self.req_to_host_blocks.get(request_id, []))
 
     def discard(self, request_id: str) -> None:
@@ -52,6 +56,7 @@ class SwapSpace:
             self.pool.free_blocks(host)
 
     def check_integrity(self) -> None:
+        """Assert host blocks in use + free == total."""
         if self.pool is None:
             return
         self.pool.check_integrity()

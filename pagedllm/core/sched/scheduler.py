@@ -155,9 +155,11 @@ class Scheduler:
             self.finished_req_ids.add(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
         return len(self.waiting) + len(self.running) > 0
 
     def get_num_unfinished_requests(self) -> int:
+        """Number of waiting plus running requests."""
         return len(self.waiting) + len(self.running)
 
     # ----------------------------------------------------------------------- scheduling
@@ -558,10 +560,8 @@ class Scheduler:
         return False
 
     # --------------------------------------------------------------------------- stats
-    def num_blocks_needed(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
-
     def make_stats(self) -> dict[str, float]:
+        """Counters and gauges for metrics: queue sizes, KV usage, preemptions, prefix hits."""
         kv = self.kv_cache_manager
         return {
             "num_running_reqs": len(self.running),
