@@ -1,0 +1,422 @@
+"""``pagedllm bench serving``: a load generator for any OpenAI-compatible server.
+
+Sends ``--num-prompts`` streaming requests to ``--base-url`` (``/completions`` or
+``/chat/completions``), arriving as a Poisson process (``--request-rate``) and/or capped at
+``--concurrency`` in flight. Prompts are ``--input-len`` random common words (about one token
+each) or random token ids (``--prompt-type ids``, completions only); every request asks for
+exactly ``--output-len`` tokens (``ignore_eos``, ``temperature 0``). Per request it measures TTFT
+(send to first streamed text), TPOT ((latency - TTFT) / (output tokens - 1)) and ITL (gaps between
+streamed chunks; a chunk may carry several tokens), and reports request and output-token
+throughput with mean/p50/p99 of each.
+
+``--spawn-server`` starts ``pagedllm serve`` on a free loopback port with ``--server-args``,
+waits for ``/health``, runs, and stops it. ``--offline`` then runs the same prompts, arrival
+times and concurrency cap through an in-process ``pagedllm.LLM`` engine (built from the same
+``--server-args``) and reports what HTTP costs per output token. Results: JSON and a PNG under
+``--result-dir`` (default ``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+WORDS = (
+    "the of and to in is was for on are with as by at from this that have not but they his "
+    "her one all were when there can an your which their said each she do how will up other "
+    "about out many then them these so some would make like him into time has look two more "
+    "write go see number no way could people my than first water been call who oil its now "
+    "find long down day did get come made may part over new sound take only little work know "
+    "place year live me back give most very after thing our just name good sentence man think "
+    "say great where help through much before line right too mean old any same tell boy follow "
+    "came want show also around form three small set put end does another well large must big "
+    "even such because turn here why ask went men read need land different home us move try"
+).split()
+
+Prompt = str | list[int]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's flags."""
+    p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--model", default=None, help="API model name (default: first of /models)")
+    p.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"))
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128, help="words (or token ids) per prompt")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--prompt-type", choices=["words", "ids"], default="words")
+    p.add_argument("--max-token-id", type=int, default=10000, help="ids are in [100, this)")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson, req/s")
+    p.add_argument("--concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument("--warmup", type=int, default=2, help="untimed requests first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spawn-server", action="store_true", help="start pagedllm serve itself")
+    p.add_argument(
+        "--server-args",
+        default="",
+        help="engine flags for the spawned server and "
+        "the offline engine, e.g. '--max-model-len 1024' (MODEL may lead)",
+    )
+    p.add_argument("--offline", action="store_true", help="also run the workload in-process")
+    p.add_argument("--offline-only", action="store_true", help="only the in-process run")
+    p.add_argument("--result-dir", default="benchmarks/results")
+    p.add_argument("--result-name", default=None, help="file stem (default serving_...)")
+    p.add_argument("--no-plot", action="store_true")
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it (times in seconds from the benchmark's start)."""
+
+    start: float
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    chunks: int = 0
+    error: str | None = None
+
+
+def make_prompts(args: argparse.Namespace, seed: int, n: int) -> list[Prompt]:
+    """``n`` prompts of ``input_len`` random words or token ids."""
+    rng = np.random.default_rng(seed)
+    if args.prompt_type == "ids":
+        return [rng.integers(100, args.max_token_id, args.input_len).tolist() for _ in range(n)]
+    return [" ".join(rng.choice(WORDS, args.input_len)) for _ in range(n)]
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Send times (s): all 0 for an infinite rate, else a Poisson process of ``rate``/s."""
+    if rate == float("inf"):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, n)
+    return np.concatenate([[0.0], np.cumsum(gaps[:-1])]).tolist()
+
+
+def _body(args: argparse.Namespace, prompt: Prompt, max_tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": args.model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    if args.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+async def _one(client: Any, args: argparse.Namespace, prompt: Prompt, max_tokens: int,
+               t0: float) -> RequestResult:  # fmt: skip
+    """Stream one request; time each chunk that carries text."""
+    path = "/chat/completions" if args.endpoint == "chat" else "/completions"
+    sent = time.perf_counter()
+    r = RequestResult(start=sent - t0)
+    stamps: list[float] = []
+    try:
+        async with client.stream("POST", path, json=_body(args, prompt, max_tokens)) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("usage"):
+                    r.prompt_tokens = obj["usage"]["prompt_tokens"]
+                    r.output_tokens = obj["usage"]["completion_tokens"]
+                for c in obj.get("choices") or []:
+                    text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                    if text:
+                        stamps.append(time.perf_counter())
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
+        r.error = f"{type(e).__name__}: {e}"
+        return r
+    r.latency = time.perf_counter() - sent
+    r.chunks = len(stamps)
+    r.output_tokens = r.output_tokens or len(stamps)
+    if stamps:
+        r.ttft = stamps[0] - sent
+        r.itl = np.diff(stamps).tolist()
+    else:
+        r.error = "no text streamed"
+    return r
+
+
+async def run_http(args: argparse.Namespace, prompts: list[Prompt], arrivals: list[float]
+                   ) -> tuple[list[RequestResult], float]:  # fmt: skip
+    """The timed HTTP run (after ``--warmup`` untimed requests): results and elapsed seconds."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
+                                 timeout=httpx.Timeout(None), limits=limits) as client:  # fmt: skip
+        if args.model is None:
+            args.model = (await client.get("/models")).json()["data"][0]["id"]
+        warm = make_prompts(args, args.seed + 1000, args.warmup)
+        for r in await asyncio.gather(*(_one(client, args, p, 4, 0.0) for p in warm)):
+            if r.error:
+                raise RuntimeError(f"warm-up request failed: {r.error}")
+        sem = asyncio.Semaphore(args.concurrency or len(prompts))
+        t0 = time.perf_counter()
+
+        async def send(prompt: Prompt, at: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+            async with sem:
+                return await _one(client, args, prompt, args.output_len, t0)
+
+        results = await asyncio.gather(*(send(p, a) for p, a in zip(prompts, arrivals)))
+        return list(results), time.perf_counter() - t0
+
+
+def build_llm(args: argparse.Namespace) -> Any:
+    """A ``pagedllm.LLM`` from ``--server-args`` parsed exactly as ``pagedllm serve`` would."""
+    import dataclasses
+
+    from pagedllm import LLM
+    from pagedllm.entrypoints.cli import build_parser, engine_args_from
+
+    ea = engine_args_from(build_parser().parse_args(["serve", *shlex.split(args.server_args)]))
+    return LLM(ea.model, **{k: v for k, v in dataclasses.asdict(ea).items() if k != "model"})
+
+
+def run_offline(args: argparse.Namespace, llm: Any, prompts: list[Prompt],
+                arrivals: list[float]) -> tuple[list[RequestResult], float]:  # fmt: skip
+    """The same workload driven through ``llm``'s engine in-process: requests join at their
+    arrival time while fewer than ``--concurrency`` are in flight; tokens are timed per step."""
+    from pagedllm import SamplingParams
+
+    engine = llm.llm_engine
+    inputs: list[Any] = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
+    if args.endpoint == "chat":
+        tok = llm.get_tokenizer()
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                         add_generation_prompt=True) for p in prompts]  # fmt: skip
+        inputs = [{"prompt": t, "prompt_token_ids": tok.encode(t, add_special_tokens=False)}
+                  for t in texts]  # fmt: skip
+    llm.generate(inputs[: args.warmup], SamplingParams(max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)  # fmt: skip
+    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    cap = args.concurrency or len(prompts)
+    results: dict[int, RequestResult] = {}
+    stamps: dict[int, list[float]] = {}
+    index: dict[str, int] = {}
+    nxt, in_flight = 0, 0
+    t0 = time.perf_counter()
+    while nxt < len(prompts) or engine.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while nxt < len(prompts) and in_flight < cap and arrivals[nxt] <= now:
+            rid = engine.next_request_id()
+            engine.add_request(rid, inputs[nxt], sp, output_kind="delta")
+            index[rid], results[nxt], stamps[nxt] = nxt, RequestResult(start=now), []
+            nxt, in_flight = nxt + 1, in_flight + 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, arrivals[nxt] - now))
+            continue
+        for out in engine.step():
+            t, i = time.perf_counter() - t0, index[out.request_id]
+            r = results[i]
+            n = len(out.outputs[0].token_ids) if out.outputs else 0
+            if n:
+                stamps[i].append(t)
+                r.output_tokens += n
+            r.prompt_tokens = len(out.prompt_token_ids)
+            if out.finished:
+                in_flight -= 1
+                r.latency, r.chunks = t - r.start, len(stamps[i])
+                r.ttft = stamps[i][0] - r.start if stamps[i] else 0.0
+                r.itl = np.diff(stamps[i]).tolist()
+                r.error = out.error
+    return [results[i] for i in range(len(prompts))], time.perf_counter() - t0
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    """mean/p50/p99 in milliseconds (None when there are no values)."""
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    a = np.asarray(values) * 1e3
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+            "p99": float(np.percentile(a, 99))}  # fmt: skip
+
+
+def summarize(results: list[RequestResult], elapsed: float) -> dict[str, Any]:
+    """Throughput and latency statistics of one run, plus the per-request records."""
+    ok = [r for r in results if r.error is None]
+    n_out = sum(r.output_tokens for r in ok)
+    return {
+        "num_requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "elapsed_s": elapsed,
+        "total_input_tokens": sum(r.prompt_tokens for r in ok),
+        "total_output_tokens": n_out,
+        "request_throughput": len(ok) / elapsed,
+        "output_throughput": n_out / elapsed,
+        "mean_tokens_per_chunk": n_out / max(1, sum(r.chunks for r in ok)),
+        "ttft_ms": _stats([r.ttft for r in ok]),
+        "tpot_ms": _stats(
+            [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+        ),  # fmt: skip
+        "itl_ms": _stats([x for r in ok for x in r.itl]),
+        "e2el_ms": _stats([r.latency for r in ok]),
+        "requests": [asdict(r) | {"itl": [round(x, 6) for x in r.itl]} for r in results],
+    }
+
+
+@contextmanager
+def spawned_server(args: argparse.Namespace) -> Iterator[str]:
+    """``pagedllm serve --server-args`` on a free loopback port; yields its ``/v1`` URL."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
+           "--uvicorn-log-level", "warning", *shlex.split(args.server_args)]  # fmt: skip
+    if args.api_key:
+        cmd += ["--api-key", args.api_key]
+    log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm_serve_", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start (log: {log.name})")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield f"{url}/v1"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """TTFT and TPOT per request over send time, the ITL histogram, and output tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {k: result[k] for k in ("server", "offline") if result.get(k)}
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7))
+    for name, s in runs.items():
+        ok = [r for r in s["requests"] if r["error"] is None]
+        starts = [r["start"] for r in ok]
+        ax[0, 0].scatter(starts, [1e3 * r["ttft"] for r in ok], s=10, label=name)
+        tpot = [1e3 * (r["latency"] - r["ttft"]) / max(1, r["output_tokens"] - 1) for r in ok]
+        ax[0, 1].scatter(starts, tpot, s=10, label=name)
+        itl = [1e3 * x for r in ok for x in r["itl"]]
+        if itl:
+            ax[1, 0].hist(itl, bins=50, alpha=0.6, label=name)
+    ax[1, 1].bar(list(runs), [s["output_throughput"] for s in runs.values()])
+    titles = [
+        ("TTFT per request", "send time (s)", "ms"),
+        ("TPOT per request", "send time (s)", "ms"),
+        ("ITL histogram", "ms", "count"),
+        ("output tokens/s", "", "tok/s"),
+    ]
+    for a, (t, x, y) in zip(ax.flat, titles):
+        a.set_title(t)
+        a.set_xlabel(x)
+        a.set_ylabel(y)
+    for a in ax.flat[:3]:
+        if runs:
+            a.legend()
+    w = result["workload"]
+    fig.suptitle(
+        f"{result['model']} {w['endpoint']}: {w['num_prompts']} prompts, "
+        f"in {w['input_len']} out {w['output_len']}, "
+        f"concurrency {w['concurrency']}, rate {w['request_rate']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _brief(s: dict[str, Any]) -> dict[str, Any]:
+    keys = ("completed", "request_throughput", "output_throughput", "ttft_ms", "tpot_ms", "itl_ms")
+    return {k: s[k] for k in keys}
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the configured benchmark; returns the result dict (also written as JSON + PNG)."""
+    prompts = make_prompts(args, args.seed, args.num_prompts)
+    arrivals = arrival_times(args.num_prompts, args.request_rate, args.seed)
+    if args.endpoint == "chat" and args.prompt_type == "ids":
+        raise ValueError("token-id prompts need --endpoint completions")
+    server = None
+    if not args.offline_only:
+        if args.spawn_server:
+            with spawned_server(args) as url:
+                args.base_url = url
+                server = summarize(*asyncio.run(run_http(args, prompts, arrivals)))
+        elif args.base_url:
+            server = summarize(*asyncio.run(run_http(args, prompts, arrivals)))
+        else:
+            raise ValueError("give --base-url, --spawn-server or --offline-only")
+    offline = None
+    if args.offline or args.offline_only:
+        offline = summarize(*run_offline(args, build_llm(args), prompts, arrivals))
+    result: dict[str, Any] = {
+        "benchmark": "serving", "base_url": args.base_url, "model": args.model,
+        "server_args": args.server_args, "cpu_count": os.cpu_count(),
+        "workload": {k: getattr(args, k) for k in ("endpoint", "num_prompts", "input_len",
+                     "output_len", "prompt_type", "request_rate", "concurrency", "seed")},
+        "server": server, "offline": offline, "http_overhead": None,
+    }  # fmt: skip
+    if server and offline and server["output_throughput"] and offline["output_throughput"]:
+        per_tok = 1e3 / server["output_throughput"] - 1e3 / offline["output_throughput"]
+        result["http_overhead"] = {
+            "ms_per_output_token": per_tok,  # extra wall time per generated token, whole batch
+            "throughput_ratio": server["output_throughput"] / offline["output_throughput"],
+            "tpot_p50_delta_ms": (server["tpot_ms"]["p50"] or 0) - (offline["tpot_ms"]["p50"] or 0),
+        }
+    os.makedirs(args.result_dir, exist_ok=True)
+    c = args.concurrency or "inf"
+    stem = args.result_name or f"serving_{args.endpoint}_c{c}_r{args.request_rate}"
+    path = os.path.join(args.result_dir, stem)
+    with open(path + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    if not args.no_plot:
+        plot(result, path + ".png")
+    result["paths"] = [path + ".json"] + ([] if args.no_plot else [path + ".png"])
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    """``pagedllm bench serving``: run, print a summary, return 0 when every request succeeded."""
+    result = run_benchmark(args)
+    brief = {k: _brief(result[k]) for k in ("server", "offline") if result[k]}
+    print(json.dumps(brief | {"http_overhead": result["http_overhead"]}, indent=2))
+    print("wrote " + " ".join(result["paths"]))
+    return int(any(result[k] and result[k]["failed"] for k in ("server", "offline")))
