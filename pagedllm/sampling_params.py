@@ -43,6 +43,11 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: object | None = None  # StructuredOutputsParams or an equivalent dict
+    # Set by the engine, never by users: beam-search requests take their tokens from the
+    # scheduler (the runner must not append its own), and best_of > n computes logprobs only
+    # to rank sequences (they are not returned).
+    external_tokens: bool = field(default=False, repr=False)
+    hide_logprobs: bool = field(default=False, repr=False)
     # Filled by the engine: the model's EOS ids, beyond which stop_token_ids also stop.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

@@ -82,7 +82,7 @@ class InputProcessor:
         params = copy.copy(params)
         if (params.best_of or params.n) > params.n and params.logprobs is None:
             params.logprobs = 0  # best_of ranks by cumulative logprob; hidden from the output
-            params._hide_logprobs = True  # type: ignore[attr-defined]
+            params.hide_logprobs = True
         params.stop = list(params.stop or [])
         params.all_stop_token_ids = set(params.stop_token_ids or [])
         if not isinstance(priority, int) or isinstance(priority, bool):

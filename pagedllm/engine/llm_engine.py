@@ -67,7 +67,7 @@ class LLMEngine:
         sp = SamplingParams(
             temperature=0.0, max_tokens=params.max_tokens + 1, ignore_eos=True, logprobs=keep
         )
-        sp._external_tokens = True  # type: ignore[attr-defined]
+        sp.external_tokens = True
         request, text = self.input_processor.process(request_id, prompt, sp)
         eos = self.input_processor.eos_token_id
         self.engine_core.add_beam_request(request, params, {eos} if eos is not None else set())

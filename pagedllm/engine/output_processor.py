@@ -193,7 +193,7 @@ class OutputProcessor:
         else:
             token_ids = list(seq.token_ids)
             logprobs = list(seq.logprobs) if seq.logprobs is not None else None
-        if getattr(state.params, "_hide_logprobs", False):
+        if state.params.hide_logprobs:
             logprobs = None  # computed only to rank best_of sequences
         return CompletionOutput(
             index=seq.index,

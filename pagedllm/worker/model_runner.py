@@ -311,7 +311,7 @@ class ModelRunner:
             forked = self._sample_forks(req_ids, rows, sample_idx, smd.output_positions, logits)
             for j, i in enumerate(sample_idx):
                 p = ib.sampling_params[int(rows[i])]
-                if not getattr(p, "_external_tokens", False):  # beams: the scheduler chooses
+                if not p.external_tokens:  # beam search: the scheduler chooses the token
                     ib.append_token(int(rows[i]), tokens[j])
                 sampled_lists[i] = [tokens[j]]
             if smd.max_num_logprobs >= 0:
