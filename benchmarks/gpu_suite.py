@@ -37,6 +37,21 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
                        "pagedllm", "model", "configs")
 
 
+def provenance(benchmark: str) -> dict:
+    """The fields every result file carries: what ran, on what, from which commit."""
+    import subprocess
+
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip() or None
+    except OSError:
+        commit = None
+    return {"benchmark": benchmark, "device": torch.cuda.get_device_name(0),
+            "torch": torch.__version__, "triton": triton.__version__, "git_commit": commit}
+
+
 def device_tag() -> str:
     return torch.cuda.get_device_name(0).replace(" ", "_")
 
@@ -120,7 +135,7 @@ def bench_a(args: argparse.Namespace) -> dict:
     path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
     n = args.num_prompts
     prompts, out_lens = make_workload(n, 562, 562, 462 / 562, 151936, seed=0)
-    result: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    result: dict = {**provenance("A-nano-vllm"),
                     "workload": {"model": "qwen3-0.6b shape, random weights, bf16",
                                  "num_prompts": n, "input_len": "100-1024",
                                  "output_len": "100-1024", "ignore_eos": True,
@@ -175,6 +190,15 @@ def bench_a(args: argparse.Namespace) -> dict:
             print(json.dumps({name: result[name]}, indent=1), flush=True)
             free_mem()
     ours = result["pagedllm_cuda_graphs"]["output_tokens_per_s"]
+    result["model"] = "qwen3-0.6b"
+    result["output_tokens_per_s"] = ours
+    result["total_tokens_per_s"] = result["pagedllm_cuda_graphs"]["total_tokens_per_s"]
+    ideal = result["pagedllm_cuda_graphs"]["roofline_ideal_s"]
+    result["roofline_output_tokens_per_s"] = result["workload"]["output_tokens"] / ideal
+    result["peers"] = {
+        "hf_generate_batch": result.get("hf_continuous_batching", {}).get("output_tokens_per_s"),
+        "hf_generate": result.get("hf_static_generate", {}).get("output_tokens_per_s"),
+    }
     for name in ("hf_continuous_batching", "hf_static_generate"):
         peer = result.get(name, {})
         if "output_tokens_per_s" in peer:
@@ -188,8 +212,7 @@ def bench_b(args: argparse.Namespace) -> dict:
     same shape with HF's own random init (speed does not depend on the values) on a subset."""
     import transformers as tf
 
-    result: dict = {"benchmark": "B-llama8b", "device": torch.cuda.get_device_name(0),
-                    "torch": torch.__version__}
+    result: dict = {**provenance("B-llama8b"), "model": "llama-3.1-8b"}
     bw = measure_copy_bandwidth(torch.device("cuda"))
     flops = measure_matmul_flops(torch.device("cuda"))
     result["copy_bandwidth_GBps"] = bw / 1e9
