@@ -120,6 +120,10 @@ class KVCacheManager:
         Example: block_size 16, 20 computed tokens in 2 blocks, 13 new tokens -> 33 tokens need
         3 blocks -> 1 new block.
         """
+        if not new_computed_blocks and not num_lookahead_tokens:
+            fast = self._fits_in_own_blocks(request, num_new_tokens)
+            if fast is not None:
+                return fast
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -150,6 +154,22 @@ class KVCacheManager:
             num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
             self._cache_full_blocks(request, blocks, num_full)
         return new_blocks
+
+    def _fits_in_own_blocks(self, request: Request, num_new_tokens: int) -> list | None:
+        """The common decode case, cheaply: the new tokens fit in blocks the request already
+        holds alone, so nothing is allocated or copied (returns []); None otherwise."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return None
+        bs = self.block_size
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        first = start // bs
+        if end > len(blocks) * bs or (first < len(blocks) and blocks[first].ref_cnt > 1):
+            return None
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, min(end, request.num_tokens) // bs)
+        return []
 
     def _shared_write_block(
         self, blocks: list[KVCacheBlock], num_computed: int, num_new_tokens: int

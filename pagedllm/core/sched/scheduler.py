@@ -185,6 +185,7 @@ class Scheduler:
                 i += 1
                 continue
             new_blocks = None
+            gang_preempted = False
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
                 if new_blocks is not None:
@@ -193,7 +194,7 @@ class Scheduler:
                 gang = self._preempt_group(victim, num_scheduled, new_reqs, cached_reqs)
                 budget += gang.pop("_budget", 0)
                 preempted.update(gang)
-                running_preempted = True
+                running_preempted = gang_preempted = True
                 if request.request_id in gang:
                     break
             if new_blocks is None:
@@ -201,7 +202,8 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             self._add_to_output(request, new_blocks, new_reqs, cached_reqs)
-            i = self.running.index(request) + 1  # a gang preemption may shift positions
+            # a gang preemption may remove members before this one: find it again then
+            i = self.running.index(request) + 1 if gang_preempted else i + 1
 
         while not running_preempted and len(self.waiting) > 0 and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
