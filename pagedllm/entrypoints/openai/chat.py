@@ -215,16 +215,7 @@ class ServingChat(ServingBase):
             delta = {"content": c.text} if c.text else {}
             return [chunk(c.index, delta, logprobs, c.finish_reason, c.stop_reason)]
 
-        def usage_chunk(usage: dict[str, Any]) -> dict[str, Any]:
-            return {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": [],
-                "usage": usage,
-            }
-
+        usage_chunk = self.usage_chunk(rid, "chat.completion.chunk", created)
         return self.stream_events(
             started,
             make_chunks,

@@ -153,16 +153,7 @@ class ServingCompletion(ServingBase):
             offsets[index] = offset + len(text)
             return [chunk(index, text, logprobs, c.finish_reason, c.stop_reason)]
 
-        def usage_chunk(usage: dict[str, Any]) -> dict[str, Any]:
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [],
-                "usage": usage,
-            }
-
+        usage_chunk = self.usage_chunk(rid, "text_completion", created)
         return self.stream_events(
             started,
             make_chunks,

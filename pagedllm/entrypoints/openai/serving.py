@@ -264,6 +264,17 @@ class ServingBase:
             sum(r.num_cached_tokens for r in results),
         )
 
+    def usage_chunk(
+        self, rid: str, obj: str, created: int
+    ) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        """The closing stream chunk that carries only usage (``obj`` is the chunk's object)."""
+
+        def make(usage: dict[str, Any]) -> dict[str, Any]:
+            return {"id": rid, "object": obj, "created": created, "model": self.model_name,
+                    "choices": [], "usage": usage}
+
+        return make
+
     def stream_events(
         self,
         started: list[Started],
