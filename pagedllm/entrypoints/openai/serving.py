@@ -270,8 +270,14 @@ class ServingBase:
         """The closing stream chunk that carries only usage (``obj`` is the chunk's object)."""
 
         def make(usage: dict[str, Any]) -> dict[str, Any]:
-            return {"id": rid, "object": obj, "created": created, "model": self.model_name,
-                    "choices": [], "usage": usage}
+            return {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": self.model_name,
+                "choices": [],
+                "usage": usage,
+            }
 
         return make
 

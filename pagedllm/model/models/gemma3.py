@@ -47,9 +47,7 @@ class Gemma3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, offset=1.0)
         theta, scaling = _layer_rope(config, layer_idx)
-        self.rotary_emb = get_rope(
-            self.head_dim, config.max_position_embeddings, theta, scaling
-        )
+        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, theta, scaling)
         self.attn = Attention(
             self.num_heads,
             self.num_kv_heads,

@@ -70,9 +70,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.qk_norm = qk_norm
         theta, scaling = rope_params(config)
-        self.rotary_emb = get_rope(
-            self.head_dim, config.max_position_embeddings, theta, scaling
-        )
+        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, theta, scaling)
         self.attn = Attention(
             self.num_heads,
             self.num_kv_heads,
