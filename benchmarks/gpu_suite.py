@@ -98,9 +98,10 @@ def check(args: argparse.Namespace) -> dict:
             ref_lp.append([lg[0].float().log_softmax(-1).cpu() for lg in g.logits])
         del model
         free_mem()
-        for eager in (False, True):
-            llm = LLM(path, dtype=dtype_name, max_model_len=1024, enforce_eager=eager,
-                      gpu_memory_utilization=0.5, max_num_seqs=16)
+        for mode, kw in (("graphs", {}), ("eager", {"enforce_eager": True}),
+                         ("graphs_sync", {"async_scheduling": False})):
+            llm = LLM(path, dtype=dtype_name, max_model_len=1024, gpu_memory_utilization=0.5,
+                      max_num_seqs=16, **kw)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                 SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
                                                logprobs=5), use_tqdm=False)
@@ -114,7 +115,7 @@ def check(args: argparse.Namespace) -> dict:
                         break
                     tok = o.outputs[0].token_ids[pos]
                     lp_err = max(lp_err, abs(d[tok].logprob - float(lps[pos][tok])))
-            out[f"{dtype_name}_{'eager' if eager else 'graphs'}"] = {
+            out[f"{dtype_name}_{mode}"] = {
                 "sequences_equal": f"{exact}/{len(ref)}", "matching_prefix_tokens": first,
                 "max_logprob_abs_err_on_matching_prefix": lp_err,
             }
@@ -128,6 +129,13 @@ def _prefix(a: list[int], b: list[int]):  # noqa: ANN202
         if x != y:
             return
         yield x
+
+
+def save_partial(args: argparse.Namespace, part: str, result: dict) -> None:
+    """Write what a long run has measured so far (a time limit may cut the run short)."""
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"gpu_{part}_{device_tag()}.partial.json"), "w") as f:
+        json.dump(result, f, indent=2)
 
 
 def bench_a(args: argparse.Namespace) -> dict:
@@ -145,12 +153,24 @@ def bench_a(args: argparse.Namespace) -> dict:
     flops = measure_matmul_flops(torch.device("cuda"))
     result["copy_bandwidth_GBps"] = bw / 1e9
     result["matmul_bf16_TFLOPs"] = flops / 1e12
-    for eager in ([False, True] if args.eager_too else [False]):
-        llm = LLM(path, dtype="bfloat16", max_model_len=2048, enforce_eager=eager,
-                  max_num_seqs=256, gpu_memory_utilization=0.85)
-        llm.generate([{"prompt_token_ids": p} for p in prompts[:8]],
-                     SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    variants = [("cuda_graphs", {})]  # the default engine: CUDA graphs, async scheduling
+    if args.sync_too:
+        variants.append(("cuda_graphs_sync", {"async_scheduling": False}))
+    if args.eager_too:
+        variants.append(("eager", {"enforce_eager": True}))
+    for name, kw in variants:
+        llm = LLM(path, dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
+                  gpu_memory_utilization=0.85, **kw)
+        # Warm-up: the same lengths with other token ids (no prefix-cache hits later), so every
+        # Triton specialization the workload meets is compiled before the timed run.
+        warm, _ = make_workload(n, 562, 562, 462 / 562, 151936, seed=1)
+        warm = [w[: len(p)] + [7] * (len(p) - len(w)) for w, p in zip(warm, prompts)]
+        llm.generate([{"prompt_token_ids": p} for p in warm],
+                     [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+                      for m in out_lens], use_tqdm=False)
         rec = StepRecorder(llm)
+        runner = llm.llm_engine.engine_core.model_runner
+        runner.time_device, runner.device_times = args.time_device, []
         torch.cuda.synchronize()
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -159,9 +179,15 @@ def bench_a(args: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
         el = time.perf_counter() - t
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
-        runner = llm.llm_engine.engine_core.model_runner
         roof = roofline(rec.steps, model_cost(runner.model, torch.bfloat16), bw, flops)
-        result[f"pagedllm_{'eager' if eager else 'cuda_graphs'}"] = {
+        dev = runner.device_times
+        result[f"pagedllm_{name}"] = {
+            "engine_args": kw,
+            "async_scheduling": llm.llm_engine.config.scheduler_config.async_scheduling,
+            "wall_ms_per_step": 1e3 * el / max(len(rec.steps), 1),
+            # device time from a CUDA event before the forward to one after sampling
+            "device_ms_per_step": 1e3 * float(np.mean(dev)) if dev else None,
+            "device_busy_fraction": float(np.sum(dev)) / el if dev else None,
             "elapsed_s": el, "output_tokens": produced, "output_tokens_per_s": produced / el,
             "total_tokens_per_s": (produced + sum(map(len, prompts))) / el,
             "requests_per_s": n / el, "kv_cache_blocks": runner.num_blocks,
@@ -174,6 +200,7 @@ def bench_a(args: argparse.Namespace) -> dict:
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         }
         print(json.dumps(result, indent=1), flush=True)
+        save_partial(args, "bench-a", result)
         del llm, rec
         free_mem()
     if not args.skip_peers:
@@ -188,6 +215,7 @@ def bench_a(args: argparse.Namespace) -> dict:
             except Exception as e:  # a peer failing must not lose the other results
                 result[name] = {"error": repr(e)[:500]}
             print(json.dumps({name: result[name]}, indent=1), flush=True)
+            save_partial(args, "bench-a", result)
             free_mem()
     ours = result["pagedllm_cuda_graphs"]["output_tokens_per_s"]
     result["model"] = "qwen3-0.6b"
@@ -378,6 +406,8 @@ def main() -> None:
     p.add_argument("--peer-prompts", type=int, default=0)
     p.add_argument("--skip-peers", action="store_true")
     p.add_argument("--eager-too", action="store_true")
+    p.add_argument("--sync-too", action="store_true", help="also without async scheduling")
+    p.add_argument("--time-device", action="store_true", help="CUDA events around each step")
     p.add_argument("--only-structured", action="store_true")
     args = p.parse_args()
     fn = {"check": check, "bench-a": bench_a, "bench-b": bench_b, "extras": extras}[args.part]

@@ -116,6 +116,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     sjf_aging_rate: float = 100.0  # tokens of rank gained per second of waiting (sjf)
+    # Schedule and launch step N+1 before step N's tokens reach the host, so the host work of
+    # one step overlaps the device work of the next (see engine/core.py).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -194,6 +197,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     sjf_aging_rate: float = 100.0
+    # None: on where it pays (a GPU, whose work runs asynchronously to the host), off on a CPU
+    async_scheduling: bool | None = None
     seed: int = 0
     enforce_eager: bool = False
     device: str = "auto"
@@ -278,6 +283,9 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
                 sjf_aging_rate=self.sjf_aging_rate,
+                async_scheduling=(
+                    device == "cuda" if self.async_scheduling is None else self.async_scheduling
+                ),
             ),
             device_config=DeviceConfig(device=device, enforce_eager=self.enforce_eager),
             parallel_config=ParallelConfig(

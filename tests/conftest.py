@@ -12,8 +12,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(autouse=True, scope="session")
 def _eager_when_asked():
     """PAGEDLLM_TEST_EAGER=1 runs every engine with enforce_eager=True (on a GPU: the same tests
-    without CUDA graphs), so the greedy-equality tests cover both modes."""
-    if os.environ.get("PAGEDLLM_TEST_EAGER") != "1":
+    without CUDA graphs), so the greedy-equality tests cover both modes. PAGEDLLM_TEST_ASYNC=0/1
+    sets async_scheduling for every engine that does not choose (e.g. the whole suite async on
+    a CPU)."""
+    eager = os.environ.get("PAGEDLLM_TEST_EAGER") == "1"
+    asynch = os.environ.get("PAGEDLLM_TEST_ASYNC")
+    if not eager and asynch is None:
         yield
         return
     from pagedllm.entrypoints import llm as llm_mod
@@ -21,7 +25,10 @@ def _eager_when_asked():
     orig = llm_mod.LLM.__init__
 
     def init(self, model, **kw):  # noqa: ANN001, ANN202
-        kw.setdefault("enforce_eager", True)
+        if eager:
+            kw.setdefault("enforce_eager", True)
+        if asynch is not None:
+            kw.setdefault("async_scheduling", asynch == "1")
         orig(self, model, **kw)
 
     llm_mod.LLM.__init__ = init

@@ -91,9 +91,9 @@ class StepRecorder:
                 self.steps.append(StepRecord(list(so.num_scheduled_tokens.values()), seq))
             return so
 
-        def prepare(rows, n_sched):  # noqa: ANN001, ANN202
+        def prepare(rows, n_sched, *extra):  # noqa: ANN001, ANN002, ANN202
             t = time.perf_counter()
-            out = orig_prepare(rows, n_sched)
+            out = orig_prepare(rows, n_sched, *extra)
             host = self._t + time.perf_counter() - t
             self.host_s.append(host)
             if int(n_sched.max()) == 1:

@@ -6,9 +6,9 @@ import logging
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.sched.output import EngineCoreOutput
+from pagedllm.core.sched.output import EngineCoreOutput, SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,9 @@ class EngineCore:
         )
         self.num_blocks = num_blocks
         self.tokenizer = tokenizer
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        # async scheduling: the launched step whose results are not yet applied
+        self._pending: tuple[SchedulerOutput, LaunchedStep] | None = None
 
     def structured_output_manager(self):  # noqa: ANN201
         """The grammar compiler, made on first use (xgrammar is an optional dependency)."""
@@ -80,14 +83,44 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._pending is not None or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        """Run one iteration; returns what changed."""
+        """Run one iteration; returns what changed.
+
+        Synchronous: schedule step N, run it, wait for its tokens, update. With
+        ``async_scheduling``: schedule and launch step N, then wait for step N-1 (finished on
+        the device by the time N is queued behind it) and update from it, so the host's work
+        for N-1's results, the output processing and the scheduling of N+1 overlap the device
+        running N. The price: a request that finishes at N-1 was also computed in N (its extra
+        token is dropped). Requests that need their tokens on the host before their next step
+        (grammars, penalties, n > 1, beams: ``Request.needs_host_tokens``) switch the engine to
+        synchronous steps while they live.
+        """
+        if self.async_scheduling and not self.scheduler.needs_sync:
+            return self._step_async()
+        outputs = self._resolve_pending()
         if not self.scheduler.has_unfinished_requests():
-            return []
+            return outputs
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute_model(scheduler_output)
+        return outputs + self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        launched = None
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            launched = (scheduler_output, self.model_runner.launch(scheduler_output))
+        outputs = self._resolve_pending()
+        self._pending = launched
+        return outputs
+
+    def _resolve_pending(self) -> list[EngineCoreOutput]:
+        if self._pending is None:
+            return []
+        scheduler_output, launched = self._pending
+        self._pending = None
+        runner_output = self.model_runner.resolve(launched)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def check_integrity(self) -> None:

@@ -60,6 +60,8 @@ _HELP = {
     "load_format": "Weight format.",
     "tensor_parallel_size": "Tensor-parallel GPUs.",
     "data_parallel_size": "Data-parallel engine replicas.",
+    "async_scheduling": "Schedule the next step while the device runs this one "
+    "(default: on with a GPU, off on a CPU).",
 }
 _CHOICES = {
     "dtype": getattr(_config, "_DTYPES", None),

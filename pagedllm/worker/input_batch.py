@@ -27,6 +27,11 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # bumped whenever a row gets a new request: results of a step launched before that
+        # (async scheduling) must not be written into the new owner's row
+        self.epoch = np.zeros(max_num_reqs, dtype=np.int64)
+        # beam search: the scheduler, not the sampler, chooses the row's next token
+        self.external = np.zeros(max_num_reqs, dtype=bool)
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_row: dict[str, int] = {}
@@ -49,6 +54,8 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.append_blocks(row, new.block_ids)
         self.sampling_params[row] = new.sampling_params
+        self.external[row] = new.sampling_params.external_tokens
+        self.epoch[row] += 1
         self.req_ids[row] = new.req_id
         self.req_id_to_row[new.req_id] = row
         return row

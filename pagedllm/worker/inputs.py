@@ -19,6 +19,7 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens]
     metadata: AttentionMetadata
     n_sched: np.ndarray  # [num_reqs] tokens per request
+    extra: list[torch.Tensor]  # the caller's extra int arrays, on the device
 
 
 class InputPreparer:
@@ -26,7 +27,8 @@ class InputPreparer:
 
     On a GPU every per-step integer array is packed into one pinned int32 host buffer and sent
     with a single non-blocking host-to-device copy; the tensors are views of the device copy.
-    On the CPU the numpy arrays are used in place.
+    On the CPU the numpy arrays are used in place. The pinned buffer is double-buffered: under
+    async scheduling step N+1 is prepared while step N's copy may still be queued.
     """
 
     def __init__(self, batch: InputBatch, max_num_tokens: int, device: torch.device) -> None:
@@ -34,16 +36,20 @@ class InputPreparer:
         self.device = device
         r = batch.max_num_reqs
         # ids, positions, slots per token; qsl, seq_lens, block table per request
-        cap = 3 * max_num_tokens + 2 * r + 1 + r * batch.max_blocks_per_req
+        # (+ the caller's extras: up to 3 arrays of one entry per request)
+        cap = 3 * max_num_tokens + 5 * r + 1 + r * batch.max_blocks_per_req
         self.use_staging = device.type == "cuda"
         if self.use_staging:
-            self.host = torch.zeros(cap, dtype=torch.int32, pin_memory=True)
-            self.host_np = self.host.numpy()
+            self.hosts = [torch.zeros(cap, dtype=torch.int32, pin_memory=True) for _ in "ab"]
+            self._turn = 0
             self.dev = torch.zeros(cap, dtype=torch.int32, device=device)
 
-    def prepare(self, rows: np.ndarray, n_sched: np.ndarray) -> StepInputs:
+    def prepare(
+        self, rows: np.ndarray, n_sched: np.ndarray, extra: tuple[np.ndarray, ...] = ()
+    ) -> StepInputs:
         """Inputs for requests at ``rows`` computing ``n_sched`` tokens each, from their
-        ``num_computed_tokens`` on."""
+        ``num_computed_tokens`` on; ``extra`` int arrays (at most 3, each no longer than
+        ``rows``) travel in the same host-to-device copy."""
         ib = self.batch
         bs = ib.block_size
         cu = np.cumsum(n_sched)
@@ -65,8 +71,9 @@ class InputPreparer:
         block_tables = ib.block_table[rows, :max_blocks]
         if self.use_staging:
             parts = [input_ids, positions, slots, qsl, seq_lens, block_tables.reshape(-1)]
-            views = self._ship(parts)
-            ids_t, pos_t, slot_t, qsl_t, sl_t, bt_t = views
+            views = self._ship(parts + list(extra))
+            ids_t, pos_t, slot_t, qsl_t, sl_t, bt_t = views[:6]
+            extra_t = views[6:]
             slot_t = slot_t.long()
             bt_t = bt_t.view(len(rows), max_blocks)
         else:
@@ -75,6 +82,7 @@ class InputPreparer:
             qsl_t = torch.from_numpy(qsl.astype(np.int32))
             sl_t = torch.from_numpy(seq_lens.astype(np.int32))
             bt_t = torch.from_numpy(np.ascontiguousarray(block_tables))
+            extra_t = [torch.from_numpy(np.asarray(e, dtype=np.int64)) for e in extra]
         md = AttentionMetadata(
             num_reqs=len(rows),
             num_actual_tokens=total,
@@ -89,15 +97,18 @@ class InputPreparer:
             seq_lens_np=seq_lens,
         )
         md.plan["block_tables_np"] = block_tables
-        return StepInputs(ids_t, pos_t, md, n_sched)
+        return StepInputs(ids_t, pos_t, md, n_sched, extra_t)
 
     def _ship(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
         """Pack int arrays into the pinned buffer, copy once, return device views."""
         offs = [0]
         for p in parts:
             offs.append(offs[-1] + p.size)
+        host = self.hosts[self._turn]
+        self._turn ^= 1
+        host_np = host.numpy()
         for p, a in zip(parts, offs):
-            self.host_np[a : a + p.size] = p
+            host_np[a : a + p.size] = p
         n = offs[-1]
-        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        self.dev[:n].copy_(host[:n], non_blocking=True)
         return [self.dev[a:b] for a, b in zip(offs[:-1], offs[1:])]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -12,13 +14,40 @@ from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.model.loader import build_model
-from pagedllm.sample.sampler import Sampler, SamplerOutput
+from pagedllm.sample.sampler import Sampler
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.inputs import InputPreparer, StepInputs
 from pagedllm.worker.sampling_inputs import build_for_params, build_sampling_metadata
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device; ``ModelRunner.resolve`` turns it into ModelRunnerOutput."""
+
+    req_ids: list[str]
+    prompt_logprobs: dict = field(default_factory=dict)
+    forked: tuple[dict, dict] = ({}, {})
+    # The rows that sample, as batch indices, InputBatch rows, the rows' epochs at launch and
+    # the positions their tokens fill; ``appended``: the runner counts the token (not beams).
+    sample_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    sample_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    sample_epochs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    sample_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    appended: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    sampled: torch.Tensor | None = None  # [num_sampling_rows] on the device
+    want_logprobs: bool = False
+    # sampled ids (+ logprob ids, logprobs, ranks) on the host once ``event`` has completed
+    host: list[torch.Tensor] = field(default_factory=list)
+    event: Any = None
+    timing: Any = None  # (start, end) CUDA events when the runner times device work
+
+    @classmethod
+    def nothing(cls) -> LaunchedStep:
+        return cls(req_ids=[])
+
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30  # the order of VLLM_CPU_KVCACHE_SPACE's default
 
@@ -63,6 +92,9 @@ class ModelRunner:
         self.num_blocks = 0
         self.graph_runner: CUDAGraphRunner | None = None
         self._batch_matcher = None  # xgrammar's multi-threaded bitmask filler, made on first use
+        self._unresolved: LaunchedStep | None = None  # the last launched step, until resolved
+        self.time_device = False  # record each step's device time (benchmarks)
+        self.device_times: list[float] = []  # seconds, one per resolved step when timed
 
     # ------------------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self) -> int:
@@ -268,65 +300,165 @@ class ModelRunner:
             return gr.run(inputs.input_ids, inputs.positions, md)
         return self.model(inputs.input_ids, inputs.positions, md)
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: update request rows, build inputs, forward, sample, return tokens."""
+        """Run one step to the end: launch it and wait for its tokens."""
+        return self.resolve(self.launch(so))
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> LaunchedStep:
+        """Queue one step on the device: update request rows, build inputs, forward, sample.
+
+        Returns without waiting for the device; ``resolve`` brings the tokens to the host. Under
+        async scheduling the next step is launched before this one is resolved: a row whose
+        next input is the token this step samples reads it from ``LaunchedStep.sampled`` on the
+        device, and the row counts it (``InputBatch.num_tokens``) from launch on.
+        """
         self._swap(so)
         self._copy_blocks(so.blocks_to_copy)
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return LaunchedStep.nothing()
         ib = self.input_batch
         req_ids = list(so.num_scheduled_tokens.keys())
         rows = np.fromiter(
             (ib.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
         )
         n_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        inputs = self.inputs.prepare(rows, n_sched)
+        seq_lens = ib.num_computed_tokens[rows] + n_sched
+        cu = np.cumsum(n_sched)
+        # Rows that reach the end of their known tokens sample the next one; a prefill chunk
+        # that stops short of the prompt's end samples nothing. Their logits come from each
+        # row's last token: e.g. n_sched [3, 1, 2], all sampling -> hidden rows [2, 3, 5].
+        sample_idx = np.nonzero(seq_lens == ib.num_tokens[rows])[0]
+        logits_idx = cu[sample_idx] - 1
+        dst, src = self._inputs_from_last_step(rows, cu - n_sched)
+        inputs = self.inputs.prepare(rows, n_sched, (logits_idx, dst, src))
+        logits_idx_t, dst_t, src_t = inputs.extra
+        if len(dst):
+            prev = self._unresolved
+            assert prev is not None and prev.sampled is not None
+            inputs.input_ids[dst_t.long()] = prev.sampled[src_t.long()].to(inputs.input_ids.dtype)
+        timing = self._timing_start()
         hidden = self._forward(inputs)  # [num_tokens, hidden]
         # Structured outputs: fill the token bitmask on the CPU while the GPU runs the forward.
         bitmask = self._fill_bitmask(so.structured_requests)
-        qsl, seq_lens = inputs.metadata.query_start_loc_np, inputs.metadata.seq_lens_np
-        assert qsl is not None and seq_lens is not None
+        qsl = inputs.metadata.query_start_loc_np
+        assert qsl is not None
         prompt_lp = self._prompt_logprobs(req_ids, rows, hidden, qsl, seq_lens)
-        # Rows that reached the end of their known tokens sample the next one; a prefill
-        # chunk that stops short of the prompt's end samples nothing.
-        sample_idx = np.nonzero(seq_lens == ib.num_tokens[rows])[0]
-        sampled_lists: list[list[int]] = [[] for _ in req_ids]
-        logprobs: list | None = None
+        step = LaunchedStep(req_ids=req_ids, prompt_logprobs=prompt_lp)
         if len(sample_idx) > 0:
             if len(sample_idx) == inputs.metadata.num_actual_tokens:
                 selected = hidden[: len(sample_idx)]  # pure decode: every row samples
             else:
-                idx = torch.from_numpy(qsl[sample_idx + 1] - 1).to(self.device)
-                selected = hidden.index_select(0, idx)
+                selected = hidden.index_select(0, logits_idx_t.long())
             logits = self.model.compute_logits(selected)
             if bitmask is not None:
                 self._apply_bitmask(logits, bitmask, [req_ids[i] for i in sample_idx])
+            sample_rows = rows[sample_idx]
             smd = build_sampling_metadata(
-                ib, rows[sample_idx], self.device, self.generator, self.eos_token_ids
+                ib, sample_rows, self.device, self.generator, self.eos_token_ids
             )
             out = self.sampler(logits, smd)
-            tokens = out.sampled.tolist()
-            forked = self._sample_forks(req_ids, rows, sample_idx, smd.output_positions, logits)
-            for j, i in enumerate(sample_idx):
-                p = ib.sampling_params[int(rows[i])]
-                if not p.external_tokens:  # beam search: the scheduler chooses the token
-                    ib.append_token(int(rows[i]), tokens[j])
-                sampled_lists[i] = [tokens[j]]
-            if smd.max_num_logprobs >= 0:
-                logprobs = self._to_logprob_lists(out, sample_idx, len(req_ids))
-        else:
-            forked = ({}, {})
+            step.forked = self._sample_forks(
+                req_ids, rows, sample_idx, smd.output_positions, logits
+            )
+            step.sample_idx, step.sample_rows = sample_idx, sample_rows
+            step.sample_epochs = ib.epoch[sample_rows]
+            step.sample_pos = ib.num_tokens[sample_rows]
+            step.appended = ~ib.external[sample_rows]  # beam search: the scheduler appends
+            ib.num_tokens[sample_rows[step.appended]] += 1
+            step.sampled = out.sampled
+            step.want_logprobs = smd.max_num_logprobs >= 0
+            results = [out.sampled]
+            if step.want_logprobs:
+                assert out.logprob_ids is not None and out.logprobs is not None
+                assert out.ranks is not None
+                results += [out.logprob_ids, out.logprobs, out.ranks]
+            step.host, step.event = self._to_host(results)
+        step.timing = self._timing_end(timing)
         ib.num_computed_tokens[rows] = seq_lens
+        self._unresolved = step
+        return step
+
+    def resolve(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step's tokens and hand them to the scheduler; writes each
+        token into its row unless the row has been given to another request since."""
+        if self._unresolved is step:
+            self._unresolved = None
+        if step.event is not None:
+            step.event.synchronize()
+        if step.timing is not None:
+            self.device_times.append(step.timing[0].elapsed_time(step.timing[1]) / 1e3)
+        sampled_lists: list[list[int]] = [[] for _ in step.req_ids]
+        logprobs = None
+        if step.host:
+            ib = self.input_batch
+            tokens_np = step.host[0].numpy()
+            rows, pos = step.sample_rows, step.sample_pos
+            ok = step.appended & (ib.epoch[rows] == step.sample_epochs) & (pos < ib.max_model_len)
+            ib.token_ids[rows[ok], pos[ok]] = tokens_np[ok]
+            for i, tok in zip(step.sample_idx.tolist(), tokens_np.tolist()):
+                sampled_lists[i] = [tok]
+            if step.want_logprobs:
+                logprobs = self._to_logprob_lists(step.host[1:], step.sample_idx, len(step.req_ids))
         return ModelRunnerOutput(
-            req_ids=req_ids,
+            req_ids=step.req_ids,
             sampled_token_ids=sampled_lists,
             logprobs=logprobs,
-            prompt_logprobs=prompt_lp,
-            forked_token_ids=forked[0],
-            forked_logprobs=forked[1],
+            prompt_logprobs=step.prompt_logprobs,
+            forked_token_ids=step.forked[0],
+            forked_logprobs=step.forked[1],
         )
+
+    def _inputs_from_last_step(
+        self, rows: np.ndarray, first_token: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows whose first input token was sampled by the unresolved previous step: where it
+        goes in this step's flat input ids (dst) and where it is in that step's sampled tokens
+        (src). Example: last step sampled rows [4, 9] (src 0, 1); this step runs rows [9, 2, 4]
+        with first tokens at [0, 1, 6] -> dst [0, 6], src [1, 0]."""
+        prev = self._unresolved
+        empty = np.zeros(0, dtype=np.int64)
+        if prev is None or prev.sampled is None:
+            return empty, empty
+        ib = self.input_batch
+        live = prev.appended & (ib.epoch[prev.sample_rows] == prev.sample_epochs)
+        src_of_row = np.full(ib.max_num_reqs, -1, dtype=np.int64)
+        src_of_row[prev.sample_rows[live]] = np.nonzero(live)[0]
+        src = src_of_row[rows]
+        has = src >= 0
+        # such a row computes exactly the position the previous step sampled
+        assert np.array_equal(ib.num_computed_tokens[rows[has]], prev.sample_pos[src[has]]), (
+            "a row reads a token from the last step at the wrong position"
+        )
+        return first_token[has], src[has]
+
+    def _to_host(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        """Start copying sampled results to (pinned) host memory; the event marks the end."""
+        if self.device.type != "cuda":
+            return tensors, None
+        host = []
+        for t in tensors:
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            host.append(h)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _timing_start(self) -> Any:
+        if not self.time_device or self.device.type != "cuda":
+            return None
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
+    def _timing_end(self, start: Any) -> Any:
+        if start is None:
+            return None
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return (start, end)
 
     def _sample_forks(
         self,
@@ -366,7 +498,8 @@ class ModelRunner:
             out = self.sampler(logits[j : j + 1].expand(k, -1), md)
             tokens[req_ids[i]] = out.sampled.tolist()
             if md.max_num_logprobs >= 0:
-                lps[req_ids[i]] = [t[0] for t in self._to_logprob_lists(out, np.arange(k), k)]
+                host = [out.logprob_ids, out.logprobs, out.ranks]
+                lps[req_ids[i]] = [t[0] for t in self._to_logprob_lists(host, np.arange(k), k)]
         return tokens, lps
 
     def _fill_bitmask(self, matchers: dict) -> tuple[list[str], torch.Tensor] | None:
@@ -413,9 +546,9 @@ class ModelRunner:
             cache.index_copy_(1, dst, cache.index_select(1, src))
 
     @staticmethod
-    def _to_logprob_lists(out: SamplerOutput, sample_idx: np.ndarray, num_reqs: int) -> list:
-        assert out.logprob_ids is not None and out.logprobs is not None and out.ranks is not None
-        ids, lps, ranks = out.logprob_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
+    def _to_logprob_lists(host: list[torch.Tensor], sample_idx: np.ndarray, num_reqs: int) -> list:
+        """Per batch row: [(top ids, logprobs, ranks)] of its sampled token, or None."""
+        ids, lps, ranks = (t.tolist() for t in host)
         result: list = [None] * num_reqs
         for j, i in enumerate(sample_idx):
             result[i] = [(ids[j], lps[j], ranks[j])]

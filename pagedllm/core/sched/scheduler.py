@@ -89,6 +89,9 @@ class Scheduler:
         # Requests the runner holds state for (scheduled at least once since last (re)start).
         self._runner_has: set[str] = set()
         self.num_preemptions = 0
+        # Live requests that need their sampled tokens on the host before their next step
+        # (see Request.needs_host_tokens): while any exists, the engine runs synchronously.
+        self._sync_ids: set[str] = set()
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -115,7 +118,6 @@ class Scheduler:
             )
         # Generation may not outgrow the cache either: cap it so one request alone always fits.
         request.max_tokens = min(request.max_tokens, capacity - request.num_prompt_tokens)
-        self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
         so_params = request.sampling_params.structured_outputs
         if so_params is not None:
@@ -124,7 +126,18 @@ class Scheduler:
             request.grammar_future = self.structured.submit(so_params)
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.groups.register(request)
+        self._track(request)
         self.waiting.add(request)
+
+    def _track(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        if request.needs_host_tokens:
+            self._sync_ids.add(request.request_id)
+
+    @property
+    def needs_sync(self) -> bool:
+        """Whether some live request needs synchronous steps (no async scheduling)."""
+        return bool(self._sync_ids)
 
     def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None:
         """End requests from outside the loop (abort, or a stop string found by the
@@ -149,6 +162,7 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
+        self._sync_ids.discard(request.request_id)
         self.groups.finished(request)
         if request.request_id in self._runner_has:
             self._runner_has.discard(request.request_id)
@@ -180,7 +194,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(
+                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                budget,
+            )
             if num_new <= 0:
                 i += 1
                 continue
@@ -263,9 +280,17 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         self._swap_out = []
-        # Advance progress now: the runner computes exactly what was scheduled.
+        # Advance progress now: the runner computes exactly what was scheduled. A request
+        # whose computed tokens catch up with its known ones samples a token this step: it
+        # holds a placeholder for it until update_from_output brings the id.
+        # Example (async): 10 known tokens, 1 placeholder (the last step's token, still on the
+        # device), 10 computed -> 1 token scheduled (position 10, its id read on the device),
+        # 11 computed = 10 + 1 -> a second placeholder, for the token at position 11.
         for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            request = self.requests[rid]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
         return out
 
     def _add_to_output(
@@ -315,7 +340,10 @@ class Scheduler:
         """The best-ranked waiting request whose grammar (if any) is ready: a request still
         compiling its grammar waits without blocking the others."""
         for request in self.waiting:
-            if request.status != RequestStatus.WAITING_FOR_GRAMMAR:
+            # a request preempted while its last token is in flight waits for that token
+            if request.status != RequestStatus.WAITING_FOR_GRAMMAR and (
+                request.num_output_placeholders == 0
+            ):
                 return request
         return None
 
@@ -441,6 +469,8 @@ class Scheduler:
                 continue  # aborted while the step ran
             idx = sampled.get(rid)
             token_ids = runner_output.sampled_token_ids[idx] if idx is not None else []
+            if token_ids:
+                request.num_output_placeholders -= 1
             prompt_lp = runner_output.prompt_logprobs.get(rid)
             if not token_ids and prompt_lp is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
@@ -494,7 +524,7 @@ class Scheduler:
         """Feed a beam's logprobs to its search; apply the search's forks and drops."""
         forks, dropped, final = self.beams.on_step(request, logprobs, self.requests)
         for child in forks:
-            self.requests[child.request_id] = child
+            self._track(child)
             self.running.add(child)
         for r in dropped:
             if r in self.running:
@@ -511,7 +541,7 @@ class Scheduler:
         lps = runner_output.forked_logprobs.get(parent.request_id)
         outputs = []
         for j, child in enumerate(children):
-            self.requests[child.request_id] = child
+            self._track(child)
             self.running.add(child)
             tok = child.output_token_ids[-1]
             if parent.matcher is not None:  # fork before the parent accepts its own token

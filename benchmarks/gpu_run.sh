@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One device call: install the wheels the GPU image lacks (carried in .whl/), then run the
+# named stages of the GPU check-and-time suite, each as STAGE or STAGE:SECONDS (a time limit).
+# Usage (on the GPU machine, repo root):
+#   bash benchmarks/gpu_run.sh bench-a-quick:240 check:200 tests:300 bench-a bench-b extras
+# Results land in $OUT (the device tool's return folder); the log in $OUT/log.txt as it runs.
+set -uo pipefail
+export OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/site
+if [ -d .whl ] && ! [ -f /tmp/site/.done ]; then
+  pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1 && touch /tmp/site/.done
+fi
+export PYTHONPATH=/tmp/site:$PWD TOKENIZERS_PARALLELISM=false
+
+summary() {  # the headline numbers of every bench-a variant in $1
+  python - "$1" <<'PY'
+import glob, json, sys
+for f in glob.glob(sys.argv[1] + "/*bench-a*.json"):
+    d = json.load(open(f))
+    for k, v in d.items():
+        if k.startswith("pagedllm_"):
+            keys = ("output_tokens_per_s", "roofline_fraction", "wall_ms_per_step",
+                    "device_ms_per_step", "device_busy_fraction", "host_ms_per_decode_step",
+                    "steps")
+            print(k, {x: v.get(x) for x in keys})
+    for k in ("peers", "ratio_vs_hf_continuous_batching", "ratio_vs_hf_static_generate"):
+        print(k, d.get(k))
+PY
+}
+
+one() {
+  case $1 in
+    tests) python -m pytest -q -x -p no:cacheprovider tests/kernels tests/models tests/engine ;;
+    tests-models) python -m pytest -q -x -p no:cacheprovider tests/models tests/engine ;;
+    check) python benchmarks/gpu_suite.py check --out "$OUT" ;;
+    bench-a-quick) python benchmarks/gpu_suite.py bench-a --skip-peers --sync-too --time-device \
+        --out "$OUT/quick" | grep -v "^ "; summary "$OUT/quick" ;;
+    bench-a) python benchmarks/gpu_suite.py bench-a --sync-too --time-device --out "$OUT" | grep -v "^ ";
+        summary "$OUT" ;;
+    bench-b) python benchmarks/gpu_suite.py bench-b --out "$OUT" | tail -40 ;;
+    extras) python benchmarks/gpu_suite.py extras --out "$OUT" | tail -40 ;;
+    structured) python benchmarks/gpu_suite.py extras --only-structured --out "$OUT" | tail -30 ;;
+    *) echo "unknown stage $1" ;;
+  esac
+}
+
+if [ "${1:-}" = "--one" ]; then one "$2"; exit; fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/log.txt"
+for spec in "$@"; do
+  stage=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=560
+  echo "=== $stage $(date +%T) (limit ${limit}s)" | tee -a "$OUT/log.txt"
+  timeout "$limit" bash "$0" --one "$stage" 2>&1 | tee -a "$OUT/log.txt" | tail -40
+done
