@@ -141,13 +141,13 @@ class Request:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """Whether scheduling this request's next step needs its last sampled token on the
-        host: a grammar to advance, penalties over its output, a beam or sibling sequences to
-        fork. Such requests keep the engine in synchronous steps."""
+        """Whether this request's next forward pass needs its last sampled token on the host:
+        penalties over its output, a beam or sibling sequences to fork. Such requests keep the
+        engine in synchronous steps. (A grammar needs the token only before sampling: see
+        EngineCore.step.)"""
         p = self.sampling_params
         return (
-            p.structured_outputs is not None
-            or p.uses_penalties
+            p.uses_penalties
             or p.external_tokens
             or self.parent_id is not None
             or self.beam_group is not None

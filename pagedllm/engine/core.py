@@ -93,8 +93,10 @@ class EngineCore:
         the device by the time N is queued behind it) and update from it, so the host's work
         for N-1's results, the output processing and the scheduling of N+1 overlap the device
         running N. The price: a request that finishes at N-1 was also computed in N (its extra
-        token is dropped). Requests that need their tokens on the host before their next step
-        (grammars, penalties, n > 1, beams: ``Request.needs_host_tokens``) switch the engine to
+        token is dropped). A step with grammar-constrained requests queues its forward pass,
+        applies step N-1's tokens to the grammars, then fills the bitmask and queues the
+        sampling. Requests that need their tokens on the host before their next forward pass
+        (penalties, n > 1, beams: ``Request.needs_host_tokens``) switch the engine to
         synchronous steps while they live.
         """
         if self.async_scheduling and not self.scheduler.needs_sync:
@@ -107,11 +109,20 @@ class EngineCore:
         return outputs + self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_async(self) -> list[EngineCoreOutput]:
+        runner = self.model_runner
         launched = None
+        matchers: dict = {}
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
-            launched = (scheduler_output, self.model_runner.launch(scheduler_output))
+            launched = (scheduler_output, runner.launch_forward(scheduler_output))
+            matchers = scheduler_output.structured_requests
+            if not matchers:
+                runner.launch_sample(launched[1], {})
+        # Grammars: the matchers take step N-1's tokens here, and step N's bitmask is filled
+        # after that, while step N's forward pass runs on the device.
         outputs = self._resolve_pending()
+        if launched is not None and matchers:
+            runner.launch_sample(launched[1], matchers)
         self._pending = launched
         return outputs
 

@@ -43,6 +43,8 @@ class LaunchedStep:
     host: list[torch.Tensor] = field(default_factory=list)
     event: Any = None
     timing: Any = None  # (start, end) CUDA events when the runner times device work
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # batch rows
+    selected: torch.Tensor | None = None  # [num_sampling_rows, hidden] until launch_sample
 
     @classmethod
     def nothing(cls) -> LaunchedStep:
@@ -93,6 +95,8 @@ class ModelRunner:
         self.graph_runner: CUDAGraphRunner | None = None
         self._batch_matcher = None  # xgrammar's multi-threaded bitmask filler, made on first use
         self._unresolved: LaunchedStep | None = None  # the last launched step, until resolved
+        self._bitmask_bufs: list[torch.Tensor] | None = None  # pinned, made on first use
+        self._bitmask_turn = 0
         self.time_device = False  # record each step's device time (benchmarks)
         self.device_times: list[float] = []  # seconds, one per resolved step when timed
 
@@ -304,14 +308,22 @@ class ModelRunner:
         """Run one step to the end: launch it and wait for its tokens."""
         return self.resolve(self.launch(so))
 
-    @torch.inference_mode()
     def launch(self, so: SchedulerOutput) -> LaunchedStep:
-        """Queue one step on the device: update request rows, build inputs, forward, sample.
+        """Queue one step on the device: ``launch_forward`` then ``launch_sample`` with the
+        step's grammar matchers (their bitmask is filled while the forward runs)."""
+        step = self.launch_forward(so)
+        self.launch_sample(step, so.structured_requests)
+        return step
 
-        Returns without waiting for the device; ``resolve`` brings the tokens to the host. Under
-        async scheduling the next step is launched before this one is resolved: a row whose
-        next input is the token this step samples reads it from ``LaunchedStep.sampled`` on the
-        device, and the row counts it (``InputBatch.num_tokens``) from launch on.
+    @torch.inference_mode()
+    def launch_forward(self, so: SchedulerOutput) -> LaunchedStep:
+        """Queue the first half of a step: update request rows, build inputs, forward.
+
+        Returns without waiting for the device; ``launch_sample`` queues the sampling and
+        ``resolve`` brings the tokens to the host. Under async scheduling the next step is
+        launched before this one is resolved: a row whose next input is the token this step
+        samples reads it from ``LaunchedStep.sampled`` on the device, and the row counts it
+        (``InputBatch.num_tokens``) from ``launch_sample`` on.
         """
         self._swap(so)
         self._copy_blocks(so.blocks_to_copy)
@@ -340,29 +352,41 @@ class ModelRunner:
             inputs.input_ids[dst_t.long()] = prev.sampled[src_t.long()].to(inputs.input_ids.dtype)
         timing = self._timing_start()
         hidden = self._forward(inputs)  # [num_tokens, hidden]
-        # Structured outputs: fill the token bitmask on the CPU while the GPU runs the forward.
-        bitmask = self._fill_bitmask(so.structured_requests)
         qsl = inputs.metadata.query_start_loc_np
         assert qsl is not None
         prompt_lp = self._prompt_logprobs(req_ids, rows, hidden, qsl, seq_lens)
         step = LaunchedStep(req_ids=req_ids, prompt_logprobs=prompt_lp)
+        step.rows, step.sample_idx, step.timing = rows, sample_idx, timing
         if len(sample_idx) > 0:
             if len(sample_idx) == inputs.metadata.num_actual_tokens:
-                selected = hidden[: len(sample_idx)]  # pure decode: every row samples
+                step.selected = hidden[: len(sample_idx)]  # pure decode: every row samples
             else:
-                selected = hidden.index_select(0, logits_idx_t.long())
-            logits = self.model.compute_logits(selected)
+                step.selected = hidden.index_select(0, logits_idx_t.long())
+        ib.num_computed_tokens[rows] = seq_lens
+        return step
+
+    @torch.inference_mode()
+    def launch_sample(self, step: LaunchedStep, matchers: dict) -> None:
+        """Queue the second half of a step: logits, the grammar bitmask of ``matchers``
+        (request id -> xgrammar matcher, filled on the host now, while the forward runs),
+        sampling, and the copy of the results to the host."""
+        ib = self.input_batch
+        if step.selected is not None:
+            req_ids, sample_idx = step.req_ids, step.sample_idx
+            bitmask = self._fill_bitmask(matchers)
+            logits = self.model.compute_logits(step.selected)
+            step.selected = None
             if bitmask is not None:
                 self._apply_bitmask(logits, bitmask, [req_ids[i] for i in sample_idx])
-            sample_rows = rows[sample_idx]
+            sample_rows = step.rows[sample_idx]
             smd = build_sampling_metadata(
                 ib, sample_rows, self.device, self.generator, self.eos_token_ids
             )
             out = self.sampler(logits, smd)
             step.forked = self._sample_forks(
-                req_ids, rows, sample_idx, smd.output_positions, logits
+                req_ids, step.rows, sample_idx, smd.output_positions, logits
             )
-            step.sample_idx, step.sample_rows = sample_idx, sample_rows
+            step.sample_rows = sample_rows
             step.sample_epochs = ib.epoch[sample_rows]
             step.sample_pos = ib.num_tokens[sample_rows]
             step.appended = ~ib.external[sample_rows]  # beam search: the scheduler appends
@@ -375,10 +399,8 @@ class ModelRunner:
                 assert out.ranks is not None
                 results += [out.logprob_ids, out.logprobs, out.ranks]
             step.host, step.event = self._to_host(results)
-        step.timing = self._timing_end(timing)
-        ib.num_computed_tokens[rows] = seq_lens
+        step.timing = self._timing_end(step.timing)
         self._unresolved = step
-        return step
 
     def resolve(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's tokens and hand them to the scheduler; writes each
@@ -503,20 +525,35 @@ class ModelRunner:
         return tokens, lps
 
     def _fill_bitmask(self, matchers: dict) -> tuple[list[str], torch.Tensor] | None:
-        """One int32 bitmask row per structured request that samples this step."""
-        if not matchers:
+        """One int32 bitmask row per structured request that samples this step, filled on the
+        host into pinned memory (double-buffered: the copy of the last one may be queued), so
+        the copy to the device does not wait for the forward pass. A matcher that has
+        terminated (its request finished while this step was in flight) is left out."""
+        live = {rid: m for rid, m in matchers.items() if not m.is_terminated()}
+        if not live:
             return None
         import xgrammar as xgr
 
-        vocab = self.model_config.vocab_size
-        mask = xgr.allocate_token_bitmask(len(matchers), vocab)  # [n, ceil(vocab / 32)]
-        if len(matchers) == 1:
-            next(iter(matchers.values())).fill_next_token_bitmask(mask, 0)
+        if self._bitmask_bufs is None:
+            vocab = self.model_config.vocab_size
+            shape = xgr.allocate_token_bitmask(1, vocab).shape[1]  # ceil(vocab / 32)
+            pin = self.device.type == "cuda"
+            self._bitmask_bufs = [
+                torch.empty(
+                    (self.input_batch.max_num_reqs, shape), dtype=torch.int32, pin_memory=pin
+                )
+                for _ in "ab"
+            ]
+        buf = self._bitmask_bufs[self._bitmask_turn]
+        self._bitmask_turn ^= 1
+        mask = buf[: len(live)]  # [n, ceil(vocab / 32)]
+        if len(live) == 1:
+            next(iter(live.values())).fill_next_token_bitmask(mask, 0)
         else:  # xgrammar fills the rows on its own thread pool
             if self._batch_matcher is None:
                 self._batch_matcher = xgr.BatchGrammarMatcher()
-            self._batch_matcher.batch_fill_next_token_bitmask(list(matchers.values()), mask)
-        return list(matchers), mask
+            self._batch_matcher.batch_fill_next_token_bitmask(list(live.values()), mask)
+        return list(live), mask
 
     def _apply_bitmask(
         self,
@@ -524,7 +561,8 @@ class ModelRunner:
         bitmask: tuple[list[str], torch.Tensor],
         sample_req_ids: list[str],
     ) -> None:
-        """Mask the sampled rows of structured requests in one vectorized operation."""
+        """Mask the sampled rows of structured requests in one vectorized operation; the mask
+        and the row indices reach the device by non-blocking copies from pinned memory."""
         from pagedllm.structured_output.bitmask import apply_token_bitmask
 
         ids, mask = bitmask
@@ -532,9 +570,18 @@ class ModelRunner:
         keep = [k for k, rid in enumerate(ids) if rid in pos]
         if not keep:
             return
-        rows = torch.tensor([pos[ids[k]] for k in keep], device=logits.device)
-        mask = mask[keep] if len(keep) != len(ids) else mask
-        apply_token_bitmask(logits, mask.to(logits.device, non_blocking=True), rows)
+        rows = torch.tensor([pos[ids[k]] for k in keep], dtype=torch.int64)
+        if len(keep) != len(ids):
+            mask = mask[keep]
+        if self.device.type == "cuda":
+            rows = rows.pin_memory()
+            if not mask.is_pinned():
+                mask = mask.pin_memory()
+        apply_token_bitmask(
+            logits,
+            mask.to(logits.device, non_blocking=True),
+            rows.to(logits.device, non_blocking=True),
+        )
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write copies of whole blocks (every layer, K and V) before the forward."""

@@ -32,7 +32,7 @@ def test_async_steps_overlap_launch_and_resolve(tiny_models):
     llm = _llm(tiny_models("llama"), True)
     runner = llm.llm_engine.engine_core.model_runner
     calls: list[str] = []
-    launch, resolve = runner.launch, runner.resolve
+    launch, resolve = runner.launch_forward, runner.resolve
 
     def logged_launch(so):  # noqa: ANN001, ANN202
         step = launch(so)
@@ -43,7 +43,7 @@ def test_async_steps_overlap_launch_and_resolve(tiny_models):
         calls.append(f"R{id(step)}")
         return resolve(step)
 
-    runner.launch, runner.resolve = logged_launch, logged_resolve
+    runner.launch_forward, runner.resolve = logged_launch, logged_resolve
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     _run(llm, _prompts(3, 0), params)
     kinds = [c[0] for c in calls]
@@ -184,3 +184,50 @@ def test_async_abort_in_flight_leaves_others_intact(tiny_models):
     for i in (0, 2, 3):
         assert finished[str(i)] == ref[i][0]
     engine.engine_core.check_integrity()
+
+
+def test_async_grammars_fill_the_mask_after_the_forward_is_queued(tiny_models):
+    """Grammar-constrained requests keep async scheduling: step N's forward is queued, step
+    N-1's tokens advance the matchers, then step N's bitmask is filled and sampling queued;
+    texts equal synchronous steps and parse."""
+    import json
+
+    import jsonschema
+
+    from pagedllm.structured_output.params import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    path = tiny_models("llama")
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=i,
+            max_tokens=30,
+            structured_outputs=StructuredOutputsParams(json=schema) if i % 2 else None,
+        )
+        for i in range(6)
+    ]
+    prompts = [list(range(10 + i, 50 + i)) for i in range(6)]
+    sync = _run(_llm(path, False), prompts, params)
+    llm = _llm(path, True)
+    runner = llm.llm_engine.engine_core.model_runner
+    calls: list[str] = []
+    for name, tag in (("launch_forward", "F"), ("resolve", "R"), ("launch_sample", "S")):
+        fn = getattr(runner, name)
+
+        def logged(*a, fn=fn, tag=tag):  # noqa: ANN002, ANN202
+            calls.append(tag)
+            return fn(*a)
+
+        setattr(runner, name, logged)
+    got = _run(llm, prompts, params)
+    assert got == sync
+    assert "FRS" in "".join(calls)  # forward N, resolve N-1, then the grammar step's sampling
+    for (_, reason, text), p in zip(got, params):
+        if p.structured_outputs is not None and reason == "stop":
+            jsonschema.validate(json.loads(text), schema)
