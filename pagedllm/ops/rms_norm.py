@@ -1,0 +1,83 @@
+"""Triton RMSNorm: one kernel where PyTorch runs seven (float cast, square, mean, add eps,
+rsqrt, multiply, cast and scale), over rows of any stride.
+
+The arithmetic follows HF (and ``pagedllm.model.layers.norm.RMSNorm``, the reference): the sum
+of squares and the scaling are in float32; without an offset the normalized row is rounded to
+the input dtype before it is multiplied by the weight (Llama, Qwen); with ``offset`` (Gemma's
+1 + w) the product is taken in float32 and rounded once.
+
+Input: [num_rows, hidden] or [num_tokens, num_heads, head_dim] (q/k norms of Qwen3 and Gemma 3,
+views into the fused qkv projection); the last dimension must be contiguous. Output: a new
+contiguous tensor of the same shape. One program per (token, head) row; no host sync, so it is
+CUDA-graph capturable.
+
+This module imports Triton at import time: import it only where Triton is installed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    stride_xt,  # input stride between tokens
+    stride_xh,  # input stride between heads (0 for a 2-D input)
+    num_heads,
+    eps,
+    offset,
+    N: tl.constexpr,  # the normalized size (hidden or head_dim)
+    BLOCK: tl.constexpr,  # next power of two >= N
+    HAS_OFFSET: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + cols, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_OFFSET:
+        y = xf * rstd * (offset + w)
+    else:
+        y = (xf * rstd).to(x.dtype).to(tl.float32) * w  # float casts round to nearest even
+    # output row r = t * num_heads + h, contiguous
+    tl.store(y_ptr + (t * num_heads + h) * N + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor:
+    """y = x / rms(x) * w (``offset`` 0) or x / rms(x) * (offset + w), over the last dim."""
+    if x.stride(-1) != 1 or x.dim() not in (2, 3):
+        raise ValueError(
+            f"rms_norm needs a 2-D or 3-D input with a contiguous last dim, got "
+            f"shape {tuple(x.shape)} strides {x.stride()}"
+        )
+    n = x.shape[-1]
+    tokens = x.shape[0]
+    heads = x.shape[1] if x.dim() == 3 else 1
+    stride_h = x.stride(1) if x.dim() == 3 else 0
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return y
+    _rms_norm_kernel[(tokens, heads)](
+        x,
+        weight,
+        y,
+        x.stride(0),
+        stride_h,
+        heads,
+        eps,
+        offset,
+        N=n,
+        BLOCK=triton.next_power_of_2(n),
+        HAS_OFFSET=bool(offset),
+    )
+    return y
