@@ -410,6 +410,7 @@ class ModelRunner:
         if step.event is not None:
             step.event.synchronize()
         if step.timing is not None:
+            step.timing[1].synchronize()  # recorded just after ``event``: done, or nearly
             self.device_times.append(step.timing[0].elapsed_time(step.timing[1]) / 1e3)
         sampled_lists: list[list[int]] = [[] for _ in step.req_ids]
         logprobs = None
