@@ -1,28 +1,19 @@
 """The Triton KV-cache write against its PyTorch reference.
 
 On a machine without CUDA the kernel runs through Triton's interpreter (``TRITON_INTERPRET=1``,
-set below before Triton is imported) on small shapes; the full grid runs only on CUDA.
+set in triton_setup.py before Triton is imported) on small shapes; the full grid runs only on CUDA.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="triton is not installed")
-pytest.importorskip("numpy", reason="the Triton interpreter needs numpy")
+from tests.kernels.triton_setup import CUDA, DEVICE, cuda_only
 
-from pagedllm.ops.kv_write import write_kv_cache, write_kv_cache_ref  # noqa: E402
+# isort: split
 
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-cuda_only = pytest.mark.skipif(
-    not CUDA, reason="full grid runs only on CUDA (slow in the interpreter)"
-)
+from pagedllm.ops.kv_write import write_kv_cache, write_kv_cache_ref
 
 DTYPES = [torch.bfloat16, torch.float16] + ([] if CUDA else [torch.float32])
 # (head_dim, num_kv_heads, block_size): small cases everywhere, the rest only on CUDA.

@@ -1,36 +1,28 @@
 """Triton paged attention (unified and split-K paths) and the Triton backend against references.
 
-On a machine without CUDA the kernels run through Triton's interpreter (``TRITON_INTERPRET=1``,
-set below before Triton is imported) on small shapes; the big grid (every head size, GQA ratio
-and block size in bf16 and fp16, longer contexts) and CUDA-graph capture run only on CUDA.
+On a machine without CUDA the kernels run through Triton's interpreter (see triton_setup.py) on
+small shapes; the big grid (every head size, GQA ratio and block size in bf16 and fp16, longer
+contexts) and CUDA-graph capture run only on CUDA.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="triton is not installed")
-pytest.importorskip("numpy", reason="the Triton interpreter needs numpy")
+from tests.kernels.triton_setup import CUDA, DEVICE, cuda_only
 
-import numpy as np  # noqa: E402
+# isort: split
 
-from pagedllm.attention.backends.torch_native import TorchNativeBackend  # noqa: E402
-from pagedllm.attention.backends.triton_backend import TritonBackend  # noqa: E402
-from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
-from pagedllm.ops.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
+import numpy as np
 
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-cuda_only = pytest.mark.skipif(
-    not CUDA, reason="big grid runs only on CUDA (slow in the interpreter)"
-)
+from pagedllm.attention.backends.torch_native import TorchNativeBackend
+from pagedllm.attention.backends.triton_backend import TritonBackend
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.ops.paged_attention import paged_attention, paged_attention_ref
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # max |out - ref| <= atol + rtol * |ref|, and ||out - ref|| / ||ref|| <= rel_norm

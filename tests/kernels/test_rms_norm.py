@@ -5,21 +5,16 @@ On a machine without CUDA the kernel runs through Triton's interpreter on small 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="triton is not installed")
-pytest.importorskip("numpy", reason="the Triton interpreter needs numpy")
+from tests.kernels.triton_setup import CUDA, DEVICE
 
-from pagedllm.model.layers.norm import RMSNorm  # noqa: E402
-from pagedllm.ops.rms_norm import rms_norm  # noqa: E402
+# isort: split
 
-DEVICE = torch.device("cuda" if CUDA else "cpu")
+from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.ops.rms_norm import rms_norm
+
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
