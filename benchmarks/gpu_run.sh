@@ -11,6 +11,8 @@ if [ -d .whl ] && ! [ -f /tmp/site/.done ]; then
   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1 && touch /tmp/site/.done
 fi
 export PYTHONPATH=/tmp/site:$PWD TOKENIZERS_PARALLELISM=false
+# the grammar benchmark needs a real tokenizer: SmolLM2's, carried in .bench_tok/
+[ -d .bench_tok ] && export PAGEDLLM_TOKENIZER_DIR=${PAGEDLLM_TOKENIZER_DIR:-$PWD/.bench_tok}
 
 summary() {  # the headline numbers of every bench-a variant in $1
   python - "$1" <<'PY'
@@ -31,6 +33,7 @@ PY
 one() {
   case $1 in
     tests) python -m pytest -q -x -p no:cacheprovider tests/kernels tests/models tests/engine ;;
+    tests-kernels) python -m pytest -q -x -p no:cacheprovider tests/kernels ;;
     tests-models) python -m pytest -q -x -p no:cacheprovider tests/models tests/engine ;;
     check) python benchmarks/gpu_suite.py check --out "$OUT" ;;
     bench-a-quick) python benchmarks/gpu_suite.py bench-a --skip-peers --sync-too --time-device \

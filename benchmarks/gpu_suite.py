@@ -369,9 +369,14 @@ def _structured_overhead(path: str, tok_dir: str) -> dict:
     llm = LLM(path, tokenizer=tok_dir, dtype="bfloat16", max_model_len=1024,
               gpu_memory_utilization=0.85)
     so = StructuredOutputsParams(json=schema)
-    constrained = [SamplingParams(temperature=1.0, seed=i, max_tokens=256, ignore_eos=True,
-                                  structured_outputs=so) for i in range(len(prompts))]
-    llm.generate(prompts[:2], constrained[:2], use_tqdm=False)
+    # no per-request seeds: a seeded row draws its noise from its own generator (one small
+    # kernel per row), a cost both runs would share that would shrink the measured overhead
+    constrained = [SamplingParams(temperature=1.0, max_tokens=256, ignore_eos=True,
+                                  structured_outputs=so) for _ in range(len(prompts))]
+    # warm-up at the full batch, both ways, so no kernel compiles inside a timed run
+    warm = llm.generate(prompts, constrained, use_tqdm=False)
+    llm.generate(prompts, [SamplingParams(temperature=1.0, max_tokens=len(o.outputs[0].token_ids),
+                                          ignore_eos=True) for o in warm], use_tqdm=False)
     lengths = None
     for _ in range(3):
         torch.cuda.synchronize()
@@ -381,8 +386,7 @@ def _structured_overhead(path: str, tok_dir: str) -> dict:
         el = time.perf_counter() - t
         lengths = [len(o.outputs[0].token_ids) for o in outs]
         out.setdefault("constrained", []).append(sum(lengths) / el)
-        free = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True)
-                for i, n in enumerate(lengths)]
+        free = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in lengths]
         torch.cuda.synchronize()
         t = time.perf_counter()
         outs = llm.generate(prompts, free, use_tqdm=False)
