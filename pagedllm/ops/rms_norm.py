@@ -11,6 +11,10 @@ views into the fused qkv projection); the last dimension must be contiguous. Out
 contiguous tensor of the same shape. One program per (token, head) row; no host sync, so it is
 CUDA-graph capturable.
 
+``fused_add_rms_norm`` is the pre-norm of a residual block: s = x + residual (rounded to the
+dtype, as PyTorch's add does), y = norm(s); one kernel returns both (Llama and Qwen keep ``s``
+as the next residual), where PyTorch runs an add and the seven norm kernels.
+
 This module imports Triton at import time: import it only where Triton is installed.
 """
 
@@ -81,3 +85,70 @@ def rms_norm(
         HAS_OFFSET=bool(offset),
     )
     return y
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,  # [num_rows, N], row stride stride_x
+    r_ptr,  # [num_rows, N], row stride stride_r
+    w_ptr,  # [N]
+    y_ptr,  # [num_rows, N] contiguous: norm(x + r)
+    s_ptr,  # [num_rows, N] contiguous: x + r
+    stride_x,
+    stride_r,
+    eps,
+    offset,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,  # next power of two >= N
+    HAS_OFFSET: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0)
+    r = tl.load(r_ptr + t * stride_r + cols, mask=mask, other=0.0)
+    s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # PyTorch's add: rounded once
+    tl.store(s_ptr + t * N + cols, s, mask=mask)
+    sf = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_OFFSET:
+        y = sf * rstd * (offset + w)
+    else:
+        y = (sf * rstd).to(x.dtype).to(tl.float32) * w
+    tl.store(y_ptr + t * N + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual) for 2-D [num_rows, hidden] inputs of one dtype."""
+    if x.dim() != 2 or x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(
+            f"fused_add_rms_norm needs two 2-D inputs of one shape and dtype, got "
+            f"{tuple(x.shape)} {x.dtype} and {tuple(residual.shape)} {residual.dtype}"
+        )
+    if x.stride(-1) != 1 or residual.stride(-1) != 1:
+        raise ValueError("fused_add_rms_norm needs inputs with a contiguous last dim")
+    rows, n = x.shape
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    s = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return y, s
+    block = triton.next_power_of_2(n)
+    _add_rms_norm_kernel[(rows,)](
+        x,
+        residual,
+        weight,
+        y,
+        s,
+        x.stride(0),
+        residual.stride(0),
+        eps,
+        offset,
+        N=n,
+        BLOCK=block,
+        HAS_OFFSET=bool(offset),
+        num_warps=8 if block >= 4096 else 4,
+    )
+    return y, s

@@ -1,4 +1,8 @@
-"""Gated activations over a fused [gate | up] projection."""
+"""Gated activations over a fused [gate | up] projection.
+
+On a GPU each runs as one Triton kernel (``pagedllm.ops.activation``); the PyTorch code here is
+its reference and the CPU path.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,22 @@ from torch import nn
 from torch.nn import functional as F
 
 
+def _on_gpu(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dim() == 2 and x.stride(-1) == 1
+
+
+def _triton_act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
+    from pagedllm.ops.activation import act_and_mul  # Triton is needed only on GPUs
+
+    return act_and_mul(x, activation)
+
+
 class SiluAndMul(nn.Module):
     """silu(gate) * up, for x = [gate | up] along the last dimension."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _on_gpu(x):
+            return _triton_act_and_mul(x, "silu")
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -19,6 +35,8 @@ class GeluAndMul(nn.Module):
     """gelu(gate, tanh approximation) * up (Gemma's gelu_pytorch_tanh)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _on_gpu(x):
+            return _triton_act_and_mul(x, "gelu_tanh")
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 

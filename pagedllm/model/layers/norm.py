@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import overload
+
 import torch
 from torch import nn
 
-_TRITON_RMS_NORM = None
+_TRITON_OPS: ModuleType | None = None
 
 
-def _triton_rms_norm():  # noqa: ANN202
-    """pagedllm.ops.rms_norm.rms_norm, imported on first use (Triton is needed only on GPUs)."""
-    global _TRITON_RMS_NORM
-    if _TRITON_RMS_NORM is None:
-        from pagedllm.ops.rms_norm import rms_norm
+def _triton_ops() -> ModuleType:
+    """pagedllm.ops.rms_norm, imported on first use (Triton is needed only on GPUs)."""
+    global _TRITON_OPS
+    if _TRITON_OPS is None:
+        from pagedllm.ops import rms_norm
 
-        _TRITON_RMS_NORM = rms_norm
-    return _TRITON_RMS_NORM
+        _TRITON_OPS = rms_norm
+    return _TRITON_OPS
 
 
 class RMSNorm(nn.Module):
@@ -24,8 +27,13 @@ class RMSNorm(nn.Module):
     ``offset=1.0`` gives Gemma's y = x / rms(x) * (1 + w), with the product taken in float32
     before the cast, matching HF's Gemma3RMSNorm.
 
+    ``forward(x, residual)`` is a residual block's pre-norm: it returns (norm(x + residual),
+    x + residual), the sum rounded to the dtype as a plain add would, so the result is the
+    same as adding first.
+
     On a GPU the same arithmetic runs as one Triton kernel (``pagedllm.ops.rms_norm``) instead
-    of seven PyTorch ones; the code below is its reference (and the CPU path).
+    of seven (eight with the add) PyTorch ones; the code below is its reference (and the CPU
+    path).
     """
 
     def __init__(
@@ -37,9 +45,26 @@ class RMSNorm(nn.Module):
         init = torch.zeros if offset else torch.ones
         self.weight = nn.Parameter(init(hidden_size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @overload
+    def forward(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and residual.stride(-1) == 1:
+                return _triton_ops().fused_add_rms_norm(
+                    x, residual, self.weight, self.eps, self.offset
+                )
+            s = x + residual
+            return self.forward(s), s
         if x.is_cuda and x.dim() in (2, 3) and x.stride(-1) == 1:
-            return _triton_rms_norm()(x, self.weight, self.eps, self.offset)
+            return _triton_ops().rms_norm(x, self.weight, self.eps, self.offset)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.model.layers.norm import RMSNorm
+
 
 def rope_params(config: Any, layer_type: str | None = None) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling dict or None) from an HF config, old (rope_theta / rope_scaling) or new
@@ -65,9 +67,35 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k by their tokens' positions; with ``q_norm``/``k_norm`` (per-head
+        RMSNorms, Qwen3 and Gemma 3) normalize each head first. On a GPU all of it is one
+        Triton kernel (``pagedllm.ops.rotary``); the code below is its reference."""
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
+        if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
+            from pagedllm.ops.rotary import rope  # Triton is needed only on GPUs
+
+            if q_norm is None or k_norm is None:
+                return rope(positions, q, k, self.cos_sin)
+            assert q_norm.eps == k_norm.eps and q_norm.offset == k_norm.offset
+            return rope(
+                positions,
+                q,
+                k,
+                self.cos_sin,
+                q_norm.weight,
+                k_norm.weight,
+                q_norm.eps,
+                q_norm.offset,
+            )
+        if q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         cos, sin = self.cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

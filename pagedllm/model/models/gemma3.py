@@ -63,9 +63,9 @@ class Gemma3Attention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary_emb(positions, q, k)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v, metadata))
 
 

@@ -87,14 +87,22 @@ class LlamaAttention(nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v, metadata)
         return self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention block then pre-norm MLP block, each with a residual."""
+    """Pre-norm attention block then pre-norm MLP block, each with a residual.
+
+    The residual stream travels beside the block outputs: a layer takes (x, residual) and
+    returns (mlp output, residual), and the next layer's input norm adds the two (one fused
+    kernel on GPUs). The first layer gets residual None: its input is the embedding.
+    Worked example, layer i: r = x_i + r; h = attn(norm(r)); r = h + r; h = mlp(norm(r)),
+    returns (h, r), so x_{i+1} + r equals HF's hidden state after layer i, bit for bit.
+    """
 
     def __init__(
         self, config: Any, layer_idx: int, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool
@@ -112,10 +120,21 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x, residual: [num_tokens, hidden]
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(
+            self.self_attn(positions, h, metadata), residual
+        )
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -134,9 +153,12 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            x = layer(positions, x, metadata)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, metadata)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(CausalLM):

@@ -1,0 +1,134 @@
+"""Triton rotary embedding for q and k in one kernel, optionally after a per-head RMSNorm
+(Qwen3's and Gemma 3's q/k norms), where PyTorch runs ~20 kernels (index the cos/sin table,
+cast, split, four products, two sums, concatenate, cast back; for q and again for k; plus the
+norms' seven each).
+
+Neox layout, as ``pagedllm.model.layers.rotary`` (the reference): each head's two halves
+x1 = x[:half], x2 = x[half:] become (x1 cos - x2 sin, x2 cos + x1 sin), in float32, rounded to
+the input dtype once. ``cos_sin`` is [max_position, head_dim] float32, cos in the first half.
+The norm keeps the RMSNorm layer's roundings (its output is rounded to the dtype before the
+rotation reads it, as when the two run apart).
+
+Inputs: q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim], any
+strides with a contiguous last dim (views into the fused qkv projection). Outputs: new
+contiguous tensors of the same shapes. Grid: (num_tokens, num_heads + num_kv_heads): program
+(t, h) rotates query head h of token t, or key head h - num_heads when h >= num_heads. No host
+sync, so it is CUDA-graph capturable.
+
+This module imports Triton at import time: import it only where Triton is installed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_kernel(
+    pos_ptr,  # [num_tokens] int64
+    q_ptr,
+    k_ptr,
+    qo_ptr,  # [num_tokens, num_heads, 2 * HALF] contiguous
+    ko_ptr,  # [num_tokens, num_kv_heads, 2 * HALF] contiguous
+    cs_ptr,  # [max_position, 2 * HALF] float32: cos | sin
+    qw_ptr,  # [2 * HALF] q-norm weight (unused without HAS_NORM)
+    kw_ptr,  # [2 * HALF] k-norm weight
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    num_heads,
+    num_kv_heads,
+    eps,
+    offset,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,  # next power of two >= HALF
+    HAS_NORM: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    if h < num_heads:
+        src = q_ptr + t * stride_qt + h * stride_qh
+        dst = qo_ptr + (t * num_heads + h) * (2 * HALF)
+        w_ptr = qw_ptr
+    else:
+        hk = h - num_heads
+        src = k_ptr + t * stride_kt + hk * stride_kh
+        dst = ko_ptr + (t * num_kv_heads + hk) * (2 * HALF)
+        w_ptr = kw_ptr
+    d = tl.arange(0, HALF_PAD)
+    mask = d < HALF
+    a = tl.load(src + d, mask=mask, other=0.0)  # x1
+    b = tl.load(src + HALF + d, mask=mask, other=0.0)  # x2
+    x1 = a.to(tl.float32)
+    x2 = b.to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        if HAS_OFFSET:  # Gemma: x / rms * (1 + w), one rounding
+            x1 = (x1 * rstd * (offset + w1)).to(a.dtype).to(tl.float32)
+            x2 = (x2 * rstd * (offset + w2)).to(a.dtype).to(tl.float32)
+        else:  # Llama / Qwen: round(x / rms), then times w, rounded
+            x1 = ((x1 * rstd).to(a.dtype).to(tl.float32) * w1).to(a.dtype).to(tl.float32)
+            x2 = ((x2 * rstd).to(a.dtype).to(tl.float32) * w2).to(a.dtype).to(tl.float32)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * (2 * HALF) + d, mask=mask, other=0.0)
+    sin = tl.load(cs_ptr + pos * (2 * HALF) + HALF + d, mask=mask, other=0.0)
+    tl.store(dst + d, (x1 * cos - x2 * sin).to(a.dtype), mask=mask)
+    tl.store(dst + HALF + d, (x2 * cos + x1 * sin).to(a.dtype), mask=mask)
+
+
+def rope(
+    positions: torch.Tensor,  # [num_tokens] int64
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin: torch.Tensor,  # [max_position, head_dim] float32
+    q_weight: torch.Tensor | None = None,  # [head_dim]: RMSNorm each q head first
+    k_weight: torch.Tensor | None = None,  # [head_dim]: RMSNorm each k head first
+    eps: float = 1e-6,
+    offset: float = 0.0,  # Gemma's (offset + w) norm scaling
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rotate(norm(q)), rotate(norm(k))) by ``positions``; without weights no norm."""
+    if q.dim() != 3 or k.dim() != 3 or q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("rope needs 3-D q and k with a contiguous last dim")
+    tokens, heads, head_dim = q.shape
+    if k.shape[0] != tokens or k.shape[2] != head_dim or head_dim % 2:
+        raise ValueError(f"rope: q {tuple(q.shape)} and k {tuple(k.shape)} do not match")
+    if cos_sin.shape[1] != head_dim or cos_sin.dtype != torch.float32:
+        raise ValueError("rope: cos_sin must be float32 [max_position, head_dim]")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("rope: give both q and k norm weights or neither")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if tokens == 0:
+        return q_out, k_out
+    has_norm = q_weight is not None
+    half = head_dim // 2
+    _rope_kernel[(tokens, heads + k.shape[1])](
+        positions,
+        q,
+        k,
+        q_out,
+        k_out,
+        cos_sin,
+        q_weight if has_norm else cos_sin,
+        k_weight if has_norm else cos_sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        heads,
+        k.shape[1],
+        eps,
+        offset,
+        HALF=half,
+        HALF_PAD=triton.next_power_of_2(half),
+        HAS_NORM=has_norm,
+        HAS_OFFSET=bool(offset),
+        num_warps=1 if head_dim <= 128 else 2,
+    )
+    return q_out, k_out
