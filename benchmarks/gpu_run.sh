@@ -33,6 +33,8 @@ PY
 one() {
   case $1 in
     tests) python -m pytest -q -x -p no:cacheprovider tests/kernels tests/models tests/engine ;;
+    tests-fused) python -m pytest -q -x -p no:cacheprovider tests/kernels/test_fused_ops.py \
+        tests/kernels/test_rms_norm.py ;;
     tests-kernels) python -m pytest -q -x -p no:cacheprovider tests/kernels ;;
     tests-models) python -m pytest -q -x -p no:cacheprovider tests/models tests/engine ;;
     check) python benchmarks/gpu_suite.py check --out "$OUT" ;;
@@ -42,6 +44,7 @@ one() {
         summary "$OUT" ;;
     bench-b) python benchmarks/gpu_suite.py bench-b --out "$OUT" | tail -40 ;;
     extras) python benchmarks/gpu_suite.py extras --out "$OUT" | tail -40 ;;
+    profile-structured) python benchmarks/profile_structured.py ;;
     structured) python benchmarks/gpu_suite.py extras --only-structured --out "$OUT" | tail -30 ;;
     *) echo "unknown stage $1" ;;
   esac

@@ -1,12 +1,21 @@
-"""Profile one JSON-constrained batch (host side) to see where structured-output time goes."""
+"""Where a JSON-constrained batch's time goes on the GPU, against the same batch unconstrained:
+host milliseconds per step in each phase of the engine loop (wrapped with timers; no added
+syncs), the step's wall time, and the device kernels by time (torch.profiler). Qwen3-0.6B
+shape, random weights, 128 requests, SmolLM2's tokenizer (``PAGEDLLM_TOKENIZER_DIR``).
+
+Usage: PAGEDLLM_TOKENIZER_DIR=.bench_tok python benchmarks/profile_structured.py
+"""
 
 from __future__ import annotations
 
-import cProfile
+import functools
 import os
-import pstats
 import sys
 import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -14,24 +23,80 @@ from benchmarks.gpu_suite import make_hf_model  # noqa: E402
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.structured_output.params import StructuredOutputsParams  # noqa: E402
 
-if __name__ == "__main__":
-    import torch
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "tags"],
+}
 
+
+def _timed(obj: object, name: str, acc: dict) -> None:
+    """Replace obj.name by a wrapper that adds its wall time to acc[name]."""
+    fn = getattr(obj, name)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[name] += time.perf_counter() - t
+
+    setattr(obj, name, wrapper)
+
+
+def main() -> None:
     path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
     llm = LLM(path, tokenizer=os.environ["PAGEDLLM_TOKENIZER_DIR"], dtype="bfloat16",
               max_model_len=1024, gpu_memory_utilization=0.85)
-    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 2000}},
-              "required": ["text"]}
+    engine = llm.llm_engine
+    core = engine.engine_core
+    runner = core.model_runner
+    acc: dict = defaultdict(float)
+    for obj, names in (
+        (runner, ("launch_forward", "launch_sample", "resolve", "_fill_bitmask",
+                  "_apply_bitmask")),
+        (core.scheduler, ("schedule", "update_from_output")),
+        (engine.output_processor, ("process_outputs",)),
+        (core, ("step",)),
+    ):
+        for name in names:
+            _timed(obj, name, acc)
     prompts = [{"prompt_token_ids": list(range(1000 + i, 1064 + i))} for i in range(128)]
-    for so in (None, StructuredOutputsParams(json=schema)):
-        p = SamplingParams(temperature=1.0, seed=0, max_tokens=64, ignore_eos=True,
-                           structured_outputs=so)
-        llm.generate(prompts[:2], p, use_tqdm=False)
-        pr = cProfile.Profile()
-        pr.enable()
-        t = time.perf_counter()
-        llm.generate(prompts, p, use_tqdm=False)
+    so = StructuredOutputsParams(json=SCHEMA)
+    for mode in ("free", "constrained", "free", "constrained"):
+        params = SamplingParams(temperature=1.0, max_tokens=128, ignore_eos=True,
+                                structured_outputs=so if mode == "constrained" else None)
+        acc.clear()
         torch.cuda.synchronize()
-        print("constrained" if so else "free", time.perf_counter() - t)
-        pr.disable()
-        pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        el = time.perf_counter() - t
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        steps = max(1, n // len(prompts))
+        print(f"=== {mode}: {el:.3f} s, {n} tokens, {n / el:.0f} tok/s, "
+              f"{el / steps * 1e3:.2f} ms per step (~{steps} steps)")
+        for k, v in sorted(acc.items(), key=lambda kv: -kv[1]):
+            print(f"  {k:22s} {v / steps * 1e3:7.3f} ms/step")
+    for mode in ("free", "constrained"):
+        params = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True,
+                                structured_outputs=so if mode == "constrained" else None)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+        ka = prof.key_averages()
+        print(f"=== {mode} (profiled, 32 tokens): host self CPU ms")
+        for e in sorted(ka, key=lambda e: e.self_cpu_time_total, reverse=True)[:16]:
+            print(f"  {e.key[:60]:60s} n={e.count:6d} {e.self_cpu_time_total / 1e3:9.1f}")
+        print("  device ms")
+        for e in sorted(ka, key=lambda e: e.self_device_time_total, reverse=True)[:12]:
+            print(f"  {e.key[:60]:60s} n={e.count:6d} {e.self_device_time_total / 1e3:9.1f}")
+
+
+if __name__ == "__main__":
+    main()
