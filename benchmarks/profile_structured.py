@@ -8,8 +8,11 @@ Usage: PAGEDLLM_TOKENIZER_DIR=.bench_tok python benchmarks/profile_structured.py
 
 from __future__ import annotations
 
+import cProfile
 import functools
+import gc
 import os
+import pstats
 import sys
 import time
 from collections import defaultdict
@@ -66,9 +69,31 @@ def main() -> None:
     ):
         for name in names:
             _timed(obj, name, acc)
+    gc_start: dict = {}
+
+    def on_gc(phase: str, info: dict) -> None:  # time spent in Python's collector
+        if phase == "start":
+            gc_start[info["generation"]] = time.perf_counter()
+        else:
+            acc[f"gc gen{info['generation']}"] += time.perf_counter() - gc_start[info["generation"]]
+
+    gc.callbacks.append(on_gc)
     prompts = [{"prompt_token_ids": list(range(1000 + i, 1064 + i))} for i in range(128)]
     so = StructuredOutputsParams(json=SCHEMA)
-    for mode in ("free", "constrained", "free", "constrained"):
+    # the scheduler's update in the last constrained run, function by function
+    prof = cProfile.Profile()
+    update = core.scheduler.update_from_output
+
+    def profiled_update(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        prof.enable()
+        try:
+            return update(*args, **kwargs)
+        finally:
+            prof.disable()
+
+    for i, mode in enumerate(("free", "constrained", "free", "constrained", "constrained")):
+        if i == 4:
+            core.scheduler.update_from_output = profiled_update
         params = SamplingParams(temperature=1.0, max_tokens=128, ignore_eos=True,
                                 structured_outputs=so if mode == "constrained" else None)
         acc.clear()
@@ -83,6 +108,9 @@ def main() -> None:
               f"{el / steps * 1e3:.2f} ms per step (~{steps} steps)")
         for k, v in sorted(acc.items(), key=lambda kv: -kv[1]):
             print(f"  {k:22s} {v / steps * 1e3:7.3f} ms/step")
+    core.scheduler.update_from_output = update
+    print("=== the scheduler's update_from_output, last constrained run (cProfile)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
     for mode in ("free", "constrained"):
         params = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True,
                                 structured_outputs=so if mode == "constrained" else None)

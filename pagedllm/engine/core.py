@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 from pagedllm.config import EngineConfig
@@ -42,6 +43,14 @@ class EngineCore:
         self.async_scheduling = config.scheduler_config.async_scheduling
         # async scheduling: the launched step whose results are not yet applied
         self._pending: tuple[SchedulerOutput, LaunchedStep] | None = None
+        if self.model_runner.device.type == "cuda":
+            # Python's full collections walk every tracked object: after torch, Triton and a
+            # model are loaded that is millions, a pause of tens of ms charged to whichever
+            # step allocates next. Frozen objects are skipped (refcounting still frees them;
+            # only cycles among them stay). vLLM does the same after start-up. On a CPU the
+            # forward pass dwarfs the pauses, and test runs make many engines: not there.
+            gc.collect()
+            gc.freeze()
 
     def structured_output_manager(self):  # noqa: ANN201
         """The grammar compiler, made on first use (xgrammar is an optional dependency)."""

@@ -23,9 +23,15 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     """Set logits[rows[i], t] = -inf where bit t of bitmask[i] is 0.
 
     logits: [num_rows, vocab] float32; bitmask: [len(rows), ceil(vocab / 32)] int32 on the
-    same device; rows: [len(rows)] int64. Works on CPU and GPU, no host sync.
+    same device; rows: [len(rows)] int64. Works on CPU and GPU, no host sync; on a GPU it is
+    one Triton kernel (``pagedllm.ops.bitmask``), and the code below is its reference.
     Example: vocab 40, word 0 = 0b101, word 1 = 0 -> only tokens 0 and 2 stay.
     """
+    if logits.is_cuda:
+        from pagedllm.ops.bitmask import apply_token_bitmask_triton  # Triton only on GPUs
+
+        apply_token_bitmask_triton(logits, bitmask, rows)
+        return
     vocab = logits.shape[1]
     shifts = _shifts(bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [n, words, 32]

@@ -96,6 +96,7 @@ class ModelRunner:
         self._batch_matcher = None  # xgrammar's multi-threaded bitmask filler, made on first use
         self._unresolved: LaunchedStep | None = None  # the last launched step, until resolved
         self._bitmask_bufs: list[torch.Tensor] | None = None  # pinned, made on first use
+        self._bitmask_rows: list[torch.Tensor] = []  # their logits rows, pinned likewise
         self._bitmask_turn = 0
         self.time_device = False  # record each step's device time (benchmarks)
         self.device_times: list[float] = []  # seconds, one per resolved step when timed
@@ -545,6 +546,10 @@ class ModelRunner:
                 )
                 for _ in "ab"
             ]
+            self._bitmask_rows = [
+                torch.empty(self.input_batch.max_num_reqs, dtype=torch.int64, pin_memory=pin)
+                for _ in "ab"
+            ]
         buf = self._bitmask_bufs[self._bitmask_turn]
         self._bitmask_turn ^= 1
         mask = buf[: len(live)]  # [n, ceil(vocab / 32)]
@@ -571,12 +576,12 @@ class ModelRunner:
         keep = [k for k, rid in enumerate(ids) if rid in pos]
         if not keep:
             return
-        rows = torch.tensor([pos[ids[k]] for k in keep], dtype=torch.int64)
+        # the rows go in the pinned buffer beside the mask's (same turn: double-buffered)
+        rows = self._bitmask_rows[self._bitmask_turn ^ 1][: len(keep)]
+        rows.numpy()[:] = [pos[ids[k]] for k in keep]
         if len(keep) != len(ids):
             mask = mask[keep]
-        if self.device.type == "cuda":
-            rows = rows.pin_memory()
-            if not mask.is_pinned():
+            if self.device.type == "cuda":
                 mask = mask.pin_memory()
         apply_token_bitmask(
             logits,

@@ -94,9 +94,10 @@ def test_act_and_mul_equals_the_layer(dtype: torch.dtype, inter: int, act: str) 
     x = (torch.randn(7, 2 * inter, generator=gen) * 4).to(dtype)
     ref = (SiluAndMul() if act == "silu" else GeluAndMul())(x)
     got = act_and_mul(x.to(DEVICE), act)
-    # exp in another library (and for GELU, tanh written through exp) may move the float32
-    # activation by an ulp or two before its rounding
-    _close(got, ref, dtype, exact=0.97 if act == "silu" else 0.9)
+    # exp in another library may move the float32 activation by an ulp before its rounding;
+    # GELU's tanh written through exp also differs where PyTorch's 1 + tanh(u) cancels to 0
+    # for very negative inputs (-0.0 there, -1e-14 here): fewer bit-identical values
+    _close(got, ref, dtype, exact=0.97 if act == "silu" else 0.8)
 
 
 def test_act_and_mul_rejects_bad_input() -> None:
