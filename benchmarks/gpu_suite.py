@@ -56,14 +56,18 @@ def device_tag() -> str:
     return torch.cuda.get_device_name(0).replace(" ", "_")
 
 
-def make_hf_model(shape: str, dtype: torch.dtype, path: str, seed: int = 0) -> str:
+def make_hf_model(
+    shape: str, dtype: torch.dtype, path: str, seed: int = 0, overrides: dict | None = None
+) -> str:
     """Random-weight HF model of a real shape saved as safetensors, so pagedllm and HF load
-    the very same weights."""
+    the very same weights; ``overrides`` replace config fields."""
     import transformers as tf
 
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     config = tf.AutoConfig.from_pretrained(os.path.join(CONFIGS, shape))
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -297,12 +301,27 @@ def bench_b(args: argparse.Namespace) -> dict:
     return result
 
 
+def structured_model(tok_dir: str) -> str:
+    """The Qwen3-0.6B shape with the vocabulary of the tokenizer we have (SmolLM2's, 49,152):
+    xgrammar treats the ids a model has beyond its tokenizer's as special tokens, and with
+    Qwen3's 151,936 ids over a 49k tokenizer its accept and fill cost 15-25x more per token
+    (benchmarks/grammar_host.py) - an artifact no real checkpoint has."""
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(tok_dir)
+    eos = tok.eos_token_id
+    overrides = {"vocab_size": len(tok), "bos_token_id": eos, "eos_token_id": eos}
+    return make_hf_model("qwen3-0.6b", torch.bfloat16, f"/tmp/qwen3_v{len(tok)}_bfloat16",
+                         overrides=overrides)
+
+
 def extras(args: argparse.Namespace) -> dict:
-    path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
     result: dict = {"device": torch.cuda.get_device_name(0)}
     if args.only_structured:
-        result["structured"] = _structured_overhead(path, os.environ["PAGEDLLM_TOKENIZER_DIR"])
+        tok_dir = os.environ["PAGEDLLM_TOKENIZER_DIR"]
+        result["structured"] = _structured_overhead(structured_model(tok_dir), tok_dir)
         return result
+    path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
     rng = np.random.default_rng(1)
     # (1) prefix caching at a 0% hit rate: distinct random prompts, caching on vs off
     prompts = [rng.integers(100, 150000, size=512).tolist() for _ in range(256)]
@@ -348,7 +367,7 @@ def extras(args: argparse.Namespace) -> dict:
     tok_dir = os.environ.get("PAGEDLLM_TOKENIZER_DIR")
     if tok_dir:
         try:
-            result["structured"] = _structured_overhead(path, tok_dir)
+            result["structured"] = _structured_overhead(structured_model(tok_dir), tok_dir)
         except Exception as e:
             result["structured"] = {"error": repr(e)[:500]}
     return result
@@ -365,7 +384,8 @@ def _structured_overhead(path: str, tok_dir: str) -> dict:
         "tags": {"type": "array", "items": {"type": "string"}}},
         "required": ["name", "age", "tags"]}
     prompts = [{"prompt_token_ids": list(range(1000 + i, 1064 + i))} for i in range(128)]
-    out: dict = {"schema": schema}
+    out: dict = {"schema": schema, "model": f"qwen3-0.6b shape, bf16, vocabulary of {tok_dir}",
+                 "num_requests": len(prompts)}
     llm = LLM(path, tokenizer=tok_dir, dtype="bfloat16", max_model_len=1024,
               gpu_memory_utilization=0.85)
     so = StructuredOutputsParams(json=schema)

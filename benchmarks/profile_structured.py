@@ -1,7 +1,8 @@
 """Where a JSON-constrained batch's time goes on the GPU, against the same batch unconstrained:
 host milliseconds per step in each phase of the engine loop (wrapped with timers; no added
 syncs), the step's wall time, and the device kernels by time (torch.profiler). Qwen3-0.6B
-shape, random weights, 128 requests, SmolLM2's tokenizer (``PAGEDLLM_TOKENIZER_DIR``).
+shape with SmolLM2's vocabulary, random weights, 128 requests, SmolLM2's tokenizer
+(``PAGEDLLM_TOKENIZER_DIR``).
 
 Usage: PAGEDLLM_TOKENIZER_DIR=.bench_tok python benchmarks/profile_structured.py
 """
@@ -22,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.gpu_suite import make_hf_model  # noqa: E402
+from benchmarks.gpu_suite import structured_model  # noqa: E402
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.structured_output.params import StructuredOutputsParams  # noqa: E402
 
@@ -53,7 +54,7 @@ def _timed(obj: object, name: str, acc: dict) -> None:
 
 
 def main() -> None:
-    path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
+    path = structured_model(os.environ["PAGEDLLM_TOKENIZER_DIR"])
     llm = LLM(path, tokenizer=os.environ["PAGEDLLM_TOKENIZER_DIR"], dtype="bfloat16",
               max_model_len=1024, gpu_memory_utilization=0.85)
     engine = llm.llm_engine
