@@ -2,8 +2,9 @@
 matchers walk random valid token sequences (SmolLM2's tokenizer); then fresh matchers replay
 them while we time, per decode step, accepting the 128 tokens (one ``accept_token`` per row,
 or ``BatchGrammarMatcher.batch_accept_token``) and filling the 128-row bitmask
-(``batch_fill_next_token_bitmask``), with the bitmask sized for two vocabularies (the
-tokenizer's own and a 152k model vocabulary). Usage:
+(``batch_fill_next_token_bitmask``) on 1, 2, 4 or xgrammar's default number of threads (half
+the hardware threads), with the bitmask sized for two vocabularies (the tokenizer's own and a
+152k model vocabulary; ONLY_OWN_VOCAB=1 skips the second). Usage:
 PAGEDLLM_TOKENIZER_DIR=.bench_tok python benchmarks/grammar_host.py"""
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ def walk(compiled, vocab: int, rng: np.random.Generator) -> list[list[int]]:
     return seqs
 
 
-def replay(compiled, vocab: int, seqs: list[list[int]], batch_accept: bool) -> dict:
+def replay(
+    compiled, vocab: int, seqs: list[list[int]], batch_accept: bool, threads: int | str = "auto"
+) -> dict:
     ms = [xgr.GrammarMatcher(compiled) for _ in range(ROWS)]
-    batch = xgr.BatchGrammarMatcher()
+    batch = xgr.BatchGrammarMatcher(max_threads=threads)
     mask = xgr.allocate_token_bitmask(ROWS, vocab)
     t_acc = t_fill = 0.0
     n_acc = 0
@@ -69,13 +72,14 @@ def replay(compiled, vocab: int, seqs: list[list[int]], batch_accept: bool) -> d
 def main() -> None:
     tok = tf.AutoTokenizer.from_pretrained(os.environ["PAGEDLLM_TOKENIZER_DIR"])
     print("cpus", os.cpu_count())
-    for vocab in (len(tok), 151936):
+    for vocab in (len(tok),) if os.environ.get("ONLY_OWN_VOCAB") else (len(tok), 151936):
         info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab)
         compiled = xgr.GrammarCompiler(info).compile_json_schema(SCHEMA)
         seqs = walk(compiled, vocab, np.random.default_rng(0))
-        for batch_accept in (False, True, False):
-            r = replay(compiled, vocab, seqs, batch_accept)
-            print(f"vocab {vocab} batch_accept={batch_accept}: "
+        for batch_accept, threads in ((False, "auto"), (True, "auto"), (False, 1), (False, 2),
+                                      (True, 2), (False, 4), (True, 4), (False, "auto")):
+            r = replay(compiled, vocab, seqs, batch_accept, threads)
+            print(f"vocab {vocab} threads {threads} batch_accept={batch_accept}: "
                   + ", ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
 
 

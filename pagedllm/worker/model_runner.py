@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,13 @@ def make_backend(device: torch.device) -> AttentionBackend:
     from pagedllm.attention.backends.torch_native import TorchNativeBackend
 
     return TorchNativeBackend()
+
+
+def _grammar_threads() -> int | str:
+    """Threads xgrammar fills a batch's bitmask on: PAGEDLLM_GRAMMAR_THREADS, or "auto"
+    (xgrammar's default, half the hardware threads)."""
+    value = os.environ.get("PAGEDLLM_GRAMMAR_THREADS", "auto")
+    return value if value == "auto" else max(1, int(value))
 
 
 class ModelRunner:
@@ -557,7 +565,7 @@ class ModelRunner:
             next(iter(live.values())).fill_next_token_bitmask(mask, 0)
         else:  # xgrammar fills the rows on its own thread pool
             if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher()
+                self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=_grammar_threads())
             self._batch_matcher.batch_fill_next_token_bitmask(list(live.values()), mask)
         return list(live), mask
 
