@@ -319,7 +319,10 @@ def extras(args: argparse.Namespace) -> dict:
     result: dict = {"device": torch.cuda.get_device_name(0)}
     if args.only_structured:
         tok_dir = os.environ["PAGEDLLM_TOKENIZER_DIR"]
-        result["structured"] = _structured_overhead(structured_model(tok_dir), tok_dir)
+        path = structured_model(tok_dir)
+        result["structured"] = _structured_overhead(path, tok_dir)
+        # the same with 1,024-token prompts: the device, not the host, bounds each step
+        result["structured_long_prompts"] = _structured_overhead(path, tok_dir, prompt_len=1024)
         return result
     path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
     rng = np.random.default_rng(1)
@@ -373,7 +376,7 @@ def extras(args: argparse.Namespace) -> dict:
     return result
 
 
-def _structured_overhead(path: str, tok_dir: str) -> dict:
+def _structured_overhead(path: str, tok_dir: str, prompt_len: int = 64) -> dict:
     """A JSON-schema-constrained batch vs the same batch unconstrained, doing equal work: the
     free run gets each request's constrained output length as max_tokens (a grammar that ends
     a request early must not make the comparison about batch size)."""
@@ -383,10 +386,11 @@ def _structured_overhead(path: str, tok_dir: str) -> dict:
         "name": {"type": "string"}, "age": {"type": "integer"},
         "tags": {"type": "array", "items": {"type": "string"}}},
         "required": ["name", "age", "tags"]}
-    prompts = [{"prompt_token_ids": list(range(1000 + i, 1064 + i))} for i in range(128)]
+    prompts = [{"prompt_token_ids": [1000 + (i + j) % 40000 for j in range(prompt_len)]}
+               for i in range(128)]
     out: dict = {"schema": schema, "model": f"qwen3-0.6b shape, bf16, vocabulary of {tok_dir}",
-                 "num_requests": len(prompts)}
-    llm = LLM(path, tokenizer=tok_dir, dtype="bfloat16", max_model_len=1024,
+                 "num_requests": len(prompts), "prompt_len": prompt_len, "max_tokens": 256}
+    llm = LLM(path, tokenizer=tok_dir, dtype="bfloat16", max_model_len=prompt_len + 512,
               gpu_memory_utilization=0.85)
     so = StructuredOutputsParams(json=schema)
     # no per-request seeds: a seeded row draws its noise from its own generator (one small
