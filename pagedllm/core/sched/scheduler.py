@@ -45,6 +45,15 @@ from pagedllm.core.sched.output import (
 from pagedllm.core.sched.policy import RankedQueue, make_policy
 
 
+class _Now:
+    """A mutable timestamp (seconds, from the scheduler's clock)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+
 class Scheduler:
     """Decides, each step, which requests run and how many tokens each computes."""
 
@@ -69,14 +78,18 @@ class Scheduler:
         mode = cache_config.preemption_mode
         self.use_swap = mode == "swap" or (mode == "auto" and swap_is_cheaper)
         self.clock = clock
-        self._now = clock()
+        # "now" for the waiting queue's ranks, in a holder the queue's key closes over: a
+        # closure over self would make a reference cycle, which only the cyclic collector
+        # frees (and a CUDA engine freezes the collector's view after start-up)
+        self._now = _Now(clock())
         self.policy = make_policy(
             scheduler_config.policy,
             scheduler_config.sjf_aging_rate,
             self.kv_cache_manager.num_cached_prefix_tokens,
         )
         self.requests: dict[str, Request] = {}
-        self.waiting = RankedQueue(lambda r: self.policy.waiting_rank(r, self._now))
+        policy, now = self.policy, self._now
+        self.waiting = RankedQueue(lambda r: policy.waiting_rank(r, now.value))
         self.running = RankedQueue(self.policy.running_rank)
         self._swap_out: list[tuple[int, int]] = []
         self.num_swaps = 0
@@ -179,7 +192,7 @@ class Scheduler:
     # ----------------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
         """Plan one step under the token budget (see THE RULE at the top of this file)."""
-        self._now = self.clock()
+        self._now.value = self.clock()
         if self.policy.dynamic:
             self.waiting.resort()
         self._grammars_ready()
