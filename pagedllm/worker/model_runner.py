@@ -70,7 +70,13 @@ def _grammar_threads() -> int | str:
     """Threads xgrammar fills a batch's bitmask on: PAGEDLLM_GRAMMAR_THREADS, or "auto"
     (xgrammar's default, half the hardware threads)."""
     value = os.environ.get("PAGEDLLM_GRAMMAR_THREADS", "auto")
-    return value if value == "auto" else max(1, int(value))
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"PAGEDLLM_GRAMMAR_THREADS must be 'auto' or a positive int, got {value!r}"
+        )
+    return int(value)
 
 
 class ModelRunner:
