@@ -282,3 +282,33 @@ def test_tokens_after_stop_are_ignored(smollm2: Any) -> None:
     assert det.update(encode(smollm2, "Hello world")) == "world"
     assert det.update(encode(smollm2, " again")) is None
     assert det.output_text == "Hello " and det.get_next_output_text(False, False) == "Hello "
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_decode_stream_path_equals_the_exact_path(tok: Any, skip: bool) -> None:
+    """The Rust DecodeStream path gives the same snapshots, deltas and stops as decoding the
+    window in Python, on real texts and random ids, with and without a prompt, in chunks, with
+    stop strings; and it is the path taken (next to no Python-level decodes) on plain text."""
+    rng = random.Random(7)
+    prompt = encode(tok, CHAT_PROMPT)
+    cases = [(p, encode(tok, t)) for t in TEXTS for p in ([], prompt)]
+    cases += [([], [rng.randrange(len(tok)) for _ in range(120)]) for _ in range(3)]
+    # prompts of random ids, whose last tokens may end inside a character
+    cases += [
+        ([rng.randrange(len(tok)) for _ in range(8)], encode(tok, TEXTS[i % len(TEXTS)]))
+        for i in range(12)
+    ]
+    for p, out in cases:
+        for chunk, stop in ((1, None), (3, ["e", "\n\n", "ok"])):
+            kw = {"skip_special_tokens": skip, "stop": stop}
+            fast = run(tok, p, out, chunk, **kw)
+            exact = run(tok, p, out, chunk, use_decode_stream=False, **kw)
+            assert fast[1:] == exact[1:], (p, out, chunk)
+            assert fast[0].output_text == exact[0].output_text
+    calls: list[int] = []
+    det = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    decode = det._decode
+    det._decode = lambda ids: calls.append(len(ids)) or decode(ids)  # type: ignore[method-assign]
+    for t in encode(tok, TEXTS[0]):
+        det.update([t])
+    assert len(calls) <= 2, "the DecodeStream path was not taken"
