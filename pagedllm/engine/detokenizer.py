@@ -12,10 +12,10 @@ sequence length while decoding every token in context (sentencepiece tokenizers 
 leading space of a lone token; byte-level BPE splits multi-byte characters across tokens).
 
 With a stock fast tokenizer, the Rust ``tokenizers.decoders.DecodeStream`` runs the same scheme
-in one call per token (two Python-level decodes per token before: ~2.6 us a token, ~0.8 us
-now, measured with SmolLM2's tokenizer); the window is still kept here, so a run of
-``MAX_PENDING_TOKENS`` tokens without valid text, and the final flush, go through the exact
-path above.
+in one call per token (two decodes per token otherwise: ~3.0 us a token through ``update``
+before, ~1.9 us with the stream, SmolLM2's tokenizer on a CI-like CPU); the window is still
+kept here, so a run of ``MAX_PENDING_TOKENS`` tokens without valid text, and the final flush,
+go through the exact path above.
 """
 
 from __future__ import annotations
@@ -57,15 +57,12 @@ def _rust_decoder(tokenizer: Any) -> Any:
     return backend.decode
 
 
-def _decode_stream(tokenizer: Any, context: list[int], skip_special_tokens: bool) -> Any:
-    """A ``DecodeStream`` primed with ``context``, when the tokenizer is a stock fast one and
-    this ``tokenizers`` has it; None otherwise. Also None when the context does not decode to
-    whole characters: the stream would then emit the context's text with the first token,
-    where this module treats the context as already read."""
-    decode = _rust_decoder(tokenizer)
-    if decode is None:
-        return None
-    if REPLACEMENT_CHAR in decode(context, skip_special_tokens=skip_special_tokens):
+def _decode_stream(context: list[int], context_text: str, skip_special_tokens: bool) -> Any:
+    """A ``DecodeStream`` primed with ``context`` (which decodes to ``context_text``), or None
+    when this ``tokenizers`` lacks it or the context does not decode to whole characters: the
+    stream would then emit the context's text with the first token, where this module treats
+    the context as already read."""
+    if REPLACEMENT_CHAR in context_text:
         return None
     try:
         from tokenizers.decoders import DecodeStream
@@ -124,14 +121,13 @@ class IncrementalDetokenizer:
         # are pending tokens whose text is not emitted yet.
         self._window: list[int] = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])
         self._read = len(self._window)
-        self._backend = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer, if any
+        self._prefix_text: str | None = self._decode(self._window)
+        # the Rust DecodeStream, for stock fast tokenizers only (those _fast decodes)
+        self._backend = getattr(tokenizer, "_tokenizer", None)
         self._stream = (
-            _decode_stream(tokenizer, self._window, skip_special_tokens)
-            if use_decode_stream
+            _decode_stream(self._window, self._prefix_text, skip_special_tokens)
+            if use_decode_stream and self._fast is not None
             else None
-        )
-        self._prefix_text: str | None = (
-            None if self._stream is not None else self._decode(self._window)
         )
 
     @property
