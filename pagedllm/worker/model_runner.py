@@ -540,11 +540,14 @@ class ModelRunner:
                 lps[req_ids[i]] = [t[0] for t in self._to_logprob_lists(host, np.arange(k), k)]
         return tokens, lps
 
-    def _fill_bitmask(self, matchers: dict) -> tuple[list[str], torch.Tensor] | None:
+    def _fill_bitmask(
+        self, matchers: dict
+    ) -> tuple[list[str], torch.Tensor, torch.Tensor] | None:
         """One int32 bitmask row per structured request that samples this step, filled on the
         host into pinned memory (double-buffered: the copy of the last one may be queued), so
         the copy to the device does not wait for the forward pass. A matcher that has
-        terminated (its request finished while this step was in flight) is left out."""
+        terminated (its request finished while this step was in flight) is left out.
+        Returns (request ids, mask, the same turn's pinned buffer for their logits rows)."""
         live = {rid: m for rid, m in matchers.items() if not m.is_terminated()}
         if not live:
             return None
@@ -564,34 +567,33 @@ class ModelRunner:
                 torch.empty(self.input_batch.max_num_reqs, dtype=torch.int64, pin_memory=pin)
                 for _ in "ab"
             ]
-        buf = self._bitmask_bufs[self._bitmask_turn]
+        turn = self._bitmask_turn
         self._bitmask_turn ^= 1
-        mask = buf[: len(live)]  # [n, ceil(vocab / 32)]
+        mask = self._bitmask_bufs[turn][: len(live)]  # [n, ceil(vocab / 32)]
         if len(live) == 1:
             next(iter(live.values())).fill_next_token_bitmask(mask, 0)
         else:  # xgrammar fills the rows on its own thread pool
             if self._batch_matcher is None:
                 self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=_grammar_threads())
             self._batch_matcher.batch_fill_next_token_bitmask(list(live.values()), mask)
-        return list(live), mask
+        return list(live), mask, self._bitmask_rows[turn]
 
     def _apply_bitmask(
         self,
         logits: torch.Tensor,
-        bitmask: tuple[list[str], torch.Tensor],
+        bitmask: tuple[list[str], torch.Tensor, torch.Tensor],
         sample_req_ids: list[str],
     ) -> None:
         """Mask the sampled rows of structured requests in one vectorized operation; the mask
         and the row indices reach the device by non-blocking copies from pinned memory."""
         from pagedllm.structured_output.bitmask import apply_token_bitmask
 
-        ids, mask = bitmask
+        ids, mask, rows_buf = bitmask
         pos = {rid: j for j, rid in enumerate(sample_req_ids)}
         keep = [k for k, rid in enumerate(ids) if rid in pos]
         if not keep:
             return
-        # the rows go in the pinned buffer beside the mask's (same turn: double-buffered)
-        rows = self._bitmask_rows[self._bitmask_turn ^ 1][: len(keep)]
+        rows = rows_buf[: len(keep)]
         rows.numpy()[:] = [pos[ids[k]] for k in keep]
         if len(keep) != len(ids):
             mask = mask[keep]
