@@ -81,6 +81,13 @@ REGEXES = {
     "phone": r"\+1-\d{3}-\d{3}-\d{4}",
 }
 CHOICES = ["positive", "negative", "neutral"]
+# a grammar a tiny random model finishes within ~30 tokens (also used by the async tests)
+SMALL_OBJECT = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -149,12 +156,7 @@ def test_grammar_and_json_object_and_n(llm):
 
 
 def test_structured_with_preemption_and_greedy_equality(tiny_models):
-    schema = {
-        "type": "object",
-        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
-        "required": ["a"],
-        "additionalProperties": False,
-    }
+    schema = SMALL_OBJECT
     path = tiny_models("llama")
     p = [
         SamplingParams(temperature=1.0, seed=i, max_tokens=30, structured_outputs=S(json=schema))

@@ -195,13 +195,8 @@ def test_async_grammars_fill_the_mask_after_the_forward_is_queued(tiny_models):
     import jsonschema
 
     from pagedllm.structured_output.params import StructuredOutputsParams
+    from tests.engine.test_structured_outputs import SMALL_OBJECT as schema
 
-    schema = {
-        "type": "object",
-        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
-        "required": ["a"],
-        "additionalProperties": False,
-    }
     path = tiny_models("llama")
     params = [
         SamplingParams(
