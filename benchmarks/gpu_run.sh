@@ -40,6 +40,12 @@ one() {
     check) python benchmarks/gpu_suite.py check --out "$OUT" ;;
     bench-a-quick) python benchmarks/gpu_suite.py bench-a --skip-peers --sync-too --time-device \
         --out "$OUT/quick" | grep -v "^ "; summary "$OUT/quick" ;;
+    profile-a) python benchmarks/gpu_suite.py bench-a --skip-peers --time-device --profile \
+        --out "$OUT/profile" | grep -v "^ "; summary "$OUT/profile"
+      python -c "import glob,json; d=json.load(open(glob.glob('$OUT/profile/*bench-a*.json')[0]));
+print(json.dumps(d['pagedllm_cuda_graphs']['phases'], indent=1));
+print(json.dumps(d['kernel_profile'], indent=1))" ;;
+    attn-sweep) python benchmarks/attn_decode_sweep.py --out "$OUT/attn_sweep.json" ;;
     bench-a) python benchmarks/gpu_suite.py bench-a --sync-too --time-device --out "$OUT" | grep -v "^ ";
         summary "$OUT" ;;
     bench-b) python benchmarks/gpu_suite.py bench-b --out "$OUT" | tail -40 ;;

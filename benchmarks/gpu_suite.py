@@ -142,6 +142,61 @@ def save_partial(args: argparse.Namespace, part: str, result: dict) -> None:
         json.dump(result, f, indent=2)
 
 
+def phase_split(steps: list, dev: list[float], cost, bw: float, flops: float) -> dict | None:
+    """Device time vs ideal time of the decode-only steps and of the steps with a prefill chunk
+    (steps and device times are recorded one per step, in order)."""
+    if not dev or len(dev) != len(steps):
+        return None
+    out = {}
+    for phase, pick in (("decode", lambda s: max(s.num_tokens) == 1),
+                        ("prefill", lambda s: max(s.num_tokens) > 1)):
+        idx = [i for i, s in enumerate(steps) if pick(s)]
+        roof = roofline([steps[i] for i in idx], cost, bw, flops)
+        device_s = float(sum(dev[i] for i in idx))
+        out[phase] = {"steps": len(idx), "device_s": device_s, "ideal_s": roof.ideal_s,
+                      "memory_s": roof.memory_s, "compute_s": roof.compute_s,
+                      "fraction": roof.ideal_s / device_s if device_s else None}
+    return out
+
+
+KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
+    ("attention", ("_unified_kernel", "_split_kernel", "_reduce_kernel")),
+    ("kv_write", ("kv_write", "_write_kv", "reshape_and_cache")),
+    ("rope", ("_rope",)),
+    ("rms_norm", ("rms",)),
+    ("act_and_mul", ("act_and_mul", "_act")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "splitkreduce")),
+    ("sampling", ("argmax", "softmax", "topk", "sort", "exponential", "bitmask")),
+)
+
+
+def kernel_profile(llm, prompts: list, params: list) -> dict:  # noqa: ANN001
+    """Device time of one run of the workload by kernel kind (torch.profiler with CUPTI: the
+    kernels inside CUDA graphs are traced one by one), and the top kernels by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    el = time.perf_counter() - t
+    kinds: dict[str, float] = {}
+    top = []
+    for e in prof.key_averages():
+        ms = e.self_device_time_total / 1e3
+        if ms <= 0:
+            continue
+        kind = next((k for k, subs in KERNEL_KINDS if any(x in e.key for x in subs)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+        top.append((ms, e.count, e.key[:90]))
+    top.sort(reverse=True)
+    total = sum(kinds.values())
+    return {"profiled_elapsed_s": el, "device_ms_total": total,
+            "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "top": [{"ms": ms, "count": c, "name": k} for ms, c, k in top[:30]]}
+
+
 def bench_a(args: argparse.Namespace) -> dict:
     """Qwen3-0.6B shape, bf16, 256 prompts, input and output lengths uniform in 100-1024."""
     path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
@@ -185,6 +240,7 @@ def bench_a(args: argparse.Namespace) -> dict:
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         roof = roofline(rec.steps, model_cost(runner.model, torch.bfloat16), bw, flops)
         dev = runner.device_times
+        split = phase_split(rec.steps, dev, model_cost(runner.model, torch.bfloat16), bw, flops)
         result[f"pagedllm_{name}"] = {
             "engine_args": kw,
             "async_scheduling": llm.llm_engine.config.scheduler_config.async_scheduling,
@@ -202,7 +258,14 @@ def bench_a(args: argparse.Namespace) -> dict:
             "roofline_ideal_s": roof.ideal_s, "roofline_memory_s": roof.memory_s,
             "roofline_compute_s": roof.compute_s, "roofline_fraction": roof.ideal_s / el,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "phases": split,
         }
+        if args.profile and name == "cuda_graphs":
+            again, _ = make_workload(n, 562, 562, 462 / 562, 151936, seed=2)
+            again = [w[: len(p)] + [9] * (len(p) - len(w)) for w, p in zip(again, prompts)]
+            result["kernel_profile"] = kernel_profile(
+                llm, [{"prompt_token_ids": p} for p in again],
+                [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in out_lens])
         print(json.dumps(result, indent=1), flush=True)
         save_partial(args, "bench-a", result)
         del llm, rec
@@ -443,6 +506,7 @@ def main() -> None:
     p.add_argument("--sync-too", action="store_true", help="also without async scheduling")
     p.add_argument("--time-device", action="store_true", help="CUDA events around each step")
     p.add_argument("--only-structured", action="store_true")
+    p.add_argument("--profile", action="store_true", help="bench-a: device time by kernel kind")
     args = p.parse_args()
     fn = {"check": check, "bench-a": bench_a, "bench-b": bench_b, "extras": extras}[args.part]
     result = fn(args)

@@ -11,9 +11,11 @@ rotation reads it, as when the two run apart).
 
 Inputs: q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim], any
 strides with a contiguous last dim (views into the fused qkv projection). Outputs: new
-contiguous tensors of the same shapes. Grid: (num_tokens, num_heads + num_kv_heads): program
-(t, h) rotates query head h of token t, or key head h - num_heads when h >= num_heads. No host
-sync, so it is CUDA-graph capturable.
+contiguous tensors of the same shapes. Grid: (num_tokens,): program t loads token t's cos/sin
+row once and rotates all its query heads as one [heads, head_dim / 2] tile, then all its key
+heads (a program per (token, head) ran ~5.6 us a layer at 256 decode tokens on an H100, 6,144
+one-warp programs in two waves of the 32 resident blocks an SM takes). No host sync, so it is
+CUDA-graph capturable.
 
 This module imports Triton at import time: import it only where Triton is installed.
 """
@@ -23,6 +25,48 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _rope_heads(
+    src_ptr,  # this token's first head of q (or k)
+    dst_ptr,  # this token's first output head
+    stride_h,
+    n_heads,
+    w_ptr,  # [2 * HALF] norm weight (unused without HAS_NORM)
+    cos,  # [1, HALF_PAD] float32
+    sin,
+    eps,
+    offset,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr,  # next power of two >= n_heads
+    HAS_NORM: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+):
+    """Norm and rotate the ``n_heads`` heads of one token as one [HEADS_PAD, HALF_PAD] tile."""
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, HALF_PAD)[None, :]
+    mask = (h < n_heads) & (d < HALF)
+    src = src_ptr + h * stride_h + d
+    a = tl.load(src, mask=mask, other=0.0)  # x1 of every head
+    b = tl.load(src + HALF, mask=mask, other=0.0)  # x2
+    x1 = a.to(tl.float32)
+    x2 = b.to(tl.float32)
+    if HAS_NORM:
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # [HEADS_PAD]
+        rstd = tl.rsqrt(ss / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+        if HAS_OFFSET:  # Gemma: x / rms * (1 + w), one rounding
+            x1 = (x1 * rstd * (offset + w1)).to(a.dtype).to(tl.float32)
+            x2 = (x2 * rstd * (offset + w2)).to(a.dtype).to(tl.float32)
+        else:  # Llama / Qwen: round(x / rms), then times w, rounded
+            x1 = ((x1 * rstd).to(a.dtype).to(tl.float32) * w1).to(a.dtype).to(tl.float32)
+            x2 = ((x2 * rstd).to(a.dtype).to(tl.float32) * w2).to(a.dtype).to(tl.float32)
+    dst = dst_ptr + h * (2 * HALF) + d
+    tl.store(dst, (x1 * cos - x2 * sin).to(a.dtype), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(a.dtype), mask=mask)
 
 
 @triton.jit
@@ -45,41 +89,24 @@ def _rope_kernel(
     offset,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,  # next power of two >= HALF
+    Q_HEADS_PAD: tl.constexpr,
+    K_HEADS_PAD: tl.constexpr,
     HAS_NORM: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    if h < num_heads:
-        src = q_ptr + t * stride_qt + h * stride_qh
-        dst = qo_ptr + (t * num_heads + h) * (2 * HALF)
-        w_ptr = qw_ptr
-    else:
-        hk = h - num_heads
-        src = k_ptr + t * stride_kt + hk * stride_kh
-        dst = ko_ptr + (t * num_kv_heads + hk) * (2 * HALF)
-        w_ptr = kw_ptr
-    d = tl.arange(0, HALF_PAD)
-    mask = d < HALF
-    a = tl.load(src + d, mask=mask, other=0.0)  # x1
-    b = tl.load(src + HALF + d, mask=mask, other=0.0)  # x2
-    x1 = a.to(tl.float32)
-    x2 = b.to(tl.float32)
-    if HAS_NORM:
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
-        w1 = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + d, mask=mask, other=0.0).to(tl.float32)
-        if HAS_OFFSET:  # Gemma: x / rms * (1 + w), one rounding
-            x1 = (x1 * rstd * (offset + w1)).to(a.dtype).to(tl.float32)
-            x2 = (x2 * rstd * (offset + w2)).to(a.dtype).to(tl.float32)
-        else:  # Llama / Qwen: round(x / rms), then times w, rounded
-            x1 = ((x1 * rstd).to(a.dtype).to(tl.float32) * w1).to(a.dtype).to(tl.float32)
-            x2 = ((x2 * rstd).to(a.dtype).to(tl.float32) * w2).to(a.dtype).to(tl.float32)
+    d = tl.arange(0, HALF_PAD)[None, :]
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cs_ptr + pos * (2 * HALF) + d, mask=mask, other=0.0)
-    sin = tl.load(cs_ptr + pos * (2 * HALF) + HALF + d, mask=mask, other=0.0)
-    tl.store(dst + d, (x1 * cos - x2 * sin).to(a.dtype), mask=mask)
-    tl.store(dst + HALF + d, (x2 * cos + x1 * sin).to(a.dtype), mask=mask)
+    cos = tl.load(cs_ptr + pos * (2 * HALF) + d, mask=d < HALF, other=0.0)  # [1, HALF_PAD]
+    sin = tl.load(cs_ptr + pos * (2 * HALF) + HALF + d, mask=d < HALF, other=0.0)
+    _rope_heads(
+        q_ptr + t * stride_qt, qo_ptr + t * num_heads * (2 * HALF), stride_qh, num_heads, qw_ptr,
+        cos, sin, eps, offset, HALF, HALF_PAD, Q_HEADS_PAD, HAS_NORM, HAS_OFFSET,
+    )  # fmt: skip
+    _rope_heads(
+        k_ptr + t * stride_kt, ko_ptr + t * num_kv_heads * (2 * HALF), stride_kh, num_kv_heads,
+        kw_ptr, cos, sin, eps, offset, HALF, HALF_PAD, K_HEADS_PAD, HAS_NORM, HAS_OFFSET,
+    )  # fmt: skip
 
 
 def rope(
@@ -108,7 +135,9 @@ def rope(
         return q_out, k_out
     has_norm = q_weight is not None
     half = head_dim // 2
-    _rope_kernel[(tokens, heads + k.shape[1])](
+    half_pad = triton.next_power_of_2(half)
+    q_pad, k_pad = triton.next_power_of_2(heads), triton.next_power_of_2(k.shape[1])
+    _rope_kernel[(tokens,)](
         positions,
         q,
         k,
@@ -126,9 +155,11 @@ def rope(
         eps,
         offset,
         HALF=half,
-        HALF_PAD=triton.next_power_of_2(half),
+        HALF_PAD=half_pad,
+        Q_HEADS_PAD=q_pad,
+        K_HEADS_PAD=k_pad,
         HAS_NORM=has_norm,
         HAS_OFFSET=bool(offset),
-        num_warps=1 if head_dim <= 128 else 2,
+        num_warps=8 if q_pad * half_pad >= 4096 else 4,
     )
     return q_out, k_out

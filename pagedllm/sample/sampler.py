@@ -1,4 +1,5 @@
-"""The sampler: one documented pipeline from float32 logits to token ids.
+"""The sampler: one documented pipeline from logits to token ids (float32 logits; a step whose
+rows are all plain argmax (``SamplingMetadata.argmax_only``) may pass them in the model dtype).
 
     raw logits ──► logprobs for the client (raw model distribution, as vLLM reports them)
         │
@@ -47,6 +48,18 @@ class SamplingMetadata:
     min_tokens_masks: list[tuple[int, list[int]]] | None = None
     max_num_logprobs: int = -1  # -1: no row wants logprobs
     generator: torch.Generator | None = None
+
+    @property
+    def argmax_only(self) -> bool:
+        """Every row is a plain argmax of the raw logits (greedy, no penalties, no min_tokens
+        mask, no logprobs): the logits may stay in the model dtype (its argmax is the float32
+        one, ties included, as the upcast is exact)."""
+        return (
+            self.all_greedy
+            and self.max_num_logprobs < 0
+            and self.presence is None
+            and not self.min_tokens_masks
+        )
 
 
 @dataclass

@@ -389,14 +389,15 @@ class ModelRunner:
         if step.selected is not None:
             req_ids, sample_idx = step.req_ids, step.sample_idx
             bitmask = self._fill_bitmask(matchers)
-            logits = self.model.compute_logits(step.selected)
-            step.selected = None
-            if bitmask is not None:
-                self._apply_bitmask(logits, bitmask, [req_ids[i] for i in sample_idx])
             sample_rows = step.rows[sample_idx]
             smd = build_sampling_metadata(
                 ib, sample_rows, self.device, self.generator, self.eos_token_ids
             )
+            float32 = bitmask is not None or not smd.argmax_only
+            logits = self.model.compute_logits(step.selected, float32=float32)
+            step.selected = None
+            if bitmask is not None:
+                self._apply_bitmask(logits, bitmask, [req_ids[i] for i in sample_idx])
             out = self.sampler(logits, smd)
             step.forked = self._sample_forks(
                 req_ids, step.rows, sample_idx, smd.output_positions, logits
@@ -540,9 +541,7 @@ class ModelRunner:
                 lps[req_ids[i]] = [t[0] for t in self._to_logprob_lists(host, np.arange(k), k)]
         return tokens, lps
 
-    def _fill_bitmask(
-        self, matchers: dict
-    ) -> tuple[list[str], torch.Tensor, torch.Tensor] | None:
+    def _fill_bitmask(self, matchers: dict) -> tuple[list[str], torch.Tensor, torch.Tensor] | None:
         """One int32 bitmask row per structured request that samples this step, filled on the
         host into pinned memory (double-buffered: the copy of the last one may be queued), so
         the copy to the device does not wait for the forward pass. A matcher that has

@@ -314,8 +314,14 @@ def test_dropping_an_llm_frees_the_engine_without_the_cyclic_collector(tiny_mode
         so = StructuredOutputsParams(choice=["yes", "no"])
         llm.generate(["Hi"], SamplingParams(max_tokens=4, structured_outputs=so), use_tqdm=False)
     core = llm.llm_engine.engine_core
-    parts = [llm.llm_engine, core, core.scheduler, core.scheduler.kv_cache_manager,
-             core.model_runner, core.model_runner.model]
+    parts = [
+        llm.llm_engine,
+        core,
+        core.scheduler,
+        core.scheduler.kv_cache_manager,
+        core.model_runner,
+        core.model_runner.model,
+    ]
     refs = [weakref.ref(p) for p in parts]
     del parts, core
     gc.collect()
@@ -326,3 +332,32 @@ def test_dropping_an_llm_frees_the_engine_without_the_cyclic_collector(tiny_mode
     finally:
         gc.enable()
     assert alive == []
+
+
+def test_argmax_only_steps_keep_model_dtype_logits_and_the_same_tokens(tiny_models):
+    """A step whose rows are all plain greedy takes the argmax of the bf16 logits (no float32
+    copy of the batch's logits); asking for logprobs or a penalty forces float32, and both ways
+    give the same greedy tokens."""
+    llm = LLM(tiny_models("qwen3"), dtype="bfloat16", max_model_len=256)
+    model = llm.llm_engine.engine_core.model_runner.model
+    seen: list[bool] = []
+    orig = model.compute_logits
+
+    def spy(hidden, float32=True):  # noqa: ANN001, ANN202
+        seen.append(float32)
+        return orig(hidden, float32=float32)
+
+    model.compute_logits = spy
+    prompts = [_ids(12, s) for s in range(4)]
+
+    def run(**kw) -> list[list[int]]:  # noqa: ANN003
+        p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **kw)
+        seen.clear()
+        outs = llm.generate(prompts, p, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    plain = run()
+    assert seen and not any(seen)
+    for kw in ({"logprobs": 0}, {"repetition_penalty": 1.0 + 1e-9}):
+        assert run(**kw) == plain, kw
+        assert all(seen), kw

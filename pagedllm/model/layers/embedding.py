@@ -21,7 +21,8 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Projects hidden states of the tokens that need logits onto the vocabulary, in float32.
+    """Projects hidden states of the tokens that need logits onto the vocabulary, in float32
+    (or in the weights' dtype with ``float32=False``).
     ``tie_to`` shares the embedding's weight (Gemma, SmolLM2)."""
 
     def __init__(
@@ -39,6 +40,7 @@ class LMHead(nn.Module):
                 torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False
             )
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # [num_selected, hidden] -> [num_selected, vocab] float32
-        return F.linear(hidden_states, self.weight).float()
+    def forward(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        # [num_selected, hidden] -> [num_selected, vocab]
+        logits = F.linear(hidden_states, self.weight)
+        return logits.float() if float32 else logits

@@ -31,9 +31,12 @@ class CausalLM(nn.Module):
         """[num_tokens] ids and positions -> [num_tokens, hidden_size] final hidden states."""
         return self.model(input_ids, positions, metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] float32 logits."""
-        logits = self.lm_head(hidden_states)
+    def compute_logits(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] logits, float32 unless ``float32=False`` (then the model
+        dtype, for an argmax-only step: the float32 copy of a 256 x 152k batch costs more
+        device time than the argmax itself). Soft-capped logits are always float32."""
+        float32 = float32 or bool(self.final_logit_softcapping)
+        logits = self.lm_head(hidden_states, float32=float32)
         if self.final_logit_softcapping:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

@@ -1,0 +1,128 @@
+"""Decode attention launch shapes on the batches Benchmark A and B actually run.
+
+Benchmark A decodes 256 requests with ragged contexts (100-2048) on the Qwen3-0.6B shape (16
+query heads over 8 KV heads, GQA 2); Benchmark B 256 requests on the Llama-3.1-8B shape (32
+over 8, GQA 4). The default launch shape was picked on uniform-length GQA-4 batches
+(benchmarks/kernels.py), so this times every (tile_n, num_warps, num_stages) of the unified
+kernel and split counts 2/4 on ragged and uniform batches of both shapes, as a fraction of the
+device copy bandwidth measured in the same run (bytes of K/V read / time).
+
+Usage (GPU): python benchmarks/attn_decode_sweep.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.kernels import bench, copy_bandwidth_gbps  # noqa: E402
+from pagedllm.ops.paged_attention import TileConfig, paged_attention  # noqa: E402
+
+BLOCK_SIZE, HEAD_DIM = 16, 128
+
+
+def make_batch(lens: list[int], heads: int, kv_heads: int, seed: int) -> dict:
+    """A decode batch: request r has lens[r] cached tokens (its last is the new one), blocks
+    scattered at random over a cache just big enough."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    nblk = [-(-n // BLOCK_SIZE) for n in lens]
+    total, width = sum(nblk), max(nblk)
+    cache = torch.randn(
+        (2, total, BLOCK_SIZE, kv_heads, HEAD_DIM), generator=g, device=dev, dtype=torch.bfloat16
+    )
+    perm = torch.randperm(total, generator=g, device=dev).to(torch.int32)
+    tables = torch.zeros((len(lens), width), dtype=torch.int32, device=dev)
+    at = 0
+    for r, n in enumerate(nblk):
+        tables[r, :n] = perm[at : at + n]
+        at += n
+    b = len(lens)
+    return {
+        "query": torch.randn(b, heads, HEAD_DIM, generator=g, device=dev).to(torch.bfloat16),
+        "cache": cache,
+        "qsl": torch.arange(b + 1, dtype=torch.int32, device=dev),
+        "seq_lens": torch.tensor(lens, dtype=torch.int32, device=dev),
+        "tables": tables,
+        "max_len": max(lens),
+        "kv_bytes": sum(lens) * kv_heads * HEAD_DIM * 2 * 2,
+    }
+
+
+def time_one(batch: dict, splits: int, cfg: TileConfig | None) -> float:
+    out = torch.empty_like(batch["query"])
+    return bench(
+        lambda: paged_attention(
+            batch["query"],
+            batch["cache"],
+            batch["qsl"],
+            batch["seq_lens"],
+            batch["tables"],
+            1,
+            batch["max_len"],
+            HEAD_DIM**-0.5,
+            None,
+            out=out,
+            num_splits=splits,
+            tile_config=cfg,
+        ),  # fmt: skip
+        torch.device("cuda"),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    bw = copy_bandwidth_gbps(torch.device("cuda"), 1 << 30)
+    rng = np.random.default_rng(0)
+    cases = {
+        "qwen3_ragged_100_2048": (16, 8, rng.integers(100, 2049, 256).tolist()),
+        "qwen3_uniform_1024": (16, 8, [1024] * 256),
+        "qwen3_uniform_512": (16, 8, [512] * 256),
+        "llama8b_ragged_128_1152": (32, 8, rng.integers(128, 1153, 256).tolist()),
+    }
+    configs = [(1, TileConfig(16, tn, w, st)) for tn, w, st in
+               itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))]  # fmt: skip
+    configs += [(s, TileConfig(16, 64, 4, 2, sst)) for s in (2, 4) for sst in (2, 3, 4)]
+    result: dict = {"device": torch.cuda.get_device_name(0), "copy_bandwidth_GBps": bw}
+    for name, (heads, kv_heads, lens) in cases.items():
+        batch = make_batch(lens, heads, kv_heads, seed=1)
+        rows = []
+        default_ms = time_one(batch, 1, None)
+        for splits, cfg in configs:
+            try:
+                ms = time_one(batch, splits, cfg)
+            except Exception as e:  # a shape that does not fit (shared memory): skip it
+                rows.append({"splits": splits, "cfg": str(cfg), "error": repr(e)[:120]})
+                continue
+            rows.append({"splits": splits, "tile_n": cfg.tile_n, "warps": cfg.num_warps,
+                         "stages": cfg.num_stages, "split_stages": cfg.split_num_stages,
+                         "ms": ms, "frac": batch["kv_bytes"] / (ms * 1e-3) / 1e9 / bw})  # fmt: skip
+        ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+        result[name] = {
+            "default_ms": default_ms,
+            "default_frac": batch["kv_bytes"] / (default_ms * 1e-3) / 1e9 / bw,
+            "best": ok[:6],
+            "all": rows,
+        }
+        print(name, "default", round(result[name]["default_frac"], 3), flush=True)
+        for r in ok[:6]:
+            print("   ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
+        del batch
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
