@@ -29,16 +29,26 @@ from pagedllm.ops.paged_attention import TileConfig, paged_attention  # noqa: E4
 BLOCK_SIZE, HEAD_DIM = 16, 128
 
 
-def make_batch(lens: list[int], heads: int, kv_heads: int, seed: int) -> dict:
+def make_batch(lens: list[int], heads: int, kv_heads: int, seed: int, layout: str) -> dict:
     """A decode batch: request r has lens[r] cached tokens (its last is the new one), blocks
-    scattered at random over a cache just big enough."""
+    scattered at random over a cache just big enough. ``layout`` "nhd": the engine's cache,
+    [2, blocks, block_size, kv_heads, head_dim]; "hnd": [2, blocks, kv_heads, block_size,
+    head_dim] memory (a block's keys of one head contiguous: 4 KB reads instead of 256 B),
+    passed to the kernel as the same-shaped strided view."""
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(seed)
     nblk = [-(-n // BLOCK_SIZE) for n in lens]
     total, width = sum(nblk), max(nblk)
-    cache = torch.randn(
-        (2, total, BLOCK_SIZE, kv_heads, HEAD_DIM), generator=g, device=dev, dtype=torch.bfloat16
-    )
+    if layout == "hnd":
+        cache = torch.randn(
+            (2, total, kv_heads, BLOCK_SIZE, HEAD_DIM), generator=g, device=dev,
+            dtype=torch.bfloat16,
+        ).transpose(2, 3)  # fmt: skip
+    else:
+        cache = torch.randn(
+            (2, total, BLOCK_SIZE, kv_heads, HEAD_DIM), generator=g, device=dev,
+            dtype=torch.bfloat16,
+        )  # fmt: skip
     perm = torch.randperm(total, generator=g, device=dev).to(torch.int32)
     tables = torch.zeros((len(lens), width), dtype=torch.int32, device=dev)
     at = 0
@@ -81,6 +91,8 @@ def time_one(batch: dict, splits: int, cfg: TileConfig | None) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
+    ap.add_argument("--layouts", default="nhd", help="comma list of nhd, hnd")
+    ap.add_argument("--quick", action="store_true", help="two launch shapes, no split")
     args = ap.parse_args()
     bw = copy_bandwidth_gbps(torch.device("cuda"), 1 << 30)
     rng = np.random.default_rng(0)
@@ -93,9 +105,14 @@ def main() -> None:
     configs = [(1, TileConfig(16, tn, w, st)) for tn, w, st in
                itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))]  # fmt: skip
     configs += [(s, TileConfig(16, 64, 4, 2, sst)) for s in (2, 4) for sst in (2, 3, 4)]
+    if args.quick:
+        configs = [(1, TileConfig(16, 64, 4, 2)), (1, TileConfig(16, 128, 4, 3))]
     result: dict = {"device": torch.cuda.get_device_name(0), "copy_bandwidth_GBps": bw}
-    for name, (heads, kv_heads, lens) in cases.items():
-        batch = make_batch(lens, heads, kv_heads, seed=1)
+    for (case, (heads, kv_heads, lens)), layout in itertools.product(
+        cases.items(), args.layouts.split(",")
+    ):
+        name = f"{case}_{layout}"
+        batch = make_batch(lens, heads, kv_heads, seed=1, layout=layout)
         rows = []
         default_ms = time_one(batch, 1, None)
         for splits, cfg in configs:

@@ -46,6 +46,8 @@ one() {
 print(json.dumps(d['pagedllm_cuda_graphs']['phases'], indent=1));
 print(json.dumps(d['kernel_profile'], indent=1))" ;;
     attn-sweep) python benchmarks/attn_decode_sweep.py --out "$OUT/attn_sweep.json" ;;
+    attn-layout) python benchmarks/attn_decode_sweep.py --quick --layouts nhd,hnd \
+        --out "$OUT/attn_layout.json" ;;
     bench-a) python benchmarks/gpu_suite.py bench-a --sync-too --time-device --out "$OUT" | grep -v "^ ";
         summary "$OUT" ;;
     bench-b) python benchmarks/gpu_suite.py bench-b --out "$OUT" | tail -40 ;;

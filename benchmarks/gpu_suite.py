@@ -12,6 +12,7 @@ Results: JSON (and PNG) under --out (default benchmarks/results), named with the
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -197,6 +198,13 @@ def kernel_profile(llm, prompts: list, params: list) -> dict:  # noqa: ANN001
             "top": [{"ms": ms, "count": c, "name": k} for ms, c, k in top[:30]]}
 
 
+def model_cost_hf(model) -> int:  # noqa: ANN001
+    """K/V bytes per token of an HF causal LM (all layers, K and V)."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * model.dtype.itemsize
+
+
 def bench_a(args: argparse.Namespace) -> dict:
     """Qwen3-0.6B shape, bf16, 256 prompts, input and output lengths uniform in 100-1024."""
     path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
@@ -268,16 +276,26 @@ def bench_a(args: argparse.Namespace) -> dict:
                 [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in out_lens])
         print(json.dumps(result, indent=1), flush=True)
         save_partial(args, "bench-a", result)
-        del llm, rec
+        del llm, rec, runner  # the runner holds the KV cache: the next engine sizes its own
         free_mem()
     if not args.skip_peers:
         model = hf_gpu.load(path, torch.bfloat16)
         sub = args.peer_prompts or n
+        # static batches as large as fit: at most 256, K/V of a full batch in half the free
+        # memory (on an 80 GB card 256 x 2048 tokens of this model's K/V do not fit)
+        kv_token = model_cost_hf(model)
+        free = torch.cuda.mem_get_info()[0]
+        static_batch = 256
+        while static_batch > 1 and static_batch * 2048 * kv_token > free / 2:
+            static_batch //= 2
+        static = functools.partial(hf_gpu.static_generate, batch_size=static_batch)
         for name, fn in (("hf_continuous_batching", hf_gpu.continuous_batching),
-                         ("hf_static_generate", hf_gpu.static_generate)):
+                         ("hf_static_generate", static)):
             try:
                 r = fn(model, prompts[:sub], out_lens[:sub])
                 r["num_prompts"] = sub
+                if name == "hf_static_generate":
+                    r["batch_size"] = static_batch
                 result[name] = r
             except Exception as e:  # a peer failing must not lose the other results
                 result[name] = {"error": repr(e)[:500]}
@@ -327,6 +345,8 @@ def bench_b(args: argparse.Namespace) -> dict:
                      use_tqdm=False)
         llm.llm_engine.engine_core.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
         rec = StepRecorder(llm)
+        runner = llm.llm_engine.engine_core.model_runner
+        runner.time_device, runner.device_times = True, []
         torch.cuda.synchronize()
         t = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -334,8 +354,10 @@ def bench_b(args: argparse.Namespace) -> dict:
                      use_tqdm=False)
         torch.cuda.synchronize()
         el = time.perf_counter() - t
-        runner = llm.llm_engine.engine_core.model_runner
-        roof = roofline(rec.steps, model_cost(runner.model, torch.bfloat16), bw, flops)
+        cost = model_cost(runner.model, torch.bfloat16)
+        roof = roofline(rec.steps, cost, bw, flops)
+        dev = runner.device_times
+        runner.time_device = False
         n_tok = args.num_b * n_out
         result[f"in{n_in}_out{n_out}"] = {
             "num_prompts": args.num_b, "elapsed_s": el, "output_tokens_per_s": n_tok / el,
@@ -343,10 +365,14 @@ def bench_b(args: argparse.Namespace) -> dict:
             "roofline_output_tokens_per_s": n_tok / roof.ideal_s,
             "roofline_fraction": roof.ideal_s / el, "steps": len(rec.steps),
             "host_ms_per_decode_step": 1e3 * float(np.mean(rec.decode_host_s or [0])),
+            "device_ms_per_step": 1e3 * float(np.mean(dev)) if dev else None,
+            "device_busy_fraction": float(np.sum(dev)) / el if dev else None,
+            "kv_cache_blocks": runner.num_blocks,
+            "phases": phase_split(rec.steps, dev, cost, bw, flops),
         }
         print(json.dumps(result, indent=1), flush=True)
         llm.llm_engine.engine_core.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
-    del llm
+    del llm, rec, runner
     free_mem()
     if not args.skip_peers:
         config = tf.AutoConfig.from_pretrained(os.path.join(CONFIGS, "llama-3.1-8b"))

@@ -62,11 +62,11 @@ def main() -> None:
     runner = core.model_runner
     acc: dict = defaultdict(float)
     for obj, names in (
-        (runner, ("launch_forward", "launch_sample", "resolve", "_fill_bitmask",
+        (runner, ("launch_forward", "launch_sample", "resolve", "_fill_rows",
                   "_apply_bitmask")),
         (core.scheduler, ("schedule", "update_from_output")),
         (engine.output_processor, ("process_outputs",)),
-        (core, ("step",)),
+        (core, ("step", "_launch_deferred_sample")),
     ):
         for name in names:
             _timed(obj, name, acc)

@@ -4,6 +4,8 @@ prefix caching, stops and aborts, and really runs launch N+1 before resolving N.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -188,8 +190,8 @@ def test_async_abort_in_flight_leaves_others_intact(tiny_models):
 
 def test_async_grammars_fill_the_mask_after_the_forward_is_queued(tiny_models):
     """Grammar-constrained requests keep async scheduling: step N's forward is queued, step
-    N-1's tokens advance the matchers, then step N's bitmask is filled and sampling queued;
-    texts equal synchronous steps and parse."""
+    N-1's tokens advance the matchers, then step N's bitmask is filled on the grammar thread
+    and N's sampling queued; texts equal synchronous steps and parse."""
     import json
 
     import jsonschema
@@ -212,17 +214,62 @@ def test_async_grammars_fill_the_mask_after_the_forward_is_queued(tiny_models):
     llm = _llm(path, True)
     runner = llm.llm_engine.engine_core.model_runner
     calls: list[str] = []
-    for name, tag in (("launch_forward", "F"), ("resolve", "R"), ("launch_sample", "S")):
+    fill_threads: set[str] = set()
+    for name, tag in (
+        ("launch_forward", "F"),
+        ("resolve", "R"),
+        ("launch_sample", "S"),
+        ("_fill_rows", "M"),
+    ):
         fn = getattr(runner, name)
 
         def logged(*a, fn=fn, tag=tag):  # noqa: ANN002, ANN202
             calls.append(tag)
+            if tag == "M":
+                fill_threads.add(threading.current_thread().name)
             return fn(*a)
 
         setattr(runner, name, logged)
     got = _run(llm, prompts, params)
     assert got == sync
-    assert "FRS" in "".join(calls)  # forward N, resolve N-1, then the grammar step's sampling
+    # forward N, resolve N-1 (the grammars take its tokens), the bitmask of N, N's sampling
+    assert "FRMS" in "".join(calls)
+    assert all(t.startswith("pagedllm-grammar") for t in fill_threads), fill_threads
     for (_, reason, text), p in zip(got, params):
         if p.structured_outputs is not None and reason == "stop":
             jsonschema.validate(json.loads(text), schema)
+
+
+def test_grammar_step_in_flight_then_a_request_that_needs_sync_steps(tiny_models):
+    """A grammar step's sampling waits for the next step() call; a penalties request arriving
+    then switches the engine to synchronous steps, which must queue that sampling first (or
+    the pending step's tokens never come). Both requests finish as they do alone."""
+    from pagedllm.structured_output.params import StructuredOutputsParams
+    from tests.engine.test_structured_outputs import SMALL_OBJECT as schema
+
+    path = tiny_models("llama")
+    grammar = SamplingParams(
+        temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    penalty = SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3)
+    g_prompt, p_prompt = _prompts(2, 11)
+    alone = [
+        _run(_llm(path, False), [g_prompt], grammar),
+        _run(_llm(path, False), [p_prompt], penalty),
+    ]
+    engine = _llm(path, True).llm_engine
+    engine.add_request("g", {"prompt_token_ids": g_prompt}, grammar)
+    finished: dict[str, list[int]] = {}
+    added = False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+        # (the grammar compiles first: the request waits for it a few steps)
+        if not added and engine.engine_core._deferred is not None:  # a sampling waits
+            engine.add_request("p", {"prompt_token_ids": p_prompt}, penalty)
+            added = True
+    assert added
+    assert finished["g"] == alone[0][0][0]
+    assert finished["p"] == alone[1][0][0]
+    engine.engine_core.check_integrity()
