@@ -35,6 +35,8 @@ one() {
     tests) python -m pytest -q -x -p no:cacheprovider tests/kernels tests/models tests/engine ;;
     tests-fused) python -m pytest -q -x -p no:cacheprovider tests/kernels/test_fused_ops.py \
         tests/kernels/test_rms_norm.py ;;
+    tests-attn) python -m pytest -q -x -p no:cacheprovider tests/kernels/test_paged_attention.py \
+        tests/kernels/test_kv_write.py ;;
     tests-kernels) python -m pytest -q -x -p no:cacheprovider tests/kernels ;;
     tests-models) python -m pytest -q -x -p no:cacheprovider tests/models tests/engine ;;
     check) python benchmarks/gpu_suite.py check --out "$OUT" ;;
@@ -48,6 +50,7 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     attn-sweep) python benchmarks/attn_decode_sweep.py --out "$OUT/attn_sweep.json" ;;
     attn-layout) python benchmarks/attn_decode_sweep.py --quick --layouts nhd,hnd \
         --out "$OUT/attn_layout.json" ;;
+    attn-quick) python benchmarks/attn_decode_sweep.py --quick --out "$OUT/attn_quick.json" ;;
     bench-a) python benchmarks/gpu_suite.py bench-a --sync-too --time-device --out "$OUT" | grep -v "^ ";
         summary "$OUT" ;;
     bench-b) python benchmarks/gpu_suite.py bench-b --out "$OUT" | tail -40 ;;

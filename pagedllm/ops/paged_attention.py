@@ -20,7 +20,9 @@ Kernels:
   query heads that share the KV head, flattened into ``BLOCK_M = BLOCK_Q * G`` (padded) rows, so
   every K/V tile loaded from the cache serves the whole GQA group. Online softmax over tiles of
   ``TILE_N`` keys (a tile may span several cache blocks: each key looks up its own block id);
-  tiles that every row sees whole skip the causal/window mask and the bounds checks.
+  tiles that every row sees whole skip the causal/window mask and the bounds checks. A
+  decode-only batch (``max_query_len <= 1``) runs one program per (request, KV head) and skips
+  the search for the request of a tile.
 - ``_split_kernel`` + ``_reduce_kernel``: decode-only batches (every q_len <= 1). One program per
   (request, KV head, split); split s attends over the s-th of ``NUM_SPLITS`` equal slices of the
   request's key tiles and writes its un-normalised accumulator, running max and running sum; the
@@ -250,13 +252,19 @@ def _unified_kernel(
     TILE_N: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    DECODE: tl.constexpr,  # every q_len <= 1: program r is request r's only tile
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
-    r = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
+    if DECODE:  # no search: its 9 dependent loads (256 requests) delay every program's start
+        r = pid
+    else:
+        r = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
     q_start = tl.load(qsl_ptr + r)
     q_len = tl.load(qsl_ptr + r + 1) - q_start
     local = pid - (q_start // BLOCK_Q + r)  # tile index within request r
+    if DECODE:
+        local = 0
     if local * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + r)
@@ -578,14 +586,14 @@ def paged_attention(
         return out
 
     block_q = block_m // g
-    # Upper bound on the tiles of all requests (see _find_request).
-    grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    # Upper bound on the tiles of all requests (see _find_request); decode: one per request.
+    grid = (num_reqs if decode else num_tokens // block_q + num_reqs, num_kv_heads)
     _unified_kernel[grid](
         out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, num_reqs, qk_scale,
         window, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), G=g,
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_Q=block_q, TILE_N=tile_n, UPCAST=upcast, PRECISION=precision,
+        BLOCK_Q=block_q, TILE_N=tile_n, UPCAST=upcast, PRECISION=precision, DECODE=decode,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
