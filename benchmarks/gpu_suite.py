@@ -114,15 +114,19 @@ def check(args: argparse.Namespace) -> dict:
             exact = sum(g == r for g, r in zip(got, ref))
             first = [sum(1 for _ in _prefix(g, r)) for g, r in zip(got, ref)]
             lp_err = 0.0
+            gaps = []  # at each first divergence: HF's logprob of its token minus of ours
             for o, lps, r in zip(outs, ref_lp, ref):
                 for pos, d in enumerate(o.outputs[0].logprobs):
-                    if o.outputs[0].token_ids[: pos + 1] != r[: pos + 1]:
-                        break
                     tok = o.outputs[0].token_ids[pos]
+                    if tok != r[pos]:
+                        gaps.append(float(lps[pos][r[pos]] - lps[pos][tok]))
+                        break
                     lp_err = max(lp_err, abs(d[tok].logprob - float(lps[pos][tok])))
             out[f"{dtype_name}_{mode}"] = {
                 "sequences_equal": f"{exact}/{len(ref)}", "matching_prefix_tokens": first,
                 "max_logprob_abs_err_on_matching_prefix": lp_err,
+                # a near tie that bf16 rounding flips shows a gap within the logprob error
+                "hf_logprob_gap_at_first_divergence": gaps,
             }
             del llm
             free_mem()

@@ -30,9 +30,11 @@ import triton.language as tl
 @triton.jit
 def _rope_heads(
     src_ptr,  # this token's first head of q (or k)
-    dst_ptr,  # this token's first output head
+    dst_ptr,  # this token's first output head (or its K row in the paged cache)
     stride_h,
+    dst_stride_h,
     n_heads,
+    store,  # False: compute, write nothing (a CUDA-graph padding row's K)
     w_ptr,  # [2 * HALF] norm weight (unused without HAS_NORM)
     cos,  # [1, HALF_PAD] float32
     sin,
@@ -64,9 +66,10 @@ def _rope_heads(
         else:  # Llama / Qwen: round(x / rms), then times w, rounded
             x1 = ((x1 * rstd).to(a.dtype).to(tl.float32) * w1).to(a.dtype).to(tl.float32)
             x2 = ((x2 * rstd).to(a.dtype).to(tl.float32) * w2).to(a.dtype).to(tl.float32)
-    dst = dst_ptr + h * (2 * HALF) + d
-    tl.store(dst, (x1 * cos - x2 * sin).to(a.dtype), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(a.dtype), mask=mask)
+    dst = dst_ptr + h * dst_stride_h + d
+    out_ty = dst_ptr.dtype.element_ty
+    tl.store(dst, (x1 * cos - x2 * sin).to(a.dtype).to(out_ty), mask=mask & store)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(a.dtype).to(out_ty), mask=mask & store)
 
 
 @triton.jit
@@ -93,6 +96,17 @@ def _rope_kernel(
     K_HEADS_PAD: tl.constexpr,
     HAS_NORM: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
+    WRITE_KV: tl.constexpr,  # rotated K and V go to the paged cache at the token's slot
+    v_ptr=None,  # WRITE_KV only: [num_tokens, num_kv_heads, 2 * HALF] any strides
+    v_cache_ptr=None,  # ko_ptr is then the K cache: [num_blocks, block_size, kv_heads, D]
+    slot_ptr=None,  # [num_slots] int64, -1 = skip
+    num_slots=0,
+    stride_vt=0,
+    stride_vh=0,
+    stride_cb=0,
+    stride_cs=0,
+    stride_ch=0,
+    BLOCK_SIZE: tl.constexpr = 16,
 ):
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF_PAD)[None, :]
@@ -100,12 +114,73 @@ def _rope_kernel(
     cos = tl.load(cs_ptr + pos * (2 * HALF) + d, mask=d < HALF, other=0.0)  # [1, HALF_PAD]
     sin = tl.load(cs_ptr + pos * (2 * HALF) + HALF + d, mask=d < HALF, other=0.0)
     _rope_heads(
-        q_ptr + t * stride_qt, qo_ptr + t * num_heads * (2 * HALF), stride_qh, num_heads, qw_ptr,
-        cos, sin, eps, offset, HALF, HALF_PAD, Q_HEADS_PAD, HAS_NORM, HAS_OFFSET,
+        q_ptr + t * stride_qt, qo_ptr + t * num_heads * (2 * HALF), stride_qh, 2 * HALF,
+        num_heads, True, qw_ptr, cos, sin, eps, offset, HALF, HALF_PAD, Q_HEADS_PAD, HAS_NORM,
+        HAS_OFFSET,
     )  # fmt: skip
-    _rope_heads(
-        k_ptr + t * stride_kt, ko_ptr + t * num_kv_heads * (2 * HALF), stride_kh, num_kv_heads,
-        kw_ptr, cos, sin, eps, offset, HALF, HALF_PAD, K_HEADS_PAD, HAS_NORM, HAS_OFFSET,
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + t, mask=t < num_slots, other=-1).to(tl.int64)
+        # Example: BLOCK_SIZE 16, slot 37 -> block 2, offset 5.
+        row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+        _rope_heads(
+            k_ptr + t * stride_kt, ko_ptr + row, stride_kh, stride_ch, num_kv_heads, slot >= 0,
+            kw_ptr, cos, sin, eps, offset, HALF, HALF_PAD, K_HEADS_PAD, HAS_NORM, HAS_OFFSET,
+        )  # fmt: skip
+        h = tl.arange(0, K_HEADS_PAD)[:, None]
+        vmask = (h < num_kv_heads) & (d < HALF) & (slot >= 0)
+        src = v_ptr + t * stride_vt + h * stride_vh + d
+        dst = v_cache_ptr + row + h * stride_ch + d
+        out_ty = v_cache_ptr.dtype.element_ty
+        tl.store(dst, tl.load(src, mask=vmask).to(out_ty), mask=vmask)
+        tl.store(dst + HALF, tl.load(src + HALF, mask=vmask).to(out_ty), mask=vmask)
+    else:
+        _rope_heads(
+            k_ptr + t * stride_kt, ko_ptr + t * num_kv_heads * (2 * HALF), stride_kh, 2 * HALF,
+            num_kv_heads, True, kw_ptr, cos, sin, eps, offset, HALF, HALF_PAD, K_HEADS_PAD,
+            HAS_NORM, HAS_OFFSET,
+        )  # fmt: skip
+
+
+def _check(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+) -> None:  # fmt: skip
+    if q.dim() != 3 or k.dim() != 3 or q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("rope needs 3-D q and k with a contiguous last dim")
+    tokens, _, head_dim = q.shape
+    if k.shape[0] != tokens or k.shape[2] != head_dim or head_dim % 2:
+        raise ValueError(f"rope: q {tuple(q.shape)} and k {tuple(k.shape)} do not match")
+    if cos_sin.shape[1] != head_dim or cos_sin.dtype != torch.float32:
+        raise ValueError("rope: cos_sin must be float32 [max_position, head_dim]")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("rope: give both q and k norm weights or neither")
+
+
+def _launch(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,  # [tokens, kv_heads, D], or the K cache with ``kv`` given
+    cos_sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    kv: dict | None = None,  # the cache-write arguments of _rope_kernel
+) -> None:
+    tokens, heads, head_dim = q.shape
+    has_norm = q_weight is not None
+    half = head_dim // 2
+    half_pad = triton.next_power_of_2(half)
+    q_pad, k_pad = triton.next_power_of_2(heads), triton.next_power_of_2(k.shape[1])
+    _rope_kernel[(tokens,)](
+        positions, q, k, q_out, k_out, cos_sin,
+        q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), heads, k.shape[1], eps, offset,
+        HALF=half, HALF_PAD=half_pad, Q_HEADS_PAD=q_pad, K_HEADS_PAD=k_pad,
+        HAS_NORM=has_norm, HAS_OFFSET=bool(offset), WRITE_KV=kv is not None,
+        num_warps=8 if q_pad * half_pad >= 4096 else 4, **(kv or {}),
     )  # fmt: skip
 
 
@@ -120,46 +195,47 @@ def rope(
     offset: float = 0.0,  # Gemma's (offset + w) norm scaling
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rotate(norm(q)), rotate(norm(k))) by ``positions``; without weights no norm."""
-    if q.dim() != 3 or k.dim() != 3 or q.stride(-1) != 1 or k.stride(-1) != 1:
-        raise ValueError("rope needs 3-D q and k with a contiguous last dim")
-    tokens, heads, head_dim = q.shape
-    if k.shape[0] != tokens or k.shape[2] != head_dim or head_dim % 2:
-        raise ValueError(f"rope: q {tuple(q.shape)} and k {tuple(k.shape)} do not match")
-    if cos_sin.shape[1] != head_dim or cos_sin.dtype != torch.float32:
-        raise ValueError("rope: cos_sin must be float32 [max_position, head_dim]")
-    if (q_weight is None) != (k_weight is None):
-        raise ValueError("rope: give both q and k norm weights or neither")
+    _check(q, k, cos_sin, q_weight, k_weight)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if tokens == 0:
-        return q_out, k_out
-    has_norm = q_weight is not None
-    half = head_dim // 2
-    half_pad = triton.next_power_of_2(half)
-    q_pad, k_pad = triton.next_power_of_2(heads), triton.next_power_of_2(k.shape[1])
-    _rope_kernel[(tokens,)](
-        positions,
-        q,
-        k,
-        q_out,
-        k_out,
-        cos_sin,
-        q_weight if has_norm else cos_sin,
-        k_weight if has_norm else cos_sin,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        heads,
-        k.shape[1],
-        eps,
-        offset,
-        HALF=half,
-        HALF_PAD=half_pad,
-        Q_HEADS_PAD=q_pad,
-        K_HEADS_PAD=k_pad,
-        HAS_NORM=has_norm,
-        HAS_OFFSET=bool(offset),
-        num_warps=8 if q_pad * half_pad >= 4096 else 4,
-    )
+    if q.shape[0]:
+        _launch(positions, q, k, q_out, k_out, cos_sin, q_weight, k_weight, eps, offset)
     return q_out, k_out
+
+
+def rope_and_cache(
+    positions: torch.Tensor,  # [num_tokens] int64
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin: torch.Tensor,  # [max_position, head_dim] float32
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [n] int64, n <= num_tokens; -1 = skip
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+) -> torch.Tensor:
+    """:func:`rope`, with the rotated K and V written straight into the paged cache at
+    ``slot_mapping`` (as :func:`pagedllm.ops.kv_write.write_kv_cache` would, slot -1 and tokens
+    past ``len(slot_mapping)`` skipped) instead of returned: one kernel where there were two,
+    and K is never written out only to be read back. Returns rotate(norm(q))."""
+    _check(q, k, cos_sin, q_weight, k_weight)
+    if v.shape != k.shape or v.stride(-1) != 1:
+        raise ValueError(f"rope_and_cache: v {tuple(v.shape)} must match k {tuple(k.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != k.shape[1:]:
+        raise ValueError(f"rope_and_cache: kv_cache {tuple(kv_cache.shape)} does not fit k")
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    if k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("rope_and_cache: the cache needs a contiguous last dim")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0]:
+        kv = {
+            "v_ptr": v, "v_cache_ptr": v_cache, "slot_ptr": slot_mapping,
+            "num_slots": slot_mapping.shape[0], "stride_vt": v.stride(0),
+            "stride_vh": v.stride(1), "stride_cb": k_cache.stride(0),
+            "stride_cs": k_cache.stride(1), "stride_ch": k_cache.stride(2),
+            "BLOCK_SIZE": kv_cache.shape[2],
+        }  # fmt: skip
+        _launch(positions, q, k, q_out, k_cache, cos_sin, q_weight, k_weight, eps, offset, kv)
+    return q_out

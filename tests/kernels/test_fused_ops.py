@@ -13,12 +13,13 @@ from tests.kernels.triton_setup import CUDA, DEVICE
 
 # isort: split
 
+from pagedllm.attention.backends.torch_native import write_kv_cache as write_kv_cache_ref
 from pagedllm.model.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding
 from pagedllm.ops.activation import act_and_mul
 from pagedllm.ops.rms_norm import fused_add_rms_norm
-from pagedllm.ops.rotary import rope
+from pagedllm.ops.rotary import rope, rope_and_cache
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # numpy, interpreter
 
@@ -154,6 +155,46 @@ def test_rope_equals_the_layer(dtype, d: int, heads: int, kv_heads: int, norm: s
     atol = 4 * TOL[dtype]
     _close(got_q, ref_q, dtype, exact=0.97, atol=atol)
     _close(got_k, ref_k, dtype, exact=0.97, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("d,heads,kv_heads", CASES)
+@pytest.mark.parametrize("norm", ["none", "qwen3"])
+def test_rope_and_cache_equals_rope_then_kv_write(dtype, d, heads, kv_heads, norm) -> None:
+    """The fused kernel's q is rope's, and its cache is rope's K and the V written at the
+    slots, -1 (CUDA-graph padding) and tokens past the slot list skipped, the rest untouched."""
+    gen = torch.Generator().manual_seed(7 * d + heads)
+    rotary = RotaryEmbedding(d, 4096, 10000.0)
+    tokens, block_size, num_blocks = 9, 4, 6
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen) * 2).to(dtype)
+    q = qkv[:, : heads * d].view(tokens, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:7]
+    slots[2] = -1  # a padding row; tokens 7 and 8 have no slot at all
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, d, generator=gen).to(dtype)
+    norms = (None, None)
+    if norm != "none":
+        norms = (_norm(d, dtype, 0.0, gen), _norm(d, dtype, 0.0, gen))
+    ref_q, ref_k = rotary(positions, q, k, *norms)  # the PyTorch path
+    ref_cache = cache.clone()
+    write_kv_cache_ref(ref_k, v, ref_cache, slots)
+    w = [None if m is None else m.weight.to(DEVICE) for m in norms]
+    got_cache = cache.to(DEVICE)
+    got_q = rope_and_cache(
+        positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE), v.to(DEVICE),
+        rotary.cos_sin.to(DEVICE), got_cache, slots.to(DEVICE), *w, eps=1e-6,
+    )  # fmt: skip
+    atol = 4 * TOL[dtype]
+    _close(got_q, ref_q, dtype, exact=0.97, atol=atol)
+    _close(got_cache, ref_cache, dtype, exact=0.97, atol=atol)
+    written = slots[slots >= 0]
+    flat = got_cache.cpu().view(2, -1, kv_heads, d)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[written] = False
+    assert torch.equal(flat[:, untouched], cache.view(2, -1, kv_heads, d)[:, untouched])
+    assert torch.equal(flat[1, written], v[: len(slots)][slots >= 0])  # V copied bit for bit
 
 
 def test_rope_rejects_bad_input() -> None:

@@ -278,6 +278,51 @@ def test_triton_backend_matches_torch_native(dtype: torch.dtype, window: int | N
     torch.testing.assert_close(got[:m].float().cpu(), ref[:m].float(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_attention_layer_fused_rope_matches_the_torch_path(dtype: torch.dtype) -> None:
+    """The attention layer with a rotary embedding and q/k norms: on the Triton backend the
+    rotation is the kernel that writes K/V (``rope_and_cache``), on the CPU backend PyTorch
+    ops and a separate write; same cache, same output (padding rows' slots -1 untouched)."""
+    from pagedllm.model.layers.attention import Attention
+    from pagedllm.model.layers.norm import RMSNorm
+    from pagedllm.model.layers.rotary import RotaryEmbedding
+
+    q_lens, ctx = [1, 9, 1, 4], [20, 0, 3, 13]
+    heads, kvh, hd, bs, pad = 8, 2, 64, 16, 3
+    b = make_batch(q_lens, ctx, heads, kvh, hd, bs, dtype, seed=8, pad_tokens=pad)
+    tables = b.block_tables.cpu().numpy()
+    gen = torch.Generator().manual_seed(9)
+    n = b.query.shape[0]
+    q = b.query.cpu().reshape(n, heads * hd)
+    k = torch.randn(n, kvh * hd, generator=gen).to(dtype)
+    v = torch.randn(n, kvh * hd, generator=gen).to(dtype)
+    positions = torch.tensor(
+        [c + i for c, ql in zip(ctx, q_lens) for i in range(ql)] + [0] * pad, dtype=torch.int64
+    )
+    rotary = RotaryEmbedding(hd, 256, 1e6)
+    norms = [RMSNorm(hd, 1e-6, dtype) for _ in "qk"]
+    for m in norms:
+        m.weight.data.copy_((torch.randn(hd, generator=gen) * 0.3 + 1).to(dtype))
+
+    def run(backend, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        layer = Attention(heads, kvh, hd, hd**-0.5)
+        layer.backend = backend
+        layer.kv_cache = b.kv_cache.to(dev).clone()
+        md = _metadata(q_lens, ctx, tables, bs, pad, dev)
+        out = layer(
+            q.to(dev), k.to(dev), v.to(dev), md, positions.to(dev), rotary.to(dev),
+            *[m.to(dev) for m in norms],
+        )  # fmt: skip
+        return out[: md.num_actual_tokens].float().cpu(), layer.kv_cache.cpu()
+
+    ref_out, ref_cache = run(TorchNativeBackend(), torch.device("cpu"))
+    got_out, got_cache = run(TritonBackend(), DEVICE)
+    atol, rtol, _ = TOL[dtype]
+    atol *= 4  # three roundings (norm, weight, rotation), each an ulp off in the interpreter
+    torch.testing.assert_close(got_cache.float(), ref_cache.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(got_out, ref_out, atol=atol, rtol=rtol)
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA graphs: capture a decode step once, grow the sequences, replay.
 # ---------------------------------------------------------------------------------------------

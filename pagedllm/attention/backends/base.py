@@ -19,16 +19,21 @@ class AttentionBackend(ABC):
     reads KV head h // (num_heads // num_kv_heads)). Returns [num_tokens, num_heads * head_dim].
 
     ``kv_cache`` layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V).
+
+    A backend with ``fuses_rope`` lets the attention layer rotate q/k with the kernel that
+    also writes K/V into the cache (:func:`pagedllm.ops.rotary.rope_and_cache`); it then gets
+    ``key`` and ``value`` None: this step's rows are already in ``kv_cache``.
     """
 
     name: str
+    fuses_rope: bool = False
 
     @abstractmethod
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        key: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: written
+        value: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,

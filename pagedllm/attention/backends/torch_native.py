@@ -105,13 +105,14 @@ class TorchNativeBackend(AttentionBackend):
     def forward(
         self,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
+        assert key is not None and value is not None, "this backend does not fuse rope"
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key.shape[1]
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)

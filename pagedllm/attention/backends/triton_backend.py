@@ -1,7 +1,9 @@
 """The GPU attention backend: Triton KV write + Triton paged attention.
 
-Per layer and step: :func:`pagedllm.ops.kv_write.write_kv_cache` stores the new K/V rows at
-``metadata.slot_mapping`` (slot -1 = CUDA-graph padding, skipped), then
+Per layer and step: the new K/V rows are stored at ``metadata.slot_mapping`` (slot -1 =
+CUDA-graph padding, skipped) by the rotary kernel that rotates them
+(:func:`pagedllm.ops.rotary.rope_and_cache`, ``fuses_rope``) or, for a caller that gives K/V,
+by :func:`pagedllm.ops.kv_write.write_kv_cache`; then
 :func:`pagedllm.ops.paged_attention.paged_attention` attends every query row over its request's
 cached keys (the unified kernel for mixed prefill/decode batches, split-K for decode-only batches
 that under-fill the GPU). All sizes come from host ints in the metadata and tensor shapes, so a
@@ -32,6 +34,7 @@ class TritonBackend(AttentionBackend):
     """
 
     name = "triton"
+    fuses_rope = True
 
     def __init__(self, num_splits: int | None = None) -> None:
         self.num_splits = num_splits
@@ -39,15 +42,17 @@ class TritonBackend(AttentionBackend):
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        key: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: written
+        value: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = query.shape
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        if key is not None:  # else the fused rope kernel wrote them
+            assert value is not None
+            write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         num_splits = self.num_splits
         if num_splits is not None and metadata.max_query_len > 1:
             num_splits = 1  # split-K takes decode-only batches

@@ -7,6 +7,8 @@ from torch import nn
 
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -31,17 +33,36 @@ class Attention(nn.Module):
         self.backend: AttentionBackend | None = None
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: AttentionMetadata,
+        positions: torch.Tensor | None = None,
+        rotary: RotaryEmbedding | None = None,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ) -> torch.Tensor:
-        # q: [num_tokens, num_heads * head_dim], k/v: [num_tokens, num_kv_heads * head_dim]
+        """Attend; with ``rotary``, q and k are first rotated by ``positions`` (after the
+        per-head ``q_norm``/``k_norm`` when given). On a backend that fuses it (the Triton
+        one) the rotation is the kernel that also writes K/V into the cache."""
+        # q: [num_tokens, num_heads(, *) head_dim], k/v: [num_tokens, num_kv_heads(, *) head_dim]
         assert self.backend is not None, "attention backend not bound (model runner does it)"
         n = q.shape[0]
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        key: torch.Tensor | None = k
+        value: torch.Tensor | None = v
+        if rotary is not None:
+            assert positions is not None
+            if self.backend.fuses_rope:
+                q = rotary.rotate_and_cache(
+                    positions, q, k, v, self.kv_cache, metadata.slot_mapping, q_norm, k_norm
+                )
+                key = value = None  # already in the cache
+            else:
+                q, key = rotary(positions, q, k, q_norm, k_norm)
         return self.backend.forward(
-            q.view(n, self.num_heads, self.head_dim),
-            k.view(n, self.num_kv_heads, self.head_dim),
-            v.view(n, self.num_kv_heads, self.head_dim),
-            self.kv_cache,
-            metadata,
-            self.scale,
-            self.sliding_window,
+            q, key, value, self.kv_cache, metadata, self.scale, self.sliding_window
         )

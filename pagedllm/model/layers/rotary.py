@@ -99,6 +99,29 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    def rotate_and_cache(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> torch.Tensor:
+        """GPU only: :meth:`forward` with the rotated K and V written into ``kv_cache`` at
+        ``slot_mapping`` in the same Triton kernel; returns the rotated q."""
+        from pagedllm.ops.rotary import rope_and_cache
+
+        if q_norm is None or k_norm is None:
+            return rope_and_cache(positions, q, k, v, self.cos_sin, kv_cache, slot_mapping)
+        assert q_norm.eps == k_norm.eps and q_norm.offset == k_norm.offset
+        return rope_and_cache(
+            positions, q, k, v, self.cos_sin, kv_cache, slot_mapping, q_norm.weight,
+            k_norm.weight, q_norm.eps, q_norm.offset,
+        )  # fmt: skip
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     dtype = x.dtype

@@ -65,8 +65,8 @@ class Gemma3Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v, metadata))
+        out = self.attn(q, k, v, metadata, positions, self.rotary_emb, self.q_norm, self.k_norm)
+        return self.o_proj(out)
 
 
 class Gemma3DecoderLayer(nn.Module):

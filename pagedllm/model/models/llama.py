@@ -86,11 +86,8 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
-        else:
-            q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v, metadata)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        out = self.attn(q, k, v, metadata, positions, self.rotary_emb, *norms)
         return self.o_proj(out)
 
 
