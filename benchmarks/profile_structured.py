@@ -62,11 +62,11 @@ def main() -> None:
     runner = core.model_runner
     acc: dict = defaultdict(float)
     for obj, names in (
-        (runner, ("launch_forward", "launch_sample", "resolve", "_fill_rows",
+        (runner, ("launch_forward", "launch_sample", "resolve", "_fill_bitmask",
                   "_apply_bitmask")),
         (core.scheduler, ("schedule", "update_from_output")),
         (engine.output_processor, ("process_outputs",)),
-        (core, ("step", "_launch_deferred_sample")),
+        (core, ("step",)),
     ):
         for name in names:
             _timed(obj, name, acc)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import sys
-from concurrent.futures import Future
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
@@ -45,10 +43,6 @@ class EngineCore:
         self.async_scheduling = config.scheduler_config.async_scheduling
         # async scheduling: the launched step whose results are not yet applied
         self._pending: tuple[SchedulerOutput, LaunchedStep] | None = None
-        # ... and, when it has a grammar, its bitmask being filled: its sampling is queued at
-        # the start of the next step() (see _step_async)
-        self._deferred: tuple[LaunchedStep, Future] | None = None
-        self._switch_interval = sys.getswitchinterval()  # Python's, restored after each fill
         if self.model_runner.device.type == "cuda":
             # Python's full collections walk every tracked object: after torch, Triton and a
             # model are loaded that is millions, a pause of tens of ms charged to whichever
@@ -109,13 +103,11 @@ class EngineCore:
         for N-1's results, the output processing and the scheduling of N+1 overlap the device
         running N. The price: a request that finishes at N-1 was also computed in N (its extra
         token is dropped). A step with grammar-constrained requests queues its forward pass,
-        applies step N-1's tokens to the grammars, then fills the bitmask on a thread while
-        the outputs are processed; its sampling is queued at the next call. Requests that
-        need their tokens on the host before their next forward pass (penalties, n > 1,
-        beams: ``Request.needs_host_tokens``) switch the engine to synchronous steps while
-        they live.
+        applies step N-1's tokens to the grammars, then fills the bitmask and queues the
+        sampling. Requests that need their tokens on the host before their next forward pass
+        (penalties, n > 1, beams: ``Request.needs_host_tokens``) switch the engine to
+        synchronous steps while they live.
         """
-        self._launch_deferred_sample()
         if self.async_scheduling and not self.scheduler.needs_sync:
             return self._step_async()
         outputs = self._resolve_pending()
@@ -134,33 +126,14 @@ class EngineCore:
             launched = (scheduler_output, runner.launch_forward(scheduler_output))
             matchers = scheduler_output.structured_requests
             if not matchers:
-                runner.launch_sample(launched[1])
-        # Grammars: the matchers take step N-1's tokens here; then step N's bitmask is filled
-        # on the runner's grammar thread while this thread returns the outputs (detokenizing
-        # them) and the device runs step N's forward pass. The next step() queues step N's
-        # sampling first thing, before anything can touch a matcher again.
+                runner.launch_sample(launched[1], {})
+        # Grammars: the matchers take step N-1's tokens here, and step N's bitmask is filled
+        # after that, while step N's forward pass runs on the device.
         outputs = self._resolve_pending()
         if launched is not None and matchers:
-            # The grammar thread needs the GIL to start and to finish its fill; at Python's
-            # default 5 ms switch interval this thread, busy with output processing, would
-            # keep it past the whole overlap window. Hand it over within 50 us until joined.
-            self._switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._switch_interval, 5e-5))
-            self._deferred = (launched[1], runner.fill_bitmask_async(matchers))
+            runner.launch_sample(launched[1], matchers)
         self._pending = launched
         return outputs
-
-    def _launch_deferred_sample(self) -> None:
-        """Queue the sampling of the last async step with a grammar, once its bitmask is
-        filled (waits for the grammar thread)."""
-        if self._deferred is not None:
-            step, fill = self._deferred
-            self._deferred = None
-            try:
-                bitmask = fill.result()
-            finally:
-                sys.setswitchinterval(self._switch_interval)
-            self.model_runner.launch_sample(step, bitmask)
 
     def _resolve_pending(self) -> list[EngineCoreOutput]:
         if self._pending is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,10 +66,6 @@ def make_backend(device: torch.device) -> AttentionBackend:
     return TorchNativeBackend()
 
 
-# A filled grammar bitmask: (request ids, [n, ceil(vocab / 32)] int32 mask, pinned rows buffer)
-Bitmask = tuple[list[str], torch.Tensor, torch.Tensor]
-
-
 def _grammar_threads() -> int | str:
     """Threads xgrammar fills a batch's bitmask on: PAGEDLLM_GRAMMAR_THREADS, or "auto"
     (xgrammar's default, half the hardware threads)."""
@@ -113,7 +108,6 @@ class ModelRunner:
         self.num_blocks = 0
         self.graph_runner: CUDAGraphRunner | None = None
         self._batch_matcher = None  # xgrammar's multi-threaded bitmask filler, made on first use
-        self._grammar_pool: ThreadPoolExecutor | None = None  # fill_bitmask_async's thread
         self._unresolved: LaunchedStep | None = None  # the last launched step, until resolved
         self._bitmask_bufs: list[torch.Tensor] | None = None  # pinned, made on first use
         self._bitmask_rows: list[torch.Tensor] = []  # their logits rows, pinned likewise
@@ -333,7 +327,7 @@ class ModelRunner:
         """Queue one step on the device: ``launch_forward`` then ``launch_sample`` with the
         step's grammar matchers (their bitmask is filled while the forward runs)."""
         step = self.launch_forward(so)
-        self.launch_sample(step, self.fill_bitmask(so.structured_requests))
+        self.launch_sample(step, so.structured_requests)
         return step
 
     @torch.inference_mode()
@@ -387,13 +381,14 @@ class ModelRunner:
         return step
 
     @torch.inference_mode()
-    def launch_sample(self, step: LaunchedStep, bitmask: Bitmask | None = None) -> None:
-        """Queue the second half of a step: logits, the grammar ``bitmask`` (from
-        :meth:`fill_bitmask`, filled on the host while the forward runs), sampling, and the
-        copy of the results to the host."""
+    def launch_sample(self, step: LaunchedStep, matchers: dict) -> None:
+        """Queue the second half of a step: logits, the grammar bitmask of ``matchers``
+        (request id -> xgrammar matcher, filled on the host now, while the forward runs),
+        sampling, and the copy of the results to the host."""
         ib = self.input_batch
         if step.selected is not None:
             req_ids, sample_idx = step.req_ids, step.sample_idx
+            bitmask = self._fill_bitmask(matchers)
             sample_rows = step.rows[sample_idx]
             smd = build_sampling_metadata(
                 ib, sample_rows, self.device, self.generator, self.eos_token_ids
@@ -546,41 +541,18 @@ class ModelRunner:
                 lps[req_ids[i]] = [t[0] for t in self._to_logprob_lists(host, np.arange(k), k)]
         return tokens, lps
 
-    def fill_bitmask_async(self, matchers: dict) -> Future:
-        """:meth:`fill_bitmask` with the fill itself on the runner's grammar thread. xgrammar
-        releases the GIL while it fills, so the engine's Python work (output processing, the
-        next schedule) runs meanwhile; the thread runs no Python but that one call, so it
-        needs the GIL only to start and to return. The caller must not touch the matchers
-        until the future is done."""
-        claimed = self._claim_bitmask(matchers)
-        if claimed is None:
-            done: Future = Future()
-            done.set_result(None)
-            return done
-        if self._grammar_pool is None:
-            self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar")
-        return self._grammar_pool.submit(self._fill_rows, *claimed)
-
-    def fill_bitmask(self, matchers: dict) -> Bitmask | None:
-        """One int32 bitmask row per structured request (``matchers``: request id -> xgrammar
-        matcher) that samples this step, filled on the host into pinned memory
-        (double-buffered: the copy of the last one may be queued), so the copy to the device
-        does not wait for the forward pass. A matcher that has terminated (its request
-        finished while this step was in flight) is left out. Returns (request ids, mask, the
-        same turn's pinned buffer for their logits rows), or None without live matchers."""
-        claimed = self._claim_bitmask(matchers)
-        return None if claimed is None else self._fill_rows(*claimed)
-
-    def _claim_bitmask(
-        self, matchers: dict
-    ) -> tuple[list[str], list, torch.Tensor, torch.Tensor] | None:
-        """The live matchers and this turn's pinned buffers (see :meth:`fill_bitmask`)."""
+    def _fill_bitmask(self, matchers: dict) -> tuple[list[str], torch.Tensor, torch.Tensor] | None:
+        """One int32 bitmask row per structured request that samples this step, filled on the
+        host into pinned memory (double-buffered: the copy of the last one may be queued), so
+        the copy to the device does not wait for the forward pass. A matcher that has
+        terminated (its request finished while this step was in flight) is left out.
+        Returns (request ids, mask, the same turn's pinned buffer for their logits rows)."""
         live = {rid: m for rid, m in matchers.items() if not m.is_terminated()}
         if not live:
             return None
-        if self._bitmask_bufs is None:
-            import xgrammar as xgr
+        import xgrammar as xgr
 
+        if self._bitmask_bufs is None:
             vocab = self.model_config.vocab_size
             shape = xgr.allocate_token_bitmask(1, vocab).shape[1]  # ceil(vocab / 32)
             pin = self.device.type == "cuda"
@@ -597,25 +569,18 @@ class ModelRunner:
         turn = self._bitmask_turn
         self._bitmask_turn ^= 1
         mask = self._bitmask_bufs[turn][: len(live)]  # [n, ceil(vocab / 32)]
-        if len(live) > 1 and self._batch_matcher is None:
-            import xgrammar as xgr
-
-            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=_grammar_threads())
-        return list(live), list(live.values()), mask, self._bitmask_rows[turn]
-
-    def _fill_rows(
-        self, ids: list[str], matchers: list, mask: torch.Tensor, rows_buf: torch.Tensor
-    ) -> Bitmask:
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(mask, 0)
+        if len(live) == 1:
+            next(iter(live.values())).fill_next_token_bitmask(mask, 0)
         else:  # xgrammar fills the rows on its own thread pool
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, mask)
-        return ids, mask, rows_buf
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=_grammar_threads())
+            self._batch_matcher.batch_fill_next_token_bitmask(list(live.values()), mask)
+        return list(live), mask, self._bitmask_rows[turn]
 
     def _apply_bitmask(
         self,
         logits: torch.Tensor,
-        bitmask: Bitmask,
+        bitmask: tuple[list[str], torch.Tensor, torch.Tensor],
         sample_req_ids: list[str],
     ) -> None:
         """Mask the sampled rows of structured requests in one vectorized operation; the mask
