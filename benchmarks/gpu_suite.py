@@ -375,6 +375,7 @@ def bench_b(args: argparse.Namespace) -> dict:
             "phases": phase_split(rec.steps, dev, cost, bw, flops),
         }
         print(json.dumps(result, indent=1), flush=True)
+        save_partial(args, "bench-b", result)
         llm.llm_engine.engine_core.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
     del llm, rec, runner
     free_mem()
@@ -395,6 +396,7 @@ def bench_b(args: argparse.Namespace) -> dict:
                     r = {"error": repr(e)[:300]}
                 result[f"in{n_in}_out{n_out}"][name] = r
                 print(json.dumps({name: r}), flush=True)
+                save_partial(args, "bench-b", result)
                 free_mem()
     return result
 
