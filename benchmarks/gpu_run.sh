@@ -38,6 +38,8 @@ one() {
     tests-attn) python -m pytest -q -x -p no:cacheprovider tests/kernels/test_paged_attention.py \
         tests/kernels/test_kv_write.py ;;
     tests-kernels) python -m pytest -q -x -p no:cacheprovider tests/kernels ;;
+    tests-hf) python -m pytest -q -x -p no:cacheprovider tests/models/test_hf_equality.py
+      python -m pytest -q -x -p no:cacheprovider tests/kernels/test_fused_ops.py -k rope_and_cache ;;
     tests-models) python -m pytest -q -x -p no:cacheprovider tests/models tests/engine ;;
     check) python benchmarks/gpu_suite.py check --out "$OUT" ;;
     bench-a-quick) python benchmarks/gpu_suite.py bench-a --skip-peers --sync-too --time-device \

@@ -159,7 +159,7 @@ def test_rope_equals_the_layer(dtype, d: int, heads: int, kv_heads: int, norm: s
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("d,heads,kv_heads", CASES)
-@pytest.mark.parametrize("norm", ["none", "qwen3"])
+@pytest.mark.parametrize("norm", ["none", "qwen3", "gemma3"])
 def test_rope_and_cache_equals_rope_then_kv_write(dtype, d, heads, kv_heads, norm) -> None:
     """The fused kernel's q is rope's, and its cache is rope's K and the V written at the
     slots, -1 (CUDA-graph padding) and tokens past the slot list skipped, the rest untouched."""
@@ -175,8 +175,9 @@ def test_rope_and_cache_equals_rope_then_kv_write(dtype, d, heads, kv_heads, nor
     slots[2] = -1  # a padding row; tokens 7 and 8 have no slot at all
     cache = torch.randn(2, num_blocks, block_size, kv_heads, d, generator=gen).to(dtype)
     norms = (None, None)
+    offset = 1.0 if norm == "gemma3" else 0.0
     if norm != "none":
-        norms = (_norm(d, dtype, 0.0, gen), _norm(d, dtype, 0.0, gen))
+        norms = (_norm(d, dtype, offset, gen), _norm(d, dtype, offset, gen))
     ref_q, ref_k = rotary(positions, q, k, *norms)  # the PyTorch path
     ref_cache = cache.clone()
     write_kv_cache_ref(ref_k, v, ref_cache, slots)
@@ -184,7 +185,7 @@ def test_rope_and_cache_equals_rope_then_kv_write(dtype, d, heads, kv_heads, nor
     got_cache = cache.to(DEVICE)
     got_q = rope_and_cache(
         positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE), v.to(DEVICE),
-        rotary.cos_sin.to(DEVICE), got_cache, slots.to(DEVICE), *w, eps=1e-6,
+        rotary.cos_sin.to(DEVICE), got_cache, slots.to(DEVICE), *w, eps=1e-6, offset=offset,
     )  # fmt: skip
     atol = 4 * TOL[dtype]
     _close(got_q, ref_q, dtype, exact=0.97, atol=atol)
