@@ -250,11 +250,15 @@ def _metadata(
     )
 
 
+# The backend-level tests' batch: decodes, a prefill and a chunk over cached tokens, plus
+# CUDA-graph padding rows; (heads, kv_heads, head_dim, block_size, padding tokens).
+MIXED_Q, MIXED_CTX, MIXED_SHAPE = [1, 9, 1, 4], [20, 0, 3, 13], (8, 2, 64, 16, 3)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("window", [None, 6])
 def test_triton_backend_matches_torch_native(dtype: torch.dtype, window: int | None) -> None:
-    q_lens, ctx = [1, 9, 1, 4], [20, 0, 3, 13]
-    heads, kvh, hd, bs, pad = 8, 2, 64, 16, 3
+    q_lens, ctx, (heads, kvh, hd, bs, pad) = MIXED_Q, MIXED_CTX, MIXED_SHAPE
     b = make_batch(q_lens, ctx, heads, kvh, hd, bs, dtype, seed=5, pad_tokens=pad)
     tables = b.block_tables.cpu().numpy()
     gen = torch.Generator().manual_seed(6)
@@ -287,8 +291,7 @@ def test_attention_layer_fused_rope_matches_the_torch_path(dtype: torch.dtype) -
     from pagedllm.model.layers.norm import RMSNorm
     from pagedllm.model.layers.rotary import RotaryEmbedding
 
-    q_lens, ctx = [1, 9, 1, 4], [20, 0, 3, 13]
-    heads, kvh, hd, bs, pad = 8, 2, 64, 16, 3
+    q_lens, ctx, (heads, kvh, hd, bs, pad) = MIXED_Q, MIXED_CTX, MIXED_SHAPE
     b = make_batch(q_lens, ctx, heads, kvh, hd, bs, dtype, seed=8, pad_tokens=pad)
     tables = b.block_tables.cpu().numpy()
     gen = torch.Generator().manual_seed(9)
