@@ -401,6 +401,39 @@ def bench_b(args: argparse.Namespace) -> dict:
     return result
 
 
+def split_b(result: dict) -> dict[str, dict]:
+    """Benchmark B as one result per workload ("B-llama8b-1024-128", ...), each with the fields
+    every GPU result holds (benchmark, device, versions, model, workload, throughputs, peers
+    measured in the same call, roofline, copy bandwidth) and that workload's details."""
+    out = {}
+    common = {k: v for k, v in result.items() if not isinstance(v, dict)}
+    for key, part in result.items():
+        if not (isinstance(part, dict) and key.startswith("in")):
+            continue
+        n_in, n_out = (int(x) for x in key[2:].split("_out"))
+        peers = {
+            "hf_generate_batch": part.get("hf_continuous_batching", {}).get("output_tokens_per_s"),
+            "hf_generate": part.get("hf_static_generate", {}).get("output_tokens_per_s"),
+        }
+        name = f"{result.get('benchmark', 'B-llama8b')}-{n_in}-{n_out}"
+        out[name] = {
+            **common,
+            "benchmark": name,
+            "workload": {"model": "llama-3.1-8b shape, random weights, bf16",
+                         "num_prompts": part["num_prompts"], "input_len": n_in,
+                         "output_len": n_out, "ignore_eos": True},
+            "output_tokens_per_s": part["output_tokens_per_s"],
+            "total_tokens_per_s": part["total_tokens_per_s"],
+            "peers": peers,
+            "peers_num_prompts": part.get("hf_continuous_batching", {}).get("num_prompts"),
+            "roofline_output_tokens_per_s": part["roofline_output_tokens_per_s"],
+            "roofline_fraction": part["roofline_fraction"],
+            **{f"ratio_vs_{k}": part["output_tokens_per_s"] / v for k, v in peers.items() if v},
+            "details": part,
+        }  # fmt: skip
+    return out
+
+
 def structured_model(tok_dir: str) -> str:
     """The Qwen3-0.6B shape with the vocabulary of the tokenizer we have (SmolLM2's, 49,152):
     xgrammar treats the ids a model has beyond its tokenizer's as special tokens, and with
@@ -544,11 +577,15 @@ def main() -> None:
     result = fn(args)
     os.makedirs(args.out, exist_ok=True)
     part = args.part + ("_structured" if args.only_structured else "")
-    path = os.path.join(args.out, f"gpu_{part}_{device_tag()}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result, indent=2))
-    print("wrote", path)
+    files = {part: result}
+    if args.part == "bench-b":  # one file per workload: gpu_bench-b-1024-128_<device>.json
+        files = {"bench-b-" + k.split("-", 2)[2]: v for k, v in split_b(result).items()}
+    for name, res in files.items():
+        path = os.path.join(args.out, f"gpu_{name}_{device_tag()}.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=2)
+        print(json.dumps(res, indent=2))
+        print("wrote", path)
 
 
 if __name__ == "__main__":

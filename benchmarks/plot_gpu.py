@@ -49,6 +49,8 @@ def main() -> None:
         d = json.load(open(path))
         if "pagedllm_cuda_graphs" in d:
             panels = [(d.get("benchmark", "A"), bars_a(d))]
+        elif "details" in d:  # one Benchmark B workload
+            panels = [(d["benchmark"], bars_b(d["details"]))]
         else:
             panels = [(f"{d.get('benchmark', 'B')} {k}", bars_b(v)) for k, v in d.items()
                       if isinstance(v, dict) and "roofline_output_tokens_per_s" in v]
