@@ -513,12 +513,12 @@ class ModelRunner:
         ib = self.input_batch
         tokens: dict[str, list[int]] = {}
         lps: dict[str, list] = {}
-        for j, i in enumerate(sample_idx):
+        forks = ib.columns.forks[rows[sample_idx]]  # [B] sequences to fork per sampled row
+        for j in np.flatnonzero((forks > 0) & (np.asarray(out_pos) == 0)).tolist():
+            i = int(sample_idx[j])
             p = ib.sampling_params[int(rows[i])]
             assert p is not None
-            k = max(p.n, p.best_of or p.n) - 1
-            if k <= 0 or out_pos[j] != 0:
-                continue
+            k = int(forks[j])
             params = []
             for s in range(1, k + 1):
                 q = copy.copy(p)
