@@ -17,6 +17,10 @@ heads (a program per (token, head) ran ~5.6 us a layer at 256 decode tokens on a
 one-warp programs in two waves of the 32 resident blocks an SM takes). No host sync, so it is
 CUDA-graph capturable.
 
+``rope_and_cache`` writes the rotated K, and V, straight into the paged KV cache at each
+token's slot (as :mod:`pagedllm.ops.kv_write`: slot -1 and tokens past the slot list are
+skipped) instead of returning K, so the attention layer runs one kernel where it ran two.
+
 This module imports Triton at import time: import it only where Triton is installed.
 """
 
@@ -120,7 +124,8 @@ def _rope_kernel(
     )  # fmt: skip
     if WRITE_KV:
         slot = tl.load(slot_ptr + t, mask=t < num_slots, other=-1).to(tl.int64)
-        # Example: BLOCK_SIZE 16, slot 37 -> block 2, offset 5.
+        # Example: BLOCK_SIZE 16, slot 37 -> block 2, offset 5. Slot -1 gives a negative row
+        # that no store reaches: every store below is masked by slot >= 0.
         row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
         _rope_heads(
             k_ptr + t * stride_kt, ko_ptr + row, stride_kh, stride_ch, num_kv_heads, slot >= 0,
