@@ -81,19 +81,7 @@ class RotaryEmbedding(nn.Module):
         if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
             from pagedllm.ops.rotary import rope  # Triton is needed only on GPUs
 
-            if q_norm is None or k_norm is None:
-                return rope(positions, q, k, self.cos_sin)
-            assert q_norm.eps == k_norm.eps and q_norm.offset == k_norm.offset
-            return rope(
-                positions,
-                q,
-                k,
-                self.cos_sin,
-                q_norm.weight,
-                k_norm.weight,
-                q_norm.eps,
-                q_norm.offset,
-            )
+            return rope(positions, q, k, self.cos_sin, *_norm_args(q_norm, k_norm))
         if q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
         cos, sin = self.cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
@@ -114,13 +102,17 @@ class RotaryEmbedding(nn.Module):
         ``slot_mapping`` in the same Triton kernel; returns the rotated q."""
         from pagedllm.ops.rotary import rope_and_cache
 
-        if q_norm is None or k_norm is None:
-            return rope_and_cache(positions, q, k, v, self.cos_sin, kv_cache, slot_mapping)
-        assert q_norm.eps == k_norm.eps and q_norm.offset == k_norm.offset
-        return rope_and_cache(
-            positions, q, k, v, self.cos_sin, kv_cache, slot_mapping, q_norm.weight,
-            k_norm.weight, q_norm.eps, q_norm.offset,
-        )  # fmt: skip
+        norm_args = _norm_args(q_norm, k_norm)
+        return rope_and_cache(positions, q, k, v, self.cos_sin, kv_cache, slot_mapping, *norm_args)
+
+
+def _norm_args(q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> tuple:
+    """The rope kernels' trailing arguments for per-head norms: (q weight, k weight, eps,
+    offset), or () without them (one eps and offset serve both: they must agree)."""
+    if q_norm is None or k_norm is None:
+        return ()
+    assert q_norm.eps == k_norm.eps and q_norm.offset == k_norm.offset
+    return (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
