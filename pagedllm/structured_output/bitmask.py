@@ -8,17 +8,6 @@ import torch
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
-_SHIFTS_ON: dict[torch.device, torch.Tensor] = {}
-
-
-def _shifts(device: torch.device) -> torch.Tensor:
-    """The shift amounts on ``device``, copied there once (a copy per step would be a
-    host-to-device transfer from pageable memory, which waits for the queued work)."""
-    if device not in _SHIFTS_ON:
-        _SHIFTS_ON[device] = _SHIFTS.to(device)
-    return _SHIFTS_ON[device]
-
-
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """Set logits[rows[i], t] = -inf where bit t of bitmask[i] is 0.
 
@@ -33,7 +22,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
         apply_token_bitmask_triton(logits, bitmask, rows)
         return
     vocab = logits.shape[1]
-    shifts = _shifts(bitmask.device)
+    shifts = _SHIFTS.to(bitmask.device)  # a no-op: GPU tensors took the kernel above
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [n, words, 32]
     allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()  # [n, vocab]
     sub = logits.index_select(0, rows)
