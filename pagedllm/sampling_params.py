@@ -121,6 +121,12 @@ class SamplingParams:
         return SamplingType.RANDOM
 
     @property
+    def num_sequences(self) -> int:
+        """Sequences generated for the request: best_of when set (the n best are returned),
+        else n."""
+        return max(self.n, self.best_of or self.n)
+
+    @property
     def uses_penalties(self) -> bool:
         return (
             self.presence_penalty != 0.0

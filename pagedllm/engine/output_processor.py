@@ -81,7 +81,7 @@ class OutputProcessor:
         params: SamplingParams,
         output_kind: str = "final",
     ) -> None:
-        num_seqs = max(params.n, params.best_of or params.n)
+        num_seqs = params.num_sequences
         state = RequestState(
             request_id, prompt, prompt_token_ids, params, output_kind, time.monotonic()
         )

@@ -43,7 +43,7 @@ class SamplingColumns:
         self.penalized[row] = p.uses_penalties
         self.min_tokens[row] = p.min_tokens
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
-        self.forks[row] = max(p.n, p.best_of or p.n) - 1
+        self.forks[row] = p.num_sequences - 1
 
 
 class InputBatch:

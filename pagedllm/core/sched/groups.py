@@ -22,8 +22,7 @@ from pagedllm.core.request import Request, RequestStatus
 
 
 def num_sequences(request: Request) -> int:
-    p = request.sampling_params
-    return max(p.n, p.best_of or p.n)
+    return request.sampling_params.num_sequences
 
 
 class SequenceGroups:
