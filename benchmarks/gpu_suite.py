@@ -453,9 +453,13 @@ def extras(args: argparse.Namespace) -> dict:
     if args.only_structured:
         tok_dir = os.environ["PAGEDLLM_TOKENIZER_DIR"]
         path = structured_model(tok_dir)
-        result["structured"] = _structured_overhead(path, tok_dir)
-        # the same with 1,024-token prompts: the device, not the host, bounds each step
-        result["structured_long_prompts"] = _structured_overhead(path, tok_dir, prompt_len=1024)
+        # the grammars in the worker process (the default on GPUs), then in the engine loop
+        for process in (True, False):
+            tag = "" if process else "_in_loop"
+            result["structured" + tag] = _structured_overhead(path, tok_dir, process=process)
+            # 1,024-token prompts: the device, not the host, bounds each step
+            result["structured_long_prompts" + tag] = _structured_overhead(
+                path, tok_dir, prompt_len=1024, process=process)
         return result
     path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
     rng = np.random.default_rng(1)
@@ -509,10 +513,12 @@ def extras(args: argparse.Namespace) -> dict:
     return result
 
 
-def _structured_overhead(path: str, tok_dir: str, prompt_len: int = 64) -> dict:
+def _structured_overhead(path: str, tok_dir: str, prompt_len: int = 64,
+                         process: bool = True) -> dict:
     """A JSON-schema-constrained batch vs the same batch unconstrained, doing equal work: the
     free run gets each request's constrained output length as max_tokens (a grammar that ends
-    a request early must not make the comparison about batch size)."""
+    a request early must not make the comparison about batch size). ``process``: the
+    grammars in the worker process, else in the engine loop."""
     from pagedllm.structured_output.params import StructuredOutputsParams
 
     schema = {"type": "object", "properties": {
@@ -522,9 +528,10 @@ def _structured_overhead(path: str, tok_dir: str, prompt_len: int = 64) -> dict:
     prompts = [{"prompt_token_ids": [1000 + (i + j) % 40000 for j in range(prompt_len)]}
                for i in range(128)]
     out: dict = {"schema": schema, "model": f"qwen3-0.6b shape, bf16, vocabulary of {tok_dir}",
-                 "num_requests": len(prompts), "prompt_len": prompt_len, "max_tokens": 256}
+                 "num_requests": len(prompts), "prompt_len": prompt_len, "max_tokens": 256,
+                 "grammar_process": process}
     llm = LLM(path, tokenizer=tok_dir, dtype="bfloat16", max_model_len=prompt_len + 512,
-              gpu_memory_utilization=0.85)
+              gpu_memory_utilization=0.85, grammar_process=process)
     so = StructuredOutputsParams(json=schema)
     # no per-request seeds: a seeded row draws its noise from its own generator (one small
     # kernel per row), a cost both runs would share that would shrink the measured overhead

@@ -55,18 +55,20 @@ def _timed(obj: object, name: str, acc: dict) -> None:
 
 def main() -> None:
     path = structured_model(os.environ["PAGEDLLM_TOKENIZER_DIR"])
+    # GRAMMAR_PROCESS=0: the grammars in the engine loop (default: in the worker process)
+    process = os.environ.get("GRAMMAR_PROCESS", "1") == "1"
+    print(f"grammar_process={process}")
     llm = LLM(path, tokenizer=os.environ["PAGEDLLM_TOKENIZER_DIR"], dtype="bfloat16",
-              max_model_len=1024, gpu_memory_utilization=0.85)
+              max_model_len=1024, gpu_memory_utilization=0.85, grammar_process=process)
     engine = llm.llm_engine
     core = engine.engine_core
     runner = core.model_runner
     acc: dict = defaultdict(float)
     for obj, names in (
-        (runner, ("launch_forward", "launch_sample", "resolve", "_fill_bitmask",
-                  "_apply_bitmask")),
+        (runner, ("launch_forward", "launch_sample", "resolve", "_apply_bitmask")),
         (core.scheduler, ("schedule", "update_from_output")),
         (engine.output_processor, ("process_outputs",)),
-        (core, ("step",)),
+        (core, ("step", "_submit_grammars", "_collect_grammars")),
     ):
         for name in names:
             _timed(obj, name, acc)

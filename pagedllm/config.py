@@ -119,6 +119,9 @@ class SchedulerConfig:
     # Schedule and launch step N+1 before step N's tokens reach the host, so the host work of
     # one step overlaps the device work of the next (see engine/core.py).
     async_scheduling: bool = False
+    # Structured outputs: advance the grammars and fill their token bitmasks in a worker
+    # process beside the engine loop, instead of in the loop (see structured_output/grammars.py)
+    grammar_process: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -199,6 +202,9 @@ class EngineArgs:
     sjf_aging_rate: float = 100.0
     # None: on where it pays (a GPU, whose work runs asynchronously to the host), off on a CPU
     async_scheduling: bool | None = None
+    # None: a worker process on a GPU (the loop's host time is the bottleneck there), in the
+    # engine's process on a CPU (the forward pass uses every core)
+    grammar_process: bool | None = None
     seed: int = 0
     enforce_eager: bool = False
     device: str = "auto"
@@ -285,6 +291,9 @@ class EngineArgs:
                 sjf_aging_rate=self.sjf_aging_rate,
                 async_scheduling=(
                     device == "cuda" if self.async_scheduling is None else self.async_scheduling
+                ),
+                grammar_process=(
+                    device == "cuda" if self.grammar_process is None else self.grammar_process
                 ),
             ),
             device_config=DeviceConfig(device=device, enforce_eager=self.enforce_eager),

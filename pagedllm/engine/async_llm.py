@@ -422,6 +422,7 @@ class AsyncLLM:
             with self._cond:
                 self._stopping = True
                 self._fail_all(EngineDeadError("the engine was shut down."))
+            self.engine.engine_core.shutdown()  # the grammar worker process, if any
 
     def _handle(self, cmd: _Add | _Abort | _Call) -> list[RequestOutput]:
         if isinstance(cmd, _Abort):

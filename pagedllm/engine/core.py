@@ -43,6 +43,8 @@ class EngineCore:
         self.async_scheduling = config.scheduler_config.async_scheduling
         # async scheduling: the launched step whose results are not yet applied
         self._pending: tuple[SchedulerOutput, LaunchedStep] | None = None
+        # the launched step whose sampling waits for the grammar step in flight
+        self._grammar_step: LaunchedStep | None = None
         if self.model_runner.device.type == "cuda":
             # Python's full collections walk every tracked object: after torch, Triton and a
             # model are loaded that is millions, a pause of tens of ms charged to whichever
@@ -53,18 +55,35 @@ class EngineCore:
             gc.freeze()
 
     def structured_output_manager(self):  # noqa: ANN201
-        """The grammar compiler, made on first use (xgrammar is an optional dependency)."""
+        """The grammar compiler and the grammars' matchers (in a worker process when
+        ``grammar_process``), made on first use (xgrammar is an optional dependency)."""
         if self.scheduler.structured is None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need a tokenizer.")
             try:
+                import xgrammar  # noqa: F401
+
                 from pagedllm.structured_output.compiler import StructuredOutputManager
+                from pagedllm.structured_output.grammars import fill_threads, make_grammars
             except ImportError as e:  # pragma: no cover - depends on the environment
                 raise ValueError("structured outputs need the 'xgrammar' package.") from e
             mc = self.config.model_config
-            self.scheduler.structured = StructuredOutputManager(
-                self.tokenizer, mc.vocab_size, cache_key=f"{mc.tokenizer}|{mc.model}"
+            process = self.config.scheduler_config.grammar_process
+            manager = StructuredOutputManager(
+                self.tokenizer,
+                mc.vocab_size,
+                cache_key=f"{mc.tokenizer}|{mc.model}",
+                serialize=process,
             )
+            runner = self.model_runner
+            self.scheduler.grammars = make_grammars(
+                process,
+                manager,
+                runner.input_batch.max_num_reqs,
+                pin=runner.device.type == "cuda",
+                fill_threads=fill_threads(),
+            )
+            self.scheduler.structured = manager
         return self.scheduler.structured
 
     def add_request(self, request: Request) -> None:
@@ -102,11 +121,16 @@ class EngineCore:
         the device by the time N is queued behind it) and update from it, so the host's work
         for N-1's results, the output processing and the scheduling of N+1 overlap the device
         running N. The price: a request that finishes at N-1 was also computed in N (its extra
-        token is dropped). A step with grammar-constrained requests queues its forward pass,
-        applies step N-1's tokens to the grammars, then fills the bitmask and queues the
-        sampling. Requests that need their tokens on the host before their next forward pass
-        (penalties, n > 1, beams: ``Request.needs_host_tokens``) switch the engine to
-        synchronous steps while they live.
+        token is dropped). Requests that need their tokens on the host before their next
+        forward pass (penalties, n > 1, beams: ``Request.needs_host_tokens``) switch the
+        engine to synchronous steps while they live.
+
+        Grammars (``Grammars``, in a worker process on GPUs): a step with structured requests
+        queues its forward pass, then submits the grammar step - step N-1's tokens, then the
+        bitmask of step N's structured requests - and its sampling waits for that. Async: the
+        grammar step runs while this ``step()`` returns and the caller processes the outputs,
+        and the next ``step()`` collects it and queues step N's sampling first thing (before
+        step N+1's forward pass, which reads N's tokens on the device). Sync: at once.
         """
         if self.async_scheduling and not self.scheduler.needs_sync:
             return self._step_async()
@@ -114,34 +138,61 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return outputs
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        runner = self.model_runner
+        step = runner.launch_forward(scheduler_output)
+        if scheduler_output.structured_requests:
+            self._submit_grammars(step, scheduler_output.structured_requests)
+            outputs += self._collect_grammars()
+        else:
+            runner.launch_sample(step, None)
+        runner_output = runner.resolve(step)
         return outputs + self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_async(self) -> list[EngineCoreOutput]:
         runner = self.model_runner
+        outputs = self._collect_grammars()  # queues step N-1's sampling if it waited
         launched = None
-        matchers: dict = {}
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             launched = (scheduler_output, runner.launch_forward(scheduler_output))
-            matchers = scheduler_output.structured_requests
-            if not matchers:
-                runner.launch_sample(launched[1], {})
-        # Grammars: the matchers take step N-1's tokens here, and step N's bitmask is filled
-        # after that, while step N's forward pass runs on the device.
-        outputs = self._resolve_pending()
-        if launched is not None and matchers:
-            runner.launch_sample(launched[1], matchers)
+            if not scheduler_output.structured_requests:
+                runner.launch_sample(launched[1], None)
+        outputs += self._resolve_pending()
+        if launched is not None and launched[0].structured_requests:
+            self._submit_grammars(launched[1], launched[0].structured_requests)
         self._pending = launched
         return outputs
 
-    def _resolve_pending(self) -> list[EngineCoreOutput]:
-        if self._pending is None:
+    def _submit_grammars(self, step: LaunchedStep, fill_ids: list[str]) -> None:
+        """Start the grammar step whose bitmask ``step``'s sampling waits for."""
+        self.scheduler.grammars.submit(fill_ids)
+        self._grammar_step = step
+
+    def _collect_grammars(self) -> list[EngineCoreOutput]:
+        """Finish the grammar step in flight, if any: queue the sampling that waited for its
+        bitmask, and end the requests whose token a grammar rejected."""
+        grammars = self.scheduler.grammars
+        if grammars is None or not grammars.in_flight:
             return []
+        result = grammars.collect()
+        step, self._grammar_step = self._grammar_step, None
+        if step is not None:
+            self.model_runner.launch_sample(step, result)
+        return self.scheduler.apply_grammar_step(result)
+
+    def _resolve_pending(self) -> list[EngineCoreOutput]:
+        outputs = self._collect_grammars()
+        if self._pending is None:
+            return outputs
         scheduler_output, launched = self._pending
         self._pending = None
         runner_output = self.model_runner.resolve(launched)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        return outputs + self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def shutdown(self) -> None:
+        """Stop the grammar worker process, if one runs."""
+        if self.scheduler.grammars is not None:
+            self.scheduler.grammars.close()
 
     def check_integrity(self) -> None:
         """KV cache invariants; when idle, every block is free."""

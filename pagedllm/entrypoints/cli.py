@@ -62,6 +62,8 @@ _HELP = {
     "data_parallel_size": "Data-parallel engine replicas.",
     "async_scheduling": "Schedule the next step while the device runs this one "
     "(default: on with a GPU, off on a CPU).",
+    "grammar_process": "Structured outputs: advance grammars and fill their token bitmasks "
+    "in a worker process beside the engine loop (default: on with a GPU, off on a CPU).",
 }
 _CHOICES = {
     "dtype": getattr(_config, "_DTYPES", None),

@@ -26,6 +26,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _normalize(x, w_ptr, cols, mask, eps, offset, N: tl.constexpr, HAS_OFFSET: tl.constexpr):
+    """One row x (the input dtype) / rms(x) * w, or * (offset + w) with an offset, in float32;
+    without an offset the normalized row is first rounded to x's dtype (HF's order)."""
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_OFFSET:
+        return xf * rstd * (offset + w)
+    return (xf * rstd).to(x.dtype).to(tl.float32) * w  # float casts round to nearest even
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     w_ptr,
@@ -44,13 +56,7 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + t * stride_xt + h * stride_xh + cols, mask=mask, other=0.0)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_OFFSET:
-        y = xf * rstd * (offset + w)
-    else:
-        y = (xf * rstd).to(x.dtype).to(tl.float32) * w  # float casts round to nearest even
+    y = _normalize(x, w_ptr, cols, mask, eps, offset, N, HAS_OFFSET)
     # output row r = t * num_heads + h, contiguous
     tl.store(y_ptr + (t * num_heads + h) * N + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -109,13 +115,7 @@ def _add_rms_norm_kernel(
     r = tl.load(r_ptr + t * stride_r + cols, mask=mask, other=0.0)
     s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # PyTorch's add: rounded once
     tl.store(s_ptr + t * N + cols, s, mask=mask)
-    sf = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_OFFSET:
-        y = sf * rstd * (offset + w)
-    else:
-        y = (sf * rstd).to(x.dtype).to(tl.float32) * w
+    y = _normalize(s, w_ptr, cols, mask, eps, offset, N, HAS_OFFSET)
     tl.store(y_ptr + t * N + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

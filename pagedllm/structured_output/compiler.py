@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.structured_output.params import StructuredOutputsParams
@@ -21,20 +22,39 @@ class GrammarCompileError(ValueError):
     """The grammar of a request could not be compiled (the message says why)."""
 
 
+@dataclass(frozen=True)
+class GrammarEntry:
+    """A compiled grammar, its cache key, and (for the grammar worker process) its xgrammar
+    JSON serialization."""
+
+    key: tuple[str, str]
+    grammar: Any  # xgrammar.CompiledGrammar
+    json: str | None = None
+
+
 class StructuredOutputManager:
     """Owns xgrammar's tokenizer info and compiler. ``submit`` compiles on a thread pool and
-    returns a Future of the compiled grammar; equal specs share one compilation (cache keyed by
-    the canonical spec). Tokenizer info is built once per model and kept on disk, since it
+    returns a Future of the ``GrammarEntry``; equal specs share one compilation (cache keyed by
+    the canonical spec). With ``serialize``, the pool also serializes each grammar for the
+    grammar worker process. Tokenizer info is built once per model and kept on disk, since it
     takes seconds for a 262k vocabulary."""
 
     def __init__(
-        self, tokenizer: Any, vocab_size: int, cache_key: str = "", max_threads: int = 2
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        cache_key: str = "",
+        max_threads: int = 2,
+        serialize: bool = False,
     ) -> None:
         import xgrammar as xgr
 
         self.xgr = xgr
         self.vocab_size = vocab_size
+        self.serialize = serialize
         self.tokenizer_info = self._tokenizer_info(tokenizer, vocab_size, cache_key)
+        # a sampled stop token is where a grammar terminates (the bitmask allows it only there)
+        self.stop_token_ids = frozenset(int(t) for t in self.tokenizer_info.stop_token_ids)
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
         self.pool = ThreadPoolExecutor(
             max_workers=max_threads, thread_name_prefix="pagedllm-grammar"
@@ -70,7 +90,7 @@ class StructuredOutputManager:
         return info
 
     def submit(self, params: StructuredOutputsParams) -> Future:
-        """A Future of the compiled grammar (shared with equal earlier specs)."""
+        """A Future of the ``GrammarEntry`` (shared with equal earlier specs)."""
         key = params.key()
         with self._lock:
             fut = self._cache.get(key)
@@ -92,7 +112,11 @@ class StructuredOutputManager:
                     self._cache.pop(params.key(), None)
             raise
 
-    def _compile(self, key: tuple[str, str]) -> Any:
+    def _compile(self, key: tuple[str, str]) -> GrammarEntry:
+        grammar = self._compile_grammar(key)
+        return GrammarEntry(key, grammar, grammar.serialize_json() if self.serialize else None)
+
+    def _compile_grammar(self, key: tuple[str, str]) -> Any:
         kind, spec = key
         c = self.compiler
         try:
@@ -117,9 +141,9 @@ class StructuredOutputManager:
         except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses
             raise GrammarCompileError(f"invalid {kind}: {e}") from e
 
-    def matcher(self, compiled: Any) -> Any:
+    def matcher(self, entry: GrammarEntry) -> Any:
         """A fresh matcher at the grammar's start, able to roll back speculative tokens."""
-        return self.xgr.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar 0.2
+        return self.xgr.GrammarMatcher(entry.grammar)  # rollback is unlimited in xgrammar 0.2
 
     def allocate_bitmask(self, rows: int) -> Any:
         return self.xgr.allocate_token_bitmask(rows, self.vocab_size)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,6 +19,9 @@ from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.inputs import InputPreparer, StepInputs
 from pagedllm.worker.sampling_inputs import build_for_params, build_sampling_metadata
+
+if TYPE_CHECKING:
+    from pagedllm.structured_output.grammars import GrammarStep
 
 logger = logging.getLogger(__name__)
 
@@ -66,19 +68,6 @@ def make_backend(device: torch.device) -> AttentionBackend:
     return TorchNativeBackend()
 
 
-def _grammar_threads() -> int | str:
-    """Threads xgrammar fills a batch's bitmask on: PAGEDLLM_GRAMMAR_THREADS, or "auto"
-    (xgrammar's default, half the hardware threads)."""
-    value = os.environ.get("PAGEDLLM_GRAMMAR_THREADS", "auto")
-    if value == "auto":
-        return value
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(
-            f"PAGEDLLM_GRAMMAR_THREADS must be 'auto' or a positive int, got {value!r}"
-        )
-    return int(value)
-
-
 class ModelRunner:
     """Owns the model, the KV cache tensors, the persistent input batch and (on a GPU) the
     CUDA graphs of one device."""
@@ -107,10 +96,9 @@ class ModelRunner:
         self.host_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.graph_runner: CUDAGraphRunner | None = None
-        self._batch_matcher = None  # xgrammar's multi-threaded bitmask filler, made on first use
         self._unresolved: LaunchedStep | None = None  # the last launched step, until resolved
-        self._bitmask_bufs: list[torch.Tensor] | None = None  # pinned, made on first use
-        self._bitmask_rows: list[torch.Tensor] = []  # their logits rows, pinned likewise
+        # logits rows of a step's grammar bitmask, pinned (two: the last copy may be queued)
+        self._bitmask_rows: list[torch.Tensor] = []
         self._bitmask_turn = 0
         self.time_device = False  # record each step's device time (benchmarks)
         self.device_times: list[float] = []  # seconds, one per resolved step when timed
@@ -320,15 +308,13 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, md)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step to the end: launch it and wait for its tokens."""
-        return self.resolve(self.launch(so))
-
-    def launch(self, so: SchedulerOutput) -> LaunchedStep:
-        """Queue one step on the device: ``launch_forward`` then ``launch_sample`` with the
-        step's grammar matchers (their bitmask is filled while the forward runs)."""
+        """Run a step without structured requests to the end: launch it and wait for its
+        tokens. (A step with grammars is ``launch_forward``, then ``launch_sample`` with the
+        bitmask the engine core gets from its ``Grammars``, then ``resolve``.)"""
+        assert not so.structured_requests, "a grammar step needs its bitmask"
         step = self.launch_forward(so)
-        self.launch_sample(step, so.structured_requests)
-        return step
+        self.launch_sample(step, None)
+        return self.resolve(step)
 
     @torch.inference_mode()
     def launch_forward(self, so: SchedulerOutput) -> LaunchedStep:
@@ -381,14 +367,15 @@ class ModelRunner:
         return step
 
     @torch.inference_mode()
-    def launch_sample(self, step: LaunchedStep, matchers: dict) -> None:
-        """Queue the second half of a step: logits, the grammar bitmask of ``matchers``
-        (request id -> xgrammar matcher, filled on the host now, while the forward runs),
-        sampling, and the copy of the results to the host."""
+    def launch_sample(self, step: LaunchedStep, bitmask: GrammarStep | None) -> None:
+        """Queue the second half of a step: logits, the grammar ``bitmask`` of the step's
+        structured requests (filled on the host while the forward ran), sampling, and the
+        copy of the results to the host."""
         ib = self.input_batch
         if step.selected is not None:
             req_ids, sample_idx = step.req_ids, step.sample_idx
-            bitmask = self._fill_bitmask(matchers)
+            if bitmask is not None and bitmask.mask is None:
+                bitmask = None
             sample_rows = step.rows[sample_idx]
             smd = build_sampling_metadata(
                 ib, sample_rows, self.device, self.generator, self.eos_token_ids
@@ -541,53 +528,23 @@ class ModelRunner:
                 lps[req_ids[i]] = [t[0] for t in self._to_logprob_lists(host, np.arange(k), k)]
         return tokens, lps
 
-    def _fill_bitmask(self, matchers: dict) -> tuple[list[str], torch.Tensor, torch.Tensor] | None:
-        """One int32 bitmask row per structured request that samples this step, filled on the
-        host into pinned memory (double-buffered: the copy of the last one may be queued), so
-        the copy to the device does not wait for the forward pass. A matcher that has
-        terminated (its request finished while this step was in flight) is left out.
-        Returns (request ids, mask, the same turn's pinned buffer for their logits rows)."""
-        live = {rid: m for rid, m in matchers.items() if not m.is_terminated()}
-        if not live:
-            return None
-        import xgrammar as xgr
-
-        if self._bitmask_bufs is None:
-            vocab = self.model_config.vocab_size
-            shape = xgr.allocate_token_bitmask(1, vocab).shape[1]  # ceil(vocab / 32)
-            pin = self.device.type == "cuda"
-            self._bitmask_bufs = [
-                torch.empty(
-                    (self.input_batch.max_num_reqs, shape), dtype=torch.int32, pin_memory=pin
-                )
-                for _ in "ab"
-            ]
-            self._bitmask_rows = [
-                torch.empty(self.input_batch.max_num_reqs, dtype=torch.int64, pin_memory=pin)
-                for _ in "ab"
-            ]
-        turn = self._bitmask_turn
-        self._bitmask_turn ^= 1
-        mask = self._bitmask_bufs[turn][: len(live)]  # [n, ceil(vocab / 32)]
-        if len(live) == 1:
-            next(iter(live.values())).fill_next_token_bitmask(mask, 0)
-        else:  # xgrammar fills the rows on its own thread pool
-            if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=_grammar_threads())
-            self._batch_matcher.batch_fill_next_token_bitmask(list(live.values()), mask)
-        return list(live), mask, self._bitmask_rows[turn]
-
     def _apply_bitmask(
-        self,
-        logits: torch.Tensor,
-        bitmask: tuple[list[str], torch.Tensor, torch.Tensor],
-        sample_req_ids: list[str],
+        self, logits: torch.Tensor, bitmask: GrammarStep, sample_req_ids: list[str]
     ) -> None:
         """Mask the sampled rows of structured requests in one vectorized operation; the mask
         and the row indices reach the device by non-blocking copies from pinned memory."""
         from pagedllm.structured_output.bitmask import apply_token_bitmask
 
-        ids, mask, rows_buf = bitmask
+        ids, mask = bitmask.fill_ids, bitmask.mask
+        assert mask is not None
+        if not self._bitmask_rows:
+            pin = self.device.type == "cuda"
+            n = self.input_batch.max_num_reqs
+            self._bitmask_rows = [
+                torch.empty(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)
+            ]
+        rows_buf = self._bitmask_rows[self._bitmask_turn]
+        self._bitmask_turn ^= 1
         pos = {rid: j for j, rid in enumerate(sample_req_ids)}
         keep = [k for k, rid in enumerate(ids) if rid in pos]
         if not keep:

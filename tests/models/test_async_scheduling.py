@@ -186,7 +186,8 @@ def test_async_abort_in_flight_leaves_others_intact(tiny_models):
     engine.engine_core.check_integrity()
 
 
-def test_async_grammars_fill_the_mask_after_the_forward_is_queued(tiny_models):
+@pytest.mark.parametrize("process", [False, True], ids=["local", "process"])
+def test_async_grammars_fill_the_mask_after_the_forward_is_queued(process, tiny_models):
     """Grammar-constrained requests keep async scheduling: step N's forward is queued, step
     N-1's tokens advance the matchers, then step N's bitmask is filled and sampling queued;
     texts equal synchronous steps and parse."""
@@ -209,7 +210,7 @@ def test_async_grammars_fill_the_mask_after_the_forward_is_queued(tiny_models):
     ]
     prompts = [list(range(10 + i, 50 + i)) for i in range(6)]
     sync = _run(_llm(path, False), prompts, params)
-    llm = _llm(path, True)
+    llm = _llm(path, True, grammar_process=process)
     runner = llm.llm_engine.engine_core.model_runner
     calls: list[str] = []
     for name, tag in (("launch_forward", "F"), ("resolve", "R"), ("launch_sample", "S")):
@@ -228,7 +229,8 @@ def test_async_grammars_fill_the_mask_after_the_forward_is_queued(tiny_models):
             jsonschema.validate(json.loads(text), schema)
 
 
-def test_grammar_request_running_async_then_a_request_that_needs_sync_steps(tiny_models):
+@pytest.mark.parametrize("process", [False, True], ids=["local", "process"])
+def test_grammar_request_running_async_then_a_request_that_needs_sync_steps(process, tiny_models):
     """A grammar request decoding under async scheduling (a step in flight); a penalties
     request arriving switches the engine to synchronous steps, which must first resolve the
     step in flight. Both requests finish as they do alone."""
@@ -245,7 +247,7 @@ def test_grammar_request_running_async_then_a_request_that_needs_sync_steps(tiny
         _run(_llm(path, False), [g_prompt], grammar),
         _run(_llm(path, False), [p_prompt], penalty),
     ]
-    engine = _llm(path, True).llm_engine
+    engine = _llm(path, True, grammar_process=process).llm_engine
     engine.add_request("g", {"prompt_token_ids": g_prompt}, grammar)
     finished: dict[str, list[int]] = {}
     added = False

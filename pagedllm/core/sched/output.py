@@ -48,9 +48,9 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Copy-on-write: (src, dst) device blocks to copy before the forward pass.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # Structured outputs: matcher of each scheduled request that samples this step; the
-    # runner fills their token bitmask while the forward pass runs.
-    structured_requests: dict = field(default_factory=dict)
+    # Structured outputs: ids of the scheduled requests with a grammar that sample this step;
+    # their token bitmask is filled (engine/core.py) while the forward pass runs.
+    structured_requests: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache.manager import KVCacheManager, cdiv
@@ -43,6 +44,9 @@ from pagedllm.core.sched.output import (
     SchedulerOutput,
 )
 from pagedllm.core.sched.policy import RankedQueue, make_policy
+
+if TYPE_CHECKING:
+    from pagedllm.structured_output.grammars import GrammarStep
 
 
 class _Now:
@@ -95,6 +99,7 @@ class Scheduler:
         self.num_swaps = 0
         self.groups = SequenceGroups()
         self.structured = None  # StructuredOutputManager, set by the engine core when needed
+        self.grammars = None  # Grammars: the matchers of structured requests (set likewise)
         self.failed: list[Request] = []  # ended by the engine (bad grammar), to report
         self.beams = BeamManager(self.kv_cache_manager, self.groups)
         # Requests finished since the last schedule(): the runner drops their state.
@@ -173,6 +178,9 @@ class Scheduler:
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
+        if request.has_grammar:
+            self.grammars.drop(request.request_id)
+            request.has_grammar = False
         self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
         self._sync_ids.discard(request.request_id)
@@ -273,14 +281,15 @@ class Scheduler:
             budget -= num_new
             self._add_to_output(request, new_blocks, new_reqs, cached_reqs)
 
+        requests = self.requests
         structured = [
-            self.requests[rid]
+            rid
             for rid, n in num_scheduled.items()
-            if self.requests[rid].matcher is not None
-            and self.requests[rid].num_computed_tokens + n >= self.requests[rid].num_tokens
+            if requests[rid].has_grammar
+            and requests[rid].num_computed_tokens + n >= requests[rid].num_tokens
         ]
         out = SchedulerOutput(
-            structured_requests={r.request_id: r.matcher for r in structured},
+            structured_requests=structured,
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
@@ -361,7 +370,10 @@ class Scheduler:
         return None
 
     def _grammars_ready(self) -> None:
-        """Give requests whose grammar compiled a matcher; end those whose grammar failed."""
+        """Give requests whose grammar compiled a matcher; end those whose grammar failed.
+        (Nothing is given while the grammar worker process is still starting.)"""
+        if self.grammars is None or not self.grammars.ready():
+            return
         for request in self.waiting:
             fut = request.grammar_future
             if request.status != RequestStatus.WAITING_FOR_GRAMMAR or not fut.done():
@@ -374,7 +386,8 @@ class Scheduler:
                 self._free_request(request)
                 self.failed.append(request)
                 continue
-            request.matcher = self.structured.matcher(fut.result())
+            self.grammars.add(request.request_id, fut.result())
+            request.has_grammar = True
             request.status = RequestStatus.WAITING
 
     def _preempt_group(
@@ -557,34 +570,55 @@ class Scheduler:
             self._track(child)
             self.running.add(child)
             tok = child.output_token_ids[-1]
-            if parent.matcher is not None:  # fork before the parent accepts its own token
-                child.matcher = parent.matcher.fork()
+            if parent.has_grammar:  # fork before the parent accepts its own token
+                self.grammars.fork(parent.request_id, child.request_id)
+                child.has_grammar = True
             self._check_stop(child, tok) or self._accept_structured(child, tok)
             outputs.append(self._emit(child, [tok], [lps[j]] if lps else None))
         return outputs
 
-    @staticmethod
-    def _accept_structured(request: Request, token: int) -> bool:
-        """Advance the request's grammar matcher; True when the grammar has terminated (the
-        request then finishes with reason 'stop')."""
-        m = request.matcher
-        if m is None or request.is_finished:
+    def _accept_structured(self, request: Request, token: int) -> bool:
+        """Advance the request's grammar by ``token`` (an operation for ``Grammars``, run
+        beside the loop); True when the grammar has terminated: the token is one of the
+        tokenizer's stop tokens, which the bitmask allows only where the grammar may end
+        (the request then finishes with reason 'stop'). A token the grammar rejects comes
+        back from ``Grammars`` a step later (``apply_grammar_step``)."""
+        if not request.has_grammar or request.is_finished:
             return False
-        if not m.accept_token(token):
-            request.error = f"token {token} rejected by the grammar"
-            request.status = RequestStatus.FINISHED_ABORTED
-            return True
-        if m.is_terminated():
+        self.grammars.accept(request.request_id, token)
+        if token in self.structured.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
         return False
+
+    def apply_grammar_step(self, step: GrammarStep) -> list[EngineCoreOutput]:
+        """End the requests whose token a grammar rejected (a bitmask should never let one
+        through: this is a safety net), each with an error output."""
+        outputs = []
+        for rid, message in step.rejected.items():
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            request.error = message
+            self.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    [],
+                    finish_reason="abort",
+                    error=message,
+                    parent_id=request.parent_id,
+                    seq_index=request.seq_index,
+                )
+            )
+        return outputs
 
     def rollback_structured(self, request_id: str, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens in a request's grammar matcher (for
         rejected speculative tokens)."""
         request = self.requests[request_id]
-        if request.matcher is not None and num_tokens > 0:
-            request.matcher.rollback(num_tokens)
+        if request.has_grammar and num_tokens > 0:
+            self.grammars.rollback(request_id, num_tokens)
 
     def _check_stop(self, request: Request, token: int) -> bool:
         params = request.sampling_params

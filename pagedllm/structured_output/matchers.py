@@ -1,0 +1,88 @@
+"""The grammar matchers of live structured requests: advanced by an ordered list of operations,
+and turned into one token bitmask per step. The same code runs in the engine's process
+(``LocalGrammars``) and in the grammar worker process (``grammar_worker.py``); it needs only
+xgrammar and numpy.
+
+Operations, applied in the order the scheduler issued them (tuples, so they pickle cheaply):
+    ("add", request_id, grammar)        a matcher at the grammar's start
+    ("fork", parent_id, child_id)       the child continues from the parent's state (n > 1)
+    ("accept", request_id, token_id)    advance by one sampled token
+    ("rollback", request_id, n)         undo the last n accepted tokens (speculative decoding)
+    ("drop", request_id)                the request ended
+In the worker process, ``grammar`` in "add" is a key of a grammar sent before by
+("grammar", key, serialized_json), and ("forget", key) frees one; ``GrammarWorkerState``
+resolves them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class MatcherSet:
+    """xgrammar matchers keyed by request id. ``apply`` runs operations; ``fill`` writes the
+    bitmask rows of the requests that sample next. A token the grammar rejects is reported,
+    not raised: the engine ends that request alone."""
+
+    def __init__(self, fill_threads: int | str = "auto") -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.matchers: dict[str, Any] = {}
+        self._fill_threads = fill_threads
+        self._batch = None  # xgrammar's batch filler, made on first use
+
+    def apply(self, ops: list[tuple], resolve: Any = None) -> dict[str, str]:
+        """Run ``ops`` in order; returns {request id: why its token was rejected}.
+        ``resolve`` maps the grammar field of "add" to a compiled grammar (identity if None);
+        other operation kinds go to ``resolve.other(op)`` when given."""
+        rejected: dict[str, str] = {}
+        matchers = self.matchers
+        for op in ops:
+            kind = op[0]
+            if kind == "accept":
+                m = matchers.get(op[1])
+                if m is None or m.is_terminated():
+                    continue  # ended already (its drop may still be on the way)
+                if not m.accept_token(op[2]):
+                    rejected[op[1]] = f"token {op[2]} rejected by the grammar"
+            elif kind == "add":
+                grammar = op[2] if resolve is None else resolve.grammar(op[2])
+                matchers[op[1]] = self._xgr.GrammarMatcher(grammar)  # rollback is unlimited
+            elif kind == "fork":
+                m = matchers.get(op[1])
+                if m is not None:
+                    matchers[op[2]] = m.fork()
+            elif kind == "rollback":
+                m = matchers.get(op[1])
+                if m is not None and op[2] > 0:
+                    m.rollback(op[2])
+            elif kind == "drop":
+                matchers.pop(op[1], None)
+            elif resolve is not None:
+                resolve.other(op)
+            else:
+                raise ValueError(f"unknown grammar operation {kind!r}")
+        return rejected
+
+    def fill(self, request_ids: list[str], out: np.ndarray) -> None:
+        """Row i of ``out`` ([>= len(request_ids), ceil(vocab / 32)] int32) gets the bitmask of
+        request_ids[i]'s next token; a request with no live matcher (ended, or its grammar
+        already terminated) gets all ones: its token is dropped, so any is fine."""
+        live: list[Any] = []
+        rows: list[int] = []
+        for i, rid in enumerate(request_ids):
+            m = self.matchers.get(rid)
+            if m is None or m.is_terminated():
+                out[i] = -1
+            else:
+                live.append(m)
+                rows.append(i)
+        if len(live) == 1:
+            live[0].fill_next_token_bitmask(out, rows[0])
+        elif live:  # xgrammar fills the rows on its own thread pool
+            if self._batch is None:
+                self._batch = self._xgr.BatchGrammarMatcher(max_threads=self._fill_threads)
+            self._batch.batch_fill_next_token_bitmask(live, out, indices=rows)
