@@ -42,7 +42,7 @@ one() {
       python -m pytest -q -x -p no:cacheprovider tests/kernels/test_fused_ops.py -k rope_and_cache ;;
     tests-models) python -m pytest -q -x -p no:cacheprovider tests/models tests/engine ;;
     tests-grammar) python -m pytest -q -x -p no:cacheprovider tests/engine/test_grammars.py \
-        tests/models/test_async_scheduling.py ;;
+        tests/models/test_async_scheduling.py -k "grammar or rejected or worker" ;;
     check) python benchmarks/gpu_suite.py check --out "$OUT" ;;
     bench-a-quick) python benchmarks/gpu_suite.py bench-a --skip-peers --sync-too --time-device \
         --out "$OUT/quick" | grep -v "^ "; summary "$OUT/quick" ;;
@@ -60,6 +60,7 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     bench-b) python benchmarks/gpu_suite.py bench-b --out "$OUT" | tail -40 ;;
     extras) python benchmarks/gpu_suite.py extras --out "$OUT" | tail -40 ;;
     profile-structured) python benchmarks/profile_structured.py ;;
+    profile-structured-in-loop) GRAMMAR_PROCESS=0 python benchmarks/profile_structured.py ;;
     structured) python benchmarks/gpu_suite.py extras --only-structured --out "$OUT" | tail -30 ;;
     *) echo "unknown stage $1" ;;
   esac

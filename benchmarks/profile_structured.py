@@ -62,6 +62,7 @@ def main() -> None:
               max_model_len=1024, gpu_memory_utilization=0.85, grammar_process=process)
     engine = llm.llm_engine
     core = engine.engine_core
+    core.structured_output_manager()  # the Grammars object, to time its submit and collect
     runner = core.model_runner
     acc: dict = defaultdict(float)
     for obj, names in (
@@ -69,9 +70,12 @@ def main() -> None:
         (core.scheduler, ("schedule", "update_from_output")),
         (engine.output_processor, ("process_outputs",)),
         (core, ("step", "_submit_grammars", "_collect_grammars")),
+        (core.scheduler, ("send_grammar_tokens",)),
     ):
         for name in names:
             _timed(obj, name, acc)
+    for name in ("submit", "collect"):  # collect: the wait for the grammar step
+        _timed(core.scheduler.grammars, name, acc)
     gc_start: dict = {}
 
     def on_gc(phase: str, info: dict) -> None:  # time spent in Python's collector

@@ -2,6 +2,11 @@
 unconstrained doing equal work (the free run gets each request's constrained output length).
 
     python benchmarks/structured_overhead.py --model PATH [--tokenizer DIR] [--num 64]
+        [--grammar-process auto|on|off]
+
+``--grammar-process``: the grammars in a worker process (on), in the engine loop (off), or
+the device's default (auto: on with a GPU, off on a CPU); a run that is not auto writes
+``structured_overhead_<device>_grammar_process_<on|off>.json``.
 """
 
 from __future__ import annotations
@@ -35,15 +40,19 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--grammar-process", choices=["auto", "on", "off"], default="auto")
     args = p.parse_args()
-    llm = LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=1024)
+    process = {"auto": None, "on": True, "off": False}[args.grammar_process]
+    llm = LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=1024,
+              grammar_process=process)
     prompts = ["Describe a person as JSON:"] * args.num
     so = StructuredOutputsParams(json=SCHEMA)
     constrained = [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens,
                                   structured_outputs=so) for i in range(args.num)]
     llm.generate(prompts[:2], constrained[:2], use_tqdm=False)
     res: dict = {"device": device_name(llm.llm_engine.engine_core.model_runner.device),
-                 "model": args.model, "num_requests": args.num, "schema": SCHEMA}
+                 "model": args.model, "num_requests": args.num, "schema": SCHEMA,
+                 "grammar_process": llm.llm_engine.config.scheduler_config.grammar_process}
     for _ in range(args.repeats):
         t = time.perf_counter()
         outs = llm.generate(prompts, constrained, use_tqdm=False)
@@ -61,7 +70,9 @@ def main() -> None:
     c, f = np.median(res["constrained_tok_s"]), np.median(res["free_tok_s"])
     res["overhead_fraction"] = 1 - c / f
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"structured_overhead_{res['device']}.json".replace(" ", "_"))
+    tag = "" if process is None else f"_grammar_process_{args.grammar_process}"
+    name = f"structured_overhead_{res['device']}{tag}.json".replace(" ", "_")
+    path = os.path.join(args.out, name)
     with open(path, "w") as f:
         json.dump(res, f, indent=2)
     print(json.dumps(res, indent=2))

@@ -149,16 +149,28 @@ class EngineCore:
         return outputs + self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_async(self) -> list[EngineCoreOutput]:
-        runner = self.model_runner
-        outputs = self._collect_grammars()  # queues step N-1's sampling if it waited
+        runner, scheduler = self.model_runner, self.scheduler
+        scheduler_output = scheduler.schedule() if scheduler.has_unfinished_requests() else None
+        # step N-1's sampling, if it waited for its bitmask: queued before step N's forward,
+        # which reads N-1's tokens on the device (collected after scheduling N, to give the
+        # grammar step that much more time)
+        outputs = self._collect_grammars()
         launched = None
-        if self.scheduler.has_unfinished_requests():
-            scheduler_output = self.scheduler.schedule()
+        if scheduler_output is not None:
             launched = (scheduler_output, runner.launch_forward(scheduler_output))
             if not scheduler_output.structured_requests:
                 runner.launch_sample(launched[1], None)
-        outputs += self._resolve_pending()
-        if launched is not None and launched[0].structured_requests:
+        if self._pending is not None:
+            last_output, last_step = self._pending
+            self._pending = None
+            runner_output = runner.resolve(last_step)
+            if launched is not None and launched[0].structured_requests:
+                # N-1's tokens to the grammars and N's bitmask, before the update: the
+                # grammar step runs during the update and the caller's output processing
+                scheduler.send_grammar_tokens(last_output, runner_output)
+                self._submit_grammars(launched[1], launched[0].structured_requests)
+            outputs += scheduler.update_from_output(last_output, runner_output)
+        if launched is not None and launched[0].structured_requests and self._grammar_step is None:
             self._submit_grammars(launched[1], launched[0].structured_requests)
         self._pending = launched
         return outputs

@@ -100,6 +100,7 @@ class Scheduler:
         self.groups = SequenceGroups()
         self.structured = None  # StructuredOutputManager, set by the engine core when needed
         self.grammars = None  # Grammars: the matchers of structured requests (set likewise)
+        self._grammar_tokens_sent = False  # this update's tokens went to Grammars already
         self.failed: list[Request] = []  # ended by the engine (bad grammar), to report
         self.beams = BeamManager(self.kv_cache_manager, self.groups)
         # Requests finished since the last schedule(): the runner drops their state.
@@ -472,10 +473,39 @@ class Scheduler:
         self.waiting.add(request)
 
     # ------------------------------------------------------------------------- results
+    def send_grammar_tokens(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> None:
+        """Give the step's sampled tokens of structured requests to ``Grammars`` now, before
+        ``update_from_output`` (which then does not): async steps submit the next grammar
+        step right away, so its work overlaps the update. A token that also ends its request
+        (EOS, max_tokens) is accepted too, harmlessly: the matcher is dropped after it. Not
+        for steps with forks or beams (their grammar operations are ordered by the update;
+        those requests run synchronous steps)."""
+        if runner_output.forked_token_ids:
+            return  # the update orders the forks and the tokens
+        sampled = runner_output.sampled_token_ids
+        index = {rid: i for i, rid in enumerate(runner_output.req_ids)}
+        for rid in scheduler_output.structured_requests:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished or not request.has_grammar:
+                continue
+            for tok in sampled[index[rid]]:
+                self.grammars.accept(rid, tok)
+        self._grammar_tokens_sent = True
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests."""
+        try:
+            return self._update_from_output(scheduler_output, runner_output)
+        finally:
+            self._grammar_tokens_sent = False
+
+    def _update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = [
             EngineCoreOutput(
                 r.request_id,
@@ -585,7 +615,8 @@ class Scheduler:
         back from ``Grammars`` a step later (``apply_grammar_step``)."""
         if not request.has_grammar or request.is_finished:
             return False
-        self.grammars.accept(request.request_id, token)
+        if not self._grammar_tokens_sent:
+            self.grammars.accept(request.request_id, token)
         if token in self.structured.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
