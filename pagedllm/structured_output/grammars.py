@@ -76,6 +76,10 @@ class Grammars:
         """Advance the request's grammar by one sampled token."""
         self._ops.append(("accept", request_id, token_id))
 
+    def accept_many(self, request_ids: list[str], token_ids: list[int]) -> None:
+        """``accept`` for each pair, in order (one operation for a step's tokens)."""
+        self._ops.append(("accepts", request_ids, token_ids))
+
     def rollback(self, request_id: str, num_tokens: int) -> None:
         """Undo the request's last ``num_tokens`` accepted tokens."""
         self._ops.append(("rollback", request_id, num_tokens))
@@ -282,11 +286,11 @@ def _register_pinned(t: torch.Tensor) -> bool:
     return True
 
 
-def fill_threads() -> int | str:
-    """Threads xgrammar fills a batch's bitmask on: PAGEDLLM_GRAMMAR_THREADS, or "auto"
-    (xgrammar's default, half the hardware threads)."""
-    value = os.environ.get("PAGEDLLM_GRAMMAR_THREADS", "auto")
-    if value == "auto":
+def fill_threads() -> int | str | None:
+    """Threads xgrammar fills a batch's bitmask on: PAGEDLLM_GRAMMAR_THREADS ("auto" is
+    xgrammar's default, half the hardware threads), or None when unset."""
+    value = os.environ.get("PAGEDLLM_GRAMMAR_THREADS")
+    if value is None or value == "auto":
         return value
     if not value.isdigit() or int(value) < 1:
         raise ValueError(
@@ -296,10 +300,14 @@ def fill_threads() -> int | str:
 
 
 def make_grammars(
-    process: bool, manager: Any, max_rows: int, pin: bool, fill_threads: int | str
+    process: bool, manager: Any, max_rows: int, pin: bool, fill_threads: int | str | None
 ) -> Grammars:
-    """The grammar matchers of an engine: in a worker process or in this one."""
+    """The grammar matchers of an engine: in a worker process or in this one. Unless set,
+    the worker fills on 2 threads (its fill has the engine loop's output processing to hide
+    behind, and fewer threads leave the loop's cores alone); in the loop, xgrammar's default."""
     words = (manager.vocab_size + 31) // 32
+    if fill_threads is None:
+        fill_threads = 2 if process else "auto"
     if process:
         info = manager.tokenizer_info.serialize_json()
         return GrammarProcess(info, max_rows, words, pin, fill_threads)

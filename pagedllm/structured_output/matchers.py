@@ -7,6 +7,7 @@ Operations, applied in the order the scheduler issued them (tuples, so they pick
     ("add", request_id, grammar)        a matcher at the grammar's start
     ("fork", parent_id, child_id)       the child continues from the parent's state (n > 1)
     ("accept", request_id, token_id)    advance by one sampled token
+    ("accepts", request_ids, token_ids) the same for each pair, in order
     ("rollback", request_id, n)         undo the last n accepted tokens (speculative decoding)
     ("drop", request_id)                the request ended
 In the worker process, ``grammar`` in "add" is a key of a grammar sent before by
@@ -42,12 +43,11 @@ class MatcherSet:
         matchers = self.matchers
         for op in ops:
             kind = op[0]
-            if kind == "accept":
-                m = matchers.get(op[1])
-                if m is None or m.is_terminated():
-                    continue  # ended already (its drop may still be on the way)
-                if not m.accept_token(op[2]):
-                    rejected[op[1]] = f"token {op[2]} rejected by the grammar"
+            if kind == "accepts":
+                for rid, tok in zip(op[1], op[2]):
+                    self._accept(rid, tok, rejected)
+            elif kind == "accept":
+                self._accept(op[1], op[2], rejected)
             elif kind == "add":
                 grammar = op[2] if resolve is None else resolve.grammar(op[2])
                 matchers[op[1]] = self._xgr.GrammarMatcher(grammar)  # rollback is unlimited
@@ -66,6 +66,13 @@ class MatcherSet:
             else:
                 raise ValueError(f"unknown grammar operation {kind!r}")
         return rejected
+
+    def _accept(self, rid: str, token: int, rejected: dict[str, str]) -> None:
+        m = self.matchers.get(rid)
+        if m is None or m.is_terminated():
+            return  # ended already: dropped, or its request's finish is on the way
+        if not m.accept_token(token):
+            rejected[rid] = f"token {token} rejected by the grammar"
 
     def fill(self, request_ids: list[str], out: np.ndarray) -> None:
         """Row i of ``out`` ([>= len(request_ids), ceil(vocab / 32)] int32) gets the bitmask of

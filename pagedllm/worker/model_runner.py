@@ -48,6 +48,9 @@ class LaunchedStep:
     timing: Any = None  # (start, end) CUDA events when the runner times device work
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # batch rows
     selected: torch.Tensor | None = None  # [num_sampling_rows, hidden] until launch_sample
+    # structured requests: where each one's token is among the sampling rows, in
+    # SchedulerOutput.structured_requests' order (their bitmask rows; their tokens)
+    structured_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @classmethod
     def nothing(cls) -> LaunchedStep:
@@ -358,6 +361,10 @@ class ModelRunner:
         prompt_lp = self._prompt_logprobs(req_ids, rows, hidden, qsl, seq_lens)
         step = LaunchedStep(req_ids=req_ids, prompt_logprobs=prompt_lp)
         step.rows, step.sample_idx, step.timing = rows, sample_idx, timing
+        if so.structured_batch_idx:
+            # sample_idx is ascending: e.g. sampling batch indices [0, 2, 3], structured
+            # batch indices [2, 3] -> sampling rows [1, 2]
+            step.structured_rows = np.searchsorted(sample_idx, so.structured_batch_idx)
         if len(sample_idx) > 0:
             if len(sample_idx) == inputs.metadata.num_actual_tokens:
                 step.selected = hidden[: len(sample_idx)]  # pure decode: every row samples
@@ -384,7 +391,7 @@ class ModelRunner:
             logits = self.model.compute_logits(step.selected, float32=float32)
             step.selected = None
             if bitmask is not None:
-                self._apply_bitmask(logits, bitmask, [req_ids[i] for i in sample_idx])
+                self._apply_bitmask(logits, bitmask, step.structured_rows)
             out = self.sampler(logits, smd)
             step.forked = self._sample_forks(
                 req_ids, step.rows, sample_idx, smd.output_positions, logits
@@ -417,6 +424,7 @@ class ModelRunner:
             self.device_times.append(step.timing[0].elapsed_time(step.timing[1]) / 1e3)
         sampled_lists: list[list[int]] = [[] for _ in step.req_ids]
         logprobs = None
+        structured_tokens = None
         if step.host:
             ib = self.input_batch
             tokens_np = step.host[0].numpy()
@@ -425,6 +433,8 @@ class ModelRunner:
             ib.token_ids[rows[ok], pos[ok]] = tokens_np[ok]
             for i, tok in zip(step.sample_idx.tolist(), tokens_np.tolist()):
                 sampled_lists[i] = [tok]
+            if len(step.structured_rows):
+                structured_tokens = tokens_np[step.structured_rows].tolist()
             if step.want_logprobs:
                 logprobs = self._to_logprob_lists(step.host[1:], step.sample_idx, len(step.req_ids))
         return ModelRunnerOutput(
@@ -434,6 +444,7 @@ class ModelRunner:
             prompt_logprobs=step.prompt_logprobs,
             forked_token_ids=step.forked[0],
             forked_logprobs=step.forked[1],
+            structured_tokens=structured_tokens,
         )
 
     def _inputs_from_last_step(
@@ -529,32 +540,24 @@ class ModelRunner:
         return tokens, lps
 
     def _apply_bitmask(
-        self, logits: torch.Tensor, bitmask: GrammarStep, sample_req_ids: list[str]
+        self, logits: torch.Tensor, bitmask: GrammarStep, rows_np: np.ndarray
     ) -> None:
-        """Mask the sampled rows of structured requests in one vectorized operation; the mask
-        and the row indices reach the device by non-blocking copies from pinned memory."""
+        """Mask the sampled rows of structured requests (``rows_np``: the logits row of each
+        mask row) in one vectorized operation; the mask and the row indices reach the device
+        by non-blocking copies from pinned memory."""
         from pagedllm.structured_output.bitmask import apply_token_bitmask
 
-        ids, mask = bitmask.fill_ids, bitmask.mask
-        assert mask is not None
+        mask = bitmask.mask
+        assert mask is not None and len(rows_np) == mask.shape[0], "a mask row per request"
         if not self._bitmask_rows:
             pin = self.device.type == "cuda"
             n = self.input_batch.max_num_reqs
             self._bitmask_rows = [
                 torch.empty(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)
             ]
-        rows_buf = self._bitmask_rows[self._bitmask_turn]
+        rows = self._bitmask_rows[self._bitmask_turn][: len(rows_np)]
         self._bitmask_turn ^= 1
-        pos = {rid: j for j, rid in enumerate(sample_req_ids)}
-        keep = [k for k, rid in enumerate(ids) if rid in pos]
-        if not keep:
-            return
-        rows = rows_buf[: len(keep)]
-        rows.numpy()[:] = [pos[ids[k]] for k in keep]
-        if len(keep) != len(ids):
-            mask = mask[keep]
-            if self.device.type == "cuda":
-                mask = mask.pin_memory()
+        rows.numpy()[:] = rows_np
         apply_token_bitmask(
             logits,
             mask.to(logits.device, non_blocking=True),

@@ -141,7 +141,7 @@ def test_rejected_token_ends_only_its_request(process, asynch, tiny_models):
             request = core.scheduler.requests.get("a")
             if inject and not injected and request is not None and request.num_output_tokens:
                 z = engine.tokenizer.convert_tokens_to_ids("Z")  # never valid in SMALL_OBJECT
-                core.scheduler.grammars.accept("a", z)
+                core.scheduler.grammars.accept(request.grammar_key, z)
                 injected = True
         engine.engine_core.check_integrity()
         engine.engine_core.shutdown()
@@ -154,3 +154,39 @@ def test_rejected_token_ends_only_its_request(process, asynch, tiny_models):
     for rid in ("b", "c"):
         assert done[rid].error is None
         assert done[rid].outputs[0].token_ids == alone[rid].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["local", "process"])
+def test_request_id_used_again_right_after_it_finished(process, tiny_models):
+    """Async steps: a structured request that finishes was also computed in the step after;
+    a new request with its id, added at once, must not get that stale token in its grammar
+    (matchers are keyed by grammar key, not request id). It finishes as it does alone."""
+    args = EngineArgs(model=tiny_models("llama"), dtype="float32", max_model_len=256,
+                      async_scheduling=True, grammar_process=process)  # fmt: skip
+    short = SamplingParams(temperature=0, max_tokens=3, structured_outputs=S(json=SMALL_OBJECT))
+    full = SamplingParams(temperature=0, max_tokens=25, structured_outputs=S(json=SMALL_OBJECT))
+    prompt = {"prompt_token_ids": list(range(20, 40))}
+    alone = LLMEngine.from_engine_args(args)
+    alone.add_request("x", prompt, full)
+    expected = None
+    while alone.has_unfinished_requests():
+        for o in alone.step():
+            if o.finished:
+                expected = o.outputs[0].token_ids
+    engine = LLMEngine.from_engine_args(args)
+    engine.add_request("x", prompt, short)
+    engine.add_request("other", {"prompt_token_ids": list(range(50, 60))}, full)
+    reused, got = False, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == "x" and o.finished:
+                if not reused:
+                    engine.add_request("x", prompt, full)  # the same id, at once
+                    reused = True
+                else:
+                    got = o
+    assert reused and got is not None and got.error is None
+    assert got.outputs[0].token_ids == expected
+    engine.engine_core.check_integrity()
+    for e in (alone, engine):
+        e.engine_core.shutdown()

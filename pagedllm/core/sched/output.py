@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.core.request import Request
 
 
 @dataclass
@@ -48,9 +52,15 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Copy-on-write: (src, dst) device blocks to copy before the forward pass.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # Structured outputs: ids of the scheduled requests with a grammar that sample this step;
-    # their token bitmask is filled (engine/core.py) while the forward pass runs.
+    # Structured outputs: the grammar keys (Request.grammar_key) of the scheduled requests
+    # with a grammar that sample this step, and their indices in the batch order; their
+    # token bitmask is filled (engine/core.py) while the forward pass runs.
     structured_requests: list[str] = field(default_factory=list)
+    structured_batch_idx: list[int] = field(default_factory=list)
+    # The scheduler's own Request objects, in batch order (for its update: under async
+    # scheduling a request that finished may have a token in flight while a new request
+    # already uses its id). Not for the runner.
+    requests: list[Request] = field(default_factory=list, repr=False)
 
     @property
     def is_empty(self) -> bool:
@@ -77,6 +87,9 @@ class ModelRunnerOutput:
     # this step (sampled from the same logits), with their logprob triples when asked.
     forked_token_ids: dict[str, list[int]] = field(default_factory=dict)
     forked_logprobs: dict[str, list] = field(default_factory=dict)
+    # The sampled token of each structured request, in SchedulerOutput.structured_requests'
+    # order (for Grammars without a pass over every request); None when there are none.
+    structured_tokens: list[int] | None = None
 
 
 @dataclass

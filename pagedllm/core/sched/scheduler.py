@@ -27,6 +27,7 @@ tokens and 1 token to each of the first two, which are decoding.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -101,6 +102,8 @@ class Scheduler:
         self.structured = None  # StructuredOutputManager, set by the engine core when needed
         self.grammars = None  # Grammars: the matchers of structured requests (set likewise)
         self._grammar_tokens_sent = False  # this update's tokens went to Grammars already
+        self._grammar_serial = itertools.count()
+        self._grammar_owner: dict[str, Request] = {}  # grammar key -> its live request
         self.failed: list[Request] = []  # ended by the engine (bad grammar), to report
         self.beams = BeamManager(self.kv_cache_manager, self.groups)
         # Requests finished since the last schedule(): the runner drops their state.
@@ -179,9 +182,10 @@ class Scheduler:
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
-        if request.has_grammar:
-            self.grammars.drop(request.request_id)
-            request.has_grammar = False
+        if request.grammar_key is not None:
+            self.grammars.drop(request.grammar_key)
+            self._grammar_owner.pop(request.grammar_key, None)
+            request.grammar_key = None
         self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
         self._sync_ids.discard(request.request_id)
@@ -282,15 +286,18 @@ class Scheduler:
             budget -= num_new
             self._add_to_output(request, new_blocks, new_reqs, cached_reqs)
 
+        structured: list[str] = []
+        structured_idx: list[int] = []
         requests = self.requests
-        structured = [
-            rid
-            for rid, n in num_scheduled.items()
-            if requests[rid].has_grammar
-            and requests[rid].num_computed_tokens + n >= requests[rid].num_tokens
-        ]
+        batch = [requests[rid] for rid in num_scheduled]
+        for i, (r, n) in enumerate(zip(batch, num_scheduled.values())):
+            if r.grammar_key is not None and r.num_computed_tokens + n >= r.num_tokens:
+                structured.append(r.grammar_key)
+                structured_idx.append(i)
         out = SchedulerOutput(
+            requests=batch,
             structured_requests=structured,
+            structured_batch_idx=structured_idx,
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
@@ -387,8 +394,8 @@ class Scheduler:
                 self._free_request(request)
                 self.failed.append(request)
                 continue
-            self.grammars.add(request.request_id, fut.result())
-            request.has_grammar = True
+            self._give_grammar(request)
+            self.grammars.add(request.grammar_key, fut.result())
             request.status = RequestStatus.WAITING
 
     def _preempt_group(
@@ -482,16 +489,11 @@ class Scheduler:
         (EOS, max_tokens) is accepted too, harmlessly: the matcher is dropped after it. Not
         for steps with forks or beams (their grammar operations are ordered by the update;
         those requests run synchronous steps)."""
-        if runner_output.forked_token_ids:
+        tokens = runner_output.structured_tokens
+        if runner_output.forked_token_ids or tokens is None:
             return  # the update orders the forks and the tokens
-        sampled = runner_output.sampled_token_ids
-        index = {rid: i for i, rid in enumerate(runner_output.req_ids)}
-        for rid in scheduler_output.structured_requests:
-            request = self.requests.get(rid)
-            if request is None or request.is_finished or not request.has_grammar:
-                continue
-            for tok in sampled[index[rid]]:
-                self.grammars.accept(rid, tok)
+        # (a key whose request ended meanwhile was dropped first: Grammars skips it)
+        self.grammars.accept_many(scheduler_output.structured_requests, tokens)
         self._grammar_tokens_sent = True
 
     def update_from_output(
@@ -519,10 +521,10 @@ class Scheduler:
         ]
         self.failed = []
         sampled = dict(zip(runner_output.req_ids, range(len(runner_output.req_ids))))
-        for rid in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(rid)
-            if request is None or request.is_finished:
-                continue  # aborted while the step ran
+        for request in scheduler_output.requests:
+            if request.is_finished:
+                continue  # aborted (or finished by a stop string) while the step ran
+            rid = request.request_id
             idx = sampled.get(rid)
             token_ids = runner_output.sampled_token_ids[idx] if idx is not None else []
             if token_ids:
@@ -600,9 +602,9 @@ class Scheduler:
             self._track(child)
             self.running.add(child)
             tok = child.output_token_ids[-1]
-            if parent.has_grammar:  # fork before the parent accepts its own token
-                self.grammars.fork(parent.request_id, child.request_id)
-                child.has_grammar = True
+            if parent.grammar_key is not None:  # fork before the parent accepts its token
+                self._give_grammar(child)
+                self.grammars.fork(parent.grammar_key, child.grammar_key)
             self._check_stop(child, tok) or self._accept_structured(child, tok)
             outputs.append(self._emit(child, [tok], [lps[j]] if lps else None))
         return outputs
@@ -613,10 +615,10 @@ class Scheduler:
         tokenizer's stop tokens, which the bitmask allows only where the grammar may end
         (the request then finishes with reason 'stop'). A token the grammar rejects comes
         back from ``Grammars`` a step later (``apply_grammar_step``)."""
-        if not request.has_grammar or request.is_finished:
+        if request.grammar_key is None or request.is_finished:
             return False
         if not self._grammar_tokens_sent:
-            self.grammars.accept(request.request_id, token)
+            self.grammars.accept(request.grammar_key, token)
         if token in self.structured.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
@@ -626,15 +628,15 @@ class Scheduler:
         """End the requests whose token a grammar rejected (a bitmask should never let one
         through: this is a safety net), each with an error output."""
         outputs = []
-        for rid, message in step.rejected.items():
-            request = self.requests.get(rid)
+        for key, message in step.rejected.items():
+            request = self._grammar_owner.get(key)
             if request is None or request.is_finished:
                 continue
             request.error = message
-            self.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+            self.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
             outputs.append(
                 EngineCoreOutput(
-                    rid,
+                    request.request_id,
                     [],
                     finish_reason="abort",
                     error=message,
@@ -648,8 +650,13 @@ class Scheduler:
         """Undo the last ``num_tokens`` accepted tokens in a request's grammar matcher (for
         rejected speculative tokens)."""
         request = self.requests[request_id]
-        if request.has_grammar and num_tokens > 0:
-            self.grammars.rollback(request_id, num_tokens)
+        if request.grammar_key is not None and num_tokens > 0:
+            self.grammars.rollback(request.grammar_key, num_tokens)
+
+    def _give_grammar(self, request: Request) -> None:
+        """A fresh grammar key for ``request`` (its matcher's name in ``Grammars``)."""
+        request.grammar_key = f"{request.request_id}#{next(self._grammar_serial)}"
+        self._grammar_owner[request.grammar_key] = request
 
     def _check_stop(self, request: Request, token: int) -> bool:
         params = request.sampling_params
