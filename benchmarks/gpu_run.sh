@@ -60,6 +60,7 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     bench-b) python benchmarks/gpu_suite.py bench-b --out "$OUT" | tail -40 ;;
     extras) python benchmarks/gpu_suite.py extras --out "$OUT" | tail -40 ;;
     profile-structured) python benchmarks/profile_structured.py ;;
+    bitmask-launch) python benchmarks/bitmask_launch.py ;;
     profile-structured-in-loop) GRAMMAR_PROCESS=0 python benchmarks/profile_structured.py ;;
     structured) python benchmarks/gpu_suite.py extras --only-structured --out "$OUT" | tail -30 ;;
     *) echo "unknown stage $1" ;;

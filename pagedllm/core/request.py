@@ -107,9 +107,9 @@ class Request:
         self.beam_group: str | None = None  # beam search: the search this beam belongs to
         self.pending_runner_tokens: list[int] = []  # tokens chosen here, not yet sent
         self.grammar_future = None  # structured output: Future of the compiled grammar
-        # structured output: the key of its matcher in the engine's Grammars (the request id
-        # and a serial number, unique even if a finished request's id is used again)
-        self.grammar_key: str | None = None
+        # structured output: the key of its matcher in the engine's Grammars (a serial number:
+        # unique even when a finished request's id is used again; cheap to send each step)
+        self.grammar_key: int | None = None
         self.error: str | None = None  # why the engine ended the request (e.g. bad grammar)
         self.cache_salt: str | None = None  # isolates this tenant's prefix-cache entries
         self._output_token_ids: list[int] = []

@@ -6,7 +6,7 @@ and MEM, the shared memory the bitmasks are written to. Messages in:
     ("init", tokenizer_info_json, (turns, rows, words), fill_threads)   first, once
     ("step", ops, fill_ids, turn)    apply ops, then fill rows [0, len(fill_ids)) of turn
 Messages out: ("ready",) once initialised; ("step", rejected) after each step, where rejected
-maps request id -> message; ("error", traceback) if a step failed as a whole.
+maps a matcher's key -> message; ("error", traceback) if a step failed as a whole.
 The process ends when the connection closes (the engine exited or closed it).
 """
 

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -41,6 +42,8 @@ from pagedllm.structured_output.matchers import MatcherSet
 
 logger = logging.getLogger(__name__)
 
+Key = Hashable  # a matcher's name: the request's grammar_key (any hashable in tests)
+
 _TURNS = 2  # bitmask buffers: the child fills one while the last one's copy may be queued
 
 
@@ -49,9 +52,9 @@ class GrammarStep:
     """What ``collect`` returns: the bitmask rows of ``fill_ids`` (host memory, pinned where
     the device is a GPU) and the requests whose token a grammar rejected (id -> message)."""
 
-    fill_ids: list[str]
+    fill_ids: list[Key]
     mask: torch.Tensor | None  # [len(fill_ids), ceil(vocab / 32)] int32
-    rejected: dict[str, str] = field(default_factory=dict)
+    rejected: dict[Key, str] = field(default_factory=dict)
 
 
 class Grammars:
@@ -60,33 +63,34 @@ class Grammars:
 
     def __init__(self) -> None:
         self._ops: list[tuple] = []
-        self._in_flight: tuple[list[str], int] | None = None
+        self._in_flight: tuple[list[Key], int] | None = None
         self._turn = 0
 
     # -- operations, buffered in order until the next submit
-    def add(self, request_id: str, entry: Any) -> None:
-        """A matcher at the start of ``entry``'s grammar (a ``GrammarEntry``)."""
-        self._ops.append(("add", request_id, entry.grammar))
+    def add(self, key: Key, entry: Any) -> None:
+        """A matcher at the start of ``entry``'s grammar (a ``GrammarEntry``), named ``key``
+        (the request's ``grammar_key``)."""
+        self._ops.append(("add", key, entry.grammar))
 
-    def fork(self, parent_id: str, child_id: str) -> None:
+    def fork(self, parent: Key, child: Key) -> None:
         """The child sequence continues from the parent's grammar state."""
-        self._ops.append(("fork", parent_id, child_id))
+        self._ops.append(("fork", parent, child))
 
-    def accept(self, request_id: str, token_id: int) -> None:
+    def accept(self, key: Key, token_id: int) -> None:
         """Advance the request's grammar by one sampled token."""
-        self._ops.append(("accept", request_id, token_id))
+        self._ops.append(("accept", key, token_id))
 
-    def accept_many(self, request_ids: list[str], token_ids: list[int]) -> None:
+    def accept_many(self, keys: list[Key], token_ids: list[int]) -> None:
         """``accept`` for each pair, in order (one operation for a step's tokens)."""
-        self._ops.append(("accepts", request_ids, token_ids))
+        self._ops.append(("accepts", keys, token_ids))
 
-    def rollback(self, request_id: str, num_tokens: int) -> None:
+    def rollback(self, key: Key, num_tokens: int) -> None:
         """Undo the request's last ``num_tokens`` accepted tokens."""
-        self._ops.append(("rollback", request_id, num_tokens))
+        self._ops.append(("rollback", key, num_tokens))
 
-    def drop(self, request_id: str) -> None:
+    def drop(self, key: Key) -> None:
         """The request ended: free its matcher."""
-        self._ops.append(("drop", request_id))
+        self._ops.append(("drop", key))
 
     # -- steps
     @property
@@ -101,7 +105,7 @@ class Grammars:
         """Whether grammars can be added and stepped without waiting (the worker is up)."""
         return True
 
-    def submit(self, fill_ids: list[str]) -> None:
+    def submit(self, fill_ids: list[Key]) -> None:
         """Apply the buffered operations, then fill the bitmask of ``fill_ids`` (the
         structured requests that sample next, in any order)."""
         assert self._in_flight is None, "collect the last grammar step first"
@@ -125,10 +129,10 @@ class Grammars:
 
     _masks: torch.Tensor  # [turns, rows, words] int32
 
-    def _send(self, ops: list[tuple], fill_ids: list[str], turn: int) -> None:
+    def _send(self, ops: list[tuple], fill_ids: list[Key], turn: int) -> None:
         raise NotImplementedError
 
-    def _receive(self) -> dict[str, str]:
+    def _receive(self) -> dict[Key, str]:
         raise NotImplementedError
 
 
@@ -139,12 +143,12 @@ class LocalGrammars(Grammars):
         super().__init__()
         self._masks = torch.empty((_TURNS, max_rows, words), dtype=torch.int32, pin_memory=pin)
         self._matchers = MatcherSet(fill_threads)
-        self._job: tuple[list[tuple], list[str], int] | None = None
+        self._job: tuple[list[tuple], list[Key], int] | None = None
 
-    def _send(self, ops: list[tuple], fill_ids: list[str], turn: int) -> None:
+    def _send(self, ops: list[tuple], fill_ids: list[Key], turn: int) -> None:
         self._job = (ops, fill_ids, turn)
 
-    def _receive(self) -> dict[str, str]:
+    def _receive(self) -> dict[Key, str]:
         assert self._job is not None
         ops, fill_ids, turn = self._job
         self._job = None
@@ -191,17 +195,17 @@ class GrammarProcess(Grammars):
         theirs.close()
         self._conn.send(("init", tokenizer_info_json, shape, fill_threads))
 
-    def add(self, request_id: str, entry: Any) -> None:
-        key = entry.key
-        if key in self._keys:
-            self._keys.move_to_end(key)
+    def add(self, key: Key, entry: Any) -> None:
+        spec = entry.key  # the grammar's cache key: sent once, then named
+        if spec in self._keys:
+            self._keys.move_to_end(spec)
         else:
             assert entry.json is not None, "the compiler did not serialize this grammar"
-            self._ops.append(("grammar", key, entry.json))
-            self._keys[key] = None
+            self._ops.append(("grammar", spec, entry.json))
+            self._keys[spec] = None
             if len(self._keys) > self._keep:
                 self._ops.append(("forget", self._keys.popitem(last=False)[0]))
-        self._ops.append(("add", request_id, key))
+        self._ops.append(("add", key, spec))
 
     def ready(self) -> bool:
         if not self._ready and self._conn.poll(0):
@@ -214,13 +218,13 @@ class GrammarProcess(Grammars):
             raise RuntimeError(f"grammar worker: expected 'ready', got {msg[0]!r}")
         self._ready = True
 
-    def _send(self, ops: list[tuple], fill_ids: list[str], turn: int) -> None:
+    def _send(self, ops: list[tuple], fill_ids: list[Key], turn: int) -> None:
         try:
             self._conn.send(("step", ops, fill_ids, turn))
         except OSError as e:
             raise self._died() from e
 
-    def _receive(self) -> dict[str, str]:
+    def _receive(self) -> dict[Key, str]:
         if not self._ready:
             self._expect_ready()
         msg = self._recv()

@@ -4,26 +4,28 @@ and turned into one token bitmask per step. The same code runs in the engine's p
 xgrammar and numpy.
 
 Operations, applied in the order the scheduler issued them (tuples, so they pickle cheaply):
-    ("add", request_id, grammar)        a matcher at the grammar's start
-    ("fork", parent_id, child_id)       the child continues from the parent's state (n > 1)
-    ("accept", request_id, token_id)    advance by one sampled token
-    ("accepts", request_ids, token_ids) the same for each pair, in order
-    ("rollback", request_id, n)         undo the last n accepted tokens (speculative decoding)
-    ("drop", request_id)                the request ended
-In the worker process, ``grammar`` in "add" is a key of a grammar sent before by
-("grammar", key, serialized_json), and ("forget", key) frees one; ``GrammarWorkerState``
+    ("add", key, grammar)               a matcher at the grammar's start
+    ("fork", parent_key, child_key)     the child continues from the parent's state (n > 1)
+    ("accept", key, token_id)           advance by one sampled token
+    ("accepts", keys, token_ids)        the same for each pair, in order
+    ("rollback", key, n)                undo the last n accepted tokens (speculative decoding)
+    ("drop", key)                       the request ended
+A key names one request's matcher (the scheduler's ``Request.grammar_key``).
+In the worker process, ``grammar`` in "add" is the cache key of a grammar sent before by
+("grammar", spec_key, serialized_json), and ("forget", spec_key) frees one; ``GrammarWorkerState``
 resolves them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
 
 
 class MatcherSet:
-    """xgrammar matchers keyed by request id. ``apply`` runs operations; ``fill`` writes the
+    """xgrammar matchers by key. ``apply`` runs operations; ``fill`` writes the
     bitmask rows of the requests that sample next. A token the grammar rejects is reported,
     not raised: the engine ends that request alone."""
 
@@ -31,15 +33,15 @@ class MatcherSet:
         import xgrammar as xgr
 
         self._xgr = xgr
-        self.matchers: dict[str, Any] = {}
+        self.matchers: dict[Hashable, Any] = {}
         self._fill_threads = fill_threads
         self._batch = None  # xgrammar's batch filler, made on first use
 
-    def apply(self, ops: list[tuple], resolve: Any = None) -> dict[str, str]:
-        """Run ``ops`` in order; returns {request id: why its token was rejected}.
+    def apply(self, ops: list[tuple], resolve: Any = None) -> dict[Hashable, str]:
+        """Run ``ops`` in order; returns {key: why its token was rejected}.
         ``resolve`` maps the grammar field of "add" to a compiled grammar (identity if None);
         other operation kinds go to ``resolve.other(op)`` when given."""
-        rejected: dict[str, str] = {}
+        rejected: dict[Hashable, str] = {}
         matchers = self.matchers
         for op in ops:
             kind = op[0]
@@ -67,21 +69,21 @@ class MatcherSet:
                 raise ValueError(f"unknown grammar operation {kind!r}")
         return rejected
 
-    def _accept(self, rid: str, token: int, rejected: dict[str, str]) -> None:
+    def _accept(self, rid: Hashable, token: int, rejected: dict[Hashable, str]) -> None:
         m = self.matchers.get(rid)
         if m is None or m.is_terminated():
             return  # ended already: dropped, or its request's finish is on the way
         if not m.accept_token(token):
             rejected[rid] = f"token {token} rejected by the grammar"
 
-    def fill(self, request_ids: list[str], out: np.ndarray) -> None:
-        """Row i of ``out`` ([>= len(request_ids), ceil(vocab / 32)] int32) gets the bitmask of
-        request_ids[i]'s next token; a request with no live matcher (ended, or its grammar
+    def fill(self, keys: list[Hashable], out: np.ndarray) -> None:
+        """Row i of ``out`` ([>= len(keys), ceil(vocab / 32)] int32) gets the bitmask of
+        keys[i]'s next token; a request with no live matcher (ended, or its grammar
         already terminated) gets all ones: its token is dropped, so any is fine."""
         live: list[Any] = []
         rows: list[int] = []
-        for i, rid in enumerate(request_ids):
-            m = self.matchers.get(rid)
+        for i, key in enumerate(keys):
+            m = self.matchers.get(key)
             if m is None or m.is_terminated():
                 out[i] = -1
             else:

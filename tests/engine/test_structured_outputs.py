@@ -155,24 +155,42 @@ def test_grammar_and_json_object_and_n(llm):
         assert obj.text.lstrip().startswith("{")
 
 
-def test_structured_with_preemption_and_greedy_equality(tiny_models):
+@pytest.mark.parametrize("process", [False, True], ids=["local", "process"])
+def test_structured_with_preemption_and_greedy_equality(process, tiny_models):
+    """Preempted (recomputed) structured requests, two of them with n = 2, keep their
+    grammar state: the texts equal a run without preemption, with the matchers in the
+    engine's process or in the grammar worker."""
     schema = SMALL_OBJECT
     path = tiny_models("llama")
     p = [
-        SamplingParams(temperature=1.0, seed=i, max_tokens=30, structured_outputs=S(json=schema))
+        SamplingParams(
+            temperature=1.0,
+            seed=i,
+            max_tokens=30,
+            n=2 if i < 2 else 1,
+            structured_outputs=S(json=schema),
+        )
         for i in range(6)
     ]
     prompts = [{"prompt_token_ids": list(range(10 + i, 50 + i))} for i in range(6)]
     roomy = LLM(path, dtype="float32", max_model_len=256).generate(prompts, p, use_tqdm=False)
     tight_llm = LLM(
-        path, dtype="float32", max_model_len=256, block_size=8, num_gpu_blocks_override=10
+        path,
+        dtype="float32",
+        max_model_len=256,
+        block_size=8,
+        num_gpu_blocks_override=10,
+        grammar_process=process,
     )
     tight = tight_llm.generate(prompts, p, use_tqdm=False)
     assert tight_llm.llm_engine.engine_core.scheduler.num_preemptions > 0
-    assert [o.outputs[0].text for o in tight] == [o.outputs[0].text for o in roomy]
+    texts = [[c.text for c in o.outputs] for o in roomy]
+    assert [[c.text for c in o.outputs] for o in tight] == texts
+    assert [len(t) for t in texts] == [2, 2, 1, 1, 1, 1]
     for o in roomy:
-        if o.outputs[0].finish_reason == "stop":
-            jsonschema.validate(json.loads(o.outputs[0].text), schema)
+        for c in o.outputs:
+            if c.finish_reason == "stop":
+                jsonschema.validate(json.loads(c.text), schema)
 
 
 @pytest.mark.parametrize(

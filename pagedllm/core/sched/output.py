@@ -55,7 +55,7 @@ class SchedulerOutput:
     # Structured outputs: the grammar keys (Request.grammar_key) of the scheduled requests
     # with a grammar that sample this step, and their indices in the batch order; their
     # token bitmask is filled (engine/core.py) while the forward pass runs.
-    structured_requests: list[str] = field(default_factory=list)
+    structured_requests: list[int] = field(default_factory=list)
     structured_batch_idx: list[int] = field(default_factory=list)
     # The scheduler's own Request objects, in batch order (for its update: under async
     # scheduling a request that finished may have a token in flight while a new request

@@ -103,7 +103,7 @@ class Scheduler:
         self.grammars = None  # Grammars: the matchers of structured requests (set likewise)
         self._grammar_tokens_sent = False  # this update's tokens went to Grammars already
         self._grammar_serial = itertools.count()
-        self._grammar_owner: dict[str, Request] = {}  # grammar key -> its live request
+        self._grammar_owner: dict[int, Request] = {}  # grammar key -> its live request
         self.failed: list[Request] = []  # ended by the engine (bad grammar), to report
         self.beams = BeamManager(self.kv_cache_manager, self.groups)
         # Requests finished since the last schedule(): the runner drops their state.
@@ -286,7 +286,7 @@ class Scheduler:
             budget -= num_new
             self._add_to_output(request, new_blocks, new_reqs, cached_reqs)
 
-        structured: list[str] = []
+        structured: list[int] = []
         structured_idx: list[int] = []
         requests = self.requests
         batch = [requests[rid] for rid in num_scheduled]
@@ -655,7 +655,7 @@ class Scheduler:
 
     def _give_grammar(self, request: Request) -> None:
         """A fresh grammar key for ``request`` (its matcher's name in ``Grammars``)."""
-        request.grammar_key = f"{request.request_id}#{next(self._grammar_serial)}"
+        request.grammar_key = next(self._grammar_serial)
         self._grammar_owner[request.grammar_key] = request
 
     def _check_stop(self, request: Request, token: int) -> bool:
