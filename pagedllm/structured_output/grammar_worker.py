@@ -5,8 +5,9 @@ with two inherited file descriptors: CONN, one end of a socket pair carrying pic
 and MEM, the shared memory the bitmasks are written to. Messages in:
     ("init", tokenizer_info_json, (turns, rows, words), fill_threads)   first, once
     ("step", ops, fill_ids, turn)    apply ops, then fill rows [0, len(fill_ids)) of turn
-Messages out: ("ready",) once initialised; ("step", rejected) after each step, where rejected
-maps a matcher's key -> message; ("error", traceback) if a step failed as a whole.
+Messages out: ("ready",) once initialised; ("step", rejected, seconds) after each step, where
+rejected maps a matcher's key -> message and seconds is the step's work; ("error", traceback)
+if a step failed as a whole.
 The process ends when the connection closes (the engine exited or closed it).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import sys
+import time
 import traceback
 from collections import OrderedDict
 from multiprocessing.connection import Connection
@@ -65,11 +67,12 @@ def serve(conn: Connection, mem_fd: int) -> None:
         except (EOFError, OSError):
             return
         try:
+            start = time.perf_counter()
             _, ops, fill_ids, turn = msg
             rejected = matchers.apply(ops, state)
             if fill_ids:
                 matchers.fill(fill_ids, masks[turn])
-            conn.send(("step", rejected))
+            conn.send(("step", rejected, time.perf_counter() - start))
         except Exception:
             conn.send(("error", traceback.format_exc()))
 

@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class GrammarStep:
     fill_ids: list[Key]
     mask: torch.Tensor | None  # [len(fill_ids), ceil(vocab / 32)] int32
     rejected: dict[Key, str] = field(default_factory=dict)
+    work_seconds: float = 0.0  # the accept + fill work (in the worker: beside the loop)
 
 
 class Grammars:
@@ -120,9 +122,9 @@ class Grammars:
         assert self._in_flight is not None, "no grammar step in flight"
         fill_ids, turn = self._in_flight
         self._in_flight = None
-        rejected = self._receive()
+        rejected, seconds = self._receive()
         mask = self._masks[turn][: len(fill_ids)] if fill_ids else None
-        return GrammarStep(fill_ids, mask, rejected)
+        return GrammarStep(fill_ids, mask, rejected, seconds)
 
     def close(self) -> None:
         """Free what the implementation holds (the worker process)."""
@@ -132,7 +134,7 @@ class Grammars:
     def _send(self, ops: list[tuple], fill_ids: list[Key], turn: int) -> None:
         raise NotImplementedError
 
-    def _receive(self) -> dict[Key, str]:
+    def _receive(self) -> tuple[dict[Key, str], float]:
         raise NotImplementedError
 
 
@@ -148,14 +150,15 @@ class LocalGrammars(Grammars):
     def _send(self, ops: list[tuple], fill_ids: list[Key], turn: int) -> None:
         self._job = (ops, fill_ids, turn)
 
-    def _receive(self) -> dict[Key, str]:
+    def _receive(self) -> tuple[dict[Key, str], float]:
         assert self._job is not None
+        start = time.perf_counter()
         ops, fill_ids, turn = self._job
         self._job = None
         rejected = self._matchers.apply(ops)
         if fill_ids:
             self._matchers.fill(fill_ids, self._masks[turn])
-        return rejected
+        return rejected, time.perf_counter() - start
 
 
 class GrammarProcess(Grammars):
@@ -224,13 +227,13 @@ class GrammarProcess(Grammars):
         except OSError as e:
             raise self._died() from e
 
-    def _receive(self) -> dict[Key, str]:
+    def _receive(self) -> tuple[dict[Key, str], float]:
         if not self._ready:
             self._expect_ready()
         msg = self._recv()
         if msg[0] == "error":
             raise RuntimeError(f"grammar worker failed a step:\n{msg[1]}")
-        return msg[1]
+        return msg[1], msg[2]
 
     def _recv(self) -> tuple:
         try:

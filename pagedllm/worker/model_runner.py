@@ -103,6 +103,9 @@ class ModelRunner:
         # logits rows of a step's grammar bitmask, pinned (two: the last copy may be queued)
         self._bitmask_rows: list[torch.Tensor] = []
         self._bitmask_turn = 0
+        # on a GPU: device buffers the mask and its rows are copied into (reused each step;
+        # the stream orders a step's copy after the last step's kernel read them)
+        self._bitmask_dev: tuple[torch.Tensor, torch.Tensor] | None = None
         self.time_device = False  # record each step's device time (benchmarks)
         self.device_times: list[float] = []  # seconds, one per resolved step when timed
 
@@ -544,25 +547,32 @@ class ModelRunner:
     ) -> None:
         """Mask the sampled rows of structured requests (``rows_np``: the logits row of each
         mask row) in one vectorized operation; the mask and the row indices reach the device
-        by non-blocking copies from pinned memory."""
+        by non-blocking copies from pinned memory into preallocated device buffers."""
         from pagedllm.structured_output.bitmask import apply_token_bitmask
 
-        mask = bitmask.mask
-        assert mask is not None and len(rows_np) == mask.shape[0], "a mask row per request"
+        mask = bitmask.mask  # [n, ceil(vocab / 32)] int32, host
+        n = len(rows_np)
+        assert mask is not None and n == mask.shape[0], "a mask row per request"
+        cuda = self.device.type == "cuda"
         if not self._bitmask_rows:
-            pin = self.device.type == "cuda"
-            n = self.input_batch.max_num_reqs
+            max_rows = self.input_batch.max_num_reqs
             self._bitmask_rows = [
-                torch.empty(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)
+                torch.empty(max_rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)
             ]
-        rows = self._bitmask_rows[self._bitmask_turn][: len(rows_np)]
+            if cuda:
+                self._bitmask_dev = (
+                    torch.empty((max_rows, mask.shape[1]), dtype=torch.int32, device=self.device),
+                    torch.empty(max_rows, dtype=torch.int64, device=self.device),
+                )
+        rows = self._bitmask_rows[self._bitmask_turn][:n]
         self._bitmask_turn ^= 1
         rows.numpy()[:] = rows_np
-        apply_token_bitmask(
-            logits,
-            mask.to(logits.device, non_blocking=True),
-            rows.to(logits.device, non_blocking=True),
-        )
+        if self._bitmask_dev is not None:
+            mask_dev, rows_dev = self._bitmask_dev[0][:n], self._bitmask_dev[1][:n]
+            mask_dev.copy_(mask, non_blocking=True)
+            rows_dev.copy_(rows, non_blocking=True)
+            mask, rows = mask_dev, rows_dev
+        apply_token_bitmask(logits, mask, rows)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write copies of whole blocks (every layer, K and V) before the forward."""
