@@ -41,8 +41,9 @@ one() {
     tests-hf) python -m pytest -q -x -p no:cacheprovider tests/models/test_hf_equality.py
       python -m pytest -q -x -p no:cacheprovider tests/kernels/test_fused_ops.py -k rope_and_cache ;;
     tests-models) python -m pytest -q -x -p no:cacheprovider tests/models tests/engine ;;
-    tests-grammar) python -m pytest -q -x -p no:cacheprovider tests/engine/test_grammars.py \
-        tests/models/test_async_scheduling.py -k "grammar or rejected or worker" ;;
+    tests-grammar) python -m pytest -q -x -p no:cacheprovider tests/kernels/test_bitmask.py \
+        tests/engine/test_grammars.py tests/models/test_async_scheduling.py \
+        -k "bitmask or grammar or rejected or worker or again" ;;
     check) python benchmarks/gpu_suite.py check --out "$OUT" ;;
     bench-a-quick) python benchmarks/gpu_suite.py bench-a --skip-peers --sync-too --time-device \
         --out "$OUT/quick" | grep -v "^ "; summary "$OUT/quick" ;;

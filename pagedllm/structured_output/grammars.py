@@ -33,12 +33,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 import torch
 
+from pagedllm.structured_output.grammar_worker import Channel
 from pagedllm.structured_output.matchers import MatcherSet
 
 logger = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ class GrammarProcess(Grammars):
         self._keep = keep_grammars
         self._ready = False
         ours, theirs = socket.socketpair()
-        self._conn = Connection(ours.detach())
+        self._conn = Channel(ours)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -211,7 +211,7 @@ class GrammarProcess(Grammars):
         self._ops.append(("add", key, spec))
 
     def ready(self) -> bool:
-        if not self._ready and self._conn.poll(0):
+        if not self._ready and self._conn.poll():
             self._expect_ready()
         return self._ready
 

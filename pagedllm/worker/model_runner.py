@@ -564,14 +564,19 @@ class ModelRunner:
                     torch.empty((max_rows, mask.shape[1]), dtype=torch.int32, device=self.device),
                     torch.empty(max_rows, dtype=torch.int64, device=self.device),
                 )
-        rows = self._bitmask_rows[self._bitmask_turn][:n]
-        self._bitmask_turn ^= 1
-        rows.numpy()[:] = rows_np
+        # rows_np is increasing (structured batch indices, searched in the sampling ones):
+        # ending at n - 1 it is 0..n-1, e.g. every sampling row constrained -> no row indices
+        rows = None
+        if rows_np[-1] != n - 1:
+            rows = self._bitmask_rows[self._bitmask_turn][:n]
+            self._bitmask_turn ^= 1
+            rows.numpy()[:] = rows_np
         if self._bitmask_dev is not None:
-            mask_dev, rows_dev = self._bitmask_dev[0][:n], self._bitmask_dev[1][:n]
+            mask_dev = self._bitmask_dev[0][:n]
             mask_dev.copy_(mask, non_blocking=True)
-            rows_dev.copy_(rows, non_blocking=True)
-            mask, rows = mask_dev, rows_dev
+            mask = mask_dev
+            if rows is not None:
+                rows = self._bitmask_dev[1][:n].copy_(rows, non_blocking=True)
         apply_token_bitmask(logits, mask, rows)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

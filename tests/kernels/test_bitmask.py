@@ -38,6 +38,12 @@ def test_bitmask_equals_the_reference(vocab: int, allowed_frac: float) -> None:
         assert torch.equal(ref[r][keep], logits[r][keep])
         assert bool(torch.isneginf(ref[r][~keep]).all())
     assert torch.equal(got.cpu()[[1, 2, 4, 6]], logits[[1, 2, 4, 6]])
+    # without row indices mask row i applies to logits row i
+    ref2, got2 = logits.clone(), logits.to(DEVICE)
+    apply_token_bitmask(ref2, mask, None)
+    apply_token_bitmask_triton(got2, mask.to(DEVICE), None)
+    apply_token_bitmask(logits, mask, torch.arange(3))  # the same, spelled out
+    assert torch.equal(got2.cpu(), ref2) and torch.equal(ref2, logits)
 
 
 def test_bitmask_rejects_a_short_mask() -> None:
