@@ -541,26 +541,43 @@ def _structured_overhead(path: str, tok_dir: str, prompt_len: int = 64,
     warm = llm.generate(prompts, constrained, use_tqdm=False)
     llm.generate(prompts, [SamplingParams(temperature=1.0, max_tokens=len(o.outputs[0].token_ids),
                                           ignore_eos=True) for o in warm], use_tqdm=False)
-    lengths = None
-    for _ in range(5):
+    # the free batch does the constrained run's work: each request's constrained length
+    lengths = [len(o.outputs[0].token_ids) for o in llm.generate(prompts, constrained,
+                                                                 use_tqdm=False)]
+    free = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in lengths]
+
+    def timed(params: list, llm: LLM = llm) -> tuple[float, float]:
+        """(output tok/s, the engine thread's CPU ms per step) of one run."""
         torch.cuda.synchronize()
-        t = time.perf_counter()
-        outs = llm.generate(prompts, constrained, use_tqdm=False)
+        t, cpu = time.perf_counter(), time.thread_time()
+        outs = llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
-        el = time.perf_counter() - t
-        lengths = [len(o.outputs[0].token_ids) for o in outs]
-        out.setdefault("constrained", []).append(sum(lengths) / el)
-        free = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in lengths]
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        outs = llm.generate(prompts, free, use_tqdm=False)
-        torch.cuda.synchronize()
-        out.setdefault("free", []).append(sum(lengths) / (time.perf_counter() - t))
+        el, cpu = time.perf_counter() - t, time.thread_time() - cpu
+        n = [len(o.outputs[0].token_ids) for o in outs]
+        return sum(n) / el, cpu / max(n) * 1e3
+
+    # Pairs of runs back to back, in alternating order: this host's noise (free runs of one
+    # engine have spread 27k-45k tok/s) moves both runs of a pair alike, so the overhead is
+    # the median over pairs of 1 - constrained / free. The engine thread's CPU time per step
+    # is the host-bound regime's cost, free of the wall clock's noise.
+    ratios, cpu_c, cpu_f = [], [], []
+    for i in range(8):
+        order = ("c", "f") if i % 2 == 0 else ("f", "c")
+        res = {k: timed(constrained if k == "c" else free) for k in order}
+        out.setdefault("constrained", []).append(res["c"][0])
+        out.setdefault("free", []).append(res["f"][0])
+        ratios.append(res["c"][0] / res["f"][0])
+        cpu_c.append(res["c"][1])
+        cpu_f.append(res["f"][1])
     out["mean_output_len"] = float(np.mean(lengths))
     c, f = np.median(out["constrained"]), np.median(out["free"])
     out["overhead_fraction"] = 1 - c / f
+    out["overhead_fraction_paired"] = 1 - float(np.median(ratios))
     # the host's noise only ever slows a run down: the best runs compare the two as well
     out["overhead_fraction_best"] = 1 - max(out["constrained"]) / max(out["free"])
+    out["engine_thread_cpu_ms_per_step"] = {"constrained": float(np.median(cpu_c)),
+                                            "free": float(np.median(cpu_f))}
+    out["engine_thread_cpu_overhead_fraction"] = float(np.median(cpu_c) / np.median(cpu_f) - 1)
     del llm
     free_mem()
     return out
