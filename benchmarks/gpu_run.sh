@@ -64,6 +64,8 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     bitmask-launch) python benchmarks/bitmask_launch.py ;;
     profile-structured-in-loop) GRAMMAR_PROCESS=0 python benchmarks/profile_structured.py ;;
     structured) python benchmarks/gpu_suite.py extras --only-structured --out "$OUT" | tail -30 ;;
+    structured-threads) lscpu -e | head -20; nproc
+      python benchmarks/gpu_suite.py extras --grammar-threads 1,2,4 --out "$OUT" | tail -5 ;;
     *) echo "unknown stage $1" ;;
   esac
 }

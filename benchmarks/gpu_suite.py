@@ -450,6 +450,14 @@ def structured_model(tok_dir: str) -> str:
 
 def extras(args: argparse.Namespace) -> dict:
     result: dict = {"device": torch.cuda.get_device_name(0)}
+    if args.grammar_threads:  # the worker's fill threads, 64-token prompts (host-bound)
+        tok_dir = os.environ["PAGEDLLM_TOKENIZER_DIR"]
+        path = structured_model(tok_dir)
+        for threads in args.grammar_threads.split(","):
+            os.environ["PAGEDLLM_GRAMMAR_THREADS"] = threads
+            result[f"structured_threads_{threads}"] = _structured_overhead(path, tok_dir)
+        os.environ.pop("PAGEDLLM_GRAMMAR_THREADS")
+        return result
     if args.only_structured:
         tok_dir = os.environ["PAGEDLLM_TOKENIZER_DIR"]
         path = structured_model(tok_dir)
@@ -597,12 +605,15 @@ def main() -> None:
     p.add_argument("--sync-too", action="store_true", help="also without async scheduling")
     p.add_argument("--time-device", action="store_true", help="CUDA events around each step")
     p.add_argument("--only-structured", action="store_true")
+    p.add_argument("--grammar-threads", default="",
+                   help="extras: only the grammar overhead, once per fill-thread count (1,2,4)")
     p.add_argument("--profile", action="store_true", help="bench-a: device time by kernel kind")
     args = p.parse_args()
     fn = {"check": check, "bench-a": bench_a, "bench-b": bench_b, "extras": extras}[args.part]
     result = fn(args)
     os.makedirs(args.out, exist_ok=True)
     part = args.part + ("_structured" if args.only_structured else "")
+    part += "_grammar_threads" if args.grammar_threads else ""
     files = {part: result}
     if args.part == "bench-b":  # one file per workload: gpu_bench-b-1024-128_<device>.json
         files = {"bench-b-" + k.split("-", 2)[2]: v for k, v in split_b(result).items()}
