@@ -128,9 +128,11 @@ class EngineCore:
         Grammars (``Grammars``, in a worker process on GPUs): a step with structured requests
         queues its forward pass, then submits the grammar step - step N-1's tokens, then the
         bitmask of step N's structured requests - and its sampling waits for that. Async: the
-        grammar step runs while this ``step()`` returns and the caller processes the outputs,
-        and the next ``step()`` collects it and queues step N's sampling first thing (before
-        step N+1's forward pass, which reads N's tokens on the device). Sync: at once.
+        grammar step is submitted as soon as N-1's tokens reach the host and runs during the
+        update, the caller's output processing and the scheduling of N+1; the next ``step()``
+        collects it after that scheduling and queues step N's sampling before step N+1's
+        forward pass (which reads N's tokens on the device). Sync: submitted and collected at
+        once, the tokens of the last step going with the next step's grammar step.
         """
         if self.async_scheduling and not self.scheduler.needs_sync:
             return self._step_async()

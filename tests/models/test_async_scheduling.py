@@ -188,9 +188,10 @@ def test_async_abort_in_flight_leaves_others_intact(tiny_models):
 
 @pytest.mark.parametrize("process", [False, True], ids=["local", "process"])
 def test_async_grammars_fill_the_mask_after_the_forward_is_queued(process, tiny_models):
-    """Grammar-constrained requests keep async scheduling: step N's forward is queued, step
-    N-1's tokens advance the matchers, then step N's bitmask is filled and sampling queued;
-    texts equal synchronous steps and parse."""
+    """Grammar-constrained requests keep async scheduling: step N's forward is queued, then
+    step N-1 resolved (its tokens advance the matchers and step N's bitmask is filled, in the
+    worker process with ``process``), and step N's sampling is queued when the next step
+    collects the bitmask; texts equal synchronous steps and parse."""
     import json
 
     import jsonschema
