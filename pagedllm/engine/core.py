@@ -141,13 +141,13 @@ class EngineCore:
             return outputs
         scheduler_output = self.scheduler.schedule()
         runner = self.model_runner
-        step = runner.launch_forward(scheduler_output)
-        if scheduler_output.structured_requests:
+        if not scheduler_output.structured_requests:
+            runner_output = runner.execute_model(scheduler_output)
+        else:  # the grammar step's collect queues the sampling with its bitmask
+            step = runner.launch_forward(scheduler_output)
             self._submit_grammars(step, scheduler_output.structured_requests)
             outputs += self._collect_grammars()
-        else:
-            runner.launch_sample(step, None)
-        runner_output = runner.resolve(step)
+            runner_output = runner.resolve(step)
         return outputs + self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_async(self) -> list[EngineCoreOutput]:
@@ -158,26 +158,28 @@ class EngineCore:
         # grammar step that much more time)
         outputs = self._collect_grammars()
         launched = None
+        structured: list[int] = []
         if scheduler_output is not None:
             launched = (scheduler_output, runner.launch_forward(scheduler_output))
-            if not scheduler_output.structured_requests:
+            structured = scheduler_output.structured_requests
+            if not structured:
                 runner.launch_sample(launched[1], None)
         if self._pending is not None:
             last_output, last_step = self._pending
             self._pending = None
             runner_output = runner.resolve(last_step)
-            if launched is not None and launched[0].structured_requests:
+            if structured:
                 # N-1's tokens to the grammars and N's bitmask, before the update: the
                 # grammar step runs during the update and the caller's output processing
                 scheduler.send_grammar_tokens(last_output, runner_output)
-                self._submit_grammars(launched[1], launched[0].structured_requests)
+                self._submit_grammars(launched[1], structured)
             outputs += scheduler.update_from_output(last_output, runner_output)
-        if launched is not None and launched[0].structured_requests and self._grammar_step is None:
-            self._submit_grammars(launched[1], launched[0].structured_requests)
+        elif structured:
+            self._submit_grammars(launched[1], structured)
         self._pending = launched
         return outputs
 
-    def _submit_grammars(self, step: LaunchedStep, fill_ids: list[str]) -> None:
+    def _submit_grammars(self, step: LaunchedStep, fill_ids: list[int]) -> None:
         """Start the grammar step whose bitmask ``step``'s sampling waits for."""
         self.scheduler.grammars.submit(fill_ids)
         self._grammar_step = step
