@@ -13,6 +13,8 @@ from typing import Any
 _DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 _DEVICES = ("auto", "cpu", "cuda")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# how the engine core reaches the model: in its own process, or one worker process per rank
+_EXECUTOR_BACKENDS = ("uni", "mp")
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -84,6 +86,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space_bytes: int = 0  # host memory for swapped-out blocks
     preemption_mode: str = "recompute"  # recompute | swap | auto
+    # sliding-window layers keep the whole context, as full attention does (vLLM's flag)
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -156,14 +160,27 @@ class DeviceConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor and data parallel sizes (1 and 1 until distributed support lands)."""
+    """Tensor and data parallel sizes (1 and 1 until distributed support lands), and the
+    executor: ``"uni"`` runs the model in the engine's process, ``"mp"`` in one worker
+    process per tensor-parallel rank."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
 
     def __post_init__(self) -> None:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _positive_int("data_parallel_size", self.data_parallel_size)
+        if self.distributed_executor_backend not in _EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {_EXECUTOR_BACKENDS}, "
+                f"got {self.distributed_executor_backend!r}."
+            )
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
+            raise ValueError(
+                "distributed_executor_backend 'uni' runs one rank; tensor_parallel_size > 1 "
+                "needs 'mp'."
+            )
         if self.tensor_parallel_size != 1 or self.data_parallel_size != 1:
             raise ValueError("tensor_parallel_size and data_parallel_size must be 1 for now.")
 
@@ -194,6 +211,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     swap_space: float = 0.0  # GiB of host memory for swap preemption
     preemption_mode: str = "recompute"
+    disable_hybrid_kv_cache_manager: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
@@ -211,6 +229,7 @@ class EngineArgs:
     load_format: str = "auto"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -237,6 +256,11 @@ class EngineArgs:
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space!r}.")
+        if self.distributed_executor_backend not in _EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {_EXECUTOR_BACKENDS}, "
+                f"got {self.distributed_executor_backend!r}."
+            )
 
         device = self.device
         if device == "auto":
@@ -281,6 +305,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 swap_space_bytes=int(self.swap_space * 2**30),
                 preemption_mode=self.preemption_mode,
+                disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -300,6 +325,7 @@ class EngineArgs:
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 data_parallel_size=self.data_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
             ),
         )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -21,6 +21,10 @@ class AttentionMetadata:
     query_start_loc [0, 3, 4], seq_lens [8, 10], query positions [5, 6, 7, 9].
     ``slot_mapping[t]`` is the cache slot (block_id * block_size + offset) where token t's new
     K/V go; -1 means "do not write" (padding rows).
+
+    KV-cache groups (``core/kv_cache/spec.py``): with several, each group has its own block
+    tables and slots; ``groups[g]`` is group g's metadata (``groups[0]`` is this object) and
+    an attention layer reads ``for_group(its group)``. Everything else is shared.
     """
 
     num_reqs: int
@@ -37,3 +41,16 @@ class AttentionMetadata:
     seq_lens_np: np.ndarray | None = None
     # Backend-private per-step plans (e.g. gathered key slots), built once, shared by layers.
     plan: dict = field(default_factory=dict)
+    groups: list[AttentionMetadata] | None = None
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of KV-cache group ``group`` attends with."""
+        return self if self.groups is None else self.groups[group]
+
+    def with_tables(
+        self, slot_mapping: torch.Tensor, block_tables: torch.Tensor
+    ) -> AttentionMetadata:
+        """A copy for another group: its own slots, tables and backend plans."""
+        return replace(
+            self, slot_mapping=slot_mapping, block_tables=block_tables, plan={}, groups=None
+        )

@@ -4,48 +4,63 @@ from __future__ import annotations
 
 import gc
 import logging
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.output import EngineCoreOutput, SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
-from pagedllm.worker.model_runner import LaunchedStep, ModelRunner
+from pagedllm.worker.executor import Executor, UniProcExecutor, make_executor
+
+if TYPE_CHECKING:
+    from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """Owns the scheduler and the model runner.
+    """Owns the scheduler and the executor (the model runner, in this process or in worker
+    processes: ``parallel_config.distributed_executor_backend``).
 
     Each ``step()``: ``Scheduler.schedule()`` -> ``SchedulerOutput`` ->
-    ``ModelRunner.execute_model()`` -> ``ModelRunnerOutput`` -> ``Scheduler.update_from_output()``
-    -> one ``EngineCoreOutput`` per request that produced something or finished.
+    ``Executor.execute_model()`` -> ``ModelRunnerOutput`` -> ``Scheduler.update_from_output()``
+    -> one ``EngineCoreOutput`` per request that produced something or finished. Only plain
+    data crosses to the executor.
     """
 
     def __init__(
         self, config: EngineConfig, eos_token_ids: set[int] | None = None, tokenizer: object = None
     ) -> None:
         self.config = config
-        self.model_runner = ModelRunner(config, eos_token_ids)
-        num_blocks = self.model_runner.determine_num_blocks()
-        self.model_runner.initialize_kv_cache(num_blocks)
-        self.model_runner.capture_cuda_graphs()
-        num_host_blocks = self.model_runner.initialize_swap_space()
+        self.executor: Executor = make_executor(config, eos_token_ids)
+        try:
+            executor = self.executor
+            num_blocks = executor.determine_num_blocks()
+            executor.initialize_kv_cache(num_blocks)
+            executor.capture_cuda_graphs()
+            num_host_blocks = executor.initialize_swap_space()
+            swap_is_cheaper = executor.swap_is_cheaper()
+            kv_groups = executor.kv_cache_groups()
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
             num_blocks,
             num_host_blocks,
-            swap_is_cheaper=self.model_runner.swap_is_cheaper(),
+            swap_is_cheaper=swap_is_cheaper,
+            kv_groups=kv_groups,
         )
         self.num_blocks = num_blocks
         self.tokenizer = tokenizer
         self.async_scheduling = config.scheduler_config.async_scheduling
-        # async scheduling: the launched step whose results are not yet applied
-        self._pending: tuple[SchedulerOutput, LaunchedStep] | None = None
-        # the launched step whose sampling waits for the grammar step in flight
-        self._grammar_step: LaunchedStep | None = None
-        if self.model_runner.device.type == "cuda":
+        # async scheduling: the launched step (its executor handle) whose results are not yet
+        # applied
+        self._pending: tuple[SchedulerOutput, Any] | None = None
+        # the handle of the launched step whose sampling waits for the grammar step in flight
+        self._grammar_step: Any = None
+        if self.executor.device_type == "cuda":
             # Python's full collections walk every tracked object: after torch, Triton and a
             # model are loaded that is millions, a pause of tens of ms charged to whichever
             # step allocates next. Frozen objects are skipped (refcounting still frees them;
@@ -53,6 +68,17 @@ class EngineCore:
             # forward pass dwarfs the pauses, and test runs make many engines: not there.
             gc.collect()
             gc.freeze()
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        """The in-process model runner (tests and benchmarks look inside it); only the "uni"
+        executor has one."""
+        if not isinstance(self.executor, UniProcExecutor):
+            raise RuntimeError(
+                "engine_core.model_runner exists only with distributed_executor_backend='uni'; "
+                f"this engine's runner is in worker processes ({type(self.executor).__name__})."
+            )
+        return self.executor.runner
 
     def structured_output_manager(self):  # noqa: ANN201
         """The grammar compiler and the grammars' matchers (in a worker process when
@@ -75,12 +101,11 @@ class EngineCore:
                 cache_key=f"{mc.tokenizer}|{mc.model}",
                 serialize=process,
             )
-            runner = self.model_runner
             self.scheduler.grammars = make_grammars(
                 process,
                 manager,
-                runner.input_batch.max_num_reqs,
-                pin=runner.device.type == "cuda",
+                self.executor.max_num_reqs,
+                pin=self.executor.device_type == "cuda",
                 fill_threads=fill_threads(),
             )
             self.scheduler.structured = manager
@@ -140,18 +165,18 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return outputs
         scheduler_output = self.scheduler.schedule()
-        runner = self.model_runner
+        executor = self.executor
         if not scheduler_output.structured_requests:
-            runner_output = runner.execute_model(scheduler_output)
+            runner_output = executor.execute_model(scheduler_output)
         else:  # the grammar step's collect queues the sampling with its bitmask
-            step = runner.launch_forward(scheduler_output)
+            step = executor.launch_forward(scheduler_output)
             self._submit_grammars(step, scheduler_output.structured_requests)
             outputs += self._collect_grammars()
-            runner_output = runner.resolve(step)
+            runner_output = executor.resolve(step)
         return outputs + self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_async(self) -> list[EngineCoreOutput]:
-        runner, scheduler = self.model_runner, self.scheduler
+        executor, scheduler = self.executor, self.scheduler
         scheduler_output = scheduler.schedule() if scheduler.has_unfinished_requests() else None
         # step N-1's sampling, if it waited for its bitmask: queued before step N's forward,
         # which reads N-1's tokens on the device (collected after scheduling N, to give the
@@ -160,14 +185,14 @@ class EngineCore:
         launched = None
         structured: list[int] = []
         if scheduler_output is not None:
-            launched = (scheduler_output, runner.launch_forward(scheduler_output))
+            launched = (scheduler_output, executor.launch_forward(scheduler_output))
             structured = scheduler_output.structured_requests
             if not structured:
-                runner.launch_sample(launched[1], None)
+                executor.launch_sample(launched[1], None)
         if self._pending is not None:
             last_output, last_step = self._pending
             self._pending = None
-            runner_output = runner.resolve(last_step)
+            runner_output = executor.resolve(last_step)
             if structured:
                 # N-1's tokens to the grammars and N's bitmask, before the update: the
                 # grammar step runs during the update and the caller's output processing
@@ -179,7 +204,7 @@ class EngineCore:
         self._pending = launched
         return outputs
 
-    def _submit_grammars(self, step: LaunchedStep, fill_ids: list[int]) -> None:
+    def _submit_grammars(self, step: Any, fill_ids: list[int]) -> None:
         """Start the grammar step whose bitmask ``step``'s sampling waits for."""
         self.scheduler.grammars.submit(fill_ids)
         self._grammar_step = step
@@ -193,7 +218,7 @@ class EngineCore:
         result = grammars.collect()
         step, self._grammar_step = self._grammar_step, None
         if step is not None:
-            self.model_runner.launch_sample(step, result)
+            self.executor.launch_sample(step, result)
         return self.scheduler.apply_grammar_step(result)
 
     def _resolve_pending(self) -> list[EngineCoreOutput]:
@@ -202,17 +227,20 @@ class EngineCore:
             return outputs
         scheduler_output, launched = self._pending
         self._pending = None
-        runner_output = self.model_runner.resolve(launched)
+        runner_output = self.executor.resolve(launched)
         return outputs + self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def shutdown(self) -> None:
-        """Stop the grammar worker process, if one runs."""
-        if self.scheduler.grammars is not None:
-            self.scheduler.grammars.close()
+        """Stop the grammar worker process, if one runs, and the executor's workers."""
+        try:
+            if self.scheduler.grammars is not None:
+                self.scheduler.grammars.close()
+        finally:
+            self.executor.shutdown()
 
     def check_integrity(self) -> None:
         """KV cache invariants; when idle, every block is free."""
         kv = self.scheduler.kv_cache_manager
         kv.check_integrity()
         if not self.scheduler.has_unfinished_requests():
-            assert kv.num_free_blocks() == kv.num_blocks, "blocks leaked while idle"
+            assert kv.is_idle_clean(), "blocks leaked while idle"

@@ -15,9 +15,9 @@ The engine flags are generated from the fields of ``EngineArgs`` (``--max-model-
 ``--num-gpu-blocks-override``, ``--enable-chunked-prefill/--no-enable-chunked-prefill``,
 ``--enforce-eager``, ``--load-format``, ``--enable-prefix-caching/--no-enable-prefix-caching``,
 ``--scheduling-policy fcfs|priority|sjf``, ``--preemption-mode recompute|swap|auto``,
-``--swap-space GiB``, ...), so they always match the engine; only the flags a
-user gives are passed on, the rest keep ``EngineArgs``' defaults. Importing this module does not
-import torch.
+``--swap-space GiB``, ``--distributed-executor-backend uni|mp``, ...), so they always match
+the engine; only the flags a user gives are passed on, the rest keep ``EngineArgs``' defaults.
+Importing this module does not import torch.
 """
 
 from __future__ import annotations
@@ -54,12 +54,16 @@ _HELP = {
     "sjf_aging_rate": "sjf: tokens of rank a request gains per second of waiting.",
     "preemption_mode": "What preemption does to a victim's KV cache: recompute, swap (to "
     "--swap-space host memory) or auto (the cheaper of the two per victim).",
+    "disable_hybrid_kv_cache_manager": "Keep the whole context in sliding-window layers' KV "
+    "cache too, instead of only their window.",
     "seed": "Random seed of the engine.",
     "enforce_eager": "Never capture CUDA graphs.",
     "device": "Device to run on.",
     "load_format": "Weight format.",
     "tensor_parallel_size": "Tensor-parallel GPUs.",
     "data_parallel_size": "Data-parallel engine replicas.",
+    "distributed_executor_backend": "How the engine reaches the model: uni (in its own "
+    "process) or mp (one worker process per tensor-parallel rank).",
     "async_scheduling": "Schedule the next step while the device runs this one "
     "(default: on with a GPU, off on a CPU).",
     "grammar_process": "Structured outputs: advance grammars and fill their token bitmasks "
@@ -71,6 +75,7 @@ _CHOICES = {
     "load_format": getattr(_config, "_LOAD_FORMATS", None),
     "scheduling_policy": ("fcfs", "priority", "sjf"),
     "preemption_mode": ("recompute", "swap", "auto"),
+    "distributed_executor_backend": getattr(_config, "_EXECUTOR_BACKENDS", None),
 }
 _TYPES = {"str": str, "int": int, "float": float}
 

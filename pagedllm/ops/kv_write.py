@@ -8,7 +8,7 @@ Example: block_size 16, slot 37 -> block 2, offset 5 -> kv_cache[0, 2, 5, h, :] 
 
 The kernel runs one program per (token, KV head) and copies ``head_dim`` contiguous elements of K
 and of V; no host sync, no data-dependent Python branch, so it is CUDA-graph capturable.
-``write_kv_cache_ref`` (the PyTorch version from the CPU backend) is what tests compare with.
+``write_kv_cache_ref`` (the PyTorch version in ``pagedllm.kv_layout``) is what tests compare with.
 
 This module imports Triton at import time: import it only where Triton is installed.
 """
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.backends.torch_native import write_kv_cache as write_kv_cache_ref
+from pagedllm.kv_layout import write_kv_ref as write_kv_cache_ref
 
 __all__ = ["write_kv_cache", "write_kv_cache_ref"]
 

@@ -8,6 +8,10 @@ rows are all plain argmax (``SamplingMetadata.argmax_only``) may pass them in th
         ├─► greedy rows: argmax
         └─► temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► exponential race
 
+Parallel sampling (n > 1): a row may draw extra samples from its own logits
+(``SamplingMetadata.fork_counts``); they are rows appended to the batch - the same pipeline,
+one pass - and come back apart, in ``SamplerOutput.forks``.
+
 The exponential race picks argmax(p / q) with q ~ Exp(1), which samples from p without a
 device sync (no multinomial). A request with a ``seed`` draws its q from a generator seeded by
 (seed, output position), so its tokens depend on nothing else in the batch, nor on preemption.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.sample.penalties import apply_penalties
@@ -26,7 +31,10 @@ _EPS = 1e-5
 
 @dataclass
 class SamplingMetadata:
-    """Per-row sampling parameters of the rows that sample this step."""
+    """Per-row sampling parameters of the rows that sample this step.
+
+    With parallel sampling the per-row fields cover the logits' B rows and then the F extra
+    samples (``fork_src``): B + F entries."""
 
     temperature: torch.Tensor  # [B] float32
     top_p: torch.Tensor  # [B]
@@ -48,6 +56,10 @@ class SamplingMetadata:
     min_tokens_masks: list[tuple[int, list[int]]] | None = None
     max_num_logprobs: int = -1  # -1: no row wants logprobs
     generator: torch.Generator | None = None
+    # Parallel sampling: [B] extra samples each row draws from its logits (None: none), and
+    # [F] the logits row of each extra sample, in order (e.g. counts [0, 2, 1] -> [1, 1, 2]).
+    fork_counts: np.ndarray | None = None
+    fork_src: torch.Tensor | None = None
 
     @property
     def argmax_only(self) -> bool:
@@ -69,12 +81,33 @@ class SamplerOutput:
     logprob_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     ranks: torch.Tensor | None = None
+    forks: SamplerOutput | None = None  # the F extra samples (``SamplingMetadata.fork_src``)
+
+    def logprob_tensors(self) -> list[torch.Tensor]:
+        """[ids, logprobs, ranks], [rows, N + 1] each (the step asked for logprobs)."""
+        assert self.logprob_ids is not None and self.logprobs is not None
+        assert self.ranks is not None
+        return [self.logprob_ids, self.logprobs, self.ranks]
+
+    def split(self, num_rows: int) -> SamplerOutput:
+        """The first ``num_rows`` rows, with the rest as ``forks`` (views, no copies)."""
+        lp = (self.logprob_ids, self.logprobs, self.ranks)
+        head = [t[:num_rows] if t is not None else None for t in lp]
+        tail = [t[num_rows:] if t is not None else None for t in lp]
+        rest = SamplerOutput(self.sampled[num_rows:], *tail)
+        return SamplerOutput(self.sampled[:num_rows], *head, forks=rest)
 
 
 class Sampler:
-    """Samples one token per row (see module docstring)."""
+    """Samples one token per row, and the extra samples of rows that fork (see module
+    docstring)."""
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """Sample ``logits`` ([B, vocab]) under ``md``; ``forks`` holds the extra samples."""
+        num_rows = logits.shape[0]
+        if md.fork_src is not None:
+            # each extra sample is one more row of its row's logits: [B + F, vocab]
+            logits = torch.cat([logits, logits.index_select(0, md.fork_src)])
         raw = logits
         logits = logits.clone() if (md.min_tokens_masks or md.presence is not None) else logits
         if md.min_tokens_masks:
@@ -95,7 +128,7 @@ class Sampler:
         out = SamplerOutput(sampled=sampled)
         if md.max_num_logprobs >= 0:
             self._logprobs(raw, sampled, md.max_num_logprobs, out)
-        return out
+        return out.split(num_rows) if md.fork_src is not None else out
 
     def _random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         temp = torch.where(md.temperature < _EPS, torch.ones_like(md.temperature), md.temperature)

@@ -14,10 +14,7 @@ The process ends when the connection closes (the engine exited or closed it).
 from __future__ import annotations
 
 import mmap
-import pickle
-import select
 import socket
-import struct
 import sys
 import time
 import traceback
@@ -27,51 +24,7 @@ from typing import Any
 import numpy as np
 
 from pagedllm.structured_output.matchers import MatcherSet
-
-
-class Channel:
-    """Pickled messages over a stream socket, each framed by a 4-byte length: one system call
-    to send and, for a message of up to 64 KiB, one to receive (multiprocessing's Connection
-    reads the length and the body separately, and its pickler is slower)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._buf = bytearray()
-
-    def send(self, msg: Any) -> None:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        self.sock.sendall(struct.pack("<I", len(data)) + data)
-
-    def _message(self) -> Any:
-        """The next message: the buffer holds it whole (``_message_ready``)."""
-        buf = self._buf
-        n = struct.unpack_from("<I", buf)[0]
-        msg = pickle.loads(buf[4 : 4 + n])
-        del buf[: 4 + n]
-        return msg
-
-    def poll(self) -> bool:
-        """Whether a message (or the end of the stream) can be read without waiting."""
-        if self._message_ready():
-            return True
-        return bool(select.select([self.sock], [], [], 0)[0])
-
-    def _message_ready(self) -> bool:
-        buf = self._buf
-        return len(buf) >= 4 and len(buf) >= 4 + struct.unpack_from("<I", buf)[0]
-
-    def recv(self) -> Any:
-        """The next message; EOFError when the other end closed."""
-        while True:
-            if self._message_ready():
-                return self._message()
-            chunk = self.sock.recv(1 << 16)
-            if not chunk:
-                raise EOFError("the other end closed the channel")
-            self._buf += chunk
-
-    def close(self) -> None:
-        self.sock.close()
+from pagedllm.utils.channel import Channel
 
 
 class GrammarWorkerState:

@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.structured_output.grammar_worker import Channel
 from pagedllm.structured_output.matchers import MatcherSet
+from pagedllm.utils.channel import Channel
 
 logger = logging.getLogger(__name__)
 

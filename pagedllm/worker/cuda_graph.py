@@ -37,6 +37,7 @@ class CUDAGraphRunner:
         block_size: int,
         max_model_len: int,
         device: torch.device,
+        num_kv_groups: int = 1,
     ) -> None:
         self.model = model
         self.sizes = capture_sizes(max_bs)
@@ -46,26 +47,33 @@ class CUDAGraphRunner:
         n = self.max_bs
         self.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
         self.positions = torch.zeros(n, dtype=torch.int32, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        g = num_kv_groups  # slots and block tables per KV-cache group
+        self.slot_mapping = torch.full((g, n), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_req, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(g, n, max_blocks_per_req, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
 
     def _metadata(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
+        md = AttentionMetadata(
             num_reqs=bs,
             num_actual_tokens=bs,
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs],
-            slot_mapping=self.slot_mapping[:bs],
-            block_tables=self.block_tables[:bs],
+            slot_mapping=self.slot_mapping[0, :bs],
+            block_tables=self.block_tables[0, :bs],
             max_query_len=1,
             max_seq_len=self.max_model_len,  # graphs must cover any context length
             block_size=self.block_size,
         )
+        if self.slot_mapping.shape[0] > 1:
+            md.groups = [md] + [
+                md.with_tables(self.slot_mapping[g, :bs], self.block_tables[g, :bs])
+                for g in range(1, self.slot_mapping.shape[0])
+            ]
+        return md
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -97,13 +105,15 @@ class CUDAGraphRunner:
         bs = next(s for s in self.sizes if s >= b)
         self.input_ids[:b].copy_(input_ids)
         self.positions[:b].copy_(positions)
-        self.slot_mapping[:b].copy_(md.slot_mapping)
         self.seq_lens[:b].copy_(md.seq_lens)
         nb = md.block_tables.shape[1]
-        self.block_tables[:b, :nb].copy_(md.block_tables)
+        for g in range(self.slot_mapping.shape[0]):
+            gmd = md.for_group(g)
+            self.slot_mapping[g, :b].copy_(gmd.slot_mapping)
+            self.block_tables[g, :b, :nb].copy_(gmd.block_tables)
         if bs > b:  # padding rows: write nothing, attend to one token of block 0
-            self.slot_mapping[b:bs].fill_(-1)
+            self.slot_mapping[:, b:bs].fill_(-1)
             self.seq_lens[b:bs].fill_(1)
-            self.block_tables[b:bs, 0].fill_(0)
+            self.block_tables[:, b:bs, 0].fill_(0)
         self.graphs[bs].replay()
         return self.outputs[bs][:b]

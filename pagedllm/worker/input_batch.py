@@ -17,7 +17,7 @@ class SamplingColumns:
     """Each row's sampling parameters as numpy columns, so a step's metadata is a few
     vectorized gathers instead of Python over every row's SamplingParams (at 256 rows that
     loop cost ~0.4 ms of host time a step). The InputBatch keeps one row per request slot,
-    written once when the request gets its row; forks build theirs from a params list."""
+    written once when the request gets its row."""
 
     def __init__(self, num_rows: int) -> None:
         self.values = np.zeros((num_rows, 4), dtype=np.float32)  # temperature, top_p, top_k, min_p
@@ -27,13 +27,6 @@ class SamplingColumns:
         self.min_tokens = np.zeros(num_rows, dtype=np.int64)
         self.logprobs = np.full(num_rows, -1, dtype=np.int64)  # -1: none
         self.forks = np.zeros(num_rows, dtype=np.int64)  # sequences to fork at output 0
-
-    @classmethod
-    def of(cls, params: list[SamplingParams]) -> SamplingColumns:
-        cols = cls(len(params))
-        for i, p in enumerate(params):
-            cols.write(i, p)
-        return cols
 
     def write(self, row: int, p: SamplingParams) -> None:
         self.values[row] = (p.temperature, p.top_p, float(p.top_k), p.min_p)
@@ -49,7 +42,9 @@ class SamplingColumns:
 class InputBatch:
     """Rows of request state: token ids, counts, block table and sampling parameters."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_size: int, num_kv_groups: int = 1
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -58,8 +53,12 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # one table per KV-cache group, addressed by token position (entries of a sliding-window
+        # group that fell out of the window are stale or 0 and never read)
+        self.num_kv_groups = num_kv_groups
+        shape = (num_kv_groups, max_num_reqs, self.max_blocks_per_req)
+        self.block_table = np.zeros(shape, dtype=np.int32)  # [groups, rows, max_blocks]
+        self.num_blocks = np.zeros((num_kv_groups, max_num_reqs), dtype=np.int64)
         # bumped whenever a row gets a new request: results of a step launched before that
         # (async scheduling) must not be written into the new owner's row
         self.epoch = np.zeros(max_num_reqs, dtype=np.int64)
@@ -85,7 +84,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = len(new.prompt_token_ids)
         self.num_computed_tokens[row] = new.num_computed_tokens
-        self.num_blocks[row] = 0
+        self.num_blocks[:, row] = 0
         self.append_blocks(row, new.block_ids)
         self.sampling_params[row] = new.sampling_params
         self.columns.write(row, new.sampling_params)
@@ -104,11 +103,13 @@ class InputBatch:
         self.req_ids[row] = None
         self._free_rows.append(row)
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
-        """Extend a row's block table."""
-        start = int(self.num_blocks[row])
-        self.block_table[row, start : start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+    def append_blocks(self, row: int, block_ids: tuple[list[int], ...]) -> None:
+        """Extend a row's block table of each group by that group's new block ids."""
+        for g, ids in enumerate(block_ids):
+            if ids:
+                start = int(self.num_blocks[g, row])
+                self.block_table[g, row, start : start + len(ids)] = ids
+                self.num_blocks[g, row] = start + len(ids)
 
     def append_token(self, row: int, token_id: int) -> None:
         """Append one token to a row's token ids."""

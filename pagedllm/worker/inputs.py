@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kv_layout import slot_mapping
 from pagedllm.worker.input_batch import InputBatch
 
 
@@ -36,8 +37,11 @@ class InputPreparer:
         self.device = device
         r = batch.max_num_reqs
         # ids, positions, slots per token; qsl, seq_lens, block table per request
-        # (+ the caller's extras: up to 3 arrays of one entry per request)
-        cap = 3 * max_num_tokens + 5 * r + 1 + r * batch.max_blocks_per_req
+        # (+ the caller's extras: up to 3 arrays, the first of up to one entry per token - the
+        # logits' token indices, several per request with draft tokens - the others of up to
+        # one entry per request)
+        g = batch.num_kv_groups  # slots and block tables come once per KV-cache group
+        cap = (3 + g) * max_num_tokens + 4 * r + 1 + g * r * batch.max_blocks_per_req
         self.use_staging = device.type == "cuda"
         if self.use_staging:
             self.hosts = [torch.zeros(cap, dtype=torch.int32, pin_memory=True) for _ in "ab"]
@@ -48,8 +52,8 @@ class InputPreparer:
         self, rows: np.ndarray, n_sched: np.ndarray, extra: tuple[np.ndarray, ...] = ()
     ) -> StepInputs:
         """Inputs for requests at ``rows`` computing ``n_sched`` tokens each, from their
-        ``num_computed_tokens`` on; ``extra`` int arrays (at most 3, each no longer than
-        ``rows``) travel in the same host-to-device copy."""
+        ``num_computed_tokens`` on; ``extra`` int arrays (at most 3: the first no longer than
+        the step's tokens, the others than ``rows``) travel in the same host-to-device copy."""
         ib = self.batch
         bs = ib.block_size
         cu = np.cumsum(n_sched)
@@ -61,21 +65,20 @@ class InputPreparer:
         token_rows = rows[req_idx]
         positions = ib.num_computed_tokens[token_rows] + offsets
         input_ids = ib.token_ids[token_rows, positions]
-        # slot = block_table[row, pos // bs] * bs + pos % bs; e.g. bs 16, table [7, 3], pos 20
-        # -> 3 * 16 + 4 = 52
-        slots = ib.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = slot_mapping(ib.block_table, token_rows, positions, bs)  # [G, num_tokens]
         seq_lens = ib.num_computed_tokens[rows] + n_sched
         qsl = np.zeros(len(rows) + 1, dtype=np.int64)
         qsl[1:] = cu
         max_blocks = int(-(-int(seq_lens.max()) // bs))
-        block_tables = ib.block_table[rows, :max_blocks]
+        block_tables = ib.block_table[:, rows, :max_blocks]  # [G, num_reqs, max_blocks]
+        num_groups = ib.num_kv_groups
         if self.use_staging:
-            parts = [input_ids, positions, slots, qsl, seq_lens, block_tables.reshape(-1)]
-            views = self._ship(parts + list(extra))
-            ids_t, pos_t, slot_t, qsl_t, sl_t, bt_t = views[:6]
+            parts = [input_ids, positions, qsl, seq_lens, slots.reshape(-1)]
+            views = self._ship(parts + [block_tables.reshape(-1)] + list(extra))
+            ids_t, pos_t, qsl_t, sl_t, slot_t, bt_t = views[:6]
             extra_t = views[6:]
-            slot_t = slot_t.long()
-            bt_t = bt_t.view(len(rows), max_blocks)
+            slot_t = slot_t.long().view(num_groups, total)
+            bt_t = bt_t.view(num_groups, len(rows), max_blocks)
         else:
             ids_t, pos_t = torch.from_numpy(input_ids), torch.from_numpy(positions)
             slot_t = torch.from_numpy(slots)
@@ -88,15 +91,19 @@ class InputPreparer:
             num_actual_tokens=total,
             query_start_loc=qsl_t,
             seq_lens=sl_t,
-            slot_mapping=slot_t,
-            block_tables=bt_t,
+            slot_mapping=slot_t[0],
+            block_tables=bt_t[0],
             max_query_len=int(n_sched.max()),
             max_seq_len=int(seq_lens.max()),
             block_size=bs,
             query_start_loc_np=qsl,
             seq_lens_np=seq_lens,
         )
-        md.plan["block_tables_np"] = block_tables
+        md.plan["block_tables_np"] = block_tables[0]
+        if num_groups > 1:
+            md.groups = [md] + [md.with_tables(slot_t[g], bt_t[g]) for g in range(1, num_groups)]
+            for g in range(1, num_groups):
+                md.groups[g].plan["block_tables_np"] = block_tables[g]
         return StepInputs(ids_t, pos_t, md, n_sched, extra_t)
 
     def _ship(self, parts: list[np.ndarray]) -> list[torch.Tensor]:

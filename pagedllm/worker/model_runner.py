@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -12,13 +11,22 @@ import torch
 
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache.spec import (
+    FullAttentionSpec,
+    KVCacheGroups,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    group_layers,
+)
 from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.kv_layout import KVCacheLayout
 from pagedllm.model.loader import build_model
 from pagedllm.sample.sampler import Sampler
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.inputs import InputPreparer, StepInputs
-from pagedllm.worker.sampling_inputs import build_for_params, build_sampling_metadata
+from pagedllm.worker.sample_plan import SamplePlan, plan_samples
+from pagedllm.worker.sampling_inputs import build_sampling_metadata
 
 if TYPE_CHECKING:
     from pagedllm.structured_output.grammars import GrammarStep
@@ -32,23 +40,28 @@ class LaunchedStep:
 
     req_ids: list[str]
     prompt_logprobs: dict = field(default_factory=dict)
-    forked: tuple[dict, dict] = ({}, {})
-    # The rows that sample, as batch indices, InputBatch rows, the rows' epochs at launch and
-    # the positions their tokens fill; ``appended``: the runner counts the token (not beams).
-    sample_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # Which rows sample (batch indices), at which positions (several with draft tokens)
+    plan: SamplePlan = field(
+        default_factory=lambda: SamplePlan(np.zeros(0, np.int64), np.zeros(0, np.int64))
+    )
+    # Parallel sampling: [P] extra samples each sampling position drew (None: none)
+    fork_counts: np.ndarray | None = None
+    # The sampling rows' InputBatch rows, their epochs at launch and the positions their
+    # (first) tokens fill; ``appended``: the runner counts the token (not beams).
     sample_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     sample_epochs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     sample_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     appended: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
-    sampled: torch.Tensor | None = None  # [num_sampling_rows] on the device
+    sampled: torch.Tensor | None = None  # [num_sampling_rows] on the device (first samples)
     want_logprobs: bool = False
-    # sampled ids (+ logprob ids, logprobs, ranks) on the host once ``event`` has completed
+    # sampled ids [P] (+ logprob ids, logprobs, ranks), then the forks' ids [F] (+ theirs), on
+    # the host once ``event`` has completed
     host: list[torch.Tensor] = field(default_factory=list)
     event: Any = None
     timing: Any = None  # (start, end) CUDA events when the runner times device work
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # batch rows
-    selected: torch.Tensor | None = None  # [num_sampling_rows, hidden] until launch_sample
-    # structured requests: where each one's token is among the sampling rows, in
+    selected: torch.Tensor | None = None  # [P, hidden] until launch_sample
+    # structured requests: where each one's (first) token is among the P samples, in
     # SchedulerOutput.structured_requests' order (their bitmask rows; their tokens)
     structured_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
@@ -90,14 +103,17 @@ class ModelRunner:
         self.backend = make_backend(self.device)
         for layer in self.model.attention_layers():
             layer.backend = self.backend
+        self.kv_groups = self._group_kv_layers()
+        self.kv_layout = KVCacheLayout(self.kv_groups, self.model_config.torch_dtype, self.device)
+        self.kv_layout.bind(self.model.attention_layers())
         self.sampler = Sampler()
         self.input_batch = InputBatch(
-            config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size
+            config.scheduler_config.max_num_seqs,
+            self.max_model_len,
+            self.block_size,
+            self.kv_groups.num_groups,
         )
         self.inputs = InputPreparer(self.input_batch, self.max_num_tokens, self.device)
-        self.kv_caches: list[torch.Tensor] = []
-        self.host_caches: list[torch.Tensor] = []
-        self.num_blocks = 0
         self.graph_runner: CUDAGraphRunner | None = None
         self._unresolved: LaunchedStep | None = None  # the last launched step, until resolved
         # logits rows of a step's grammar bitmask, pinned (two: the last copy may be queued)
@@ -110,13 +126,43 @@ class ModelRunner:
         self.device_times: list[float] = []  # seconds, one per resolved step when timed
 
     # ------------------------------------------------------------------------ KV cache
-    def kv_bytes_per_block(self) -> int:
-        """Bytes of one block across every layer: 2 (K, V) x block_size x kvh x head_dim."""
+    def _group_kv_layers(self) -> KVCacheGroups:
         elem = torch.empty(0, dtype=self.model_config.torch_dtype).element_size()
-        return sum(
-            2 * self.block_size * a.num_kv_heads * a.head_dim * elem
-            for a in self.model.attention_layers()
-        )
+        specs: list[KVCacheSpec] = []
+        for a in self.model.attention_layers():
+            shape = (self.block_size, a.num_kv_heads, a.head_dim, elem)
+            if a.sliding_window:
+                specs.append(SlidingWindowSpec(*shape, sliding_window=int(a.sliding_window)))
+            else:
+                specs.append(FullAttentionSpec(*shape))
+        return group_layers(specs, hybrid=not self.cache_config.disable_hybrid_kv_cache_manager)
+
+    def kv_cache_groups(self) -> KVCacheGroups:
+        """How the model's layers share block tables (what the KV manager is built for)."""
+        return self.kv_groups
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """The KV cache tensors (one per layer of a group; see pagedllm/kv_layout.py)."""
+        return self.kv_layout.tensors
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_layout.num_blocks
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one block id stands for, across every cache tensor (K and V)."""
+        return self.kv_layout.block_bytes
+
+    def _max_useful_blocks(self) -> int:
+        """Blocks max_num_seqs full-length requests could ever hold (+ the null block of a
+        sliding-window group)."""
+        ib = self.input_batch
+        per_req = 0
+        for group in self.kv_groups.groups:
+            need = group.spec.max_blocks_needed(self.max_model_len, self.max_num_tokens)
+            per_req += min(ib.max_blocks_per_req, need + 1)
+        return self.config.scheduler_config.max_num_seqs * per_req + int(self.kv_groups.is_hybrid)
 
     def determine_num_blocks(self) -> int:
         """How many blocks the KV cache gets: the override; else the byte budget; else on a GPU
@@ -136,7 +182,7 @@ class ModelRunner:
                 )
             return int(n)
         # No more blocks than max_num_seqs full-length requests could ever hold.
-        most = self.config.scheduler_config.max_num_seqs * self.input_batch.max_blocks_per_req
+        most = self._max_useful_blocks()
         if self.device.type == "cuda":
             return min(self._profile_gpu_blocks(per_block), most)
         return int(max(1, min(_CPU_DEFAULT_KV_BYTES // per_block, most)))
@@ -181,44 +227,36 @@ class ModelRunner:
         n_sched = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
         n_sched[: num_tokens % num_reqs] += 1
         rows = np.arange(num_reqs)
-        saved = (ib.num_computed_tokens[rows].copy(), ib.block_table[rows].copy())
+        saved = (ib.num_computed_tokens[rows].copy(), ib.block_table[:, rows].copy())
         ib.num_computed_tokens[rows] = 0
         nb = -(-int(n_sched.max()) // self.block_size)
-        ib.block_table[rows, :nb] = np.arange(nb) % num_blocks
+        ib.block_table[:, rows, :nb] = np.arange(nb) % num_blocks
         inputs = self.inputs.prepare(rows, n_sched)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         n_logits = min(ib.max_num_reqs, num_tokens)
         logits = self.model.compute_logits(hidden[:n_logits])
         logits.softmax(-1).argmax(-1)
-        ib.num_computed_tokens[rows], ib.block_table[rows] = saved
+        ib.num_computed_tokens[rows], ib.block_table[:, rows] = saved
 
     def initialize_kv_cache(self, num_blocks: int, log: bool = True) -> None:
-        """Allocate [2, num_blocks, block_size, kvh, head_dim] per layer (zeroed) and bind it."""
-        self.num_blocks = num_blocks
-        self.kv_caches = []
-        for layer in self.model.attention_layers():
-            cache = torch.zeros(
-                2,
-                num_blocks,
-                self.block_size,
-                layer.num_kv_heads,
-                layer.head_dim,
-                dtype=self.model_config.torch_dtype,
-                device=self.device,
-            )
-            layer.kv_cache = cache
-            self.kv_caches.append(cache)
+        """Allocate the cache tensors (zeroed; see pagedllm/kv_layout.py) and bind them."""
+        self.kv_layout.allocate(num_blocks)
+        self.kv_layout.bind(self.model.attention_layers())
         if log:
-            tokens = num_blocks * self.block_size
+            per_req = sum(
+                g.spec.max_blocks_needed(self.max_model_len, self.max_num_tokens)
+                for g in self.kv_groups.groups
+            )
             logger.info(
-                "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); max concurrency at "
-                "max_model_len %d: %.1fx",
+                "KV cache: %d blocks x %d tokens (%.2f GiB), %d group(s) of %d layer(s); max "
+                "concurrency at max_model_len %d: %.1fx",
                 num_blocks,
                 self.block_size,
-                tokens,
                 num_blocks * self.kv_bytes_per_block() / 2**30,
+                self.kv_groups.num_groups,
+                self.kv_groups.layers_per_group,
                 self.max_model_len,
-                tokens / self.max_model_len,
+                num_blocks / per_req,
             )
 
     def initialize_swap_space(self) -> int:
@@ -226,22 +264,9 @@ class ModelRunner:
         returns their number."""
         per_block = self.kv_bytes_per_block()
         n = self.cache_config.swap_space_bytes // per_block
-        self.host_caches = []
+        self.kv_layout.allocate_host(n)
         if n <= 0:
             return 0
-        pin = self.device.type == "cuda"
-        for layer in self.model.attention_layers():
-            self.host_caches.append(
-                torch.zeros(
-                    2,
-                    n,
-                    self.block_size,
-                    layer.num_kv_heads,
-                    layer.head_dim,
-                    dtype=self.model_config.torch_dtype,
-                    pin_memory=pin,
-                )
-            )
         logger.info("swap space: %d host blocks (%.2f GiB)", n, n * per_block / 2**30)
         return int(n)
 
@@ -254,24 +279,9 @@ class ModelRunner:
         host_bw, flops = (25e9, 4e14) if self.device.type == "cuda" else (1e10, 1e11)
         return 2 * per_token / host_bw < 2 * params / flops
 
-    def _swap(self, so: SchedulerOutput) -> None:
-        """Copy swapped-out blocks to host memory and swapped-in blocks back, before the
-        forward pass may overwrite the freed device blocks."""
-        if so.blocks_to_swap_out:
-            src = torch.tensor([d for d, _ in so.blocks_to_swap_out], device=self.device)
-            dst = torch.tensor([h for _, h in so.blocks_to_swap_out])
-            for dev, host in zip(self.kv_caches, self.host_caches):
-                host.index_copy_(1, dst, dev.index_select(1, src).cpu())
-        if so.blocks_to_swap_in:
-            src = torch.tensor([h for h, _ in so.blocks_to_swap_in])
-            dst = torch.tensor([d for _, d in so.blocks_to_swap_in], device=self.device)
-            for dev, host in zip(self.kv_caches, self.host_caches):
-                dev.index_copy_(1, dst, host.index_select(1, src).to(self.device))
-
     def _release_kv_cache(self) -> None:
-        for layer in self.model.attention_layers():
-            layer.kv_cache = torch.empty(0)
-        self.kv_caches = []
+        self.kv_layout.release()
+        self.kv_layout.bind(self.model.attention_layers())
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -286,6 +296,7 @@ class ModelRunner:
             self.block_size,
             self.max_model_len,
             self.device,
+            self.kv_groups.num_groups,
         )
         self.graph_runner.capture()
 
@@ -298,8 +309,8 @@ class ModelRunner:
             ib.add_request(new)
         for cached in so.scheduled_cached_reqs:
             row = ib.req_id_to_row[cached.req_id]
-            for idx, block_id in cached.replaced_block_ids:
-                ib.block_table[row, idx] = block_id
+            for g, idx, block_id in cached.replaced_block_ids:
+                ib.block_table[g, row, idx] = block_id
             for token in cached.append_token_ids:
                 ib.append_token(row, token)
             if cached.new_block_ids:
@@ -332,8 +343,8 @@ class ModelRunner:
         samples reads it from ``LaunchedStep.sampled`` on the device, and the row counts it
         (``InputBatch.num_tokens``) from ``launch_sample`` on.
         """
-        self._swap(so)
-        self._copy_blocks(so.blocks_to_copy)
+        self.kv_layout.swap(so.blocks_to_swap_out, so.blocks_to_swap_in)
+        self.kv_layout.copy_blocks(so.blocks_to_copy)
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return LaunchedStep.nothing()
@@ -345,11 +356,9 @@ class ModelRunner:
         n_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         seq_lens = ib.num_computed_tokens[rows] + n_sched
         cu = np.cumsum(n_sched)
-        # Rows that reach the end of their known tokens sample the next one; a prefill chunk
-        # that stops short of the prompt's end samples nothing. Their logits come from each
-        # row's last token: e.g. n_sched [3, 1, 2], all sampling -> hidden rows [2, 3, 5].
-        sample_idx = np.nonzero(seq_lens == ib.num_tokens[rows])[0]
-        logits_idx = cu[sample_idx] - 1
+        # the rows that sample and their logits' token indices (see worker/sample_plan.py)
+        plan = plan_samples(ib, so.scheduled_spec_tokens, req_ids, rows, seq_lens, cu)
+        sample_idx, logits_idx = plan.sample_idx, plan.logits_idx
         dst, src = self._inputs_from_last_step(rows, cu - n_sched)
         inputs = self.inputs.prepare(rows, n_sched, (logits_idx, dst, src))
         logits_idx_t, dst_t, src_t = inputs.extra
@@ -363,14 +372,16 @@ class ModelRunner:
         assert qsl is not None
         prompt_lp = self._prompt_logprobs(req_ids, rows, hidden, qsl, seq_lens)
         step = LaunchedStep(req_ids=req_ids, prompt_logprobs=prompt_lp)
-        step.rows, step.sample_idx, step.timing = rows, sample_idx, timing
+        step.rows, step.plan, step.timing = rows, plan, timing
         if so.structured_batch_idx:
             # sample_idx is ascending: e.g. sampling batch indices [0, 2, 3], structured
-            # batch indices [2, 3] -> sampling rows [1, 2]
+            # batch indices [2, 3] -> sampling rows [1, 2] (with drafts: their first samples)
             step.structured_rows = np.searchsorted(sample_idx, so.structured_batch_idx)
+            if plan.num_samples is not None:
+                step.structured_rows = plan.first[step.structured_rows]
         if len(sample_idx) > 0:
-            if len(sample_idx) == inputs.metadata.num_actual_tokens:
-                step.selected = hidden[: len(sample_idx)]  # pure decode: every row samples
+            if len(logits_idx) == inputs.metadata.num_actual_tokens:
+                step.selected = hidden[: len(logits_idx)]  # every token samples (pure decode)
             else:
                 step.selected = hidden.index_select(0, logits_idx_t.long())
         ib.num_computed_tokens[rows] = seq_lens
@@ -383,34 +394,38 @@ class ModelRunner:
         copy of the results to the host."""
         ib = self.input_batch
         if step.selected is not None:
-            req_ids, sample_idx = step.req_ids, step.sample_idx
+            plan = step.plan
             if bitmask is not None and bitmask.mask is None:
                 bitmask = None
-            sample_rows = step.rows[sample_idx]
+            sample_rows = step.rows[plan.sample_idx]
             smd = build_sampling_metadata(
-                ib, sample_rows, self.device, self.generator, self.eos_token_ids
+                ib, sample_rows, self.device, self.generator, self.eos_token_ids, plan.drafts
             )
             float32 = bitmask is not None or not smd.argmax_only
-            logits = self.model.compute_logits(step.selected, float32=float32)
+            logits = self.model.compute_logits(step.selected, float32=float32)  # [P, vocab]
             step.selected = None
             if bitmask is not None:
                 self._apply_bitmask(logits, bitmask, step.structured_rows)
             out = self.sampler(logits, smd)
-            step.forked = self._sample_forks(
-                req_ids, step.rows, sample_idx, smd.output_positions, logits
-            )
             step.sample_rows = sample_rows
             step.sample_epochs = ib.epoch[sample_rows]
             step.sample_pos = ib.num_tokens[sample_rows]
             step.appended = ~ib.external[sample_rows]  # beam search: the scheduler appends
             ib.num_tokens[sample_rows[step.appended]] += 1
-            step.sampled = out.sampled
+            first = plan.first
+            if first is None:
+                step.sampled = out.sampled
+            else:  # a row with drafts commits its first sample (see worker/sample_plan.py)
+                step.sampled = out.sampled[torch.from_numpy(first).to(self.device)]
             step.want_logprobs = smd.max_num_logprobs >= 0
             results = [out.sampled]
             if step.want_logprobs:
-                assert out.logprob_ids is not None and out.logprobs is not None
-                assert out.ranks is not None
-                results += [out.logprob_ids, out.logprobs, out.ranks]
+                results += out.logprob_tensors()
+            if out.forks is not None:
+                step.fork_counts = smd.fork_counts
+                results.append(out.forks.sampled)
+                if step.want_logprobs:
+                    results += out.forks.logprob_tensors()
             step.host, step.event = self._to_host(results)
         step.timing = self._timing_end(step.timing)
         self._unresolved = step
@@ -425,28 +440,37 @@ class ModelRunner:
         if step.timing is not None:
             step.timing[1].synchronize()  # recorded just after ``event``: done, or nearly
             self.device_times.append(step.timing[0].elapsed_time(step.timing[1]) / 1e3)
+        num_reqs = len(step.req_ids)
         sampled_lists: list[list[int]] = [[] for _ in step.req_ids]
         logprobs = None
         structured_tokens = None
+        forked: tuple[dict, dict] = ({}, {})
         if step.host:
-            ib = self.input_batch
-            tokens_np = step.host[0].numpy()
+            ib, plan = self.input_batch, step.plan
+            tokens_np = step.host[0].numpy()  # [P]
+            first = plan.first
+            committed = tokens_np if first is None else tokens_np[first]  # [S]
             rows, pos = step.sample_rows, step.sample_pos
             ok = step.appended & (ib.epoch[rows] == step.sample_epochs) & (pos < ib.max_model_len)
-            ib.token_ids[rows[ok], pos[ok]] = tokens_np[ok]
-            for i, tok in zip(step.sample_idx.tolist(), tokens_np.tolist()):
-                sampled_lists[i] = [tok]
+            ib.token_ids[rows[ok], pos[ok]] = committed[ok]
+            sampled_lists = plan.token_lists(tokens_np, num_reqs)
             if len(step.structured_rows):
                 structured_tokens = tokens_np[step.structured_rows].tolist()
+            n = 4 if step.want_logprobs else 1  # host tensors per sampler output
             if step.want_logprobs:
-                logprobs = self._to_logprob_lists(step.host[1:], step.sample_idx, len(step.req_ids))
+                logprobs = plan.logprob_lists(step.host[1:n], num_reqs)
+            if step.fork_counts is not None:
+                fork_lp = step.host[n + 1 : 2 * n] if step.want_logprobs else None
+                forked = plan.fork_lists(
+                    step.req_ids, step.fork_counts, step.host[n].numpy(), fork_lp
+                )
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             sampled_token_ids=sampled_lists,
             logprobs=logprobs,
             prompt_logprobs=step.prompt_logprobs,
-            forked_token_ids=step.forked[0],
-            forked_logprobs=step.forked[1],
+            forked_token_ids=forked[0],
+            forked_logprobs=forked[1],
             structured_tokens=structured_tokens,
         )
 
@@ -500,48 +524,6 @@ class ModelRunner:
         end.record()
         return (start, end)
 
-    def _sample_forks(
-        self,
-        req_ids: list[str],
-        rows: np.ndarray,
-        sample_idx: np.ndarray,
-        out_pos: list[int],
-        logits: torch.Tensor,
-    ) -> tuple[dict, dict]:
-        """Parallel sampling: a request with n > 1 sequences sampling its first token also
-        samples the first token of sequences 1..n-1 from the same logits, sequence i with seed
-        seed + i (see core/sched/groups.py)."""
-        ib = self.input_batch
-        tokens: dict[str, list[int]] = {}
-        lps: dict[str, list] = {}
-        forks = ib.columns.forks[rows[sample_idx]]  # [B] sequences to fork per sampled row
-        for j in np.flatnonzero((forks > 0) & (np.asarray(out_pos) == 0)).tolist():
-            i = int(sample_idx[j])
-            p = ib.sampling_params[int(rows[i])]
-            assert p is not None
-            k = int(forks[j])
-            params = []
-            for s in range(1, k + 1):
-                q = copy.copy(p)
-                q.seed = None if p.seed is None else p.seed + s
-                params.append(q)
-            row = int(rows[i])
-            md = build_for_params(
-                params,
-                [0] * k,
-                lambda row=row, k=k: [ib.prompt_ids(row)] * k,
-                lambda k=k: [[] for _ in range(k)],
-                self.device,
-                self.generator,
-                self.eos_token_ids,
-            )
-            out = self.sampler(logits[j : j + 1].expand(k, -1), md)
-            tokens[req_ids[i]] = out.sampled.tolist()
-            if md.max_num_logprobs >= 0:
-                host = [out.logprob_ids, out.logprobs, out.ranks]
-                lps[req_ids[i]] = [t[0] for t in self._to_logprob_lists(host, np.arange(k), k)]
-        return tokens, lps
-
     def _apply_bitmask(
         self, logits: torch.Tensor, bitmask: GrammarStep, rows_np: np.ndarray
     ) -> None:
@@ -578,24 +560,6 @@ class ModelRunner:
             if rows is not None:
                 rows = self._bitmask_dev[1][:n].copy_(rows, non_blocking=True)
         apply_token_bitmask(logits, mask, rows)
-
-    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write copies of whole blocks (every layer, K and V) before the forward."""
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for cache in self.kv_caches:
-            cache.index_copy_(1, dst, cache.index_select(1, src))
-
-    @staticmethod
-    def _to_logprob_lists(host: list[torch.Tensor], sample_idx: np.ndarray, num_reqs: int) -> list:
-        """Per batch row: [(top ids, logprobs, ranks)] of its sampled token, or None."""
-        ids, lps, ranks = (t.tolist() for t in host)
-        result: list = [None] * num_reqs
-        for j, i in enumerate(sample_idx):
-            result[i] = [(ids[j], lps[j], ranks[j])]
-        return result
 
     def _prompt_logprobs(
         self,

@@ -29,7 +29,7 @@ def test_fork_shares_then_copies_on_write():
     assert kv.allocate_slots(child, 1) == []
     assert kv.get_block_ids("c") == [0, 2]
     assert kv.take_pending_copies() == [(1, 2)]
-    assert kv.take_replaced("c") == [(1, 2)]
+    assert kv.take_replaced("c") == [(0, 1, 2)]  # (group, table index, new block)
     assert [kv.block_pool.blocks[i].ref_cnt for i in (0, 1, 2)] == [2, 1, 1]
     # the parent now owns block 1 alone: no copy when it writes
     assert kv.allocate_slots(parent, 1) == []

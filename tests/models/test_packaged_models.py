@@ -27,7 +27,9 @@ def _path(name: str) -> str:
         pytest.fail(str(e))
 
 
-def _hf_reference(path: str, prompts_ids: list[list[int]]) -> list[list[int]]:
+def _hf_reference(
+    path: str, prompts_ids: list[list[int]], new_tokens: int = NEW_TOKENS
+) -> list[list[int]]:
     """HF's model class, built from the same config, holding the same dequantized weights
     (test_gguf_loader shows these equal transformers' own GGUF loading, tensor by tensor)."""
     import transformers as tf
@@ -43,7 +45,7 @@ def _hf_reference(path: str, prompts_ids: list[list[int]]) -> list[list[int]]:
     for ids in prompts_ids:
         with torch.no_grad():
             seq = model.generate(
-                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+                torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
             )
         out.append(seq[0, len(ids) :].tolist())
     return out

@@ -14,29 +14,9 @@ from torch.nn import functional as F
 
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kv_layout import token_slots, write_kv_ref
 
-
-def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Reference KV write: kv_cache[0/1].view(-1, kvh, d)[slot] = key/value[t]; slot -1 skipped."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
-    v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    n = slot_mapping.shape[0]
-    slots = slot_mapping
-    if bool((slots < 0).any()):
-        keep = slots >= 0
-        slots, key, value = slots[keep], key[:n][keep], value[:n][keep]
-    k_flat.index_copy_(0, slots, key[: slots.shape[0]].to(k_flat.dtype))
-    v_flat.index_copy_(0, slots, value[: slots.shape[0]].to(v_flat.dtype))
-
-
-def _key_slots(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
-    # Example: block_size 4, block_table [7, 2], positions [0..5] -> [28, 29, 30, 31, 8, 9]
-    return (
-        block_table[positions // block_size].astype(np.int64) * block_size + positions % block_size
-    )
+write_kv_cache = write_kv_ref  # the name tests and callers know
 
 
 def _visible(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
@@ -68,16 +48,17 @@ class TorchNativeBackend(AttentionBackend):
         dec = np.nonzero(q_lens == 1)[0]
         plan: dict = {"decode": None, "prefill": []}
         if len(dec) > 0:
-            s_max = int(seq_lens[dec].max())
-            pos = np.arange(s_max)
-            # [num_decodes, s_max]: slots of every key position (0 where past the sequence)
-            nblk = (s_max + bs - 1) // bs
-            bt = block_tables[dec, :nblk].astype(np.int64)
-            slots = bt[:, pos // bs] * bs + pos % bs
             lens = seq_lens[dec][:, None]
-            valid = pos[None, :] < lens
-            if window is not None:
-                valid &= pos[None, :] > lens - 1 - window
+            # keys a decode row reads: its whole context, or the last `window` positions
+            # Example: window 4, lens [3, 9] -> s_max 4; first [0, 5]; row 0 reads 0..2 (3 is
+            # past it), row 1 reads 5..8.
+            s_max = int(lens.max()) if window is None else min(int(lens.max()), window)
+            first = np.zeros_like(lens) if window is None else np.maximum(lens - window, 0)
+            pos = first + np.arange(s_max)[None, :]  # [num_decodes, s_max]
+            valid = pos < lens
+            pos = np.where(valid, pos, 0)
+            slots = np.take_along_axis(block_tables[dec], pos // bs, axis=1).astype(np.int64)
+            slots = slots * bs + pos % bs
             slots = np.where(valid, slots, 0)
             plan["decode"] = (
                 torch.from_numpy(qsl[dec].astype(np.int64)),
@@ -96,7 +77,7 @@ class TorchNativeBackend(AttentionBackend):
             if window is not None:  # keys older than every query's window are never read
                 first = max(0, ctx - window + 1)
                 k_pos = k_pos[first:]
-            slots = _key_slots(block_tables[r], k_pos, bs)
+            slots = token_slots(block_tables[r], k_pos, bs)
             mask = torch.from_numpy(_visible(q_pos, k_pos, window))[None, None]
             plan["prefill"].append((start, end, torch.from_numpy(slots), mask))
         md.plan[key] = plan

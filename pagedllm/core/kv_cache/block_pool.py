@@ -16,15 +16,22 @@ class BlockPool:
     so the longest-lived entries are the shared prefixes.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
-        if num_blocks < 1:
+    def __init__(self, num_blocks: int, enable_caching: bool, reserve_null: bool = False) -> None:
+        if num_blocks < 1 + int(reserve_null):
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}.")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
-        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Keys: a BlockHash, or (group, BlockHash) for the groups of a hybrid manager.
+        self.cached_block_hash_to_block: dict[BlockHash | tuple, KVCacheBlock] = {}
         self.num_evictions = 0
+        # The null block (id 0) fills the table entries of a sliding-window group that fell
+        # out of the window: never handed out, never freed, never cached, never read.
+        self.null_block: KVCacheBlock | None = None
+        if reserve_null:
+            self.null_block = self.free_block_queue.popleft()
+            self.null_block.ref_cnt = 1
 
     def get_num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free, whether or not their contents are cached)."""
@@ -32,7 +39,8 @@ class BlockPool:
 
     def get_usage(self) -> float:
         """Fraction of blocks in use by some request, in [0, 1]."""
-        return 1.0 - self.get_num_free_blocks() / self.num_blocks
+        usable = self.num_blocks - int(self.null_block is not None)
+        return 1.0 - self.get_num_free_blocks() / usable
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blocks from the front of the free queue, evicting cached
@@ -60,7 +68,10 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each block (a prefix hit or a fork); a block that was free
         leaves the free queue."""
+        null = self.null_block
         for block in blocks:
+            if block is null:
+                continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
@@ -68,7 +79,10 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block; blocks reaching 0 join the free queue in the given
         order (the caller passes a request's blocks tail first)."""
+        null = self.null_block
         for block in ordered_blocks:
+            if block is null:
+                continue
             if block.ref_cnt <= 0:
                 raise ValueError(f"double free of {block}")
             block.ref_cnt -= 1
@@ -84,14 +98,14 @@ class BlockPool:
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Register a just-filled block under its hash (first writer wins on duplicates)."""
-        if not self.enable_caching or block.block_hash is not None:
+        if not self.enable_caching or block.block_hash is not None or block is self.null_block:
             return
         block.block_hash = block_hash
         self.cached_block_hash_to_block.setdefault(block_hash, block)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; only possible when no block is in use."""
-        if self.get_num_free_blocks() != self.num_blocks:
+        if self.get_num_free_blocks() != self.num_blocks - int(self.null_block is not None):
             return False
         for block in self.blocks:
             block.block_hash = None
@@ -107,6 +121,8 @@ class BlockPool:
             assert block.block_id not in in_queue, f"{block} twice in free queue"
             in_queue.add(block.block_id)
         assert len(in_queue) == self.free_block_queue.num_free_blocks
+        if self.null_block is not None:
+            assert self.null_block.ref_cnt == 1 and self.null_block.block_hash is None
         for block in self.blocks:
             assert block.ref_cnt >= 0
             if block.ref_cnt == 0:

@@ -1,24 +1,35 @@
-"""Per-request block tables on top of the block pool."""
+"""The KV manager of one group of layers: per-request block tables on top of the block pool.
+
+Alone, it is the whole manager of a model whose layers all use full attention (one block
+table per request). Inside ``HybridKVCacheManager`` one instance serves each KV-cache group,
+all sharing one pool (see ``hybrid.py``).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from pagedllm.core.kv_cache.block import BlockHash, KVCacheBlock
 from pagedllm.core.kv_cache.block_pool import BlockPool
 from pagedllm.core.kv_cache.hashing import hash_request_blocks
+from pagedllm.core.kv_cache.interface import KVCacheManagerBase
+from pagedllm.core.kv_cache.spec import cdiv
 from pagedllm.core.kv_cache.swap import SwapSpace
 from pagedllm.core.request import Request
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+__all__ = ["KVCacheManager", "cdiv"]
 
 
-class KVCacheManager:
+class KVCacheManager(KVCacheManagerBase):
     """Maps each request to the list of blocks that hold its KV (its block table).
 
     Token ``i`` of a request lives in block ``blocks[i // block_size]`` at offset
     ``i % block_size``. With prefix caching on, full blocks are registered by chained hash so a
     later request with the same prefix reuses them (``get_computed_blocks``).
+
+    As one group of a hybrid manager it gets the shared ``block_pool``, its ``group`` index
+    (tagging its prefix-cache keys and copy-on-write entries) and the shared per-request
+    ``hashes`` (the chained block hashes are the same in every group).
     """
 
     def __init__(
@@ -27,20 +38,25 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = False,
         num_host_blocks: int = 0,
+        *,
+        block_pool: BlockPool | None = None,
+        group: int = 0,
+        hashes: dict[str, list[BlockHash]] | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = block_pool or BlockPool(num_blocks, enable_caching)
         self.swap_space = SwapSpace(num_host_blocks)
+        self.group = group
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
+        self.req_to_block_hashes: dict[str, list[BlockHash]] = hashes if hashes is not None else {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
         # Copy-on-write copies (src block id, dst block id) for the runner, drained each step.
         self.pending_copies: list[tuple[int, int]] = []
         # Per request: (table index, new block id) replaced by copy-on-write since last taken.
-        self.replaced: dict[str, list[tuple[int, int]]] = {}
+        self.replaced: dict[str, list[tuple[int, int, int]]] = {}
         self.num_cow_copies = 0
 
     @property
@@ -66,18 +82,50 @@ class KVCacheManager:
             getattr(request, "cache_salt", None),
         )
 
+    def _key(self, block_hash: BlockHash) -> BlockHash | tuple:
+        """The block's prefix-cache key: its hash, tagged with the group in a hybrid manager."""
+        return block_hash if self.group == 0 else (self.group, block_hash)
+
+    def uses_prefix_cache(self, request: Request) -> bool:
+        """Prompt logprobs need the logits of every prompt position: no prefix hit then."""
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
     def num_cached_prefix_tokens(self, request: Request) -> int:
         """Tokens a prefix hit would give the request now (no side effects, no stats)."""
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.uses_prefix_cache(request):
             return 0
         n = 0
         for block_hash in self._block_hashes(request)[
             : (request.num_tokens - 1) // self.block_size
         ]:
-            if self.block_pool.get_cached_block(block_hash) is None:
+            if self.block_pool.get_cached_block(self._key(block_hash)) is None:
                 break
             n += self.block_size
         return n
+
+    def token_capacity(self) -> int:
+        """Most tokens one request can hold: the whole pool."""
+        return self.block_pool.num_blocks * self.block_size
+
+    def can_allocate(self, request: Request, budget: int) -> bool:
+        """Whether the free blocks hold the request's next chunk of up to ``budget`` tokens:
+        after its prefix hit, or (swapped out) all its blocks plus the chunk."""
+        if request.swapped:
+            start = hit = request.num_computed_tokens
+            need = cdiv(start + min(request.num_tokens - start, budget), self.block_size)
+        else:
+            start = hit = self.num_cached_prefix_tokens(request)
+            chunk = min(request.num_tokens - start, budget)
+            need = cdiv(start + chunk, self.block_size) - hit // self.block_size
+        return need <= self.num_free_blocks()
+
+    def new_block_ids(self, new_blocks: Sequence[KVCacheBlock]) -> tuple[list[int], ...]:
+        """The runner's view of ``allocate_slots``' result: ids per group (one group)."""
+        return ([b.block_id for b in new_blocks],) if new_blocks else ()
+
+    def get_block_table(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids per group (one group here)."""
+        return (self.get_block_ids(request_id),)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached blocks that starts the request's tokens, and how many
@@ -87,13 +135,13 @@ class KVCacheManager:
         Example: block_size 4, 10 tokens, blocks 0 and 1 cached -> 2 blocks, 8 tokens;
         with 8 tokens and both cached -> 1 block, 4 tokens (8 would leave nothing to compute).
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need the logits of every prompt position
+        if not self.uses_prefix_cache(request):
+            return [], 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hit: list[KVCacheBlock] = []
         for block_hash in hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
+            block = self.block_pool.get_cached_block(self._key(block_hash))
             if block is None:
                 break
             hit.append(block)
@@ -124,6 +172,40 @@ class KVCacheManager:
             fast = self._fits_in_own_blocks(request, num_new_tokens)
             if fast is not None:
                 return fast
+        need = self.num_blocks_to_allocate(
+            request, num_new_tokens, new_computed_blocks, num_lookahead_tokens
+        )
+        if need > self.block_pool.get_num_free_blocks():
+            return None
+        return self.allocate(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens)
+
+    def num_blocks_to_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> int:
+        """Free blocks ``allocate`` would take: new blocks, a copy-on-write copy, and cached
+        blocks of a prefix hit revived from the free queue."""
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_needed = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
+        num_new_blocks = max(0, num_needed - len(blocks) - len(new_computed_blocks))
+        cow = self._shared_write_block(blocks, num_computed, num_new_tokens)
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        return num_new_blocks + int(cow is not None) + num_revived
+
+    def allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[KVCacheBlock]:
+        """``allocate_slots`` once the room is known to be there (the caller checked
+        ``num_blocks_to_allocate``)."""
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -132,14 +214,6 @@ class KVCacheManager:
         # Copy-on-write: the block that receives the first new token is shared with a forked
         # sibling (ref_cnt > 1): this request writes into a private copy.
         cow = self._shared_write_block(blocks, num_computed, num_new_tokens)
-        # Reviving cached blocks that sit in the free queue takes them out of it.
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + int(cow is not None) > (
-            self.block_pool.get_num_free_blocks() - num_revived
-        ):
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
-            return None
         if cow is not None:
             self._copy_on_write(request, blocks, cow)
         if new_computed_blocks:
@@ -188,7 +262,7 @@ class KVCacheManager:
         self.pending_copies.append((old.block_id, new.block_id))
         self.block_pool.free_blocks([old])  # one reference less; siblings keep theirs
         blocks[i] = new
-        self.replaced.setdefault(request.request_id, []).append((i, new.block_id))
+        self.replaced.setdefault(request.request_id, []).append((self.group, i, new.block_id))
         self.num_cow_copies += 1
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -208,8 +282,8 @@ class KVCacheManager:
         hashes = self.req_to_block_hashes.get(parent.request_id, [])
         self.req_to_block_hashes[child.request_id] = list(hashes[:prompt_blocks])
 
-    def take_replaced(self, request_id: str) -> list[tuple[int, int]]:
-        """(table index, new block id) pairs that copy-on-write changed for a request."""
+    def take_replaced(self, request_id: str) -> list[tuple[int, int, int]]:
+        """(group, table index, new block id) entries copy-on-write changed for a request."""
         return self.replaced.pop(request_id, [])
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
@@ -225,7 +299,7 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request)
         for i in range(start, num_full):
-            self.block_pool.cache_block(blocks[i], hashes[i])
+            self.block_pool.cache_block(blocks[i], self._key(hashes[i]))
         self.num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -259,6 +333,10 @@ class KVCacheManager:
         self.req_to_blocks[request.request_id] = blocks
         self.num_cached_blocks[request.request_id] = 0  # re-registered as they are full
         return self.swap_space.swap_in(request.request_id, blocks)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; only possible when no block is in use."""
+        return self.block_pool.reset_prefix_cache()
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """Physical block ids of a request, in token order."""

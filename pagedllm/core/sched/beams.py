@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 
 from pagedllm.beam_search import BeamSearchParams, BeamSearchState
-from pagedllm.core.kv_cache.manager import KVCacheManager
+from pagedllm.core.kv_cache.interface import KVCacheManagerBase
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.groups import SequenceGroups
 from pagedllm.core.sched.output import EngineCoreOutput
@@ -16,7 +16,7 @@ from pagedllm.core.sched.output import EngineCoreOutput
 class BeamManager:
     """Owns the BeamSearchState of every beam-search request."""
 
-    def __init__(self, kv: KVCacheManager, groups: SequenceGroups) -> None:
+    def __init__(self, kv: KVCacheManagerBase, groups: SequenceGroups) -> None:
         self.kv = kv
         self.groups = groups
         self.states: dict[str, BeamSearchState] = {}

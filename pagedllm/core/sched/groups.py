@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 
-from pagedllm.core.kv_cache.manager import KVCacheManager
+from pagedllm.core.kv_cache.interface import KVCacheManagerBase
 from pagedllm.core.request import Request, RequestStatus
 
 
@@ -51,7 +51,7 @@ class SequenceGroups:
             out.extend([r.request_id for r in group] if group else [rid])
         return out
 
-    def fork(self, parent: Request, tokens: list[int], kv: KVCacheManager) -> list[Request]:
+    def fork(self, parent: Request, tokens: list[int], kv: KVCacheManagerBase) -> list[Request]:
         """Create sequences 1..len(tokens) of ``parent`` from its just-computed prompt, each
         starting with its own first token; called before ``parent`` appends tokens[0]'s peer."""
         children = []

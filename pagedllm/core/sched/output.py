@@ -1,14 +1,12 @@
-"""What the scheduler tells the model runner each step, and what comes back to the engine."""
+"""What the scheduler tells the model runner each step, and what comes back to the engine.
+
+Everything here is plain data (pickles): it crosses to worker processes (worker/executor.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pagedllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagedllm.core.request import Request
 
 
 @dataclass
@@ -19,7 +17,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # non-empty when resuming a preempted request by recompute
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per KV-cache group, in table order
     num_computed_tokens: int
 
 
@@ -28,10 +26,11 @@ class CachedRequestData:
     """A request the runner already holds: only what changed since the last step."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # per KV-cache group; () when none is new
     num_computed_tokens: int
-    # (table index, block id): entries copy-on-write replaced (a forked block made private)
-    replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)
+    # (group, table index, block id): entries copy-on-write replaced (a forked block made
+    # private)
+    replaced_block_ids: list[tuple[int, int, int]] = field(default_factory=list)
     # Tokens the scheduler chose (beam search) for the runner to append to its copy.
     append_token_ids: list[int] = field(default_factory=list)
 
@@ -57,10 +56,27 @@ class SchedulerOutput:
     # token bitmask is filled (engine/core.py) while the forward pass runs.
     structured_requests: list[int] = field(default_factory=list)
     structured_batch_idx: list[int] = field(default_factory=list)
-    # The scheduler's own Request objects, in batch order (for its update: under async
-    # scheduling a request that finished may have a token in flight while a new request
-    # already uses its id). Not for the runner.
-    requests: list[Request] = field(default_factory=list, repr=False)
+    # Speculative decoding: the draft tokens proposed for a request (only requests that have
+    # some), counted in its ``num_scheduled_tokens`` as vLLM does: a decode with k drafts is
+    # scheduled 1 + k tokens (its last known token, then the drafts, which the runner writes
+    # after the known tokens as inputs only). Such a request samples at each of its k + 1
+    # positions: ``ModelRunnerOutput.sampled_token_ids[i]`` = [s_0, ..., s_k], s_j being the
+    # model's token after draft j - 1 (s_0: after the known tokens, what a plain decode
+    # samples). The runner commits s_0 alone to its copy of the request (so a rejected draft
+    # never enters it). What the scheduler must do with the k + 1 samples (acceptance):
+    #   - accept a = the longest prefix with s_j == draft_j (j < a); the new tokens are
+    #     s_0 .. s_a (a + 1 tokens: the accepted drafts, then the model's own token s_a);
+    #     stop checks and grammars see them in order (rollback_structured for the rest);
+    #   - before this step the request had T known tokens (num_computed T - 1 for a decode):
+    #     after it, K/V hold positions up to T + a - 1, so ``num_computed_tokens`` = T + a
+    #     (not T + k, which schedule() counted) and the rejected drafts' blocks may be freed;
+    #   - tell the runner in the next step's CachedRequestData: ``num_computed_tokens``
+    #     T + a and ``append_token_ids`` s_1 .. s_a (it holds s_0 already).
+    # A scheduler that never proposes leaves this empty: steps run exactly as without it.
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Which schedule() made this plan: the scheduler keeps the step's Request objects under
+    # it until update_from_output (the plan itself is plain data, sent to worker processes).
+    step_id: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -72,7 +88,8 @@ class ModelRunnerOutput:
     """Tokens sampled this step, per request of the batch that reached the end of its tokens.
 
     ``sampled_token_ids[i]`` is empty for a request whose prefill chunk did not reach its last
-    token; with speculative decoding it may hold several tokens.
+    token; for a request with k draft tokens it holds k + 1 samples in position order (see
+    ``SchedulerOutput.scheduled_spec_tokens``), and ``logprobs[i]`` a triple for each.
     """
 
     req_ids: list[str]

@@ -30,10 +30,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.core.kv_cache.manager import KVCacheManager, cdiv
+from pagedllm.core.kv_cache.factory import make_kv_cache_manager
+from pagedllm.core.kv_cache.spec import KVCacheGroups
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.beams import BeamManager
 from pagedllm.core.sched.groups import SequenceGroups, num_sequences
@@ -45,9 +46,10 @@ from pagedllm.core.sched.output import (
     SchedulerOutput,
 )
 from pagedllm.core.sched.policy import RankedQueue, make_policy
+from pagedllm.core.sched.structured import GrammarBook
 
 if TYPE_CHECKING:
-    from pagedllm.structured_output.grammars import GrammarStep
+    from pagedllm.structured_output.grammars import Grammars, GrammarStep
 
 
 class _Now:
@@ -70,15 +72,19 @@ class Scheduler:
         num_host_blocks: int = 0,
         swap_is_cheaper: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        kv_groups: KVCacheGroups | None = None,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
-        self.kv_cache_manager = KVCacheManager(
+        # the KV manager for the model's KV-cache groups (a single table when none are given)
+        self.kv_cache_manager = make_kv_cache_manager(
+            kv_groups,
             num_blocks,
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             num_host_blocks,
+            scheduler_config.max_num_batched_tokens,
         )
         mode = cache_config.preemption_mode
         self.use_swap = mode == "swap" or (mode == "auto" and swap_is_cheaper)
@@ -99,11 +105,8 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []
         self.num_swaps = 0
         self.groups = SequenceGroups()
-        self.structured = None  # StructuredOutputManager, set by the engine core when needed
-        self.grammars = None  # Grammars: the matchers of structured requests (set likewise)
-        self._grammar_tokens_sent = False  # this update's tokens went to Grammars already
-        self._grammar_serial = itertools.count()
-        self._grammar_owner: dict[int, Request] = {}  # grammar key -> its live request
+        # structured outputs: grammar keys, matchers and their operations (core/sched/structured)
+        self.grammar_book = GrammarBook()
         self.failed: list[Request] = []  # ended by the engine (bad grammar), to report
         self.beams = BeamManager(self.kv_cache_manager, self.groups)
         # Requests finished since the last schedule(): the runner drops their state.
@@ -114,6 +117,11 @@ class Scheduler:
         # Live requests that need their sampled tokens on the host before their next step
         # (see Request.needs_host_tokens): while any exists, the engine runs synchronously.
         self._sync_ids: set[str] = set()
+        # The Request objects of each scheduled step, in batch order, until its update (two
+        # steps are in flight under async scheduling; a request that finished may have a
+        # token in flight while a new request already uses its id).
+        self._in_flight: dict[int, list[Request]] = {}
+        self._step_ids = itertools.count()
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -132,7 +140,7 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens, more than max_model_len "
                 f"({self.max_model_len})."
             )
-        capacity = self.kv_cache_manager.num_blocks * self.block_size
+        capacity = self.kv_cache_manager.token_capacity()
         if request.num_prompt_tokens + 1 > capacity:
             raise ValueError(
                 f"prompt has {request.num_prompt_tokens} tokens but the KV cache holds only "
@@ -141,15 +149,29 @@ class Scheduler:
         # Generation may not outgrow the cache either: cap it so one request alone always fits.
         request.max_tokens = min(request.max_tokens, capacity - request.num_prompt_tokens)
         request.status = RequestStatus.WAITING
-        so_params = request.sampling_params.structured_outputs
-        if so_params is not None:
-            if self.structured is None:
-                raise ValueError("structured outputs need a tokenizer and the xgrammar package.")
-            request.grammar_future = self.structured.submit(so_params)
-            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        if request.sampling_params.structured_outputs is not None:
+            self.grammar_book.submit(request)
         self.groups.register(request)
         self._track(request)
         self.waiting.add(request)
+
+    @property
+    def structured(self) -> Any:
+        """The StructuredOutputManager (grammar compiler), set by the engine core when needed."""
+        return self.grammar_book.structured
+
+    @structured.setter
+    def structured(self, manager: Any) -> None:
+        self.grammar_book.structured = manager
+
+    @property
+    def grammars(self) -> Grammars | None:
+        """``Grammars``: the matchers of structured requests (set by the engine core)."""
+        return self.grammar_book.grammars
+
+    @grammars.setter
+    def grammars(self, grammars: Grammars | None) -> None:
+        self.grammar_book.grammars = grammars
 
     def _track(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -182,10 +204,7 @@ class Scheduler:
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
-        if request.grammar_key is not None:
-            self.grammars.drop(request.grammar_key)
-            self._grammar_owner.pop(request.grammar_key, None)
-            request.grammar_key = None
+        self.grammar_book.release(request)
         self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
         self._sync_ids.discard(request.request_id)
@@ -286,16 +305,13 @@ class Scheduler:
             budget -= num_new
             self._add_to_output(request, new_blocks, new_reqs, cached_reqs)
 
-        structured: list[int] = []
-        structured_idx: list[int] = []
         requests = self.requests
         batch = [requests[rid] for rid in num_scheduled]
-        for i, (r, n) in enumerate(zip(batch, num_scheduled.values())):
-            if r.grammar_key is not None and r.num_computed_tokens + n >= r.num_tokens:
-                structured.append(r.grammar_key)
-                structured_idx.append(i)
+        structured, structured_idx = self.grammar_book.batch_keys(batch, num_scheduled.values())
+        step_id = next(self._step_ids)
+        self._in_flight[step_id] = batch
         out = SchedulerOutput(
-            requests=batch,
+            step_id=step_id,
             structured_requests=structured,
             structured_batch_idx=structured_idx,
             scheduled_new_reqs=new_reqs,
@@ -337,7 +353,7 @@ class Scheduler:
             cached_reqs.append(
                 CachedRequestData(
                     rid,
-                    [b.block_id for b in new_blocks],
+                    self.kv_cache_manager.new_block_ids(new_blocks),
                     request.num_computed_tokens,
                     replaced,
                     appended,
@@ -351,7 +367,7 @@ class Scheduler:
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=list(request.output_token_ids),
                 sampling_params=request.sampling_params,
-                block_ids=self.kv_cache_manager.get_block_ids(rid),
+                block_ids=self.kv_cache_manager.get_block_table(rid),
                 num_computed_tokens=request.num_computed_tokens,
             )
         )
@@ -378,25 +394,13 @@ class Scheduler:
         return None
 
     def _grammars_ready(self) -> None:
-        """Give requests whose grammar compiled a matcher; end those whose grammar failed.
-        (Nothing is given while the grammar worker process is still starting.)"""
-        if self.grammars is None or not self.grammars.ready():
-            return
-        for request in self.waiting:
-            fut = request.grammar_future
-            if request.status != RequestStatus.WAITING_FOR_GRAMMAR or not fut.done():
-                continue
-            err = fut.exception()
-            if err is not None:
-                request.error = str(err)
-                self.waiting.remove(request)
-                request.status = RequestStatus.FINISHED_ABORTED
-                self._free_request(request)
-                self.failed.append(request)
-                continue
-            self._give_grammar(request)
-            self.grammars.add(request.grammar_key, fut.result())
-            request.status = RequestStatus.WAITING
+        """Let requests whose grammar compiled go on waiting for their turn; end those whose
+        grammar failed (reported by the next update)."""
+        for request in self.grammar_book.ready(self.waiting):
+            self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(request)
+            self.failed.append(request)
 
     def _preempt_group(
         self,
@@ -437,11 +441,7 @@ class Scheduler:
                 break
             if not self.policy.may_preempt_for(head, victim):
                 break
-            hit = kv.num_cached_prefix_tokens(head) if not head.swapped else 0
-            start = head.num_computed_tokens if head.swapped else hit
-            chunk = min(head.num_tokens - start, budget)
-            need = cdiv(start + chunk, self.block_size) - hit // self.block_size
-            if len(self.running) < self.config.max_num_seqs and kv.num_free_blocks() >= need:
+            if len(self.running) < self.config.max_num_seqs and kv.can_allocate(head, budget):
                 break
             self.running.pop_back()
             gang = self._preempt_group(victim, {}, [], [])
@@ -452,9 +452,7 @@ class Scheduler:
     def _swap_in(self, request: Request, budget: int) -> list[tuple[int, int]] | None:
         """Device room for a swapped request's blocks and its next tokens, then swap it in."""
         kv = self.kv_cache_manager
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        need = cdiv(request.num_computed_tokens + num_new, self.block_size)
-        if need > kv.num_free_blocks():
+        if not kv.can_allocate(request, budget):
             return None
         pairs = kv.swap_in(request)
         request.swapped = False
@@ -489,21 +487,18 @@ class Scheduler:
         (EOS, max_tokens) is accepted too, harmlessly: the matcher is dropped after it. Not
         for steps with forks or beams (their grammar operations are ordered by the update;
         those requests run synchronous steps)."""
-        tokens = runner_output.structured_tokens
-        if runner_output.forked_token_ids or tokens is None:
-            return  # the update orders the forks and the tokens
-        # (a key whose request ended meanwhile was dropped first: Grammars skips it)
-        self.grammars.accept_many(scheduler_output.structured_requests, tokens)
-        self._grammar_tokens_sent = True
+        self.grammar_book.send_tokens(scheduler_output, runner_output)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Append sampled tokens, apply stop conditions, free finished requests."""
+        """Append sampled tokens, apply stop conditions, free finished requests. (This
+        scheduler proposes no draft tokens; one that does must first turn each such request's
+        k + 1 samples into its accepted tokens: see ``SchedulerOutput.scheduled_spec_tokens``.)"""
         try:
             return self._update_from_output(scheduler_output, runner_output)
         finally:
-            self._grammar_tokens_sent = False
+            self.grammar_book.end_update()
 
     def _update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -521,7 +516,7 @@ class Scheduler:
         ]
         self.failed = []
         sampled = dict(zip(runner_output.req_ids, range(len(runner_output.req_ids))))
-        for request in scheduler_output.requests:
+        for request in self._in_flight.pop(scheduler_output.step_id):
             if request.is_finished:
                 continue  # aborted (or finished by a stop string) while the step ran
             rid = request.request_id
@@ -545,7 +540,7 @@ class Scheduler:
             for tok in token_ids:
                 request.append_output_token_ids(tok)
                 new_tokens.append(tok)
-                if self._check_stop(request, tok) or self._accept_structured(request, tok):
+                if self._check_stop(request, tok) or self.grammar_book.accept(request, tok):
                     break
             logprobs = None
             if runner_output.logprobs is not None and idx is not None:
@@ -602,61 +597,23 @@ class Scheduler:
             self._track(child)
             self.running.add(child)
             tok = child.output_token_ids[-1]
-            if parent.grammar_key is not None:  # fork before the parent accepts its token
-                self._give_grammar(child)
-                self.grammars.fork(parent.grammar_key, child.grammar_key)
-            self._check_stop(child, tok) or self._accept_structured(child, tok)
+            self.grammar_book.fork(parent, child)  # before the parent accepts its token
+            self._check_stop(child, tok) or self.grammar_book.accept(child, tok)
             outputs.append(self._emit(child, [tok], [lps[j]] if lps else None))
         return outputs
-
-    def _accept_structured(self, request: Request, token: int) -> bool:
-        """Advance the request's grammar by ``token`` (an operation for ``Grammars``, run
-        beside the loop); True when the grammar has terminated: the token is one of the
-        tokenizer's stop tokens, which the bitmask allows only where the grammar may end
-        (the request then finishes with reason 'stop'). A token the grammar rejects comes
-        back from ``Grammars`` a step later (``apply_grammar_step``)."""
-        if request.grammar_key is None or request.is_finished:
-            return False
-        if not self._grammar_tokens_sent:
-            self.grammars.accept(request.grammar_key, token)
-        if token in self.structured.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        return False
 
     def apply_grammar_step(self, step: GrammarStep) -> list[EngineCoreOutput]:
         """End the requests whose token a grammar rejected (a bitmask should never let one
         through: this is a safety net), each with an error output."""
-        outputs = []
-        for key, message in step.rejected.items():
-            request = self._grammar_owner.get(key)
-            if request is None or request.is_finished:
-                continue
-            request.error = message
-            self.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
-            outputs.append(
-                EngineCoreOutput(
-                    request.request_id,
-                    [],
-                    finish_reason="abort",
-                    error=message,
-                    parent_id=request.parent_id,
-                    seq_index=request.seq_index,
-                )
-            )
-        return outputs
+        return self.grammar_book.apply_step(
+            step,
+            lambda r: self.finish_requests([r.request_id], RequestStatus.FINISHED_ABORTED),
+        )
 
     def rollback_structured(self, request_id: str, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens in a request's grammar matcher (for
         rejected speculative tokens)."""
-        request = self.requests[request_id]
-        if request.grammar_key is not None and num_tokens > 0:
-            self.grammars.rollback(request.grammar_key, num_tokens)
-
-    def _give_grammar(self, request: Request) -> None:
-        """A fresh grammar key for ``request`` (its matcher's name in ``Grammars``)."""
-        request.grammar_key = next(self._grammar_serial)
-        self._grammar_owner[request.grammar_key] = request
+        self.grammar_book.rollback(self.requests[request_id], num_tokens)
 
     def _check_stop(self, request: Request, token: int) -> bool:
         params = request.sampling_params

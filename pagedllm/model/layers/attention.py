@@ -31,6 +31,10 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor = torch.empty(0)  # [2, num_blocks, block_size, kvh, d]
         self.backend: AttentionBackend | None = None
+        # set by the runner's KV-cache layout (pagedllm/kv_layout.py): the layer's index among
+        # the model's attention layers and its KV-cache group
+        self.layer_idx = 0
+        self.kv_group = 0
 
     def forward(
         self,
@@ -48,6 +52,7 @@ class Attention(nn.Module):
         one) the rotation is the kernel that also writes K/V into the cache."""
         # q: [num_tokens, num_heads(, *) head_dim], k/v: [num_tokens, num_kv_heads(, *) head_dim]
         assert self.backend is not None, "attention backend not bound (model runner does it)"
+        metadata = metadata.for_group(self.kv_group)
         n = q.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)

@@ -1,0 +1,143 @@
+"""The KV-manager protocol: what the scheduler asks of a KV cache manager.
+
+The scheduler does no block arithmetic: it asks the manager whether a request's next chunk
+fits, for the request's prefix hit, for room for new tokens, and hands the runner the block ids
+the manager returns. A new manager (per-head KV-Compress tables, fp8 pages, ...) implements
+every abstract method below and is chosen by ``make_kv_cache_manager`` (``factory.py``) from the
+model's ``KVCacheGroups`` (``spec.py``).
+
+The contract, request by request:
+
+- ``get_computed_blocks(r)`` -> (blocks, num_tokens): the longest cached prefix (a multiple of
+  the block size, at most ``r.num_tokens - 1`` tokens), with no side effects; ``blocks`` is
+  opaque to the scheduler and goes back to ``allocate_slots``.
+- ``allocate_slots(r, num_new, blocks, lookahead)``: room for ``num_new`` more tokens after
+  ``r.num_computed_tokens`` (and after the hit ``blocks``), plus ``lookahead`` speculative
+  slots; returns the new blocks (opaque; ``new_block_ids`` turns them into ids per group for
+  the runner), or None when the pool is short, and then nothing the runner could see changed.
+  Blocks that become full with known tokens are registered in the prefix cache.
+- ``free(r)``: every block back to the pool (cached ones stay findable until evicted);
+  ``fork(parent, child)``: the child shares every block (copy-on-write on its next write; the
+  copies come out of ``take_pending_copies``, the changed table entries out of
+  ``take_replaced``).
+- ``swap_out(r)`` / ``swap_in(r)``: (src, dst) block pairs to copy, or None when there is no
+  room.
+- ``check_integrity()``: every block's ref count equals the tables holding it; free + used ==
+  total.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from pagedllm.core.request import Request
+
+
+class KVCacheManagerBase(ABC):
+    """The KV manager protocol (see the module docstring). Attributes every manager has:
+    ``block_size``, ``prefix_cache_queries`` / ``prefix_cache_hits`` (tokens), ``num_cow_copies``,
+    ``swap_space`` (``SwapSpace``) and ``block_pool`` (``BlockPool``)."""
+
+    block_size: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_cow_copies: int
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    @abstractmethod
+    def num_blocks(self) -> int:
+        """Total blocks in the pool."""
+
+    @property
+    @abstractmethod
+    def usage(self) -> float:
+        """Fraction of the usable blocks in use by requests, in [0, 1]."""
+
+    @abstractmethod
+    def num_free_blocks(self) -> int:
+        """Blocks that can be allocated now (cached-but-free ones included)."""
+
+    @abstractmethod
+    def token_capacity(self) -> int:
+        """The most tokens one request can ever hold, alone in the cache."""
+
+    @abstractmethod
+    def can_allocate(self, request: Request, budget: int) -> bool:
+        """Whether the request's next chunk (up to ``budget`` tokens after its prefix hit, or
+        after its swapped-out tokens) fits in the free blocks now."""
+
+    # -------------------------------------------------------------- prefix cache
+    @abstractmethod
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        """Tokens ``get_computed_blocks`` would give now (no side effects, no stats)."""
+
+    @abstractmethod
+    def get_computed_blocks(self, request: Request) -> tuple[Any, int]:
+        """The cached prefix: (blocks for ``allocate_slots``, number of tokens)."""
+
+    @abstractmethod
+    def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count one admitted request's lookup in the prefix-cache metrics (tokens)."""
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (and nothing done) while blocks are in use."""
+
+    # ---------------------------------------------------------------- allocation
+    @abstractmethod
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+    ) -> Sequence | None:
+        """Room for the request's next tokens; the new blocks, or None (see the module
+        docstring)."""
+
+    @abstractmethod
+    def new_block_ids(self, new_blocks: Sequence) -> tuple[list[int], ...]:
+        """Block ids per KV-cache group of an ``allocate_slots`` result; () when none."""
+
+    @abstractmethod
+    def get_block_table(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's whole block table, one list of ids per KV-cache group."""
+
+    @abstractmethod
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (tail first: its prefix outlives its suffix)."""
+
+    @abstractmethod
+    def fork(self, parent: Request, child: Request) -> None:
+        """Share every block of ``parent`` with ``child`` (copy-on-write)."""
+
+    @abstractmethod
+    def take_replaced(self, request_id: str) -> list[tuple[int, int, int]]:
+        """(group, table index, new block id) entries copy-on-write changed since last taken."""
+
+    @abstractmethod
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Drain the copy-on-write (src, dst) block copies for the runner."""
+
+    # ---------------------------------------------------------------------- swap
+    @abstractmethod
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """(device, host) pairs to copy out, the device blocks freed; None if no room."""
+
+    @abstractmethod
+    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
+        """(host, device) pairs to copy back into new blocks; None if the pool is short."""
+
+    # --------------------------------------------------------------------- checks
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Assert the ref counts and the free/used accounting (see the module docstring)."""
+
+    def is_idle_clean(self) -> bool:
+        """Whether every usable block is free (what an idle engine must see)."""
+        return self.num_free_blocks() == self.num_blocks - int(
+            self.block_pool.null_block is not None  # type: ignore[attr-defined]
+        )

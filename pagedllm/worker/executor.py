@@ -1,0 +1,150 @@
+"""Executors: the one way ``EngineCore`` reaches the model, in this process or in workers.
+
+``make_executor`` picks one by ``ParallelConfig.distributed_executor_backend`` (vLLM's names):
+``"uni"`` (the default) runs one ``ModelRunner`` in the engine's process; ``"mp"`` runs one
+worker process per rank (``multiproc_executor.py``, ``worker_proc.py``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.config import _EXECUTOR_BACKENDS, EngineConfig
+from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagedllm.structured_output.grammars import GrammarStep
+    from pagedllm.worker.model_runner import ModelRunner
+
+
+class Executor(ABC):
+    """What the engine core asks of the model's workers: one per rank, each owning a
+    ``ModelRunner``; the executor calls every worker and hands back rank 0's answer.
+
+    The contract:
+
+    - Only plain data crosses: ``SchedulerOutput`` in, ``ModelRunnerOutput`` out, a grammar
+      step's bitmask in, numbers and ``kv_cache_groups()``' description out. Never the
+      scheduler's ``Request`` objects; every argument and result pickles.
+    - Start-up, in this order: ``determine_num_blocks`` (the minimum over workers; the
+      profiling pass runs on every worker), ``initialize_kv_cache(num_blocks)`` with that
+      number on every worker, ``capture_cuda_graphs``, ``initialize_swap_space``.
+    - A step: ``launch_forward(so)`` returns a handle at once (the forward pass is queued),
+      ``launch_sample(handle, grammar_step)`` queues its sampling (with the bitmask of the
+      step's structured requests, or None), ``resolve(handle)`` waits for its tokens. Steps
+      are launched and resolved in order; under async scheduling step N is launched (forward
+      and sample) before step N-1 is resolved, so at most two are in flight. Each handle is
+      resolved exactly once. ``execute_model(so)`` is the three at once, for a step without
+      structured requests.
+    - Failures: a worker's exception comes back as a ``RuntimeError`` carrying its traceback;
+      a worker that died raises a ``RuntimeError`` naming it (rank, pid, exit code) instead of
+      waiting for it. After either the executor is broken: every later call raises.
+    - ``shutdown()`` frees the workers (processes end); it is idempotent.
+    """
+
+    device_type: str  # "cuda" or "cpu": the workers' device
+    max_num_reqs: int  # rows of each worker's persistent batch (max_num_seqs)
+
+    @abstractmethod
+    def kv_cache_groups(self) -> Any:
+        """Plain data describing the KV cache's layer groups (``ModelRunner.kv_cache_groups``)."""
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """The KV cache's block count every worker can hold (the minimum over workers)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` blocks on every worker."""
+
+    @abstractmethod
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode graphs on every worker (a no-op off GPUs or with enforce_eager)."""
+
+    @abstractmethod
+    def initialize_swap_space(self) -> int:
+        """Allocate host blocks for swap preemption; their number."""
+
+    @abstractmethod
+    def swap_is_cheaper(self) -> bool:
+        """The 'auto' preemption rule (``ModelRunner.swap_is_cheaper``)."""
+
+    @abstractmethod
+    def launch_forward(self, scheduler_output: SchedulerOutput) -> Any:
+        """Queue a step's forward pass; returns its handle without waiting."""
+
+    @abstractmethod
+    def launch_sample(self, handle: Any, grammar_step: GrammarStep | None) -> None:
+        """Queue the sampling of a launched step, with its grammar bitmask (or None)."""
+
+    @abstractmethod
+    def resolve(self, handle: Any) -> ModelRunnerOutput:
+        """Wait for a launched step's tokens."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run a step without structured requests to the end: forward, sample, resolve."""
+        handle = self.launch_forward(scheduler_output)
+        self.launch_sample(handle, None)
+        return self.resolve(handle)
+
+    def shutdown(self) -> None:  # noqa: B027 - an in-process executor holds nothing to free
+        """Free the workers; safe to call twice."""
+
+
+class UniProcExecutor(Executor):
+    """One ``ModelRunner`` in the engine's process: the same calls as a bare runner (the
+    handle is the runner's ``LaunchedStep``). ``runner`` is public for tests and
+    benchmarks that look inside."""
+
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int] | None = None) -> None:
+        from pagedllm.worker.model_runner import ModelRunner
+
+        self.runner: ModelRunner = ModelRunner(config, eos_token_ids)
+        self.device_type = self.runner.device.type
+        self.max_num_reqs = self.runner.input_batch.max_num_reqs
+
+    # the runner's methods are looked up at each call, so that tests may wrap them
+    def kv_cache_groups(self) -> Any:
+        return self.runner.kv_cache_groups()
+
+    def determine_num_blocks(self) -> int:
+        return self.runner.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def capture_cuda_graphs(self) -> None:
+        self.runner.capture_cuda_graphs()
+
+    def initialize_swap_space(self) -> int:
+        return self.runner.initialize_swap_space()
+
+    def swap_is_cheaper(self) -> bool:
+        return self.runner.swap_is_cheaper()
+
+    def launch_forward(self, scheduler_output: SchedulerOutput) -> Any:
+        return self.runner.launch_forward(scheduler_output)
+
+    def launch_sample(self, handle: Any, grammar_step: GrammarStep | None) -> None:
+        self.runner.launch_sample(handle, grammar_step)
+
+    def resolve(self, handle: Any) -> ModelRunnerOutput:
+        return self.runner.resolve(handle)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+
+def make_executor(config: EngineConfig, eos_token_ids: set[int] | None = None) -> Executor:
+    """The executor ``config.parallel_config.distributed_executor_backend`` names."""
+    backend = config.parallel_config.distributed_executor_backend
+    if backend == "uni":
+        return UniProcExecutor(config, eos_token_ids)
+    if backend == "mp":
+        from pagedllm.worker.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config, eos_token_ids)
+    raise ValueError(
+        f"distributed_executor_backend must be one of {_EXECUTOR_BACKENDS}, got {backend!r}."
+    )

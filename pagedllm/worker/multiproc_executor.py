@@ -1,0 +1,234 @@
+"""The multiprocess executor: one worker process per rank (``worker_proc.py``).
+
+Each worker is started as ``python -m pagedllm.worker.worker_proc FD`` with one end of a
+socket pair, over which pickled plain data travels (``Channel``). A step is three messages
+to every worker - forward, sample, resolve - of which only the resolve waits for a reply
+(rank 0's tokens; the other ranks answer None, so their failures surface too). Handles are
+integer step ids; the workers keep their launched steps by id.
+
+No wait on a worker is unbounded: every receive wakes each ``_POLL_S`` to check that the
+worker is alive (a dead one raises ``RuntimeError`` naming its rank, pid and exit code), and
+start-up has a deadline (``PAGEDLLM_WORKER_START_TIMEOUT``, default 300 s). A finalizer stops
+the workers if the executor is dropped without ``shutdown()``, and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.utils.channel import Channel, encode
+from pagedllm.worker.executor import Executor
+
+if TYPE_CHECKING:
+    from pagedllm.structured_output.grammars import GrammarStep
+
+_POLL_S = 1.0  # how often a waiting receive checks that its worker is alive
+_START_TIMEOUT_ENV = "PAGEDLLM_WORKER_START_TIMEOUT"
+_DEFAULT_START_TIMEOUT_S = 300.0
+_STOP_TIMEOUT_S = 10.0  # how long shutdown waits for a worker to exit before killing it
+
+
+@dataclass
+class _WorkerHandle:
+    """The engine's side of one worker: its rank, process and channel."""
+
+    rank: int
+    proc: subprocess.Popen
+    chan: Channel
+
+    def describe(self) -> str:
+        return f"worker rank {self.rank} (pid {self.proc.pid})"
+
+
+def start_timeout() -> float:
+    """Seconds a worker may take to build its model (``PAGEDLLM_WORKER_START_TIMEOUT``)."""
+    value = os.environ.get(_START_TIMEOUT_ENV)
+    if value is None:
+        return _DEFAULT_START_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{_START_TIMEOUT_ENV} must be a positive number, got {value!r}")
+    return seconds
+
+
+def _start_worker(rank: int, device: str) -> _WorkerHandle:
+    ours, theirs = socket.socketpair()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    if device == "cpu":
+        # The worker's forward and the engine loop take turns on the same cores: OpenMP
+        # threads spinning after each parallel region would hold the core the loop needs
+        # to wake on (on a busy 2-core host, 4x slower steps). Unless the user chose.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    cmd = [sys.executable, "-m", "pagedllm.worker.worker_proc", str(theirs.fileno())]
+    try:
+        proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return _WorkerHandle(rank, proc, Channel(ours))
+
+
+def _stop_workers(workers: list[_WorkerHandle], timeout: float = _STOP_TIMEOUT_S) -> None:
+    """Close every channel (a worker exits at the end of its input), wait, then kill."""
+    for w in workers:
+        try:
+            w.chan.close()
+        except OSError:
+            pass
+    deadline = time.monotonic() + timeout
+    for w in workers:
+        try:
+            w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait()
+    workers.clear()
+
+
+class MultiprocExecutor(Executor):
+    """One worker process per tensor-parallel rank; rank 0's results come back (see the
+    module docstring and ``Executor``)."""
+
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int] | None = None) -> None:
+        world = config.parallel_config.tensor_parallel_size
+        self._workers: list[_WorkerHandle] = []
+        # holds the list, not self: a dropped executor is collected, then its workers stop
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        self._ids = itertools.count()
+        self._broken: str | None = None
+        try:
+            for rank in range(world):
+                self._workers.append(_start_worker(rank, config.device_config.device))
+            for w in self._workers:
+                self._send(w, encode(("init", config, eos_token_ids, w.rank, world)))
+            timeout = start_timeout()
+            deadline = time.monotonic() + timeout
+            infos = [self._recv(w, deadline, timeout) for w in self._workers]
+        except BaseException:
+            self._finalizer()
+            raise
+        self.device_type: str = infos[0]["device_type"]
+        self.max_num_reqs: int = infos[0]["max_num_reqs"]
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids, by rank (empty after shutdown)."""
+        return [w.proc.pid for w in self._workers]
+
+    # ----------------------------------------------------------------- messages
+    def _check(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"the executor is broken: {self._broken}")
+        if not self._workers:
+            raise RuntimeError("the executor was shut down")
+
+    def _broke(self, message: str) -> RuntimeError:
+        self._broken = message.splitlines()[0]
+        return RuntimeError(message)
+
+    def _died(self, w: _WorkerHandle) -> RuntimeError:
+        try:
+            code = w.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # closed its end, but still running
+            code = None
+        return self._broke(f"{w.describe()} died (exit code {code})")
+
+    def _send(self, w: _WorkerHandle, data: bytes) -> None:
+        try:
+            w.chan.send_bytes(data)
+        except OSError as e:
+            raise self._died(w) from e
+
+    def _broadcast(self, msg: tuple) -> None:
+        self._check()
+        data = encode(msg)  # pickled once for every rank
+        for w in self._workers:
+            self._send(w, data)
+
+    def _recv(self, w: _WorkerHandle, deadline: float | None = None, timeout: float = 0.0) -> Any:
+        """The worker's next reply; raises, never hangs, when it died or failed."""
+        while True:
+            try:
+                msg = w.chan.recv(timeout=_POLL_S)
+            except TimeoutError:
+                if w.proc.poll() is not None:
+                    raise self._died(w) from None
+                if deadline is not None and time.monotonic() > deadline:
+                    raise self._broke(
+                        f"{w.describe()} did not start within {timeout:g} s "
+                        f"(set {_START_TIMEOUT_ENV} to wait longer)"
+                    ) from None
+                continue
+            except (EOFError, OSError) as e:
+                raise self._died(w) from e
+            if msg[0] == "error":
+                raise self._broke(f"{w.describe()} failed:\n{msg[1]}")
+            return msg[1]
+
+    def _gather(self, msg: tuple) -> list[Any]:
+        """Send ``msg`` to every worker; their replies, by rank."""
+        self._broadcast(msg)
+        return [self._recv(w) for w in self._workers]
+
+    def _call(self, name: str, *args: Any) -> list[Any]:
+        return self._gather(("call", name, args))
+
+    # ----------------------------------------------------------------- start-up
+    def kv_cache_groups(self) -> Any:
+        return self._call("kv_cache_groups")[0]
+
+    def determine_num_blocks(self) -> int:
+        return min(self._call("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call("initialize_kv_cache", num_blocks)
+
+    def capture_cuda_graphs(self) -> None:
+        self._call("capture_cuda_graphs")
+
+    def initialize_swap_space(self) -> int:
+        return min(self._call("initialize_swap_space"))
+
+    def swap_is_cheaper(self) -> bool:
+        return bool(self._call("swap_is_cheaper")[0])
+
+    # ----------------------------------------------------------------- steps
+    def launch_forward(self, scheduler_output: SchedulerOutput) -> int:
+        step_id = next(self._ids)
+        self._broadcast(("forward", step_id, scheduler_output))
+        return step_id
+
+    def launch_sample(self, handle: int, grammar_step: GrammarStep | None) -> None:
+        grammar = None
+        if grammar_step is not None:
+            mask = grammar_step.mask
+            # a numpy copy of just these rows (a tensor view would pickle its whole buffer)
+            grammar = (grammar_step.fill_ids, None if mask is None else mask.numpy().copy())
+        self._broadcast(("sample", handle, grammar))
+
+    def resolve(self, handle: int) -> ModelRunnerOutput:
+        return self._gather(("resolve", handle))[0]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._gather(("execute", scheduler_output))[0]
+
+    def shutdown(self) -> None:
+        """Stop the workers: close their channels, wait for them, kill any that linger."""
+        self._finalizer()

@@ -1,0 +1,146 @@
+"""A model worker process of the multiprocess executor (``multiproc_executor.py``).
+
+Started as ``python -m pagedllm.worker.worker_proc FD``, FD being one end of a socket pair
+(inherited) that carries pickled messages (``Channel``), so nothing of the engine's
+``__main__`` is imported again. Messages in:
+    ("init", config, eos_token_ids, rank, world_size)   first, once: builds the ModelRunner
+    ("call", name, args)         a start-up method of the runner (``CALLS``); replies
+    ("forward", step_id, scheduler_output)    launch_forward; no reply
+    ("sample", step_id, grammar)    launch_sample; grammar: None or (fill_ids, mask array)
+    ("resolve", step_id)         replies with the ModelRunnerOutput (rank 0; others None)
+    ("execute", scheduler_output)   forward + sample + resolve; replies likewise
+Messages out: ("ok", result) for each message that replies (after "init": the runner's
+device type, batch rows and pid); ("error", traceback) for any message that failed, sent
+when it failed (a step that does not reply reports it before the next reply).
+The process ends when the connection closes (the engine exited or shut it down); it ignores
+SIGINT, which the engine handles.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import traceback
+from typing import Any
+
+from pagedllm.utils.channel import Channel
+
+# the runner's methods the engine may call by name
+CALLS = frozenset(
+    {
+        "kv_cache_groups",
+        "determine_num_blocks",
+        "initialize_kv_cache",
+        "capture_cuda_graphs",
+        "initialize_swap_space",
+        "swap_is_cheaper",
+    }
+)
+
+_NO_REPLY = object()
+
+
+class Worker:
+    """One rank's ``ModelRunner`` and the steps it launched and has not resolved, by id
+    (under async scheduling step N is launched before step N-1 is resolved)."""
+
+    def __init__(self, config: Any, eos_token_ids: set[int] | None, rank: int, world: int) -> None:
+        import torch
+
+        from pagedllm.worker.model_runner import ModelRunner
+
+        if config.device_config.device.startswith("cuda") and world > 1:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        self.rank = rank
+        self.runner = ModelRunner(config, eos_token_ids)
+        self.steps: dict[int, Any] = {}
+
+    def info(self) -> dict:
+        """What the executor learns once: the device type, the batch's rows, the pid."""
+        return {
+            "device_type": self.runner.device.type,
+            "max_num_reqs": self.runner.input_batch.max_num_reqs,
+            "pid": os.getpid(),
+        }
+
+    def handle(self, msg: tuple) -> Any:
+        """Carry out one message; its reply, or ``_NO_REPLY``."""
+        kind = msg[0]
+        runner = self.runner
+        if kind == "forward":
+            self.steps[msg[1]] = runner.launch_forward(msg[2])
+            return _NO_REPLY
+        if kind == "sample":
+            runner.launch_sample(self.steps[msg[1]], _grammar_step(msg[2]))
+            return _NO_REPLY
+        if kind == "resolve":
+            out = runner.resolve(self.steps.pop(msg[1]))
+            return out if self.rank == 0 else None
+        if kind == "execute":
+            out = runner.execute_model(msg[1])
+            return out if self.rank == 0 else None
+        if kind == "call":
+            if msg[1] not in CALLS:
+                raise ValueError(f"not a worker call: {msg[1]!r}")
+            return getattr(runner, msg[1])(*msg[2])
+        raise ValueError(f"unknown worker message {kind!r}")
+
+
+def _grammar_step(grammar: tuple | None) -> Any:
+    """The ``GrammarStep`` the runner's sampling reads, from its plain form."""
+    if grammar is None:
+        return None
+    import torch
+
+    from pagedllm.structured_output.grammars import GrammarStep
+
+    fill_ids, mask = grammar
+    return GrammarStep(fill_ids, None if mask is None else torch.from_numpy(mask))
+
+
+def serve(conn: Channel) -> None:
+    """The worker's loop (see the module docstring)."""
+    try:
+        kind, config, eos_token_ids, rank, world = conn.recv()
+    except (EOFError, OSError):
+        return
+    assert kind == "init", kind
+    try:
+        worker = Worker(config, eos_token_ids, rank, world)
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", worker.info()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            reply = worker.handle(msg)
+        except Exception:
+            reply = ("error", traceback.format_exc())
+        else:
+            if reply is _NO_REPLY:
+                continue
+            reply = ("ok", reply)
+        try:
+            conn.send(reply)
+        except OSError:  # the engine is gone
+            return
+
+
+def main(argv: list[str]) -> None:
+    """Entry point: serve the engine on the inherited socket ``argv[1]``."""
+    fd = int(argv[1])
+    os.set_inheritable(fd, False)  # not to processes this one starts
+    # Ctrl-C reaches the whole process group: the engine handles it and closes the channel,
+    # which ends this process (a KeyboardInterrupt here would only print a traceback)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    serve(Channel(socket.socket(fileno=fd)))
+
+
+if __name__ == "__main__":
+    main(sys.argv)
