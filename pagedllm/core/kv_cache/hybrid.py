@@ -136,19 +136,8 @@ class HybridKVCacheManager(KVCacheManagerBase):
 
     # ------------------------------------------------------------------ capacity
     @property
-    def num_blocks(self) -> int:
-        return self.block_pool.num_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.block_pool.get_usage()
-
-    @property
-    def num_cow_copies(self) -> int:
+    def num_cow_copies(self) -> int:  # type: ignore[override]
         return sum(m.num_cow_copies for m in self.groups)
-
-    def num_free_blocks(self) -> int:
-        return self.block_pool.get_num_free_blocks()
 
     def _blocks_for(self, num_tokens: int) -> int:
         return sum(
@@ -214,14 +203,6 @@ class HybridKVCacheManager(KVCacheManagerBase):
             else:
                 tables.append(m.get_computed_blocks(request)[0][:n])
         return tables, n * self.block_size
-
-    def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
-        if self.enable_caching:
-            self.prefix_cache_queries += num_tokens
-            self.prefix_cache_hits += num_hit
-
-    def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
 
     # ---------------------------------------------------------------- allocation
     def allocate_slots(

@@ -32,33 +32,37 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
+from pagedllm.core.kv_cache.block_pool import BlockPool
+from pagedllm.core.kv_cache.swap import SwapSpace
 from pagedllm.core.request import Request
 
 
 class KVCacheManagerBase(ABC):
-    """The KV manager protocol (see the module docstring). Attributes every manager has:
-    ``block_size``, ``prefix_cache_queries`` / ``prefix_cache_hits`` (tokens), ``num_cow_copies``,
-    ``swap_space`` (``SwapSpace``) and ``block_pool`` (``BlockPool``)."""
+    """The KV manager protocol (see the module docstring). Every manager has the attributes
+    below; the capacity and prefix-cache counters are read off its ``block_pool``."""
 
     block_size: int
+    enable_caching: bool
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_cow_copies: int
+    block_pool: BlockPool
+    swap_space: SwapSpace
 
     # ------------------------------------------------------------------ capacity
     @property
-    @abstractmethod
     def num_blocks(self) -> int:
         """Total blocks in the pool."""
+        return self.block_pool.num_blocks
 
     @property
-    @abstractmethod
     def usage(self) -> float:
         """Fraction of the usable blocks in use by requests, in [0, 1]."""
+        return self.block_pool.get_usage()
 
-    @abstractmethod
     def num_free_blocks(self) -> int:
         """Blocks that can be allocated now (cached-but-free ones included)."""
+        return self.block_pool.get_num_free_blocks()
 
     @abstractmethod
     def token_capacity(self) -> int:
@@ -78,13 +82,15 @@ class KVCacheManagerBase(ABC):
     def get_computed_blocks(self, request: Request) -> tuple[Any, int]:
         """The cached prefix: (blocks for ``allocate_slots``, number of tokens)."""
 
-    @abstractmethod
     def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
         """Count one admitted request's lookup in the prefix-cache metrics (tokens)."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit
 
-    @abstractmethod
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; False (and nothing done) while blocks are in use."""
+        return self.block_pool.reset_prefix_cache()
 
     # ---------------------------------------------------------------- allocation
     @abstractmethod
@@ -139,5 +145,5 @@ class KVCacheManagerBase(ABC):
     def is_idle_clean(self) -> bool:
         """Whether every usable block is free (what an idle engine must see)."""
         return self.num_free_blocks() == self.num_blocks - int(
-            self.block_pool.null_block is not None  # type: ignore[attr-defined]
+            self.block_pool.null_block is not None
         )

@@ -59,20 +59,6 @@ class KVCacheManager(KVCacheManagerBase):
         self.replaced: dict[str, list[tuple[int, int, int]]] = {}
         self.num_cow_copies = 0
 
-    @property
-    def num_blocks(self) -> int:
-        """Total blocks in the pool."""
-        return self.block_pool.num_blocks
-
-    @property
-    def usage(self) -> float:
-        """Fraction of the cache's blocks in use by requests."""
-        return self.block_pool.get_usage()
-
-    def num_free_blocks(self) -> int:
-        """Blocks that can be allocated now (cached-but-free ones included)."""
-        return self.block_pool.get_num_free_blocks()
-
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
         return hash_request_blocks(
@@ -147,12 +133,6 @@ class KVCacheManager(KVCacheManagerBase):
             hit.append(block)
         return hit, len(hit) * self.block_size
 
-    def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
-        """Count one admitted request's lookup in the prefix-cache metrics (tokens)."""
-        if self.enable_caching:
-            self.prefix_cache_queries += num_tokens
-            self.prefix_cache_hits += num_hit
-
     def allocate_slots(
         self,
         request: Request,
@@ -179,6 +159,22 @@ class KVCacheManager(KVCacheManagerBase):
             return None
         return self.allocate(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens)
 
+    def _plan(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock],
+        num_lookahead_tokens: int,
+    ) -> tuple[list[KVCacheBlock], int, int, int | None]:
+        """(the table, tokens computed after the hit, new blocks needed, index of a shared
+        block the first new token lands in (copy-on-write) or None)."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_needed = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
+        num_new_blocks = max(0, num_needed - len(blocks) - len(new_computed_blocks))
+        cow = self._shared_write_block(blocks, num_computed, num_new_tokens)
+        return blocks, num_computed, num_new_blocks, cow
+
     def num_blocks_to_allocate(
         self,
         request: Request,
@@ -188,13 +184,11 @@ class KVCacheManager(KVCacheManagerBase):
     ) -> int:
         """Free blocks ``allocate`` would take: new blocks, a copy-on-write copy, and cached
         blocks of a prefix hit revived from the free queue."""
-        new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_needed = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
-        num_new_blocks = max(0, num_needed - len(blocks) - len(new_computed_blocks))
-        cow = self._shared_write_block(blocks, num_computed, num_new_tokens)
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        computed = new_computed_blocks or []
+        _, _, num_new_blocks, cow = self._plan(
+            request, num_new_tokens, computed, num_lookahead_tokens
+        )
+        num_revived = sum(1 for b in computed if b.ref_cnt == 0)
         return num_new_blocks + int(cow is not None) + num_revived
 
     def allocate(
@@ -206,19 +200,18 @@ class KVCacheManager(KVCacheManagerBase):
     ) -> list[KVCacheBlock]:
         """``allocate_slots`` once the room is known to be there (the caller checked
         ``num_blocks_to_allocate``)."""
-        new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_needed = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
-        num_new_blocks = max(0, num_needed - len(blocks) - len(new_computed_blocks))
+        computed = new_computed_blocks or []
+        blocks, num_computed, num_new_blocks, cow = self._plan(
+            request, num_new_tokens, computed, num_lookahead_tokens
+        )
+        blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
         # Copy-on-write: the block that receives the first new token is shared with a forked
         # sibling (ref_cnt > 1): this request writes into a private copy.
-        cow = self._shared_write_block(blocks, num_computed, num_new_tokens)
         if cow is not None:
             self._copy_on_write(request, blocks, cow)
-        if new_computed_blocks:
-            self.block_pool.touch(new_computed_blocks)
-            blocks.extend(new_computed_blocks)
+        if computed:
+            self.block_pool.touch(computed)
+            blocks.extend(computed)
             self.num_cached_blocks[request.request_id] = len(blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
@@ -333,10 +326,6 @@ class KVCacheManager(KVCacheManagerBase):
         self.req_to_blocks[request.request_id] = blocks
         self.num_cached_blocks[request.request_id] = 0  # re-registered as they are full
         return self.swap_space.swap_in(request.request_id, blocks)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block; only possible when no block is in use."""
-        return self.block_pool.reset_prefix_cache()
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """Physical block ids of a request, in token order."""
