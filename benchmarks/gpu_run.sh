@@ -37,9 +37,11 @@ one() {
         tests/kernels/test_rms_norm.py ;;
     tests-attn) python -m pytest -q -x -p no:cacheprovider tests/kernels/test_paged_attention.py \
         tests/kernels/test_kv_write.py ;;
-    tests-kernels) python -m pytest -q -x -p no:cacheprovider tests/kernels ;;
+    tests-kernels) python -m pytest -q -x -p no:cacheprovider --durations=8 tests/kernels ;;
     tests-hf) python -m pytest -q -x -p no:cacheprovider tests/models/test_hf_equality.py
       python -m pytest -q -x -p no:cacheprovider tests/kernels/test_fused_ops.py -k rope_and_cache ;;
+    tests-seams) python -m pytest -q -x -p no:cacheprovider tests/models/test_sample_rows.py \
+        tests/models/test_parallel_and_beam.py tests/engine/test_executor.py ;;
     tests-models) python -m pytest -q -x -p no:cacheprovider tests/models tests/engine ;;
     tests-grammar) python -m pytest -q -x -p no:cacheprovider tests/kernels/test_bitmask.py \
         tests/engine/test_grammars.py tests/models/test_async_scheduling.py \
@@ -66,6 +68,19 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     structured) python benchmarks/gpu_suite.py extras --only-structured --out "$OUT" | tail -30 ;;
     structured-threads) lscpu -e | head -20; nproc
       python benchmarks/gpu_suite.py extras --grammar-threads 1,2,4 --out "$OUT" | tail -5 ;;
+    executor) python benchmarks/executor_overhead.py --preset bench-a --out "$OUT" | tail -25 ;;
+    hybrid-kv) python benchmarks/hybrid_kv_gpu.py --out "$OUT" | tail -40 ;;
+    hybrid-kv-profile) python benchmarks/hybrid_kv_gpu.py --profile | grep -v "^$" | head -120 ;;
+    ab-a)  # Benchmark A (no peers) alternating: a base tree in ab_base/, this tree, base, this
+      # tree. Make the base first (git-ignored: pass carry ["ab_base"] to the device call):
+      #   mkdir ab_base && git archive COMMIT pagedllm benchmarks pyproject.toml | tar -x -C ab_base
+      for i in 1 2; do
+        (cd ab_base && PYTHONPATH=/tmp/site:$PWD python benchmarks/gpu_suite.py bench-a \
+          --skip-peers --time-device --out "$OUT/ab_base_$i" | grep -v "^ ")
+        python benchmarks/gpu_suite.py bench-a --skip-peers --time-device --out "$OUT/ab_new_$i" \
+          | grep -v "^ "
+      done
+      for d in "$OUT"/ab_*; do echo "$d"; summary "$d"; done ;;
     *) echo "unknown stage $1" ;;
   esac
 }
