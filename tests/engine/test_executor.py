@@ -72,10 +72,11 @@ def _children() -> set[int]:
 
 
 @pytest.mark.parametrize("asynch", [False, True], ids=["sync", "async"])
-def test_mp_tokens_equal_uni(asynch, tiny_models):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: the hybrid KV cache's groups
+def test_mp_tokens_equal_uni(asynch, arch, tiny_models):
     """Greedy requests (prefills chunked by a small token budget), one with logprobs and one
     with n=2 seeded sampling: the same tokens, finish reasons and logprobs either way."""
-    path = tiny_models("llama")
+    path = tiny_models(arch)
     prompts = _prompts(6, 0)
     params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True) for _ in prompts]
     params[1] = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
