@@ -84,6 +84,17 @@ class SJFPolicy(SchedulingPolicy):
         return (todo - self.aging_rate * (now - request.arrival_time), request.arrival_time)
 
 
+class Now:
+    """A mutable timestamp (seconds, from the scheduler's clock) for the waiting queue's ranks:
+    the queue's key closes over it, not over the scheduler (a cycle only the cyclic collector
+    would free)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+
 class RankedQueue:
     """Requests kept sorted by (rank, insertion number)."""
 

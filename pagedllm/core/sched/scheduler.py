@@ -37,6 +37,7 @@ from pagedllm.core.kv_cache.factory import make_kv_cache_manager
 from pagedllm.core.kv_cache.spec import KVCacheGroups
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.beams import BeamManager
+from pagedllm.core.sched.checks import check_admissible, check_stop
 from pagedllm.core.sched.groups import SequenceGroups, num_sequences
 from pagedllm.core.sched.output import (
     CachedRequestData,
@@ -45,20 +46,11 @@ from pagedllm.core.sched.output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagedllm.core.sched.policy import RankedQueue, make_policy
+from pagedllm.core.sched.policy import Now, RankedQueue, make_policy
 from pagedllm.core.sched.structured import GrammarBook
 
 if TYPE_CHECKING:
     from pagedllm.structured_output.grammars import Grammars, GrammarStep
-
-
-class _Now:
-    """A mutable timestamp (seconds, from the scheduler's clock)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: float) -> None:
-        self.value = value
 
 
 class Scheduler:
@@ -92,7 +84,7 @@ class Scheduler:
         # "now" for the waiting queue's ranks, in a holder the queue's key closes over: a
         # closure over self would make a reference cycle, which only the cyclic collector
         # frees (and a CUDA engine freezes the collector's view after start-up)
-        self._now = _Now(clock())
+        self._now = Now(clock())
         self.policy = make_policy(
             scheduler_config.policy,
             scheduler_config.sjf_aging_rate,
@@ -128,26 +120,8 @@ class Scheduler:
         """Queue a validated request. Raises ValueError if it could never be served."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
-        if num_sequences(request) > self.config.max_num_seqs:
-            raise ValueError(
-                f"n / best_of ({num_sequences(request)}) is larger than max_num_seqs "
-                f"({self.config.max_num_seqs}): the sequences could never run together."
-            )
-        if request.num_prompt_tokens < 1:
-            raise ValueError("prompt must contain at least one token.")
-        if request.num_prompt_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens, more than max_model_len "
-                f"({self.max_model_len})."
-            )
         capacity = self.kv_cache_manager.token_capacity()
-        if request.num_prompt_tokens + 1 > capacity:
-            raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens but the KV cache holds only "
-                f"{capacity} tokens in all; it could never be served."
-            )
-        # Generation may not outgrow the cache either: cap it so one request alone always fits.
-        request.max_tokens = min(request.max_tokens, capacity - request.num_prompt_tokens)
+        check_admissible(request, self.config.max_num_seqs, self.max_model_len, capacity)
         request.status = RequestStatus.WAITING
         if request.sampling_params.structured_outputs is not None:
             self.grammar_book.submit(request)
@@ -540,7 +514,9 @@ class Scheduler:
             for tok in token_ids:
                 request.append_output_token_ids(tok)
                 new_tokens.append(tok)
-                if self._check_stop(request, tok) or self.grammar_book.accept(request, tok):
+                if check_stop(request, tok, self.max_model_len) or self.grammar_book.accept(
+                    request, tok
+                ):
                     break
             logprobs = None
             if runner_output.logprobs is not None and idx is not None:
@@ -598,7 +574,7 @@ class Scheduler:
             self.running.add(child)
             tok = child.output_token_ids[-1]
             self.grammar_book.fork(parent, child)  # before the parent accepts its token
-            self._check_stop(child, tok) or self.grammar_book.accept(child, tok)
+            check_stop(child, tok, self.max_model_len) or self.grammar_book.accept(child, tok)
             outputs.append(self._emit(child, [tok], [lps[j]] if lps else None))
         return outputs
 
@@ -614,24 +590,6 @@ class Scheduler:
         """Undo the last ``num_tokens`` accepted tokens in a request's grammar matcher (for
         rejected speculative tokens)."""
         self.grammar_book.rollback(self.requests[request_id], num_tokens)
-
-    def _check_stop(self, request: Request, token: int) -> bool:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token == request.eos_token_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token in params.all_stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token
-                return True
-        if (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
 
     # --------------------------------------------------------------------------- stats
     def make_stats(self) -> dict[str, float]:
