@@ -61,6 +61,22 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """The first ``n`` blocks, unlinked in one pass (the caller checked there are n)."""
+        out = []
+        block = self._head.next_free
+        for _ in range(n):
+            assert block is not None and block is not self._tail, "fewer than n free blocks"
+            out.append(block)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        assert block is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        self.num_free_blocks -= n
+        return out
+
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
         if prev is None or nxt is None:

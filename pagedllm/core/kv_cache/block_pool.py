@@ -49,12 +49,11 @@ class BlockPool:
             raise ValueError(
                 f"cannot get {num_blocks} blocks: only {self.get_num_free_blocks()} free"
             )
-        out = []
-        for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
-            self._evict(block)
+        out = self.free_block_queue.popleft_n(num_blocks)
+        for block in out:
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
-            out.append(block)
         return out
 
     def _evict(self, block: KVCacheBlock) -> None:
