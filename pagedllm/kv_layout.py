@@ -27,12 +27,12 @@ logger = logging.getLogger(__name__)
 
 
 def token_slots(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
-    """Slots of key ``positions`` through ``block_table`` ([max_blocks] or [rows, max_blocks];
-    the same positions for every row).
+    """Slots of key ``positions`` through ``block_table``: one table [max_blocks] with
+    positions [P], or a table per row [rows, max_blocks] with positions per row [rows, P].
 
     Example: block_size 4, block_table [7, 2], positions [0..5] -> [28, 29, 30, 31, 8, 9].
     """
-    blocks = block_table[..., positions // block_size]
+    blocks = np.take_along_axis(block_table, positions // block_size, axis=-1)
     return blocks.astype(np.int64) * block_size + positions % block_size
 
 

@@ -47,6 +47,17 @@ class AttentionMetadata:
         """The metadata a layer of KV-cache group ``group`` attends with."""
         return self if self.groups is None else self.groups[group]
 
+    def set_groups(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor) -> None:
+        """Give each KV-cache group its metadata: ``slot_mapping`` [G, num_tokens] and
+        ``block_tables`` [G, num_reqs, max_blocks], row g for group g (this object keeps row 0,
+        which it already holds). Both stay whole in ``plan["all_groups"]`` (one copy each into
+        a CUDA graph's buffers)."""
+        self.groups = [self] + [
+            self.with_tables(slot_mapping[g], block_tables[g])
+            for g in range(1, slot_mapping.shape[0])
+        ]
+        self.plan["all_groups"] = (slot_mapping, block_tables)
+
     def with_tables(
         self, slot_mapping: torch.Tensor, block_tables: torch.Tensor
     ) -> AttentionMetadata:

@@ -69,10 +69,7 @@ class CUDAGraphRunner:
             block_size=self.block_size,
         )
         if self.slot_mapping.shape[0] > 1:
-            md.groups = [md] + [
-                md.with_tables(self.slot_mapping[g, :bs], self.block_tables[g, :bs])
-                for g in range(1, self.slot_mapping.shape[0])
-            ]
+            md.set_groups(self.slot_mapping[:, :bs], self.block_tables[:, :bs])
         return md
 
     @torch.inference_mode()
@@ -107,15 +104,10 @@ class CUDAGraphRunner:
         self.positions[:b].copy_(positions)
         self.seq_lens[:b].copy_(md.seq_lens)
         nb = md.block_tables.shape[1]
-        if "all_groups" in md.plan:  # [G, b] slots and [G, b, nb] tables: one copy each
-            slots, tables = md.plan["all_groups"]
-            self.slot_mapping[:, :b].copy_(slots)
-            self.block_tables[:, :b, :nb].copy_(tables)
-        else:
-            for g in range(self.slot_mapping.shape[0]):
-                gmd = md.for_group(g)
-                self.slot_mapping[g, :b].copy_(gmd.slot_mapping)
-                self.block_tables[g, :b, :nb].copy_(gmd.block_tables)
+        # [G, b] slots and [G, b, nb] tables (one group: the metadata's own)
+        slots, tables = md.plan.get("all_groups", (md.slot_mapping, md.block_tables))
+        self.slot_mapping[:, :b].copy_(slots)
+        self.block_tables[:, :b, :nb].copy_(tables)
         if bs > b:  # padding rows: write nothing, attend to one token of block 0
             self.slot_mapping[:, b:bs].fill_(-1)
             self.seq_lens[b:bs].fill_(1)

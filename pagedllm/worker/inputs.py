@@ -101,9 +101,7 @@ class InputPreparer:
         )
         md.plan["block_tables_np"] = block_tables[0]
         if num_groups > 1:
-            md.groups = [md] + [md.with_tables(slot_t[g], bt_t[g]) for g in range(1, num_groups)]
-            # every group's slots and tables at once, for one copy each into a CUDA graph
-            md.plan["all_groups"] = (slot_t, bt_t)
+            md.set_groups(slot_t, bt_t)
             for g in range(1, num_groups):
                 md.groups[g].plan["block_tables_np"] = block_tables[g]
         return StepInputs(ids_t, pos_t, md, n_sched, extra_t)

@@ -154,14 +154,21 @@ class ModelRunner:
         """Bytes one block id stands for, across every cache tensor (K and V)."""
         return self.kv_layout.block_bytes
 
+    def _blocks_per_request(self) -> int:
+        """Blocks a max_model_len request holds at most, over every group's table."""
+        ib = self.input_batch
+        return sum(
+            min(
+                ib.max_blocks_per_req,
+                g.spec.max_blocks_needed(self.max_model_len, self.max_num_tokens) + 1,
+            )
+            for g in self.kv_groups.groups
+        )
+
     def _max_useful_blocks(self) -> int:
         """Blocks max_num_seqs full-length requests could ever hold (+ the null block of a
         sliding-window group)."""
-        ib = self.input_batch
-        per_req = 0
-        for group in self.kv_groups.groups:
-            need = group.spec.max_blocks_needed(self.max_model_len, self.max_num_tokens)
-            per_req += min(ib.max_blocks_per_req, need + 1)
+        per_req = self._blocks_per_request()
         return self.config.scheduler_config.max_num_seqs * per_req + int(self.kv_groups.is_hybrid)
 
     def determine_num_blocks(self) -> int:
@@ -243,10 +250,7 @@ class ModelRunner:
         self.kv_layout.allocate(num_blocks)
         self.kv_layout.bind(self.model.attention_layers())
         if log:
-            per_req = sum(
-                g.spec.max_blocks_needed(self.max_model_len, self.max_num_tokens)
-                for g in self.kv_groups.groups
-            )
+            per_req = self._blocks_per_request()
             logger.info(
                 "KV cache: %d blocks x %d tokens (%.2f GiB), %d group(s) of %d layer(s); max "
                 "concurrency at max_model_len %d: %.1fx",

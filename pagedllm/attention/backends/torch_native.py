@@ -57,9 +57,7 @@ class TorchNativeBackend(AttentionBackend):
             pos = first + np.arange(s_max)[None, :]  # [num_decodes, s_max]
             valid = pos < lens
             pos = np.where(valid, pos, 0)
-            slots = np.take_along_axis(block_tables[dec], pos // bs, axis=1).astype(np.int64)
-            slots = slots * bs + pos % bs
-            slots = np.where(valid, slots, 0)
+            slots = np.where(valid, token_slots(block_tables[dec], pos, bs), 0)
             plan["decode"] = (
                 torch.from_numpy(qsl[dec].astype(np.int64)),
                 torch.from_numpy(slots.reshape(-1)),

@@ -39,7 +39,8 @@ class SlidingWindowGroup(KVCacheManager):
     def __init__(self, spec: SlidingWindowSpec, **kwargs) -> None:  # noqa: ANN003
         super().__init__(0, spec.block_size, **kwargs)
         self.spec = spec
-        self.window = spec.sliding_window
+        # blocks holding the W - 1 keys before a block-aligned position
+        self.window_blocks = cdiv(spec.sliding_window - 1, spec.block_size)
         self.null_block = self.block_pool.null_block
         assert self.null_block is not None, "a sliding-window group needs the null block"
         self.num_skipped: dict[str, int] = {}  # leading table entries set to the null block
@@ -48,8 +49,7 @@ class SlidingWindowGroup(KVCacheManager):
         """Give back the blocks before the window of a step starting at
         ``num_computed_tokens`` (the older ones evicted first when cached)."""
         rid = request.request_id
-        # spec.first_needed_block, inline: this runs for every request and group each step
-        first = (num_computed_tokens - self.window + 1) // self.block_size
+        first = self.spec.first_needed_block(num_computed_tokens)
         start = self.num_skipped.get(rid, 0)
         if first <= start:
             return
@@ -71,7 +71,7 @@ class SlidingWindowGroup(KVCacheManager):
 
         Example: bs 4, W 6 -> 2 blocks before L; cached [y, n, y, y, y] -> L = 5 (blocks 3, 4).
         """
-        need = cdiv(self.spec.sliding_window - 1, self.block_size)
+        need = self.window_blocks
         hashes = self._block_hashes(request)[:max_blocks]
         best = run = 0
         for i, h in enumerate(hashes):
@@ -82,7 +82,7 @@ class SlidingWindowGroup(KVCacheManager):
 
     def hit_blocks(self, request: Request, num_blocks: int) -> list[KVCacheBlock]:
         """The table of a hit of ``num_blocks`` blocks: nulls, then the window's blocks."""
-        need = min(cdiv(self.spec.sliding_window - 1, self.block_size), num_blocks)
+        need = min(self.window_blocks, num_blocks)
         hashes = self._block_hashes(request)
         out: list[KVCacheBlock] = [self.null_block] * (num_blocks - need)  # type: ignore[list-item]
         for h in hashes[num_blocks - need : num_blocks]:
@@ -176,7 +176,7 @@ class HybridKVCacheManager(KVCacheManagerBase):
 
     # -------------------------------------------------------------- prefix cache
     def _hit_num_blocks(self, request: Request) -> int:
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.uses_prefix_cache(request):
             return 0
         n = (request.num_tokens - 1) // self.block_size
         for m in self.full:
@@ -319,20 +319,4 @@ class HybridKVCacheManager(KVCacheManagerBase):
     def check_integrity(self) -> None:
         """Every block's ref count equals the tables (of every group) holding it; free +
         used + the null block == total."""
-        self.block_pool.check_integrity()
-        null = self.block_pool.null_block
-        refs: dict[int, int] = {}
-        for m in self.groups:
-            for table in m.req_to_blocks.values():
-                for b in table:
-                    if b is not null:
-                        refs[b.block_id] = refs.get(b.block_id, 0) + 1
-        for block in self.block_pool.blocks:
-            if block is null:
-                continue
-            assert block.ref_cnt == refs.get(block.block_id, 0), (
-                f"{block}: ref_cnt != {refs.get(block.block_id, 0)} table references"
-            )
-        num_used = sum(1 for b in self.block_pool.blocks if b.ref_cnt > 0)
-        assert num_used + self.num_free_blocks() == self.num_blocks
-        self.swap_space.check_integrity()
+        self._check_tables(t for m in self.groups for t in m.req_to_blocks.values())

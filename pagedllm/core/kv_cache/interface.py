@@ -29,9 +29,10 @@ The contract, request by request:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from pagedllm.core.kv_cache.block import KVCacheBlock
 from pagedllm.core.kv_cache.block_pool import BlockPool
 from pagedllm.core.kv_cache.swap import SwapSpace
 from pagedllm.core.request import Request
@@ -74,6 +75,10 @@ class KVCacheManagerBase(ABC):
         after its swapped-out tokens) fits in the free blocks now."""
 
     # -------------------------------------------------------------- prefix cache
+    def uses_prefix_cache(self, request: Request) -> bool:
+        """Prompt logprobs need the logits of every prompt position: no prefix hit then."""
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
     @abstractmethod
     def num_cached_prefix_tokens(self, request: Request) -> int:
         """Tokens ``get_computed_blocks`` would give now (no side effects, no stats)."""
@@ -141,6 +146,26 @@ class KVCacheManagerBase(ABC):
     @abstractmethod
     def check_integrity(self) -> None:
         """Assert the ref counts and the free/used accounting (see the module docstring)."""
+
+    def _check_tables(self, tables: Iterable[list[KVCacheBlock]]) -> None:
+        """Assert: every block's ref_cnt equals the number of ``tables`` holding it (the null
+        block aside), free + in use == total, and the pool's and swap space's invariants."""
+        self.block_pool.check_integrity()
+        null = self.block_pool.null_block
+        refs: dict[int, int] = {}
+        for table in tables:
+            for b in table:
+                if b is not null:
+                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for block in self.block_pool.blocks:
+            if block is null:
+                continue
+            assert block.ref_cnt == refs.get(block.block_id, 0), (
+                f"{block}: ref_cnt != {refs.get(block.block_id, 0)} table references"
+            )
+        num_used = sum(1 for b in self.block_pool.blocks if b.ref_cnt > 0)
+        assert num_used + self.num_free_blocks() == self.num_blocks
+        self.swap_space.check_integrity()
 
     def is_idle_clean(self) -> bool:
         """Whether every usable block is free (what an idle engine must see)."""

@@ -72,10 +72,6 @@ class KVCacheManager(KVCacheManagerBase):
         """The block's prefix-cache key: its hash, tagged with the group in a hybrid manager."""
         return block_hash if self.group == 0 else (self.group, block_hash)
 
-    def uses_prefix_cache(self, request: Request) -> bool:
-        """Prompt logprobs need the logits of every prompt position: no prefix hit then."""
-        return self.enable_caching and request.sampling_params.prompt_logprobs is None
-
     def num_cached_prefix_tokens(self, request: Request) -> int:
         """Tokens a prefix hit would give the request now (no side effects, no stats)."""
         if not self.uses_prefix_cache(request):
@@ -334,15 +330,4 @@ class KVCacheManager(KVCacheManagerBase):
     def check_integrity(self) -> None:
         """Assert: every block's ref_cnt equals the number of block tables holding it, and
         free + in use == total."""
-        self.block_pool.check_integrity()
-        refs: dict[int, int] = {}
-        for blocks in self.req_to_blocks.values():
-            for b in blocks:
-                refs[b.block_id] = refs.get(b.block_id, 0) + 1
-        for block in self.block_pool.blocks:
-            assert block.ref_cnt == refs.get(block.block_id, 0), (
-                f"{block}: ref_cnt != {refs.get(block.block_id, 0)} table references"
-            )
-        num_used = sum(1 for b in self.block_pool.blocks if b.ref_cnt > 0)
-        assert num_used + self.num_free_blocks() == self.num_blocks
-        self.swap_space.check_integrity()
+        self._check_tables(self.req_to_blocks.values())

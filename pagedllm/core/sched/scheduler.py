@@ -67,7 +67,6 @@ class Scheduler:
         kv_groups: KVCacheGroups | None = None,
     ) -> None:
         self.config = scheduler_config
-        self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
         # the KV manager for the model's KV-cache groups (a single table when none are given)
         self.kv_cache_manager = make_kv_cache_manager(
