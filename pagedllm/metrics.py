@@ -99,12 +99,19 @@ class ServerMetrics:
         self.req_gen = hist(
             "vllm:request_generation_tokens", "Generation tokens per request.", _TOKEN_BUCKETS
         )
+        self._children: dict[tuple[Any, ...], Any] = {}
         self._last: dict[str, float] = {}
         self._counted_prompts: set[str] = set()
         self._num_tokens: dict[str, dict[int, int]] = {}  # request -> sequence index -> tokens
 
     def _l(self, metric: Any, **extra: str) -> Any:
-        return metric.labels(model_name=self.model_name, **extra)
+        """The metric's child for this model (and ``extra`` labels), looked up once:
+        ``labels()`` costs ~1 us, and ``record`` runs for every engine step."""
+        key = (id(metric), *extra.values())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(model_name=self.model_name, **extra)
+        return child
 
     def record(self, stats: dict[str, Any], outputs: list[RequestOutput]) -> None:
         """Update every metric from one engine iteration (called on the engine thread)."""
@@ -123,20 +130,26 @@ class ServerMetrics:
             if delta > 0:
                 self._l(metric).inc(delta)
             self._last[key] = value
-        if outputs:
+        steps = stats.get("num_steps")
+        if steps is not None:  # cumulative in the engine: one call may cover several steps
+            if steps > self._last.get("num_steps", 0.0):
+                self._l(self.steps).inc(steps - self._last.get("num_steps", 0.0))
+            self._last["num_steps"] = steps
+        elif outputs:
             self._l(self.steps).inc()
         now = time.monotonic()
+        generated = 0
         for out in outputs:
-            self._record_output(out, now)
+            generated += self._record_output(out, now)
+        if generated:
+            self._l(self.generation_tokens).inc(generated)
 
-    def _record_output(self, out: RequestOutput, now: float) -> None:
+    def _record_output(self, out: RequestOutput, now: float) -> int:
         """Count one output. With parallel sampling (n > 1) the generation tokens of every
         sequence count; TPOT is measured along the longest sequence. A beam search reports
-        once, at its end, with its hypotheses as the outputs."""
+        once, at its end, with its hypotheses as the outputs. Returns the tokens it added."""
         rid = out.request_id
         n_new = sum(len(c.token_ids) for c in out.outputs)
-        if n_new:
-            self._l(self.generation_tokens).inc(n_new)
         per_seq = self._num_tokens.setdefault(rid, {})
         for c in out.outputs:
             per_seq[c.index] = per_seq.get(c.index, 0) + len(c.token_ids)
@@ -148,7 +161,7 @@ class ServerMetrics:
             if first is not None and arrival is not None and n_new:
                 self._l(self.ttft).observe(max(0.0, first - arrival))
         if not out.finished:
-            return
+            return n_new
         self._num_tokens.pop(rid, None)
         self._counted_prompts.discard(rid)
         completion = out.outputs[0] if out.outputs else None
@@ -163,6 +176,7 @@ class ServerMetrics:
             self._l(self.tpot).observe(max(0.0, now - first) / (longest - 1))
         self._l(self.req_prompt).observe(len(out.prompt_token_ids))
         self._l(self.req_gen).observe(sum(per_seq.values()))
+        return n_new
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""

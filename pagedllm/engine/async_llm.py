@@ -52,7 +52,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -62,7 +61,8 @@ from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedllm.config import EngineArgs
+    from pagedllm.config import EngineArgs, EngineConfig
+    from pagedllm.engine.input_processor import InputProcessor
     from pagedllm.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,9 @@ class RequestStream:
     client gets fewer, larger chunks instead of falling behind.
     """
 
-    def __init__(self, request_id: str, owner: AsyncLLM, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, request_id: str, owner: AsyncLLMBase, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.request_id = request_id
         self.loop = loop
         self.finished = False
@@ -176,47 +178,38 @@ class _Call:
     done: concurrent.futures.Future[Any]
 
 
-class AsyncLLM:
-    """Serves many concurrent asyncio callers from one ``LLMEngine`` on a background thread.
+class AsyncLLMBase:
+    """What the server needs of an engine, whatever runs it: validation, request streams,
+    aborts, stats. ``AsyncLLM`` runs the engine on a thread of this process;
+    ``MPAsyncLLM`` (``engine/mp_async_llm.py``) talks to an engine core process.
 
     Use ``add_request`` (validates, returns a ``RequestStream``) or ``generate`` (an async
-    generator of delta outputs). ``stats()`` is a thread-safe snapshot of the scheduler's
-    numbers as of the last engine iteration.
+    generator of delta outputs). ``stats()`` is a snapshot of the scheduler's numbers as of
+    the last engine iteration.
     """
 
-    def __init__(self, engine: LLMEngine, stat_loggers: list[StatLogger] | None = None) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.config = engine.config
-        self.model_config = engine.config.model_config
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        input_processor: InputProcessor,
+        stat_loggers: list[StatLogger] | None = None,
+    ) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = tokenizer
+        self.input_processor = input_processor
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
-        self._cond = threading.Condition()
-        self._commands: deque[_Add | _Abort | _Call] = deque()
-        self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._stopping = False
-        self._dead_error: BaseException | None = None
-        self._stats: dict[str, Any] = self._collect_stats()
+        self._stats: dict[str, Any] = {}
         self._ids = 0
-        self._structured_lock = threading.Lock()
-        self._structured_ready: concurrent.futures.Future[Any] | None = None
-        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
-        self._thread.start()
-
-    @classmethod
-    def from_engine_args(
-        cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None
-    ) -> AsyncLLM:
-        """Build the engine (loads the model: slow) and start its thread."""
-        from pagedllm.engine.llm_engine import LLMEngine
-
-        return cls(LLMEngine.from_engine_args(args), stat_loggers)
-
-    # ----------------------------------------------------------------- caller (asyncio) side
 
     @property
     def is_running(self) -> bool:
-        """True while the engine thread is alive and accepting work."""
-        return self._thread.is_alive() and not self._stopping
+        """True while the engine is alive and accepting work."""
+        raise NotImplementedError
+
+    async def start(self) -> None:
+        """Bind to the running event loop (the server calls it at start-up)."""
 
     def new_request_id(self, prefix: str = "req") -> str:
         self._ids += 1
@@ -224,9 +217,8 @@ class AsyncLLM:
 
     def validate(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int]]:
         """Tokenize and check one prompt in the caller's thread: (prompt text, token ids).
-        Raises ValueError naming the field. Read-only use of the engine's input processor
-        (the tokenizer is only read on both threads)."""
-        req, text = self.engine.input_processor.process("validate", prompt, params)
+        Raises ValueError naming the field. (The input processor only reads the tokenizer.)"""
+        req, text = self.input_processor.process("validate", prompt, params)
         return text, list(req.prompt_token_ids)
 
     async def add_request(
@@ -263,10 +255,6 @@ class AsyncLLM:
         text, ids = self.validate(prompt, SamplingParams(max_tokens=params.max_tokens))
         return await self._queue(prompt, text, ids, params, request_id, 0, "final")
 
-    def _check_running(self) -> None:
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running.") from self._dead_error
-
     async def _queue(
         self,
         prompt: Any,
@@ -277,56 +265,21 @@ class AsyncLLM:
         priority: int,
         output_kind: str,
     ) -> RequestStream:
-        request_id = request_id or self.new_request_id()
-        loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, self, loop)
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        engine_prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
-        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        if salt is not None:
-            if not isinstance(salt, str) or not salt:
-                raise ValueError("cache_salt must be a non-empty string.")
-            if isinstance(params, BeamSearchParams):
-                raise ValueError("cache_salt is not supported with beam search.")
-            engine_prompt["cache_salt"] = salt
-        self._submit(_Add(stream, engine_prompt, params, priority, done, output_kind))
-        try:
-            await asyncio.wrap_future(done)
-        except asyncio.CancelledError:
-            self.abort_nowait(request_id)
-            raise
-        return stream
+        """Hand a validated request to the engine; its stream."""
+        raise NotImplementedError
 
     def prepare_structured_outputs(self) -> concurrent.futures.Future[Any]:
-        """Create the engine's grammar manager on a helper thread (once; idempotent): a Future
-        of it. Its exception is a ValueError when structured outputs are unavailable (no
-        xgrammar). Call it at start-up to have the tokenizer info ready before the first
-        structured request."""
-        with self._structured_lock:
-            if self._structured_ready is None:
-                fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-                self._structured_ready = fut
-                core = self.engine.engine_core
-
-                def create() -> None:
-                    try:
-                        fut.set_result(core.structured_output_manager())
-                    except BaseException as e:  # noqa: BLE001 - handed to the waiters
-                        logger.warning("structured outputs unavailable: %s", e)
-                        fut.set_exception(e if isinstance(e, ValueError) else ValueError(str(e)))
-
-                threading.Thread(target=create, name="pagedllm-grammar-init", daemon=True).start()
-            return self._structured_ready
+        """Create the engine's grammar manager off the event loop and the engine loop (once;
+        idempotent): a Future that resolves when it is ready. Its exception is a ValueError
+        when structured outputs are unavailable (no xgrammar). Call it at start-up to have the
+        tokenizer info ready before the first structured request."""
+        raise NotImplementedError
 
     async def check_structured_outputs(self, params: SamplingParams) -> None:
-        """Compile the request's grammar now, off the event loop and off the engine thread
-        (cached for when the request runs). ValueError (``GrammarCompileError``) with the
-        compiler's message if it is invalid; a no-op without structured outputs."""
-        if params.structured_outputs is None:
-            return
-        await asyncio.wrap_future(self.prepare_structured_outputs())
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.engine.check_structured_outputs, params)
+        """Compile the request's grammar now, off the event loop and off the engine loop
+        (cached for when the request runs). ValueError with the compiler's message if it is
+        invalid; a no-op without structured outputs."""
+        raise NotImplementedError
 
     async def generate(
         self,
@@ -350,6 +303,122 @@ class AsyncLLM:
 
     def abort_nowait(self, request_id: str | list[str]) -> None:
         """``abort`` without awaiting: usable from any thread and from ``finally`` blocks."""
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, Any]:
+        """Snapshot as of the last iteration: scheduler stats plus num_free_blocks, num_blocks,
+        num_streams (requests the front still tracks)."""
+        return dict(self._stats)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine; requests still running get an EngineDeadError."""
+        raise NotImplementedError
+
+    def _check_running(self) -> None:
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running.")
+
+
+def cache_salt_of(prompt: Any, params: SamplingParams | BeamSearchParams) -> str | None:
+    """The prompt's ``cache_salt`` (checked), or None."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None:
+        if not isinstance(salt, str) or not salt:
+            raise ValueError("cache_salt must be a non-empty string.")
+        if isinstance(params, BeamSearchParams):
+            raise ValueError("cache_salt is not supported with beam search.")
+    return salt
+
+
+class AsyncLLM(AsyncLLMBase):
+    """Serves many concurrent asyncio callers from one ``LLMEngine`` on a background thread
+    of this process (see the module docstring)."""
+
+    def __init__(self, engine: LLMEngine, stat_loggers: list[StatLogger] | None = None) -> None:
+        super().__init__(engine.config, engine.tokenizer, engine.input_processor, stat_loggers)
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._commands: deque[_Add | _Abort | _Call] = deque()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._stopping = False
+        self._dead_error: BaseException | None = None
+        self._stats = self._collect_stats()
+        self._structured_lock = threading.Lock()
+        self._structured_ready: concurrent.futures.Future[Any] | None = None
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(
+        cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None
+    ) -> AsyncLLM:
+        """Build the engine (loads the model: slow) and start its thread."""
+        from pagedllm.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_engine_args(args), stat_loggers)
+
+    # ----------------------------------------------------------------- caller (asyncio) side
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread is alive and accepting work."""
+        return self._thread.is_alive() and not self._stopping
+
+    def _check_running(self) -> None:
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running.") from self._dead_error
+
+    async def _queue(
+        self,
+        prompt: Any,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams | BeamSearchParams,
+        request_id: str | None,
+        priority: int,
+        output_kind: str,
+    ) -> RequestStream:
+        request_id = request_id or self.new_request_id()
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, self, loop)
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        engine_prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+        salt = cache_salt_of(prompt, params)
+        if salt is not None:
+            engine_prompt["cache_salt"] = salt
+        self._submit(_Add(stream, engine_prompt, params, priority, done, output_kind))
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            self.abort_nowait(request_id)
+            raise
+        return stream
+
+    def prepare_structured_outputs(self) -> concurrent.futures.Future[Any]:
+        with self._structured_lock:
+            if self._structured_ready is None:
+                fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+                self._structured_ready = fut
+                core = self.engine.engine_core
+
+                def create() -> None:
+                    try:
+                        fut.set_result(core.structured_output_manager())
+                    except BaseException as e:  # noqa: BLE001 - handed to the waiters
+                        logger.warning("structured outputs unavailable: %s", e)
+                        fut.set_exception(e if isinstance(e, ValueError) else ValueError(str(e)))
+
+                threading.Thread(target=create, name="pagedllm-grammar-init", daemon=True).start()
+            return self._structured_ready
+
+    async def check_structured_outputs(self, params: SamplingParams) -> None:
+        if params.structured_outputs is None:
+            return
+        await asyncio.wrap_future(self.prepare_structured_outputs())
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.engine.check_structured_outputs, params)
+
+    def abort_nowait(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         if self._thread.is_alive():
             self._submit(_Abort(ids))
@@ -362,13 +431,7 @@ class AsyncLLM:
         self._submit(_Call(fn, done))
         return await asyncio.wrap_future(done)
 
-    def stats(self) -> dict[str, Any]:
-        """Snapshot as of the last iteration: scheduler stats plus num_free_blocks, num_blocks,
-        num_streams (requests the front still tracks)."""
-        return dict(self._stats)
-
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; requests still running get an EngineDeadError."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -517,13 +580,8 @@ class AsyncLLM:
                 cmd.done.set_exception(EngineDeadError("the engine was shut down."))
 
     def _collect_stats(self) -> dict[str, Any]:
-        core = self.engine.engine_core
-        stats = dict(core.scheduler.make_stats())
-        kv = core.scheduler.kv_cache_manager
-        stats["num_free_blocks"] = kv.num_free_blocks()
-        stats["num_blocks"] = kv.num_blocks
+        stats = self.engine.engine_core.stats()
         stats["num_streams"] = len(getattr(self, "_streams", ()))
-        stats["time"] = time.monotonic()
         return stats
 
 

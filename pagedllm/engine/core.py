@@ -53,6 +53,7 @@ class EngineCore:
             kv_groups=kv_groups,
         )
         self.num_blocks = num_blocks
+        self.num_steps = 0  # step() calls so far (the metrics' engine steps)
         self.tokenizer = tokenizer
         self.async_scheduling = config.scheduler_config.async_scheduling
         # async scheduling: the launched step (its executor handle) whose results are not yet
@@ -159,6 +160,7 @@ class EngineCore:
         forward pass (which reads N's tokens on the device). Sync: submitted and collected at
         once, the tokens of the last step going with the next step's grammar step.
         """
+        self.num_steps += 1
         if self.async_scheduling and not self.scheduler.needs_sync:
             return self._step_async()
         outputs = self._resolve_pending()
@@ -229,6 +231,23 @@ class EngineCore:
         self._pending = None
         runner_output = self.executor.resolve(launched)
         return outputs + self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def stats(self) -> dict[str, Any]:
+        """The scheduler's counters and gauges (``Scheduler.make_stats``) plus the KV cache's
+        free and total blocks: what the server's metrics read after each iteration."""
+        stats: dict[str, Any] = dict(self.scheduler.make_stats())
+        kv = self.scheduler.kv_cache_manager
+        stats["num_free_blocks"] = kv.num_free_blocks()
+        stats["num_blocks"] = kv.num_blocks
+        stats["num_steps"] = self.num_steps
+        return stats
+
+    def request_ids(self) -> list[str]:
+        """The ids callers gave the requests in the scheduler (a request with n > 1 or a beam
+        search counts once)."""
+        return list(
+            dict.fromkeys(r.parent_id or r.request_id for r in self.scheduler.requests.values())
+        )
 
     def shutdown(self) -> None:
         """Stop the grammar worker process, if one runs, and the executor's workers."""

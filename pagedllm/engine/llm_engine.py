@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from pagedllm.beam_search import BeamSearchParams
+from pagedllm.beam_search import BeamSearchParams, beam_sampling_params
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
@@ -63,11 +63,7 @@ class LLMEngine:
         hypothesis, best first."""
         if self.output_processor.has(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        keep = max(2, 1 + (0 if params.ignore_eos else 1)) * params.beam_width
-        sp = SamplingParams(
-            temperature=0.0, max_tokens=params.max_tokens + 1, ignore_eos=True, logprobs=keep
-        )
-        sp.external_tokens = True
+        sp = beam_sampling_params(params)
         request, text = self.input_processor.process(request_id, prompt, sp)
         eos = self.input_processor.eos_token_id
         self.engine_core.add_beam_request(request, params, {eos} if eos is not None else set())

@@ -47,7 +47,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+        for s in self.seqs:  # a loop, not all(genexpr): this runs per request per step
+            if s.finish_reason is None:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -110,7 +113,10 @@ class OutputProcessor:
         must be finished in the core)."""
         stopped: list[str] = []
         results: list[RequestOutput] = []
-        touched: dict[str, list[SeqState]] = {}
+        # requests that progressed, in first-touch order, and which of the sequences of a
+        # request with n > 1 did: ONE output per request however many steps ``outputs`` spans
+        touched: dict[str, RequestState] = {}
+        multi: dict[str, list[SeqState]] = {}
         now = time.monotonic()
         for out in outputs:
             rid = out.parent_id or out.request_id
@@ -130,6 +136,10 @@ class OutputProcessor:
                 del self.states[rid]
                 continue
             seq = state.seqs[out.seq_index]
+            if seq.finish_reason is not None:
+                # a sequence a stop string ended here, still stepped by an engine core in
+                # another process until our "stop" reaches it: its late tokens are dropped
+                continue
             if out.new_token_ids and state.first_token_time is None:
                 state.first_token_time = now
             state.num_cached_tokens = out.num_cached_tokens
@@ -139,15 +149,16 @@ class OutputProcessor:
                     state.prompt_logprobs.extend(self._logprob_dicts(rows))
             if self._update_seq(seq, out):
                 stopped.append(out.request_id)
-            touched.setdefault(rid, [])
-            if seq not in touched[rid]:
-                touched[rid].append(seq)
-        for rid, seqs in touched.items():
-            state = self.states[rid]
+            touched[rid] = state
+            if len(state.seqs) > 1:
+                seqs = multi.setdefault(rid, [])
+                if seq not in seqs:
+                    seqs.append(seq)
+        for rid, state in touched.items():
             finished = state.finished
             if state.output_kind == "final" and not finished:
                 continue
-            results.append(self._make_output(state, seqs))
+            results.append(self._make_output(state, multi.get(rid, state.seqs)))
             if finished:
                 del self.states[rid]
         return results, stopped

@@ -136,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
+    serve.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Run the engine core in a process of its own (default; vLLM V1's layout): the "
+        "HTTP front end tokenizes, detokenizes and streams while the core only steps. "
+        "--no-engine-process runs it on a thread of the server process.",
+    )
     add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="Generate text for one or more prompts and exit.")
@@ -224,8 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "serve":
             from pagedllm.entrypoints.openai.server import run_server
 
-            run_server(ns)
-            return 0
+            return run_server(ns)
         return _generate(ns)
     except (ValueError, FileNotFoundError) as e:
         print(f"pagedllm {ns.command}: error: {e}", file=sys.stderr)

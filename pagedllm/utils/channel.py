@@ -11,6 +11,17 @@ import time
 from typing import Any
 
 
+class BadMessage:
+    """Stands for a message that arrived whole but did not unpickle (the stream stays in
+    step: the next message reads normally)."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    def __getitem__(self, i: int) -> str:  # msg[0] names the kind, as for every message
+        return "bad message"
+
+
 def encode(msg: Any) -> bytes:
     """The pickled form of ``msg`` that ``Channel.send_bytes`` sends."""
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
@@ -37,9 +48,12 @@ class Channel:
         """The next message: the buffer holds it whole (``_message_ready``)."""
         buf = self._buf
         n = struct.unpack_from("<I", buf)[0]
-        msg = pickle.loads(buf[4 : 4 + n])
+        data = bytes(buf[4 : 4 + n])
         del buf[: 4 + n]
-        return msg
+        try:
+            return pickle.loads(data)
+        except Exception as e:  # e.g. a function the receiver cannot import
+            return BadMessage(f"{type(e).__name__}: {e}")
 
     def poll(self) -> bool:
         """Whether a message (or the end of the stream) can be read without waiting."""
@@ -67,6 +81,38 @@ class Channel:
             if not chunk:
                 raise EOFError("the other end closed the channel")
             self._buf += chunk
+
+    def recv_all(self, timeout: float | None) -> list[Any]:
+        """Every whole message that has arrived, after waiting up to ``timeout`` seconds (None:
+        no limit) for data if none had; [] when nothing whole came. EOFError when the other
+        end closed."""
+        if not self._message_ready():
+            if not select.select([self.sock], [], [], timeout)[0]:
+                return []
+            chunk = self.sock.recv(1 << 20)
+            if not chunk:
+                raise EOFError("the other end closed the channel")
+            self._buf += chunk
+        return self.feed(b"")
+
+    def feed(self, data: bytes) -> list[Any]:
+        """Add bytes read from the socket elsewhere (an event loop's reader); the messages
+        they complete."""
+        if data:
+            self._buf += data
+        msgs = []
+        while self._message_ready():
+            msgs.append(self._message())
+        return msgs
+
+    def grow_buffers(self, size: int = 8 << 20) -> None:
+        """Ask for large socket buffers (the kernel caps them at its limits), so a burst of
+        messages fits without the writer waiting for the reader."""
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, opt, size)
+            except OSError:
+                pass
 
     def close(self) -> None:
         """Close this end; the other end's ``recv`` then raises EOFError."""

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import subprocess
-import sys
 import time
 import weakref
 from dataclasses import dataclass
@@ -27,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.utils.channel import Channel, encode
+from pagedllm.utils.child import start_child
 from pagedllm.worker.executor import Executor
 
 if TYPE_CHECKING:
@@ -65,24 +64,8 @@ def start_timeout() -> float:
 
 
 def _start_worker(rank: int, device: str) -> _WorkerHandle:
-    ours, theirs = socket.socketpair()
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    if device == "cpu":
-        # The worker's forward and the engine loop take turns on the same cores: OpenMP
-        # threads spinning after each parallel region would hold the core the loop needs
-        # to wake on (on a busy 2-core host, 4x slower steps). Unless the user chose.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    cmd = [sys.executable, "-m", "pagedllm.worker.worker_proc", str(theirs.fileno())]
-    try:
-        proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
-    except BaseException:
-        ours.close()
-        raise
-    finally:
-        theirs.close()
-    return _WorkerHandle(rank, proc, Channel(ours))
+    proc, chan = start_child("pagedllm.worker.worker_proc", device)
+    return _WorkerHandle(rank, proc, chan)
 
 
 def _stop_workers(workers: list[_WorkerHandle], timeout: float = _STOP_TIMEOUT_S) -> None:

@@ -19,13 +19,12 @@ SIGINT, which the engine handles.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import sys
 import traceback
 from typing import Any
 
 from pagedllm.utils.channel import Channel
+from pagedllm.utils.child import child_channel
 
 # the runner's methods the engine may call by name
 CALLS = frozenset(
@@ -134,12 +133,7 @@ def serve(conn: Channel) -> None:
 
 def main(argv: list[str]) -> None:
     """Entry point: serve the engine on the inherited socket ``argv[1]``."""
-    fd = int(argv[1])
-    os.set_inheritable(fd, False)  # not to processes this one starts
-    # Ctrl-C reaches the whole process group: the engine handles it and closes the channel,
-    # which ends this process (a KeyboardInterrupt here would only print a traceback)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    serve(Channel(socket.socket(fileno=fd)))
+    serve(child_channel(argv))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""AsyncLLM on a tiny random model, in-process: streaming, validation, abort, failures, idle."""
+"""The server's engine front ends on a tiny random model: ``AsyncLLM`` (the engine on a thread
+of this process) and ``MPAsyncLLM`` (an engine core process), the same tests for both:
+streaming, validation, abort, failures, idle."""
 
 from __future__ import annotations
 
@@ -9,44 +11,64 @@ from collections.abc import Iterator
 
 import pytest
 
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineError
+from pagedllm.engine.async_llm import AsyncLLM, AsyncLLMBase, EngineDeadError, EngineError
+from pagedllm.engine.mp_async_llm import MPAsyncLLM
 from pagedllm.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_models) -> Iterator[AsyncLLM]:  # noqa: ANN001
+def _args(tiny_models, **kw):  # noqa: ANN001, ANN202
     from pagedllm.config import EngineArgs
 
-    args = EngineArgs(model=tiny_models("llama"), dtype="float32", max_model_len=128,
-                      num_gpu_blocks_override=64, device="cpu")  # fmt: skip
-    engine = AsyncLLM.from_engine_args(args)
+    kw = {"max_model_len": 128, "num_gpu_blocks_override": 64, **kw}
+    return EngineArgs(model=tiny_models("llama"), dtype="float32", device="cpu", **kw)
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def llm(request, tiny_models) -> Iterator[AsyncLLMBase]:  # noqa: ANN001
+    cls = AsyncLLM if request.param == "thread" else MPAsyncLLM
+    engine = cls.from_engine_args(_args(tiny_models))
     yield engine
     engine.shutdown()
 
 
-def _idle_ok(llm: AsyncLLM) -> None:
-    """On the engine thread (so after every earlier iteration): no request tracked, every
+def core_idle(core):  # noqa: ANN001, ANN201 - runs in the engine core process
+    """KV invariants hold and every block is free: (free blocks, blocks)."""
+    core.check_integrity()
+    kv = core.scheduler.kv_cache_manager
+    return kv.num_free_blocks(), kv.num_blocks
+
+
+def fail_next_step(core) -> None:  # noqa: ANN001 - runs in the engine core process
+    """The core's next ``step()`` raises RuntimeError("boom"); later ones run normally."""
+
+    def flaky():  # noqa: ANN202
+        del core.step  # back to the class method
+        raise RuntimeError("boom")
+
+    core.step = flaky
+
+
+def _idle_ok(llm: AsyncLLMBase) -> None:
+    """On the engine loop (so after every earlier iteration): no request tracked, every
     block free, KV invariants hold."""
 
     async def check() -> tuple[int, int, int]:
-        def probe(engine):  # noqa: ANN001, ANN202
-            engine.engine_core.check_integrity()
-            kv = engine.engine_core.scheduler.kv_cache_manager
-            return len(llm._streams), kv.num_free_blocks(), kv.num_blocks
-
-        return await llm.call_in_engine(probe)
+        if isinstance(llm, MPAsyncLLM):
+            free, total = await llm.call_in_core(core_idle)
+            return len(llm._streams), free, total
+        return await llm.call_in_engine(lambda e: (len(llm._streams), *core_idle(e.engine_core)))
 
     streams, free, total = asyncio.run(check())
     assert streams == 0 and free == total
 
 
-async def _collect(llm: AsyncLLM, prompt: str, params: SamplingParams = GREEDY) -> list:
+async def _collect(llm: AsyncLLMBase, prompt: str, params: SamplingParams = GREEDY) -> list:
     return [out async for out in llm.generate(prompt, params)]
 
 
-def test_generate_streams_deltas(llm: AsyncLLM) -> None:
+def test_generate_streams_deltas(llm: AsyncLLMBase) -> None:
     outs = asyncio.run(_collect(llm, "Hello there"))
     assert outs[-1].finished and all(not o.finished for o in outs[:-1])
     tokens = [t for o in outs for t in o.outputs[0].token_ids]
@@ -56,7 +78,7 @@ def test_generate_streams_deltas(llm: AsyncLLM) -> None:
     _idle_ok(llm)
 
 
-def test_many_concurrent_requests(llm: AsyncLLM) -> None:
+def test_many_concurrent_requests(llm: AsyncLLMBase) -> None:
     async def run() -> list[list]:
         return await asyncio.gather(*(_collect(llm, f"prompt {i}") for i in range(12)))
 
@@ -65,7 +87,7 @@ def test_many_concurrent_requests(llm: AsyncLLM) -> None:
     _idle_ok(llm)
 
 
-def test_validation_error_before_streaming(llm: AsyncLLM) -> None:
+def test_validation_error_before_streaming(llm: AsyncLLMBase) -> None:
     async def run() -> None:
         with pytest.raises(ValueError, match="prompt"):
             await llm.add_request("", GREEDY)
@@ -83,7 +105,7 @@ def test_validation_error_before_streaming(llm: AsyncLLM) -> None:
     _idle_ok(llm)
 
 
-def test_abort_and_close_free_blocks(llm: AsyncLLM) -> None:
+def test_abort_and_close_free_blocks(llm: AsyncLLMBase) -> None:
     long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
 
     async def run() -> None:
@@ -100,29 +122,22 @@ def test_abort_and_close_free_blocks(llm: AsyncLLM) -> None:
     _idle_ok(llm)
 
 
-def test_engine_failure_is_reported_and_survived(llm: AsyncLLM) -> None:
-    real_step = llm.engine.step
-    calls = {"n": 0}
-
-    def flaky_step():  # noqa: ANN202
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("boom")
-        return real_step()
-
-    llm.engine.step = flaky_step  # type: ignore[method-assign]
-    try:
-        with pytest.raises(EngineError, match="boom"):
-            asyncio.run(_collect(llm, "this one fails"))
-    finally:
-        del llm.engine.step  # back to the class method
+def test_engine_failure_is_reported_and_survived(llm: AsyncLLMBase) -> None:
+    """A step that raises fails the requests in flight (EngineError), not the engine."""
+    if isinstance(llm, MPAsyncLLM):
+        asyncio.run(llm.call_in_core(fail_next_step))
+    else:
+        assert isinstance(llm, AsyncLLM)
+        fail_next_step(llm.engine.engine_core)  # the engine thread is idle
+    with pytest.raises(EngineError, match="boom"):
+        asyncio.run(_collect(llm, "this one fails"))
     assert llm.is_running
     outs = asyncio.run(_collect(llm, "this one works"))
     assert outs[-1].finished
     _idle_ok(llm)
 
 
-def test_parallel_sampling_deltas_best_of_and_beam(llm: AsyncLLM) -> None:
+def test_parallel_sampling_deltas_best_of_and_beam(llm: AsyncLLMBase) -> None:
     """n > 1 streams deltas tagged with their sequence index; output_kind "final" with
     best_of > n ends with the n best re-indexed; a beam search ends with one output holding
     the hypotheses, best first; a cache_salt rides along; nothing leaks."""
@@ -159,11 +174,16 @@ def test_parallel_sampling_deltas_best_of_and_beam(llm: AsyncLLM) -> None:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
-def test_idle_engine_thread_sleeps(llm: AsyncLLM) -> None:
-    tid = llm._thread.native_id
+def test_idle_engine_loop_sleeps(llm: AsyncLLMBase) -> None:
+    """An idle engine (thread, or core process) takes no CPU: it waits, it does not poll."""
+    if isinstance(llm, MPAsyncLLM):
+        stat = f"/proc/{llm.core.pid}/stat"
+    else:
+        assert isinstance(llm, AsyncLLM)
+        stat = f"/proc/self/task/{llm._thread.native_id}/stat"
 
     def cpu_ticks() -> int:
-        with open(f"/proc/self/task/{tid}/stat") as f:
+        with open(stat) as f:
             fields = f.read().rsplit(")", 1)[1].split()
         return int(fields[11]) + int(fields[12])  # utime + stime
 
@@ -172,13 +192,14 @@ def test_idle_engine_thread_sleeps(llm: AsyncLLM) -> None:
     assert cpu_ticks() - before <= 2  # a busy loop would burn ~50 ticks
 
 
-def test_shutdown(tiny_models) -> None:  # noqa: ANN001
-    from pagedllm.config import EngineArgs
-
-    args = EngineArgs(model=tiny_models("llama"), dtype="float32", max_model_len=64,
-                      num_gpu_blocks_override=16, device="cpu")  # fmt: skip
-    llm = AsyncLLM.from_engine_args(args)
+@pytest.mark.parametrize("cls", [AsyncLLM, MPAsyncLLM])
+def test_shutdown(tiny_models, cls: type[AsyncLLMBase]) -> None:  # noqa: ANN001
+    llm = cls.from_engine_args(_args(tiny_models, max_model_len=64, num_gpu_blocks_override=16))
     llm.shutdown()
-    assert not llm.is_running and not llm._thread.is_alive()
+    assert not llm.is_running
+    if isinstance(llm, AsyncLLM):
+        assert not llm._thread.is_alive()
+    else:
+        assert isinstance(llm, MPAsyncLLM) and llm.core.exit_code() == 0
     with pytest.raises(EngineDeadError):
         asyncio.run(llm.add_request("hi", GREEDY))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.async_llm import AsyncLLMBase
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     RequestError,
@@ -54,7 +54,9 @@ def load_chat_template(value: str | None) -> str | None:
 class ServingChat(ServingBase):
     """Chat completions on top of ``ServingBase``."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str, chat_template: str | None = None) -> None:
+    def __init__(
+        self, llm: AsyncLLMBase, model_name: str, chat_template: str | None = None
+    ) -> None:
         super().__init__(llm, model_name)
         self.chat_template = chat_template
 

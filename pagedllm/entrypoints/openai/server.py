@@ -38,12 +38,13 @@ Importing this module loads FastAPI but not torch; the model loads in ``run_serv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import logging
 import os
 import secrets
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -53,7 +54,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import __version__
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineError
+from pagedllm.engine.async_llm import AsyncLLM, AsyncLLMBase, EngineDeadError, EngineError
 from pagedllm.entrypoints.openai.chat import ServingChat, load_chat_template
 from pagedllm.entrypoints.openai.completions import ServingCompletion
 from pagedllm.entrypoints.openai.protocol import (
@@ -167,7 +168,7 @@ async def with_cancellation(request: Request, work: Awaitable[Any]) -> Any:
     return None
 
 
-def build_app(async_llm: AsyncLLM, args: Any = None) -> FastAPI:
+def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
     """The FastAPI app serving ``async_llm``.
 
     ``args`` is any object with (all optional) attributes ``served_model_name``, ``api_key``
@@ -190,7 +191,14 @@ def build_app(async_llm: AsyncLLM, args: Any = None) -> FastAPI:
     max_model_len = async_llm.model_config.max_model_len
     created = now()
 
-    app = FastAPI(title="pagedllm OpenAI-compatible server", version=__version__)
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await async_llm.start()  # an engine core process: read its outputs on this loop
+        yield
+
+    app = FastAPI(
+        title="pagedllm OpenAI-compatible server", version=__version__, lifespan=lifespan
+    )
     app.state.async_llm = async_llm
     app.state.metrics = metrics
     app.state.model_name = model_name
@@ -310,10 +318,13 @@ class SSEResponse(StreamingResponse):
             self.stream.abort()
 
 
-def run_server(args: Any) -> None:
-    """Load the model, then serve on ``args.host:args.port`` until interrupted.
+def run_server(args: Any) -> int:
+    """Load the model, then serve on ``args.host:args.port`` until interrupted; the exit
+    status (1 if the engine core process died).
 
-    ``args`` is the namespace of ``pagedllm serve`` (see ``pagedllm.entrypoints.cli``).
+    ``args`` is the namespace of ``pagedllm serve`` (see ``pagedllm.entrypoints.cli``). With
+    ``engine_process`` (the default) the engine core runs in a process of its own
+    (``MPAsyncLLM``); if it dies, the server stops accepting work and exits.
     """
     import uvicorn
 
@@ -321,7 +332,17 @@ def run_server(args: Any) -> None:
 
     engine_args = engine_args_from(args)
     logger.info("loading %s", engine_args.model)
-    async_llm = AsyncLLM.from_engine_args(engine_args)
+    died: list[str] = []
+    if getattr(args, "engine_process", True):
+        from pagedllm.engine.mp_async_llm import MPAsyncLLM
+
+        os.environ.setdefault("PAGEDLLM_LOG_LEVEL", str(getattr(args, "log_level", "INFO")))
+        async_llm: AsyncLLMBase = MPAsyncLLM.from_engine_args(engine_args)
+        logger.info(
+            "engine core process %d ready in %.1f s", async_llm.core.pid, async_llm.startup_seconds
+        )
+    else:
+        async_llm = AsyncLLM.from_engine_args(engine_args)
     try:
         app = build_app(async_llm, args)
         mc = async_llm.model_config
@@ -340,6 +361,18 @@ def run_server(args: Any) -> None:
             log_level=getattr(args, "uvicorn_log_level", "info"),
             timeout_keep_alive=5,
         )
-        uvicorn.Server(config).run()
+        server = uvicorn.Server(config)
+
+        def on_dead(message: str) -> None:
+            died.append(message)
+            server.should_exit = True
+
+        if hasattr(async_llm, "on_dead"):
+            async_llm.on_dead.append(on_dead)
+        server.run()
     finally:
         async_llm.shutdown()
+    if died:
+        logger.error("exiting: %s", died[0])
+        return 1
+    return 0

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.beam_search import BeamSearchParams
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineError, RequestStream
+from pagedllm.engine.async_llm import AsyncLLMBase, EngineDeadError, EngineError, RequestStream
 from pagedllm.entrypoints.openai.protocol import ErrorResponse, RequestError, param_of
 from pagedllm.entrypoints.openai.structured import compile_error_message
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -147,7 +147,7 @@ def engine_error(message: str) -> RequestError:
 class ServingBase:
     """Shared by the completion and chat handlers."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+    def __init__(self, llm: AsyncLLMBase, model_name: str) -> None:
         self.llm = llm
         self.model_name = model_name
         self.tokenizer = llm.tokenizer

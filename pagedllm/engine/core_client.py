@@ -1,0 +1,99 @@
+"""The front end's handle on an engine core process (``engine/core_proc.py``): start it, wait
+until its model is built, stop it, and never leave it behind."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+import weakref
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.utils.channel import Channel
+from pagedllm.utils.child import start_child
+from pagedllm.worker.multiproc_executor import start_timeout
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 1.0  # how often a start-up wait checks that the process is alive
+_STOP_TIMEOUT_S = 10.0
+
+
+def _stop(proc: subprocess.Popen, chan: Channel, timeout: float) -> None:
+    """Ask the process to stop, close the channel (it exits at end of file too), wait, kill."""
+    if proc.poll() is None:
+        try:
+            chan.send(("shutdown",))
+        except OSError:
+            pass
+    try:
+        chan.close()
+    except OSError:
+        pass
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        logger.warning("engine core process %d did not stop in %.0f s: killed", proc.pid, timeout)
+        proc.kill()
+        proc.wait()
+
+
+class EngineCoreClient:
+    """Starts ``python -m pagedllm.engine.core_proc`` and sends it the config; returns once the
+    core reports ready (``info``: pid, num_blocks, token_capacity, max_num_seqs, stats,
+    build_seconds), raising RuntimeError with the child's traceback if it failed, died or
+    took longer than ``PAGEDLLM_WORKER_START_TIMEOUT`` (300 s). A finalizer stops the process
+    if this object is dropped without ``shutdown()``, and at interpreter exit."""
+
+    def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
+        t0 = time.monotonic()
+        self.proc, self.chan = start_child("pagedllm.engine.core_proc", config.device_config.device)
+        self._finalizer = weakref.finalize(self, _stop, self.proc, self.chan, _STOP_TIMEOUT_S)
+        try:
+            self.chan.send(("init", config, eos_token_id))
+            self.info: dict[str, Any] = self._wait_ready(start_timeout())
+        except BaseException:
+            self._finalizer()
+            raise
+        self.startup_seconds = time.monotonic() - t0
+
+    def _wait_ready(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                msg = self.chan.recv(timeout=_POLL_S)
+            except TimeoutError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"the engine core process exited during start-up "
+                        f"(exit code {self.proc.returncode})"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the engine core process did not start within {timeout:g} s"
+                    ) from None
+                continue
+            except (EOFError, OSError) as e:
+                self.proc.wait()
+                raise RuntimeError(
+                    f"the engine core process exited during start-up "
+                    f"(exit code {self.proc.returncode})"
+                ) from e
+            if msg[0] == "failed":
+                raise RuntimeError(f"the engine core failed to start:\n{msg[1]}")
+            assert msg[0] == "ready", msg[0]
+            return msg[1]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exit_code(self) -> int | None:
+        """The process's exit code, or None while it runs."""
+        return self.proc.poll()
+
+    def shutdown(self, timeout: float = _STOP_TIMEOUT_S) -> None:
+        """Stop the process (waits up to ``timeout`` s, then kills it); idempotent."""
+        if self._finalizer.detach() is not None:
+            _stop(self.proc, self.chan, timeout)

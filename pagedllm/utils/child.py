@@ -1,0 +1,69 @@
+"""Start a Python child process of this package that talks over an inherited socket pair.
+
+Used for the engine core process (``engine/core_proc.py``) and the model workers of the
+multiprocess executor (``worker/worker_proc.py``): ``python -m MODULE FD``, FD being the
+child's end of a ``socket.socketpair()``, so nothing of the parent's ``__main__`` is imported
+again (as with multiprocessing's spawn) and no port is opened.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+from pagedllm.utils.channel import Channel
+
+_PR_SET_PDEATHSIG = 1
+
+
+def start_child(module: str, device: str) -> tuple[subprocess.Popen, Channel]:
+    """Run ``python -m module FD``; the process and our end of its channel."""
+    ours, theirs = socket.socketpair()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    if device == "cpu":
+        # The child's forward passes and other processes' loops take turns on the same
+        # cores: OpenMP threads spinning after each parallel region would hold the core
+        # another loop needs to wake on (on a busy 2-core host, 4x slower steps). Unless
+        # the user chose.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    cmd = [sys.executable, "-m", module, str(theirs.fileno())]
+    try:
+        proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return proc, Channel(ours)
+
+
+def child_channel(argv: list[str]) -> Channel:
+    """In the child: the channel on the inherited socket ``argv[1]``. Ctrl-C reaches the whole
+    process group: the parent handles it and closes the channel, which ends the child (a
+    KeyboardInterrupt here would only print a traceback). If the parent dies without closing
+    it (killed), the kernel sends this process SIGTERM (Linux), so no child outlives it."""
+    fd = int(argv[1])
+    os.set_inheritable(fd, False)  # not to processes this one starts
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+    return Channel(socket.socket(fileno=fd))
+
+
+def die_with_parent() -> None:
+    """Ask Linux to send SIGTERM to this process when its parent exits (a no-op elsewhere).
+    The socket's end-of-file is the normal signal; this covers a child busy in native code."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # pragma: no cover - unusual libc
+        return
+    if os.getppid() == 1:  # the parent was already gone before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,147 @@
+"""The engine core process's lifetime: it dies with the server, the server with it, and its
+death is a clear error for every request in flight (never a hang)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedllm.engine.async_llm import EngineDeadError
+from pagedllm.engine.mp_async_llm import MPAsyncLLM
+from pagedllm.sampling_params import SamplingParams
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+ROOT = Path(__file__).resolve().parents[2]
+LONG = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_killed_core_fails_streams_and_reports(tiny_models) -> None:  # noqa: ANN001
+    from pagedllm.config import EngineArgs
+
+    args = EngineArgs(model=tiny_models("llama"), dtype="float32", device="cpu",
+                      max_model_len=512, num_gpu_blocks_override=256)  # fmt: skip
+    llm = MPAsyncLLM.from_engine_args(args)
+    reports: list[str] = []
+    llm.on_dead.append(reports.append)
+    try:
+
+        async def run() -> None:
+            stream = await llm.add_request({"prompt_token_ids": [5, 6, 7]}, LONG)
+            await stream.__anext__()  # it runs
+            os.kill(llm.core.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match="exit code -9"):
+                async for _ in stream:
+                    pass
+            with pytest.raises(EngineDeadError):
+                await llm.add_request("another", LONG)
+
+        asyncio.run(asyncio.wait_for(run(), 60))
+        assert not llm.is_running
+        assert len(reports) == 1 and f"pid {llm.core.pid}" in reports[0]
+    finally:
+        llm.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    """``pagedllm serve`` on a tiny model, and the pid of its engine core (from its log)."""
+
+    def __init__(self, model: str, log: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model,
+               "--port", str(self.port), "--dtype", "float32", "--device", "cpu",
+               "--max-model-len", "512", "--num-gpu-blocks-override", "256",
+               "--uvicorn-log-level", "warning"]  # fmt: skip
+        self._log = open(log, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, f"server exited:\n{log.read_text()}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"server did not start:\n{log.read_text()}"
+            time.sleep(0.3)
+        m = re.search(r"engine core process (\d+) ready", log.read_text())
+        assert m, log.read_text()
+        self.core_pid = int(m.group(1))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if _alive(self.core_pid):
+            os.kill(self.core_pid, signal.SIGKILL)
+        self._log.close()
+
+
+def test_server_exits_when_its_core_dies(tiny_models, tmp_path: Path) -> None:  # noqa: ANN001
+    """A streaming request in flight ends with an error event, /health fails, the server
+    process exits with status 1 and says why."""
+    server = _Server(tiny_models("llama"), tmp_path / "server.log")
+    try:
+        body = {"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")  # it runs
+            os.kill(server.core_pid, signal.SIGKILL)
+            rest = "\n".join(lines)
+        assert '"error"' in rest and "engine core process" in rest, rest[-500:]
+        assert server.proc.wait(timeout=30) == 1
+        assert "exited (exit code -9)" in server.log_path.read_text()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_no_core_outlives_its_server(tiny_models, tmp_path: Path, sig: int) -> None:  # noqa: ANN001
+    """Killed (no chance to clean up) or terminated, the server leaves no engine core."""
+    server = _Server(tiny_models("llama"), tmp_path / "server.log")
+    try:
+        assert _alive(server.core_pid)
+        server.proc.send_signal(sig)
+        server.proc.wait(timeout=30)
+        assert _wait_gone(server.core_pid, 30), "the engine core outlived its server"
+    finally:
+        server.stop()
