@@ -9,31 +9,49 @@ exactly ``--output-len`` tokens (``ignore_eos``, ``temperature 0``). Per request
 streamed chunks; a chunk may carry several tokens), and reports request and output-token
 throughput with mean/p50/p99 of each.
 
+The client (``--client``): ``raw`` (default) is a minimal HTTP/1.1 client on asyncio streams
+(``pagedllm.bench._http_client``) that scans each read of the stream for text-carrying chunks
+instead of decoding every event's JSON; ``httpx`` decodes every event as before. Both count the
+same chunks and read the same usage. ``--client-processes N`` splits the prompts (each keeping its
+arrival time) and the concurrency cap (as evenly as possible, summing to the cap) over N
+processes, each with its own event loop, all starting at one shared time; their per-request
+results are merged into one summary. ``--loop``: asyncio or uvloop (``auto``: uvloop where
+installed). ``client_cpu_s`` in the summary is the client's CPU time in the timed part.
+
 ``--spawn-server`` starts ``pagedllm serve`` on a free loopback port with ``--server-args``,
-waits for ``/health``, runs, and stops it. ``--offline`` then runs the same prompts, arrival
-times and concurrency cap through an in-process ``pagedllm.LLM`` engine (built from the same
-``--server-args``) and reports what HTTP costs per output token. Results: JSON and a PNG under
-``--result-dir`` (default ``benchmarks/results/``).
+waits for ``/health``, runs, and stops it. ``--spawn-canned`` instead starts the model-free
+canned server (``pagedllm.bench.canned_server``, ``--canned-processes`` processes): the
+client's own ceiling in output tokens/s and chunks/s. ``--offline`` then runs the same
+prompts, arrival times and concurrency cap through an in-process ``pagedllm.LLM`` engine (built
+from the same ``--server-args``) and reports what HTTP costs per output token. Results: JSON
+and a PNG under ``--result-dir`` (default ``benchmarks/results/``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import multiprocessing
 import os
+import re
 import shlex
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+import traceback
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+
+from pagedllm.bench import _http_client
+from pagedllm.bench._http_client import RawClient
 
 WORDS = (
     "the of and to in is was for on are with as by at from this that have not but they his "
@@ -65,7 +83,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=None, help="most requests in flight")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests first")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--client",
+        choices=["raw", "httpx"],
+        default="raw",
+        help="raw: minimal asyncio HTTP/1.1 client (fast); httpx: httpx.AsyncClient",
+    )
+    p.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="client processes sharing the prompts and the concurrency cap",
+    )
+    p.add_argument(
+        "--loop",
+        choices=["auto", "asyncio", "uvloop"],
+        default="auto",
+        help="client event loop (auto: uvloop where installed)",
+    )
     p.add_argument("--spawn-server", action="store_true", help="start pagedllm serve itself")
+    p.add_argument(
+        "--spawn-canned",
+        action="store_true",
+        help="start the model-free canned server: the client's own ceiling",
+    )
+    p.add_argument("--canned-processes", type=int, default=1, help="canned server processes")
+    p.add_argument(
+        "--canned-step-ms",
+        type=float,
+        default=0.0,
+        help="canned server: wait between token ticks (0: as fast as it can)",
+    )
     p.add_argument(
         "--server-args",
         default="",
@@ -161,31 +209,265 @@ async def _one(client: Any, args: argparse.Namespace, prompt: Prompt, max_tokens
     return r
 
 
-async def run_http(args: argparse.Namespace, prompts: list[Prompt], arrivals: list[float]
-                   ) -> tuple[list[RequestResult], float]:  # fmt: skip
-    """The timed HTTP run (after ``--warmup`` untimed requests): results and elapsed seconds."""
-    import httpx
+# --client raw reads text-carrying chunks off the raw SSE bytes: a JSON string can't hold an
+# unescaped quote, so '"text":"' (or '"content":"') followed by a non-quote is a choice's
+# non-empty text and nothing else; the usage chunk and [DONE] go through json.loads as before.
+_TEXT = re.compile(rb'"(?:text|content)"\s*:\s*"(?!")')
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
 
+
+async def _one_raw(client: RawClient, args: argparse.Namespace, prompt: Prompt,
+                   max_tokens: int, t0: float) -> RequestResult:  # fmt: skip
+    """``_one`` on the raw client: the same chunks timed, the same usage read. Each read from
+    the socket is scanned whole; the chunks it completes share its arrival time."""
+    path = "/chat/completions" if args.endpoint == "chat" else "/completions"
+    body = json.dumps(_body(args, prompt, max_tokens)).encode()
+    sent = time.perf_counter()
+    r = RequestResult(start=sent - t0)
+    stamps: list[float] = []
+    rest = b""
+    done = False
+
+    def on_line(line: bytes) -> None:  # the slow path: one SSE line as _one reads it
+        nonlocal done
+        if done or not line.startswith(b"data:"):
+            return
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            done = True
+            return
+        n = len(_TEXT.findall(data))
+        if n:
+            stamps.extend(itertools.repeat(time.perf_counter(), n))
+        if _USAGE.search(data):
+            usage = json.loads(data).get("usage")
+            if usage:
+                r.prompt_tokens = usage["prompt_tokens"]
+                r.output_tokens = usage["completion_tokens"]
+
+    def on_data(data: bytes) -> None:
+        nonlocal rest
+        if rest:
+            data = rest + data
+        end = data.rfind(b"\n") + 1
+        rest = data[end:]
+        if not end or done:
+            return
+        # lines from the first usage or [DONE] (once per request) go through on_line
+        slow = data.find(b"[DONE]", 0, end)
+        if b'"usage"' in data:
+            m = _USAGE.search(data, 0, end)
+            if m and (slow < 0 or m.start() < slow):
+                slow = m.start()
+        if slow >= 0:
+            slow = data.rfind(b"\n", 0, slow) + 1
+        n = len(_TEXT.findall(data, 0, end if slow < 0 else slow))
+        if n:
+            stamps.extend(itertools.repeat(time.perf_counter(), n))
+        if slow >= 0:
+            for line in data[slow:end].split(b"\n"):
+                on_line(line.rstrip(b"\r"))
+
+    try:
+        status, err = await client.post_stream(path, body, on_data)
+        if status != 200:
+            r.error = f"HTTP {status}: {err[:300]!r}"
+            return r
+        if rest:
+            on_line(rest.rstrip(b"\r"))
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
+        r.error = f"{type(e).__name__}: {e}"
+        return r
+    r.latency = time.perf_counter() - sent
+    r.chunks = len(stamps)
+    r.output_tokens = r.output_tokens or len(stamps)
+    if stamps:
+        r.ttft = stamps[0] - sent
+        r.itl = np.diff(stamps).tolist()
+    else:
+        r.error = "no text streamed"
+    return r
+
+
+OneRequest = Callable[..., Any]  # _one or _one_raw
+
+
+@asynccontextmanager
+async def open_client(args: argparse.Namespace) -> AsyncIterator[tuple[Any, OneRequest]]:
+    """The ``--client`` for ``--base-url`` and its request coroutine (``_one``/``_one_raw``);
+    ``--model`` is filled in from ``/models`` when not given."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
-                                 timeout=httpx.Timeout(None), limits=limits) as client:  # fmt: skip
-        if args.model is None:
-            args.model = (await client.get("/models")).json()["data"][0]["id"]
-        warm = make_prompts(args, args.seed + 1000, args.warmup)
-        for r in await asyncio.gather(*(_one(client, args, p, 4, 0.0) for p in warm)):
-            if r.error:
-                raise RuntimeError(f"warm-up request failed: {r.error}")
-        sem = asyncio.Semaphore(args.concurrency or len(prompts))
-        t0 = time.perf_counter()
+    base = args.base_url.rstrip("/")
+    if args.client == "httpx":
+        import httpx
 
-        async def send(prompt: Prompt, at: float) -> RequestResult:
-            await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
-            async with sem:
-                return await _one(client, args, prompt, args.output_len, t0)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=base, headers=headers, timeout=httpx.Timeout(None),
+                                     limits=limits) as client:  # fmt: skip
+            if args.model is None:
+                args.model = (await client.get("/models")).json()["data"][0]["id"]
+            yield client, _one
+    else:
+        async with RawClient(base, headers) as raw:
+            if args.model is None:
+                args.model = (await raw.get_json("/models"))["data"][0]["id"]
+            yield raw, _one_raw
 
-        results = await asyncio.gather(*(send(p, a) for p, a in zip(prompts, arrivals)))
-        return list(results), time.perf_counter() - t0
+
+async def _warmup(args: argparse.Namespace, client: Any, one: OneRequest) -> None:
+    warm = make_prompts(args, args.seed + 1000, args.warmup)
+    for r in await asyncio.gather(*(one(client, args, p, 4, 0.0) for p in warm)):
+        if r.error:
+            raise RuntimeError(f"warm-up request failed: {r.error}")
+
+
+async def _timed(args: argparse.Namespace, client: Any, one: OneRequest, prompts: list[Prompt],
+                 arrivals: list[float], cap: int | None, t0: float
+                 ) -> tuple[list[RequestResult], float, float]:  # fmt: skip
+    """Send each prompt at ``t0`` + its arrival time, at most ``cap`` in flight; ``t0`` is a
+    ``perf_counter`` time, possibly still ahead. Returns the results, the seconds since t0 and
+    the CPU seconds this process spent meanwhile."""
+    cpu = time.process_time()
+    sem = asyncio.Semaphore(cap or max(1, len(prompts)))
+
+    async def send(prompt: Prompt, at: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+        async with sem:
+            return await one(client, args, prompt, args.output_len, t0)
+
+    results = await asyncio.gather(*(send(p, a) for p, a in zip(prompts, arrivals)))
+    return list(results), time.perf_counter() - t0, time.process_time() - cpu
+
+
+async def run_http(args: argparse.Namespace, prompts: list[Prompt], arrivals: list[float]
+                   ) -> tuple[list[RequestResult], float, float]:  # fmt: skip
+    """The timed HTTP run (after ``--warmup`` untimed requests) from this process: results,
+    elapsed seconds and the client's CPU seconds."""
+    async with open_client(args) as (client, one):
+        await _warmup(args, client, one)
+        return await _timed(args, client, one, prompts, arrivals, args.concurrency,
+                            time.perf_counter())  # fmt: skip
+
+
+def split_work(n_prompts: int, concurrency: int | None, processes: int
+               ) -> list[tuple[list[int], int | None]]:  # fmt: skip
+    """(prompt indices, concurrency cap) per client process. The cap is split as evenly as
+    possible (the caps sum to ``concurrency``; None: no cap anywhere); prompts are dealt in
+    arrival order, each to the process with the fewest per unit of cap, so every process sees
+    the whole span of arrival times. No more processes than prompts or than the cap."""
+    n = max(1, min(processes, n_prompts, concurrency or n_prompts))
+    caps: list[int | None]
+    if concurrency is None:
+        caps = [None] * n
+    else:
+        caps = [concurrency // n + (k < concurrency % n) for k in range(n)]
+    weights = [c or 1 for c in caps]
+    shares: list[list[int]] = [[] for _ in range(n)]
+    for i in range(n_prompts):
+        k = min(range(n), key=lambda k: ((len(shares[k]) + 1) / weights[k], k))
+        shares[k].append(i)
+    return list(zip(shares, caps))
+
+
+def _client_process(args: argparse.Namespace, prompts: list[Prompt], arrivals: list[float],
+                    cap: int | None, conn: Any) -> None:  # fmt: skip
+    """One of ``--client-processes``: open its client, report ready, receive the shared start
+    time (a ``time.time()``), run its share from then and send back its results."""
+    try:
+
+        async def go() -> tuple[list[RequestResult], float, float]:
+            async with open_client(args) as (client, one):
+                conn.send(("ready", None))
+                start_wall = conn.recv()  # blocks the loop, which has nothing else to do yet
+                t0 = time.perf_counter() + (start_wall - time.time())
+                return await _timed(args, client, one, prompts, arrivals, cap, t0)
+
+        results, elapsed, cpu = _http_client.run(go(), args.loop)
+        conn.send(("done", ([asdict(r) for r in results], elapsed, cpu)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def _recv(conn: Any, proc: Any, timeout: float | None) -> Any:
+    """The next message from a client process (RuntimeError if it exits or times out first)."""
+    from multiprocessing.connection import wait
+
+    ready = wait([conn, proc.sentinel], timeout)
+    if conn in ready:
+        try:
+            return conn.recv()
+        except EOFError:
+            pass
+    if not ready:
+        raise RuntimeError(f"client process sent nothing in {timeout} s")
+    proc.join(1)
+    raise RuntimeError(
+        f"client process exited (code {proc.exitcode}) without a result (a "
+        "script needs `if __name__ == '__main__':`: spawn imports its main module)"
+    )
+
+
+def run_http_processes(args: argparse.Namespace, prompts: list[Prompt], arrivals: list[float]
+                       ) -> tuple[list[RequestResult], float, float]:  # fmt: skip
+    """``run_http`` over ``--client-processes`` spawned processes (warm-up and model lookup in
+    this one); results in prompt order, elapsed from the shared start to the last finish, CPU
+    seconds of all the processes."""
+
+    async def prepare() -> None:
+        async with open_client(args) as (client, one):
+            await _warmup(args, client, one)
+
+    _http_client.run(prepare(), args.loop)
+    ctx = multiprocessing.get_context("spawn")
+    work = split_work(len(prompts), args.concurrency, args.client_processes)
+    procs, conns = [], []
+    try:
+        for idx, cap in work:
+            mine, theirs = ctx.Pipe()
+            share = ([prompts[i] for i in idx], [arrivals[i] for i in idx])
+            p = ctx.Process(target=_client_process, args=(args, *share, cap, theirs), daemon=True)
+            p.start()
+            theirs.close()
+            procs.append(p)
+            conns.append(mine)
+        for c, p in zip(conns, procs):
+            kind, payload = _recv(c, p, 120.0)
+            if kind != "ready":
+                raise RuntimeError(f"client process failed:\n{payload}")
+        start_wall = time.time() + 0.05  # every process has its start time by then
+        for c in conns:
+            c.send(start_wall)
+        results: list[RequestResult | None] = [None] * len(prompts)
+        elapsed = cpu = 0.0
+        for (idx, _), c, p in zip(work, conns, procs):
+            kind, payload = _recv(c, p, None)
+            if kind != "done":
+                raise RuntimeError(f"client process failed:\n{payload}")
+            rs, el, cp = payload
+            for i, d in zip(idx, rs):
+                results[i] = RequestResult(**d)
+            elapsed, cpu = max(elapsed, el), cpu + cp
+    finally:
+        for c in conns:
+            c.close()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    assert all(r is not None for r in results)
+    return [r for r in results if r is not None], elapsed, cpu
+
+
+def http_run(args: argparse.Namespace, prompts: list[Prompt], arrivals: list[float]
+             ) -> tuple[list[RequestResult], float, float]:  # fmt: skip
+    """The timed HTTP run, from this process or from ``--client-processes`` processes: results,
+    elapsed seconds, client CPU seconds."""
+    if args.client_processes > 1:
+        return run_http_processes(args, prompts, arrivals)
+    return _http_client.run(run_http(args, prompts, arrivals), args.loop)
 
 
 def build_llm(args: argparse.Namespace) -> Any:
@@ -258,10 +540,13 @@ def _stats(values: list[float]) -> dict[str, float | None]:
             "p99": float(np.percentile(a, 99))}  # fmt: skip
 
 
-def summarize(results: list[RequestResult], elapsed: float) -> dict[str, Any]:
-    """Throughput and latency statistics of one run, plus the per-request records."""
+def summarize(results: list[RequestResult], elapsed: float,
+              client_cpu_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """Throughput and latency statistics of one run, plus the per-request records
+    (``client_cpu_s``: CPU seconds the HTTP client spent in the timed part, all processes)."""
     ok = [r for r in results if r.error is None]
     n_out = sum(r.output_tokens for r in ok)
+    n_chunks = sum(r.chunks for r in ok)
     return {
         "num_requests": len(results),
         "completed": len(ok),
@@ -272,7 +557,10 @@ def summarize(results: list[RequestResult], elapsed: float) -> dict[str, Any]:
         "total_output_tokens": n_out,
         "request_throughput": len(ok) / elapsed,
         "output_throughput": n_out / elapsed,
-        "mean_tokens_per_chunk": n_out / max(1, sum(r.chunks for r in ok)),
+        "total_chunks": n_chunks,
+        "chunk_throughput": n_chunks / elapsed,  # streamed chunks carrying text, per second
+        "mean_tokens_per_chunk": n_out / max(1, n_chunks),
+        "client_cpu_s": client_cpu_s,
         "ttft_ms": _stats([r.ttft for r in ok]),
         "tpot_ms": _stats(
             [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -364,7 +652,8 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 def _brief(s: dict[str, Any]) -> dict[str, Any]:
-    keys = ("completed", "request_throughput", "output_throughput", "ttft_ms", "tpot_ms", "itl_ms")
+    keys = ("completed", "request_throughput", "output_throughput", "chunk_throughput", "ttft_ms",
+            "tpot_ms", "itl_ms", "client_cpu_s")  # fmt: skip
     return {k: s[k] for k in keys}
 
 
@@ -376,20 +665,35 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("token-id prompts need --endpoint completions")
     server = None
     if not args.offline_only:
+        if args.spawn_server and args.spawn_canned:
+            raise ValueError("give one of --spawn-server and --spawn-canned")
         if args.spawn_server:
             with spawned_server(args) as url:
                 args.base_url = url
-                server = summarize(*asyncio.run(run_http(args, prompts, arrivals)))
+                server = summarize(*http_run(args, prompts, arrivals))
+        elif args.spawn_canned:
+            from pagedllm.bench import canned_server
+
+            canned = canned_server.spawned(
+                args.canned_processes, step_ms=args.canned_step_ms, loop=args.loop
+            )
+            with canned as url:
+                args.base_url = url
+                server = summarize(*http_run(args, prompts, arrivals))
         elif args.base_url:
-            server = summarize(*asyncio.run(run_http(args, prompts, arrivals)))
+            server = summarize(*http_run(args, prompts, arrivals))
         else:
-            raise ValueError("give --base-url, --spawn-server or --offline-only")
+            raise ValueError("give --base-url, --spawn-server, --spawn-canned or --offline-only")
     offline = None
     if args.offline or args.offline_only:
         offline = summarize(*run_offline(args, build_llm(args), prompts, arrivals))
     result: dict[str, Any] = {
         "benchmark": "serving", "base_url": args.base_url, "model": args.model,
         "server_args": args.server_args, "cpu_count": os.cpu_count(),
+        "client": args.client, "client_processes": args.client_processes,
+        "loop": _http_client.loop_name(args.loop),
+        "canned_server": {"processes": args.canned_processes, "step_ms": args.canned_step_ms}
+        if args.spawn_canned else None,
         "workload": {k: getattr(args, k) for k in ("endpoint", "num_prompts", "input_len",
                      "output_len", "prompt_type", "request_rate", "concurrency", "seed")},
         "server": server, "offline": offline, "http_overhead": None,
@@ -403,7 +707,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         }
     os.makedirs(args.result_dir, exist_ok=True)
     c = args.concurrency or "inf"
-    stem = args.result_name or f"serving_{args.endpoint}_c{c}_r{args.request_rate}"
+    stem = args.result_name or f"serving_{args.endpoint}_c{c}_r{args.request_rate}" + (
+        "_canned" if args.spawn_canned else ""
+    )
     path = os.path.join(args.result_dir, stem)
     with open(path + ".json", "w") as f:
         json.dump(result, f, indent=2)
