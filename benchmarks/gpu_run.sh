@@ -69,6 +69,9 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     structured-threads) lscpu -e | head -20; nproc
       python benchmarks/gpu_suite.py extras --grammar-threads 1,2,4 --out "$OUT" | tail -5 ;;
     executor) python benchmarks/executor_overhead.py --preset bench-a --out "$OUT" | tail -25 ;;
+    serving-qwen) python benchmarks/serving_gpu.py --shape qwen3-0.6b --out "$OUT" ;;
+    serving-llama8b) python benchmarks/serving_gpu.py --shape llama-3.1-8b --single-prompts 8 \
+        --out "$OUT" ;;
     hybrid-kv) python benchmarks/hybrid_kv_gpu.py --out "$OUT" | tail -40 ;;
     hybrid-kv-profile) python benchmarks/hybrid_kv_gpu.py --profile | grep -v "^$" | head -120 ;;
     ab-a)  # Benchmark A (no peers) alternating: a base tree in ab_base/, this tree, base, this
