@@ -4,6 +4,7 @@ until its model is built, stop it, and never leave it behind."""
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import time
 import weakref
@@ -46,9 +47,23 @@ class EngineCoreClient:
     took longer than ``PAGEDLLM_WORKER_START_TIMEOUT`` (300 s). A finalizer stops the process
     if this object is dropped without ``shutdown()``, and at interpreter exit."""
 
-    def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
+    def __init__(
+        self, config: EngineConfig, eos_token_id: int | None, num_front_ends: int = 1
+    ) -> None:
         t0 = time.monotonic()
-        self.proc, self.chan = start_child("pagedllm.engine.core_proc", config.device_config.device)
+        # the channels of the other front ends (API server processes): their ends stay here
+        # until handed to those processes (``extra_channels``)
+        pairs = [socket.socketpair() for _ in range(num_front_ends - 1)]
+        self.extra_channels = [Channel(ours) for ours, _ in pairs]
+        try:
+            self.proc, self.chan = start_child(
+                "pagedllm.engine.core_proc",
+                config.device_config.device,
+                tuple(theirs.fileno() for _, theirs in pairs),
+            )
+        finally:
+            for _, theirs in pairs:
+                theirs.close()
         self._finalizer = weakref.finalize(self, _stop, self.proc, self.chan, _STOP_TIMEOUT_S)
         try:
             self.chan.send(("init", config, eos_token_id))
@@ -93,7 +108,55 @@ class EngineCoreClient:
         """The process's exit code, or None while it runs."""
         return self.proc.poll()
 
+    def wait_exit(self, timeout: float) -> int | None:
+        """The exit code once the process has exited (None if it still runs after
+        ``timeout`` s)."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
     def shutdown(self, timeout: float = _STOP_TIMEOUT_S) -> None:
         """Stop the process (waits up to ``timeout`` s, then kills it); idempotent."""
         if self._finalizer.detach() is not None:
             _stop(self.proc, self.chan, timeout)
+
+
+class AttachedCore:
+    """An API server's handle on an engine core that another process started
+    (``--api-server-count``): the same interface as ``EngineCoreClient`` on a channel it was
+    given; stopping it only closes that channel (the core then exits, and so does every
+    other front end)."""
+
+    def __init__(self, chan: Channel, info: dict[str, Any]) -> None:
+        self.chan = chan
+        self.info = info
+        self.startup_seconds = 0.0
+        self.extra_channels: list[Channel] = []
+
+    @property
+    def pid(self) -> int:
+        return self.info["pid"]
+
+    def exit_code(self) -> int | None:
+        """None while the core process runs; -1 once it is gone (its code is its parent's)."""
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                running = f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            running = False
+        except OSError:  # no /proc: assume alive; the channel's end of file tells otherwise
+            running = True
+        return None if running else -1
+
+    def wait_exit(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while self.exit_code() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.exit_code()
+
+    def shutdown(self, timeout: float = _STOP_TIMEOUT_S) -> None:
+        try:
+            self.chan.close()
+        except OSError:
+            pass

@@ -23,9 +23,13 @@ Messages out:
 The loop (``EngineCoreProc.run``): take every command that has arrived (waiting for one only
 when idle), step while requests are unfinished, send each step's outputs as ONE message (a
 batch of deltas; ``pack_outputs``). No thread competes with it for the GIL except the short
-utility ones. The process ends at "shutdown", when the front end closes the channel or dies
-(end of file; Linux also sends SIGTERM when the parent exits: ``child_channel``), after
-stopping its own worker processes.
+utility ones. The process ends at "shutdown", when a front end closes its channel or dies
+(end of file; Linux also sends SIGKILL when the parent exits: ``child_channel``), after
+stopping its own worker processes. It ignores SIGTERM: a signal to the whole process group
+must not end it under its front ends, which stop it in order.
+
+Several front ends (``pagedllm serve --api-server-count N``): the core serves N channels; a
+request's outputs go to the front end that sent it, the stats and a step's failure to all.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from __future__ import annotations
 import logging
 import os
 import select
+import signal
+import socket
 import struct
 import sys
 import threading
@@ -52,85 +58,136 @@ _POLL_S = 1.0
 _MAX_PENDING_BYTES = 256 << 20  # outputs the front end has not read before the loop waits
 
 
-class EngineCoreProc:
-    """The engine core process's loop around one ``EngineCore`` (see the module docstring)."""
+class _Client:
+    """One front end's channel and the messages it has not taken yet."""
 
-    def __init__(self, core: Any, chan: Channel, eos_token_id: int | None) -> None:
-        self.core = core
+    def __init__(self, chan: Channel) -> None:
         self.chan = chan
-        self.eos_token_id = eos_token_id
-        self.max_model_len = core.config.model_config.max_model_len
-        self._send_lock = threading.Lock()
-        self._wbuf = bytearray()  # framed messages the socket has not taken yet
+        self.sock = chan.sock
+        self.lock = threading.Lock()
+        self.wbuf = bytearray()  # framed messages the socket has not taken yet
         chan.grow_buffers()
         chan.sock.setblocking(False)
 
-    def send(self, msg: Any) -> None:
-        """Queue one message and write what the socket takes now, never waiting for the front
-        end (a loop blocked on a busy reader would leave the GPU idle): the rest goes with
-        the next ``flush``. Helper threads reply too: one writer at a time."""
-        data = encode(msg)
-        with self._send_lock:
-            self._wbuf += struct.pack("<I", len(data))
-            self._wbuf += data
+    def send(self, data: bytes) -> None:
+        """Queue one encoded message and write what the socket takes now, never waiting for
+        the front end (a loop blocked on a busy reader would leave the GPU idle): the rest
+        goes with the next ``flush``. Helper threads reply too: one writer at a time."""
+        with self.lock:
+            self.wbuf += struct.pack("<I", len(data))
+            self.wbuf += data
             self._flush_locked()
-            if len(self._wbuf) > _MAX_PENDING_BYTES:  # the front end stopped reading: wait
-                while self._wbuf:
-                    select.select([], [self.chan.sock], [], _POLL_S)
+            if len(self.wbuf) > _MAX_PENDING_BYTES:  # the front end stopped reading: wait
+                while self.wbuf:
+                    select.select([], [self.sock], [], _POLL_S)
                     self._flush_locked()
 
     def flush(self) -> None:
-        """Write queued messages the socket takes now."""
-        if self._wbuf:
-            with self._send_lock:
+        if self.wbuf:
+            with self.lock:
                 self._flush_locked()
 
     def _flush_locked(self) -> None:
         try:
-            n = self.chan.sock.send(self._wbuf)
+            n = self.sock.send(self.wbuf)
         except BlockingIOError:
             return
-        del self._wbuf[:n]
+        del self.wbuf[:n]
 
-    def _wait_timeout(self, busy: bool) -> float | None:
-        """How long to wait for commands: not at all while requests run; when idle, until a
-        command comes, after the queued outputs are out."""
+
+class EngineCoreProc:
+    """The engine core process's loop around one ``EngineCore`` (see the module docstring),
+    serving one front end or several (``--api-server-count``): each request's outputs go
+    to the front end that sent it; the stats go to all."""
+
+    def __init__(self, core: Any, chans: list[Channel], eos_token_id: int | None) -> None:
+        self.core = core
+        self.clients = [_Client(c) for c in chans]
+        self.eos_token_id = eos_token_id
+        self.max_model_len = core.config.model_config.max_model_len
+        self._owner: dict[str, int] = {}  # request id -> its front end (several only)
+
+    def send(self, msg: Any, client: int = 0) -> None:
+        """Send one message to one front end."""
+        self.clients[client].send(encode(msg))
+
+    def broadcast(self, msg: Any) -> None:
+        data = encode(msg)
+        for c in self.clients:
+            c.send(data)
+
+    def flush(self) -> None:
+        """Write queued messages the sockets take now."""
+        for c in self.clients:
+            c.flush()
+
+    def _receive(self, busy: bool) -> list[tuple[int, Any]]:
+        """The commands that have arrived, with their front end: at once while requests run;
+        when idle, waiting for one (after the queued outputs are out). EOFError when a front
+        end closed its channel."""
+        socks = [c.sock for c in self.clients]
+        pending = [c.sock for c in self.clients if c.wbuf]
         if busy:
-            return 0.0
-        while self._wbuf:
-            select.select([self.chan.sock], [self.chan.sock], [], _POLL_S)
-            self.flush()
-            if self.chan.poll():
-                return 0.0
-        return None
+            ready = select.select(socks, [], [], 0.0)[0]
+        else:
+            ready, writable, _ = select.select(socks, pending, [], None if not pending else _POLL_S)
+            if writable:
+                self.flush()
+        msgs: list[tuple[int, Any]] = []
+        for i, c in enumerate(self.clients):
+            if c.sock in ready or c.chan.has_message():
+                msgs += [(i, m) for m in c.chan.recv_all(0.0)]
+        return msgs
 
     def run(self) -> None:
-        """Serve until "shutdown" or the end of the channel."""
+        """Serve until "shutdown" or the end of a front end's channel (then every front end
+        goes: the process exits and they see the end of theirs)."""
         core = self.core
         clock = LoopClock("engine core", ("wait", "commands", "step", "send"))
         while True:
             self.flush()
             try:
-                msgs = self.chan.recv_all(self._wait_timeout(core.has_unfinished_requests()))
+                msgs = self._receive(core.has_unfinished_requests())
             except (EOFError, OSError):
-                return  # the front end is gone
+                return  # a front end is gone
             clock.lap("wait")
-            for msg in msgs:
+            for client, msg in msgs:
                 if msg[0] == "shutdown":
                     return
                 try:
-                    self.handle(msg)
+                    self.handle(msg, client)
                 except Exception:  # one bad command must not end the engine
                     logger.exception("engine core command %r failed", msg[0])
             clock.lap("commands")
             if core.has_unfinished_requests():
                 outputs = self.step()
                 clock.lap("step")
-                self.send(("out", pack_outputs(outputs), core.stats()))
+                self.send_outputs(outputs)
                 clock.lap("send", count=True)
             elif msgs:
-                self.send(("out", [], core.stats()))
+                self.broadcast(("out", [], core.stats()))
                 clock.lap("send")
+
+    def send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        """One "out" message per front end: its requests' outputs and the stats."""
+        stats = self.core.stats()
+        if len(self.clients) == 1:
+            self.send(("out", pack_outputs(outputs), stats))
+            return
+        per: list[list[EngineCoreOutput]] = [[] for _ in self.clients]
+        owner = self._owner
+        for o in outputs:
+            rid = o.parent_id or o.request_id
+            per[owner.get(rid, 0)].append(o)
+            if o.finished and (o.parent_id is None or o.beam_sequences is not None
+                               or not self._has_sequences(rid)):  # fmt: skip
+                owner.pop(rid, None)
+        for i, outs in enumerate(per):
+            self.send(("out", pack_outputs(outs), stats), i)
+
+    def _has_sequences(self, rid: str) -> bool:
+        """Whether any sequence of request ``rid`` (n > 1) is still in the scheduler."""
+        return any(r.parent_id == rid for r in self.core.scheduler.requests.values())
 
     def step(self) -> list[EngineCoreOutput]:
         """One ``EngineCore.step``; if it raises, every request is aborted and the front end
@@ -145,13 +202,16 @@ class EngineCoreProc:
                 core.abort_requests(ids)
             except Exception:
                 logger.exception("abort after a failed step failed too")
-            self.send(("step_error", f"the engine failed while running this request: {e!r}"))
+            self._owner.clear()
+            self.broadcast(("step_error", f"the engine failed while running this request: {e!r}"))
             return []
 
-    def handle(self, msg: tuple) -> None:
-        """Carry out one command (see the module docstring)."""
+    def handle(self, msg: tuple, client: int = 0) -> None:
+        """Carry out one command of front end ``client`` (see the module docstring)."""
         kind = msg[0]
         core = self.core
+        if kind in ("add", "beam") and len(self.clients) > 1:
+            self._owner[msg[1]] = client
         if kind == "add":
             _, rid, ids, params, priority, arrival, salt = msg
             try:
@@ -159,20 +219,20 @@ class EngineCoreProc:
                 request.cache_salt = salt
                 core.add_request(request)
             except Exception as e:  # the front end checked already; this request only
-                self._refuse(rid, e)
+                self._refuse(rid, e, client)
         elif kind == "beam":
             _, rid, ids, params, beam_params, arrival = msg
             try:
                 eos = {self.eos_token_id} if self.eos_token_id is not None else set()
                 core.add_beam_request(self._request(rid, ids, params, 0, arrival), beam_params, eos)
             except Exception as e:
-                self._refuse(rid, e)
+                self._refuse(rid, e, client)
         elif kind == "abort":
             core.abort_requests(msg[1])
         elif kind == "stop":
             core.finish_requests_stopped(msg[1])
         elif kind == "utility":
-            self._utility(*msg[1:])
+            self._utility(client, *msg[1:])
         elif kind == "bad message":
             logger.error("a message from the front end did not unpickle: %s", msg.error)
         else:
@@ -191,14 +251,15 @@ class EngineCoreProc:
             max_model_len=self.max_model_len,
         )
 
-    def _refuse(self, rid: str, e: Exception) -> None:
+    def _refuse(self, rid: str, e: Exception, client: int) -> None:
+        self._owner.pop(rid, None)
         out = EngineCoreOutput(rid, [], finish_reason="abort", error=f"{type(e).__name__}: {e}")
-        self.send(("out", pack_outputs([out]), self.core.stats()))
+        self.send(("out", pack_outputs([out]), self.core.stats()), client)
 
-    def _utility(self, call_id: int, name: str, args: tuple) -> None:
+    def _utility(self, client: int, call_id: int, name: str, args: tuple) -> None:
         core = self.core
         if name == "call":  # between steps, on this thread: fn may touch the scheduler
-            self._reply(call_id, lambda: args[0](core))
+            self._reply(client, call_id, lambda: args[0](core))
             return
 
         def prepare() -> None:
@@ -209,14 +270,15 @@ class EngineCoreProc:
 
         job = {"prepare_structured": prepare, "compile": compile_grammar}.get(name)
         if job is None:
-            self.send(("reply", call_id, False, ("ValueError", f"unknown utility {name!r}")))
+            error = ("ValueError", f"unknown utility {name!r}")
+            self.send(("reply", call_id, False, error), client)
             return
         # grammar work takes seconds: on a helper thread, never between the steps
         threading.Thread(
-            target=self._reply, args=(call_id, job), name=f"pagedllm-{name}", daemon=True
+            target=self._reply, args=(client, call_id, job), name=f"pagedllm-{name}", daemon=True
         ).start()
 
-    def _reply(self, call_id: int, job: Any) -> None:
+    def _reply(self, client: int, call_id: int, job: Any) -> None:
         """Run ``job()`` and send ("reply", call_id, ok, value): its result, or ("ValueError",
         message) if it raised one (the caller's mistake, e.g. a bad grammar), or ("Error",
         "Type: message") for anything else."""
@@ -228,13 +290,14 @@ class EngineCoreProc:
         except Exception as e:  # noqa: BLE001 - handed to the caller
             value, ok = ("Error", f"{type(e).__name__}: {e}"), False
         try:
-            self.send(("reply", call_id, ok, value))
+            self.send(("reply", call_id, ok, value), client)
         except OSError:
             pass
 
 
-def serve(chan: Channel) -> int:
-    """Build the engine core from the "init" message, then run its loop. Exit status."""
+def serve(chan: Channel, others: list[Channel] | None = None) -> int:
+    """Build the engine core from the "init" message on ``chan``, then run its loop for it
+    and the ``others`` front ends (more API servers). Exit status."""
     try:
         kind, config, eos_token_id = chan.recv()
     except (EOFError, OSError):
@@ -264,19 +327,28 @@ def serve(chan: Channel) -> int:
             "build_seconds": time.monotonic() - t0,
         }
         chan.send(("ready", info))
-        EngineCoreProc(core, chan, eos_token_id).run()
+        EngineCoreProc(core, [chan, *(others or [])], eos_token_id).run()
     finally:
         core.shutdown()
     return 0
 
 
 def main(argv: list[str]) -> None:
-    """Entry point: serve on the inherited socket ``argv[1]``."""
+    """Entry point: serve on the inherited sockets ``argv[1:]`` (the first carries "init")."""
     logging.basicConfig(
         level=os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s",
     )
-    sys.exit(serve(child_channel(argv)))
+    # SIGTERM sent to the whole group (systemd, a shell's timeout) must not cut the core
+    # down under its front ends: they stop it over the channel. If the server process dies
+    # without doing so, the kernel kills the core (SIGKILL: it holds nothing to save).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    chan = child_channel(argv, death_signal=signal.SIGKILL)
+    others = []
+    for fd in argv[2:]:
+        os.set_inheritable(int(fd), False)
+        others.append(Channel(socket.socket(fileno=int(fd))))
+    sys.exit(serve(chan, others))
 
 
 if __name__ == "__main__":

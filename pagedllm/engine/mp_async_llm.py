@@ -49,13 +49,13 @@ from pagedllm.engine.async_llm import (
     StatLogger,
     cache_salt_of,
 )
-from pagedllm.engine.core_client import EngineCoreClient
+from pagedllm.engine.core_client import AttachedCore, EngineCoreClient
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.model.loader import load_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.utils.channel import encode
+from pagedllm.utils.channel import Channel, encode
 from pagedllm.utils.loop_clock import LoopClock
 
 logger = logging.getLogger(__name__)
@@ -71,14 +71,32 @@ class MPAsyncLLM(AsyncLLMBase):
     (``start()`` or the first request); ``abort_nowait`` may be called from any thread.
     """
 
-    def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        stat_loggers: list[StatLogger] | None = None,
+        api_server_count: int = 1,
+        attach: tuple[Channel, dict[str, Any], int] | None = None,
+    ) -> None:
+        """Start an engine core process with channels for ``api_server_count`` front ends
+        (this one, and the others in ``core.extra_channels`` to hand to API server
+        processes); or, with ``attach`` = (channel, the core's info, index), be front end
+        ``index`` of a core another process started."""
         mc = config.model_config
         tokenizer = load_tokenizer(
             mc.model, mc.tokenizer if mc.tokenizer != mc.model else None, mc.load_format
         )
         super().__init__(config, tokenizer, InputProcessor(mc, tokenizer), stat_loggers)
         self.output_processor = OutputProcessor(tokenizer)
-        self.core = EngineCoreClient(config, self.input_processor.eos_token_id)
+        self.index = 0
+        if attach is None:
+            eos = self.input_processor.eos_token_id
+            self.core: EngineCoreClient | AttachedCore = EngineCoreClient(
+                config, eos, api_server_count
+            )
+        else:
+            chan, info, self.index = attach
+            self.core = AttachedCore(chan, info)
         self.core.chan.grow_buffers()
         info = self.core.info
         self.num_blocks: int = info["num_blocks"]
@@ -113,6 +131,10 @@ class MPAsyncLLM(AsyncLLMBase):
     ) -> MPAsyncLLM:
         """Start the engine core process (it loads the model: slow) and connect to it."""
         return cls(args.create_engine_config(), stat_loggers)
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        self._ids += 1
+        return f"{prefix}-{self.index}-{self._ids}"  # unique across the API servers
 
     # ------------------------------------------------------------------ state
 
@@ -371,12 +393,7 @@ class MPAsyncLLM(AsyncLLMBase):
             stream.put(err)
 
     def _core_died(self) -> None:
-        code = self.core.proc.poll()
-        if code is None:
-            try:
-                code = self.core.proc.wait(timeout=5)
-            except Exception:  # noqa: BLE001 - still running: report what we know
-                code = None
+        code = self.core.wait_exit(5.0)
         self._dead = f"the engine core process (pid {self.core.pid}) exited (exit code {code})."
         if not self._stopping:
             logger.error("%s Failing every request in flight.", self._dead)

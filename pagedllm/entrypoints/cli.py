@@ -144,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
         "HTTP front end tokenizes, detokenizes and streams while the core only steps. "
         "--no-engine-process runs it on a thread of the server process.",
     )
+    serve.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API server processes in front of the one engine core (default 1): when one "
+        "front end (HTTP, tokenization, detokenization, streaming) is the limit. Each "
+        "process's /metrics counts the requests it served.",
+    )
     add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="Generate text for one or more prompts and exit.")

@@ -61,6 +61,10 @@ class Channel:
             return True
         return bool(select.select([self.sock], [], [], 0)[0])
 
+    def has_message(self) -> bool:
+        """Whether a whole message is buffered (readable without touching the socket)."""
+        return self._message_ready()
+
     def _message_ready(self) -> bool:
         buf = self._buf
         return len(buf) >= 4 and len(buf) >= 4 + struct.unpack_from("<I", buf)[0]

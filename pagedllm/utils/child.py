@@ -20,8 +20,11 @@ from pagedllm.utils.channel import Channel
 _PR_SET_PDEATHSIG = 1
 
 
-def start_child(module: str, device: str) -> tuple[subprocess.Popen, Channel]:
-    """Run ``python -m module FD``; the process and our end of its channel."""
+def start_child(
+    module: str, device: str, extra_fds: tuple[int, ...] = ()
+) -> tuple[subprocess.Popen, Channel]:
+    """Run ``python -m module FD [EXTRA_FD ...]``; the process and our end of its channel.
+    ``extra_fds`` are inherited by the child and named after FD on its command line."""
     ours, theirs = socket.socketpair()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
@@ -32,9 +35,10 @@ def start_child(module: str, device: str) -> tuple[subprocess.Popen, Channel]:
         # another loop needs to wake on (on a busy 2-core host, 4x slower steps). Unless
         # the user chose.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    cmd = [sys.executable, "-m", module, str(theirs.fileno())]
+    fds = (theirs.fileno(), *extra_fds)
+    cmd = [sys.executable, "-m", module, *map(str, fds)]
     try:
-        proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, pass_fds=fds, env=env, stdin=subprocess.DEVNULL)
     except BaseException:
         ours.close()
         raise
@@ -43,27 +47,29 @@ def start_child(module: str, device: str) -> tuple[subprocess.Popen, Channel]:
     return proc, Channel(ours)
 
 
-def child_channel(argv: list[str]) -> Channel:
+def child_channel(argv: list[str], death_signal: int = signal.SIGTERM) -> Channel:
     """In the child: the channel on the inherited socket ``argv[1]``. Ctrl-C reaches the whole
     process group: the parent handles it and closes the channel, which ends the child (a
     KeyboardInterrupt here would only print a traceback). If the parent dies without closing
-    it (killed), the kernel sends this process SIGTERM (Linux), so no child outlives it."""
+    it (killed), the kernel sends this process ``death_signal`` (Linux), so no child outlives
+    it."""
     fd = int(argv[1])
     os.set_inheritable(fd, False)  # not to processes this one starts
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent()
+    die_with_parent(death_signal)
     return Channel(socket.socket(fileno=fd))
 
 
-def die_with_parent() -> None:
-    """Ask Linux to send SIGTERM to this process when its parent exits (a no-op elsewhere).
+def die_with_parent(death_signal: int = signal.SIGTERM) -> None:
+    """Ask Linux to send ``death_signal`` to this process when its parent exits (a no-op
+    elsewhere).
     The socket's end-of-file is the normal signal; this covers a child busy in native code."""
     if not sys.platform.startswith("linux"):
         return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_PDEATHSIG, death_signal)
     except (OSError, AttributeError):  # pragma: no cover - unusual libc
         return
     if os.getppid() == 1:  # the parent was already gone before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), death_signal)

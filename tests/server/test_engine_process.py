@@ -4,6 +4,7 @@ death is a clear error for every request in flight (never a hang)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -80,7 +81,7 @@ def _free_port() -> int:
 class _Server:
     """``pagedllm serve`` on a tiny model, and the pid of its engine core (from its log)."""
 
-    def __init__(self, model: str, log: Path) -> None:
+    def __init__(self, model: str, log: Path, *extra: str) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
@@ -88,7 +89,7 @@ class _Server:
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model,
                "--port", str(self.port), "--dtype", "float32", "--device", "cpu",
                "--max-model-len", "512", "--num-gpu-blocks-override", "256",
-               "--uvicorn-log-level", "warning"]  # fmt: skip
+               "--uvicorn-log-level", "warning", *extra]  # fmt: skip
         self._log = open(log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT)  # fmt: skip
@@ -143,5 +144,47 @@ def test_no_core_outlives_its_server(tiny_models, tmp_path: Path, sig: int) -> N
         server.proc.send_signal(sig)
         server.proc.wait(timeout=30)
         assert _wait_gone(server.core_pid, 30), "the engine core outlived its server"
+    finally:
+        server.stop()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(x) for x in f.read().split()]
+    return out
+
+
+def test_several_api_servers_share_one_core(tiny_models, tmp_path: Path) -> None:  # noqa: ANN001
+    """--api-server-count 2: two HTTP processes on one port in front of one engine core;
+    concurrent requests from separate connections each get their own outputs (the core
+    routes a request's tokens to the process that sent it), and SIGTERM ends them all."""
+    server = _Server(tiny_models("llama"), tmp_path / "server.log", "--api-server-count", "2")
+    try:
+        kids = _children(server.proc.pid)
+        assert server.core_pid in kids and len(kids) == 2  # the core and API server 1
+        prompts = [[5 + i, 6, 7 + 2 * i] for i in range(12)]
+
+        def body(p: list[int], stream: bool) -> dict:
+            return {"prompt": p, "max_tokens": 6, "temperature": 0, "stream": stream}
+
+        url = f"{server.url}/v1/completions"
+        expected = [httpx.post(url, json=body(p, False), timeout=60).json() for p in prompts]
+
+        async def run() -> list[str]:
+            async def one(p: list[int]) -> str:  # a connection of its own each
+                async with httpx.AsyncClient(timeout=60) as c:
+                    r = await c.post(url, json=body(p, True))
+                    chunks = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: {")]
+                    return "".join(json.loads(x)["choices"][0]["text"] for x in chunks)
+
+            return await asyncio.gather(*(one(p) for p in prompts * 2))
+
+        got = asyncio.run(run())
+        assert got == [e["choices"][0]["text"] for e in expected] * 2
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0
+        assert all(_wait_gone(pid, 30) for pid in kids)
     finally:
         server.stop()

@@ -44,6 +44,9 @@ import json
 import logging
 import os
 import secrets
+import signal
+import socket
+import threading
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -196,9 +199,7 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
         await async_llm.start()  # an engine core process: read its outputs on this loop
         yield
 
-    app = FastAPI(
-        title="pagedllm OpenAI-compatible server", version=__version__, lifespan=lifespan
-    )
+    app = FastAPI(title="pagedllm OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.state.async_llm = async_llm
     app.state.metrics = metrics
     app.state.model_name = model_name
@@ -320,24 +321,43 @@ class SSEResponse(StreamingResponse):
 
 def run_server(args: Any) -> int:
     """Load the model, then serve on ``args.host:args.port`` until interrupted; the exit
-    status (1 if the engine core process died).
+    status (1 if the engine core process or an API server process died).
 
     ``args`` is the namespace of ``pagedllm serve`` (see ``pagedllm.entrypoints.cli``). With
     ``engine_process`` (the default) the engine core runs in a process of its own
-    (``MPAsyncLLM``); if it dies, the server stops accepting work and exits.
+    (``MPAsyncLLM``); if it dies, the server stops accepting work and exits. With
+    ``api_server_count`` N > 1, N - 1 more API server processes serve the same socket in
+    front of the same core (``api_server_proc.py``).
     """
     import uvicorn
 
     from pagedllm.entrypoints.cli import engine_args_from
 
     engine_args = engine_args_from(args)
+    # uvicorn stops on SIGTERM, then raises it again: exit through the cleanup below (the
+    # API server processes, then the engine core, in order), with status 0
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_cleanly)
+    count = int(getattr(args, "api_server_count", 1) or 1)
+    engine_process = getattr(args, "engine_process", True)
+    if count < 1:
+        raise ValueError(f"api_server_count must be at least 1, got {count}.")
+    if count > 1 and not engine_process:
+        raise ValueError("api_server_count > 1 needs the engine process (not --no-engine-process).")
     logger.info("loading %s", engine_args.model)
     died: list[str] = []
-    if getattr(args, "engine_process", True):
+    workers: list[Any] = []
+    listen = None
+    stopping = threading.Event()  # set when this server stops: its API servers may exit
+    if engine_process:
         from pagedllm.engine.mp_async_llm import MPAsyncLLM
 
         os.environ.setdefault("PAGEDLLM_LOG_LEVEL", str(getattr(args, "log_level", "INFO")))
-        async_llm: AsyncLLMBase = MPAsyncLLM.from_engine_args(engine_args)
+        if count > 1:  # bound before anything slow: a port in use fails at once
+            listen = socket.create_server((args.host, args.port), backlog=2048)
+        async_llm: AsyncLLMBase = MPAsyncLLM(
+            engine_args.create_engine_config(), api_server_count=count
+        )
         logger.info(
             "engine core process %d ready in %.1f s", async_llm.core.pid, async_llm.startup_seconds
         )
@@ -345,14 +365,17 @@ def run_server(args: Any) -> int:
         async_llm = AsyncLLM.from_engine_args(engine_args)
     try:
         app = build_app(async_llm, args)
+        if listen is not None:
+            workers = _start_api_servers(args, async_llm, listen)
         mc = async_llm.model_config
         logger.info(
-            "serving %s (max_model_len %d, %d KV blocks) on http://%s:%d",
+            "serving %s (max_model_len %d, %d KV blocks) on http://%s:%d%s",
             app.state.model_name,
             mc.max_model_len,
             async_llm.stats()["num_blocks"],
             args.host,
             args.port,
+            f" with {count} API server processes" if count > 1 else "",
         )
         config = uvicorn.Config(
             app,
@@ -369,10 +392,68 @@ def run_server(args: Any) -> int:
 
         if hasattr(async_llm, "on_dead"):
             async_llm.on_dead.append(on_dead)
-        server.run()
+        for proc in workers:
+            threading.Thread(
+                target=_watch_api_server, args=(proc, on_dead, stopping), daemon=True
+            ).start()
+        server.run(sockets=[listen] if listen is not None else None)
     finally:
+        stopping.set()
+        _stop_api_servers(workers)
         async_llm.shutdown()
     if died:
         logger.error("exiting: %s", died[0])
         return 1
     return 0
+
+
+def _exit_cleanly(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _start_api_servers(args: Any, llm: Any, listen: socket.socket) -> list[Any]:
+    """Start API servers 1..N-1 (``api_server_proc.py``) on ``listen`` and the core's extra
+    channels; return their processes once each has built its app."""
+    from pagedllm.utils.child import start_child
+
+    info = llm.core.info
+    config = llm.config
+    procs = []
+    for index, chan in enumerate(llm.core.extra_channels, start=1):
+        proc, init = start_child(
+            "pagedllm.entrypoints.openai.api_server_proc",
+            config.device_config.device,
+            (listen.fileno(), chan.sock.fileno()),
+        )
+        chan.close()  # the child has it
+        init.send((args, config, info, index))
+        procs.append((proc, init))
+    for proc, init in procs:
+        try:
+            kind, pid = init.recv(timeout=120)
+        except (EOFError, OSError, TimeoutError) as e:
+            raise RuntimeError(f"API server process {proc.pid} failed to start") from e
+        assert kind == "ready", kind
+    return procs
+
+
+def _watch_api_server(worker: Any, on_dead: Any, stopping: threading.Event) -> None:
+    proc, _ = worker
+    code = proc.wait()
+    if not stopping.is_set():
+        on_dead(f"API server process {proc.pid} exited (exit code {code}).")
+
+
+def _stop_api_servers(workers: list[Any], timeout: float = 10.0) -> None:
+    import subprocess
+
+    for proc, init in workers:
+        init.close()  # its end of file stops it
+        if proc.poll() is None:
+            proc.terminate()
+    for proc, _ in workers:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
