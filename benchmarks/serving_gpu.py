@@ -80,6 +80,12 @@ def process_cpu() -> dict[str, float]:
     return out
 
 
+def triton_kernels() -> int:
+    """Kernels in Triton's on-disk cache: a timed run that adds some paid for compiling them."""
+    root = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+    return sum(1 for _, _, files in os.walk(root) for f in files if f.endswith(".json"))
+
+
 def print_loop_stats() -> None:
     """The loop reports (``PAGEDLLM_LOOP_STATS``) of the newest server log."""
     import glob
@@ -217,7 +223,9 @@ def run_shape(shape: str, args: argparse.Namespace, device: str) -> dict:
                 offline_run(llm, *make(c, ["--server-args", common]))
             for c in concs:
                 a, prompts, arrivals = make(c, ["--server-args", common])
+                kernels = triton_kernels()
                 r = bs.summarize(*bs.run_offline(a, llm, prompts, arrivals))
+                r["triton_kernels_compiled"] = triton_kernels() - kernels
                 out["runs"].setdefault("offline", {})[c] = r
                 print(shape, "offline", c, brief(r), flush=True)
             del llm
@@ -230,14 +238,17 @@ def run_shape(shape: str, args: argparse.Namespace, device: str) -> dict:
         with bs.spawned_server(a) as url:
             out[f"{mode}_startup_s"] = time.monotonic() - t0
             warm_up(bs.http_run, ["--base-url", url])
+            for c in concs * args.server_warm_passes:  # untimed: see --warm-passes
+                bs.http_run(*make(c, ["--base-url", url]))
             for c in concs:
                 a, prompts, arrivals = make(c, ["--base-url", url])
                 profiles = []
                 if args.profile_front and c == concs[-1]:
                     profiles = start_profiles(args.profile_front, args.out, f"{mode}_c{c}")
-                before = process_cpu()
+                before, kernels = process_cpu(), triton_kernels()
                 r = bs.summarize(*bs.http_run(a, prompts, arrivals))
                 after = process_cpu()
+                r["triton_kernels_compiled"] = triton_kernels() - kernels
                 if profiles:
                     out.setdefault("profiles", {})[f"{mode}_c{c}"] = finish_profiles(profiles)
                 # where the time goes: each server process's CPU per second of the run, and
@@ -281,7 +292,8 @@ def brief(r: dict) -> dict:
     return {"tok/s": round(r["output_throughput"] or 0), "failed": r["failed"],
             "tpot_p50": r["tpot_ms"]["p50"], "ttft_p50": r["ttft_ms"]["p50"],
             "tok/chunk": r.get("mean_tokens_per_chunk"), "cpu": cpu,
-            "client_cpu_s": r.get("client_cpu_s")}  # fmt: skip
+            "client_cpu_s": r.get("client_cpu_s"),
+            "compiled": r.get("triton_kernels_compiled")}  # fmt: skip
 
 
 def plot(result: dict, path: str) -> None:
@@ -323,6 +335,12 @@ def main() -> None:
         default=1,
         help="untimed passes of the whole workload through the in-process engine "
         "before anything is timed (Triton compiles each new batch shape once)",
+    )
+    p.add_argument(
+        "--server-warm-passes",
+        type=int,
+        default=1,
+        help="untimed passes of the whole workload through each server first",
     )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--input-len", type=int, default=128)
