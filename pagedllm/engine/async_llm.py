@@ -1,7 +1,7 @@
-"""AsyncLLM: an asyncio front for ``LLMEngine``, whose loop runs on one background thread.
+"""AsyncLLMBase, and AsyncLLM: an asyncio front for ``LLMEngine`` whose loop runs on one
+background thread of this process (``pagedllm serve --no-engine-process``; the server's
+default is ``MPAsyncLLM``, the engine core in a process of its own: ``mp_async_llm.py``).
 
-Why a thread and not a separate engine process over ZMQ (as vLLM V1 does)
--------------------------------------------------------------------------
 The engine is not thread-safe, so exactly one thread (``pagedllm-engine``) touches it: it
 takes commands (add, abort, call) from a queue, runs ``LLMEngine.step()`` while work is
 pending, and hands each step's delta outputs to per-request ``asyncio.Queue``s on the
@@ -9,24 +9,13 @@ server's event loop with ONE ``loop.call_soon_threadsafe`` per step. When idle i
 ``threading.Condition`` (no busy loop). The asyncio thread does HTTP parsing, chat templates,
 tokenization, validation, JSON and SSE framing.
 
-A second process would take the engine's Python work (scheduler, input preparation, sampler,
-detokenizer) off the GIL that the HTTP thread needs, at the price of serializing every request
-and every step's outputs through ZMQ, a second copy of the tokenizer, and process start-up and
-shutdown handling. What the HTTP thread costs, measured as per-thread CPU time (robust to the
-noise of a shared machine) in one server process on the 2-core CPU dev box: SmolLM2-135M GGUF,
-float32, 5 x 64 concurrent streaming clients x 16 greedy tokens (the client in another
-process):
-
-    asyncio/uvicorn thread (HTTP, JSON, SSE, queues)   0.14 ms CPU per streamed token
-    engine thread (scheduler, runner, sampler, detok)  4.2  ms
-    torch intra-op worker threads                      3.5  ms
-
-So the front uses under 2% of the CPU and can hold the GIL at most that long; most of a step
-runs inside torch ops, which release the GIL. A thread is the simpler and, on CPU, the cheaper
-choice. On a GPU, where a decode step of a large batch may cost ~0.1-0.2 ms per token (an
-estimate, not measured here), the front's ~0.14 ms per token becomes comparable and an engine
-process (vLLM V1's layout) pays off: the command queue below (add / abort / call) already
-isolates the engine, so that change replaces only this module's transport.
+Why it is no longer the server's default: the two threads share one interpreter lock. On the
+2-core CPU dev box the HTTP thread measured ~0.14 ms of CPU per streamed token against 4.2 ms
+for the engine thread, and a thread was the cheaper choice; on a GPU, where a step of 256
+requests takes a few ms, the HTTP thread's work per token is comparable to the engine's and the
+two wait for each other: on an H200 the server delivered 0.44x the engine's throughput at 64
+streams and 0.29x at 256 in this mode, 1.0x and 1.08x with the engine core process
+(``benchmarks/results/serving_gpu_qwen3-0.6b_NVIDIA_H200.json``).
 
 Failure isolation: a request that fails validation raises ``ValueError`` in the caller before
 any output is streamed (``add_request`` validates synchronously in the caller's thread, then the
