@@ -198,15 +198,7 @@ async def _one(client: Any, args: argparse.Namespace, prompt: Prompt, max_tokens
     except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
         r.error = f"{type(e).__name__}: {e}"
         return r
-    r.latency = time.perf_counter() - sent
-    r.chunks = len(stamps)
-    r.output_tokens = r.output_tokens or len(stamps)
-    if stamps:
-        r.ttft = stamps[0] - sent
-        r.itl = np.diff(stamps).tolist()
-    else:
-        r.error = "no text streamed"
-    return r
+    return _timed_result(r, sent, stamps)
 
 
 # --client raw reads text-carrying chunks off the raw SSE bytes: a JSON string can't hold an
@@ -278,6 +270,11 @@ async def _one_raw(client: RawClient, args: argparse.Namespace, prompt: Prompt,
     except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
         r.error = f"{type(e).__name__}: {e}"
         return r
+    return _timed_result(r, sent, stamps)
+
+
+def _timed_result(r: RequestResult, sent: float, stamps: list[float]) -> RequestResult:
+    """Fill in a streamed request's timings from its send time and text-chunk stamps."""
     r.latency = time.perf_counter() - sent
     r.chunks = len(stamps)
     r.output_tokens = r.output_tokens or len(stamps)

@@ -12,7 +12,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.utils.channel import Channel
-from pagedllm.utils.child import start_child
+from pagedllm.utils.child import process_alive, start_child
 from pagedllm.worker.multiproc_executor import start_timeout
 
 logger = logging.getLogger(__name__)
@@ -140,14 +140,7 @@ class AttachedCore:
 
     def exit_code(self) -> int | None:
         """None while the core process runs; -1 once it is gone (its code is its parent's)."""
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                running = f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            running = False
-        except OSError:  # no /proc: assume alive; the channel's end of file tells otherwise
-            running = True
-        return None if running else -1
+        return None if process_alive(self.pid) else -1
 
     def wait_exit(self, timeout: float) -> int | None:
         deadline = time.monotonic() + timeout

@@ -73,3 +73,15 @@ def die_with_parent(death_signal: int = signal.SIGTERM) -> None:
         return
     if os.getppid() == 1:  # the parent was already gone before prctl took effect
         os.kill(os.getpid(), death_signal)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (Linux ``/proc``; a zombie, dead but not yet reaped, does not).
+    True where there is no ``/proc`` to ask."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True

@@ -16,6 +16,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs, ParallelConfig
+from pagedllm.utils.child import process_alive
 
 
 def _llm(path: str, backend: str, asynch: bool = False, **kw) -> LLM:
@@ -44,15 +45,6 @@ def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> li
         ]
         for o in outs
     ]
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is still a process (a zombie counts as gone: it runs nothing)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _children() -> set[int]:
@@ -208,7 +200,7 @@ def test_killed_worker_raises_naming_it(tiny_models):
     with pytest.raises(RuntimeError, match="broken"):
         executor.resolve(0)
     core.shutdown()
-    assert not _alive(pid)
+    assert not process_alive(pid)
 
 
 def test_worker_exception_comes_back_with_its_traceback(tiny_models):
@@ -223,10 +215,10 @@ def test_shutdown_and_a_forgotten_engine_leave_no_process(tiny_models):
     path = tiny_models("llama")
     llm = _llm(path, "mp")
     pids = llm.llm_engine.engine_core.executor.pids
-    assert pids and all(_alive(p) for p in pids) and set(pids) <= _children()
+    assert pids and all(process_alive(p) for p in pids) and set(pids) <= _children()
     llm.llm_engine.engine_core.shutdown()
     llm.llm_engine.engine_core.shutdown()  # twice is fine
-    assert not any(_alive(p) for p in pids) and not set(pids) & _children()
+    assert not any(process_alive(p) for p in pids) and not set(pids) & _children()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.llm_engine.engine_core.executor.resolve(0)
 
@@ -234,7 +226,7 @@ def test_shutdown_and_a_forgotten_engine_leave_no_process(tiny_models):
     pids = llm.llm_engine.engine_core.executor.pids
     del llm
     gc.collect()
-    assert not any(_alive(p) for p in pids) and not set(pids) & _children()
+    assert not any(process_alive(p) for p in pids) and not set(pids) & _children()
 
 
 def test_bad_backend_is_a_value_error_naming_the_field(tiny_models):

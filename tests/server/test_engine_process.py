@@ -19,6 +19,7 @@ import pytest
 from pagedllm.engine.async_llm import EngineDeadError
 from pagedllm.engine.mp_async_llm import MPAsyncLLM
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils.child import process_alive
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -27,18 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 LONG = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _wait_gone(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
-    while _alive(pid):
+    while process_alive(pid):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
@@ -111,7 +103,7 @@ class _Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        if _alive(self.core_pid):
+        if process_alive(self.core_pid):
             os.kill(self.core_pid, signal.SIGKILL)
         self._log.close()
 
@@ -140,7 +132,7 @@ def test_no_core_outlives_its_server(tiny_models, tmp_path: Path, sig: int) -> N
     """Killed (no chance to clean up) or terminated, the server leaves no engine core."""
     server = _Server(tiny_models("llama"), tmp_path / "server.log")
     try:
-        assert _alive(server.core_pid)
+        assert process_alive(server.core_pid)
         server.proc.send_signal(sig)
         server.proc.wait(timeout=30)
         assert _wait_gone(server.core_pid, 30), "the engine core outlived its server"
