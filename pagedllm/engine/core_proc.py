@@ -227,10 +227,13 @@ class EngineCoreProc:
                 core.add_beam_request(self._request(rid, ids, params, 0, arrival), beam_params, eos)
             except Exception as e:
                 self._refuse(rid, e, client)
-        elif kind == "abort":
-            core.abort_requests(msg[1])
-        elif kind == "stop":
-            core.finish_requests_stopped(msg[1])
+        elif kind in ("abort", "stop"):  # no output follows: forget whose they were
+            for rid in msg[1]:
+                self._owner.pop(rid, None)
+            if kind == "abort":
+                core.abort_requests(msg[1])
+            else:
+                core.finish_requests_stopped(msg[1])
         elif kind == "utility":
             self._utility(client, *msg[1:])
         elif kind == "bad message":

@@ -362,7 +362,12 @@ class MPAsyncLLM(AsyncLLMBase):
                 caller = etype == "ValueError"
                 fut.set_exception(ValueError(message) if caller else EngineError(message))
         elif kind == "step_error":
+            # the core aborted what it held; a request sent after its failed step is still
+            # running there: abort every failed one (ids it no longer knows are ignored)
+            ids = list(self._streams)
             self._fail_all(EngineError(msg[1]))
+            if ids:
+                self._send(("abort", ids))
         else:
             logger.error("unknown message from the engine core: %r", kind)
 
