@@ -21,15 +21,17 @@ _PR_SET_PDEATHSIG = 1
 
 
 def start_child(
-    module: str, device: str, extra_fds: tuple[int, ...] = ()
+    module: str, device: str, extra_fds: tuple[int, ...] = (), passive_omp: bool = True
 ) -> tuple[subprocess.Popen, Channel]:
     """Run ``python -m module FD [EXTRA_FD ...]``; the process and our end of its channel.
-    ``extra_fds`` are inherited by the child and named after FD on its command line."""
+    ``extra_fds`` are inherited by the child and named after FD on its command line.
+    ``passive_omp``: on a CPU, OpenMP threads sleep after each parallel region (see below);
+    off for a process whose own loop runs the forward passes (the engine core)."""
     ours, theirs = socket.socketpair()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    if device == "cpu":
+    if device == "cpu" and passive_omp:
         # The child's forward passes and other processes' loops take turns on the same
         # cores: OpenMP threads spinning after each parallel region would hold the core
         # another loop needs to wake on (on a busy 2-core host, 4x slower steps). Unless
