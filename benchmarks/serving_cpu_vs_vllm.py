@@ -93,6 +93,13 @@ def _proc_cpu(pid: int) -> tuple[str, float, list[int]] | None:
     return name, (int(fields[11]) + int(fields[12])) / tick, children
 
 
+def machine_busy_s() -> float:
+    """CPU seconds all cores of this machine have spent busy (not idle/iowait) since boot."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def tree_cpu(pid: int) -> dict[int, tuple[str, float]]:
     """{pid: (name, CPU seconds)} of ``pid`` and all its descendants."""
     out: dict[int, tuple[str, float]] = {}
@@ -205,10 +212,10 @@ class Server:
             for line in client.stdout:
                 log.write(line)
                 if "Starting main benchmark run" in line:
-                    snaps["t0"] = time.perf_counter()
+                    snaps["t0"], snaps["m0"] = time.perf_counter(), machine_busy_s()
                     snaps["s0"], snaps["c0"] = tree_cpu(self.proc.pid), tree_cpu(client.pid)
                 elif "Serving Benchmark Result" in line and "t0" in snaps:
-                    snaps["t1"] = time.perf_counter()
+                    snaps["t1"], snaps["m1"] = time.perf_counter(), machine_busy_s()
                     snaps["s1"], snaps["c1"] = tree_cpu(self.proc.pid), tree_cpu(client.pid)
             rc = client.wait()
         if rc != 0:
@@ -230,6 +237,12 @@ class Server:
             r["client_cores"] = round(
                 sum(v["cores"] for v in cpu_delta(snaps["c0"], snaps["c1"], span).values()), 3
             )
+            # Busy cores outside the server and the client: another load disturbing the run.
+            r["other_cores"] = round(
+                (snaps["m1"] - snaps["m0"]) / span - r["server_cores_total"] - r["client_cores"], 3
+            )
+            if r["other_cores"] > 0.1:
+                print(f"WARNING: {r['other_cores']} cores busy outside the benchmark", flush=True)
         r["client_command"] = shlex.join(cmd)
         return r
 
@@ -338,9 +351,9 @@ def offline_worker(args: argparse.Namespace) -> None:
         a = bench_args(conc, CAPS[conc])
         prompts = bs.make_prompts(a, SEED, CAPS[conc])
         arrivals = bs.arrival_times(CAPS[conc], a.request_rate, SEED)
-        cpu0 = time.process_time()
+        cpu0, busy0 = time.process_time(), machine_busy_s()
         results, elapsed = bs.run_offline(a, llm, prompts, arrivals)
-        cpu = time.process_time() - cpu0
+        cpu, busy = time.process_time() - cpu0, machine_busy_s() - busy0
         s = bs.summarize(results, elapsed)
         r = {
             "completed": s["completed"],
@@ -362,6 +375,7 @@ def offline_worker(args: argparse.Namespace) -> None:
             "completion_tokens_per_request": sorted({q["output_tokens"] for q in s["requests"]}),
             "errors": s["errors"],
             "process_cores": round(cpu / elapsed, 3),
+            "other_cores": round((busy - cpu) / elapsed, 3),
         }
         result[str(conc)] = r
         print(
@@ -644,6 +658,13 @@ def main(argv: list[str] | None = None) -> int:
         for c in map(str, args.caps)
         if c in e
     )
+    trials = {
+        f"tune {k} {v}": t for k, rec in result["tuning"].items() for v, t in rec["trials"].items()
+    }
+    finals = {f"{e} c{c}": r[c] for e, r in runs.items() for c in map(str, args.caps) if c in r}
+    result["disturbed_runs"] = {  # another load took > 0.1 core during the timed part
+        k: r["other_cores"] for k, r in (trials | finals).items() if r.get("other_cores", 0) > 0.1
+    }
     result["table"] = {
         e: {
             c: {
