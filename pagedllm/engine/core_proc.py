@@ -39,7 +39,6 @@ import os
 import select
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
@@ -74,8 +73,7 @@ class _Client:
         the front end (a loop blocked on a busy reader would leave the GPU idle): the rest
         goes with the next ``flush``. Helper threads reply too: one writer at a time."""
         with self.lock:
-            self.wbuf += struct.pack("<I", len(data))
-            self.wbuf += data
+            self.wbuf += Channel.frame(data)
             self._flush_locked()
             if len(self.wbuf) > _MAX_PENDING_BYTES:  # the front end stopped reading: wait
                 while self.wbuf:

@@ -32,7 +32,6 @@ import concurrent.futures
 import gc
 import itertools
 import logging
-import struct
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -279,8 +278,7 @@ class MPAsyncLLM(AsyncLLMBase):
         if self._loop is None:
             self.core.chan.send_bytes(data)
             return
-        self._wbuf += struct.pack("<I", len(data))
-        self._wbuf += data
+        self._wbuf += Channel.frame(data)
         if not self._writing:
             self._flush()
 

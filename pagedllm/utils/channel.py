@@ -40,9 +40,14 @@ class Channel:
         """Pickle ``msg`` and write it whole (blocks while the socket's buffer is full)."""
         self.send_bytes(encode(msg))
 
+    @staticmethod
+    def frame(data: bytes) -> bytes:
+        """A message ``encode`` made, framed as it travels (for writers that buffer)."""
+        return struct.pack("<I", len(data)) + data
+
     def send_bytes(self, data: bytes) -> None:
         """Write a message ``encode`` made (one pickling for several channels)."""
-        self.sock.sendall(struct.pack("<I", len(data)) + data)
+        self.sock.sendall(self.frame(data))
 
     def _message(self) -> Any:
         """The next message: the buffer holds it whole (``_message_ready``)."""
