@@ -185,6 +185,65 @@ class ParallelConfig:
             raise ValueError("tensor_parallel_size and data_parallel_size must be 1 for now.")
 
 
+_KVC_METHODS = ("kvcompress", "uniform", "random")
+
+
+@dataclass(frozen=True)
+class KVCompressConfig:
+    """KV-Compress (``--enable-kvc``): a block holds ``block_size`` tokens of ONE KV head of ONE
+    layer, and each request's KVs are evicted by attention score down to a budget (see
+    ``pagedllm/kvcompress/``). The per-request fields of ``SamplingParams``
+    (``max_cache_tokens``, ``compression_rate``, ``protected_window_size``, ``compress_once``)
+    default to the values here.
+
+    ``method``: 'kvcompress' (cheapest blocks across every layer and head of the sequence),
+    'uniform' (the same budget split evenly over layers and heads, SnapKV-style) or 'random'
+    (random scores): the last two are quality baselines."""
+
+    enabled: bool = False
+    method: str = "kvcompress"
+    max_cache_tokens: int | None = None
+    compression_rate: float | None = None
+    protected_window_size: int = 32
+    compress_once: bool = False
+    compression_interval: int = 1  # steps between compressions when compress_once is False
+    num_sinks: int = 0  # the first tokens, never evicted
+    prefill_metric_collection_window_size: int = 32  # last prompt queries that score keys
+    maxpool_metrics: bool = True
+    maxpool_kernel: int = 7
+
+    def __post_init__(self) -> None:
+        if self.method not in _KVC_METHODS:
+            raise ValueError(f"kvc_method must be one of {_KVC_METHODS}, got {self.method!r}.")
+        _positive_int("max_cache_tokens", self.max_cache_tokens, allow_none=True)
+        check_compression_rate(self.compression_rate)
+        if self.max_cache_tokens is not None and self.compression_rate is not None:
+            raise ValueError("set max_cache_tokens or compression_rate, not both.")
+        for name in ("protected_window_size", "num_sinks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}.")
+        _positive_int("compression_interval", self.compression_interval)
+        _positive_int(
+            "prefill_metric_collection_window_size", self.prefill_metric_collection_window_size
+        )
+        k = self.maxpool_kernel
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
+            raise ValueError(f"maxpool_kernel must be an odd positive integer, got {k!r}.")
+
+
+def check_compression_rate(value: Any, name: str = "compression_rate") -> None:
+    """A compression rate is a finite number >= 1 (8 = keep an eighth of the KVs), or None."""
+    import math
+
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number >= 1, got {value!r}.")
+    if value < 1:
+        raise ValueError(f"{name} must be a finite number >= 1, got {value!r}.")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core, scheduler and model runner need, resolved and validated."""
@@ -194,6 +253,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
     parallel_config: ParallelConfig
+    kvc_config: KVCompressConfig = KVCompressConfig()
 
 
 @dataclass
@@ -230,6 +290,17 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
+    # KV-Compress (``KVCompressConfig``; the fork's flag names)
+    enable_kvc: bool = False
+    kvc_method: str = "kvcompress"
+    max_cache_tokens: int | None = None
+    compression_rate: float | None = None
+    protected_window_size: int = 32
+    compress_once: bool = False
+    compression_interval: int = 1
+    kvc_num_sinks: int = 0
+    prefill_metric_collection_window_size: int = 32
+    maxpool_metrics: bool = True
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -326,6 +397,18 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 data_parallel_size=self.data_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
+            ),
+            kvc_config=KVCompressConfig(
+                enabled=bool(self.enable_kvc),
+                method=self.kvc_method,
+                max_cache_tokens=self.max_cache_tokens,
+                compression_rate=self.compression_rate,
+                protected_window_size=self.protected_window_size,
+                compress_once=bool(self.compress_once),
+                compression_interval=self.compression_interval,
+                num_sinks=self.kvc_num_sinks,
+                prefill_metric_collection_window_size=self.prefill_metric_collection_window_size,
+                maxpool_metrics=bool(self.maxpool_metrics),
             ),
         )
 

@@ -84,6 +84,10 @@ class ServerMetrics:
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix-cache queried tokens.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hit tokens.")
         self.steps = counter("pagedllm:engine_steps", "Engine iterations that ran the model.")
+        self.kvc_compressions = counter(
+            "pagedllm:kvc_compressions", "KV-Compress evictions (one per request compressed)."
+        )
+        self.kvc_evicted = counter("pagedllm:kvc_evicted_kvs", "KVs evicted by KV-Compress.")
         self.ttft = hist(
             "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
         )
@@ -124,6 +128,8 @@ class ServerMetrics:
             ("num_preemptions", self.preemptions),
             ("prefix_cache_queries", self.prefix_queries),
             ("prefix_cache_hits", self.prefix_hits),
+            ("kvc_compressions", self.kvc_compressions),
+            ("kvc_evicted_kvs", self.kvc_evicted),
         ):
             value = float(stats.get(key, 0))
             delta = value - self._last.get(key, 0.0)

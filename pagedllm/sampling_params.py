@@ -43,6 +43,13 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: object | None = None  # StructuredOutputsParams or an equivalent dict
+    # KV-Compress (an engine started with enable_kvc): this request's KV budget, as tokens per
+    # layer and KV head or as a rate (8 = keep an eighth); the last protected_window_size
+    # tokens are never evicted; compress_once: only after the prompt. None: the engine default.
+    max_cache_tokens: int | None = None
+    compression_rate: float | None = None
+    protected_window_size: int | None = None
+    compress_once: bool | None = None
     # Set by the engine, never by users: beam-search requests take their tokens from the
     # scheduler (the runner must not append its own), and best_of > n computes logprobs only
     # to rank sequences (they are not returned).
@@ -111,6 +118,35 @@ class SamplingParams:
             raise bad("stop", "must contain only non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must contain only non-negative integers")
+        self._verify_kvc(bad)
+
+    def _verify_kvc(self, bad) -> None:  # noqa: ANN001
+        from pagedllm.config import check_compression_rate
+
+        m = self.max_cache_tokens
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise bad("max_cache_tokens", "must be a positive integer")
+        check_compression_rate(self.compression_rate)
+        if m is not None and self.compression_rate is not None:
+            raise bad("compression_rate", "cannot be set together with max_cache_tokens")
+        w = self.protected_window_size
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+            raise bad("protected_window_size", "must be a non-negative integer")
+        if self.compress_once is not None and not isinstance(self.compress_once, bool):
+            raise bad("compress_once", "must be a boolean")
+
+    @property
+    def uses_kvc_fields(self) -> bool:
+        """Whether any KV-Compress field is set (an engine without KV-Compress refuses it)."""
+        return any(
+            v is not None
+            for v in (
+                self.max_cache_tokens,
+                self.compression_rate,
+                self.protected_window_size,
+                self.compress_once,
+            )
+        )
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,6 +43,9 @@ class AttentionMetadata:
     # Backend-private per-step plans (e.g. gathered key slots), built once, shared by layers.
     plan: dict = field(default_factory=dict)
     groups: list[AttentionMetadata] | None = None
+    # KV-Compress: the layer's scores and the step's scoring plan (kvcompress/attention.py);
+    # then slot_mapping is [T, H], block_tables [R, H, max_blocks] and seq_lens [R, H]
+    kvc: Any = None
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata a layer of KV-cache group ``group`` attends with."""

@@ -51,6 +51,7 @@ class EngineCore:
             num_host_blocks,
             swap_is_cheaper=swap_is_cheaper,
             kv_groups=kv_groups,
+            kvc_config=config.kvc_config,
         )
         self.num_blocks = num_blocks
         self.num_steps = 0  # step() calls so far (the metrics' engine steps)
@@ -120,6 +121,8 @@ class EngineCore:
 
     def add_beam_request(self, request: Request, params, eos_ids: set[int]) -> None:  # noqa: ANN001
         """Queue a beam search whose first beam is ``request``."""
+        if self.config.kvc_config.enabled:
+            raise ValueError("beam search is not supported with KV-Compress (enable_kvc).")
         if params.beam_width > self.config.scheduler_config.max_num_seqs:
             raise ValueError(
                 f"beam_width ({params.beam_width}) is larger than max_num_seqs "

@@ -15,8 +15,11 @@ PromptType = str | dict[str, Any] | list[int]
 class InputProcessor:
     """Tokenizes, validates and clamps; every problem is a ValueError naming the field."""
 
-    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: Any, kvc_enabled: bool = False
+    ) -> None:
         self.model_config = model_config
+        self.kvc_enabled = kvc_enabled  # KV-Compress fields are accepted
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
         self.eos_token_id = self._eos_id()
@@ -73,6 +76,16 @@ class InputProcessor:
         """A ready Request (with its own copy of the params) and the prompt text."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params)}.")
+        if params.uses_kvc_fields and not self.kvc_enabled:
+            field = next(
+                f
+                for f in ("max_cache_tokens", "compression_rate", "protected_window_size")
+                + ("compress_once",)
+                if getattr(params, f) is not None
+            )
+            raise ValueError(
+                f"{field} needs an engine started with KV-Compress (enable_kvc / --enable-kvc)."
+            )
         text, ids = self.tokenize(prompt)
         max_len = self.model_config.max_model_len
         if len(ids) > max_len:

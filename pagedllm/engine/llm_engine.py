@@ -26,7 +26,7 @@ class LLMEngine:
                 mc.model, mc.tokenizer if mc.tokenizer != mc.model else None, mc.load_format
             )
         self.tokenizer = tokenizer
-        self.input_processor = InputProcessor(mc, tokenizer)
+        self.input_processor = InputProcessor(mc, tokenizer, config.kvc_config.enabled)
         eos = self.input_processor.eos_token_id
         self.engine_core = EngineCore(config, {eos} if eos is not None else set(), tokenizer)
         self.output_processor = OutputProcessor(tokenizer)

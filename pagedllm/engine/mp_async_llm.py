@@ -85,7 +85,12 @@ class MPAsyncLLM(AsyncLLMBase):
         tokenizer = load_tokenizer(
             mc.model, mc.tokenizer if mc.tokenizer != mc.model else None, mc.load_format
         )
-        super().__init__(config, tokenizer, InputProcessor(mc, tokenizer), stat_loggers)
+        super().__init__(
+            config,
+            tokenizer,
+            InputProcessor(mc, tokenizer, config.kvc_config.enabled),
+            stat_loggers,
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self.index = 0
         if attach is None:

@@ -68,8 +68,24 @@ _HELP = {
     "(default: on with a GPU, off on a CPU).",
     "grammar_process": "Structured outputs: advance grammars and fill their token bitmasks "
     "in a worker process beside the engine loop (default: on with a GPU, off on a CPU).",
+    "enable_kvc": "KV-Compress: page the KV cache per KV head and evict the KVs that received "
+    "the least attention down to each request's budget (alias --enable-kvcompress).",
+    "kvc_method": "KV-Compress eviction: kvcompress (cheapest blocks across all layers and "
+    "heads), uniform (the budget split evenly over heads) or random (baselines).",
+    "max_cache_tokens": "KV-Compress default budget: KVs kept per layer and KV head.",
+    "compression_rate": "KV-Compress default budget as a rate (8: keep an eighth of the KVs).",
+    "protected_window_size": "KV-Compress: the last tokens never evicted.",
+    "compress_once": "KV-Compress: evict only after the prompt (else every "
+    "--compression-interval steps too).",
+    "compression_interval": "KV-Compress: decode steps between evictions.",
+    "kvc_num_sinks": "KV-Compress: the first tokens, never evicted.",
+    "prefill_metric_collection_window_size": "KV-Compress: last prompt queries whose attention "
+    "scores the prompt's KVs.",
+    "maxpool_metrics": "KV-Compress: max-pool the prompt's scores along the sequence (kernel 7).",
 }
+_ALIASES = {"enable_kvc": ["--enable-kvcompress"]}
 _CHOICES = {
+    "kvc_method": ("kvcompress", "uniform", "random"),
     "dtype": getattr(_config, "_DTYPES", None),
     "device": getattr(_config, "_DEVICES", None),
     "load_format": getattr(_config, "_LOAD_FORMATS", None),
@@ -91,13 +107,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if "default" not in help_text and f.name != "model":
             help_text += f" (default: {default})"
         kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help_text}
+        flags = [flag, *_ALIASES.get(f.name, [])]
         if type_name == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+            kwargs["dest"] = f.name
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)
             continue
         kwargs["type"] = _TYPES.get(type_name.rstrip("]"), str)
         if _CHOICES.get(f.name):
             kwargs["choices"] = list(_CHOICES[f.name])
-        group.add_argument(flag, **kwargs)
+        group.add_argument(*flags, **kwargs)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

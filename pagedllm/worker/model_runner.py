@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -13,6 +13,8 @@ from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache.spec import (
     FullAttentionSpec,
+    HeadPagedSpec,
+    KVCacheGroup,
     KVCacheGroups,
     KVCacheSpec,
     SlidingWindowSpec,
@@ -20,6 +22,7 @@ from pagedllm.core.kv_cache.spec import (
 )
 from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.kv_layout import KVCacheLayout
+from pagedllm.kvcompress.cache import HeadPagedCache
 from pagedllm.model.loader import build_model
 from pagedllm.sample.sampler import Sampler
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
@@ -64,6 +67,8 @@ class LaunchedStep:
     # structured requests: where each one's (first) token is among the P samples, in
     # SchedulerOutput.structured_requests' order (their bitmask rows; their tokens)
     structured_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # KV-Compress: (request ids, new per-head lengths [B, LH] on the device) of the evictions
+    kvc_lens: Any = None
 
     @classmethod
     def nothing(cls) -> LaunchedStep:
@@ -73,8 +78,16 @@ class LaunchedStep:
 _CPU_DEFAULT_KV_BYTES = 2 << 30  # the order of VLLM_CPU_KVCACHE_SPACE's default
 
 
-def make_backend(device: torch.device) -> AttentionBackend:
-    """Triton kernels on a GPU, torch ops on the CPU."""
+def make_backend(device: torch.device, kvc: bool = False) -> AttentionBackend:
+    """Triton kernels on a GPU, torch ops on the CPU; the per-head backends with KV-Compress."""
+    if kvc:
+        if device.type == "cuda":
+            from pagedllm.kvcompress.triton_backend import KVCTritonBackend
+
+            return KVCTritonBackend()
+        from pagedllm.kvcompress.attention import KVCTorchBackend
+
+        return KVCTorchBackend()
     if device.type == "cuda":
         from pagedllm.attention.backends.triton_backend import TritonBackend
 
@@ -100,11 +113,18 @@ class ModelRunner:
         torch.manual_seed(config.model_config.seed)
         self.generator = torch.Generator(device=self.device).manual_seed(config.model_config.seed)
         self.model = build_model(self.model_config, str(self.device))
-        self.backend = make_backend(self.device)
+        self.kvc_config = config.kvc_config
+        self.kvc: HeadPagedCache | None = None  # KV-Compress (per-head paged cache)
+        self.backend = make_backend(self.device, self.kvc_config.enabled)
         for layer in self.model.attention_layers():
             layer.backend = self.backend
         self.kv_groups = self._group_kv_layers()
-        self.kv_layout = KVCacheLayout(self.kv_groups, self.model_config.torch_dtype, self.device)
+        if self.kvc_config.enabled:
+            self.kv_layout = self.kvc = self._make_head_paged_cache(config)
+        else:
+            self.kv_layout = KVCacheLayout(
+                self.kv_groups, self.model_config.torch_dtype, self.device
+            )
         self.kv_layout.bind(self.model.attention_layers())
         self.sampler = Sampler()
         self.input_batch = InputBatch(
@@ -128,6 +148,8 @@ class ModelRunner:
     # ------------------------------------------------------------------------ KV cache
     def _group_kv_layers(self) -> KVCacheGroups:
         elem = torch.empty(0, dtype=self.model_config.torch_dtype).element_size()
+        if self.kvc_config.enabled:
+            return self._head_paged_groups(elem)
         specs: list[KVCacheSpec] = []
         for a in self.model.attention_layers():
             shape = (self.block_size, a.num_kv_heads, a.head_dim, elem)
@@ -136,6 +158,42 @@ class ModelRunner:
             else:
                 specs.append(FullAttentionSpec(*shape))
         return group_layers(specs, hybrid=not self.cache_config.disable_hybrid_kv_cache_manager)
+
+    def _head_paged_groups(self, elem: int) -> KVCacheGroups:
+        """KV-Compress: one group of every layer, paged per KV head. Full-attention layers are
+        compressible; sliding-window ones keep their KVs when the model has full-attention
+        layers (Gemma 3), and are compressed when every layer has a window (Mistral v0.1):
+        the kernels apply the window by each key's position."""
+        layers = self.model.attention_layers()
+        first = layers[0]
+        if any(
+            (a.num_kv_heads, a.head_dim) != (first.num_kv_heads, first.head_dim) for a in layers
+        ):
+            raise ValueError("KV-Compress needs the same KV heads and head size in every layer.")
+        spec = HeadPagedSpec(
+            self.block_size,
+            first.num_kv_heads,
+            first.head_dim,
+            elem,
+            num_layers=len(layers),
+            compressible=tuple(
+                not a.sliding_window or all(b.sliding_window for b in layers) for a in layers
+            ),
+        )
+        return KVCacheGroups((KVCacheGroup(spec, tuple(range(len(layers)))),), 1, (spec,))
+
+    def _make_head_paged_cache(self, config: EngineConfig) -> HeadPagedCache:
+        spec = self.kv_groups.head_paged
+        assert spec is not None
+        return HeadPagedCache(
+            spec,
+            self.kvc_config,
+            self.model_config.torch_dtype,
+            self.device,
+            config.scheduler_config.max_num_seqs,
+            self.max_model_len,
+            [a.sliding_window or None for a in self.model.attention_layers()],
+        )
 
     def kv_cache_groups(self) -> KVCacheGroups:
         """How the model's layers share block tables (what the KV manager is built for)."""
@@ -157,6 +215,8 @@ class ModelRunner:
     def _blocks_per_request(self) -> int:
         """Blocks a max_model_len request holds at most, over every group's table."""
         ib = self.input_batch
+        if self.kvc is not None:  # one block per (layer, KV head) per block_size tokens
+            return self.kvc.num_heads * (-(-self.max_model_len // self.block_size))
         return sum(
             min(
                 ib.max_blocks_per_req,
@@ -239,7 +299,15 @@ class ModelRunner:
         nb = -(-int(n_sched.max()) // self.block_size)
         ib.block_table[:, rows, :nb] = np.arange(nb) % num_blocks
         inputs = self.inputs.prepare(rows, n_sched)
+        if self.kvc is not None:
+            self.kvc.lens[torch.from_numpy(rows).to(self.device)] = 0
+            self.kvc.tables[:num_reqs, :, :nb] = torch.arange(nb, device=self.device) % num_blocks
+            sampling = np.ones(num_reqs, dtype=bool)
+            self.kvc.prepare_step(inputs.metadata, rows, n_sched, inputs.positions, sampling)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        if self.kvc is not None:
+            self.kvc.lens[:num_reqs] = 0
+            self.kvc.tables[:num_reqs] = 0
         n_logits = min(ib.max_num_reqs, num_tokens)
         logits = self.model.compute_logits(hidden[:n_logits])
         logits.softmax(-1).argmax(-1)
@@ -293,6 +361,9 @@ class ModelRunner:
         """Capture decode graphs (GPU only, unless enforce_eager)."""
         if self.device.type != "cuda" or self.config.device_config.enforce_eager:
             return
+        if self.kvc is not None:
+            logger.info("KV-Compress runs eagerly (no CUDA graphs yet)")
+            return
         self.graph_runner = CUDAGraphRunner(
             self.model,
             self.input_batch.max_num_reqs,
@@ -309,10 +380,22 @@ class ModelRunner:
         ib = self.input_batch
         for rid in so.finished_req_ids:
             ib.remove_request(rid)
+        kvc = self.kvc
         for new in so.scheduled_new_reqs:
-            ib.add_request(new)
+            if kvc is None:
+                ib.add_request(new)
+                continue
+            head = new.block_ids[0] if new.block_ids else None
+            kvc.set_row(ib.add_request(replace(new, block_ids=())), head)
         for cached in so.scheduled_cached_reqs:
             row = ib.req_id_to_row[cached.req_id]
+            if kvc is not None:
+                for blocks in cached.replaced_block_ids + list(cached.new_block_ids):
+                    kvc.set_entries(row, blocks)
+                for token in cached.append_token_ids:
+                    ib.append_token(row, token)
+                ib.num_computed_tokens[row] = cached.num_computed_tokens
+                continue
             for g, idx, block_id in cached.replaced_block_ids:
                 ib.block_table[g, row, idx] = block_id
             for token in cached.append_token_ids:
@@ -351,7 +434,9 @@ class ModelRunner:
         self.kv_layout.copy_blocks(so.blocks_to_copy)
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return LaunchedStep.nothing()
+            step = LaunchedStep.nothing()
+            step.kvc_lens = self._compress(so)
+            return step
         ib = self.input_batch
         req_ids = list(so.num_scheduled_tokens.keys())
         rows = np.fromiter(
@@ -366,6 +451,10 @@ class ModelRunner:
         dst, src = self._inputs_from_last_step(rows, cu - n_sched)
         inputs = self.inputs.prepare(rows, n_sched, (logits_idx, dst, src))
         logits_idx_t, dst_t, src_t = inputs.extra
+        if self.kvc is not None:
+            sampling = np.zeros(len(rows), dtype=bool)
+            sampling[plan.sample_idx] = True
+            self.kvc.prepare_step(inputs.metadata, rows, n_sched, inputs.positions, sampling)
         if len(dst):
             prev = self._unresolved
             assert prev is not None and prev.sampled is not None
@@ -389,6 +478,7 @@ class ModelRunner:
             else:
                 step.selected = hidden.index_select(0, logits_idx_t.long())
         ib.num_computed_tokens[rows] = seq_lens
+        step.kvc_lens = self._compress(so)  # after the forward pass: its scores count
         return step
 
     @torch.inference_mode()
@@ -468,7 +558,12 @@ class ModelRunner:
                 forked = plan.fork_lists(
                     step.req_ids, step.fork_counts, step.host[n].numpy(), fork_lp
                 )
+        kvc_lens = {}
+        if step.kvc_lens is not None:
+            ids, lens = step.kvc_lens
+            kvc_lens = dict(zip(ids, lens.cpu().numpy()))
         return ModelRunnerOutput(
+            kvc_lens=kvc_lens,
             req_ids=step.req_ids,
             sampled_token_ids=sampled_lists,
             logprobs=logprobs,
@@ -477,6 +572,20 @@ class ModelRunner:
             forked_logprobs=forked[1],
             structured_tokens=structured_tokens,
         )
+
+    def _compress(self, so: SchedulerOutput) -> tuple[list[str], torch.Tensor] | None:
+        """Run the evictions the scheduler asked for (after the step's forward pass)."""
+        if not so.kvc_compress or self.kvc is None:
+            return None
+        ib = self.input_batch
+        ids = [rid for rid, _, _ in so.kvc_compress]
+        rows = np.array([ib.req_id_to_row[rid] for rid in ids], dtype=np.int64)
+        budgets = np.array([b for _, b, _ in so.kvc_compress], dtype=np.int64)
+        protect = np.array([p for _, _, p in so.kvc_compress], dtype=np.int64)
+        max_len = int(ib.num_computed_tokens[rows].max())
+        with torch.inference_mode():
+            lens = self.kvc.compress(rows, budgets, protect, max(max_len, 1))
+        return ids, lens
 
     def _inputs_from_last_step(
         self, rows: np.ndarray, first_token: np.ndarray

@@ -6,6 +6,7 @@ what users run; it requires an API key, so every test also exercises the auth pa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -101,9 +102,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """``pagedllm serve`` on the packaged SmolLM2-135M-Instruct GGUF, with an API key."""
+@contextlib.contextmanager
+def live_server(log_path: Path, extra_args: tuple[str, ...] = ()) -> Iterator[LiveServer]:
+    """``pagedllm serve`` on the packaged SmolLM2-135M-Instruct GGUF, with an API key and
+    ``extra_args``; skips when the model is not installed."""
     try:
         from pagedllm.model.packaged import smollm2_gguf_path
 
@@ -111,13 +113,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     except (ImportError, FileNotFoundError) as e:
         pytest.skip(f"default model not installed: {e}")
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     env.pop("PAGEDLLM_API_KEY", None)
     cmd = [
         sys.executable, "-m", "pagedllm.entrypoints.cli", "serve",
         "--port", str(port), "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
-        "--seed", "0", "--uvicorn-log-level", "warning",
+        "--seed", "0", "--uvicorn-log-level", "warning", *extra_args,
     ]  # fmt: skip
     log = open(log_path, "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -144,6 +145,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """``pagedllm serve`` on the packaged SmolLM2-135M-Instruct GGUF, with an API key."""
+    with live_server(tmp_path_factory.mktemp("server") / "server.log") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")

@@ -81,6 +81,30 @@ class SlidingWindowSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
+class HeadPagedSpec(KVCacheSpec):
+    """KV-Compress: a block holds ``block_size`` tokens of ONE KV head of ONE layer, so each
+    (request, layer, KV head) has its own block table and length. ``compressible[l]``: layer
+    l's KVs may be evicted by score (full attention); a sliding-window layer keeps its KVs
+    (its window semantics need every key of the window). One page is one head's block."""
+
+    num_layers: int = 0
+    compressible: tuple[bool, ...] = ()
+
+    @property
+    def page_bytes(self) -> int:
+        return 2 * self.block_size * self.head_dim * self.dtype_bytes
+
+    @property
+    def page_shape(self) -> tuple[int, int, int]:
+        return (self.block_size, 1, self.head_dim)
+
+    @property
+    def num_heads_total(self) -> int:
+        """(layer, KV head) pairs: the blocks one token of a request needs at most."""
+        return self.num_layers * self.num_kv_heads
+
+
+@dataclass(frozen=True)
 class KVCacheGroup:
     """Layers that share one block table per request (and one spec)."""
 
@@ -108,10 +132,16 @@ class KVCacheGroups:
         return self.groups[0].spec.block_size
 
     @property
+    def head_paged(self) -> HeadPagedSpec | None:
+        """The KV-Compress spec when the cache is paged per head, else None."""
+        spec = self.groups[0].spec
+        return spec if isinstance(spec, HeadPagedSpec) else None
+
+    @property
     def is_hybrid(self) -> bool:
         """Whether some group is not plain full attention (the single-table manager can't
         serve it)."""
-        return any(not isinstance(g.spec, FullAttentionSpec) for g in self.groups)
+        return any(not isinstance(g.spec, (FullAttentionSpec, HeadPagedSpec)) for g in self.groups)
 
     def tensor_specs(self) -> list[KVCacheSpec]:
         """The page shape of each of the ``layers_per_group`` cache tensors."""

@@ -74,6 +74,10 @@ class SchedulerOutput:
     #     T + a and ``append_token_ids`` s_1 .. s_a (it holds s_0 already).
     # A scheduler that never proposes leaves this empty: steps run exactly as without it.
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # KV-Compress: (request id, KVs its compressible heads may keep, first protected position)
+    # of the requests to evict from after this step's forward pass (its attention scores
+    # count); the new per-head lengths come back in ModelRunnerOutput.kvc_lens.
+    kvc_compress: list[tuple[str, int, int]] = field(default_factory=list)
     # Which schedule() made this plan: the scheduler keeps the step's Request objects under
     # it until update_from_output (the plan itself is plain data, sent to worker processes).
     step_id: int = 0
@@ -107,6 +111,8 @@ class ModelRunnerOutput:
     # The sampled token of each structured request, in SchedulerOutput.structured_requests'
     # order (for Grammars without a pass over every request); None when there are none.
     structured_tokens: list[int] | None = None
+    # KV-Compress: the computed KVs left per (layer, KV head) [LH] of each compressed request
+    kvc_lens: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -28,11 +28,12 @@ tokens and 1 token to each of the first two, which are decoding.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, KVCompressConfig, SchedulerConfig
 from pagedllm.core.kv_cache.factory import make_kv_cache_manager
 from pagedllm.core.kv_cache.spec import KVCacheGroups
 from pagedllm.core.request import Request, RequestStatus
@@ -65,8 +66,16 @@ class Scheduler:
         swap_is_cheaper: bool = False,
         clock: Callable[[], float] = time.monotonic,
         kv_groups: KVCacheGroups | None = None,
+        kvc_config: KVCompressConfig | None = None,
     ) -> None:
         self.config = scheduler_config
+        # KV-Compress: when on, the KV manager is the per-head one (core/kv_cache/head_paged)
+        self.kvc = kvc_config if kvc_config is not None and kvc_config.enabled else None
+        if self.kvc is not None and (kv_groups is None or kv_groups.head_paged is None):
+            raise ValueError("KV-Compress needs the model runner's per-head KV-cache groups.")
+        # steps scheduled with evictions whose new lengths have not come back yet: the next
+        # schedule() must see them (the engine runs synchronous steps meanwhile)
+        self._kvc_pending = 0
         self.max_model_len = scheduler_config.max_model_len
         # the KV manager for the model's KV-cache groups (a single table when none are given)
         self.kv_cache_manager = make_kv_cache_manager(
@@ -119,6 +128,12 @@ class Scheduler:
         """Queue a validated request. Raises ValueError if it could never be served."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
+        params = request.sampling_params
+        if self.kvc is None and params.uses_kvc_fields:
+            raise ValueError(
+                "max_cache_tokens, compression_rate, protected_window_size and compress_once "
+                "need an engine started with KV-Compress (enable_kvc / --enable-kvc)."
+            )
         capacity = self.kv_cache_manager.token_capacity()
         check_admissible(request, self.config.max_num_seqs, self.max_model_len, capacity)
         request.status = RequestStatus.WAITING
@@ -153,8 +168,9 @@ class Scheduler:
 
     @property
     def needs_sync(self) -> bool:
-        """Whether some live request needs synchronous steps (no async scheduling)."""
-        return bool(self._sync_ids)
+        """Whether some live request needs synchronous steps (no async scheduling), or an
+        eviction's new lengths are still to come back."""
+        return bool(self._sync_ids) or self._kvc_pending > 0
 
     def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None:
         """End requests from outside the loop (abort, or a stop string found by the
@@ -208,6 +224,7 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         preempted = self._preempt_for_priority(budget)
         running_preempted = False
+        kvc_room: dict[str, int] = {}  # KV-Compress: requests to evict from for room
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -225,6 +242,12 @@ class Scheduler:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
                 if new_blocks is not None:
                     break
+                if self.kvc is not None and not running_preempted:
+                    # evict from running requests over their budget, rather than preempt; this
+                    # request waits for the blocks that frees (next step)
+                    if self._kvc_make_room(kvc_room, num_scheduled):
+                        running_preempted = True  # no admissions while memory is short
+                        break
                 victim = self.running.pop_back()  # ranked last; never one already scheduled
                 gang = self._preempt_group(victim, num_scheduled, new_reqs, cached_reqs)
                 budget += gang.pop("_budget", 0)
@@ -278,6 +301,7 @@ class Scheduler:
             budget -= num_new
             self._add_to_output(request, new_blocks, new_reqs, cached_reqs)
 
+        kvc_compress = self._kvc_plan(num_scheduled, kvc_room) if self.kvc is not None else []
         requests = self.requests
         batch = [requests[rid] for rid in num_scheduled]
         structured, structured_idx = self.grammar_book.batch_keys(batch, num_scheduled.values())
@@ -296,7 +320,9 @@ class Scheduler:
             blocks_to_swap_out=self._swap_out,
             blocks_to_swap_in=swap_in,
             blocks_to_copy=self.kv_cache_manager.take_pending_copies(),
+            kvc_compress=kvc_compress,
         )
+        self._kvc_pending += bool(kvc_compress)
         self.finished_req_ids = set()
         self._swap_out = []
         # Advance progress now: the runner computes exactly what was scheduled. A request
@@ -442,6 +468,7 @@ class Scheduler:
         else:
             self.kv_cache_manager.free(request)
             request.num_computed_tokens = 0
+            request.kvc_compressed_at = -1  # its KVs are computed again, uncompressed
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -488,6 +515,12 @@ class Scheduler:
             for r in self.failed
         ]
         self.failed = []
+        if scheduler_output.kvc_compress:
+            self._kvc_pending -= 1
+            for rid, lens in runner_output.kvc_lens.items():
+                request = self.requests.get(rid)
+                if request is not None and not request.is_finished:
+                    self.kv_cache_manager.apply_compaction(request, lens)
         sampled = dict(zip(runner_output.req_ids, range(len(runner_output.req_ids))))
         for request in self._in_flight.pop(scheduler_output.step_id):
             if request.is_finished:
@@ -590,6 +623,86 @@ class Scheduler:
         rejected speculative tokens)."""
         self.grammar_book.rollback(self.requests[request_id], num_tokens)
 
+    # ---------------------------------------------------------------------- KV-Compress
+    def kvc_budget(self, request: Request, num_tokens: int) -> int | None:
+        """KVs the request's compressible heads may keep at ``num_tokens`` tokens: its
+        ``max_cache_tokens`` x compressible (layer, KV head) pairs, or ``num_tokens`` x pairs /
+        ``compression_rate`` (rounded up); None when it has neither (never compressed)."""
+        assert self.kvc is not None
+        p = request.sampling_params
+        m, rate = p.max_cache_tokens, p.compression_rate
+        if m is None and rate is None:
+            m, rate = self.kvc.max_cache_tokens, self.kvc.compression_rate
+        heads = int(self.kv_cache_manager.compressible.sum())
+        if m is not None:
+            return m * heads
+        if rate is not None:
+            return math.ceil(num_tokens * heads / rate)
+        return None
+
+    def _kvc_protected(self, request: Request) -> int:
+        p = request.sampling_params.protected_window_size
+        return self.kvc.protected_window_size if p is None else p
+
+    def _kvc_over(self, request: Request, num_tokens: int) -> int | None:
+        """The budget when the request holds more KVs than it (else None)."""
+        budget = self.kvc_budget(request, num_tokens)
+        if budget is None or self.kv_cache_manager.held_kvs(request.request_id) <= budget:
+            return None
+        return budget
+
+    def _kvc_make_room(self, room: dict[str, int], num_scheduled: dict[str, int]) -> bool:
+        """Memory is short: mark every running request over its budget that grew since its
+        last eviction (least recently compressed first) for eviction after this step. False
+        when none is (then the scheduler preempts)."""
+        found = False
+        for r in sorted(self.running, key=lambda r: r.kvc_compressed_at):
+            if r.request_id in room or r.request_id not in self._runner_has:
+                continue
+            after = r.num_computed_tokens + num_scheduled.get(r.request_id, 0)
+            if after <= r.kvc_compressed_at:
+                continue  # an eviction at this length freed what it could
+            budget = self._kvc_over(r, after)
+            if budget is not None:
+                room[r.request_id] = budget
+                found = True
+        return found
+
+    def _kvc_plan(
+        self, num_scheduled: dict[str, int], room: dict[str, int]
+    ) -> list[tuple[str, int, int]]:
+        """The evictions after this step: a request whose prompt is done this step (it
+        samples for the first time since its KVs were computed), one due for continual
+        compression (``compress_once`` off: every ``compression_interval`` decode steps), and
+        those ``_kvc_make_room`` chose; each only when it holds more KVs than its budget."""
+        assert self.kvc is not None
+        plan: list[tuple[str, int, int]] = []
+        chosen = dict(room)
+        for rid, n in num_scheduled.items():
+            if rid in chosen:
+                continue
+            r = self.requests[rid]
+            after = r.num_computed_tokens + n
+            if after != r.num_tokens + r.num_output_placeholders:
+                continue  # a prefill chunk short of the prompt's end
+            p = r.sampling_params
+            once = self.kvc.compress_once if p.compress_once is None else p.compress_once
+            if r.kvc_compressed_at < 0:  # its prompt's KVs are all computed this step
+                r.kvc_compressed_at = after
+            else:
+                r.kvc_steps += 1
+                if once or r.kvc_steps < self.kvc.compression_interval:
+                    continue
+            budget = self._kvc_over(r, after)
+            if budget is not None:
+                chosen[rid] = budget
+        for rid, budget in chosen.items():
+            r = self.requests[rid]
+            after = r.num_computed_tokens + num_scheduled.get(rid, 0)
+            r.kvc_compressed_at, r.kvc_steps = after, 0
+            plan.append((rid, budget, after - self._kvc_protected(r)))
+        return plan
+
     # --------------------------------------------------------------------------- stats
     def make_stats(self) -> dict[str, float]:
         """Counters and gauges for metrics: queue sizes, KV usage, preemptions, prefix hits."""
@@ -602,5 +715,7 @@ class Scheduler:
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_swaps": self.num_swaps,
+            "kvc_compressions": getattr(kv, "num_compressions", 0),
+            "kvc_evicted_kvs": getattr(kv, "num_evicted_kvs", 0),
             "time": time.monotonic(),
         }

@@ -95,6 +95,11 @@ class _SamplingFields(OpenAIBaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # KV-Compress (a server started with --enable-kvc)
+    max_cache_tokens: int | None = None
+    compression_rate: float | None = None
+    protected_window_size: int | None = None
+    compress_once: bool | None = None
 
     # the request field the structured-output constraint came from (for error messages)
     _structured_field: str | None = PrivateAttr(None)
@@ -150,6 +155,10 @@ class _SamplingFields(OpenAIBaseModel):
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 structured_outputs=structured,
+                max_cache_tokens=self.max_cache_tokens,
+                compression_rate=self.compression_rate,
+                protected_window_size=self.protected_window_size,
+                compress_once=self.compress_once,
             )
         except ValueError as e:
             raise RequestError(str(e), param=param_of(str(e))) from e

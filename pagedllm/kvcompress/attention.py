@@ -1,0 +1,225 @@
+"""Attention over per-head paged KVs, scoring the keys as it goes (torch: the CPU backend and
+the reference for the Triton kernels).
+
+Each (request, KV head) of a layer has its own table and length (``HeadPagedCache``): head h
+of request r has ``seq_lens[r, h]`` keys at logical indices 0.., this step's new keys being the
+last ``q_len`` of them. A query sees every older key of its head (after eviction their order is
+not their positions', but attention does not care: RoPE was applied when they were written)
+and the new keys up to its own (causal); on a sliding-window layer, which is never compacted,
+logical index equals position and the window is the last W keys.
+
+Scores (one float per KV slot, GQA-aware: summed over the query heads sharing the KV head):
+- decode rows add the square of each key's softmax probability (``collect`` 1), computed
+  with the output, no second pass;
+- the last prefill chunk of a prompt adds, for its last ``collect`` queries (the observation
+  window, 32 by default), the squared probabilities summed over those queries, max-pooled
+  along the sequence (kernel 7) when ``maxpool`` is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from pagedllm.attention.backends.base import AttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kvcompress.evict import head_slots, maxpool_scores
+
+
+@dataclass
+class KVCStepPlan:
+    """Host-side facts of one step shared by every layer: which requests decode, and how many
+    of each request's last queries score the keys (0: none)."""
+
+    decode: np.ndarray  # request indices with one query
+    prefill: np.ndarray  # request indices with several
+    collect: np.ndarray  # [R] queries whose probabilities are added to the scores
+    maxpool_kernel: int  # 0: no max-pooling of the prefill window's metric
+
+
+@dataclass
+class KVCLayerInfo:
+    """What a layer's attention needs beyond the metadata: the score and position arrays,
+    whether the layer's KVs are scored, and the step plan."""
+
+    scores: torch.Tensor  # [num_slots] float32
+    positions: torch.Tensor  # [num_slots] int32: the token position each slot holds
+    token_positions: torch.Tensor  # [T] this step's tokens' positions
+    compressible: bool
+    plan: KVCStepPlan
+
+
+def decode_attention(
+    query: torch.Tensor,  # [B, Hq, d]
+    k_flat: torch.Tensor,  # [num_slots, d]
+    v_flat: torch.Tensor,  # [num_slots, d]
+    tables: torch.Tensor,  # [B, H, max_blocks]
+    lens: torch.Tensor,  # [B, H]
+    block_size: int,
+    scale: float,
+    window: int | None = None,
+    scores: torch.Tensor | None = None,  # [num_slots] float32, += sum_g p^2
+    max_len: int | None = None,
+    positions: torch.Tensor | None = None,  # [num_slots]; needed with a window
+    q_pos: torch.Tensor | None = None,  # [B] the queries' positions; needed with a window
+) -> torch.Tensor:
+    """One query per row over its heads' keys; returns [B, Hq, d]. A window keeps the keys
+    whose position p satisfies q_pos - window < p (compacted heads are not in position
+    order, so the window is found by position)."""
+    b, hq, d = query.shape
+    h = tables.shape[1]
+    g = hq // h
+    s = int(lens.max()) if max_len is None else max_len
+    out = torch.zeros_like(query)
+    if s == 0:
+        return out
+    slots, valid = head_slots(tables, lens.long(), s, block_size)  # [B, H, S]
+    if window is not None:
+        assert positions is not None and q_pos is not None
+        valid = valid & (positions[slots].long() > q_pos.long()[:, None, None] - window)
+    k = k_flat[slots].to(torch.float32)  # [B, H, S, d]
+    v = v_flat[slots].to(torch.float32)
+    q = query.view(b, h, g, d).to(torch.float32)
+    logits = torch.einsum("bhgd,bhsd->bhgs", q, k) * scale
+    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+    p = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a head with no keys: all 0
+    o = torch.einsum("bhgs,bhsd->bhgd", p, v)
+    if scores is not None:
+        p2 = (p * p).sum(2)  # [B, H, S]
+        scores.index_add_(0, slots[valid], p2[valid])
+    return o.reshape(b, hq, d).to(query.dtype)
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [q_len, Hq, d]
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    table: torch.Tensor,  # [H, max_blocks]
+    lens: torch.Tensor,  # [H]: keys per head incl. the q_len new ones (the last of each)
+    block_size: int,
+    scale: float,
+    window: int | None = None,
+    scores: torch.Tensor | None = None,
+    collect: int = 0,
+    maxpool_kernel: int = 0,
+    max_len: int | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A chunk of queries of one request over its heads' keys; returns [q_len, Hq, d]. With
+    ``scores``, the last ``collect`` queries' squared probabilities (summed over them and the
+    group, max-pooled) are added to their keys' scores."""
+    q_len, hq, d = query.shape
+    h = table.shape[0]
+    g = hq // h
+    s = int(lens.max()) if max_len is None else max_len
+    slots, valid = head_slots(table[None], lens[None].long(), s, block_size)
+    slots, valid = slots[0], valid[0]  # [H, S]
+    idx = torch.arange(s, device=lens.device)
+    q_idx = lens[:, None] - q_len + torch.arange(q_len, device=lens.device)  # [H, q_len]
+    vis = valid[:, None, :] & (idx[None, None, :] <= q_idx[..., None])  # [H, q_len, S]
+    if window is not None:  # by position: a compacted head is not in position order
+        assert positions is not None
+        k_pos = positions[slots].long()  # [H, S]
+        q_pos = k_pos.gather(1, q_idx.clamp(min=0))  # the new keys are the queries' own
+        vis &= k_pos[:, None, :] > q_pos[..., None] - window
+    k = k_flat[slots].to(query.dtype)  # [H, S, d]
+    v = v_flat[slots].to(query.dtype)
+    q = query.view(q_len, h, g, d).permute(1, 2, 0, 3)  # [H, G, q_len, d]
+    o = F.scaled_dot_product_attention(
+        q,
+        k[:, None].expand(h, g, s, d),
+        v[:, None].expand(h, g, s, d),
+        attn_mask=vis[:, None],
+        scale=scale,
+    )  # [H, G, q_len, d]
+    if scores is not None and collect > 0:
+        c = min(collect, q_len)
+        qw = q[:, :, q_len - c :].to(torch.float32)
+        logits = torch.einsum("hgcd,hsd->hgcs", qw, k.to(torch.float32)) * scale
+        logits = logits.masked_fill(~vis[:, None, q_len - c :], float("-inf"))
+        p = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+        metric = (p * p).sum((1, 2))  # [H, S]
+        if maxpool_kernel > 1:
+            metric = maxpool_scores(metric, valid, maxpool_kernel)
+        scores.index_add_(0, slots[valid], metric[valid])
+    return o.permute(2, 0, 1, 3).reshape(q_len, hq, d)
+
+
+class KVCTorchBackend(AttentionBackend):
+    """Per-head paged attention in torch (see the module docstring). The layer's metadata
+    (``HeadPagedCache.prepare_step``) has ``slot_mapping`` [T, H], ``block_tables``
+    [R, H, max_blocks], ``seq_lens`` [R, H] and ``kvc`` (``KVCLayerInfo``)."""
+
+    name = "kvc_torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, Hq, d]
+        key: torch.Tensor | None,  # [T, H, d]
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, d]
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        assert key is not None and value is not None
+        t, hq, d = query.shape
+        info: KVCLayerInfo = metadata.kvc
+        k_flat = kv_cache[0].view(-1, d)
+        v_flat = kv_cache[1].view(-1, d)
+        write_head_kv(key, value, k_flat, v_flat, metadata.slot_mapping)
+        plan = info.plan
+        scores = info.scores if info.compressible else None
+        bs = metadata.block_size
+        qsl = metadata.query_start_loc_np
+        out = torch.empty_like(query)
+        if len(plan.decode):
+            dec = torch.from_numpy(plan.decode).to(query.device)
+            rows = torch.from_numpy(qsl[plan.decode]).to(query.device)
+            out[rows] = decode_attention(
+                query[rows],
+                k_flat,
+                v_flat,
+                metadata.block_tables[dec],
+                metadata.seq_lens[dec],
+                bs,
+                scale,
+                sliding_window,
+                scores,
+                positions=info.positions,
+                q_pos=info.token_positions[rows] if sliding_window is not None else None,
+            )
+        for r in plan.prefill.tolist():
+            a, b = int(qsl[r]), int(qsl[r + 1])
+            out[a:b] = prefill_attention(
+                query[a:b],
+                k_flat,
+                v_flat,
+                metadata.block_tables[r],
+                metadata.seq_lens[r],
+                bs,
+                scale,
+                sliding_window,
+                scores,
+                int(plan.collect[r]),
+                plan.maxpool_kernel,
+                positions=info.positions,
+            )
+        return out.view(t, hq * d)
+
+
+def write_head_kv(
+    key: torch.Tensor,  # [T, H, d]
+    value: torch.Tensor,
+    k_flat: torch.Tensor,  # [num_slots, d]
+    v_flat: torch.Tensor,
+    slots: torch.Tensor,  # [T, H] int64
+) -> None:
+    """Store each new token's K/V of every head at its slot in that head's table."""
+    d = key.shape[-1]
+    flat = slots.reshape(-1)
+    k_flat.index_copy_(0, flat, key.reshape(-1, d).to(k_flat.dtype))
+    v_flat.index_copy_(0, flat, value.reshape(-1, d).to(v_flat.dtype))

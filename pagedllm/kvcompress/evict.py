@@ -1,0 +1,148 @@
+"""Which KVs to evict, and the compaction that frees their blocks (torch, on the cache's device).
+
+Everything is vectorized over the sequences being compressed and over every (layer, KV head)
+of each: sorts, chunk costs, cumulative budgets and the moves are tensor operations, with no
+Python loop over sequences, layers, heads or blocks, and no host sync (the caller passes the
+longest head length it knows on the host).
+
+The rule (KV-Compress, arXiv 2410.00161). For one sequence and head ``lh`` with ``len`` KVs in
+``nb = cdiv(len, bs)`` blocks, its last block holding ``hanging = len - (nb - 1) * bs`` KVs:
+sort the head's KVs by score, ascending (protected KVs score +inf). Freeing ``j + 1`` blocks
+removes the ``hanging + j * bs`` cheapest KVs; its cost is the score of the dearest KV removed,
+``sorted[hanging + j * bs - 1]``. Across every (layer, head) of the sequence, chunks are taken
+cheapest first until the sequence holds at most its budget. Costs grow with ``j`` inside a
+head, so a head always gives up a prefix of its sorted KVs.
+
+Example: bs 2, one head with scores [5, 1, 9, 3, 7] (len 5, hanging 1): sorted [1, 3, 5, 7, 9]
+-> chunk 0 removes 1 KV at cost 1, chunk 1 removes 2 more at cost 5, chunk 2 two more at cost 9.
+
+Compaction: in each head, the survivors at logical index >= the new length move into the
+evicted slots below it (lowest first), carrying K, V, score and position; blocks past the new
+length are then free.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_INF = float("inf")
+
+
+def head_slots(
+    tables: torch.Tensor, lens: torch.Tensor, max_len: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots of every head's logical indices 0..max_len-1 and which are valid.
+
+    tables: [B, LH, max_blocks] int; lens: [B, LH]. Returns slots [B, LH, max_len] int64 (0 where
+    invalid) and valid [B, LH, max_len] bool. Example: bs 4, table [7, 2], len 6 ->
+    slots [28, 29, 30, 31, 8, 9, 0...]."""
+    idx = torch.arange(max_len, device=tables.device)
+    nblk = -(-max_len // block_size)
+    blk = tables[..., :nblk].long().repeat_interleave(block_size, dim=-1)[..., :max_len]
+    valid = idx < lens[..., None]
+    slots = torch.where(valid, blk * block_size + idx % block_size, 0)
+    return slots, valid
+
+
+def plan_eviction(
+    scores: torch.Tensor,  # [num_slots] float32
+    positions: torch.Tensor,  # [num_slots] int32
+    tables: torch.Tensor,  # [B, LH, max_blocks]
+    lens: torch.Tensor,  # [B, LH] int64
+    budget: torch.Tensor,  # [B] int64: KVs the compressible heads may keep
+    protect_from: torch.Tensor,  # [B] int64: positions >= this are never evicted
+    compressible: torch.Tensor,  # [LH] bool
+    max_len: int,
+    block_size: int,
+    num_sinks: int = 0,
+    method: str = "kvcompress",
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Choose the evictions (see the module docstring). Returns (evict [B, LH] KVs per head,
+    order [B, LH, max_len] logical indices by ascending score, slots, valid)."""
+    bs = block_size
+    b, lh = lens.shape
+    slots, valid = head_slots(tables, lens, max_len, bs)
+    pos = positions[slots].long()
+    evictable = (
+        valid
+        & compressible[None, :, None]
+        & (pos < protect_from[:, None, None])
+        & (pos >= num_sinks)
+    )
+    if method == "random":
+        sc = torch.rand(slots.shape, generator=generator, device=slots.device)
+    else:
+        sc = scores[slots]
+    key = torch.where(evictable, sc, _INF)
+    sorted_key, order = key.sort(dim=-1, stable=True)  # [B, LH, S]
+
+    nb = -(-lens // bs)  # blocks per head
+    hanging = lens - (nb - 1) * bs  # KVs in the last block (bs when full)
+    num_chunks = -(-max_len // bs)
+    j = torch.arange(num_chunks, device=lens.device)
+    removed = hanging[..., None] + j * bs  # [B, LH, J]: KVs gone once chunks 0..j are taken
+    exists = j < nb[..., None]
+    cost = sorted_key.gather(-1, (removed - 1).clamp(0, max_len - 1))
+    cost = torch.where(exists, cost, _INF)
+    size = torch.where(j == 0, hanging[..., None], bs) * exists  # [B, LH, J]
+    finite = torch.isfinite(cost)
+
+    held = (lens * compressible).sum(-1)  # [B]
+    need = (held - budget).clamp(min=0)  # [B]
+    if method == "uniform":
+        # the same budget for every compressible head of the sequence
+        per_head = -(-budget // compressible.sum().clamp(min=1))  # [B]
+        need_h = (lens - per_head[:, None]).clamp(min=0)  # [B, LH]
+        before = removed - size  # KVs removed by the chunks before j
+        taken = finite & (before < need_h[..., None]) & compressible[None, :, None]
+    else:
+        flat_cost = cost.reshape(b, -1)
+        flat_size = size.reshape(b, -1)
+        rank = flat_cost.argsort(dim=-1, stable=True)  # cheapest chunk first
+        cum = flat_size.gather(-1, rank).cumsum(-1)
+        before = cum - flat_size.gather(-1, rank)
+        take_sorted = (before < need[:, None]) & torch.isfinite(flat_cost.gather(-1, rank))
+        taken = torch.zeros_like(take_sorted).scatter_(-1, rank, take_sorted).view(cost.shape)
+    evict = (size * taken).sum(-1)  # [B, LH]
+    return evict, order, slots, valid
+
+
+def compact(
+    kv: torch.Tensor,  # [2, num_slots, head_dim] (a view of the cache)
+    scores: torch.Tensor,  # [num_slots]
+    positions: torch.Tensor,  # [num_slots]
+    evict: torch.Tensor,  # [B, LH]
+    order: torch.Tensor,  # [B, LH, S]
+    slots: torch.Tensor,  # [B, LH, S]
+    valid: torch.Tensor,  # [B, LH, S]
+    lens: torch.Tensor,  # [B, LH]
+) -> torch.Tensor:
+    """Evict the ``evict`` cheapest KVs of each head (the first of ``order``) and move the
+    survivors past the new length into the freed slots. Returns the new lengths [B, LH].
+
+    Example: len 5, KVs at logical 0..4, evict logical {1, 4} -> new len 3; the survivor at
+    logical 3 moves to logical 1 (logical 4 was evicted and sits past the new length)."""
+    s = order.shape[-1]
+    idx = torch.arange(s, device=order.device)
+    rank = torch.empty_like(order).scatter_(-1, order, idx.expand_as(order))
+    evicted = rank < evict[..., None]  # [B, LH, S]
+    new_lens = lens - evict
+    below = idx < new_lens[..., None]
+    dst = slots[evicted & below]  # row-major: the k-th hole of a head ...
+    src = slots[~evicted & valid & ~below]  # ... takes the k-th survivor past the new end
+    assert dst.shape == src.shape
+    if dst.numel():
+        kv[:, dst] = kv[:, src]
+        scores[dst] = scores[src]
+        positions[dst] = positions[src]
+    return new_lens
+
+
+def maxpool_scores(metric: torch.Tensor, valid: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Max-pool ``metric`` [..., S] along the sequence (kernel ``kernel``, same length),
+    over valid entries only (invalid ones count as 0, below any squared probability sum)."""
+    shape = metric.shape
+    x = torch.where(valid, metric, 0.0).reshape(-1, 1, shape[-1])
+    pooled = torch.nn.functional.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
+    return pooled.reshape(shape)

@@ -1,0 +1,261 @@
+"""KV-Compress without a model: per-head tables, eviction against a brute-force reference,
+protected tokens, compaction, and the block accounting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.core.kv_cache.head_paged import HeadPagedKVCacheManager
+from pagedllm.core.kv_cache.spec import HeadPagedSpec
+from pagedllm.core.request import Request
+from pagedllm.kvcompress.evict import compact, head_slots, maxpool_scores, plan_eviction
+from pagedllm.sampling_params import SamplingParams
+
+BS = 4
+
+
+def _spec(layers: int = 3, heads: int = 2, compressible: tuple[bool, ...] | None = None):
+    comp = compressible or (True,) * layers
+    return HeadPagedSpec(BS, heads, 8, 4, num_layers=layers, compressible=comp)
+
+
+def _req(rid: str, n: int) -> Request:
+    return Request(rid, list(range(3, 3 + n)), SamplingParams(max_tokens=8))
+
+
+def test_per_head_tables_and_free():
+    kv = HeadPagedKVCacheManager(_spec(), num_blocks=100)
+    r = _req("a", 10)
+    blocks = kv.allocate_slots(r, 10)
+    assert blocks is not None
+    # every (layer, head) gets cdiv(10, 4) = 3 blocks: 6 heads x 3, all distinct
+    assert len(blocks) == 18 and len(set(blocks.ids.tolist())) == 18
+    assert np.bincount(blocks.lh).tolist() == [3] * 6
+    assert kv.num_free_blocks() == 82
+    (table,) = kv.get_block_table("a")
+    assert table.table.shape == (6, 3) and table.lens.tolist() == [0] * 6  # none computed yet
+    r.num_computed_tokens = 10
+    kv.check_integrity()
+    # heads of different lengths need different numbers of new blocks
+    kv.apply_compaction(r, np.array([10, 7, 4, 3, 9, 1]))
+    assert kv.num_free_blocks() == 82 + 0 + 1 + 2 + 2 + 0 + 2
+    kv.check_integrity()
+    new = kv.allocate_slots(r, 2)  # lens -> [12, 9, 6, 5, 11, 3]
+    assert sorted(new.lh.tolist()) == [1, 2, 3]
+    kv.check_integrity()
+    kv.free(r)
+    kv.check_integrity()
+    assert kv.is_idle_clean()
+
+
+def test_allocation_all_or_nothing():
+    kv = HeadPagedKVCacheManager(_spec(), num_blocks=10)
+    assert kv.allocate_slots(_req("a", 8), 8) is None  # needs 6 x 2 = 12
+    assert kv.num_free_blocks() == 10 and "a" not in kv.states
+    assert kv.token_capacity() == (10 // 6) * BS
+
+
+def test_fork_shares_then_copies_on_write():
+    kv = HeadPagedKVCacheManager(_spec(layers=1), num_blocks=40)
+    parent, child = _req("p", 6), _req("c", 6)
+    kv.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    kv.fork(parent, child)
+    child.num_computed_tokens = 6
+    kv.check_integrity()
+    assert kv.num_free_blocks() == 40 - 4  # shared
+    kv.allocate_slots(child, 1)
+    copies = kv.take_pending_copies()
+    assert len(copies) == 4  # every shared block copied
+    (rep,) = kv.take_replaced("c")
+    assert sorted(rep.ids.tolist()) == sorted(d for _, d in copies)
+    kv.check_integrity()
+    assert kv.allocate_slots(parent, 1) is not None  # now alone: no copy
+    assert kv.take_pending_copies() == []
+    kv.free(parent)
+    kv.free(child)
+    assert kv.is_idle_clean()
+
+
+# --------------------------------------------------------------------------- eviction
+
+
+def _cache(lens: np.ndarray, seed: int, num_blocks: int = 400, dim: int = 3):
+    """Random per-head tables over a fresh cache: K/V, scores, and positions 0..len-1 in a
+    shuffled logical order (as after earlier compactions)."""
+    g = torch.Generator().manual_seed(seed)
+    b, lh = lens.shape
+    nb = -(-lens // BS)
+    ids = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(b, lh, int(nb.max()), dtype=torch.int32)
+    k = 0
+    for i in range(b):
+        for h in range(lh):
+            tables[i, h, : nb[i, h]] = ids[k : k + nb[i, h]]
+            k += nb[i, h]
+    scores = torch.rand(num_blocks * BS, generator=g)
+    positions = torch.zeros(num_blocks * BS, dtype=torch.int32)
+    kv = torch.randn(2, num_blocks * BS, dim, generator=g)
+    lens_t = torch.from_numpy(lens)
+    slots, valid = head_slots(tables, lens_t, int(lens.max()), BS)
+    for i in range(b):
+        for h in range(lh):
+            n = int(lens[i, h])
+            positions[slots[i, h, :n]] = torch.randperm(n, generator=g).to(torch.int32)
+    return tables, lens_t, scores, positions, kv
+
+
+def _brute_force(scores, positions, tables, lens, budget, protect_from, sinks, compressible):
+    """Per sequence: list every chunk (head, j) with its cost and size, take the cheapest
+    (ties by head then j) while the sequence holds more than its budget."""
+    out = np.zeros(lens.shape, dtype=np.int64)
+    for i in range(lens.shape[0]):
+        chunks = []
+        for h in range(lens.shape[1]):
+            n = int(lens[i, h])
+            if n == 0:
+                continue
+            slots = [int(tables[i, h, x // BS]) * BS + x % BS for x in range(n)]
+            keys = sorted(
+                (
+                    float(scores[s])
+                    if compressible[h] and sinks <= positions[s] < protect_from[i]
+                    else float("inf")
+                )
+                for s in slots
+            )
+            hanging = n - (-(-n // BS) - 1) * BS
+            for j in range(-(-n // BS)):
+                removed = hanging + j * BS
+                size = hanging if j == 0 else BS
+                chunks.append((keys[removed - 1], h, j, size))
+        held = int((lens[i] * compressible).sum())
+        for cost, h, _, size in sorted(chunks):
+            if held <= budget[i] or cost == float("inf"):
+                break
+            out[i, h] += size
+            held -= size
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_eviction_frees_the_cheapest_blocks(seed):
+    rng = np.random.default_rng(seed)
+    b, lh = 3, 6
+    lens = rng.integers(0, 30, size=(b, lh))
+    lens[0, 0] = 29
+    tables, lens_t, scores, positions, _ = _cache(lens, seed)
+    compressible = np.array([True, True, True, True, False, False])
+    budget = rng.integers(0, int(lens.sum(1).max()), size=b)
+    seq_len = lens.max(1)
+    protect_from = seq_len - rng.integers(0, 6, size=b)
+    sinks = int(rng.integers(0, 3))
+    evict, order, slots, valid = plan_eviction(
+        scores,
+        positions,
+        tables,
+        lens_t,
+        torch.from_numpy(budget),
+        torch.from_numpy(protect_from),
+        torch.from_numpy(compressible),
+        int(lens.max()),
+        BS,
+        sinks,
+    )
+    ref = _brute_force(scores, positions, tables, lens, budget, protect_from, sinks, compressible)
+    assert evict.numpy().tolist() == ref.tolist()
+    # every head keeps whole blocks' worth of cuts: it frees exactly cdiv(len)-cdiv(len-e)
+    # blocks and evicts the e lowest-scoring evictable KVs
+    new_lens = lens - ref
+    for i in range(b):
+        for h in range(lh):
+            e = int(ref[i, h])
+            if e == 0:
+                continue
+            n = int(lens[i, h])
+            assert (n - e) % BS == 0  # a head gives up its hanging block, then whole ones
+            gone = slots[i, h, order[i, h, :e]]
+            kept = slots[i, h, order[i, h, e:n]]
+            evictable = (positions[kept] < protect_from[i]) & (positions[kept] >= sinks)
+            if bool(evictable.any()):
+                assert scores[gone].max() <= scores[kept][evictable].min()
+            assert (-(-n // BS)) - (-(-new_lens[i, h] // BS)) >= 1
+
+
+def test_protected_window_and_sinks_survive_and_compaction_keeps_everything():
+    rng = np.random.default_rng(7)
+    lens = rng.integers(5, 40, size=(2, 4))
+    tables, lens_t, scores, positions, kv = _cache(lens, 7)
+    seq_len = lens.max(1)
+    protect_from = seq_len - 6
+    before = {}
+    slots0, _ = head_slots(tables, lens_t, int(lens.max()), BS)
+    for i in range(2):
+        for h in range(4):
+            for x in range(int(lens[i, h])):
+                s = int(slots0[i, h, x])
+                before[(i, h, int(positions[s]))] = (kv[:, s].clone(), float(scores[s]))
+    evict, order, slots, valid = plan_eviction(
+        scores,
+        positions,
+        tables,
+        lens_t,
+        torch.tensor([10, 0]),
+        torch.from_numpy(protect_from),
+        torch.ones(4, dtype=torch.bool),
+        int(lens.max()),
+        BS,
+        num_sinks=2,
+    )
+    new_lens = compact(kv, scores, positions, evict, order, slots, valid, lens_t)
+    assert torch.equal(new_lens, lens_t - evict)
+    after_slots, _ = head_slots(tables, new_lens, int(lens.max()), BS)
+    for i in range(2):
+        for h in range(4):
+            n_new = int(new_lens[i, h])
+            got = {int(positions[int(after_slots[i, h, x])]) for x in range(n_new)}
+            assert len(got) == n_new  # no duplicate, no hole
+            n = int(lens[i, h])
+            protected = {p for p in range(n) if p >= protect_from[i] or p < 2}
+            assert protected <= got  # the window and the sinks are never evicted
+            for x in range(n_new):  # every survivor's K, V and score moved with it
+                s = int(after_slots[i, h, x])
+                k_v, sc = before[(i, h, int(positions[s]))]
+                assert torch.equal(kv[:, s], k_v) and float(scores[s]) == sc
+            # the evicted ones are the cheapest evictable ones of the head
+            gone = {p for p in range(n)} - got
+            if gone:
+                worst_gone = max(before[(i, h, p)][1] for p in gone)
+                kept_evictable = [before[(i, h, p)][1] for p in got - protected]
+                assert not kept_evictable or worst_gone <= min(kept_evictable)
+
+
+def test_uniform_splits_the_budget_evenly():
+    lens = np.array([[40, 12, 33, 20]])
+    tables, lens_t, scores, positions, _ = _cache(lens, 3)
+    evict, *_ = plan_eviction(
+        scores,
+        positions,
+        tables,
+        lens_t,
+        torch.tensor([64]),
+        torch.tensor([1000]),
+        torch.ones(4, dtype=torch.bool),
+        40,
+        BS,
+        method="uniform",
+    )
+    new = (lens_t - evict).numpy()[0]
+    # 16 per head, cut at block granularity: a head over 16 keeps at most 16, at least 13
+    assert new.tolist()[1] == 12
+    for n in new[[0, 2, 3]]:
+        assert 13 <= n <= 16
+
+
+def test_maxpool_over_valid_entries():
+    metric = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0]])
+    valid = torch.tensor([[True] * 8 + [False]])
+    out = maxpool_scores(metric, valid, 3)
+    assert out[0, :8].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]

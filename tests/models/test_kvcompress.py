@@ -1,0 +1,228 @@
+"""KV-Compress through the engine on tiny random models: exact when nothing is evicted (against
+HF and against the engine without it, with chunked prefill, preemption, swap and async steps),
+budgets kept, memory given back, forks, aborts, and the errors a user gets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.beam_search import BeamSearchParams
+from tests.models.tiny import hf_greedy
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+MAX_NEW = 10
+PROMPT_LENS = [3, 17, 40, 33, 8, 64]
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, size=n).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = hf_greedy(tiny_models(arch), _prompts(), MAX_NEW)[0]
+        return cache[arch]
+
+    return get
+
+
+def _run(path: str, params: dict | None = None, prompts=None, **engine_kw):
+    llm = LLM(path, dtype="float32", max_model_len=256, enable_kvc=True, **engine_kw)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, **(params or {}))
+    prompts = prompts or _prompts()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    core = llm.llm_engine.engine_core
+    core.check_integrity()
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_budget_above_length_equals_hf(arch, tiny_models, reference):
+    """A budget of at least prompt + output evicts nothing: HF's greedy tokens exactly."""
+    llm, tokens = _run(tiny_models(arch), {"max_cache_tokens": 200})
+    assert tokens == reference(arch)
+    kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+    assert kv.num_evicted_kvs == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize(
+    "engine_kw",
+    [
+        dict(max_num_batched_tokens=16),  # chunked prefill
+        dict(block_size=8, num_gpu_blocks_override=60),  # recompute preemption
+        dict(block_size=8, num_gpu_blocks_override=60, preemption_mode="swap", swap_space=0.01),
+        dict(async_scheduling=True, max_num_batched_tokens=32),
+    ],
+    ids=["chunked", "recompute", "swap", "async"],
+)
+def test_no_eviction_equals_hf_under_chunks_preemption_async(
+    arch, engine_kw, tiny_models, reference
+):
+    if arch == "gemma3" and "num_gpu_blocks_override" in engine_kw:
+        engine_kw = {**engine_kw, "num_gpu_blocks_override": 120}  # 4 layers: 2x the heads
+    llm, tokens = _run(tiny_models(arch), {"max_cache_tokens": 200}, **engine_kw)
+    assert tokens == reference(arch)
+    if "num_gpu_blocks_override" in engine_kw:
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("method", ["kvcompress", "uniform", "random"])
+def test_compression_keeps_the_budget(method, tiny_models):
+    """After each eviction a request holds at most its budget (its protected window aside);
+    every prompt longer than the budget is compressed; the integrity checks pass each time."""
+    llm, tokens = _run(
+        tiny_models("llama"),
+        {"max_cache_tokens": 16, "protected_window_size": 4},
+        kvc_method=method,
+    )
+    core = llm.llm_engine.engine_core
+    kv = core.scheduler.kv_cache_manager
+    assert all(len(t) == MAX_NEW for t in tokens)
+    assert kv.num_compressions >= sum(n > 16 for n in PROMPT_LENS)
+    assert kv.num_evicted_kvs > 0
+    assert kv.is_idle_clean()
+
+
+def test_budget_respected_after_every_eviction(tiny_models):
+    llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True)
+    core = llm.llm_engine.engine_core
+    kv = core.scheduler.kv_cache_manager
+    heads = int(kv.compressible.sum())
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=20, ignore_eos=True, max_cache_tokens=16,
+        protected_window_size=4,
+    )  # fmt: skip
+    llm.llm_engine.add_request("a", {"prompt_token_ids": _prompts()[5]}, sp)
+    seen = 0
+    while core.has_unfinished_requests():
+        core.step()
+        core.check_integrity()
+        if kv.num_compressions > seen:
+            seen = kv.num_compressions
+            assert kv.kept_kvs.get("a", 0) <= 16 * heads
+    assert seen >= 2  # after the prompt, then continually while decoding
+
+
+def test_compression_rate_budget(tiny_models):
+    llm, _ = _run(
+        tiny_models("llama"), {"compression_rate": 4.0, "protected_window_size": 2,
+                               "compress_once": True}, prompts=[_prompts()[5]],
+    )  # fmt: skip
+    kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+    assert kv.num_compressions == 1  # once, after the prompt
+    heads = int(kv.compressible.sum())
+    # 64 prompt tokens (+ the first sampled one computed later) / 4 -> at most 16 per head
+    assert kv.num_evicted_kvs >= 64 * heads - 16 * heads
+
+
+def test_compression_instead_of_preemption(tiny_models):
+    """A cache too small for every request uncompressed: with a budget, evictions make room
+    and fewer requests are preempted than without one."""
+    kw = dict(block_size=8, num_gpu_blocks_override=120)
+    llm_full, _ = _run(tiny_models("llama"), {"max_cache_tokens": 200}, **kw)
+    llm_kvc, tokens = _run(
+        tiny_models("llama"), {"max_cache_tokens": 16, "protected_window_size": 4}, **kw
+    )
+    full = llm_full.llm_engine.engine_core.scheduler.num_preemptions
+    kvc = llm_kvc.llm_engine.engine_core.scheduler.num_preemptions
+    assert full > 0 and kvc < full
+    assert all(len(t) == MAX_NEW for t in tokens)
+
+
+def test_window_layers_keep_their_kvs(tiny_models):
+    """Gemma 3's sliding-window layers are not compressed: their heads keep every KV."""
+    llm = LLM(tiny_models("gemma3"), dtype="float32", max_model_len=256, enable_kvc=True)
+    core = llm.llm_engine.engine_core
+    kv = core.scheduler.kv_cache_manager
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=3, ignore_eos=True, max_cache_tokens=8,
+        protected_window_size=2,
+    )  # fmt: skip
+    llm.llm_engine.add_request("g", {"prompt_token_ids": _prompts()[5]}, sp)
+    core.step()  # the prompt, then its eviction
+    state = kv.states["g"]
+    comp = kv.compressible
+    assert not comp.all() and comp.any()
+    assert (state.lens[~comp] == 64).all()
+    assert (state.lens[comp] < 64).all()
+
+
+def test_parallel_sampling_each_sequence_compresses_its_own(tiny_models):
+    llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True)
+    sp = SamplingParams(
+        n=3, temperature=1.0, seed=1, max_tokens=12, ignore_eos=True, max_cache_tokens=16,
+        protected_window_size=4,
+    )  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": _prompts()[2]}], sp, use_tqdm=False)
+    core = llm.llm_engine.engine_core
+    core.check_integrity()
+    kv = core.scheduler.kv_cache_manager
+    assert len(outs[0].outputs) == 3 and all(len(c.token_ids) == 12 for c in outs[0].outputs)
+    assert kv.num_cow_copies > 0  # the forks copied the shared blocks before writing
+    assert kv.is_idle_clean()
+
+
+def test_abort_mid_way_leaks_nothing(tiny_models):
+    llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True)
+    core = llm.llm_engine.engine_core
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=30, ignore_eos=True, max_cache_tokens=16,
+        protected_window_size=4,
+    )  # fmt: skip
+    for i, p in enumerate(_prompts()):
+        llm.llm_engine.add_request(str(i), {"prompt_token_ids": p}, sp)
+    for _ in range(4):
+        core.step()
+        core.check_integrity()
+    core.abort_requests([str(i) for i in range(0, 6, 2)])
+    core.check_integrity()
+    for _ in range(3):
+        core.step()
+    core.abort_requests([str(i) for i in range(6)])
+    while core.has_unfinished_requests():
+        core.step()
+    core.check_integrity()
+    assert core.scheduler.kv_cache_manager.is_idle_clean()
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_cache_tokens", 0),
+        ("max_cache_tokens", 2.5),
+        ("compression_rate", 0.5),
+        ("compression_rate", float("inf")),
+        ("protected_window_size", -1),
+        ("compress_once", "yes"),
+    ],
+)
+def test_bad_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_both_budgets_refused():
+    with pytest.raises(ValueError, match="compression_rate"):
+        SamplingParams(max_cache_tokens=8, compression_rate=2.0)
+
+
+def test_fields_need_kvc_and_beam_search_is_refused(tiny_models):
+    llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256)
+    with pytest.raises(ValueError, match="max_cache_tokens.*enable_kvc"):
+        llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(max_cache_tokens=8))
+    llm.llm_engine.engine_core.check_integrity()
+    kvc = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True)
+    with pytest.raises(ValueError, match="beam search"):
+        kvc.beam_search(
+            [{"prompt_token_ids": [5, 6]}], BeamSearchParams(beam_width=2, max_tokens=4)
+        )
+    with pytest.raises(ValueError, match="kvc_method"):
+        LLM(tiny_models("llama"), enable_kvc=True, kvc_method="best")
