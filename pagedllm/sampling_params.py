@@ -55,6 +55,10 @@ class SamplingParams:
     # to rank sequences (they are not returned).
     external_tokens: bool = field(default=False, repr=False)
     hide_logprobs: bool = field(default=False, repr=False)
+    # KV-Compress, for measurements (the quality benchmark's teacher-forced loss): evict once
+    # the first ``kvc_compress_at`` prompt tokens are computed (the prefill stops there for a
+    # step), so the rest of the prompt - and its prompt_logprobs - sees the compressed cache.
+    kvc_compress_at: int | None = field(default=None, repr=False)
     # Filled by the engine: the model's EOS ids, beyond which stop_token_ids also stop.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

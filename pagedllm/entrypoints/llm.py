@@ -22,6 +22,8 @@ class LLM:
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
+        if "enable_kvcompress" in kwargs:  # the KV-Compress fork's name
+            kwargs["enable_kvc"] = kwargs.pop("enable_kvcompress")
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise ValueError(f"unknown engine argument(s): {sorted(unknown)}")

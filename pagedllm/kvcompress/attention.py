@@ -38,6 +38,33 @@ class KVCStepPlan:
     prefill: np.ndarray  # request indices with several
     collect: np.ndarray  # [R] queries whose probabilities are added to the scores
     maxpool_kernel: int  # 0: no max-pooling of the prefill window's metric
+    _tensors: dict | None = None
+
+    def device_tensors(self, device: torch.device, qsl: np.ndarray) -> dict:
+        """Index tensors every layer of the step uses, made once: the decode requests and
+        their query rows, the prefill requests, their query rows and query_start_loc."""
+        if self._tensors is None:
+            pre = self.prefill
+            q_lens = (qsl[pre + 1] - qsl[pre]).astype(np.int64)
+            sub_qsl = np.zeros(len(pre) + 1, dtype=np.int32)
+            sub_qsl[1:] = np.cumsum(q_lens)
+            # Example: qsl [0, 1, 5, 6, 9], prefill [1, 3] -> rows [1, 2, 3, 4, 6, 7, 8]
+            pre_rows = np.concatenate(
+                [np.arange(qsl[r], qsl[r + 1]) for r in pre.tolist()] or [np.zeros(0, int)]
+            )
+
+            def put(a: np.ndarray) -> torch.Tensor:
+                return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+            self._tensors = {
+                "decode": put(self.decode),
+                "decode_rows": put(qsl[self.decode].astype(np.int64)),
+                "prefill": put(pre),
+                "prefill_rows": put(pre_rows.astype(np.int64)),
+                "prefill_qsl": put(sub_qsl),
+                "prefill_max_q": int(q_lens.max()) if len(pre) else 0,
+            }
+        return self._tensors
 
 
 @dataclass
@@ -137,15 +164,56 @@ def prefill_attention(
     )  # [H, G, q_len, d]
     if scores is not None and collect > 0:
         c = min(collect, q_len)
-        qw = q[:, :, q_len - c :].to(torch.float32)
-        logits = torch.einsum("hgcd,hsd->hgcs", qw, k.to(torch.float32)) * scale
-        logits = logits.masked_fill(~vis[:, None, q_len - c :], float("-inf"))
-        p = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-        metric = (p * p).sum((1, 2))  # [H, S]
-        if maxpool_kernel > 1:
-            metric = maxpool_scores(metric, valid, maxpool_kernel)
-        scores.index_add_(0, slots[valid], metric[valid])
+        add_window_scores(q[:, :, q_len - c :], k, vis[:, q_len - c :], valid, slots, scale,
+                          scores, maxpool_kernel)  # fmt: skip
     return o.permute(2, 0, 1, 3).reshape(q_len, hq, d)
+
+
+def add_window_scores(
+    q: torch.Tensor,  # [H, G, c, d] the window's queries
+    k: torch.Tensor,  # [H, S, d] the request's keys per head
+    vis: torch.Tensor,  # [H, c, S] which keys each query sees
+    valid: torch.Tensor,  # [H, S]
+    slots: torch.Tensor,  # [H, S]
+    scale: float,
+    scores: torch.Tensor,  # [num_slots]
+    maxpool_kernel: int,
+) -> None:
+    """The prompt's scores: the window queries' squared probabilities, summed over them and
+    the query heads of each KV head, max-pooled along the sequence, added to the keys."""
+    logits = torch.einsum("hgcd,hsd->hgcs", q.float(), k.float()) * scale
+    logits = logits.masked_fill(~vis[:, None], float("-inf"))
+    p = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    metric = (p * p).sum((1, 2))  # [H, S]
+    if maxpool_kernel > 1:
+        metric = maxpool_scores(metric, valid, maxpool_kernel)
+    scores.index_add_(0, slots[valid], metric[valid])
+
+
+def prefill_window_scores(
+    query: torch.Tensor,  # [q_len, Hq, d] one request's chunk
+    k_flat: torch.Tensor,
+    table: torch.Tensor,  # [H, max_blocks]
+    lens: torch.Tensor,  # [H]
+    block_size: int,
+    scale: float,
+    scores: torch.Tensor,
+    collect: int,
+    maxpool_kernel: int,
+) -> None:
+    """``add_window_scores`` for a chunk whose output another kernel computed (the GPU path;
+    full-attention layers: the window queries see every key before them)."""
+    q_len, hq, d = query.shape
+    h = table.shape[0]
+    c = min(collect, q_len)
+    s = int(lens.max())
+    slots, valid = head_slots(table[None], lens[None].long(), s, block_size)
+    slots, valid = slots[0], valid[0]
+    idx = torch.arange(s, device=lens.device)
+    q_idx = lens[:, None] - c + torch.arange(c, device=lens.device)  # [H, c]
+    vis = valid[:, None, :] & (idx[None, None, :] <= q_idx[..., None])
+    q = query[q_len - c :].view(c, h, hq // h, d).permute(1, 2, 0, 3)
+    add_window_scores(q, k_flat[slots], vis, valid, slots, scale, scores, maxpool_kernel)
 
 
 class KVCTorchBackend(AttentionBackend):

@@ -170,7 +170,8 @@ class HeadPagedCache:
         rows: np.ndarray,
         n_sched: np.ndarray,
         positions: torch.Tensor,  # [T] this step's token positions
-        sampling: np.ndarray,  # [R] bool: the request samples this step
+        sampling: np.ndarray,  # [R] bool: the request samples this step (or is evicted
+        # after it: a chunk that ends at its ``kvc_compress_at``)
     ) -> None:
         """Slots of the step's new KVs in every head, the per-layer metadata
         (``md.groups[l]``), and each new slot's position and zero score. Advances ``lens``.

@@ -454,6 +454,10 @@ class ModelRunner:
         if self.kvc is not None:
             sampling = np.zeros(len(rows), dtype=bool)
             sampling[plan.sample_idx] = True
+            for i, row in enumerate(rows.tolist()):  # a chunk that ends a measured prefix
+                at = ib.sampling_params[row].kvc_compress_at
+                if at is not None and seq_lens[i] == at:
+                    sampling[i] = True
             self.kvc.prepare_step(inputs.metadata, rows, n_sched, inputs.positions, sampling)
         if len(dst):
             prev = self._unresolved

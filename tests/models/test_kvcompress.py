@@ -226,3 +226,26 @@ def test_fields_need_kvc_and_beam_search_is_refused(tiny_models):
         )
     with pytest.raises(ValueError, match="kvc_method"):
         LLM(tiny_models("llama"), enable_kvc=True, kvc_method="best")
+
+
+def test_compress_at_a_prefix_then_teacher_force(tiny_models):
+    """``kvc_compress_at`` (the quality benchmark's teacher forcing): the prefill stops at the
+    prefix, evicts, and the rest of the prompt's logprobs see the compressed cache; with a
+    budget above the prefix they equal the uncompressed run's."""
+    prompt = _prompts()[5]  # 64 tokens: 48 of context, 16 to score
+
+    def prompt_lps(**params):
+        llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True)
+        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, **params)
+        out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+        core = llm.llm_engine.engine_core
+        core.check_integrity()
+        lps = [next(iter(d.values())).logprob for d in out.prompt_logprobs[49:]]
+        return lps, core.scheduler.kv_cache_manager.num_evicted_kvs
+
+    full, evicted = prompt_lps()
+    assert evicted == 0
+    roomy, evicted = prompt_lps(kvc_compress_at=48, max_cache_tokens=100)
+    assert evicted == 0 and np.allclose(roomy, full, atol=1e-5)
+    small, evicted = prompt_lps(kvc_compress_at=48, max_cache_tokens=8, protected_window_size=4)
+    assert evicted > 0 and not np.allclose(small, full, atol=1e-3)

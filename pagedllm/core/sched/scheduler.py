@@ -233,6 +233,7 @@ class Scheduler:
                 request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
                 budget,
             )
+            num_new = self._kvc_cut(request, num_new)
             if num_new <= 0:
                 i += 1
                 continue
@@ -286,7 +287,7 @@ class Scheduler:
                 num_new = request.num_tokens - num_hit
                 if not self.config.enable_chunked_prefill and num_new > budget:
                     break
-                num_new = min(num_new, budget)
+                num_new = self._kvc_cut(request, min(num_new, budget))
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
                 if new_blocks is None:
                     break
@@ -640,6 +641,13 @@ class Scheduler:
             return math.ceil(num_tokens * heads / rate)
         return None
 
+    def _kvc_cut(self, request: Request, num_new: int) -> int:
+        """A chunk ends at the request's ``kvc_compress_at`` token (evicted after it)."""
+        at = request.sampling_params.kvc_compress_at
+        if at is not None and request.num_computed_tokens < at:
+            return min(num_new, at - request.num_computed_tokens)
+        return num_new
+
     def _kvc_protected(self, request: Request) -> int:
         p = request.sampling_params.protected_window_size
         return self.kvc.protected_window_size if p is None else p
@@ -683,8 +691,17 @@ class Scheduler:
                 continue
             r = self.requests[rid]
             after = r.num_computed_tokens + n
+            at = r.sampling_params.kvc_compress_at
+            if at is not None and after == at and r.kvc_compressed_at < 0:
+                r.kvc_compressed_at = after  # the measured prefix: evict now, then never
+                budget = self._kvc_over(r, after)
+                if budget is not None:
+                    chosen[rid] = budget
+                continue
             if after != r.num_tokens + r.num_output_placeholders:
                 continue  # a prefill chunk short of the prompt's end
+            if at is not None:
+                continue
             p = r.sampling_params
             once = self.kvc.compress_once if p.compress_once is None else p.compress_once
             if r.kvc_compressed_at < 0:  # its prompt's KVs are all computed this step
