@@ -187,8 +187,9 @@ def _checks(summary: dict) -> dict:
         "full_acc": full,
         "kvc_acc_8x": acc(ours["8"]),
         "kvc_8x_ge_95pct_full": acc(ours["8"]) >= 0.95 * full,
-        "kvc_ge_uniform_every_rate": all(acc(ours[r]) >= acc(summary["uniform"][r])
-                                         for r in ours),  # fmt: skip
+        "kvc_ge_uniform_every_rate": all(
+            acc(ours[r]) >= acc(summary["uniform"][r]) for r in ours
+        ),  # fmt: skip
     }
     if "adakv_snapkv" in summary:
         peer = summary["adakv_snapkv"]
