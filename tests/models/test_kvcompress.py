@@ -249,3 +249,30 @@ def test_compress_at_a_prefix_then_teacher_force(tiny_models):
     assert evicted == 0 and np.allclose(roomy, full, atol=1e-5)
     small, evicted = prompt_lps(kvc_compress_at=48, max_cache_tokens=8, protected_window_size=4)
     assert evicted > 0 and not np.allclose(small, full, atol=1e-3)
+
+
+def test_prefix_caching_is_off_with_kvc(tiny_models, reference):
+    """A compressing request takes no shared blocks: with prefix caching asked for, the same
+    prompt twice gets no hit and the same tokens."""
+    prompt = _prompts()[5]
+    llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True,
+              enable_prefix_caching=True)  # fmt: skip
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+    second = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+    assert first[0].outputs[0].token_ids == second[0].outputs[0].token_ids == reference("llama")[5]
+    kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+    assert kv.prefix_cache_hits == 0 and not kv.enable_caching
+    assert second[0].num_cached_tokens == 0
+
+
+def test_cli_flags():
+    from pagedllm.entrypoints.cli import build_parser, engine_args_from
+
+    ns = build_parser().parse_args(
+        ["serve", "m", "--enable-kvcompress", "--compression-rate", "8", "--kvc-method",
+         "uniform", "--no-maxpool-metrics", "--protected-window-size", "16"]
+    )  # fmt: skip
+    args = engine_args_from(ns)
+    assert args.enable_kvc and args.compression_rate == 8.0 and args.kvc_method == "uniform"
+    assert args.maxpool_metrics is False and args.protected_window_size == 16
