@@ -43,6 +43,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    # KV-Compress (the paper's throughput experiment)
+    p.add_argument("--enable-kvc", action="store_true")
+    p.add_argument("--kvc-method", default="kvcompress")
+    p.add_argument("--compression-rate", type=float, default=None)
+    p.add_argument("--max-cache-tokens", type=int, default=None)
+    p.add_argument("--protected-window-size", type=int, default=32)
+    p.add_argument("--compression-interval", type=int, default=None,
+                   help="decode steps between evictions (default: only after the prompt and "
+                   "under memory pressure, as the paper's benchmark)")  # fmt: skip
     p.add_argument("--output-json", default=None)
     p.add_argument("--name", default=None, help="result file stem")
 
@@ -118,6 +128,21 @@ def run(args: argparse.Namespace) -> dict:
     )
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.kv_cache_memory_bytes:
+        kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    kvc_params: dict[str, Any] = {}
+    if args.enable_kvc:
+        kwargs.update(
+            enable_kvc=True,
+            kvc_method=args.kvc_method,
+            protected_window_size=args.protected_window_size,
+            compress_once=args.compression_interval is None,
+            compression_interval=args.compression_interval or 1,
+        )
+        if args.max_cache_tokens is not None:
+            kvc_params["max_cache_tokens"] = args.max_cache_tokens
+        elif args.compression_rate is not None:
+            kvc_params["compression_rate"] = args.compression_rate
     t0 = time.perf_counter()
     llm = LLM(args.model, **kwargs)
     startup = time.perf_counter() - t0
@@ -132,7 +157,10 @@ def run(args: argparse.Namespace) -> dict:
         mc.vocab_size,
         args.seed,
     )
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kvc_params)
+        for n in out_lens
+    ]
     inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(
         inputs[:4],
@@ -140,6 +168,8 @@ def run(args: argparse.Namespace) -> dict:
         use_tqdm=False,
     )  # warm-up
     rec = StepRecorder(llm)
+    kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+    kvc_before = (getattr(kv, "num_compressions", 0), getattr(kv, "num_evicted_kvs", 0))
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
@@ -186,6 +216,23 @@ def run(args: argparse.Namespace) -> dict:
         ),
         "max_running_in_decode_step": max(
             (len(s.num_tokens) for s in rec.steps if max(s.num_tokens) == 1), default=0
+        ),
+        "concurrent_seqs_mean": (
+            float(np.mean([len(s.num_tokens) for s in rec.steps])) if rec.steps else 0.0
+        ),
+        "concurrent_seqs_peak": max((len(s.num_tokens) for s in rec.steps), default=0),
+        "preemptions": llm.llm_engine.engine_core.scheduler.num_preemptions,
+        "kvc": (
+            {
+                "method": args.kvc_method,
+                "params": kvc_params,
+                "protected_window_size": args.protected_window_size,
+                "compression_interval": args.compression_interval,
+                "compressions": kv.num_compressions - kvc_before[0],
+                "evicted_kvs": kv.num_evicted_kvs - kvc_before[1],
+            }
+            if args.enable_kvc
+            else None
         ),
         "copy_bandwidth_GBps": bw / 1e9,
         "matmul_TFLOPs": flops / 1e12,
