@@ -72,6 +72,11 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     serving-qwen) python benchmarks/serving_gpu.py --shape qwen3-0.6b --out "$OUT" ;;
     serving-llama8b) python benchmarks/serving_gpu.py --shape llama-3.1-8b --single-prompts 8 \
         --out "$OUT" ;;
+    tests-kvc) python -m pytest -q -x -p no:cacheprovider tests/kernels/test_kvc_attention.py \
+        tests/core/test_kvcompress.py tests/models/test_kvcompress.py ;;
+    kvc-d-quick) python benchmarks/kvcompress_throughput.py --num-prompts 64 --rates 8,64 \
+        --out "$OUT" | tail -30 ;;
+    kvc-d) python benchmarks/kvcompress_throughput.py --out "$OUT" | tail -40 ;;
     hybrid-kv) python benchmarks/hybrid_kv_gpu.py --out "$OUT" | tail -40 ;;
     hybrid-kv-profile) python benchmarks/hybrid_kv_gpu.py --profile | grep -v "^$" | head -120 ;;
     ab-a)  # Benchmark A (no peers) alternating: a base tree in ab_base/, this tree, base, this
