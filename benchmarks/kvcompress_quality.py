@@ -62,7 +62,7 @@ def _tasks(name: str, model_dir: str, args: argparse.Namespace) -> list[dict]:
         needle, passkey = [1024, 2048, 4096], [512, 1024, 2048, 4096]
     else:
         needle, passkey = [1024, 4096, 8192], [1024, 4096, 8192]
-    n = args.num
+    n = args.num if name == "smollm2" else args.num_gemma
     tasks = kt.needle_tasks(tok, needle, n, seed=1) + kt.passkey_tasks(tok, passkey, n, seed=2)
     tasks += kt.continuation_tasks(tok, args.context_len, args.cont_len, args.num_cont, seed=3)
     for i, t in enumerate(tasks):
@@ -135,15 +135,27 @@ def _run_ours(llm: Any, tasks: list[dict], rate: float | None) -> list[dict]:
     return [results[t["id"]] | {"id": t["id"]} for t in tasks]
 
 
-def _run_peer(python: str, model_dir: str, tasks_path: str, press: str) -> dict:
-    out = tempfile.mktemp(suffix=".json")
+def _run_peer(
+    python: str,
+    model_dir: str,
+    tasks_path: str,
+    presses: list[str],
+    rates: list[int],
+    threads: int,
+) -> dict[str, dict]:
+    """kvpress in its venv, every press in one process (one prefill per task, shared)."""
+    out = tempfile.mktemp(suffix="_{press}.json")
     cmd = [python, str(ROOT / "benchmarks/peers/kvpress_run.py"), "--model", model_dir,
-           "--tasks", tasks_path, "--press", press, "--ratios", ",".join(map(str, RATES)),
-           "--window", str(WINDOW), "--out", out]  # fmt: skip
+           "--tasks", tasks_path, "--press", ",".join(presses), "--ratios",
+           ",".join(map(str, rates)), "--window", str(WINDOW), "--threads", str(threads),
+           "--out", out]  # fmt: skip
     subprocess.run(cmd, check=True, env={k: v for k, v in os.environ.items()
                                          if k != "PYTHONPATH"})  # fmt: skip
-    with open(out) as f:
-        return json.load(f)
+    res = {}
+    for p in presses:
+        with open(out.replace("{press}", p)) as f:
+            res[p] = json.load(f)
+    return res
 
 
 def _summary(tasks: list[dict], runs: dict[str, dict[str, list[dict]]]) -> dict:
@@ -231,7 +243,9 @@ def _plot(result: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="smollm2,gemma3")
-    ap.add_argument("--num", type=int, default=5, help="retrieval tasks per length")
+    ap.add_argument("--num", type=int, default=4, help="retrieval tasks per length")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    ap.add_argument("--num-gemma", type=int, default=1, help="Gemma's tasks per length")
     ap.add_argument("--num-cont", type=int, default=4, help="continuation tasks")
     ap.add_argument("--context-len", type=int, default=2048)
     ap.add_argument("--cont-len", type=int, default=128)
@@ -243,6 +257,8 @@ def main() -> None:
     rates = [int(r) for r in args.rates.split(",")]
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result: dict[str, Any] = {
         "benchmark": "kvcompress_quality",
         "device": platform.processor() or platform.machine(),
@@ -269,8 +285,10 @@ def main() -> None:
         if not args.no_peer:
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump(tasks, f)
-            for press in PEERS + ["none"]:
-                peer_raw[press] = _run_peer(args.peer_python, model_dir, f.name, press)
+            presses = [*PEERS, "none"]
+            peer_raw = _run_peer(args.peer_python, model_dir, f.name, presses, rates,
+                                 args.threads or 2)  # fmt: skip
+            for press in presses:
                 runs[press] = _peer_runs(peer_raw[press], rates)
         summary = _summary(tasks, runs)
         result["models"][name] = {
@@ -280,6 +298,9 @@ def main() -> None:
             "summary": summary,
             "checks": _checks(summary),
             "runs": runs,
+            "peer": {
+                p: {k: v for k, v in d.items() if k != "results"} for p, d in peer_raw.items()
+            },  # fmt: skip
         }
         print(json.dumps(result["models"][name]["checks"]), flush=True)
     out = Path(args.out)

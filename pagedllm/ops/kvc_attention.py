@@ -1,0 +1,809 @@
+"""Triton attention over KV-Compress's per-head paged cache, scoring the keys on the way.
+
+Layout (``pagedllm.kvcompress.cache``): one block holds ``block_size`` consecutive keys of ONE KV
+head of ONE layer. Inputs (all on one device):
+
+- ``kv_cache`` [2, num_blocks, block_size, head_dim] (0 = K, 1 = V); slot
+  ``s = block_id * block_size + offset``.
+- ``block_tables`` [rows, num_kv_heads, max_blocks] int32 and ``seq_lens`` [rows, num_kv_heads]
+  (int32 or int64; either may be a strided view): every (row, KV head) has its own table and
+  length. Its keys are at logical indices ``0..len-1``; logical index ``i`` sits in block
+  ``block_tables[row, head, i // block_size]`` at offset ``i % block_size``.
+
+  Example: block_size 4, block_tables[2, 1] = [7, 3, 9], seq_lens[2, 1] = 10 -> logical
+  indices 0-3 are slots 28-31 (block 7), 4-7 slots 12-15 (block 3), 8-9 slots 36-37 (block 9);
+  with sliding_window 3 the decode query of that head sees logical 7, 8, 9 = slots 15, 36, 37.
+- GQA: query head ``q`` reads KV head ``q // G``, ``G = num_heads // num_kv_heads``.
+
+Decode (:func:`kvc_decode_attention`, one query token per row, the token's own key already the
+head's last): one program per (row, KV head) serves the G query heads of the group, so every
+K/V tile is read once per group. Online softmax over tiles of ``TILE_N`` logical indices;
+tiles that lie wholly inside ``[len - window, len)`` skip the masks. With ``scores`` a second
+pass over the same keys, once the softmax's max and sum are final, recomputes q.k and adds
+``sum over the group of p^2`` to each key's slot (each slot belongs to one (row, head), so a
+plain load/add/store suffices). Long contexts at small batch: split-K (the count from
+:func:`kvc_decode_num_splits` unless given), ``num_splits`` programs per (row, KV head) over
+equal slices of the head's tiles writing partial (acc, max, sum), a combine kernel per (row,
+query head), then (with scores) a score pass per split that uses the combined max and sum. The
+slice length is computed in the kernel from ``seq_lens``.
+
+Measured on an H200 (bf16, head_dim 128, G 4, 8 KV heads, CUDA-graph time; paged_attention
+on the same bytes in brackets): 128 x 1k keys 136 us (129), 1 x 32k 44 us (42), 8 x 8k 76 us
+(71); the scores pass adds about 80% (it reads K again).
+
+Prefill chunks (:func:`kvc_paged_attention`): each (request, KV head) becomes a pseudo-request
+of the unified kernel of :mod:`pagedllm.ops.paged_attention` with one KV head and G query heads
+(queries reordered so a pseudo-request's rows are contiguous); no scores.
+
+Host-side dispatch uses shapes only (no device-to-host sync). This module imports Triton at
+import time; under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors, for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.ops.paged_attention import (
+    TileConfig,
+    _num_sms,
+    default_tile_config,
+    paged_attention,
+)
+
+__all__ = ["kvc_decode_attention", "kvc_paged_attention", "kvc_decode_num_splits"]
+
+LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------------------------
+# Device helpers
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_keys(
+    bt_ptr,  # the (row, KV head)'s block table
+    stride_bb,
+    tile,
+    key_lo,  # first visible logical index
+    key_hi,  # one past the last visible logical index (the head's length)
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every index of the tile is in [key_lo, key_hi)
+):
+    """Logical indices of one tile: (visible [TILE_N] bool, block id [TILE_N] int64, offset).
+
+    Example: BLOCK_SIZE 16, TILE_N 32, tile 2 -> indices 64..95 -> table columns 4 and 5,
+    offsets 0..15 twice.
+    """
+    j = tile * TILE_N + tl.arange(0, TILE_N)
+    ok = (j >= key_lo) & (j < key_hi)
+    if MASKED:
+        blk = tl.load(bt_ptr + (j // BLOCK_SIZE) * stride_bb, mask=ok, other=0)
+    else:
+        blk = tl.load(bt_ptr + (j // BLOCK_SIZE) * stride_bb)
+    return ok, blk.to(tl.int64), j % BLOCK_SIZE
+
+
+@triton.jit
+def _load_rows(
+    cache_ptr,  # K or V cache [num_blocks, block_size, head_dim]
+    blk,  # [TILE_N] int64
+    off,  # [TILE_N]
+    ok,  # [TILE_N] bool
+    stride_cb,
+    stride_cs,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """The [TILE_N, HEAD_PAD] K or V rows at (blk, off); 0 where masked or past HEAD_DIM."""
+    d = tl.arange(0, HEAD_PAD)
+    ptrs = cache_ptr + (blk * stride_cb + off * stride_cs)[:, None] + d[None, :]
+    if MASKED:
+        x = tl.load(ptrs, mask=ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    elif HEAD_PAD == HEAD_DIM:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=(d < HEAD_DIM)[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _qk(
+    q,  # [BLOCK_M, HEAD_PAD]
+    k,  # [TILE_N, HEAD_PAD]
+    ok,  # [TILE_N] bool
+    qk_scale,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Logits in log2 units [BLOCK_M, TILE_N]; -inf for keys not visible."""
+    if UPCAST:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+    s = s * qk_scale
+    if MASKED:
+        s = tl.where(ok[None, :], s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _full_tiles(tile_lo, tile_hi, key_lo, key_hi, TILE_N: tl.constexpr):
+    """[full_lo, full_hi) within [tile_lo, tile_hi): the tiles wholly inside [key_lo, key_hi).
+
+    Example: TILE_N 64, keys [5, 200), tiles [0, 4) -> full [1, 3): tiles 0 and 3 are masked.
+    """
+    full_lo = tl.minimum(tl.maximum((key_lo + TILE_N - 1) // TILE_N, tile_lo), tile_hi)
+    full_hi = tl.minimum(tl.maximum(key_hi // TILE_N, full_lo), tile_hi)
+    return full_lo, full_hi
+
+
+@triton.jit
+def _attend_tiles(
+    acc,  # [BLOCK_M, HEAD_PAD] fp32 un-normalised output
+    l_i,  # [BLOCK_M] fp32 running sum of exp2
+    m_i,  # [BLOCK_M] fp32 running max (log2 units)
+    q,  # [BLOCK_M, HEAD_PAD]
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_ptr,
+    stride_bb,
+    tile_lo,
+    tile_hi,
+    key_lo,
+    key_hi,
+    qk_scale,
+    stride_cb,
+    stride_cs,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Online softmax over tiles ``[tile_lo, tile_hi)``; returns the updated (acc, l, m)."""
+    for tile in range(tile_lo, tile_hi):
+        ok, blk, off = _tile_keys(bt_ptr, stride_bb, tile, key_lo, key_hi, BLOCK_SIZE, TILE_N,
+                                  MASKED)  # fmt: skip
+        k = _load_rows(k_cache_ptr, blk, off, ok, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, MASKED)
+        v = _load_rows(v_cache_ptr, blk, off, ok, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, MASKED)
+        s = _qk(q, k, ok, qk_scale, UPCAST, PRECISION, MASKED)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with no visible key yet keeps max -inf: use 0 so that exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if UPCAST:
+            pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_range(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_ptr,
+    stride_bb,
+    tile_lo,
+    tile_hi,
+    key_lo,
+    key_hi,
+    qk_scale,
+    stride_cb,
+    stride_cs,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Tiles ``[tile_lo, tile_hi)`` in three runs: masked, mask-free, masked."""
+    full_lo, full_hi = _full_tiles(tile_lo, tile_hi, key_lo, key_hi, TILE_N)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, stride_bb, tile_lo, full_lo, key_lo,
+        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
+        PRECISION, True,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, stride_bb, full_lo, full_hi, key_lo,
+        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
+        PRECISION, False,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, stride_bb, full_hi, tile_hi, key_lo,
+        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
+        PRECISION, True,
+    )  # fmt: skip
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _score_tiles(
+    q,  # [BLOCK_M, HEAD_PAD]
+    m_fin,  # [BLOCK_M] fp32 final max (log2 units; 0 for rows with no key)
+    inv_l,  # [BLOCK_M] fp32 1 / final sum; 0 for padding rows (they add nothing)
+    scores_ptr,  # [num_blocks * block_size] fp32
+    k_cache_ptr,
+    bt_ptr,
+    stride_bb,
+    tile_lo,
+    tile_hi,
+    key_lo,
+    key_hi,
+    qk_scale,
+    stride_cb,
+    stride_cs,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """scores[slot] += sum over the rows of p^2, p = 2^(s - m_fin) / l, for tiles
+    ``[tile_lo, tile_hi)``."""
+    for tile in range(tile_lo, tile_hi):
+        ok, blk, off = _tile_keys(bt_ptr, stride_bb, tile, key_lo, key_hi, BLOCK_SIZE, TILE_N,
+                                  MASKED)  # fmt: skip
+        k = _load_rows(k_cache_ptr, blk, off, ok, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, MASKED)
+        s = _qk(q, k, ok, qk_scale, UPCAST, PRECISION, MASKED)
+        p = tl.exp2(s - m_fin[:, None]) * inv_l[:, None]  # [BLOCK_M, TILE_N]
+        p2 = tl.sum(p * p, axis=0)  # [TILE_N]
+        slot = blk * BLOCK_SIZE + off
+        if MASKED:
+            old = tl.load(scores_ptr + slot, mask=ok, other=0.0)
+            tl.store(scores_ptr + slot, old + p2, mask=ok)
+        else:
+            old = tl.load(scores_ptr + slot)
+            tl.store(scores_ptr + slot, old + p2)
+
+
+@triton.jit
+def _score_range(
+    q,
+    m_fin,
+    inv_l,
+    scores_ptr,
+    k_cache_ptr,
+    bt_ptr,
+    stride_bb,
+    tile_lo,
+    tile_hi,
+    key_lo,
+    key_hi,
+    qk_scale,
+    stride_cb,
+    stride_cs,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """:func:`_score_tiles` in three runs: masked, mask-free, masked."""
+    full_lo, full_hi = _full_tiles(tile_lo, tile_hi, key_lo, key_hi, TILE_N)
+    _score_tiles(
+        q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_ptr, stride_bb, tile_lo, full_lo, key_lo,
+        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
+        PRECISION, True,
+    )  # fmt: skip
+    _score_tiles(
+        q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_ptr, stride_bb, full_lo, full_hi, key_lo,
+        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
+        PRECISION, False,
+    )  # fmt: skip
+    _score_tiles(
+        q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_ptr, stride_bb, full_hi, tile_hi, key_lo,
+        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
+        PRECISION, True,
+    )  # fmt: skip
+
+
+@triton.jit
+def _group_setup(
+    q_ptr,
+    bt_ptr,
+    lens_ptr,
+    row,
+    kvh,
+    window,  # 0 = no sliding window
+    stride_qt,
+    stride_qh,
+    stride_br,
+    stride_bh,
+    stride_lr,
+    stride_lh,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+):
+    """What every decode program of (row, kvh) starts from: the group's query rows
+    [BLOCK_M, HEAD_PAD] (row m = query head kvh * G + m; rows >= G are 0), the row mask, the
+    head's block-table pointer, the visible logical indices [key_lo, key_hi) and their tiles
+    [tile_lo, tile_hi)."""
+    m = tl.arange(0, BLOCK_M)
+    row_mask = m < G
+    d = tl.arange(0, HEAD_PAD)
+    head = kvh * G + m
+    q = tl.load(
+        q_ptr + row.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_mask[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    bt_row = bt_ptr + row.to(tl.int64) * stride_br + kvh * stride_bh
+    key_hi = tl.load(lens_ptr + row.to(tl.int64) * stride_lr + kvh * stride_lh).to(tl.int32)
+    key_lo = tl.maximum(tl.where(window > 0, key_hi - window, 0), 0)
+    tile_lo = key_lo // TILE_N
+    tile_hi = (key_hi + TILE_N - 1) // TILE_N
+    return q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi
+
+
+@triton.jit
+def _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS: tl.constexpr):
+    """Split s's share of tiles [tile_lo, tile_hi): equal slices, the last ones shorter.
+
+    Example: 20 tiles, NUM_SPLITS 8 -> per 3: splits 0-5 get 3 tiles, 6 gets 2, 7 none.
+    """
+    per = (tile_hi - tile_lo + NUM_SPLITS - 1) // NUM_SPLITS
+    lo = tl.minimum(tile_lo + s * per, tile_hi)
+    return lo, tl.minimum(lo + per, tile_hi)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(
+    out_ptr,  # [rows, num_heads, head_dim]
+    q_ptr,  # [rows, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, head_dim]
+    v_cache_ptr,
+    bt_ptr,  # [rows, num_kv_heads, max_blocks] int32
+    lens_ptr,  # [rows, num_kv_heads] int32/int64
+    scores_ptr,  # [num_blocks * block_size] fp32 (unused without SCORES)
+    qk_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_br,
+    stride_bh,
+    stride_bb,
+    stride_lr,
+    stride_lh,
+    stride_cb,
+    stride_cs,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SCORES: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One program per (row, KV head): the G query heads' output and (SCORES) the keys'
+    scores."""
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi = _group_setup(
+        q_ptr, bt_ptr, lens_ptr, row, kvh, window, stride_qt, stride_qh, stride_br, stride_bh,
+        stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M, TILE_N,
+    )  # fmt: skip
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi, key_lo,
+        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
+        PRECISION,
+    )  # fmt: skip
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a head with no key: acc 0 -> output 0
+    d = tl.arange(0, HEAD_PAD)
+    tl.store(
+        out_ptr + row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
+        (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & (d < HEAD_DIM)[None, :],
+    )
+    if SCORES:
+        m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+        inv_l = tl.where(row_mask, 1.0 / l_safe, 0.0)
+        _score_range(
+            q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi,
+            key_lo, key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE,
+            TILE_N, UPCAST, PRECISION,
+        )  # fmt: skip
+
+
+@triton.jit
+def _split_kernel(
+    part_acc_ptr,  # [rows, num_heads, NUM_SPLITS, HEAD_PAD] fp32
+    part_m_ptr,  # [rows, num_heads, NUM_SPLITS] fp32
+    part_l_ptr,  # [rows, num_heads, NUM_SPLITS] fp32
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_ptr,
+    lens_ptr,
+    qk_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_br,
+    stride_bh,
+    stride_bb,
+    stride_lr,
+    stride_lh,
+    stride_cb,
+    stride_cs,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One program per (row, KV head, split): the split's partial (acc, max, sum) per query
+    head; an empty split writes (0, -inf, 0)."""
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi = _group_setup(
+        q_ptr, bt_ptr, lens_ptr, row, kvh, window, stride_qt, stride_qh, stride_br, stride_bh,
+        stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M, TILE_N,
+    )  # fmt: skip
+    tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi, key_lo,
+        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
+        PRECISION,
+    )  # fmt: skip
+    # Example: NUM_HEADS 8, NUM_SPLITS 4, row 2, head 5, split 3 -> part row (2 * 8 + 5) * 4 + 3.
+    prow = (row.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + s  # [BLOCK_M]
+    tl.store(part_m_ptr + prow, m_i, mask=row_mask)
+    tl.store(part_l_ptr + prow, l_i, mask=row_mask)
+    d = tl.arange(0, HEAD_PAD)
+    tl.store(part_acc_ptr + prow[:, None] * HEAD_PAD + d[None, :], acc, mask=row_mask[:, None])
+
+
+@triton.jit
+def _combine_kernel(
+    out_ptr,  # [rows, num_heads, head_dim]
+    glob_m_ptr,  # [rows, num_heads] fp32: the combined max (0 if no key), for the score pass
+    glob_l_ptr,  # [rows, num_heads] fp32: the combined sum (1 if no key)
+    part_acc_ptr,  # [rows, num_heads, NUM_SPLITS, HEAD_PAD] fp32
+    part_m_ptr,  # [rows, num_heads, NUM_SPLITS] fp32
+    part_l_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    STORE_ML: tl.constexpr,
+):
+    """One program per (row, query head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,
+    M = max_s m_s."""
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLIT_PAD)
+    sp_mask = sp < NUM_SPLITS
+    base = row.to(tl.int64) * NUM_HEADS + h
+    prow = base * NUM_SPLITS + sp  # [SPLIT_PAD]
+    m_s = tl.load(part_m_ptr + prow, mask=sp_mask, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + prow, mask=sp_mask, other=0.0)
+    m_all = tl.max(m_s, axis=0)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.exp2(m_s - m_all)  # empty splits (m -inf) weigh 0
+    denom = tl.sum(w * l_s, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    d = tl.arange(0, HEAD_PAD)
+    d_mask = d < HEAD_DIM
+    acc = tl.load(  # [SPLIT_PAD, HEAD_PAD]
+        part_acc_ptr + prow[:, None] * HEAD_PAD + d[None, :],
+        mask=sp_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(acc * w[:, None], axis=0) / denom
+    tl.store(
+        out_ptr + row.to(tl.int64) * stride_ot + h * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+    if STORE_ML:
+        tl.store(glob_m_ptr + base, m_all)
+        tl.store(glob_l_ptr + base, denom)
+
+
+@triton.jit
+def _split_score_kernel(
+    scores_ptr,  # [num_blocks * block_size] fp32
+    glob_m_ptr,  # [rows, num_heads] fp32
+    glob_l_ptr,
+    q_ptr,
+    k_cache_ptr,
+    bt_ptr,
+    lens_ptr,
+    qk_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_br,
+    stride_bh,
+    stride_bb,
+    stride_lr,
+    stride_lh,
+    stride_cb,
+    stride_cs,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One program per (row, KV head, split): the split's keys' scores from the combined max
+    and sum (the same tiles as the split's ``_split_kernel`` program)."""
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi = _group_setup(
+        q_ptr, bt_ptr, lens_ptr, row, kvh, window, stride_qt, stride_qh, stride_br, stride_bh,
+        stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M, TILE_N,
+    )  # fmt: skip
+    tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS)
+    g = row.to(tl.int64) * NUM_HEADS + head  # [BLOCK_M]
+    m_fin = tl.load(glob_m_ptr + g, mask=row_mask, other=0.0)
+    inv_l = tl.where(row_mask, 1.0 / tl.load(glob_l_ptr + g, mask=row_mask, other=1.0), 0.0)
+    _score_range(
+        q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi, key_lo,
+        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
+        PRECISION,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+
+
+def kvc_decode_num_splits(
+    num_rows: int, num_kv_heads: int, max_len: int, device: torch.device, tile_n: int = 64
+) -> int:
+    """Split count of the decode path (1 = the single-pass kernel), from host ints only.
+
+    The shape of paged_attention's rule (:func:`pagedllm.ops.paged_attention.choose_num_splits`)
+    with one program per (row, KV head), and constants measured for this kernel: split only
+    when the programs do not fill the SMs (rows x KV heads < SMs), into the largest power of
+    two that keeps programs x splits <= 2 per SM, at most 64 and at most the tiles of
+    ``max_len`` keys. ``max_len`` bounds the heads' lengths on the host (the decode entry point
+    passes the block tables' capacity, ``max_blocks * block_size``, or the window if smaller).
+    Example (H200, 132 SMs, 8 KV heads): 1 row -> 8 programs -> 32 splits at 32k keys; 8 rows
+    -> 4; 32 rows (256 programs) -> 1. Measured there (bf16, head_dim 128, G 4, CUDA-graph
+    time): 1 x 32k 43.7 us with 32 splits (51.7 with paged_attention's 64), 8 x 8k 75.7 us
+    with 4 (89.0 with its 8), 32 x 4k 138.8 us unsplit (169.8 with its 2).
+    """
+    programs = num_rows * num_kv_heads
+    sms = _num_sms(device)
+    if programs >= sms:
+        return 1
+    want = max(1, (2 * sms) // programs)
+    tiles = max(1, triton.cdiv(max_len, tile_n))
+    splits = min(64, want, tiles)
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+
+def kvc_decode_attention(
+    query: torch.Tensor,  # [num_rows, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, head_dim]
+    block_tables: torch.Tensor,  # [num_rows, num_kv_heads, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_rows, num_kv_heads] int32/int64
+    scale: float,
+    scores: torch.Tensor | None = None,  # [num_blocks * block_size] float32, updated in place
+    sliding_window: int | None = None,
+    num_splits: int | None = None,  # None: automatic; 1: single pass; > 1: split-K
+    tile_config: TileConfig | None = None,  # override the launch shape (tuning, tests)
+) -> torch.Tensor:
+    """Decode attention over per-head paged KVs; returns [num_rows, num_heads, head_dim] in the
+    query's dtype.
+
+    Row r's query head q attends to the keys of KV head ``q // G`` of row r: logical indices
+    ``[max(len - W, 0), len)`` with ``len = seq_lens[r, q // G]`` (``W`` = ``sliding_window``,
+    no lower bound without one). A head with no key gives 0. With ``scores``, each attended
+    key's slot gets ``+= sum over its G query heads of p^2`` (p: the final softmax
+    probability). Query rows past ``seq_lens.shape[0]`` (if any) come back 0.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_rows, num_kv_heads = seq_lens.shape
+    assert kv_cache.dim() == 4 and kv_cache.shape[0] == 2 and kv_cache.shape[3] == head_dim
+    assert block_tables.dim() == 3 and block_tables.shape[:2] == (num_rows, num_kv_heads)
+    assert num_heads % num_kv_heads == 0 and num_tokens >= num_rows
+    g = num_heads // num_kv_heads
+    block_size = kv_cache.shape[2]
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens > num_rows:
+        out[num_rows:].zero_()
+    if num_rows == 0:
+        return out
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    assert k_cache.stride(2) == 1 and k_cache.stride() == v_cache.stride()
+    if scores is not None:
+        assert scores.dtype == torch.float32 and scores.is_contiguous()
+        assert scores.numel() >= kv_cache.shape[1] * block_size
+    window = int(sliding_window) if sliding_window else 0
+    qk_scale = float(scale) * LOG2E
+    head_pad = triton.next_power_of_2(head_dim)
+    upcast = query.device.type == "cpu"  # the CPU interpreter mis-computes 16-bit dots
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    cfg = tile_config or default_tile_config(head_pad, decode=True)
+    tile_n = cfg.tile_n
+    block_m = max(16, triton.next_power_of_2(g))
+    if num_splits is None:
+        max_len = block_tables.shape[2] * block_size
+        if window:
+            max_len = min(max_len, window)
+        num_splits = kvc_decode_num_splits(num_rows, num_kv_heads, max_len, query.device, tile_n)
+    assert num_splits >= 1
+    strides = (
+        query.stride(0), query.stride(1), *block_tables.stride(), *seq_lens.stride(),
+        k_cache.stride(0), k_cache.stride(1),
+    )  # fmt: skip
+    consts = dict(
+        G=g, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        TILE_N=tile_n, UPCAST=upcast, PRECISION=precision,
+    )  # fmt: skip
+    scores_arg = scores if scores is not None else out  # never read without SCORES
+
+    if num_splits == 1:
+        _decode_kernel[(num_rows, num_kv_heads)](
+            out, query, k_cache, v_cache, block_tables, seq_lens, scores_arg, qk_scale, window,
+            strides[0], strides[1], out.stride(0), out.stride(1), *strides[2:],
+            SCORES=scores is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **consts,
+        )  # fmt: skip
+        return out
+
+    dev = query.device
+    part_acc = torch.empty((num_rows, num_heads, num_splits, head_pad), dtype=torch.float32,
+                           device=dev)  # fmt: skip
+    part_m = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=dev)
+    part_l = torch.empty_like(part_m)
+    grid = (num_rows, num_kv_heads, num_splits)
+    _split_kernel[grid](
+        part_acc, part_m, part_l, query, k_cache, v_cache, block_tables, seq_lens, qk_scale,
+        window, *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits, num_warps=cfg.num_warps,
+        num_stages=cfg.split_num_stages, **consts,
+    )  # fmt: skip
+    if scores is not None:
+        glob_m = torch.empty((num_rows, num_heads), dtype=torch.float32, device=dev)
+        glob_l = torch.empty_like(glob_m)
+    else:
+        glob_m = glob_l = part_m  # never written without STORE_ML
+    _combine_kernel[(num_rows, num_heads)](
+        out, glob_m, glob_l, part_acc, part_m, part_l, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
+        SPLIT_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+        STORE_ML=scores is not None, num_warps=4 if head_pad >= 128 else 2,
+    )  # fmt: skip
+    if scores is not None:
+        _split_score_kernel[grid](
+            scores, glob_m, glob_l, query, k_cache, block_tables, seq_lens, qk_scale, window,
+            *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits, num_warps=cfg.num_warps,
+            num_stages=cfg.split_num_stages, **consts,
+        )  # fmt: skip
+    return out
+
+
+def kvc_paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, head_dim]
+    query_start_loc: torch.Tensor,  # [R + 1] int32, on the device
+    seq_lens: torch.Tensor,  # [R, num_kv_heads] int32/int64: keys per head incl. the new ones
+    block_tables: torch.Tensor,  # [R, num_kv_heads, max_blocks] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of prefill chunks (any q_len >= 1) over per-head paged KVs; returns
+    [num_tokens, num_heads, head_dim] (rows of no request are 0). No scores.
+
+    Request r owns query rows ``query_start_loc[r]:query_start_loc[r+1]``; its q_len new keys
+    are the last q_len logical indices of every head, so query i of r sees, in KV head h,
+    the logical indices ``<= seq_lens[r, h] - q_len + i`` (and ``>`` that ``- W`` with a
+    window W).
+
+    Each (request r, KV head h) runs as pseudo-request ``p = r * H + h`` of
+    :func:`pagedllm.ops.paged_attention.paged_attention` with one KV head and G query heads:
+    token t of r (local index i) and head h go to pseudo row ``qsl[r] * H + h * q_len + i``.
+    Example: H 2, G 2, qsl [0, 3, 4]: request 0's rows 0-2 of heads 0-1 (query heads 0-1) ->
+    pseudo rows 0-2, heads 2-3 -> rows 3-5; request 1's row 3 -> rows 6 (h 0) and 7 (h 1);
+    pseudo qsl [0, 3, 6, 7, 8]. Rows outside every request keep a row of their own
+    (``t * H + h``), so the map is a permutation of ``[0, num_tokens * H)``.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_reqs, num_kv_heads = seq_lens.shape
+    assert kv_cache.dim() == 4 and kv_cache.shape[0] == 2 and kv_cache.shape[3] == head_dim
+    assert block_tables.shape[:2] == (num_reqs, num_kv_heads)
+    assert num_heads % num_kv_heads == 0
+    g = num_heads // num_kv_heads
+    h = num_kv_heads
+    dev = query.device
+    if num_tokens == 0 or num_reqs == 0:
+        return torch.zeros(query.shape, dtype=query.dtype, device=dev)
+    qsl = query_start_loc.to(torch.int64)
+    t = torch.arange(num_tokens, device=dev)
+    # request of each token: the last r with qsl[r] <= t (clamped; invalid tokens masked below)
+    req = (torch.searchsorted(qsl, t, right=True) - 1).clamp(0, num_reqs - 1)  # [T]
+    start = qsl[req]
+    q_len = qsl[req + 1] - start
+    valid = (t >= qsl[0]) & (t < qsl[-1])  # [T]
+    heads = torch.arange(h, device=dev)
+    prow = torch.where(
+        valid[:, None],
+        start[:, None] * h + heads[None, :] * q_len[:, None] + (t - start)[:, None],
+        t[:, None] * h + heads[None, :],
+    ).reshape(-1)  # [T * H] pseudo row of (t, h)
+    pq = torch.empty((num_tokens * h, g, head_dim), dtype=query.dtype, device=dev)
+    pq[prow] = query.reshape(num_tokens * h, g, head_dim)
+    lens_all = qsl[1:] - qsl[:-1]  # [R]
+    pqsl = torch.empty(num_reqs * h + 1, dtype=torch.int32, device=dev)
+    pqsl[:-1] = (qsl[:-1, None] * h + heads[None, :] * lens_all[:, None]).reshape(-1)
+    pqsl[-1:] = qsl[-1:] * h
+    pout = torch.zeros_like(pq)
+    tables = block_tables.reshape(num_reqs * h, block_tables.shape[2])  # [R * H, max_blocks]
+    if tables.stride(1) != 1:
+        tables = tables.contiguous()
+    paged_attention(
+        pq,
+        kv_cache.unsqueeze(3),  # [2, num_blocks, block_size, 1, head_dim]
+        pqsl,
+        seq_lens.reshape(num_reqs * h).to(torch.int32),
+        tables,
+        max_query_len,
+        max_seq_len,
+        scale,
+        sliding_window,
+        out=pout,
+        num_splits=1,
+    )
+    return pout[prow].reshape(num_tokens, num_heads, head_dim)

@@ -1,0 +1,499 @@
+"""Triton kernels over KV-Compress's per-head paged cache (pagedllm/ops/kvc_attention.py)
+against plain PyTorch references.
+
+Every (row, KV head) gets its own random length (0, 1, a multiple of the block size and
+lengths that are not) and its own blocks (distinct ids, scattered over the cache). Slots that
+no query may see hold NaN (past a head's length, blocks in no table, and for the decode kernel
+the keys before the window), so a kernel that reads one shows it. Decode: single pass and
+split-K, with and without the in-place scores update (checked slot by slot: attended slots
+gain the reference's sum over the GQA group of p^2, every other slot is unchanged). Mixed
+batches: prefill chunks and decodes through the unified paged kernel. The KV-Compress Triton
+backend (which calls both) against the torch backend on whole steps.
+
+On a machine without CUDA the kernels run through Triton's interpreter (see triton_setup.py)
+on small shapes (block sizes 4/8, 16-key tiles, head_dim 64); on CUDA the block sizes are
+16/32, the contexts longer, head_dim 128/256 are added and the default tile shapes are used.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tests.kernels.triton_setup import CUDA, DEVICE, cuda_only
+
+# isort: split
+
+import numpy as np
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kvcompress.attention import KVCLayerInfo, KVCStepPlan, KVCTorchBackend
+from pagedllm.kvcompress.triton_backend import KVCTritonBackend
+from pagedllm.ops.kvc_attention import (
+    kvc_decode_attention,
+    kvc_decode_num_splits,
+    kvc_paged_attention,
+)
+from pagedllm.ops.paged_attention import TileConfig
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# max |out - ref| <= atol + rtol * |ref| (as in test_paged_attention.py)
+TOL = {
+    torch.bfloat16: (1.5e-2, 1.5e-2),
+    torch.float16: (3e-3, 3e-3),
+    torch.float32: (1e-4, 1e-4),
+}
+# Scores: p comes from the same (exact) products in every dtype: only fp32 rounding differs.
+SCORE_TOL = (2e-5, 1e-3)
+# (num_heads, num_kv_heads): GQA ratios 1, 2, 4
+GQA = [(4, 4), (4, 2), (8, 2)]
+# The interpreter gets small blocks and tiles, so that tiles span several blocks and some
+# tiles are mask-free; CUDA runs the default tile shapes.
+BLOCK_SIZES = (16, 32) if CUDA else (4, 8)
+TILE = None if CUDA else TileConfig(block_m=16, tile_n=16)
+
+
+def _params() -> list:
+    """(dtype, num_heads, num_kv_heads, head_dim, block_size): head_dim 64 with every GQA ratio
+    in every dtype (fp16 only with GQA 4 in the interpreter, which computes 16-bit inputs in
+    fp32 anyway); head_dim 128/256 x both block sizes in bf16 and fp16 on CUDA only."""
+    params = []
+    for dtype in DTYPES:
+        for i, (hq, h) in enumerate(GQA):
+            if dtype == torch.float16 and not CUDA and hq // h != 4:
+                continue
+            bs = BLOCK_SIZES[i % 2]
+            params.append(pytest.param(dtype, hq, h, 64, bs, id=f"{dtype}-q{hq}-kv{h}-d64-bs{bs}"))
+    for dtype in (torch.bfloat16, torch.float16):
+        for hd, (hq, h), bs in itertools.product((128, 256), GQA, BLOCK_SIZES):
+            name = f"big-{dtype}-q{hq}-kv{h}-d{hd}-bs{bs}"
+            params.append(pytest.param(dtype, hq, h, hd, bs, id=name, marks=cuda_only))
+    return params
+
+
+PARAMS = _params()
+
+
+@dataclass
+class HeadCache:
+    """A per-head paged cache on the CPU (moved to DEVICE by the tests)."""
+
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, head_dim]
+    block_tables: torch.Tensor  # [rows, num_kv_heads, max_blocks] int32
+    lens: torch.Tensor  # [rows, num_kv_heads] int32
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.shape[2]
+
+    def slots(self, r: int, h: int, lo: int, hi: int) -> torch.Tensor:
+        """Slots of logical indices [lo, hi) of (row r, KV head h).
+
+        Example: block_size 4, table [7, 3, 9], indices [2, 6) -> slots [30, 31, 12, 13].
+        """
+        idx = torch.arange(lo, hi)
+        bs = self.block_size
+        return self.block_tables[r, h, idx // bs].long() * bs + idx % bs
+
+
+def random_lens(rows: int, num_kv_heads: int, max_len: int, block_size: int, seed: int):
+    """[rows, num_kv_heads] int32 lengths in [0, max_len], with a 0, a 1, a multiple of the
+    block size and max_len among them (the rest rarely multiples of the block size)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, max_len + 1, (rows, num_kv_heads), generator=gen, dtype=torch.int32)
+    special = [0, max_len, 3 * block_size, 1]
+    flat = lens.view(-1)
+    for i, v in enumerate(special[: flat.numel()]):
+        flat[(i * 5) % flat.numel()] = v
+    return lens
+
+
+def make_head_cache(
+    lens: torch.Tensor,  # [rows, num_kv_heads] int32
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    spare_blocks: int = 4,
+) -> HeadCache:
+    """Random K/V; (row, head) gets ceil(len / block_size) distinct random blocks; the table
+    columns past them point at spare blocks (in no table: never to be read)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, heads = lens.shape
+    nblk = (lens.long() + block_size - 1) // block_size  # [rows, heads]
+    num_blocks = int(nblk.sum()) + spare_blocks
+    max_blocks = int(nblk.max()) + 1
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    spare = perm[num_blocks - spare_blocks :]
+    pick = torch.randint(0, spare_blocks, (rows, heads, max_blocks), generator=gen)
+    tables = spare[pick]  # [rows, heads, max_blocks]
+    used = 0
+    for r in range(rows):
+        for h in range(heads):
+            n = int(nblk[r, h])
+            tables[r, h, :n] = perm[used : used + n]
+            used += n
+    kv = torch.randn(2, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    return HeadCache(kv_cache=kv, block_tables=tables, lens=lens.clone())
+
+
+def poisoned(c: HeadCache, visible_lo: torch.Tensor, early: float) -> torch.Tensor:
+    """A copy of the cache where every slot outside each head's [0, len) holds NaN and the
+    slots of logical indices [0, visible_lo[r, h]) hold ``early`` (NaN or a finite value)."""
+    kv = c.kv_cache.clone()
+    flat = kv.view(2, -1, kv.shape[-1])  # [2, num_slots, head_dim]
+    live = torch.zeros(flat.shape[1], dtype=torch.bool)
+    early_mask = torch.zeros_like(live)
+    rows, heads = c.lens.shape
+    for r in range(rows):
+        for h in range(heads):
+            n, lo = int(c.lens[r, h]), int(visible_lo[r, h])
+            live[c.slots(r, h, lo, n)] = True
+            early_mask[c.slots(r, h, 0, lo)] = True
+    flat[:, ~live & ~early_mask] = float("nan")
+    flat[:, early_mask] = early
+    return kv
+
+
+# ---------------------------------------------------------------------------------------------
+# References (float32, one (row, head) at a time)
+# ---------------------------------------------------------------------------------------------
+
+
+def decode_ref(
+    query: torch.Tensor,  # [rows, num_heads, head_dim]
+    c: HeadCache,
+    scale: float,
+    window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns the output [rows, num_heads, head_dim] float32, the attended slots
+    [num_slots] bool and each slot's score increment [num_slots] float32 (sum over the GQA
+    group of p^2; one addend per slot, as each slot belongs to one head)."""
+    rows, num_heads, head_dim = query.shape
+    heads = c.lens.shape[1]
+    g = num_heads // heads
+    k_flat = c.kv_cache[0].reshape(-1, head_dim)
+    v_flat = c.kv_cache[1].reshape(-1, head_dim)
+    out = torch.zeros(rows, num_heads, head_dim)
+    attended = torch.zeros(k_flat.shape[0], dtype=torch.bool)
+    delta = torch.zeros(k_flat.shape[0])
+    for r in range(rows):
+        for h in range(heads):
+            n = int(c.lens[r, h])
+            lo = max(n - window, 0) if window else 0
+            if n == lo:
+                continue
+            slots = c.slots(r, h, lo, n)
+            q = query[r, h * g : (h + 1) * g].float()  # [G, D]
+            p = torch.softmax(q @ k_flat[slots].float().T * scale, dim=-1)  # [G, n - lo]
+            out[r, h * g : (h + 1) * g] = p @ v_flat[slots].float()
+            attended[slots] = True
+            delta[slots] = (p * p).sum(0)
+    return out, attended, delta
+
+
+def paged_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    c: HeadCache,
+    q_lens: list[int],
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal attention of request r's q_lens[r] queries (the last q_len logical indices of
+    each head); rows of no request are 0. Returns [num_tokens, num_heads, head_dim] float32."""
+    num_tokens, num_heads, head_dim = query.shape
+    heads = c.lens.shape[1]
+    g = num_heads // heads
+    k_flat = c.kv_cache[0].reshape(-1, head_dim)
+    v_flat = c.kv_cache[1].reshape(-1, head_dim)
+    out = torch.zeros(num_tokens, num_heads, head_dim)
+    start = 0
+    for r, ql in enumerate(q_lens):
+        for h in range(heads):
+            n = int(c.lens[r, h])
+            idx = torch.arange(n)
+            q_idx = torch.arange(n - ql, n)  # [ql] logical index of each query
+            vis = idx[None, :] <= q_idx[:, None]  # [ql, n]
+            if window:
+                vis &= idx[None, :] > q_idx[:, None] - window
+            slots = c.slots(r, h, 0, n)
+            k = k_flat[slots].float()
+            v = v_flat[slots].float()
+            k[~vis.any(0)] = 0.0  # keys no query sees may be poisoned: keep them out
+            v[~vis.any(0)] = 0.0
+            q = query[start : start + ql, h * g : (h + 1) * g].float()  # [ql, G, D]
+            s = torch.einsum("igd,nd->ign", q, k) * scale
+            s = s.masked_fill(~vis[:, None, :], float("-inf"))
+            out[start : start + ql, h * g : (h + 1) * g] = torch.einsum(
+                "ign,nd->igd", s.softmax(dim=-1), v
+            )
+        start += ql
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode
+# ---------------------------------------------------------------------------------------------
+
+
+def check_decode(
+    c: HeadCache,
+    query: torch.Tensor,  # [rows, num_heads, head_dim] (CPU)
+    scale: float,
+    window: int | None,
+    splits: tuple[int | None, ...],
+    with_scores: bool,
+    seed: int,
+    tile_config: TileConfig | None = TILE,
+) -> None:
+    """kvc_decode_attention with each split count against :func:`decode_ref`; with scores,
+    starting each time from random scores."""
+    lo = (c.lens - window).clamp(min=0) if window else torch.zeros_like(c.lens)
+    kv = poisoned(c, lo, float("nan")).to(DEVICE)
+    tables, lens = c.block_tables.to(DEVICE), c.lens.to(DEVICE)
+    ref, attended, delta = decode_ref(query, c, scale, window)
+    g = query.shape[1] // c.lens.shape[1]
+    empty = (c.lens == 0).repeat_interleave(g, dim=1)  # [rows, num_heads]
+    atol, rtol = TOL[query.dtype]
+    gen = torch.Generator().manual_seed(seed)
+    for num_splits in splits:
+        start = torch.rand(kv.shape[1] * kv.shape[2], generator=gen)
+        scores = start.clone().to(DEVICE) if with_scores else None
+        out = kvc_decode_attention(
+            query.to(DEVICE), kv, tables, lens, scale, scores=scores, sliding_window=window,
+            num_splits=num_splits, tile_config=tile_config,
+        )  # fmt: skip
+        assert out.dtype == query.dtype and out.shape == query.shape
+        got = out.float().cpu()
+        assert torch.isfinite(got).all()
+        assert (got[empty] == 0).all(), "a head with no key must give 0"
+        torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+        if scores is not None:
+            got_s = scores.cpu()
+            assert torch.equal(got_s[~attended], start[~attended]), "a slot not attended changed"
+            torch.testing.assert_close(
+                got_s[attended], (start + delta)[attended], atol=SCORE_TOL[0], rtol=SCORE_TOL[1]
+            )
+
+
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size", PARAMS)
+def test_decode(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """Single pass and split-K (4 splits: with short heads some splits are empty), windows on
+    and off, with scores; then both paths once without scores."""
+    rows, max_len = (6, 3000) if CUDA else (3, 45)
+    lens = random_lens(rows, num_kv_heads, max_len, block_size, seed=1)
+    c = make_head_cache(lens, head_dim, block_size, dtype, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(rows, num_heads, head_dim, generator=gen).to(dtype)
+    scale = 0.7 * head_dim**-0.5
+    windows = (None, 10, 1000) if CUDA else (None, 10)
+    splits = (1, 4, 16) if CUDA else (1, 4)
+    for i, window in enumerate(windows):
+        check_decode(c, query, scale, window, splits, with_scores=True, seed=10 + i)
+    check_decode(c, query, scale, None, (1, 4), with_scores=False, seed=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES if CUDA else [torch.bfloat16, torch.float32], ids=str)
+def test_decode_auto_splits(dtype: torch.dtype) -> None:
+    """num_splits=None: few long heads take split-K, many rows the single pass; both right."""
+    block_size = BLOCK_SIZES[0]
+    tile_n = TILE.tile_n if TILE else 64
+    for rows, heads, max_len, split in ((1, 2, 4000 if CUDA else 60, True), (80, 4, 40, False)):
+        if not CUDA and not split:
+            rows = 8  # 32 programs >= 2 per "SM" (the interpreter counts 4)
+        lens = random_lens(rows, heads, max_len, block_size, seed=4)
+        c = make_head_cache(lens, 64, block_size, dtype, seed=5)
+        capacity = c.block_tables.shape[2] * block_size
+        n = kvc_decode_num_splits(rows, heads, capacity, DEVICE, tile_n)
+        assert (n > 1) == split, n
+        query = torch.randn(rows, 2 * heads, 64, generator=torch.Generator().manual_seed(6))
+        check_decode(c, query.to(dtype), 64**-0.5, None, (None,), with_scores=True, seed=7)
+
+
+def test_decode_strided_inputs() -> None:
+    """Strided views (query, tables, int64 lengths) as the backend may pass them, the default
+    tile shape, and query rows past the last length row (they come back 0)."""
+    block_size, heads, num_heads, d = BLOCK_SIZES[1], 2, 8, 64
+    lens = random_lens(4, heads, 50, block_size, seed=8)
+    c = make_head_cache(lens, d, block_size, torch.float32, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    q_big = torch.randn(6, num_heads, 2 * d, generator=gen)
+    query = q_big[:, :, :d]  # [6, num_heads, d], stride(1) = 2 d
+    ref, _, _ = decode_ref(query[:4], c, d**-0.5, None)
+    tables_big = torch.zeros(8, heads, c.block_tables.shape[2] + 3, dtype=torch.int32)
+    tables_big[::2, :, 1 : 1 + c.block_tables.shape[2]] = c.block_tables
+    tables = tables_big[::2, :, 1:]  # every stride differs from a contiguous tensor's
+    lens_big = torch.zeros(4, 2 * heads, dtype=torch.int64)
+    lens_big[:, ::2] = lens
+    kv = c.kv_cache.to(DEVICE)
+    for s in (1, 4):
+        out = kvc_decode_attention(
+            query.to(DEVICE), kv, tables.to(DEVICE), lens_big.to(DEVICE)[:, ::2], d**-0.5,
+            num_splits=s,
+        )  # fmt: skip
+        got = out.cpu()
+        torch.testing.assert_close(got[:4], ref, atol=1e-4, rtol=1e-4)
+        assert (got[4:] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixed batches (prefill chunks and decodes)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size", PARAMS)
+def test_paged_mixed_batch(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """Prefill chunks (after per-head contexts of any length, 0 included) and decodes; two
+    CUDA-graph padding rows at the end must come back 0."""
+    if CUDA:
+        q_lens, max_ctx = [1, 130, 1, 37, 300, 16], 1500
+    else:
+        q_lens, max_ctx = [1, 6, 3, 1], 25
+    pad = 2
+    ctx = random_lens(len(q_lens), num_kv_heads, max_ctx, block_size, seed=11)
+    lens = ctx + torch.tensor(q_lens, dtype=torch.int32)[:, None]  # [R, H]
+    c = make_head_cache(lens, head_dim, block_size, dtype, seed=12)
+    n_tok = sum(q_lens)
+    gen = torch.Generator().manual_seed(13)
+    query = torch.randn(n_tok + pad, num_heads, head_dim, generator=gen).to(dtype)
+    qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    scale = head_dim**-0.5
+    ql = torch.tensor(q_lens, dtype=torch.int32)[:, None]
+    atol, rtol = TOL[dtype]
+    for window in (None, 8, 200) if CUDA else (None, 5):
+        ref = paged_ref(query, c, q_lens, scale, window)
+        # No query of (r, h) sees indices <= len - q_len - W; the unified kernel may load (not
+        # use) those of its first tile: poison them with a finite value, the rest with NaN.
+        lo = (lens - ql - window + 1).clamp(min=0) if window else torch.zeros_like(lens)
+        kv = poisoned(c, lo, 1e3).to(DEVICE)
+        out = kvc_paged_attention(
+            query.to(DEVICE),
+            kv,
+            qsl.to(DEVICE),
+            lens.to(DEVICE),
+            c.block_tables.to(DEVICE),
+            max(q_lens),
+            int(lens.max()),
+            scale,
+            window,
+        )
+        assert out.dtype == dtype and out.shape == query.shape
+        got = out.float().cpu()
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got[:n_tok], ref[:n_tok], atol=atol, rtol=rtol)
+        assert (got[n_tok:] == 0).all(), "rows of no request must be 0"
+
+
+def test_paged_matches_decode_for_decode_rows() -> None:
+    """A batch of q_len 1 through both entry points gives the same output."""
+    block_size, heads, num_heads, d = BLOCK_SIZES[0], 2, 8, 64
+    lens = random_lens(3, heads, 40, block_size, seed=14) + 1  # every head has its new key
+    c = make_head_cache(lens, d, block_size, torch.float32, seed=15)
+    query = torch.randn(3, num_heads, d, generator=torch.Generator().manual_seed(16)).to(DEVICE)
+    kv, tables, lens_d = c.kv_cache.to(DEVICE), c.block_tables.to(DEVICE), lens.to(DEVICE)
+    qsl = torch.arange(4, dtype=torch.int32, device=DEVICE)
+    for window in (None, 6):
+        a = kvc_decode_attention(query, kv, tables, lens_d, 0.1, sliding_window=window)
+        b = kvc_paged_attention(
+            query, kv, qsl, lens_d, tables, 1, int(lens.max()), 0.1, sliding_window=window
+        )
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend: KVCTritonBackend against KVCTorchBackend on one step
+# ---------------------------------------------------------------------------------------------
+
+
+def _kvc_step(
+    q_lens: list[int],
+    ctx: torch.Tensor,  # [R, H] int32 keys each head holds before the step
+    num_heads: int,
+    head_dim: int,
+    block_size: int,
+    compressible: bool,
+    dev: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(query, key, value, kv_cache, metadata) of one KV-Compress step on ``dev``, the metadata
+    as ``HeadPagedCache.prepare_step`` makes it (float32, the same data for every ``dev``)."""
+    r, h = ctx.shape
+    lens = ctx + torch.tensor(q_lens, dtype=torch.int32)[:, None]  # [R, H]
+    c = make_head_cache(lens, head_dim, block_size, torch.float32, seed=20)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
+    t = int(qsl[-1])
+    req = torch.from_numpy(np.repeat(np.arange(r), q_lens))
+    local = torch.arange(t) - torch.from_numpy(qsl)[req]
+    # Example: ctx[r, h] 5, q_len 2 -> the new keys are logical 5, 6 of head h.
+    idx = ctx[req].long() + local[:, None]  # [T, H]
+    blk = c.block_tables[req[:, None], torch.arange(h)[None, :], idx // block_size].long()
+    slots = blk * block_size + idx % block_size  # [T, H]
+    num_slots = c.kv_cache.shape[1] * block_size
+    positions = torch.zeros(num_slots, dtype=torch.int32)
+    for rr, hh in itertools.product(range(r), range(h)):
+        n = int(lens[rr, hh])
+        positions[c.slots(rr, hh, 0, n)] = torch.arange(n, dtype=torch.int32)
+    q_np = np.asarray(q_lens)
+    plan = KVCStepPlan(
+        decode=np.nonzero(q_np == 1)[0],
+        prefill=np.nonzero(q_np > 1)[0],
+        collect=np.where(q_np == 1, 1, np.minimum(4, q_np)),  # every chunk ends its prompt
+        maxpool_kernel=3,
+    )
+    gen = torch.Generator().manual_seed(21)
+    scores = torch.rand(num_slots, generator=gen)
+    token_positions = ctx[req, 0].long() + local
+    info = KVCLayerInfo(
+        scores.to(dev), positions.to(dev), token_positions.to(dev), compressible, plan
+    )
+    md = AttentionMetadata(
+        num_reqs=r,
+        num_actual_tokens=t,
+        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+        seq_lens=lens.long().to(dev),
+        slot_mapping=slots.to(dev),
+        block_tables=c.block_tables.to(dev),
+        max_query_len=int(q_np.max()),
+        max_seq_len=int(lens.max()),
+        block_size=block_size,
+        query_start_loc_np=qsl,
+        kvc=info,
+    )
+    query = torch.randn(t, num_heads, head_dim, generator=gen)
+    key = torch.randn(t, h, head_dim, generator=gen)
+    value = torch.randn(t, h, head_dim, generator=gen)
+    return query.to(dev), key.to(dev), value.to(dev), c.kv_cache.to(dev), md
+
+
+@pytest.mark.parametrize(
+    "q_lens,window,compressible",
+    [
+        ([1, 6, 1, 3], None, True),  # decodes and prompt-ending chunks, scored
+        ([1, 1, 1], None, True),  # a decode-only step: one kernel call
+        ([5, 1, 2], 4, False),  # a windowed layer (never compacted, not scored)
+    ],
+    ids=["mixed", "decode-only", "window"],
+)
+def test_backend_matches_torch(q_lens: list[int], window: int | None, compressible: bool):
+    """KVCTritonBackend (kvc_decode_attention, kvc_paged_attention and the torch window
+    scores) against KVCTorchBackend: same cache after the write, same output and scores."""
+    num_heads, h, d, bs = 8, 2, 64, BLOCK_SIZES[0]
+    ctx = torch.tensor([[3, 20], [0, 0], [17, 5], [9, 40]], dtype=torch.int32)[: len(q_lens)]
+    if not compressible:  # never compacted: every head of a request holds the same keys
+        ctx = ctx[:, :1].expand(-1, h).contiguous()
+    results = []
+    for backend, dev in ((KVCTorchBackend(), torch.device("cpu")), (KVCTritonBackend(), DEVICE)):
+        query, key, value, kv, md = _kvc_step(q_lens, ctx, num_heads, d, bs, compressible, dev)
+        out = backend.forward(query, key, value, kv, md, d**-0.5, window)
+        assert out.shape == (query.shape[0], num_heads * d)
+        results.append((out.cpu(), kv.cpu(), md.kvc.scores.cpu()))
+    (ref, ref_kv, ref_scores), (got, got_kv, got_scores) = results
+    assert torch.equal(got_kv, ref_kv)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_scores, ref_scores, atol=1e-6, rtol=1e-5)
