@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.models.tiny import hf_greedy
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 MAX_NEW = 12
@@ -18,18 +17,6 @@ PROMPT_LENS = [3, 17, 40, 33, 8, 64]
 def _prompts(seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 500, size=n).tolist() for n in PROMPT_LENS]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_models):
-    cache = {}
-
-    def get(arch: str):
-        if arch not in cache:
-            cache[arch] = hf_greedy(tiny_models(arch), _prompts(), MAX_NEW)
-        return cache[arch]
-
-    return get
 
 
 def _run(path: str, prompts: list[list[int]], logprobs: int | None = None, **engine_kw):

@@ -9,28 +9,15 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.beam_search import BeamSearchParams
-from tests.models.tiny import hf_greedy
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
-MAX_NEW = 10
-PROMPT_LENS = [3, 17, 40, 33, 8, 64]
-
-
-def _prompts(seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 500, size=n).tolist() for n in PROMPT_LENS]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_models):
-    cache = {}
-
-    def get(arch: str):
-        if arch not in cache:
-            cache[arch] = hf_greedy(tiny_models(arch), _prompts(), MAX_NEW)[0]
-        return cache[arch]
-
-    return get
+# the prompts (several longer than the tiny Mistral's and Gemma 3's windows) and the HF
+# reference of the equality tests
+from tests.models.test_hf_equality import (  # noqa: E402
+    ARCHS,
+    MAX_NEW,
+    PROMPT_LENS,
+    _prompts,
+)
 
 
 def _run(path: str, params: dict | None = None, prompts=None, **engine_kw):
@@ -47,7 +34,7 @@ def _run(path: str, params: dict | None = None, prompts=None, **engine_kw):
 def test_budget_above_length_equals_hf(arch, tiny_models, reference):
     """A budget of at least prompt + output evicts nothing: HF's greedy tokens exactly."""
     llm, tokens = _run(tiny_models(arch), {"max_cache_tokens": 200})
-    assert tokens == reference(arch)
+    assert tokens == reference(arch)[0]
     kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
     assert kv.num_evicted_kvs == 0
 
@@ -69,7 +56,7 @@ def test_no_eviction_equals_hf_under_chunks_preemption_async(
     if arch == "gemma3" and "num_gpu_blocks_override" in engine_kw:
         engine_kw = {**engine_kw, "num_gpu_blocks_override": 120}  # 4 layers: 2x the heads
     llm, tokens = _run(tiny_models(arch), {"max_cache_tokens": 200}, **engine_kw)
-    assert tokens == reference(arch)
+    assert tokens == reference(arch)[0]
     if "num_gpu_blocks_override" in engine_kw:
         assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
 
@@ -261,7 +248,8 @@ def test_prefix_caching_is_off_with_kvc(tiny_models, reference):
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     first = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
     second = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
-    assert first[0].outputs[0].token_ids == second[0].outputs[0].token_ids == reference("llama")[5]
+    expected = reference("llama")[0][5]
+    assert first[0].outputs[0].token_ids == second[0].outputs[0].token_ids == expected
     kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
     assert kv.prefix_cache_hits == 0 and not kv.enable_caching
     assert second[0].num_cached_tokens == 0
