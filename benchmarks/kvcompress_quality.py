@@ -62,6 +62,8 @@ def _tasks(name: str, model_dir: str, args: argparse.Namespace) -> list[dict]:
         needle, passkey = [1024, 2048, 4096], [512, 1024, 2048, 4096]
     else:
         needle, passkey = [1024, 4096, 8192], [1024, 4096, 8192]
+    if args.lengths:
+        needle = passkey = [int(x) for x in args.lengths.split(",")]
     n = args.num if name == "smollm2" else args.num_gemma
     tasks = kt.needle_tasks(tok, needle, n, seed=1) + kt.passkey_tasks(tok, passkey, n, seed=2)
     tasks += kt.continuation_tasks(tok, args.context_len, args.cont_len, args.num_cont, seed=3)
@@ -245,6 +247,7 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2,gemma3")
     ap.add_argument("--num", type=int, default=4, help="retrieval tasks per length")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    ap.add_argument("--lengths", default="", help="retrieval prompt lengths (default per model)")
     ap.add_argument("--num-gemma", type=int, default=1, help="Gemma's tasks per length")
     ap.add_argument("--num-cont", type=int, default=4, help="continuation tasks")
     ap.add_argument("--context-len", type=int, default=2048)
@@ -278,8 +281,12 @@ def main() -> None:
         del llm
         for method in OURS:
             llm = _engine(model_dir, method, max_len)
-            runs[method] = {str(r): _run_ours(llm, tasks, r) for r in rates}
-            print(name, method, "done", flush=True)
+            runs[method] = {}
+            for r in rates:
+                runs[method][str(r)] = _run_ours(llm, tasks, r)
+                print(name, method, r, "done", flush=True)
+                partial = Path(args.out).with_suffix(".partial.json")
+                partial.write_text(json.dumps({"runs": runs}, default=str))
             del llm
         peer_raw = {}
         if not args.no_peer:
