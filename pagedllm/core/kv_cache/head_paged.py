@@ -89,8 +89,8 @@ class _IdPool:
         self.num_free += len(dead)
 
     def check(self, held: np.ndarray) -> None:
-        refs = np.bincount(held, minlength=self.num_blocks) if len(held) else 0
-        assert np.array_equal(self.ref, np.asarray(refs, dtype=np.int64) + 0 * self.ref), (
+        refs = np.bincount(held, minlength=self.num_blocks)
+        assert np.array_equal(self.ref, refs), (
             "a block's ref count differs from the tables holding it"
         )
         free = self.stack[: self.num_free]
@@ -183,14 +183,10 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
     def can_allocate(self, request: Request, budget: int) -> bool:
         rid = request.request_id
         state = self.states.get(rid)
-        if request.swapped:
-            chunk = min(request.num_tokens - request.num_computed_tokens, budget)
-            return (
-                len(self.swapped.get(rid, ())) + int(self._blocks_for(state, chunk).sum())
-                <= self.pool.num_free
-            )
         chunk = min(request.num_tokens - request.num_computed_tokens, budget)
-        need = int(self._blocks_for(state, chunk).sum()) + self._copy_need(state)
+        need = int(self._blocks_for(state, chunk).sum())
+        # a swapped request first needs its blocks back; a fork, copies of the shared ones
+        need += len(self.swapped[rid]) if request.swapped else self._copy_need(state)
         return need <= self.pool.num_free
 
     # -------------------------------------------------------------- prefix cache
