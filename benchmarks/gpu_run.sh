@@ -74,8 +74,20 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         --out "$OUT" ;;
     tests-kvc) python -m pytest -q -x -p no:cacheprovider tests/kernels/test_kvc_attention.py \
         tests/core/test_kvcompress.py tests/models/test_kvcompress.py ;;
-    kvc-d-quick) python benchmarks/kvcompress_throughput.py --num-prompts 64 --rates 8,64 \
-        --out "$OUT" | tail -30 ;;
+    kvc-d-quick) python benchmarks/kvcompress_throughput.py --model qwen3-0.6b --num-prompts 64 \
+        --input-len 2000 --output-len 200 --max-model-len 4096 --kv-cache-memory-bytes 1073741824 \
+        --rates ${KVC_RATES:-8,64} --eager-rates ${KVC_EAGER-8} --profile-dir "${KVC_PROFILE:-}" \
+        --out "$OUT" | grep -v "^ " ;;
+    kvc-d-8b) python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-64} \
+        --output-len ${KVC_OUT:-500} --rates ${KVC_RATES:-1,2,4,8,16,32,64} \
+        --eager-rates ${KVC_EAGER:-} --out "$OUT" | grep -v "^ " ;;
+    kvc-d-sweep) python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-64} \
+        --output-len ${KVC_OUT:-500} --input-lens 500,2000,14000 --rates 8,64 \
+        --out "$OUT" | grep -v "^ " ;;
+    kvc-overhead) python benchmarks/gpu_suite.py bench-a --skip-peers --kvc-too --time-device \
+        --out "$OUT" | grep -v "^ "; summary "$OUT"
+      python benchmarks/gpu_suite.py bench-b --skip-peers --kvc-too --num-b ${KVC_NUM_B:-256} \
+        --warm-b 64 --out "$OUT" | grep -E "output_tokens_per_s|^wrote" | head -20 ;;
     kvc-d) python benchmarks/kvcompress_throughput.py --out "$OUT" | tail -40 ;;
     hybrid-kv) python benchmarks/hybrid_kv_gpu.py --out "$OUT" | tail -40 ;;
     hybrid-kv-profile) python benchmarks/hybrid_kv_gpu.py --profile | grep -v "^$" | head -120 ;;

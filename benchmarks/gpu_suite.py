@@ -229,6 +229,8 @@ def bench_a(args: argparse.Namespace) -> dict:
         variants.append(("cuda_graphs_sync", {"async_scheduling": False}))
     if args.eager_too:
         variants.append(("eager", {"enforce_eager": True}))
+    if args.kvc_too:  # KV-Compress on, no budget: per-head layout and scoring, no eviction
+        variants.append(("kvc_never_evicts", {"enable_kvc": True}))
     for name, kw in variants:
         llm = LLM(path, dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
                   gpu_memory_utilization=0.85, **kw)
@@ -335,50 +337,11 @@ def bench_b(args: argparse.Namespace) -> dict:
     result["copy_bandwidth_GBps"] = bw / 1e9
     result["matmul_bf16_TFLOPs"] = flops / 1e12
     shapes = [(1024, 128), (128, 1024)]
-    llm = LLM("llama-3.1-8b", load_format="dummy", dtype="bfloat16", max_model_len=2048,
-              max_num_seqs=256, gpu_memory_utilization=0.85)
-    for n_in, n_out in shapes:
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(100, 128000, size=n_in).tolist() for _ in range(args.num_b)]
-        # warm-up: the same lengths on other token ids, enough requests to reach the full
-        # batch, so the Triton specializations of these shapes compile before the clock starts
-        # (Benchmark A's first timed variant lost ~40% to them before it had a warm-up)
-        warm = [rng.integers(100, 128000, size=n_in).tolist() for _ in range(args.warm_b)]
-        llm.generate([{"prompt_token_ids": p} for p in warm],
-                     SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True),
-                     use_tqdm=False)
-        llm.llm_engine.engine_core.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
-        rec = StepRecorder(llm)
-        runner = llm.llm_engine.engine_core.model_runner
-        runner.time_device, runner.device_times = True, []
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in prompts],
-                     SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True),
-                     use_tqdm=False)
-        torch.cuda.synchronize()
-        el = time.perf_counter() - t
-        cost = model_cost(runner.model, torch.bfloat16)
-        roof = roofline(rec.steps, cost, bw, flops)
-        dev = runner.device_times
-        runner.time_device = False
-        n_tok = args.num_b * n_out
-        result[f"in{n_in}_out{n_out}"] = {
-            "num_prompts": args.num_b, "elapsed_s": el, "output_tokens_per_s": n_tok / el,
-            "total_tokens_per_s": args.num_b * (n_in + n_out) / el,
-            "roofline_output_tokens_per_s": n_tok / roof.ideal_s,
-            "roofline_fraction": roof.ideal_s / el, "steps": len(rec.steps),
-            "host_ms_per_decode_step": 1e3 * float(np.mean(rec.decode_host_s or [0])),
-            "device_ms_per_step": 1e3 * float(np.mean(dev)) if dev else None,
-            "device_busy_fraction": float(np.sum(dev)) / el if dev else None,
-            "kv_cache_blocks": runner.num_blocks,
-            "phases": phase_split(rec.steps, dev, cost, bw, flops),
-        }
-        print(json.dumps(result, indent=1), flush=True)
-        save_partial(args, "bench-b", result)
-        llm.llm_engine.engine_core.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
-    del llm, rec, runner
-    free_mem()
+    engines = [("", {})]
+    if args.kvc_too:  # KV-Compress on, no budget: per-head layout and scoring, no eviction
+        engines.append(("kvc_never_evicts_", {"enable_kvc": True}))
+    for prefix, kw in engines:
+        _bench_b_engine(args, result, shapes, prefix, kw, bw, flops)
     if not args.skip_peers:
         config = tf.AutoConfig.from_pretrained(os.path.join(CONFIGS, "llama-3.1-8b"))
         with torch.device("cuda"):
@@ -399,6 +362,53 @@ def bench_b(args: argparse.Namespace) -> dict:
                 save_partial(args, "bench-b", result)
                 free_mem()
     return result
+
+
+def _bench_b_engine(args, result, shapes, prefix, kw, bw, flops) -> None:  # noqa: ANN001
+    llm = LLM("llama-3.1-8b", load_format="dummy", dtype="bfloat16", max_model_len=2048,
+              max_num_seqs=256, gpu_memory_utilization=0.85, **kw)
+    for n_in, n_out in shapes:
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(100, 128000, size=n_in).tolist() for _ in range(args.num_b)]
+        # warm-up: the same lengths on other token ids, enough requests to reach the full
+        # batch, so the Triton specializations of these shapes compile before the clock starts
+        # (Benchmark A's first timed variant lost ~40% to them before it had a warm-up)
+        warm = [rng.integers(100, 128000, size=n_in).tolist() for _ in range(args.warm_b)]
+        llm.generate([{"prompt_token_ids": p} for p in warm],
+                     SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True),
+                     use_tqdm=False)
+        llm.llm_engine.engine_core.scheduler.kv_cache_manager.reset_prefix_cache()
+        rec = StepRecorder(llm)
+        runner = llm.llm_engine.engine_core.model_runner
+        runner.time_device, runner.device_times = True, []
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True),
+                     use_tqdm=False)
+        torch.cuda.synchronize()
+        el = time.perf_counter() - t
+        cost = model_cost(runner.model, torch.bfloat16)
+        roof = roofline(rec.steps, cost, bw, flops)
+        dev = runner.device_times
+        runner.time_device = False
+        n_tok = args.num_b * n_out
+        result[f"{prefix}in{n_in}_out{n_out}"] = {
+            "num_prompts": args.num_b, "elapsed_s": el, "output_tokens_per_s": n_tok / el,
+            "total_tokens_per_s": args.num_b * (n_in + n_out) / el,
+            "roofline_output_tokens_per_s": n_tok / roof.ideal_s,
+            "roofline_fraction": roof.ideal_s / el, "steps": len(rec.steps),
+            "host_ms_per_decode_step": 1e3 * float(np.mean(rec.decode_host_s or [0])),
+            "device_ms_per_step": 1e3 * float(np.mean(dev)) if dev else None,
+            "device_busy_fraction": float(np.sum(dev)) / el if dev else None,
+            "kv_cache_blocks": runner.num_blocks,
+            "phases": phase_split(rec.steps, dev, cost, bw, flops),
+        }
+        print(json.dumps(result, indent=1), flush=True)
+        save_partial(args, "bench-b", result)
+        llm.llm_engine.engine_core.scheduler.kv_cache_manager.reset_prefix_cache()
+    del llm, rec, runner
+    free_mem()
 
 
 def split_b(result: dict) -> dict[str, dict]:
@@ -602,6 +612,8 @@ def main() -> None:
     p.add_argument("--peer-prompts", type=int, default=0)
     p.add_argument("--skip-peers", action="store_true")
     p.add_argument("--eager-too", action="store_true")
+    p.add_argument("--kvc-too", action="store_true",
+                   help="bench-a/b: also with KV-Compress on and no budget (its overhead)")
     p.add_argument("--sync-too", action="store_true", help="also without async scheduling")
     p.add_argument("--time-device", action="store_true", help="CUDA events around each step")
     p.add_argument("--only-structured", action="store_true")
@@ -617,6 +629,8 @@ def main() -> None:
     files = {part: result}
     if args.part == "bench-b":  # one file per workload: gpu_bench-b-1024-128_<device>.json
         files = {"bench-b-" + k.split("-", 2)[2]: v for k, v in split_b(result).items()}
+        if args.kvc_too:  # the whole run: both engines on both workloads
+            files["bench-b-kvc-overhead"] = result
     for name, res in files.items():
         path = os.path.join(args.out, f"gpu_{name}_{device_tag()}.json")
         with open(path, "w") as f:

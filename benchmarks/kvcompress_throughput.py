@@ -46,72 +46,112 @@ def _args(a: argparse.Namespace, **over: object) -> argparse.Namespace:
     return ns
 
 
+SUMMARY_KEYS = (
+    "output_tokens_per_s",
+    "total_tokens_per_s",
+    "speedup_output",
+    "concurrent_seqs_mean",
+    "concurrent_seqs_peak",
+    "preemptions",
+    "max_cache_tokens",
+    "elapsed_s",
+    "startup_s",
+    "steps",
+    "host_syncs_per_step",
+    "cuda_graphs",
+)
+
+
+def _summary(r: dict) -> dict:
+    out = {key: r.get(key) for key in SUMMARY_KEYS}
+    kvc = r.get("kvc") or {}
+    for key in ("compress_ms_per_step", "compress_ms_per_eviction_step", "eviction_steps",
+                "metadata_bytes_per_kv", "kv_bytes"):  # fmt: skip
+        if key in kvc:
+            out[key] = kvc[key]
+    return out
+
+
+def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dict[str, dict]:
+    """Our uncompressed run, then KV-Compress at each rate (and eagerly at --eager-rates)."""
+    import torch
+
+    from pagedllm.bench import throughput
+
+    def clean() -> None:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    runs: dict[str, dict] = {}
+    base = throughput.run(_args(a, input_len=input_len))
+    runs["uncompressed"] = base
+    print(f"in {input_len} uncompressed: {base['output_tokens_per_s']:.0f} out tok/s, peak "
+          f"seqs {base['concurrent_seqs_peak']}", flush=True)  # fmt: skip
+    clean()
+    eager = [float(r) for r in a.eager_rates.split(",") if r]
+    todo = [(cr, False) for cr in rates] + [(cr, True) for cr in eager]
+    for cr, enforce_eager in todo:
+        m = max_cache_tokens(input_len, cr)
+        name = f"kvc_cr{cr:g}" + ("_eager" if enforce_eager else "")
+        prof = None
+        if a.profile_dir:
+            os.makedirs(a.profile_dir, exist_ok=True)
+            prof = os.path.join(a.profile_dir, f"host_profile_in{input_len}_{name}.txt")
+        r = throughput.run(
+            _args(a, input_len=input_len, enable_kvc=True, max_cache_tokens=m,
+                  protected_window_size=a.protected_window_size, enforce_eager=enforce_eager,
+                  profile_host=prof)
+        )  # fmt: skip
+        r["cr"], r["max_cache_tokens"] = cr, m
+        r["speedup_output"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
+        r["speedup_total"] = r["total_tokens_per_s"] / base["total_tokens_per_s"]
+        runs[name] = r
+        kvc = r["kvc"] or {}
+        print(f"in {input_len} {name}: max_cache_tokens {m}, {r['output_tokens_per_s']:.0f} out "
+              f"tok/s ({r['speedup_output']:.2f}x), peak seqs {r['concurrent_seqs_peak']}, "
+              f"syncs/step {r['host_syncs_per_step']}, compress ms/step "
+              f"{kvc.get('compress_ms_per_step')}", flush=True)  # fmt: skip
+        clean()
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=6000)
+    ap.add_argument("--input-lens", default="", help="a sweep instead of --input-len: 500,2000")
     ap.add_argument("--output-len", type=int, default=500)
     ap.add_argument("--max-model-len", type=int, default=19000)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30)
     ap.add_argument("--rates", default="1,2,4,8,16,32,64")
+    ap.add_argument("--eager-rates", default="", help="also run these rates without graphs")
     ap.add_argument("--protected-window-size", type=int, default=32)
+    ap.add_argument("--profile-dir", default="", help="cProfile each KVC run's host side")
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args()
-    import torch
-
-    from pagedllm.bench import throughput
-
-    runs: dict[str, dict] = {}
-    base = throughput.run(_args(a))
-    runs["uncompressed"] = base
-    gc.collect()
-    torch.cuda.empty_cache()
-    for cr in [float(r) for r in a.rates.split(",")]:
-        m = max_cache_tokens(a.input_len, cr)
-        r = throughput.run(
-            _args(a, enable_kvc=True, max_cache_tokens=m,
-                  protected_window_size=a.protected_window_size)
-        )  # fmt: skip
-        r["cr"], r["max_cache_tokens"] = cr, m
-        r["speedup_output"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
-        r["speedup_total"] = r["total_tokens_per_s"] / base["total_tokens_per_s"]
-        runs[f"kvc_cr{cr:g}"] = r
-        print(f"cr {cr:g}: max_cache_tokens {m}, {r['output_tokens_per_s']:.0f} out tok/s "
-              f"({r['speedup_output']:.2f}x), peak seqs {r['concurrent_seqs_peak']}",
-              flush=True)  # fmt: skip
-        gc.collect()
-        torch.cuda.empty_cache()
-    device = base["device"].replace(" ", "_")
-    cap = "uncapped" if not a.kv_cache_memory_bytes else f"{a.kv_cache_memory_bytes >> 20}MiB"
-    name = f"kvcompress_throughput_{os.path.basename(a.model)}_in{a.input_len}_{cap}_{device}"
-    out = Path(a.out) / f"{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    summary = {
-        k: {
-            key: v.get(key)
-            for key in (
-                "output_tokens_per_s",
-                "total_tokens_per_s",
-                "speedup_output",
-                "concurrent_seqs_mean",
-                "concurrent_seqs_peak",
-                "preemptions",
-                "max_cache_tokens",
-                "elapsed_s",
-            )  # fmt: skip
-        }
-        for k, v in runs.items()
-    }
-    out.write_text(json.dumps({"benchmark": "D", "args": vars(a), "summary": summary,
-                               "runs": runs}, indent=1))  # fmt: skip
-    print(json.dumps(summary, indent=1))
-    try:
-        _plot(runs, out.with_suffix(".png"))
-    except ImportError:
-        pass
-    print("wrote", out, os.path.getsize(out))
+    rates = [float(r) for r in a.rates.split(",") if r]
+    lengths = [int(x) for x in a.input_lens.split(",")] if a.input_lens else [a.input_len]
+    for input_len in lengths:
+        runs = run_length(a, input_len, rates)
+        base = runs["uncompressed"]
+        device = base["device"].replace(" ", "_")
+        cap = "uncapped" if not a.kv_cache_memory_bytes else f"{a.kv_cache_memory_bytes >> 20}MiB"
+        model = os.path.basename(a.model)
+        name = f"kvcompress_throughput_{model}_in{input_len}_{cap}_{device}"
+        out = Path(a.out) / f"{name}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        summary = {k: _summary(v) for k, v in runs.items()}
+        args = {**vars(a), "input_len": input_len}
+        out.write_text(json.dumps({"benchmark": "D", "args": args, "summary": summary,
+                                   "runs": runs}, indent=1))  # fmt: skip
+        print(json.dumps(summary, indent=1))
+        try:
+            _plot(runs, out.with_suffix(".png"))
+        except ImportError:
+            pass
+        print("wrote", out, os.path.getsize(out), flush=True)
 
 
 def _plot(runs: dict, path: Path) -> None:
@@ -120,7 +160,7 @@ def _plot(runs: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kvc = [r for k, r in runs.items() if k.startswith("kvc_")]
+    kvc = [r for k, r in runs.items() if k.startswith("kvc_") and not k.endswith("_eager")]
     xs = [r["cr"] for r in kvc]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     a1.plot(xs, [r["output_tokens_per_s"] for r in kvc], marker="o", label="KV-Compress")

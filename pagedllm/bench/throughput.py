@@ -10,10 +10,15 @@ matplotlib is available) under ``benchmarks/results/``.
 from __future__ import annotations
 
 import argparse
+import collections
+import cProfile
 import json
 import os
 import platform
+import pstats
 import time
+import traceback
+import warnings
 from typing import Any
 
 import numpy as np
@@ -53,6 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compression-interval", type=int, default=None,
                    help="decode steps between evictions (default: only after the prompt and "
                    "under memory pressure, as the paper's benchmark)")  # fmt: skip
+    p.add_argument(
+        "--profile-host",
+        default=None,
+        metavar="PATH",
+        help="write a cProfile of the host side of the timed run to PATH",
+    )
     p.add_argument("--output-json", default=None)
     p.add_argument("--name", default=None, help="result file stem")
 
@@ -173,9 +184,24 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-    t = time.perf_counter()
-    outs = llm.generate(inputs, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t
+    if device.type == "cuda" and args.enable_kvc:
+        runner.time_device = True  # CUDA events around each eviction (and step)
+        runner.compress_events.clear()
+    prof = cProfile.Profile() if getattr(args, "profile_host", None) else None
+    with count_host_syncs(device) as syncs:
+        t = time.perf_counter()
+        if prof is not None:
+            prof.enable()
+        outs = llm.generate(inputs, params, use_tqdm=False)
+        if prof is not None:
+            prof.disable()
+        elapsed = time.perf_counter() - t
+    if prof is not None:
+        with open(args.profile_host, "w") as f:
+            for key in ("tottime", "cumulative"):
+                pstats.Stats(prof, stream=f).sort_stats(key).print_stats(45)
+    runner.time_device = False
+    compress_s = runner.compress_seconds() if args.enable_kvc else []
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(p) for p in prompts)
     assert n_out == sum(out_lens), "every request must produce exactly its output length"
@@ -222,6 +248,13 @@ def run(args: argparse.Namespace) -> dict:
         ),
         "concurrent_seqs_peak": max((len(s.num_tokens) for s in rec.steps), default=0),
         "preemptions": llm.llm_engine.engine_core.scheduler.num_preemptions,
+        # implicit host syncs (a blocking copy, .item(), a boolean mask...) PyTorch reported
+        # while the workload ran; the one wait per step for the sampled tokens is not one
+        "host_syncs": syncs.count,
+        "host_sync_sources": dict(syncs.sources.most_common(12)),
+        "host_syncs_per_step": (
+            syncs.count / max(len(rec.steps), 1) if syncs.count is not None else None
+        ),
         "kvc": (
             {
                 "method": args.kvc_method,
@@ -230,6 +263,14 @@ def run(args: argparse.Namespace) -> dict:
                 "compression_interval": args.compression_interval,
                 "compressions": kv.num_compressions - kvc_before[0],
                 "evicted_kvs": kv.num_evicted_kvs - kvc_before[1],
+                "eviction_steps": len(compress_s),
+                "compress_ms_total": 1e3 * sum(compress_s),
+                "compress_ms_per_step": 1e3 * sum(compress_s) / max(len(rec.steps), 1),
+                "compress_ms_per_eviction_step": (
+                    1e3 * sum(compress_s) / len(compress_s) if compress_s else None
+                ),
+                "metadata_bytes_per_kv": runner.kvc.metadata_bytes_per_kv(),
+                "kv_bytes": runner.kvc.spec.page_bytes // runner.kvc.block_size,
             }
             if args.enable_kvc
             else None
@@ -247,6 +288,43 @@ def run(args: argparse.Namespace) -> dict:
         "first_tokens": [o.outputs[0].token_ids[:8] for o in outs[:4]],
     }
     return result
+
+
+class count_host_syncs:  # noqa: N801 (a context manager used like a function)
+    """Counts the implicit host syncs PyTorch reports on a GPU (``set_sync_debug_mode``:
+    blocking copies, ``.item()``, boolean-mask indexing, ...) inside the block, and where they
+    come from (the innermost pagedllm frames); ``count`` is None elsewhere. Explicit waits
+    (``Event.synchronize``) are not counted."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.on = device.type == "cuda"
+        self.count: int | None = None
+        self.sources: collections.Counter[str] = collections.Counter()
+
+    def _hook(self, message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        if "synchronizing" not in str(message):
+            return
+        self.count = (self.count or 0) + 1
+        frames = [f for f in traceback.extract_stack()[:-1] if "pagedllm" in f.filename]
+        where = " <- ".join(
+            f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames[-3:])
+        )
+        self.sources[where or f"{filename}:{lineno}"] += 1
+
+    def __enter__(self) -> count_host_syncs:
+        if self.on:
+            self.count = 0
+            self._warnings = warnings.catch_warnings()
+            self._warnings.__enter__()
+            warnings.simplefilter("always")
+            warnings.showwarning = self._hook
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.on:
+            torch.cuda.set_sync_debug_mode("default")
+            self._warnings.__exit__(*exc)
 
 
 def _triton_version() -> str | None:

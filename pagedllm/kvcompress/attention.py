@@ -18,7 +18,7 @@ Scores (one float per KV slot, GQA-aware: summed over the query heads sharing th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,52 +31,92 @@ from pagedllm.kvcompress.evict import head_slots, maxpool_scores
 
 @dataclass
 class KVCStepPlan:
-    """Host-side facts of one step shared by every layer: which requests decode, and how many
-    of each request's last queries score the keys (0: none)."""
+    """Host-side facts of one step shared by every layer, and their index tensors on the
+    device (made once per step by ``HeadPagedCache.prepare_step``, in its one host-to-device
+    copy): which requests decode, which run prefill chunks, and how many of each request's
+    last queries score the keys (0: none).
+
+    ``tensors``: "decode" / "prefill" (request indices), "decode_rows" / "prefill_rows"
+    (their query rows), "decode_table_rows" / "prefill_table_rows" (their rows of the cache's
+    tables and lengths), "prefill_qsl" (query_start_loc of the prefill requests alone).
+    Example: qsl [0, 1, 5, 6, 9], table rows [7, 3, 0, 4], prefill [1, 3] -> prefill_rows
+    [1, 2, 3, 4, 6, 7, 8], prefill_table_rows [3, 4], prefill_qsl [0, 4, 7]."""
 
     decode: np.ndarray  # request indices with one query
     prefill: np.ndarray  # request indices with several
     collect: np.ndarray  # [R] queries whose probabilities are added to the scores
     maxpool_kernel: int  # 0: no max-pooling of the prefill window's metric
-    _tensors: dict | None = None
+    rows: np.ndarray  # [R] each request's row of the cache's tables
+    max_lens: np.ndarray  # [R] a host bound on each request's head lengths (its tokens)
+    prefill_max_q: int = 0  # the longest prefill chunk
+    window_max_len: int = 0  # a bound on the head lengths of the prefill requests that score
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def device_tensors(self, device: torch.device, qsl: np.ndarray) -> dict:
-        """Index tensors every layer of the step uses, made once: the decode requests and
-        their query rows, the prefill requests, their query rows and query_start_loc."""
-        if self._tensors is None:
-            pre = self.prefill
-            q_lens = (qsl[pre + 1] - qsl[pre]).astype(np.int64)
-            sub_qsl = np.zeros(len(pre) + 1, dtype=np.int32)
-            sub_qsl[1:] = np.cumsum(q_lens)
-            # Example: qsl [0, 1, 5, 6, 9], prefill [1, 3] -> rows [1, 2, 3, 4, 6, 7, 8]
-            pre_rows = np.concatenate(
-                [np.arange(qsl[r], qsl[r + 1]) for r in pre.tolist()] or [np.zeros(0, int)]
-            )
+    def bound(self, requests: np.ndarray, device: torch.device) -> int | None:
+        """The longest head of these requests for a torch attention: on a GPU the host bound
+        (reading the lengths would sync), elsewhere None (read them: fewer keys to gather)."""
+        return int(self.max_lens[requests].max()) if device.type == "cuda" else None
 
-            def put(a: np.ndarray) -> torch.Tensor:
-                return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+    @staticmethod
+    def index_arrays(
+        decode: np.ndarray,
+        prefill: np.ndarray,
+        qsl: np.ndarray,
+        rows: np.ndarray,
+        collect: np.ndarray | None = None,
+    ) -> dict[str, np.ndarray]:
+        """The host arrays behind ``tensors`` (see the class docstring); with ``collect``
+        also the prefill requests that score ("window_reqs": their table rows) and their
+        window query rows ("window_rows" [W, C], "window_mask" [W, C], C the most any
+        collects)."""
+        out = KVCStepPlan._index_arrays(decode, prefill, qsl, rows)
+        if collect is None:
+            return out
+        win = prefill[collect[prefill] > 0]
+        c = int(collect[win].max()) if len(win) else 1
+        n = collect[win]  # window queries of each
+        i = np.arange(c)
+        mask = i[None, :] < n[:, None]  # [W, C]
+        last = qsl[win + 1][:, None] - n[:, None] + i[None, :]
+        out["window_reqs"] = rows[win]
+        out["window_rows"] = np.where(mask, last, 0)
+        out["window_mask"] = mask
+        return out
 
-            self._tensors = {
-                "decode": put(self.decode),
-                "decode_rows": put(qsl[self.decode].astype(np.int64)),
-                "prefill": put(pre),
-                "prefill_rows": put(pre_rows.astype(np.int64)),
-                "prefill_qsl": put(sub_qsl),
-                "prefill_max_q": int(q_lens.max()) if len(pre) else 0,
-            }
-        return self._tensors
+    @staticmethod
+    def _index_arrays(
+        decode: np.ndarray, prefill: np.ndarray, qsl: np.ndarray, rows: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        q_lens = (qsl[prefill + 1] - qsl[prefill]).astype(np.int64)
+        sub_qsl = np.zeros(len(prefill) + 1, dtype=np.int64)
+        sub_qsl[1:] = np.cumsum(q_lens)
+        pre_rows = np.concatenate(
+            [np.arange(qsl[r], qsl[r + 1]) for r in prefill.tolist()] or [np.zeros(0, int)]
+        )
+        return {
+            "decode": decode,
+            "decode_rows": qsl[decode],
+            "decode_table_rows": rows[decode],
+            "prefill": prefill,
+            "prefill_rows": pre_rows,
+            "prefill_table_rows": rows[prefill],
+            "prefill_qsl": sub_qsl,
+        }
 
 
 @dataclass
 class KVCLayerInfo:
     """What a layer's attention needs beyond the metadata: the score and position arrays,
-    whether the layer's KVs are scored, and the step plan."""
+    whether the layer's KVs are scored, the step plan, and the step's requests' rows of the
+    cache's tables (the metadata's ``block_tables`` [rows, H, max_blocks] and ``seq_lens``
+    [rows, H] are the cache's whole persistent tables: no per-step gather)."""
 
     scores: torch.Tensor  # [num_slots] float32
     positions: torch.Tensor  # [num_slots] int32: the token position each slot holds
     token_positions: torch.Tensor  # [T] this step's tokens' positions
     compressible: bool
     plan: KVCStepPlan
+    row_ids: torch.Tensor  # [R] int64: request i's row of the tables
 
 
 def decode_attention(
@@ -115,8 +155,8 @@ def decode_attention(
     p = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a head with no keys: all 0
     o = torch.einsum("bhgs,bhsd->bhgd", p, v)
     if scores is not None:
-        p2 = (p * p).sum(2)  # [B, H, S]
-        scores.index_add_(0, slots[valid], p2[valid])
+        p2 = (p * p).sum(2)  # [B, H, S]; invalid entries add 0 to slot 0 (no mask: no sync)
+        scores.index_add_(0, slots.reshape(-1), torch.where(valid, p2, 0.0).reshape(-1))
     return o.reshape(b, hq, d).to(query.dtype)
 
 
@@ -187,7 +227,8 @@ def add_window_scores(
     metric = (p * p).sum((1, 2))  # [H, S]
     if maxpool_kernel > 1:
         metric = maxpool_scores(metric, valid, maxpool_kernel)
-    scores.index_add_(0, slots[valid], metric[valid])
+    # invalid entries add 0 to slot 0 (a boolean mask would sync with the host)
+    scores.index_add_(0, slots.reshape(-1), torch.where(valid, metric, 0.0).reshape(-1))
 
 
 def prefill_window_scores(
@@ -200,13 +241,14 @@ def prefill_window_scores(
     scores: torch.Tensor,
     collect: int,
     maxpool_kernel: int,
+    max_len: int | None = None,  # a host bound on lens (None: read it, a sync on a GPU)
 ) -> None:
     """``add_window_scores`` for a chunk whose output another kernel computed (the GPU path;
     full-attention layers: the window queries see every key before them)."""
     q_len, hq, d = query.shape
     h = table.shape[0]
     c = min(collect, q_len)
-    s = int(lens.max())
+    s = int(lens.max()) if max_len is None else max_len
     slots, valid = head_slots(table[None], lens[None].long(), s, block_size)
     slots, valid = slots[0], valid[0]
     idx = torch.arange(s, device=lens.device)
@@ -216,10 +258,52 @@ def prefill_window_scores(
     add_window_scores(q, k_flat[slots], vis, valid, slots, scale, scores, maxpool_kernel)
 
 
+def prefill_window_scores_batched(
+    query: torch.Tensor,  # [T, Hq, d] the step's queries
+    k_flat: torch.Tensor,  # [num_slots, d]
+    tables: torch.Tensor,  # [R, H, max_blocks] the requests' tables
+    lens: torch.Tensor,  # [R, H]
+    last_rows: torch.Tensor,  # [R, C] int64: each request's window query rows (any valid
+    # row where the mask is False)
+    q_mask: torch.Tensor,  # [R, C] bool: which of the C entries are window queries
+    block_size: int,
+    scale: float,
+    scores: torch.Tensor,
+    maxpool_kernel: int,
+    max_len: int,  # a host bound on lens
+) -> None:
+    """``prefill_window_scores`` for several requests at once (the chunks that end their
+    prompts in a step), with no host sync: request r's C window queries are its last
+    ``q_mask[r].sum()`` rows; query i of them sees its head's logical indices up to
+    ``lens - c + i`` (full-attention layers).
+
+    Example: C 3, a request with 2 window queries at rows 40, 41 -> last_rows [40, 41, 0],
+    q_mask [T, T, F]; with lens [10] they see logical indices <= 8 and <= 9."""
+    r, c = last_rows.shape
+    hq, d = query.shape[1], query.shape[2]
+    h = tables.shape[1]
+    slots, valid = head_slots(tables, lens.long(), max_len, block_size)  # [R, H, S]
+    n = q_mask.sum(1)  # [R] window queries per request
+    i = torch.arange(c, device=lens.device)
+    q_idx = lens[:, :, None] - n[:, None, None] + i  # [R, H, C] logical index of query i
+    idx = torch.arange(max_len, device=lens.device)
+    vis = valid[:, :, None, :] & (idx <= q_idx[..., None]) & q_mask[:, None, :, None]
+    q = query[last_rows].view(r, c, h, hq // h, d).float()  # [R, C, H, G, d]
+    k = k_flat[slots].float()  # [R, H, S, d]
+    logits = torch.einsum("rchgd,rhsd->rhgcs", q, k) * scale
+    logits = logits.masked_fill(~vis[:, :, None], float("-inf"))
+    prob = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # padded queries: all 0
+    metric = (prob * prob).sum((2, 3))  # [R, H, S]
+    if maxpool_kernel > 1:
+        metric = maxpool_scores(metric, valid, maxpool_kernel)
+    scores.index_add_(0, slots.reshape(-1), torch.where(valid, metric, 0.0).reshape(-1))
+
+
 class KVCTorchBackend(AttentionBackend):
     """Per-head paged attention in torch (see the module docstring). The layer's metadata
-    (``HeadPagedCache.prepare_step``) has ``slot_mapping`` [T, H], ``block_tables``
-    [R, H, max_blocks], ``seq_lens`` [R, H] and ``kvc`` (``KVCLayerInfo``)."""
+    (``HeadPagedCache.prepare_step``) has ``slot_mapping`` [T, H], the cache's
+    ``block_tables`` [rows, H, max_blocks] and ``seq_lens`` [rows, H], and ``kvc``
+    (``KVCLayerInfo``: request i's row is ``plan.rows[i]``)."""
 
     name = "kvc_torch"
 
@@ -245,35 +329,38 @@ class KVCTorchBackend(AttentionBackend):
         qsl = metadata.query_start_loc_np
         out = torch.empty_like(query)
         if len(plan.decode):
-            dec = torch.from_numpy(plan.decode).to(query.device)
-            rows = torch.from_numpy(qsl[plan.decode]).to(query.device)
+            tables_rows = plan.tensors["decode_table_rows"]
+            rows = plan.tensors["decode_rows"]
             out[rows] = decode_attention(
                 query[rows],
                 k_flat,
                 v_flat,
-                metadata.block_tables[dec],
-                metadata.seq_lens[dec],
+                metadata.block_tables[tables_rows],
+                metadata.seq_lens[tables_rows],
                 bs,
                 scale,
                 sliding_window,
                 scores,
+                max_len=plan.bound(plan.decode, query.device),
                 positions=info.positions,
                 q_pos=info.token_positions[rows] if sliding_window is not None else None,
             )
         for r in plan.prefill.tolist():
             a, b = int(qsl[r]), int(qsl[r + 1])
+            row = int(plan.rows[r])
             out[a:b] = prefill_attention(
                 query[a:b],
                 k_flat,
                 v_flat,
-                metadata.block_tables[r],
-                metadata.seq_lens[r],
+                metadata.block_tables[row],
+                metadata.seq_lens[row],
                 bs,
                 scale,
                 sliding_window,
                 scores,
                 int(plan.collect[r]),
                 plan.maxpool_kernel,
+                max_len=plan.bound(np.array([r]), query.device),
                 positions=info.positions,
             )
         return out.view(t, hq * d)

@@ -7,11 +7,20 @@ Tensors (``num_slots = num_blocks * block_size``; slot = block id * block_size +
 - ``positions`` [num_slots] int32: the token position each slot holds (after compaction a
   head's logical order is not its positions' order: the protected window and the sinks are
   found by position).
-Per request row, on the device: ``tables`` [rows, LH, max_blocks] int32 and ``lens`` [rows, LH]
-int64 (KVs each head holds), LH = layers x KV heads, head ``lh = l * H + h``. The scheduler's
-``HeadPagedKVCacheManager`` allocates; this class mirrors its tables from the deltas of each
-``SchedulerOutput`` and runs the evictions the scheduler asks for, after the step's forward
-pass (so their scores include the step's attention), returning the new lengths.
+Per request row, on the device: ``tables`` [rows + 1, LH, max_blocks] int32 and ``lens``
+[rows + 1, LH] int64 (KVs each head holds), LH = layers x KV heads, head ``lh = l * H + h``;
+the last row (``pad_row``) never holds anything (CUDA-graph padding rows read it). The
+scheduler's ``HeadPagedKVCacheManager`` allocates; this class mirrors its tables from the
+deltas of each ``SchedulerOutput`` and runs the evictions the scheduler asks for, after the
+step's forward pass (so their scores include the step's attention), returning the new lengths.
+Layers attend over the whole persistent tables through each request's row (no per-step
+gather of tables), so a CUDA graph captures their addresses once.
+
+One block more than the manager hands out is allocated: its first slot (``spare_slot``) takes
+the K/V of padding rows and the unused entries of a compaction's move list.
+
+No host sync: each step's host arrays go to the device in one pinned, non-blocking copy, and
+eviction takes its bounds (sort width, moves) from the scheduler.
 """
 
 from __future__ import annotations
@@ -56,11 +65,13 @@ class HeadPagedCache:
             device=device,
         )
         self.max_blocks = cdiv(max_model_len, self.block_size) + 1
+        self.pad_row = max_rows
         self.tables = torch.zeros(
-            (max_rows, self.num_heads, self.max_blocks), dtype=torch.int32, device=device
+            (max_rows + 1, self.num_heads, self.max_blocks), dtype=torch.int32, device=device
         )
-        self.lens = torch.zeros((max_rows, self.num_heads), dtype=torch.int64, device=device)
+        self.lens = torch.zeros((max_rows + 1, self.num_heads), dtype=torch.int64, device=device)
         self.num_blocks = 0
+        self.spare_slot = 0
         self.kv = torch.empty(0)
         self.scores = torch.empty(0)
         self.positions = torch.empty(0)
@@ -78,6 +89,11 @@ class HeadPagedCache:
     def bytes_per_token(self) -> float:
         return self.block_bytes * self.num_heads / self.block_size
 
+    def metadata_bytes_per_kv(self) -> float:
+        """Bytes beside each KV's K and V: its score (4) and position (4), and its share of
+        a table entry (4 bytes per block of ``block_size`` KVs). Example: bs 16 -> 8.25."""
+        return 8 + 4 / self.block_size
+
     @property
     def tensors(self) -> list[torch.Tensor]:
         return [self.kv] if self.num_blocks else []
@@ -91,7 +107,8 @@ class HeadPagedCache:
 
     def allocate(self, num_blocks: int) -> list[torch.Tensor]:
         self.num_blocks = num_blocks
-        self.kv, self.scores, self.positions = self._make(num_blocks, self.device, False)
+        self.kv, self.scores, self.positions = self._make(num_blocks + 1, self.device, False)
+        self.spare_slot = num_blocks * self.block_size  # the extra block's first slot
         return [self.kv]
 
     def allocate_host(self, num_blocks: int) -> None:
@@ -143,6 +160,16 @@ class HeadPagedCache:
                     dv.index_copy_(dim, b.to(self.device), hv.index_select(dim, a).to(self.device))
 
     # ------------------------------------------------------------------- tables
+    def ship(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """int64 copies of host arrays on the device, in one copy: pinned and non-blocking on
+        a GPU (the caching host allocator keeps the pinned buffer until the copy is done), so
+        the host never waits for the device here."""
+        flat = np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays])
+        t = torch.from_numpy(flat)
+        if self.device.type == "cuda":
+            t = t.pin_memory().to(self.device, non_blocking=True)
+        return list(t.split([np.asarray(a).size for a in arrays]))
+
     def set_row(self, row: int, head: HeadTable | None) -> None:
         """A (re)started request's whole table and computed lengths."""
         self.tables[row].zero_()
@@ -150,18 +177,22 @@ class HeadPagedCache:
             self.lens[row] = 0
             return
         n = head.table.shape[1]
+        table, lens = self.ship(head.table, np.asarray(head.lens))
         if n:
-            self.tables[row, :, :n] = torch.from_numpy(head.table).to(self.device)
-        self.lens[row] = torch.from_numpy(np.asarray(head.lens, dtype=np.int64)).to(self.device)
+            self.tables[row, :, :n] = table.view(self.num_heads, n).to(torch.int32)
+        self.lens[row] = lens
 
-    def set_entries(self, row: int, blocks: HeadBlocks) -> None:
-        """New (or copy-on-write replaced) entries of a row's table."""
-        if len(blocks) == 0:
+    def set_entries(self, rows: list[int], blocks: list[HeadBlocks]) -> None:
+        """New (or copy-on-write replaced) table entries of several rows, in one scatter."""
+        parts = [(r, b) for r, b in zip(rows, blocks) if len(b)]
+        if not parts:
             return
-        lh = torch.from_numpy(blocks.lh).to(self.device)
-        index = torch.from_numpy(blocks.index).to(self.device)
-        ids = torch.from_numpy(blocks.ids.astype(np.int32)).to(self.device)
-        self.tables[row, lh, index] = ids
+        row = np.concatenate([np.full(len(b), r, dtype=np.int64) for r, b in parts])
+        lh = np.concatenate([b.lh for _, b in parts])
+        index = np.concatenate([b.index for _, b in parts])
+        ids = np.concatenate([b.ids for _, b in parts])
+        row_t, lh_t, index_t, ids_t = self.ship(row, lh, index, ids)
+        self.tables[row_t, lh_t, index_t] = ids_t.to(torch.int32)
 
     # --------------------------------------------------------------------- step
     def prepare_step(
@@ -173,11 +204,13 @@ class HeadPagedCache:
         sampling: np.ndarray,  # [R] bool: the request samples this step (or is evicted
         # after it: a chunk that ends at its ``kvc_compress_at``)
     ) -> None:
-        """Slots of the step's new KVs in every head, the per-layer metadata
-        (``md.groups[l]``), and each new slot's position and zero score. Advances ``lens``.
+        """Slots of the step's new KVs in every head, and each new slot's position and zero
+        score; advances ``lens``. ``md.plan["kvc"]`` keeps (slots [T, LH], the requests' table
+        rows, positions, the step plan): a CUDA graph copies the first two into its buffers,
+        ``finish_metadata`` makes the per-layer metadata of an eager pass from all four.
 
         Example: H 1, a request with lens [5] (bs 4, table [3, 8]) scheduled 2 tokens ->
-        logical 5, 6 -> slots 8*4+1, 8*4+2 = 33, 34; seq_lens [7]."""
+        logical 5, 6 -> slots 8*4+1, 8*4+2 = 33, 34; its lens become [7]."""
         dev = self.device
         bs, lh = self.block_size, self.num_heads
         r = len(rows)
@@ -185,43 +218,68 @@ class HeadPagedCache:
         total = int(cu[-1])
         req_idx_np = np.repeat(np.arange(r), n_sched)
         offsets_np = np.arange(total) - np.repeat(cu - n_sched, n_sched)
-        rows_t = torch.from_numpy(rows).to(dev)
-        req_idx = torch.from_numpy(req_idx_np).to(dev)
-        offsets = torch.from_numpy(offsets_np).to(dev)
-        n_t = torch.from_numpy(n_sched).to(dev)
-        width = min(self.max_blocks, cdiv(int(md.max_seq_len), bs) + 1)
-        tables = self.tables[rows_t, :, :width]  # [R, LH, W]
+        # which of each request's last queries score the keys: a decode its one query, the
+        # chunk that ends a prompt its last `window` queries, other prefill chunks none
+        w = self.kvc.prefill_metric_collection_window_size
+        collect = np.where(n_sched == 1, 1, np.where(sampling, np.minimum(w, n_sched), 0))
+        decode, prefill = np.nonzero(n_sched == 1)[0], np.nonzero(n_sched > 1)[0]
+        qsl = md.query_start_loc_np
+        assert qsl is not None and md.seq_lens_np is not None
+        index = KVCStepPlan.index_arrays(decode, prefill, qsl, rows, collect)
+        shipped = self.ship(rows, req_idx_np, offsets_np, n_sched, *index.values())
+        rows_t, req_idx, offsets, n_t = shipped[:4]
+        tensors = {k: t.view(a.shape) for (k, a), t in zip(index.items(), shipped[4:])}
+        win = prefill[collect[prefill] > 0]
+        plan = KVCStepPlan(
+            decode=decode,
+            prefill=prefill,
+            collect=collect,
+            maxpool_kernel=self.kvc.maxpool_kernel if self.kvc.maxpool_metrics else 0,
+            rows=rows,
+            max_lens=md.seq_lens_np,
+            prefill_max_q=int(n_sched[prefill].max()) if len(prefill) else 0,
+            window_max_len=int(md.seq_lens_np[win].max()) if len(win) else 0,
+            tensors=tensors,
+        )
         lens_before = self.lens[rows_t]  # [R, LH]
         idx = lens_before[req_idx] + offsets[:, None]  # [T, LH] logical index of each new KV
         head = torch.arange(lh, device=dev)
-        blk = tables[req_idx[:, None], head[None, :], idx // bs].long()
+        blk = self.tables[rows_t[req_idx][:, None], head[None, :], idx // bs].long()
         slots = blk * bs + idx % bs  # [T, LH]
-        new_lens = lens_before + n_t[:, None]
-        self.lens[rows_t] = new_lens
+        self.lens[rows_t] = lens_before + n_t[:, None]
         flat = slots.reshape(-1)
         self.positions[flat] = positions.to(torch.int32)[:, None].expand(total, lh).reshape(-1)
-        self.scores[flat] = 0.0
-        # which of each request's last queries score the keys: a decode its one query, the
-        # chunk that ends a prompt its last `window` queries, other prefill chunks none
-        q_lens = n_sched
-        w = self.kvc.prefill_metric_collection_window_size
-        collect = np.where(q_lens == 1, 1, np.where(sampling, np.minimum(w, q_lens), 0))
-        plan = KVCStepPlan(
-            decode=np.nonzero(q_lens == 1)[0],
-            prefill=np.nonzero(q_lens > 1)[0],
-            collect=collect,
-            maxpool_kernel=self.kvc.maxpool_kernel if self.kvc.maxpool_metrics else 0,
-        )
+        self.scores.index_fill_(0, flat, 0.0)
+        md.plan["kvc"] = (slots, rows_t, positions, plan)
+
+    def finish_metadata(self, md: AttentionMetadata) -> None:
+        """Give each layer its metadata (``md.groups``) for an eager forward pass of the step
+        ``prepare_step`` planned (a CUDA-graph replay needs none: it has its own)."""
+        if md.groups is None:
+            slots, rows_t, positions, plan = md.plan["kvc"]
+            md.groups = self.layer_metadata(md, slots, positions, plan, rows_t)
+
+    def layer_metadata(
+        self,
+        md: AttentionMetadata,
+        slots: torch.Tensor,  # [T, LH]
+        positions: torch.Tensor,  # [T]
+        plan: KVCStepPlan,
+        rows_t: torch.Tensor,  # [R]
+    ) -> list[AttentionMetadata]:
+        """Layer l's metadata: its heads' slots and its views of the whole tables/lengths."""
         h = self.num_kv_heads
         comp = self.spec.compressible
         groups = []
         for layer in range(self.num_layers):
             part = slice(layer * h, (layer + 1) * h)
-            m = md.with_tables(slots[:, part], tables[:, part])
-            m.seq_lens = new_lens[:, part]
-            m.kvc = KVCLayerInfo(self.scores, self.positions, positions, bool(comp[layer]), plan)
+            m = md.with_tables(slots[:, part], self.tables[:, part])
+            m.seq_lens = self.lens[:, part]
+            m.kvc = KVCLayerInfo(
+                self.scores, self.positions, positions, bool(comp[layer]), plan, rows_t
+            )
             groups.append(m)
-        md.groups = groups
+        return groups
 
     # ----------------------------------------------------------------- eviction
     def compress(
@@ -229,12 +287,12 @@ class HeadPagedCache:
         rows: np.ndarray,  # [B] rows to compress
         budgets: np.ndarray,  # [B] KVs each may keep in its compressible heads
         protect_from: np.ndarray,  # [B] positions >= this are never evicted
-        max_len: int,  # a bound on every head's length (the requests' token counts)
+        max_len: int,  # a bound on every head's length
+        max_moves: int,  # a bound on the KVs compaction moves (evict.move_bound, summed)
     ) -> torch.Tensor:
         """Evict down to the budgets and compact; returns the new lengths [B, LH] (on the
-        device) and updates ``lens``."""
-        dev = self.device
-        rows_t = torch.from_numpy(rows).to(dev)
+        device) and updates ``lens``. No host sync."""
+        rows_t, budgets_t, protect_t = self.ship(rows, budgets, protect_from)
         width = min(self.max_blocks, cdiv(max_len, self.block_size))
         tables = self.tables[rows_t, :, :width]
         lens = self.lens[rows_t]
@@ -243,8 +301,8 @@ class HeadPagedCache:
             self.positions,
             tables,
             lens,
-            torch.from_numpy(budgets.astype(np.int64)).to(dev),
-            torch.from_numpy(protect_from.astype(np.int64)).to(dev),
+            budgets_t,
+            protect_t,
             self.compressible,
             max_len,
             self.block_size,
@@ -253,6 +311,9 @@ class HeadPagedCache:
             self.generator,
         )
         kv = self.kv.view(2, -1, self.head_dim)
-        new_lens = compact(kv, self.scores, self.positions, evict, order, slots, valid, lens)
+        new_lens = compact(
+            kv, self.scores, self.positions, evict, order, slots, valid, lens,
+            max_moves, self.spare_slot,
+        )  # fmt: skip
         self.lens[rows_t] = new_lens
         return new_lens

@@ -117,9 +117,13 @@ def compact(
     slots: torch.Tensor,  # [B, LH, S]
     valid: torch.Tensor,  # [B, LH, S]
     lens: torch.Tensor,  # [B, LH]
+    max_moves: int,  # a host bound on the KVs that move (see move_bound)
+    spare_slot: int,  # a slot no head uses: the unused entries of the move list copy it
 ) -> torch.Tensor:
     """Evict the ``evict`` cheapest KVs of each head (the first of ``order``) and move the
     survivors past the new length into the freed slots. Returns the new lengths [B, LH].
+    No host sync: the moves go through a list of ``max_moves`` (src, dst) entries, the unused
+    ones copying ``spare_slot`` onto itself.
 
     Example: len 5, KVs at logical 0..4, evict logical {1, 4} -> new len 3; the survivor at
     logical 3 moves to logical 1 (logical 4 was evicted and sits past the new length)."""
@@ -129,14 +133,40 @@ def compact(
     evicted = rank < evict[..., None]  # [B, LH, S]
     new_lens = lens - evict
     below = idx < new_lens[..., None]
-    dst = slots[evicted & below]  # row-major: the k-th hole of a head ...
-    src = slots[~evicted & valid & ~below]  # ... takes the k-th survivor past the new end
-    assert dst.shape == src.shape
-    if dst.numel():
-        kv[:, dst] = kv[:, src]
-        scores[dst] = scores[src]
-        positions[dst] = positions[src]
+    hole = evicted & below  # freed slots below the new length ...
+    mover = ~evicted & valid & ~below  # ... take the survivors past it, k-th to k-th per head
+    # Example: hole [0, 1, 0, 1, 0], mover [0, 0, 0, 0, 1] -> hole_k [-, 0, -, 1, -]: the
+    # head's 1st hole is logical 1; mover_k [-, -, -, -, 0]: logical 4 moves to logical 1.
+    hole_k = torch.where(hole, hole.cumsum(-1) - 1, s)  # s: a dump column
+    hole_slot = torch.zeros(*slots.shape[:-1], s + 1, dtype=slots.dtype, device=slots.device)
+    hole_slot.scatter_(-1, hole_k, slots)
+    mover_k = torch.where(mover, mover.cumsum(-1) - 1, s)
+    dst_all = hole_slot.gather(-1, mover_k).reshape(-1)  # [B * LH * S]
+    # the movers, in row-major order, into a list of max_moves entries (the rest: spare)
+    m = mover.reshape(-1)
+    at = torch.where(m, m.cumsum(0) - 1, max_moves).clamp(max=max_moves)
+    src = torch.full((max_moves + 1,), spare_slot, dtype=slots.dtype, device=slots.device)
+    dst = src.clone()
+    src.scatter_(0, at, torch.where(m, slots.reshape(-1), spare_slot))
+    dst.scatter_(0, at, torch.where(m, dst_all, spare_slot))
+    if kv.device.type == "cpu":  # no sync to pay here: check the bound
+        assert int(m.sum()) <= max_moves, "eviction moved more KVs than its bound"
+    src, dst = src[:max_moves], dst[:max_moves]
+    kv[:, dst] = kv[:, src]
+    scores[dst] = scores[src]
+    positions[dst] = positions[src]
     return new_lens
+
+
+def move_bound(held: int, budget: int, block_size: int, method: str) -> int:
+    """KVs an eviction of one request may move, at most: no more than it evicts, which is
+    below ``held - budget + block_size`` (whole chunks are taken while fewer than
+    ``held - budget`` are gone; a chunk is at most a block) except with ``uniform``, whose
+    per-head budgets can take more (bounded by ``held``).
+    Example: held 1000, budget 600, bs 16 -> 415."""
+    if method == "uniform":
+        return max(held, 0)
+    return max(min(held, held - budget + block_size - 1), 0)
 
 
 def maxpool_scores(metric: torch.Tensor, valid: torch.Tensor, kernel: int) -> torch.Tensor:

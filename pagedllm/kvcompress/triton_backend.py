@@ -7,7 +7,8 @@ Per layer and step:
   second pass over the keys once the softmax's max and sum are known, no scratch);
 - prefill chunks: ``kvc_paged_attention`` (each (request, KV head) a pseudo-request of the
   unified paged kernel), then, for a chunk that ends a prompt, the window queries' scores in
-  torch (``prefill_window_scores``: 32 queries over the prompt's keys).
+  torch (``prefill_window_scores_batched``: 32 queries over the prompt's keys, every such
+  request of the step in one pass).
 A compacted sliding-window layer (only when every layer has a window, Mistral v0.1) is not in
 position order: its decode rows take the torch path, which applies the window by position.
 
@@ -16,7 +17,6 @@ Importing this module imports Triton; the runner imports it only on a GPU.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from pagedllm.attention.backends.base import AttentionBackend
@@ -25,7 +25,7 @@ from pagedllm.kvcompress.attention import (
     KVCLayerInfo,
     decode_attention,
     prefill_attention,
-    prefill_window_scores,
+    prefill_window_scores_batched,
     write_head_kv,
 )
 from pagedllm.ops.kvc_attention import kvc_decode_attention, kvc_paged_attention
@@ -53,53 +53,56 @@ class KVCTritonBackend(AttentionBackend):
         v_flat = kv_cache[1].view(-1, d)
         write_head_kv(key, value, k_flat, v_flat, metadata.slot_mapping)
         plan = info.plan
-        dev = query.device
         scores = info.scores if info.compressible else None
         bs = metadata.block_size
-        qsl = metadata.query_start_loc_np
-        assert qsl is not None
+        tables, lens = metadata.block_tables, metadata.seq_lens  # the cache's, every row
         by_position = sliding_window is not None and info.compressible
-        tensors = plan.device_tensors(dev, qsl)
         if len(plan.prefill) == 0 and not by_position:  # decode-only step: one kernel
             out = kvc_decode_attention(
-                query, kv_cache, metadata.block_tables, metadata.seq_lens, scale,
-                scores=scores, sliding_window=sliding_window,
+                query, kv_cache, tables, lens, scale, scores=scores,
+                sliding_window=sliding_window, row_ids=info.row_ids,
             )  # fmt: skip
             return out.view(t, hq * d)
+        tensors = plan.tensors
+        qsl = metadata.query_start_loc_np
+        assert qsl is not None
         out = torch.empty_like(query)
         if len(plan.decode):
-            dec, rows = tensors["decode"], tensors["decode_rows"]
-            args = (metadata.block_tables[dec], metadata.seq_lens[dec])
+            rows, trows = tensors["decode_rows"], tensors["decode_table_rows"]
             if by_position:
                 out[rows] = decode_attention(
-                    query[rows], k_flat, v_flat, *args, bs, scale, sliding_window, scores,
+                    query[rows], k_flat, v_flat, tables[trows], lens[trows], bs, scale,
+                    sliding_window, scores, max_len=plan.bound(plan.decode, query.device),
                     positions=info.positions, q_pos=info.token_positions[rows],
                 )  # fmt: skip
             else:
                 out[rows] = kvc_decode_attention(
-                    query[rows], kv_cache, *args, scale, scores=scores,
-                    sliding_window=sliding_window,
+                    query[rows], kv_cache, tables, lens, scale, scores=scores,
+                    sliding_window=sliding_window, row_ids=trows,
                 )  # fmt: skip
         if len(plan.prefill) == 0:
             return out.view(t, hq * d)
         if by_position:  # rare (every layer windowed): the torch path, by position
             for r in plan.prefill.tolist():
                 a, b = int(qsl[r]), int(qsl[r + 1])
+                row = int(plan.rows[r])
                 out[a:b] = prefill_attention(
-                    query[a:b], k_flat, v_flat, metadata.block_tables[r],
-                    metadata.seq_lens[r], bs, scale, sliding_window, scores,
-                    int(plan.collect[r]), plan.maxpool_kernel, positions=info.positions,
+                    query[a:b], k_flat, v_flat, tables[row], lens[row], bs, scale,
+                    sliding_window, scores, int(plan.collect[r]), plan.maxpool_kernel,
+                    max_len=int(plan.max_lens[r]), positions=info.positions,
                 )  # fmt: skip
             return out.view(t, hq * d)
-        pre, rows, sub_qsl = tensors["prefill"], tensors["prefill_rows"], tensors["prefill_qsl"]
+        rows, trows = tensors["prefill_rows"], tensors["prefill_table_rows"]
+        max_len = int(plan.max_lens[plan.prefill].max())
+        width = min(tables.shape[2], -(-max_len // bs))
         sub = kvc_paged_attention(
             query[rows] if len(plan.decode) else query[: int(qsl[-1])],
             kv_cache,
-            sub_qsl,
-            metadata.seq_lens[pre],
-            metadata.block_tables[pre],
-            tensors["prefill_max_q"],
-            int(metadata.max_seq_len),
+            tensors["prefill_qsl"],
+            lens[trows],
+            tables[trows, :, :width],
+            plan.prefill_max_q,
+            max_len,
             scale,
             sliding_window,
         )
@@ -107,12 +110,11 @@ class KVCTritonBackend(AttentionBackend):
             out[rows] = sub
         else:
             out[: sub.shape[0]] = sub
-        if scores is not None:
-            for r in np.nonzero(plan.collect[plan.prefill] > 0)[0].tolist():
-                req = int(plan.prefill[r])
-                a, b = int(qsl[req]), int(qsl[req + 1])
-                prefill_window_scores(
-                    query[a:b], k_flat, metadata.block_tables[req], metadata.seq_lens[req],
-                    bs, scale, scores, int(plan.collect[req]), plan.maxpool_kernel,
-                )  # fmt: skip
+        if scores is not None and plan.window_max_len:  # chunks that end their prompts
+            win = tensors["window_reqs"]
+            prefill_window_scores_batched(
+                query, k_flat, tables[win], lens[win], tensors["window_rows"],
+                tensors["window_mask"].bool(), bs, scale, scores, plan.maxpool_kernel,
+                plan.window_max_len,
+            )  # fmt: skip
         return out.view(t, hq * d)

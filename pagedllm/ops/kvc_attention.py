@@ -323,6 +323,7 @@ def _group_setup(
     q_ptr,
     bt_ptr,
     lens_ptr,
+    row_ids_ptr,  # [rows] int64: the table/length row of each query row
     row,
     kvh,
     window,  # 0 = no sliding window
@@ -340,8 +341,8 @@ def _group_setup(
 ):
     """What every decode program of (row, kvh) starts from: the group's query rows
     [BLOCK_M, HEAD_PAD] (row m = query head kvh * G + m; rows >= G are 0), the row mask, the
-    head's block-table pointer, the visible logical indices [key_lo, key_hi) and their tiles
-    [tile_lo, tile_hi)."""
+    head's block-table pointer (table row ``row_ids[row]``), the visible logical indices
+    [key_lo, key_hi) and their tiles [tile_lo, tile_hi)."""
     m = tl.arange(0, BLOCK_M)
     row_mask = m < G
     d = tl.arange(0, HEAD_PAD)
@@ -351,8 +352,9 @@ def _group_setup(
         mask=row_mask[:, None] & (d < HEAD_DIM)[None, :],
         other=0.0,
     )
-    bt_row = bt_ptr + row.to(tl.int64) * stride_br + kvh * stride_bh
-    key_hi = tl.load(lens_ptr + row.to(tl.int64) * stride_lr + kvh * stride_lh).to(tl.int32)
+    trow = tl.load(row_ids_ptr + row).to(tl.int64)
+    bt_row = bt_ptr + trow * stride_br + kvh * stride_bh
+    key_hi = tl.load(lens_ptr + trow * stride_lr + kvh * stride_lh).to(tl.int32)
     key_lo = tl.maximum(tl.where(window > 0, key_hi - window, 0), 0)
     tile_lo = key_lo // TILE_N
     tile_hi = (key_hi + TILE_N - 1) // TILE_N
@@ -383,6 +385,7 @@ def _decode_kernel(
     v_cache_ptr,
     bt_ptr,  # [rows, num_kv_heads, max_blocks] int32
     lens_ptr,  # [rows, num_kv_heads] int32/int64
+    row_ids_ptr,  # [rows] int64
     scores_ptr,  # [num_blocks * block_size] fp32 (unused without SCORES)
     qk_scale,
     window,
@@ -412,8 +415,8 @@ def _decode_kernel(
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi = _group_setup(
-        q_ptr, bt_ptr, lens_ptr, row, kvh, window, stride_qt, stride_qh, stride_br, stride_bh,
-        stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M, TILE_N,
+        q_ptr, bt_ptr, lens_ptr, row_ids_ptr, row, kvh, window, stride_qt, stride_qh,
+        stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M, TILE_N,
     )  # fmt: skip
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -450,6 +453,7 @@ def _split_kernel(
     v_cache_ptr,
     bt_ptr,
     lens_ptr,
+    row_ids_ptr,
     qk_scale,
     window,
     stride_qt,
@@ -478,8 +482,8 @@ def _split_kernel(
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi = _group_setup(
-        q_ptr, bt_ptr, lens_ptr, row, kvh, window, stride_qt, stride_qh, stride_br, stride_bh,
-        stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M, TILE_N,
+        q_ptr, bt_ptr, lens_ptr, row_ids_ptr, row, kvh, window, stride_qt, stride_qh,
+        stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M, TILE_N,
     )  # fmt: skip
     tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
@@ -557,6 +561,7 @@ def _split_score_kernel(
     k_cache_ptr,
     bt_ptr,
     lens_ptr,
+    row_ids_ptr,
     qk_scale,
     window,
     stride_qt,
@@ -585,8 +590,8 @@ def _split_score_kernel(
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi = _group_setup(
-        q_ptr, bt_ptr, lens_ptr, row, kvh, window, stride_qt, stride_qh, stride_br, stride_bh,
-        stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M, TILE_N,
+        q_ptr, bt_ptr, lens_ptr, row_ids_ptr, row, kvh, window, stride_qt, stride_qh,
+        stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M, TILE_N,
     )  # fmt: skip
     tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS)
     g = row.to(tl.int64) * NUM_HEADS + head  # [BLOCK_M]
@@ -640,20 +645,32 @@ def kvc_decode_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,  # None: automatic; 1: single pass; > 1: split-K
     tile_config: TileConfig | None = None,  # override the launch shape (tuning, tests)
+    row_ids: torch.Tensor | None = None,  # [num_rows] int64: table rows (None: 0..num_rows-1)
 ) -> torch.Tensor:
     """Decode attention over per-head paged KVs; returns [num_rows, num_heads, head_dim] in the
     query's dtype.
 
-    Row r's query head q attends to the keys of KV head ``q // G`` of row r: logical indices
-    ``[max(len - W, 0), len)`` with ``len = seq_lens[r, q // G]`` (``W`` = ``sliding_window``,
-    no lower bound without one). A head with no key gives 0. With ``scores``, each attended
-    key's slot gets ``+= sum over its G query heads of p^2`` (p: the final softmax
-    probability). Query rows past ``seq_lens.shape[0]`` (if any) come back 0.
+    Row r's query head q attends to the keys of KV head ``q // G`` of table row
+    ``t = row_ids[r]`` (``r`` without ``row_ids``): logical indices ``[max(len - W, 0), len)``
+    with ``len = seq_lens[t, q // G]`` (``W`` = ``sliding_window``, no lower bound without
+    one). A head with no key gives 0. With ``scores``, each attended key's slot gets
+    ``+= sum over its G query heads of p^2`` (p: the final softmax probability). Query rows
+    past the rows (if any) come back 0.
+
+    ``row_ids`` lets the caller pass the whole persistent tables and lengths (every request
+    row of the cache, no per-step gather): a CUDA graph captures their addresses once.
+    Example: tables [8, H, W] of 8 request rows, a step decoding rows 5 and 2 ->
+    ``row_ids = [5, 2]``, query rows 0 and 1.
     """
     num_tokens, num_heads, head_dim = query.shape
-    num_rows, num_kv_heads = seq_lens.shape
+    num_kv_heads = seq_lens.shape[1]
+    if row_ids is None:
+        num_rows = seq_lens.shape[0]
+        row_ids = torch.arange(num_rows, device=query.device)
+    else:
+        num_rows = row_ids.shape[0]
     assert kv_cache.dim() == 4 and kv_cache.shape[0] == 2 and kv_cache.shape[3] == head_dim
-    assert block_tables.dim() == 3 and block_tables.shape[:2] == (num_rows, num_kv_heads)
+    assert block_tables.dim() == 3 and block_tables.shape[:2] == seq_lens.shape
     assert num_heads % num_kv_heads == 0 and num_tokens >= num_rows
     g = num_heads // num_kv_heads
     block_size = kv_cache.shape[2]
@@ -695,7 +712,8 @@ def kvc_decode_attention(
 
     if num_splits == 1:
         _decode_kernel[(num_rows, num_kv_heads)](
-            out, query, k_cache, v_cache, block_tables, seq_lens, scores_arg, qk_scale, window,
+            out, query, k_cache, v_cache, block_tables, seq_lens, row_ids, scores_arg, qk_scale,
+            window,
             strides[0], strides[1], out.stride(0), out.stride(1), *strides[2:],
             SCORES=scores is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **consts,
@@ -709,9 +727,9 @@ def kvc_decode_attention(
     part_l = torch.empty_like(part_m)
     grid = (num_rows, num_kv_heads, num_splits)
     _split_kernel[grid](
-        part_acc, part_m, part_l, query, k_cache, v_cache, block_tables, seq_lens, qk_scale,
-        window, *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits, num_warps=cfg.num_warps,
-        num_stages=cfg.split_num_stages, **consts,
+        part_acc, part_m, part_l, query, k_cache, v_cache, block_tables, seq_lens, row_ids,
+        qk_scale, window, *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
+        num_warps=cfg.num_warps, num_stages=cfg.split_num_stages, **consts,
     )  # fmt: skip
     if scores is not None:
         glob_m = torch.empty((num_rows, num_heads), dtype=torch.float32, device=dev)
@@ -726,7 +744,8 @@ def kvc_decode_attention(
     )  # fmt: skip
     if scores is not None:
         _split_score_kernel[grid](
-            scores, glob_m, glob_l, query, k_cache, block_tables, seq_lens, qk_scale, window,
+            scores, glob_m, glob_l, query, k_cache, block_tables, seq_lens, row_ids, qk_scale,
+            window,
             *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits, num_warps=cfg.num_warps,
             num_stages=cfg.split_num_stages, **consts,
         )  # fmt: skip
@@ -786,18 +805,27 @@ def kvc_paged_attention(
     pq = torch.empty((num_tokens * h, g, head_dim), dtype=query.dtype, device=dev)
     pq[prow] = query.reshape(num_tokens * h, g, head_dim)
     lens_all = qsl[1:] - qsl[:-1]  # [R]
-    pqsl = torch.empty(num_reqs * h + 1, dtype=torch.int32, device=dev)
-    pqsl[:-1] = (qsl[:-1, None] * h + heads[None, :] * lens_all[:, None]).reshape(-1)
-    pqsl[-1:] = qsl[-1:] * h
+    # Pseudo-requests and table columns padded to multiples of 16 (empty requests at the end,
+    # zero columns): the kernel's integer arguments then always have the same divisibility,
+    # so Triton compiles one specialization, not one per batch parity and table width.
+    # Example: R 3, H 2 -> 6 pseudo-requests + 10 empty ones; width 37 -> 48.
+    p = num_reqs * h
+    p_pad = -(-p // 16) * 16
+    width = block_tables.shape[2]
+    w_pad = -(-width // 16) * 16
+    pqsl = torch.empty(p_pad + 1, dtype=torch.int32, device=dev)
+    pqsl[:p] = (qsl[:-1, None] * h + heads[None, :] * lens_all[:, None]).reshape(-1)
+    pqsl[p:] = qsl[-1:] * h
     pout = torch.zeros_like(pq)
-    tables = block_tables.reshape(num_reqs * h, block_tables.shape[2])  # [R * H, max_blocks]
-    if tables.stride(1) != 1:
-        tables = tables.contiguous()
+    tables = torch.zeros((p_pad, w_pad), dtype=block_tables.dtype, device=dev)
+    tables[:p, :width] = block_tables.reshape(p, width)  # [R * H, max_blocks]
+    plens = torch.zeros(p_pad, dtype=torch.int32, device=dev)
+    plens[:p] = seq_lens.reshape(p)
     paged_attention(
         pq,
         kv_cache.unsqueeze(3),  # [2, num_blocks, block_size, 1, head_dim]
         pqsl,
-        seq_lens.reshape(num_reqs * h).to(torch.int32),
+        plens,
         tables,
         max_query_len,
         max_seq_len,

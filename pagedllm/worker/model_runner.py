@@ -23,6 +23,7 @@ from pagedllm.core.kv_cache.spec import (
 from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.kv_layout import KVCacheLayout
 from pagedllm.kvcompress.cache import HeadPagedCache
+from pagedllm.kvcompress.evict import move_bound
 from pagedllm.model.loader import build_model
 from pagedllm.sample.sampler import Sampler
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
@@ -144,6 +145,8 @@ class ModelRunner:
         self._bitmask_dev: tuple[torch.Tensor, torch.Tensor] | None = None
         self.time_device = False  # record each step's device time (benchmarks)
         self.device_times: list[float] = []  # seconds, one per resolved step when timed
+        # KV-Compress: (start, end) CUDA events of each step's eviction when timed
+        self.compress_events: list[tuple[Any, Any]] = []
 
     # ------------------------------------------------------------------------ KV cache
     def _group_kv_layers(self) -> KVCacheGroups:
@@ -304,6 +307,7 @@ class ModelRunner:
             self.kvc.tables[:num_reqs, :, :nb] = torch.arange(nb, device=self.device) % num_blocks
             sampling = np.ones(num_reqs, dtype=bool)
             self.kvc.prepare_step(inputs.metadata, rows, n_sched, inputs.positions, sampling)
+            self.kvc.finish_metadata(inputs.metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         if self.kvc is not None:
             self.kvc.lens[:num_reqs] = 0
@@ -362,7 +366,19 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.device_config.enforce_eager:
             return
         if self.kvc is not None:
-            logger.info("KV-Compress runs eagerly (no CUDA graphs yet)")
+            pairs = zip(self.kvc.windows, self.kvc.spec.compressible)
+            if any(w is not None and c for w, c in pairs):
+                # every layer windowed and compacted (Mistral v0.1): the window is found by
+                # position in torch, with shapes that vary per step
+                logger.info("KV-Compress runs eagerly on this model (compacted window layers)")
+                return
+            from pagedllm.kvcompress.cuda_graph import KVCGraphRunner
+
+            self.graph_runner = KVCGraphRunner(
+                self.model, self.kvc, self.input_batch.max_num_reqs, self.max_model_len,
+                self.device,
+            )  # fmt: skip
+            self.graph_runner.capture()
             return
         self.graph_runner = CUDAGraphRunner(
             self.model,
@@ -387,11 +403,14 @@ class ModelRunner:
                 continue
             head = new.block_ids[0] if new.block_ids else None
             kvc.set_row(ib.add_request(replace(new, block_ids=())), head)
+        entry_rows: list[int] = []  # KV-Compress: every row's new table entries, one scatter
+        entries: list = []
         for cached in so.scheduled_cached_reqs:
             row = ib.req_id_to_row[cached.req_id]
             if kvc is not None:
                 for blocks in cached.replaced_block_ids + list(cached.new_block_ids):
-                    kvc.set_entries(row, blocks)
+                    entry_rows.append(row)
+                    entries.append(blocks)
                 for token in cached.append_token_ids:
                     ib.append_token(row, token)
                 ib.num_computed_tokens[row] = cached.num_computed_tokens
@@ -403,12 +422,16 @@ class ModelRunner:
             if cached.new_block_ids:
                 ib.append_blocks(row, cached.new_block_ids)
             ib.num_computed_tokens[row] = cached.num_computed_tokens
+        if entries:
+            kvc.set_entries(entry_rows, entries)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         md = inputs.metadata
         gr = self.graph_runner
         if gr is not None and md.max_query_len == 1 and gr.can_run(md.num_reqs):
             return gr.run(inputs.input_ids, inputs.positions, md)
+        if self.kvc is not None:
+            self.kvc.finish_metadata(md)
         return self.model(inputs.input_ids, inputs.positions, md)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -564,8 +587,10 @@ class ModelRunner:
                 )
         kvc_lens = {}
         if step.kvc_lens is not None:
-            ids, lens = step.kvc_lens
-            kvc_lens = dict(zip(ids, lens.cpu().numpy()))
+            ids, lens, done = step.kvc_lens
+            if done is not None:
+                done.synchronize()
+            kvc_lens = dict(zip(ids, lens.numpy()))
         return ModelRunnerOutput(
             kvc_lens=kvc_lens,
             req_ids=step.req_ids,
@@ -577,19 +602,34 @@ class ModelRunner:
             structured_tokens=structured_tokens,
         )
 
-    def _compress(self, so: SchedulerOutput) -> tuple[list[str], torch.Tensor] | None:
-        """Run the evictions the scheduler asked for (after the step's forward pass)."""
+    def _compress(self, so: SchedulerOutput) -> tuple[list[str], torch.Tensor, Any] | None:
+        """Run the evictions the scheduler asked for (after the step's forward pass); returns
+        (request ids, their new lengths [B, LH] on the host once the event is done, the event
+        or None)."""
         if not so.kvc_compress or self.kvc is None:
             return None
         ib = self.input_batch
-        ids = [rid for rid, _, _ in so.kvc_compress]
+        plan = so.kvc_compress
+        ids = [e.req_id for e in plan]
         rows = np.array([ib.req_id_to_row[rid] for rid in ids], dtype=np.int64)
-        budgets = np.array([b for _, b, _ in so.kvc_compress], dtype=np.int64)
-        protect = np.array([p for _, _, p in so.kvc_compress], dtype=np.int64)
-        max_len = int(ib.num_computed_tokens[rows].max())
+        budgets = np.array([e.budget for e in plan], dtype=np.int64)
+        protect = np.array([e.protect_from for e in plan], dtype=np.int64)
+        max_len = max(e.max_head_len for e in plan)
+        bs, method = self.kvc.block_size, self.kvc.kvc.method
+        max_moves = sum(move_bound(e.held, e.budget, bs, method) for e in plan)
+        timer = self._timing_start()
         with torch.inference_mode():
-            lens = self.kvc.compress(rows, budgets, protect, max(max_len, 1))
-        return ids, lens
+            lens = self.kvc.compress(rows, budgets, protect, max(max_len, 1), max(max_moves, 1))
+        timer = self._timing_end(timer)
+        if timer is not None:
+            self.compress_events.append(timer)
+        if self.device.type != "cuda":
+            return ids, lens, None
+        host = torch.empty(lens.shape, dtype=lens.dtype, pin_memory=True)
+        host.copy_(lens, non_blocking=True)  # no sync: resolve() waits for the event
+        done = torch.cuda.Event()
+        done.record()
+        return ids, host, done
 
     def _inputs_from_last_step(
         self, rows: np.ndarray, first_token: np.ndarray
@@ -626,6 +666,12 @@ class ModelRunner:
         event = torch.cuda.Event()
         event.record()
         return host, event
+
+    def compress_seconds(self) -> list[float]:
+        """Device seconds of each timed eviction (synchronizes)."""
+        if self.compress_events:
+            self.compress_events[-1][1].synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in self.compress_events]
 
     def _timing_start(self) -> Any:
         if not self.time_device or self.device.type != "cuda":

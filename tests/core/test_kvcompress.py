@@ -10,10 +10,17 @@ import torch
 from pagedllm.core.kv_cache.head_paged import HeadPagedKVCacheManager
 from pagedllm.core.kv_cache.spec import HeadPagedSpec
 from pagedllm.core.request import Request
-from pagedllm.kvcompress.evict import compact, head_slots, maxpool_scores, plan_eviction
+from pagedllm.kvcompress.evict import (
+    compact,
+    head_slots,
+    maxpool_scores,
+    move_bound,
+    plan_eviction,
+)
 from pagedllm.sampling_params import SamplingParams
 
 BS = 4
+SPARE = 400 * BS  # the spare slot of `_cache` (its default 400 blocks + 1)
 
 
 def _spec(layers: int = 3, heads: int = 2, compressible: tuple[bool, ...] | None = None):
@@ -95,9 +102,10 @@ def _cache(lens: np.ndarray, seed: int, num_blocks: int = 400, dim: int = 3):
         for h in range(lh):
             tables[i, h, : nb[i, h]] = ids[k : k + nb[i, h]]
             k += nb[i, h]
-    scores = torch.rand(num_blocks * BS, generator=g)
-    positions = torch.zeros(num_blocks * BS, dtype=torch.int32)
-    kv = torch.randn(2, num_blocks * BS, dim, generator=g)
+    # one block more than the tables use: the spare slot (SPARE with the default num_blocks)
+    scores = torch.rand((num_blocks + 1) * BS, generator=g)
+    positions = torch.zeros((num_blocks + 1) * BS, dtype=torch.int32)
+    kv = torch.randn(2, (num_blocks + 1) * BS, dim, generator=g)
     lens_t = torch.from_numpy(lens)
     slots, valid = head_slots(tables, lens_t, int(lens.max()), BS)
     for i in range(b):
@@ -209,7 +217,8 @@ def test_protected_window_and_sinks_survive_and_compaction_keeps_everything():
         BS,
         num_sinks=2,
     )
-    new_lens = compact(kv, scores, positions, evict, order, slots, valid, lens_t)
+    bound = sum(move_bound(int(lens[i].sum()), b, BS, "kvcompress") for i, b in enumerate([10, 0]))
+    new_lens = compact(kv, scores, positions, evict, order, slots, valid, lens_t, bound, SPARE)
     assert torch.equal(new_lens, lens_t - evict)
     after_slots, _ = head_slots(tables, new_lens, int(lens.max()), BS)
     for i in range(2):
@@ -230,6 +239,43 @@ def test_protected_window_and_sinks_survive_and_compaction_keeps_everything():
                 worst_gone = max(before[(i, h, p)][1] for p in gone)
                 kept_evictable = [before[(i, h, p)][1] for p in got - protected]
                 assert not kept_evictable or worst_gone <= min(kept_evictable)
+
+
+@pytest.mark.parametrize("method", ["kvcompress", "random", "uniform"])
+@pytest.mark.parametrize("seed", range(4))
+def test_compaction_moves_within_the_host_bound(method, seed):
+    """The device compaction has a move list sized by ``move_bound`` from host numbers alone
+    (no sync); a bound too small would drop moves (``compact`` checks it on the CPU). The
+    result equals a compaction with room for every KV."""
+    rng = np.random.default_rng(100 + seed)
+    lens = rng.integers(1, 60, size=(3, 6))
+    budgets = rng.integers(0, 200, size=3)
+    held = lens.sum(1)
+    results = []
+    for room in ("bound", "all"):
+        tables, lens_t, scores, positions, kv = _cache(lens, seed)
+        evict, order, slots, valid = plan_eviction(
+            scores,
+            positions,
+            tables,
+            lens_t,
+            torch.from_numpy(budgets),
+            torch.full((3,), 10**9),
+            torch.ones(6, dtype=torch.bool),
+            int(lens.max()),
+            BS,
+            method=method,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        if room == "bound":
+            n = sum(move_bound(int(h), int(b), BS, method) for h, b in zip(held, budgets))
+        else:
+            n = int(lens.sum())
+        new_lens = compact(kv, scores, positions, evict, order, slots, valid, lens_t, n, SPARE)
+        after, ok = head_slots(tables, new_lens, int(lens.max()), BS)
+        results.append((new_lens, kv[:, after[ok]], scores[after[ok]], positions[after[ok]]))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_uniform_splits_the_budget_evenly():

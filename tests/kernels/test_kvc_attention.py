@@ -341,6 +341,37 @@ def test_decode_strided_inputs() -> None:
         assert (got[4:] == 0).all()
 
 
+def test_decode_row_ids() -> None:
+    """``row_ids``: query rows read chosen rows of whole tables (as the CUDA graphs do, a pad
+    row with every head empty among them): equal to the gathered tables, the pad row's
+    output 0 and no score touched by it; single pass and split-K."""
+    block_size, heads, num_heads, d = BLOCK_SIZES[0], 2, 8, 64
+    lens = random_lens(6, heads, 300 if CUDA else 40, block_size, seed=11)
+    lens[5] = 0  # the pad row
+    c = make_head_cache(lens, d, block_size, torch.float32, seed=12)
+    ids = torch.tensor([4, 1, 5, 2])
+    sub = HeadCache(c.kv_cache, c.block_tables[ids], c.lens[ids])
+    gen = torch.Generator().manual_seed(13)
+    query = torch.randn(4, num_heads, d, generator=gen)
+    ref, attended, delta = decode_ref(query, sub, d**-0.5, None)
+    kv = c.kv_cache.to(DEVICE)
+    for s in (1, 4):
+        start = torch.rand(kv.shape[1] * block_size, generator=gen)
+        scores = start.clone().to(DEVICE)
+        out = kvc_decode_attention(
+            query.to(DEVICE), kv, c.block_tables.to(DEVICE), c.lens.to(DEVICE), d**-0.5,
+            scores=scores, num_splits=s, row_ids=ids.to(DEVICE),
+        )  # fmt: skip
+        got = out.cpu()
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        assert (got[2] == 0).all()
+        got_s = scores.cpu()
+        assert torch.equal(got_s[~attended], start[~attended])
+        torch.testing.assert_close(
+            got_s[attended], (start + delta)[attended], atol=SCORE_TOL[0], rtol=SCORE_TOL[1]
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # Mixed batches (prefill chunks and decodes)
 # ---------------------------------------------------------------------------------------------
@@ -440,17 +471,32 @@ def _kvc_step(
         n = int(lens[rr, hh])
         positions[c.slots(rr, hh, 0, n)] = torch.arange(n, dtype=torch.int32)
     q_np = np.asarray(q_lens)
+    decode, prefill = np.nonzero(q_np == 1)[0], np.nonzero(q_np > 1)[0]
+    rows = np.arange(r)  # the step's requests are the tables' rows 0..r-1
+    collect = np.where(q_np == 1, 1, np.minimum(4, q_np))  # every chunk ends its prompt
+    index = KVCStepPlan.index_arrays(decode, prefill, qsl, rows, collect)
+    max_lens = lens.max(1).values.numpy()
     plan = KVCStepPlan(
-        decode=np.nonzero(q_np == 1)[0],
-        prefill=np.nonzero(q_np > 1)[0],
-        collect=np.where(q_np == 1, 1, np.minimum(4, q_np)),  # every chunk ends its prompt
+        decode=decode,
+        prefill=prefill,
+        collect=collect,
         maxpool_kernel=3,
+        rows=rows,
+        max_lens=max_lens,
+        prefill_max_q=int(q_np[prefill].max()) if len(prefill) else 0,
+        window_max_len=int(max_lens[prefill].max()) if len(prefill) else 0,
+        tensors={k: torch.from_numpy(v).long().to(dev) for k, v in index.items()},
     )
     gen = torch.Generator().manual_seed(21)
     scores = torch.rand(num_slots, generator=gen)
     token_positions = ctx[req, 0].long() + local
     info = KVCLayerInfo(
-        scores.to(dev), positions.to(dev), token_positions.to(dev), compressible, plan
+        scores.to(dev),
+        positions.to(dev),
+        token_positions.to(dev),
+        compressible,
+        plan,
+        torch.from_numpy(rows).to(dev),
     )
     md = AttentionMetadata(
         num_reqs=r,

@@ -79,12 +79,12 @@ class _IdPool:
         return ids
 
     def release(self, ids: np.ndarray) -> None:
-        """Drop one reference of each id; ids at 0 go back on the stack."""
+        """Drop one reference of each id (distinct ids: the blocks of one request's table);
+        ids at 0 go back on the stack."""
         if len(ids) == 0:
             return
-        np.subtract.at(self.ref, ids, 1)
+        self.ref[ids] -= 1
         dead = ids[self.ref[ids] == 0]
-        dead = np.unique(dead)
         self.stack[self.num_free : self.num_free + len(dead)] = dead[::-1]
         self.num_free += len(dead)
 
@@ -289,6 +289,13 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         """KVs the request holds in compressible heads (what its budget counts)."""
         state = self.states.get(request_id)
         return 0 if state is None else int(state.lens[self.compressible].sum())
+
+    def head_extent(self, request_id: str) -> tuple[int, int]:
+        """(the longest head's KVs, KVs in compressible heads) of a request, as allocated."""
+        state = self.states.get(request_id)
+        if state is None:
+            return 0, 0
+        return int(state.lens.max()), int(state.lens[self.compressible].sum())
 
     def free(self, request: Request) -> None:
         rid = request.request_id

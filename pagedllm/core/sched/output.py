@@ -9,6 +9,19 @@ from dataclasses import dataclass, field
 from pagedllm.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class KVCEviction:
+    """One request's eviction after a step (KV-Compress). ``max_head_len`` and ``held`` are
+    what the scheduler's manager knows after the step; they bound the device work without a
+    host sync (the sort's width, and the number of KVs compaction may move)."""
+
+    req_id: str
+    budget: int  # KVs its compressible heads may keep
+    protect_from: int  # positions >= this are never evicted
+    max_head_len: int  # the longest head (any layer) after the step
+    held: int  # KVs in its compressible heads after the step
+
+
 @dataclass
 class NewRequestData:
     """A request the runner has not seen (or has dropped, after a preemption): sent in full."""
@@ -74,10 +87,9 @@ class SchedulerOutput:
     #     T + a and ``append_token_ids`` s_1 .. s_a (it holds s_0 already).
     # A scheduler that never proposes leaves this empty: steps run exactly as without it.
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # KV-Compress: (request id, KVs its compressible heads may keep, first protected position)
-    # of the requests to evict from after this step's forward pass (its attention scores
-    # count); the new per-head lengths come back in ModelRunnerOutput.kvc_lens.
-    kvc_compress: list[tuple[str, int, int]] = field(default_factory=list)
+    # KV-Compress: the requests to evict from after this step's forward pass (its attention
+    # scores count); the new per-head lengths come back in ModelRunnerOutput.kvc_lens.
+    kvc_compress: list[KVCEviction] = field(default_factory=list)
     # Which schedule() made this plan: the scheduler keeps the step's Request objects under
     # it until update_from_output (the plan itself is plain data, sent to worker processes).
     step_id: int = 0

@@ -43,6 +43,7 @@ from pagedllm.core.sched.groups import SequenceGroups, num_sequences
 from pagedllm.core.sched.output import (
     CachedRequestData,
     EngineCoreOutput,
+    KVCEviction,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -676,15 +677,13 @@ class Scheduler:
                 found = True
         return found
 
-    def _kvc_plan(
-        self, num_scheduled: dict[str, int], room: dict[str, int]
-    ) -> list[tuple[str, int, int]]:
+    def _kvc_plan(self, num_scheduled: dict[str, int], room: dict[str, int]) -> list[KVCEviction]:
         """The evictions after this step: a request whose prompt is done this step (it
         samples for the first time since its KVs were computed), one due for continual
         compression (``compress_once`` off: every ``compression_interval`` decode steps), and
         those ``_kvc_make_room`` chose; each only when it holds more KVs than its budget."""
         assert self.kvc is not None
-        plan: list[tuple[str, int, int]] = []
+        plan: list[KVCEviction] = []
         chosen = dict(room)
         for rid, n in num_scheduled.items():
             if rid in chosen:
@@ -717,7 +716,9 @@ class Scheduler:
             r = self.requests[rid]
             after = r.num_computed_tokens + num_scheduled.get(rid, 0)
             r.kvc_compressed_at, r.kvc_steps = after, 0
-            plan.append((rid, budget, after - self._kvc_protected(r)))
+            max_len, held = self.kv_cache_manager.head_extent(rid)
+            protect = after - self._kvc_protected(r)
+            plan.append(KVCEviction(rid, budget, protect, max_len, held))
         return plan
 
     # --------------------------------------------------------------------------- stats
