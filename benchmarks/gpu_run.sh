@@ -76,11 +76,11 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         tests/core/test_kvcompress.py tests/models/test_kvcompress.py ;;
     kvc-d-quick) python benchmarks/kvcompress_throughput.py --model qwen3-0.6b --num-prompts 64 \
         --input-len 2000 --output-len 200 --max-model-len 4096 --kv-cache-memory-bytes 1073741824 \
-        --rates ${KVC_RATES:-8,64} --eager-rates ${KVC_EAGER-8} --profile-dir "${KVC_PROFILE:-}" \
+        --rates ${KVC_RATES:-8,64} --eager-rates "${KVC_EAGER:-8}" --profile-dir "${KVC_PROFILE:-}" \
         --out "$OUT" | grep -v "^ " ;;
     kvc-d-8b) python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-64} \
         --output-len ${KVC_OUT:-500} --rates ${KVC_RATES:-1,2,4,8,16,32,64} \
-        --eager-rates ${KVC_EAGER:-} --out "$OUT" | grep -v "^ " ;;
+        --eager-rates "${KVC_EAGER:-none}" --out "$OUT" | grep -v "^ " ;;
     kvc-d-sweep) python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-64} \
         --output-len ${KVC_OUT:-500} --input-lens 500,2000,14000 --rates 8,64 \
         --out "$OUT" | grep -v "^ " ;;

@@ -58,6 +58,8 @@ SUMMARY_KEYS = (
     "startup_s",
     "steps",
     "host_syncs_per_step",
+    "device_ms_per_step_mean",
+    "device_busy_fraction",
     "cuda_graphs",
 )
 
@@ -69,6 +71,22 @@ def _summary(r: dict) -> dict:
                 "metadata_bytes_per_kv", "kv_bytes"):  # fmt: skip
         if key in kvc:
             out[key] = kvc[key]
+    return out
+
+
+def save(a: argparse.Namespace, input_len: int, runs: dict[str, dict]) -> Path:
+    """Write the runs so far (after every run: a call cut short keeps what it measured)."""
+    base = runs["uncompressed"]
+    device = base["device"].replace(" ", "_")
+    cap = "uncapped" if not a.kv_cache_memory_bytes else f"{a.kv_cache_memory_bytes >> 20}MiB"
+    model = os.path.basename(a.model)
+    name = f"kvcompress_throughput_{model}_in{input_len}_{cap}_{device}"
+    out = Path(a.out) / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary = {k: _summary(v) for k, v in runs.items()}
+    args = {**vars(a), "input_len": input_len}
+    out.write_text(json.dumps({"benchmark": "D", "args": args, "summary": summary,
+                               "runs": runs}, indent=1))  # fmt: skip
     return out
 
 
@@ -88,7 +106,7 @@ def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dic
     print(f"in {input_len} uncompressed: {base['output_tokens_per_s']:.0f} out tok/s, peak "
           f"seqs {base['concurrent_seqs_peak']}", flush=True)  # fmt: skip
     clean()
-    eager = [float(r) for r in a.eager_rates.split(",") if r]
+    eager = [float(r) for r in a.eager_rates.split(",") if r and r != "none"]
     todo = [(cr, False) for cr in rates] + [(cr, True) for cr in eager]
     for cr, enforce_eager in todo:
         m = max_cache_tokens(input_len, cr)
@@ -106,6 +124,7 @@ def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dic
         r["speedup_output"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
         r["speedup_total"] = r["total_tokens_per_s"] / base["total_tokens_per_s"]
         runs[name] = r
+        save(a, input_len, runs)
         kvc = r["kvc"] or {}
         print(f"in {input_len} {name}: max_cache_tokens {m}, {r['output_tokens_per_s']:.0f} out "
               f"tok/s ({r['speedup_output']:.2f}x), peak seqs {r['concurrent_seqs_peak']}, "
@@ -135,18 +154,8 @@ def main() -> None:
     lengths = [int(x) for x in a.input_lens.split(",")] if a.input_lens else [a.input_len]
     for input_len in lengths:
         runs = run_length(a, input_len, rates)
-        base = runs["uncompressed"]
-        device = base["device"].replace(" ", "_")
-        cap = "uncapped" if not a.kv_cache_memory_bytes else f"{a.kv_cache_memory_bytes >> 20}MiB"
-        model = os.path.basename(a.model)
-        name = f"kvcompress_throughput_{model}_in{input_len}_{cap}_{device}"
-        out = Path(a.out) / f"{name}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        summary = {k: _summary(v) for k, v in runs.items()}
-        args = {**vars(a), "input_len": input_len}
-        out.write_text(json.dumps({"benchmark": "D", "args": args, "summary": summary,
-                                   "runs": runs}, indent=1))  # fmt: skip
-        print(json.dumps(summary, indent=1))
+        out = save(a, input_len, runs)
+        print(json.dumps({k: _summary(v) for k, v in runs.items()}, indent=1))
         try:
             _plot(runs, out.with_suffix(".png"))
         except ImportError:

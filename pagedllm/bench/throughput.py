@@ -184,9 +184,9 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-    if device.type == "cuda" and args.enable_kvc:
-        runner.time_device = True  # CUDA events around each eviction (and step)
-        runner.compress_events.clear()
+    if device.type == "cuda":
+        runner.time_device = True  # CUDA events around each step (and eviction)
+        runner.device_times, runner.compress_events = [], []
     prof = cProfile.Profile() if getattr(args, "profile_host", None) else None
     with count_host_syncs(device) as syncs:
         t = time.perf_counter()
@@ -250,6 +250,13 @@ def run(args: argparse.Namespace) -> dict:
         "preemptions": llm.llm_engine.engine_core.scheduler.num_preemptions,
         # implicit host syncs (a blocking copy, .item(), a boolean mask...) PyTorch reported
         # while the workload ran; the one wait per step for the sampled tokens is not one
+        # device time of a step: a CUDA event before its forward pass to one after sampling
+        "device_ms_per_step_mean": (
+            1e3 * float(np.mean(runner.device_times)) if runner.device_times else None
+        ),
+        "device_busy_fraction": (
+            float(np.sum(runner.device_times)) / elapsed if runner.device_times else None
+        ),
         "host_syncs": syncs.count,
         "host_sync_sources": dict(syncs.sources.most_common(12)),
         "host_syncs_per_step": (
