@@ -60,6 +60,9 @@ SUMMARY_KEYS = (
     "host_syncs_per_step",
     "device_ms_per_step_mean",
     "device_busy_fraction",
+    "device_ms_per_decode_step",
+    "device_s_decode_steps",
+    "device_s_prefill_steps",
     "cuda_graphs",
 )
 

@@ -257,6 +257,7 @@ def run(args: argparse.Namespace) -> dict:
         "device_busy_fraction": (
             float(np.sum(runner.device_times)) / elapsed if runner.device_times else None
         ),
+        **_phase_split(rec.steps, runner.device_times),
         "host_syncs": syncs.count,
         "host_sync_sources": dict(syncs.sources.most_common(12)),
         "host_syncs_per_step": (
@@ -295,6 +296,21 @@ def run(args: argparse.Namespace) -> dict:
         "first_tokens": [o.outputs[0].token_ids[:8] for o in outs[:4]],
     }
     return result
+
+
+def _phase_split(steps: list, device_times: list[float]) -> dict:
+    """Device time of the decode-only steps (mean) and of the steps with prompt tokens (total),
+    when every step was timed."""
+    if not device_times or len(device_times) != len(steps):
+        return {}
+    dt = np.asarray(device_times)
+    decode = np.array([max(s.num_tokens) == 1 for s in steps])
+    return {
+        "device_ms_per_decode_step": 1e3 * float(dt[decode].mean()) if decode.any() else None,
+        "device_s_decode_steps": float(dt[decode].sum()),
+        "device_s_prefill_steps": float(dt[~decode].sum()),
+        "prefill_steps": int((~decode).sum()),
+    }
 
 
 class count_host_syncs:  # noqa: N801 (a context manager used like a function)

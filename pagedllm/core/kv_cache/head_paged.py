@@ -173,6 +173,12 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         need = -(-(state.lens + num_new) // self.block_size) - state.nblocks
         return np.maximum(need, 0)
 
+    def blocks_short(self, request: Request, num_new: int) -> int:
+        """Blocks missing from the pool for ``num_new`` more tokens of the request (0: it
+        fits)."""
+        need = int(self._blocks_for(self.states.get(request.request_id), num_new).sum())
+        return max(need - self.pool.num_free, 0)
+
     def _copy_need(self, state: _HeadState | None) -> int:
         """Blocks a request holding shared blocks needs for its private copies."""
         if state is None or not state.shared:

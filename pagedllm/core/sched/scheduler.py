@@ -247,7 +247,8 @@ class Scheduler:
                 if self.kvc is not None and not running_preempted:
                     # evict from running requests over their budget, rather than preempt; this
                     # request waits for the blocks that frees (next step)
-                    if self._kvc_make_room(kvc_room, num_scheduled):
+                    short = self.kv_cache_manager.blocks_short(request, num_new)
+                    if self._kvc_make_room(kvc_room, num_scheduled, short):
                         running_preempted = True  # no admissions while memory is short
                         break
                 victim = self.running.pop_back()  # ranked last; never one already scheduled
@@ -660,11 +661,20 @@ class Scheduler:
             return None
         return budget
 
-    def _kvc_make_room(self, room: dict[str, int], num_scheduled: dict[str, int]) -> bool:
-        """Memory is short: mark every running request over its budget that grew since its
-        last eviction (least recently compressed first) for eviction after this step. False
-        when none is (then the scheduler preempts)."""
-        found = False
+    def _kvc_make_room(
+        self, room: dict[str, int], num_scheduled: dict[str, int], short: int
+    ) -> bool:
+        """Memory is short by ``short`` blocks: mark the running requests over their budget
+        that grew since their last eviction (least recently compressed first) for eviction
+        after this step. False, marking none, when even evicting all of them down to their
+        budgets could not free ``short`` blocks (then the scheduler preempts: evicting a few
+        KVs each step for a request that still would not fit only stalls it).
+
+        Freed blocks, at least: a request ``e`` KVs over its budget frees ``ceil(e / bs)``
+        blocks, as each evicted chunk frees one block and holds at most bs KVs."""
+        bs = self.kv_cache_manager.block_size
+        chosen: dict[str, int] = {}
+        freeable = 0
         for r in sorted(self.running, key=lambda r: r.kvc_compressed_at):
             if r.request_id in room or r.request_id not in self._runner_has:
                 continue
@@ -673,9 +683,13 @@ class Scheduler:
                 continue  # an eviction at this length freed what it could
             budget = self._kvc_over(r, after)
             if budget is not None:
-                room[r.request_id] = budget
-                found = True
-        return found
+                chosen[r.request_id] = budget
+                excess = self.kv_cache_manager.held_kvs(r.request_id) - budget
+                freeable += -(-excess // bs)
+        if not chosen or freeable < short:
+            return False
+        room.update(chosen)
+        return True
 
     def _kvc_plan(self, num_scheduled: dict[str, int], room: dict[str, int]) -> list[KVCEviction]:
         """The evictions after this step: a request whose prompt is done this step (it
