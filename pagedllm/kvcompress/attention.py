@@ -117,6 +117,7 @@ class KVCLayerInfo:
     compressible: bool
     plan: KVCStepPlan
     row_ids: torch.Tensor  # [R] int64: request i's row of the tables
+    scored: torch.Tensor | None = None  # [rows] int32: rows whose keys are scored (decode)
 
 
 def decode_attention(

@@ -70,6 +70,9 @@ class HeadPagedCache:
             (max_rows + 1, self.num_heads, self.max_blocks), dtype=torch.int32, device=device
         )
         self.lens = torch.zeros((max_rows + 1, self.num_heads), dtype=torch.int64, device=device)
+        # 1 where the row's request may be evicted (it has a budget): only those are scored
+        self.scored = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
+        self.scored_np = np.zeros(max_rows + 1, dtype=bool)
         self.num_blocks = 0
         self.spare_slot = 0
         self.kv = torch.empty(0)
@@ -170,8 +173,11 @@ class HeadPagedCache:
             t = t.pin_memory().to(self.device, non_blocking=True)
         return list(t.split([np.asarray(a).size for a in arrays]))
 
-    def set_row(self, row: int, head: HeadTable | None) -> None:
-        """A (re)started request's whole table and computed lengths."""
+    def set_row(self, row: int, head: HeadTable | None, scored: bool = True) -> None:
+        """A (re)started request's whole table and computed lengths, and whether its KVs are
+        scored (False: it has no budget, never evicted, so no score pass)."""
+        self.scored[row] = int(scored)
+        self.scored_np[row] = scored
         self.tables[row].zero_()
         if head is None:
             self.lens[row] = 0
@@ -222,6 +228,7 @@ class HeadPagedCache:
         # chunk that ends a prompt its last `window` queries, other prefill chunks none
         w = self.kvc.prefill_metric_collection_window_size
         collect = np.where(n_sched == 1, 1, np.where(sampling, np.minimum(w, n_sched), 0))
+        collect *= self.scored_np[rows]  # requests that are never evicted collect nothing
         decode, prefill = np.nonzero(n_sched == 1)[0], np.nonzero(n_sched > 1)[0]
         qsl = md.query_start_loc_np
         assert qsl is not None and md.seq_lens_np is not None
@@ -276,8 +283,9 @@ class HeadPagedCache:
             m = md.with_tables(slots[:, part], self.tables[:, part])
             m.seq_lens = self.lens[:, part]
             m.kvc = KVCLayerInfo(
-                self.scores, self.positions, positions, bool(comp[layer]), plan, rows_t
-            )
+                self.scores, self.positions, positions, bool(comp[layer]), plan, rows_t,
+                self.scored,
+            )  # fmt: skip
             groups.append(m)
         return groups
 

@@ -60,7 +60,7 @@ class KVCTritonBackend(AttentionBackend):
         if len(plan.prefill) == 0 and not by_position:  # decode-only step: one kernel
             out = kvc_decode_attention(
                 query, kv_cache, tables, lens, scale, scores=scores,
-                sliding_window=sliding_window, row_ids=info.row_ids,
+                sliding_window=sliding_window, row_ids=info.row_ids, scored=info.scored,
             )  # fmt: skip
             return out.view(t, hq * d)
         tensors = plan.tensors
@@ -78,7 +78,7 @@ class KVCTritonBackend(AttentionBackend):
             else:
                 out[rows] = kvc_decode_attention(
                     query[rows], kv_cache, tables, lens, scale, scores=scores,
-                    sliding_window=sliding_window, row_ids=trows,
+                    sliding_window=sliding_window, row_ids=trows, scored=info.scored,
                 )  # fmt: skip
         if len(plan.prefill) == 0:
             return out.view(t, hq * d)

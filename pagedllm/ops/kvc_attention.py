@@ -387,6 +387,7 @@ def _decode_kernel(
     lens_ptr,  # [rows, num_kv_heads] int32/int64
     row_ids_ptr,  # [rows] int64
     scores_ptr,  # [num_blocks * block_size] fp32 (unused without SCORES)
+    scored_ptr,  # [table rows] int32: 0 = the row's keys are not scored (read with ROW_FLAGS)
     qk_scale,
     window,
     stride_qt,
@@ -407,11 +408,12 @@ def _decode_kernel(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     SCORES: tl.constexpr,
+    ROW_FLAGS: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One program per (row, KV head): the G query heads' output and (SCORES) the keys'
-    scores."""
+    scores (with ROW_FLAGS only for table rows whose ``scored`` flag is set)."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi = _group_setup(
@@ -436,6 +438,9 @@ def _decode_kernel(
     if SCORES:
         m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
         inv_l = tl.where(row_mask, 1.0 / l_safe, 0.0)
+        if ROW_FLAGS:  # an unscored row: an empty tile range
+            flag = tl.load(scored_ptr + tl.load(row_ids_ptr + row))
+            tile_hi = tl.where(flag != 0, tile_hi, tile_lo)
         _score_range(
             q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi,
             key_lo, key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE,
@@ -555,6 +560,7 @@ def _combine_kernel(
 @triton.jit
 def _split_score_kernel(
     scores_ptr,  # [num_blocks * block_size] fp32
+    scored_ptr,  # [table rows] int32 (read with ROW_FLAGS)
     glob_m_ptr,  # [rows, num_heads] fp32
     glob_l_ptr,
     q_ptr,
@@ -581,6 +587,7 @@ def _split_score_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
+    ROW_FLAGS: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -594,6 +601,9 @@ def _split_score_kernel(
         stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M, TILE_N,
     )  # fmt: skip
     tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS)
+    if ROW_FLAGS:  # an unscored row: an empty tile range
+        flag = tl.load(scored_ptr + tl.load(row_ids_ptr + row))
+        tile_hi = tl.where(flag != 0, tile_hi, tile_lo)
     g = row.to(tl.int64) * NUM_HEADS + head  # [BLOCK_M]
     m_fin = tl.load(glob_m_ptr + g, mask=row_mask, other=0.0)
     inv_l = tl.where(row_mask, 1.0 / tl.load(glob_l_ptr + g, mask=row_mask, other=1.0), 0.0)
@@ -646,6 +656,7 @@ def kvc_decode_attention(
     num_splits: int | None = None,  # None: automatic; 1: single pass; > 1: split-K
     tile_config: TileConfig | None = None,  # override the launch shape (tuning, tests)
     row_ids: torch.Tensor | None = None,  # [num_rows] int64: table rows (None: 0..num_rows-1)
+    scored: torch.Tensor | None = None,  # [table rows] int32: score only rows flagged != 0
 ) -> torch.Tensor:
     """Decode attention over per-head paged KVs; returns [num_rows, num_heads, head_dim] in the
     query's dtype.
@@ -654,8 +665,9 @@ def kvc_decode_attention(
     ``t = row_ids[r]`` (``r`` without ``row_ids``): logical indices ``[max(len - W, 0), len)``
     with ``len = seq_lens[t, q // G]`` (``W`` = ``sliding_window``, no lower bound without
     one). A head with no key gives 0. With ``scores``, each attended key's slot gets
-    ``+= sum over its G query heads of p^2`` (p: the final softmax probability). Query rows
-    past the rows (if any) come back 0.
+    ``+= sum over its G query heads of p^2`` (p: the final softmax probability), for every
+    row or, with ``scored``, for the table rows whose flag is set (a request that can never
+    be evicted skips the score pass). Query rows past the rows (if any) come back 0.
 
     ``row_ids`` lets the caller pass the whole persistent tables and lengths (every request
     row of the cache, no per-step gather): a CUDA graph captures their addresses once.
@@ -709,13 +721,15 @@ def kvc_decode_attention(
         TILE_N=tile_n, UPCAST=upcast, PRECISION=precision,
     )  # fmt: skip
     scores_arg = scores if scores is not None else out  # never read without SCORES
+    scored_arg = scored if scored is not None else row_ids  # never read without ROW_FLAGS
 
     if num_splits == 1:
         _decode_kernel[(num_rows, num_kv_heads)](
-            out, query, k_cache, v_cache, block_tables, seq_lens, row_ids, scores_arg, qk_scale,
-            window,
+            out, query, k_cache, v_cache, block_tables, seq_lens, row_ids, scores_arg,
+            scored_arg, qk_scale, window,
             strides[0], strides[1], out.stride(0), out.stride(1), *strides[2:],
-            SCORES=scores is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SCORES=scores is not None, ROW_FLAGS=scored is not None, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
             **consts,
         )  # fmt: skip
         return out
@@ -744,10 +758,10 @@ def kvc_decode_attention(
     )  # fmt: skip
     if scores is not None:
         _split_score_kernel[grid](
-            scores, glob_m, glob_l, query, k_cache, block_tables, seq_lens, row_ids, qk_scale,
-            window,
+            scores, scored_arg, glob_m, glob_l, query, k_cache, block_tables, seq_lens,
+            row_ids, qk_scale, window,
             *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits, num_warps=cfg.num_warps,
-            num_stages=cfg.split_num_stages, **consts,
+            num_stages=cfg.split_num_stages, ROW_FLAGS=scored is not None, **consts,
         )  # fmt: skip
     return out
 

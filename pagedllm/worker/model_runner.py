@@ -33,6 +33,7 @@ from pagedllm.worker.sample_plan import SamplePlan, plan_samples
 from pagedllm.worker.sampling_inputs import build_sampling_metadata
 
 if TYPE_CHECKING:
+    from pagedllm.sampling_params import SamplingParams
     from pagedllm.structured_output.grammars import GrammarStep
 
 logger = logging.getLogger(__name__)
@@ -402,7 +403,8 @@ class ModelRunner:
                 ib.add_request(new)
                 continue
             head = new.block_ids[0] if new.block_ids else None
-            kvc.set_row(ib.add_request(replace(new, block_ids=())), head)
+            row = ib.add_request(replace(new, block_ids=()))
+            kvc.set_row(row, head, self._kvc_scored(new.sampling_params))
         entry_rows: list[int] = []  # KV-Compress: every row's new table entries, one scatter
         entries: list = []
         for cached in so.scheduled_cached_reqs:
@@ -600,6 +602,18 @@ class ModelRunner:
             forked_token_ids=forked[0],
             forked_logprobs=forked[1],
             structured_tokens=structured_tokens,
+        )
+
+    def _kvc_scored(self, params: SamplingParams) -> bool:
+        """Whether a request's KVs are scored: only one with a budget (its own or the
+        engine's default) can be evicted."""
+        kvc = self.kvc_config
+        return not (
+            params.max_cache_tokens is None
+            and params.compression_rate is None
+            and params.kvc_compress_at is None
+            and kvc.max_cache_tokens is None
+            and kvc.compression_rate is None
         )
 
     def _compress(self, so: SchedulerOutput) -> tuple[list[str], torch.Tensor, Any] | None:

@@ -370,6 +370,24 @@ def test_decode_row_ids() -> None:
         torch.testing.assert_close(
             got_s[attended], (start + delta)[attended], atol=SCORE_TOL[0], rtol=SCORE_TOL[1]
         )
+    # per-row flags: table row 4 (query row 0) is not scored, the others are
+    scored = torch.tensor([1, 1, 1, 1, 0, 1], dtype=torch.int32)
+    rest = HeadCache(c.kv_cache, c.block_tables[ids[1:]], c.lens[ids[1:]])
+    _, attended_rest, delta_rest = decode_ref(query[1:], rest, d**-0.5, None)
+    for s in (1, 4):
+        start = torch.rand(kv.shape[1] * block_size, generator=gen)
+        scores = start.clone().to(DEVICE)
+        out = kvc_decode_attention(
+            query.to(DEVICE), kv, c.block_tables.to(DEVICE), c.lens.to(DEVICE), d**-0.5,
+            scores=scores, num_splits=s, row_ids=ids.to(DEVICE), scored=scored.to(DEVICE),
+        )  # fmt: skip
+        torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+        got_s = scores.cpu()
+        assert torch.equal(got_s[~attended_rest], start[~attended_rest])
+        torch.testing.assert_close(
+            got_s[attended_rest], (start + delta_rest)[attended_rest], atol=SCORE_TOL[0],
+            rtol=SCORE_TOL[1],
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
