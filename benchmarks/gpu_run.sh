@@ -82,7 +82,8 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         --output-len ${KVC_OUT:-500} --rates ${KVC_RATES:-1,2,4,8,16,32,64} \
         --eager-rates "${KVC_EAGER:-none}" --out "$OUT" | grep -v "^ " ;;
     kvc-d-sweep) python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-64} \
-        --output-len ${KVC_OUT:-500} --input-lens 500,2000,14000 --rates 8,64 \
+        --output-len ${KVC_OUT:-500} --input-lens ${KVC_LENS:-500,2000,14000} --rates 8,64 \
+        --max-num-seqs ${KVC_SEQS:-256} \
         --out "$OUT" | grep -v "^ " ;;
     kvc-overhead) python benchmarks/gpu_suite.py bench-a --skip-peers --kvc-too --time-device \
         --out "$OUT" | grep -v "^ "; summary "$OUT"
