@@ -176,17 +176,20 @@ class HeadPagedCache:
     def set_row(self, row: int, head: HeadTable | None, scored: bool = True) -> None:
         """A (re)started request's whole table and computed lengths, and whether its KVs are
         scored (False: it has no budget, never evicted, so no score pass)."""
-        self.scored[row] = int(scored)
         self.scored_np[row] = scored
         self.tables[row].zero_()
         if head is None:
-            self.lens[row] = 0
+            self.lens[row].zero_()
+            (flag,) = self.ship(np.array([int(scored)]))
+            self.scored[row : row + 1] = flag
             return
         n = head.table.shape[1]
-        table, lens = self.ship(head.table, np.asarray(head.lens))
+        # (a Python scalar written into a device tensor would be a blocking copy)
+        table, lens, flag = self.ship(head.table, np.asarray(head.lens), np.array([int(scored)]))
         if n:
             self.tables[row, :, :n] = table.view(self.num_heads, n).to(torch.int32)
         self.lens[row] = lens
+        self.scored[row : row + 1] = flag
 
     def set_entries(self, rows: list[int], blocks: list[HeadBlocks]) -> None:
         """New (or copy-on-write replaced) table entries of several rows, in one scatter."""
