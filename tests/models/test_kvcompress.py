@@ -142,6 +142,28 @@ def test_cuda_graphs_equal_eager_with_evictions(arch, tiny_models):
     assert results[0] == results[1]
 
 
+def test_no_eviction_for_room_that_cannot_make_it(tiny_models):
+    """Memory short, budgets just below the prompts: evicting a few KVs each step would not
+    give a stalled request its blocks, so the scheduler preempts instead of evicting again and
+    again (a request is compressed about once, after its prompt, not every step)."""
+    prompts = [p for p in _prompts() if len(p) >= 40] * 3  # 6 requests of 40 and 64 tokens
+    llm = LLM(
+        tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True,
+        block_size=8, num_gpu_blocks_override=60,
+    )  # fmt: skip
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=40, ignore_eos=True, max_cache_tokens=60,
+        protected_window_size=4, compress_once=True,
+    )  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    core = llm.llm_engine.engine_core
+    core.check_integrity()
+    kv = core.scheduler.kv_cache_manager
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    assert kv.num_compressions <= 2 * len(prompts)  # 61 before the rule, 9 with it
+    assert kv.is_idle_clean()
+
+
 def test_window_layers_keep_their_kvs(tiny_models):
     """Gemma 3's sliding-window layers are not compressed: their heads keep every KV."""
     llm = LLM(tiny_models("gemma3"), dtype="float32", max_model_len=256, enable_kvc=True)
