@@ -104,6 +104,17 @@ class ServerMetrics:
             "vllm:request_generation_tokens", "Generation tokens per request.", _TOKEN_BUCKETS
         )
         self._children: dict[tuple[Any, ...], Any] = {}
+        # every series exists (at 0) from the start, as vLLM's do: a counter that has not
+        # moved yet still has a value, not only its HELP and TYPE lines
+        for metric in (
+            self.running, self.waiting, self.kv_usage, self.free_blocks, self.total_blocks,
+            self.preemptions, self.prompt_tokens, self.generation_tokens, self.prefix_queries,
+            self.prefix_hits, self.steps, self.kvc_compressions, self.kvc_evicted, self.ttft,
+            self.tpot, self.e2e, self.req_prompt, self.req_gen,
+        ):  # fmt: skip
+            self._l(metric)
+        for reason in ("stop", "length", "abort"):
+            self._l(self.success, finished_reason=reason)
         self._last: dict[str, float] = {}
         self._counted_prompts: set[str] = set()
         self._num_tokens: dict[str, dict[int, int]] = {}  # request -> sequence index -> tokens

@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+# vLLM's import paths: ``from vllm.sampling_params import StructuredOutputsParams,
+# BeamSearchParams`` works here with ``pagedllm``
+from pagedllm.beam_search import BeamSearchParams
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+__all__ = ["BeamSearchParams", "SamplingParams", "SamplingType", "StructuredOutputsParams"]
+
 _SAMPLING_EPS = 1e-5
 
 
@@ -72,8 +79,6 @@ class SamplingParams:
         self._verify()
         self.all_stop_token_ids = set(self.stop_token_ids)
         if self.structured_outputs is not None:
-            from pagedllm.structured_output.params import StructuredOutputsParams
-
             self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
 
     def _verify(self) -> None:

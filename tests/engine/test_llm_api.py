@@ -361,3 +361,14 @@ def test_argmax_only_steps_keep_model_dtype_logits_and_the_same_tokens(tiny_mode
     for kw in ({"logprobs": 0}, {"repetition_penalty": 1.0 + 1e-9}):
         assert run(**kw) == plain, kw
         assert all(seen), kw
+
+
+def test_vllm_import_paths() -> None:
+    """What vLLM users import from ``vllm.sampling_params`` comes from ours too."""
+    from pagedllm.beam_search import BeamSearchParams as B
+    from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+    from pagedllm.structured_output.params import StructuredOutputsParams as S
+
+    assert BeamSearchParams is B and StructuredOutputsParams is S
+    sp = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    assert isinstance(sp.structured_outputs, S)

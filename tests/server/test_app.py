@@ -151,3 +151,26 @@ def test_sequences_must_fit_one_batch(tiny_models) -> None:  # noqa: ANN001
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
     finally:
         small.shutdown()
+
+
+def test_small_hardening(llm: AsyncLLM, monkeypatch) -> None:  # noqa: ANN001
+    """Non-finite numbers and empty tokenize messages are 400s naming the field; 405 says
+    what is allowed; the model card names the model, not its path; a counter that has not
+    moved has a value (0), not only its HELP and TYPE lines."""
+    monkeypatch.delenv("PAGEDLLM_API_KEY", raising=False)
+    app = build_app(llm, Namespace(served_model_name="tiny-m"))
+    card = _call(app, "GET", "/v1/models").json()["data"][0]
+    assert card["root"] == "tiny-m" and card["id"] == "tiny-m"
+    r = _call(app, "POST", "/tokenize", json={"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    bad = (("temperature", "Infinity"), ("top_p", "NaN"), ("temperature", "-Infinity"))
+    for field, value in bad:
+        body = f'{{"prompt": "Hi", "max_tokens": 2, "{field}": {value}}}'
+        r = _call(app, "POST", "/v1/completions", content=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = _call(app, "GET", "/v1/completions")
+    assert r.status_code == 405 and "POST" in r.headers["allow"]
+    assert r.json()["error"]["type"] == "MethodNotAllowed"
+    text = _call(app, "GET", "/metrics").text
+    assert 'vllm:num_preemptions_total{model_name="tiny-m"} 0.0' in text
+    assert 'vllm:request_success_total{finished_reason="abort",model_name="tiny-m"}' in text

@@ -36,9 +36,10 @@ _LONG_MIN, _LONG_MAX = -(2**63), 2**64 - 1
 
 
 class OpenAIBaseModel(BaseModel):
-    """Ignores unknown fields and logs their names (vLLM's behaviour)."""
+    """Ignores unknown fields and logs their names (vLLM's behaviour). Non-finite numbers
+    (``Infinity``, ``NaN``: Python's JSON parser accepts them) are refused: 400 on the field."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -360,6 +361,8 @@ class TokenizeRequest(OpenAIBaseModel):
     def _one_of(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages.")
+        if self.messages is not None and not self.messages:
+            raise RequestError("messages must not be empty.", "messages")
         return self
 
 

@@ -213,7 +213,9 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         err_type = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(exc.status_code, "Error")
-        return error_response(RequestError(str(exc.detail), None, exc.status_code, err_type))
+        response = error_response(RequestError(str(exc.detail), None, exc.status_code, err_type))
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
@@ -256,7 +258,7 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
             "object": "model",
             "created": created,
             "owned_by": "pagedllm",
-            "root": async_llm.model_config.model,
+            "root": model_name,  # not the weights' path on the server's disk
             "parent": None,
             "max_model_len": max_model_len,
         }
