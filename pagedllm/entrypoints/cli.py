@@ -150,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template", default=None, help="Chat template: a Jinja file or inline text."
     )
     serve.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=8 << 20,
+        help="Largest request body accepted; larger ones get 413 (default 8 MiB).",
+    )
+    serve.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],

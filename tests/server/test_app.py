@@ -174,3 +174,26 @@ def test_small_hardening(llm: AsyncLLM, monkeypatch) -> None:  # noqa: ANN001
     text = _call(app, "GET", "/metrics").text
     assert 'vllm:num_preemptions_total{model_name="tiny-m"} 0.0' in text
     assert 'vllm:request_success_total{finished_reason="abort",model_name="tiny-m"}' in text
+
+
+def test_huge_prompts_and_bodies_are_refused_early(llm: AsyncLLM, monkeypatch) -> None:  # noqa: ANN001
+    """A prompt with more characters than the context can hold is a 400 before tokenizing
+    (completions, chat, /tokenize); a body over --max-request-body-bytes is a 413 with
+    OpenAI's error body; a normal request still works after them."""
+    monkeypatch.delenv("PAGEDLLM_API_KEY", raising=False)
+    app = build_app(llm, Namespace(served_model_name="tiny-m", max_request_body_bytes=300_000))
+    huge = "a" * 200_000  # max_model_len 128: far more characters than 128 tokens hold
+    r = _call(app, "POST", "/v1/completions", json={"prompt": huge, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert "characters" in r.json()["error"]["message"]
+    chat = {"messages": [{"role": "user", "content": huge}], "max_tokens": 2}
+    r = _call(app, "POST", "/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    r = _call(app, "POST", "/tokenize", json={"prompt": huge})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = _call(app, "POST", "/v1/completions", json={"prompt": "a" * 400_000})
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["code"] == 413 and err["type"] == "RequestEntityTooLarge"
+    r = _call(app, "POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1

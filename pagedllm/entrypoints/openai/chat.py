@@ -28,6 +28,7 @@ from pagedllm.entrypoints.openai.serving import (
     SSEStream,
     Started,
     clamp_logprob,
+    off_loop,
 )
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -69,6 +70,7 @@ class ServingChat(ServingBase):
                 "use /v1/completions.",
                 param="messages",
             )
+        self.check_text_fits(sum(len(m.text()) for m in req.messages), "messages")
         kwargs = {
             k: v
             for k, v in (req.chat_template_kwargs or {}).items()
@@ -126,7 +128,7 @@ class ServingChat(ServingBase):
         """The response body (dict) or, when streaming, an SSE text iterator."""
         if req.use_beam_search:
             return await self._beam_search(req)
-        text, ids, params = self.prepare(req)
+        text, ids, params = await off_loop(self.prepare, req)
         await self.check_structured(params, req.structured_field)
         rid = random_id("chatcmpl")
         started = await self.start([(text, ids)], params, rid, req.priority, req.cache_salt,
@@ -140,7 +142,7 @@ class ServingChat(ServingBase):
         self.check_model(req.model)
         req.to_beam_search_params(1)  # checks the fields before the template is rendered
         self.check_num_seqs(req.n, "n")
-        text, ids = self._render_checked(req, req.max_new_tokens())
+        text, ids = await off_loop(self._render_checked, req, req.max_new_tokens())
         params = req.to_beam_search_params(self.max_model_len - len(ids))
         rid = random_id("chatcmpl")
         started = await self.start([(text, ids)], params, rid, n=req.n)

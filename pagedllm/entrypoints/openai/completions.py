@@ -20,6 +20,7 @@ from pagedllm.entrypoints.openai.serving import (
     SSEStream,
     Started,
     clamp_logprob,
+    off_loop,
 )
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -34,6 +35,7 @@ class ServingCompletion(ServingBase):
         check = SamplingParams(max_tokens=max_tokens)
         for p in req.prompts():
             if isinstance(p, str):
+                self.check_text_fits(len(p), "prompt")
                 ids = list(self.tokenizer.encode(p, add_special_tokens=req.add_special_tokens))
                 text: str | None = p
             else:
@@ -58,7 +60,7 @@ class ServingCompletion(ServingBase):
         """The response body (dict) or, when streaming, an SSE text iterator."""
         if req.use_beam_search:
             return await self._beam_search(req)
-        prompts, params = self.prepare(req)
+        prompts, params = await off_loop(self.prepare, req)
         await self.check_structured(params, req.structured_field)
         rid = random_id("cmpl")
         best_of = (params.best_of or params.n) > params.n  # the engine picks the n best at the end
@@ -73,7 +75,7 @@ class ServingCompletion(ServingBase):
         self.check_model(req.model)
         params = req.to_beam_search_params(16)
         self.check_num_seqs(params.beam_width, "best_of" if req.best_of else "n")
-        prompts = self.tokenize(req, params.max_tokens)
+        prompts = await off_loop(self.tokenize, req, params.max_tokens)
         rid = random_id("cmpl")
         started = await self.start(prompts, params, rid, n=req.n)
         return self._response(req, await self.collect(started), rid, now())

@@ -69,7 +69,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     now,
 )
-from pagedllm.entrypoints.openai.serving import SSEStream
+from pagedllm.entrypoints.openai.serving import SSEStream, off_loop
 from pagedllm.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -105,9 +105,38 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, at most ``app.state.max_request_body_bytes`` (413 beyond it, from the
+    Content-Length header when there is one, else as soon as the stream passes the limit)."""
+    limit = getattr(request.app.state, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES)
+
+    def too_large() -> RequestError:
+        return RequestError(
+            f"The request body is larger than this server accepts ({limit} bytes; "
+            "--max-request-body-bytes).",
+            status_code=413,
+            err_type="RequestEntityTooLarge",
+        )
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
-    """The JSON body validated as ``model``; RequestError(400) naming the field otherwise."""
-    raw = await request.body()
+    """The JSON body validated as ``model``; RequestError(400) naming the field otherwise
+    (413 for a body over the limit)."""
+    raw = await read_body(request)
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -203,6 +232,9 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
     app.state.async_llm = async_llm
     app.state.metrics = metrics
     app.state.model_name = model_name
+    app.state.max_request_body_bytes = (
+        getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_BODY_BYTES
+    )
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
@@ -280,18 +312,25 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
     async def tokenize(request: Request) -> JSONResponse:
         req = await parse_body(request, TokenizeRequest)
         chat.check_model(req.model)
-        if req.messages is not None:
-            creq = ChatCompletionRequest(
-                messages=req.messages, add_generation_prompt=req.add_generation_prompt,
-                add_special_tokens=req.add_special_tokens,
-            )  # fmt: skip
-            _, ids = chat.render(creq)
-        else:
-            ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        body: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
-        if req.return_token_strs:
-            body["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
-        return JSONResponse(body)
+
+        def work() -> dict[str, Any]:  # on the tokenizer thread, not the event loop
+            if req.messages is not None:
+                creq = ChatCompletionRequest(
+                    messages=req.messages, add_generation_prompt=req.add_generation_prompt,
+                    add_special_tokens=req.add_special_tokens,
+                )  # fmt: skip
+                _, ids = chat.render(creq)
+            else:
+                chat.check_text_fits(len(req.prompt), "prompt")
+                add = req.add_special_tokens
+                ids = list(tokenizer.encode(req.prompt, add_special_tokens=add))
+            body: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len,
+                                    "tokens": ids}  # fmt: skip
+            if req.return_token_strs:
+                body["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+            return body
+
+        return JSONResponse(await off_loop(work))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:

@@ -11,6 +11,7 @@ Usage counts each prompt once and the tokens of every returned choice.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import math
 from collections.abc import AsyncIterator, Callable
@@ -144,6 +145,23 @@ def engine_error(message: str) -> RequestError:
     return RequestError(message, status_code=500, err_type="InternalServerError")
 
 
+# Tokenization and chat templating run here, one at a time (a fast tokenizer is not meant for
+# concurrent encodes), never on the event loop: a long prompt must not freeze other clients.
+_TOKENIZE_POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
+
+
+async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on the tokenizer thread, awaited from the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_POOL, fn, *args)
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of the vocabulary stands for (its string form; special
+    tokens included), at least 1."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max([len(t) for t in tokens if t] or [1])
+
+
 class ServingBase:
     """Shared by the completion and chat handlers."""
 
@@ -152,6 +170,22 @@ class ServingBase:
         self.model_name = model_name
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.model_config.max_model_len
+        self._max_chars: int | None = None
+
+    def check_text_fits(self, num_chars: int, param: str) -> None:
+        """400 before tokenizing when ``num_chars`` characters cannot fit the context: each
+        token stands for at most ``longest_token_chars`` characters, so more than twice
+        ``max_model_len`` times that (a margin for normalizers) is too long whatever the text.
+        Example: max_model_len 512, longest token 16 characters -> over 16,384 refused."""
+        if self._max_chars is None:
+            self._max_chars = 2 * self.max_model_len * longest_token_chars(self.tokenizer)
+        if num_chars > self._max_chars:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the "
+                f"{param} has {num_chars} characters, more than any {self.max_model_len} "
+                "tokens can hold. Please reduce its length.",
+                param=param,
+            )
 
     def check_model(self, model: str | None) -> None:
         """404 (vLLM's message) when the body names a model this server does not serve."""
