@@ -13,6 +13,8 @@ from pagedllm.structured_output.params import StructuredOutputsParams
 __all__ = ["BeamSearchParams", "SamplingParams", "SamplingType", "StructuredOutputsParams"]
 
 _SAMPLING_EPS = 1e-5
+MAX_STOP_STRINGS = 64  # per request (OpenAI allows 4; vLLM has no bound)
+MAX_STOP_STRING_CHARS = 1024
 
 
 class SamplingType(IntEnum):
@@ -83,7 +85,9 @@ class SamplingParams:
 
     def _verify(self) -> None:
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {getattr(self, name)!r}.")
+            got = repr(getattr(self, name))
+            got = got if len(got) <= 200 else got[:200] + "..."  # a 100,000-string stop list
+            return ValueError(f"{name} {why}, got {got}.")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
@@ -125,6 +129,14 @@ class SamplingParams:
             raise bad("seed", "must be an integer")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must contain only non-empty strings")
+        # bounds: every stop string is searched for in every new piece of text of the request
+        # (100,000 of them slowed the whole engine ~30%)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"must hold at most {MAX_STOP_STRINGS} strings")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise bad("stop", f"strings must be at most {MAX_STOP_STRING_CHARS} characters long")
+        if len(self.stop_token_ids) > MAX_STOP_STRINGS:
+            raise bad("stop_token_ids", f"must hold at most {MAX_STOP_STRINGS} ids")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must contain only non-negative integers")
         self._verify_kvc(bad)

@@ -26,6 +26,10 @@ CASES: list[tuple[str, Any, int, str | None]] = [
     (CMPL, {"prompt": "Hi", "max_tokens": "many"}, 400, "max_tokens"),
     (CMPL, {"prompt": {"text": "Hi"}}, 400, "prompt"),
     (CMPL, {"prompt": "Hi", "stop": 5}, 400, "stop"),
+    (CMPL, {"prompt": "Hi", "stop": [f"s{i}" for i in range(100_000)]}, 400, "stop"),  # bounds
+    (CMPL, {"prompt": "Hi", "stop": ["x" * 5000]}, 400, "stop"),
+    (CMPL, '{"prompt": "Hi", "temperature": Infinity}', 400, "temperature"),  # non-finite
+    (CMPL, '{"prompt": "Hi", "top_p": NaN}', 400, "top_p"),
     (CMPL, {"prompt": "Hi", "temperature": -1}, 400, "temperature"),  # out of range
     (CMPL, {"prompt": "Hi", "top_p": 0}, 400, "top_p"),
     (CMPL, {"prompt": "Hi", "top_p": 1.5}, 400, "top_p"),
@@ -100,6 +104,9 @@ def test_messages_are_clear(server: LiveServer) -> None:
     assert "not supported with use_beam_search" in err["message"]
     err = _check_error(_post(server, CMPL, {"prompt": LONG_TEXT}), 400, "prompt")
     assert "maximum context length is 512 tokens" in err["message"]
+    body = {"prompt": "Hi", "stop": [f"s{i}" for i in range(100_000)]}
+    err = _check_error(_post(server, CMPL, body), 400, "stop")
+    assert "at most 64 strings" in err["message"] and len(err["message"]) < 400
 
 
 def test_api_key_required_on_v1(server: LiveServer) -> None:
