@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.structured_output.params import MAX_JSON_WHITESPACE, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,12 @@ class StructuredOutputManager:
         xgr = self.xgr
         path = None
         if cache_key:
+            # keyed by the vocabulary itself, not only the model's path: a model replaced at
+            # the same path (same sizes, other ids) must not get the old token table (its
+            # grammars would then admit the wrong tokens)
+            vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
             digest = hashlib.sha256(f"{cache_key}|{vocab_size}|{len(tokenizer)}".encode())
+            digest.update(json.dumps(vocab, ensure_ascii=False).encode())
             root = os.path.join(os.path.expanduser("~"), ".cache", "pagedllm", "xgrammar")
             path = os.path.join(root, digest.hexdigest()[:24] + ".json")
             if os.path.exists(path):
@@ -118,6 +123,13 @@ class StructuredOutputManager:
 
     def _compile_grammar(self, key: tuple[str, str]) -> Any:
         kind, spec = key
+        kind, _, compact = kind.partition(":")  # "json:compact": no whitespace at all
+        # bounded whitespace by default: runs of at most MAX_JSON_WHITESPACE characters
+        ws: dict[str, Any] = (
+            {"any_whitespace": False, "separators": (",", ":")}
+            if compact
+            else {"max_whitespace_cnt": MAX_JSON_WHITESPACE}
+        )
         c = self.compiler
         try:
             if kind == "json":
@@ -126,9 +138,9 @@ class StructuredOutputManager:
                         f"JSON schema is {len(spec)} bytes, more than {_MAX_SCHEMA_BYTES}."
                     )
                 json.loads(spec)
-                return c.compile_json_schema(spec)
+                return c.compile_json_schema(spec, **ws)
             if kind == "json_object":  # any JSON *object* (the builtin grammar allows arrays too)
-                return c.compile_json_schema('{"type": "object"}')
+                return c.compile_json_schema('{"type": "object"}', **ws)
             if kind == "regex":
                 return c.compile_regex(spec)
             if kind == "grammar":

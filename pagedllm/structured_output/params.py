@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+MAX_JSON_WHITESPACE = 8  # characters of whitespace in a row in JSON outputs, by default
+
 
 @dataclass
 class StructuredOutputsParams:
@@ -18,6 +20,10 @@ class StructuredOutputsParams:
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
+    # JSON's whitespace (vLLM's name): False allows runs of at most MAX_JSON_WHITESPACE
+    # characters between tokens of the JSON (a weak model cannot wander in tabs and newlines
+    # for ever), True none at all (compact JSON)
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         given = [
@@ -30,6 +36,8 @@ class StructuredOutputsParams:
                 "structured_outputs needs exactly one of json, json_object, regex, grammar, "
                 f"choice; got {given or 'none'}."
             )
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace must be a boolean.")
         if self.choice is not None:
             if not isinstance(self.choice, list) or not self.choice:
                 raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
@@ -48,21 +56,24 @@ class StructuredOutputsParams:
             schema = (
                 self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
             )
-            return "json", schema
+            return "json" + self._ws(), schema
         if self.json_object:
-            return "json_object", ""
+            return "json_object" + self._ws(), ""
         if self.regex is not None:
             return "regex", self.regex
         if self.grammar is not None:
             return "grammar", self.grammar
         return "choice", json.dumps(self.choice)
 
+    def _ws(self) -> str:
+        return ":compact" if self.disable_any_whitespace else ""
+
     @classmethod
     def from_any(cls, value: Any) -> StructuredOutputsParams:
         if isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            known = {"json", "json_object", "regex", "grammar", "choice"}
+            known = {"json", "json_object", "regex", "grammar", "choice", "disable_any_whitespace"}
             unknown = set(value) - known
             if unknown:
                 raise ValueError(f"structured_outputs has unknown fields {sorted(unknown)}.")

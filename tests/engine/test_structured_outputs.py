@@ -255,3 +255,62 @@ def test_matcher_rollback(llm):
         assert m.accept_token(t)
     m.rollback(len(ids))  # as after rejected speculative tokens
     assert all(m.accept_token(t) for t in tok.encode("no"))
+
+
+def test_tokenizer_info_cache_follows_the_vocabulary(tiny_models, tmp_path, monkeypatch):
+    """xgrammar's token table is cached on disk: a model replaced at the same path by one with
+    the same sizes but other token ids (here '{' and '}' swapped) must not reuse the old
+    table, or its grammars admit the wrong tokens (found with a stale cache: 0 of 12 JSON
+    outputs parsed)."""
+    import shutil
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the cache under a fresh home
+    path = tmp_path / "model"
+    shutil.copytree(tiny_models("llama"), path)
+    schema = SMALL_OBJECT
+
+    def texts() -> list[str]:
+        llm = LLM(str(path), dtype="float32", max_model_len=128)
+        params = [
+            SamplingParams(
+                temperature=1.0, seed=i, max_tokens=48, structured_outputs=S(json=schema)
+            )
+            for i in range(4)
+        ]
+        prompts = [{"prompt_token_ids": list(range(10 + i, 30 + i))} for i in range(4)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].text for o in outs if o.outputs[0].finish_reason == "stop"]
+
+    for text in texts():
+        jsonschema.validate(json.loads(text), schema)
+    tok_file = path / "tokenizer.json"
+    tok = json.loads(tok_file.read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["{"], vocab["}"] = vocab["}"], vocab["{"]
+    tok_file.write_text(json.dumps(tok))
+    again = texts()
+    assert again
+    for text in again:
+        jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["bounded", "compact"])
+def test_json_whitespace_is_bounded(compact, tiny_models):
+    """A random-weight model under a small schema at temperature 1: every output parses
+    within 64 tokens; whitespace comes in runs of at most MAX_JSON_WHITESPACE characters, or
+    not at all with ``disable_any_whitespace``."""
+    from pagedllm.structured_output.params import MAX_JSON_WHITESPACE
+
+    llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=128)
+    so = S(json=SMALL_OBJECT, disable_any_whitespace=compact)
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=64, structured_outputs=so)
+        for i in range(12)
+    ]
+    prompts = [{"prompt_token_ids": list(range(10 + i, 40 + i))} for i in range(12)]
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop", repr(text)
+        jsonschema.validate(json.loads(text), SMALL_OBJECT)
+        runs = [len(r) for r in re.findall(r"\s+", text)]
+        assert max(runs, default=0) <= (0 if compact else MAX_JSON_WHITESPACE), repr(text)

@@ -101,7 +101,9 @@ def structured_outputs_of(req: Any) -> tuple[StructuredOutputsParams | None, str
     if params.json_object:
         # A JSON *object*, as OpenAI and vLLM mean it: the engine's json_object compiles
         # xgrammar's builtin JSON grammar, which also admits arrays, strings and numbers.
-        params = StructuredOutputsParams(json=_ANY_OBJECT)
+        params = StructuredOutputsParams(
+            json=_ANY_OBJECT, disable_any_whitespace=params.disable_any_whitespace
+        )
     return params, name
 
 
