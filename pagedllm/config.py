@@ -231,6 +231,14 @@ class KVCompressConfig:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
             raise ValueError(f"maxpool_kernel must be an odd positive integer, got {k!r}.")
 
+    def budget_of(self, params: Any) -> tuple[int | None, float | None]:
+        """(max_cache_tokens, compression_rate) a request is held to: its own, or the
+        engine's defaults when it sets neither; (None, None): it is never evicted."""
+        m, rate = params.max_cache_tokens, params.compression_rate
+        if m is None and rate is None:
+            return self.max_cache_tokens, self.compression_rate
+        return m, rate
+
 
 def check_compression_rate(value: Any, name: str = "compression_rate") -> None:
     """A compression rate is a finite number >= 1 (8 = keep an eighth of the KVs), or None."""

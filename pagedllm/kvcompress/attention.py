@@ -232,33 +232,6 @@ def add_window_scores(
     scores.index_add_(0, slots.reshape(-1), torch.where(valid, metric, 0.0).reshape(-1))
 
 
-def prefill_window_scores(
-    query: torch.Tensor,  # [q_len, Hq, d] one request's chunk
-    k_flat: torch.Tensor,
-    table: torch.Tensor,  # [H, max_blocks]
-    lens: torch.Tensor,  # [H]
-    block_size: int,
-    scale: float,
-    scores: torch.Tensor,
-    collect: int,
-    maxpool_kernel: int,
-    max_len: int | None = None,  # a host bound on lens (None: read it, a sync on a GPU)
-) -> None:
-    """``add_window_scores`` for a chunk whose output another kernel computed (the GPU path;
-    full-attention layers: the window queries see every key before them)."""
-    q_len, hq, d = query.shape
-    h = table.shape[0]
-    c = min(collect, q_len)
-    s = int(lens.max()) if max_len is None else max_len
-    slots, valid = head_slots(table[None], lens[None].long(), s, block_size)
-    slots, valid = slots[0], valid[0]
-    idx = torch.arange(s, device=lens.device)
-    q_idx = lens[:, None] - c + torch.arange(c, device=lens.device)  # [H, c]
-    vis = valid[:, None, :] & (idx[None, None, :] <= q_idx[..., None])
-    q = query[q_len - c :].view(c, h, hq // h, d).permute(1, 2, 0, 3)
-    add_window_scores(q, k_flat[slots], vis, valid, slots, scale, scores, maxpool_kernel)
-
-
 def prefill_window_scores_batched(
     query: torch.Tensor,  # [T, Hq, d] the step's queries
     k_flat: torch.Tensor,  # [num_slots, d]
@@ -273,8 +246,10 @@ def prefill_window_scores_batched(
     maxpool_kernel: int,
     max_len: int,  # a host bound on lens
 ) -> None:
-    """``prefill_window_scores`` for several requests at once (the chunks that end their
-    prompts in a step), with no host sync: request r's C window queries are its last
+    """The prompt's scores (``add_window_scores``) of every chunk that ends its prompt in a
+    step, for a chunk whose output another kernel computed (the GPU path; full-attention
+    layers: the window queries see every key before them), all requests at once, with no
+    host sync: request r's C window queries are its last
     ``q_mask[r].sum()`` rows; query i of them sees its head's logical indices up to
     ``lens - c + i`` (full-attention layers).
 

@@ -178,17 +178,14 @@ class HeadPagedCache:
         scored (False: it has no budget, never evicted, so no score pass)."""
         self.scored_np[row] = scored
         self.tables[row].zero_()
-        if head is None:
-            self.lens[row].zero_()
-            (flag,) = self.ship(np.array([int(scored)]))
-            self.scored[row : row + 1] = flag
-            return
-        n = head.table.shape[1]
         # (a Python scalar written into a device tensor would be a blocking copy)
-        table, lens, flag = self.ship(head.table, np.asarray(head.lens), np.array([int(scored)]))
+        table = head.table if head is not None else np.zeros((self.num_heads, 0), np.int32)
+        lens = np.asarray(head.lens) if head is not None else np.zeros(self.num_heads)
+        table_t, lens_t, flag = self.ship(table, lens, np.array([int(scored)]))
+        n = table.shape[1]
         if n:
-            self.tables[row, :, :n] = table.view(self.num_heads, n).to(torch.int32)
-        self.lens[row] = lens
+            self.tables[row, :, :n] = table_t.view(self.num_heads, n).to(torch.int32)
+        self.lens[row] = lens_t
         self.scored[row : row + 1] = flag
 
     def set_entries(self, rows: list[int], blocks: list[HeadBlocks]) -> None:

@@ -362,6 +362,16 @@ def _group_setup(
 
 
 @triton.jit
+def _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi, ROW_FLAGS: tl.constexpr):
+    """The end of the tiles the score pass covers: ``tile_hi``, or ``tile_lo`` (none) for a
+    row whose table row's ``scored`` flag is 0 (with ROW_FLAGS)."""
+    if ROW_FLAGS:
+        flag = tl.load(scored_ptr + tl.load(row_ids_ptr + row))
+        tile_hi = tl.where(flag != 0, tile_hi, tile_lo)
+    return tile_hi
+
+
+@triton.jit
 def _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS: tl.constexpr):
     """Split s's share of tiles [tile_lo, tile_hi): equal slices, the last ones shorter.
 
@@ -438,9 +448,7 @@ def _decode_kernel(
     if SCORES:
         m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
         inv_l = tl.where(row_mask, 1.0 / l_safe, 0.0)
-        if ROW_FLAGS:  # an unscored row: an empty tile range
-            flag = tl.load(scored_ptr + tl.load(row_ids_ptr + row))
-            tile_hi = tl.where(flag != 0, tile_hi, tile_lo)
+        tile_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi, ROW_FLAGS)
         _score_range(
             q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi,
             key_lo, key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE,
@@ -601,9 +609,7 @@ def _split_score_kernel(
         stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M, TILE_N,
     )  # fmt: skip
     tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS)
-    if ROW_FLAGS:  # an unscored row: an empty tile range
-        flag = tl.load(scored_ptr + tl.load(row_ids_ptr + row))
-        tile_hi = tl.where(flag != 0, tile_hi, tile_lo)
+    tile_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi, ROW_FLAGS)
     g = row.to(tl.int64) * NUM_HEADS + head  # [BLOCK_M]
     m_fin = tl.load(glob_m_ptr + g, mask=row_mask, other=0.0)
     inv_l = tl.where(row_mask, 1.0 / tl.load(glob_l_ptr + g, mask=row_mask, other=1.0), 0.0)

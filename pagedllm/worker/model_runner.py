@@ -607,14 +607,9 @@ class ModelRunner:
     def _kvc_scored(self, params: SamplingParams) -> bool:
         """Whether a request's KVs are scored: only one with a budget (its own or the
         engine's default) can be evicted."""
-        kvc = self.kvc_config
-        return not (
-            params.max_cache_tokens is None
-            and params.compression_rate is None
-            and params.kvc_compress_at is None
-            and kvc.max_cache_tokens is None
-            and kvc.compression_rate is None
-        )
+        if params.kvc_compress_at is not None:
+            return True
+        return self.kvc_config.budget_of(params) != (None, None)
 
     def _compress(self, so: SchedulerOutput) -> tuple[list[str], torch.Tensor, Any] | None:
         """Run the evictions the scheduler asked for (after the step's forward pass); returns

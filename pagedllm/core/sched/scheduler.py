@@ -632,10 +632,7 @@ class Scheduler:
         ``max_cache_tokens`` x compressible (layer, KV head) pairs, or ``num_tokens`` x pairs /
         ``compression_rate`` (rounded up); None when it has neither (never compressed)."""
         assert self.kvc is not None
-        p = request.sampling_params
-        m, rate = p.max_cache_tokens, p.compression_rate
-        if m is None and rate is None:
-            m, rate = self.kvc.max_cache_tokens, self.kvc.compression_rate
+        m, rate = self.kvc.budget_of(request.sampling_params)
         heads = int(self.kv_cache_manager.compressible.sum())
         if m is not None:
             return m * heads
