@@ -156,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="Largest request body accepted; larger ones get 413 (default 8 MiB).",
     )
     serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="On SIGTERM, wait up to this long for in-flight requests to finish, then end the "
+        "rest with an error event and exit; a second SIGTERM or a SIGINT ends them at once "
+        "(default 30 s).",
+    )
+    serve.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],

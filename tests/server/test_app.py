@@ -4,6 +4,8 @@ from the environment, tokenize/detokenize, model card."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from argparse import Namespace
 from collections.abc import Iterator
 from typing import Any
@@ -197,3 +199,54 @@ def test_huge_prompts_and_bodies_are_refused_early(llm: AsyncLLM, monkeypatch) -
     assert err["code"] == 413 and err["type"] == "RequestEntityTooLarge"
     r = _call(app, "POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 200 and len(r.json()["choices"]) == 1
+
+
+def test_openapi_documents_bodies_and_responses(llm: AsyncLLM, monkeypatch) -> None:  # noqa: ANN001
+    """/openapi.json names each POST route's request body and every route's responses; the
+    response models match what the server really sends (validated against live answers)."""
+    from pagedllm.entrypoints.openai import openapi
+
+    monkeypatch.delenv("PAGEDLLM_API_KEY", raising=False)
+    app = build_app(llm, Namespace(served_model_name="tiny-m", chat_template=TEMPLATE))
+    doc = _call(app, "GET", "/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    bodies = {"/v1/completions": "CompletionRequest", "/v1/chat/completions":
+              "ChatCompletionRequest", "/tokenize": "TokenizeRequest",
+              "/detokenize": "DetokenizeRequest"}  # fmt: skip
+    for path, name in bodies.items():
+        op = doc["paths"][path]["post"]
+        ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{name}"
+        assert ref.split("/")[-1] in schemas
+        for code in ("200", "400", "413", "500", "503"):
+            assert code in op["responses"], (path, code)
+        assert op["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith(
+            "/ErrorResponse")  # fmt: skip
+    props = schemas["CompletionRequest"]["properties"]
+    assert {"prompt", "max_tokens", "temperature", "stream", "logprobs"} <= set(props)
+    assert "messages" in schemas["ChatCompletionRequest"]["properties"]
+    ok = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"]["$ref"].endswith("/CompletionResponse")
+    assert "text/event-stream" in ok
+    assert doc["paths"]["/v1/models"]["get"]["responses"]["200"]["content"]
+    # every $ref resolves
+    refs = set(re.findall(r"#/components/schemas/([A-Za-z0-9_.-]+)", json.dumps(doc)))
+    assert refs and refs <= set(schemas), refs - set(schemas)
+    # the documented shapes are the real ones
+    r = _call(app, "POST", "/v1/completions",
+              json={"prompt": "Hi", "max_tokens": 3, "logprobs": 2, "n": 2, "temperature": 1})
+    openapi.CompletionResponse.model_validate(r.json(), strict=False)
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": True,
+            "top_logprobs": 2}  # fmt: skip
+    openapi.ChatCompletionResponse.model_validate(
+        _call(app, "POST", "/v1/chat/completions", json=chat).json())
+    r = _call(app, "POST", "/v1/chat/completions", json={**chat, "stream": True})
+    events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: {")]
+    assert events
+    for e in events:
+        openapi.ChatCompletionChunk.model_validate_json(e)
+    openapi.ModelList.model_validate(_call(app, "GET", "/v1/models").json())
+    tok = _call(app, "POST", "/tokenize", json={"prompt": "Hi", "return_token_strs": True})
+    openapi.TokenizeResponse.model_validate(tok.json())
+    detok = _call(app, "POST", "/detokenize", json={"tokens": tok.json()["tokens"]})
+    openapi.DetokenizeResponse.model_validate(detok.json())

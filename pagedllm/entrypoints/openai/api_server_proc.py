@@ -9,7 +9,8 @@ binds the socket, starts the core with N channels, then starts this module N - 1
 each, over INIT_FD, (serve's arguments, the engine config, the core's info, its index).
 
 Lifetime: this process exits when the supervisor does (end of INIT_FD; SIGTERM from Linux if
-it is killed) or when the core dies; the supervisor exits (status 1) when one of these
+it is killed) or when the core dies; the supervisor passes SIGTERM/SIGINT on, so every process
+drains its own requests (``shutdown.py``); the supervisor exits (status 1) when one of these
 processes dies. ``/metrics`` of each process counts the requests it served; the gauges
 (running, waiting, KV usage) are the core's, the same in all.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -33,9 +35,11 @@ def serve(init: Channel, listen_fd: int, core_fd: int) -> int:
     import uvicorn
 
     from pagedllm.engine.mp_async_llm import MPAsyncLLM
-    from pagedllm.entrypoints.openai.server import build_app
+    from pagedllm.entrypoints.openai.server import _drain_timeout, _exit_cleanly, build_app
+    from pagedllm.entrypoints.openai.shutdown import DrainingServer
 
     args, config, info, index = init.recv()
+    signal.signal(signal.SIGTERM, _exit_cleanly)  # uvicorn raises it again once it has stopped
     logging.basicConfig(
         level=getattr(logging, str(getattr(args, "log_level", "INFO")).upper(), logging.INFO),
         format=f"%(asctime)s %(levelname)s api-server-{index} %(name)s: %(message)s",
@@ -49,7 +53,7 @@ def serve(init: Channel, listen_fd: int, core_fd: int) -> int:
         config_ = uvicorn.Config(
             app, log_level=getattr(args, "uvicorn_log_level", "info"), timeout_keep_alive=5
         )
-        server = uvicorn.Server(config_)
+        server = DrainingServer(config_, app.state.drain, _drain_timeout(args))
 
         def on_dead(message: str) -> None:
             died.append(message)

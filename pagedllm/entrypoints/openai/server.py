@@ -8,7 +8,10 @@ With an API key (``--api-key`` or ``PAGEDLLM_API_KEY``) every ``/v1`` route need
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
 JSON, missing fields, wrong types, out-of-range values and prompts longer than the context, 401
 for a missing or wrong key, 404 for an unknown model or route, 500 if the engine fails (it keeps
-serving the other requests). A client that disconnects aborts its request, streaming or not.
+serving the other requests), 503 while the server shuts down. A client that disconnects aborts
+its request, streaming or not. SIGTERM drains (``shutdown.py``): in-flight requests run on up to
+``--shutdown-timeout`` seconds, then end with a final error event; a second signal ends them
+at once.
 
 Engine features reachable over HTTP (body fields; vLLM's extras go in the JSON body, e.g. the
 ``openai`` client's ``extra_body``):
@@ -60,6 +63,17 @@ from pagedllm import __version__
 from pagedllm.engine.async_llm import AsyncLLM, AsyncLLMBase, EngineDeadError, EngineError
 from pagedllm.entrypoints.openai.chat import ServingChat, load_chat_template
 from pagedllm.entrypoints.openai.completions import ServingCompletion
+from pagedllm.entrypoints.openai.openapi import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+    install_request_bodies,
+    responses,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -69,7 +83,13 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     now,
 )
-from pagedllm.entrypoints.openai.serving import SSEStream, off_loop
+from pagedllm.entrypoints.openai.serving import SSEStream, internal_error, off_loop
+from pagedllm.entrypoints.openai.shutdown import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    Drain,
+    DrainingServer,
+    DrainMiddleware,
+)
 from pagedllm.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -217,8 +237,10 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
     async_llm.stat_loggers.append(metrics.record)
     if importlib.util.find_spec("xgrammar") is not None:
         async_llm.prepare_structured_outputs()  # tokenizer info ready before the first request
+    drain = Drain(async_llm)
     completions = ServingCompletion(async_llm, model_name)
     chat = ServingChat(async_llm, model_name, chat_template)
+    completions.track = chat.track = drain.track
     tokenizer = async_llm.tokenizer
     max_model_len = async_llm.model_config.max_model_len
     created = now()
@@ -232,11 +254,13 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
     app.state.async_llm = async_llm
     app.state.metrics = metrics
     app.state.model_name = model_name
+    app.state.drain = drain
     app.state.max_request_body_bytes = (
         getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_BODY_BYTES
     )
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(DrainMiddleware, drain=drain)  # outermost: counts every request
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
@@ -261,12 +285,13 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
             return JSONResponse(result)
         return SSEResponse(result)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=responses(CompletionResponse, CompletionResponse))
     async def create_completion(request: Request) -> Response:
         req = await parse_body(request, CompletionRequest)
         return await handle(request, completions.create(req), bool(req.stream))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              responses=responses(ChatCompletionResponse, ChatCompletionChunk))  # fmt: skip
     async def create_chat_completion(request: Request) -> Response:
         req = await parse_body(request, ChatCompletionRequest)
         return await handle(request, chat.create(req), bool(req.stream))
@@ -280,10 +305,10 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
                 if result is None:  # client gone; nobody reads this
                     return Response(status_code=499)
         except (EngineError, EngineDeadError) as e:
-            return error_response(RequestError(str(e), None, 500, "InternalServerError"))
+            return error_response(internal_error(e))
         return await respond(request, result)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=responses(ModelList))
     async def list_models() -> JSONResponse:
         card = {
             "id": model_name,
@@ -296,19 +321,21 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
         }
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"description": "Ready"},
+                                   503: {"description": "Draining or engine down"}})  # fmt: skip
     async def health() -> Response:
-        return Response(status_code=200 if async_llm.is_running else 503)
+        ok = async_llm.is_running and not drain.draining
+        return Response(status_code=200 if ok else 503)
 
-    @app.get("/version")
+    @app.get("/version", responses=responses(VersionResponse))
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"description": "Prometheus text format"}})
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=responses(TokenizeResponse))
     async def tokenize(request: Request) -> JSONResponse:
         req = await parse_body(request, TokenizeRequest)
         chat.check_model(req.model)
@@ -332,7 +359,7 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
 
         return JSONResponse(await off_loop(work))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=responses(DetokenizeResponse))
     async def detokenize(request: Request) -> JSONResponse:
         req = await parse_body(request, DetokenizeRequest)
         chat.check_model(req.model)
@@ -342,6 +369,12 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
             raise RequestError(f"tokens out of vocabulary (size {vocab}): {bad[:5]}", "tokens")
         return JSONResponse({"prompt": tokenizer.decode(req.tokens)})
 
+    install_request_bodies(
+        app,
+        {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+         "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest},
+        extra=[ChatCompletionChunk],
+    )  # fmt: skip
     return app
 
 
@@ -425,7 +458,9 @@ def run_server(args: Any) -> int:
             log_level=getattr(args, "uvicorn_log_level", "info"),
             timeout_keep_alive=5,
         )
-        server = uvicorn.Server(config)
+        server = DrainingServer(config, app.state.drain, _drain_timeout(args))
+        # the other API servers drain (or end) with this one
+        server.on_signal.append(lambda sig: _signal_api_servers(workers, sig))
 
         def on_dead(message: str) -> None:
             died.append(message)
@@ -440,7 +475,7 @@ def run_server(args: Any) -> int:
         server.run(sockets=[listen] if listen is not None else None)
     finally:
         stopping.set()
-        _stop_api_servers(workers)
+        _stop_api_servers(workers, timeout=_drain_timeout(args) + 10.0)
         async_llm.shutdown()
     if died:
         logger.error("exiting: %s", died[0])
@@ -450,6 +485,19 @@ def run_server(args: Any) -> int:
 
 def _exit_cleanly(signum: int, frame: Any) -> None:
     raise SystemExit(0)
+
+
+def _drain_timeout(args: Any) -> float:
+    timeout = getattr(args, "shutdown_timeout", None)
+    return DEFAULT_SHUTDOWN_TIMEOUT_S if timeout is None else float(timeout)
+
+
+def _signal_api_servers(workers: list[Any], sig: int) -> None:
+    """Pass a shutdown signal on to API servers 1..N-1 (they drain like this one)."""
+    for proc, _ in workers:
+        if proc.poll() is None:
+            with contextlib.suppress(OSError):
+                proc.send_signal(sig)
 
 
 def _start_api_servers(args: Any, llm: Any, listen: socket.socket) -> list[Any]:
@@ -488,13 +536,15 @@ def _watch_api_server(worker: Any, on_dead: Any, stopping: threading.Event) -> N
 def _stop_api_servers(workers: list[Any], timeout: float = 10.0) -> None:
     import subprocess
 
-    for proc, init in workers:
-        init.close()  # its end of file stops it
-        if proc.poll() is None:
-            proc.terminate()
+    for _, init in workers:
+        init.close()  # its end of file stops it (after its drain, if it is draining)
     for proc, _ in workers:
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            proc.terminate()
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

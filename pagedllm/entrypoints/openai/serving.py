@@ -145,6 +145,14 @@ def engine_error(message: str) -> RequestError:
     return RequestError(message, status_code=500, err_type="InternalServerError")
 
 
+def internal_error(e: BaseException) -> RequestError:
+    """The HTTP error for an engine failure: 500, or the exception's ``status_code`` (503 for a
+    request cut by the server's shutdown)."""
+    status = getattr(e, "status_code", 500)
+    kind = "ServiceUnavailable" if status == 503 else "InternalServerError"
+    return RequestError(str(e), status_code=status, err_type=kind)
+
+
 # Tokenization and chat templating run here, one at a time (a fast tokenizer is not meant for
 # concurrent encodes), never on the event loop: a long prompt must not freeze other clients.
 _TOKENIZE_POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
@@ -171,6 +179,8 @@ class ServingBase:
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.model_config.max_model_len
         self._max_chars: int | None = None
+        # called with every engine request this handler starts (the server's drain tracks them)
+        self.track: Callable[[RequestStream], None] = lambda stream: None
 
     def check_text_fits(self, num_chars: int, param: str) -> None:
         """400 before tokenizing when ``num_chars`` characters cannot fit the context: each
@@ -261,6 +271,7 @@ class ServingBase:
                     if cache_salt is not None:
                         prompt["cache_salt"] = cache_salt
                     stream = await self.llm.add_request(prompt, params, rid, priority, output_kind)
+                self.track(stream)
                 started.append(Started(i, stream, text, ids, n))
         except ValueError as e:
             _abort_all(started)
@@ -359,8 +370,7 @@ class ServingBase:
             if usage_chunk is not None:
                 yield sse(usage_chunk(usage_dict(prompt_tokens, gen_tokens, sum(cached.values()))))
         except (EngineError, EngineDeadError) as e:
-            err = RequestError(str(e), status_code=500, err_type="InternalServerError")
-            yield sse(ErrorResponse.of(err).model_dump())
+            yield sse(ErrorResponse.of(internal_error(e)).model_dump())
         finally:
             _abort_all(started)
         yield SSE_DONE
