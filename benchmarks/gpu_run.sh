@@ -89,6 +89,12 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         --out "$OUT" | grep -v "^ "; summary "$OUT"
       python benchmarks/gpu_suite.py bench-b --skip-peers --kvc-too --num-b ${KVC_NUM_B:-256} \
         --warm-b 64 --out "$OUT" | grep -E "output_tokens_per_s|^wrote" | head -20 ;;
+    kvc-profile)  # Benchmark A, KV-Compress off vs on with no budget: device time by kernel
+      python benchmarks/gpu_suite.py bench-a --skip-peers --kvc-too --time-device --profile \
+        --out "$OUT/kvc_profile" | grep -v "^ "; summary "$OUT/kvc_profile"
+      python -c "import glob,json; d=json.load(open(glob.glob('$OUT/kvc_profile/*bench-a*.json')[0]));
+[print(k, json.dumps(d[k], indent=1)) for k in d if k.startswith('kernel_profile')];
+[print(k, json.dumps(d[k]['phases'], indent=1)) for k in d if k.startswith('pagedllm_')]" ;;
     kvc-d) python benchmarks/kvcompress_throughput.py --out "$OUT" | tail -40 ;;
     hybrid-kv) python benchmarks/hybrid_kv_gpu.py --out "$OUT" | tail -40 ;;
     hybrid-kv-profile) python benchmarks/hybrid_kv_gpu.py --profile | grep -v "^$" | head -120 ;;

@@ -165,7 +165,11 @@ def phase_split(steps: list, dev: list[float], cost, bw: float, flops: float) ->
 
 
 KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
-    ("attention", ("_unified_kernel", "_split_kernel", "_reduce_kernel")),
+    ("attention", ("_unified_kernel", "_split_kernel", "_reduce_kernel", "_decode_kernel",
+                   "_combine_kernel")),
+    ("kvc_scores", ("_score",)),
+    ("index_copy_scatter", ("index_copy", "scatter", "index_put", "indexFuncLarge",
+                            "index_elementwise", "gather")),
     ("kv_write", ("kv_write", "_write_kv", "reshape_and_cache")),
     ("rope", ("_rope",)),
     ("rms_norm", ("rms",)),
@@ -274,10 +278,11 @@ def bench_a(args: argparse.Namespace) -> dict:
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
             "phases": split,
         }
-        if args.profile and name == "cuda_graphs":
+        if args.profile and name in ("cuda_graphs", "kvc_never_evicts"):
             again, _ = make_workload(n, 562, 562, 462 / 562, 151936, seed=2)
             again = [w[: len(p)] + [9] * (len(p) - len(w)) for w, p in zip(again, prompts)]
-            result["kernel_profile"] = kernel_profile(
+            key = "kernel_profile" if name == "cuda_graphs" else f"kernel_profile_{name}"
+            result[key] = kernel_profile(
                 llm, [{"prompt_token_ids": p} for p in again],
                 [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in out_lens])
         print(json.dumps(result, indent=1), flush=True)

@@ -278,6 +278,35 @@ def test_compaction_moves_within_the_host_bound(method, seed):
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("seed", range(3))
+def test_eviction_and_compaction_on_cuda_match_the_cpu(seed):
+    """The same eviction plan and compaction on the GPU and on the CPU: equal new lengths,
+    and the same K/V, scores and positions at every surviving logical index."""
+    rng = np.random.default_rng(300 + seed)
+    lens = rng.integers(1, 80, size=(4, 8))
+    budgets = torch.from_numpy(rng.integers(0, 300, size=4))
+    protect = torch.from_numpy(lens.max(1) - 8)
+    held = lens.sum(1)
+    bound = sum(move_bound(int(h), int(b), BS, "kvcompress") for h, b in zip(held, budgets))
+    results = []
+    for dev in ("cpu", "cuda"):
+        t = [x.to(dev) for x in _cache(lens, seed)]
+        tables, lens_t, scores, positions, kv = t
+        evict, order, slots, valid = plan_eviction(
+            scores, positions, tables, lens_t, budgets.to(dev), protect.to(dev),
+            torch.ones(8, dtype=torch.bool, device=dev), int(lens.max()), BS, num_sinks=2,
+        )  # fmt: skip
+        new_lens = compact(kv, scores, positions, evict, order, slots, valid, lens_t, bound,
+                           SPARE)  # fmt: skip
+        after, ok = head_slots(tables, new_lens, int(lens.max()), BS)
+        results.append([x.cpu() for x in (new_lens, kv[:, after[ok]], scores[after[ok]],
+                                          positions[after[ok]])])  # fmt: skip
+    assert int((results[0][0] < torch.from_numpy(lens)).sum()) > 0  # something was evicted
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_uniform_splits_the_budget_evenly():
     lens = np.array([[40, 12, 33, 20]])
     tables, lens_t, scores, positions, _ = _cache(lens, 3)
