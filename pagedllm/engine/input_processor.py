@@ -65,6 +65,41 @@ class InputProcessor:
             )
         return list(ids)
 
+    def _check_token_constraints(self, params: SamplingParams) -> None:
+        """logit_bias and allowed_token_ids ids within the vocabulary; bad_words tokenized
+        (once per request, on this copy of the params) into ids within it."""
+        params.verify_token_constraints()
+        vocab = self.vocab_size
+        if params.logit_bias:
+            bad = sorted(t for t in params.logit_bias if t >= vocab)
+            if bad:
+                raise ValueError(
+                    f"logit_bias has token ids out of vocabulary (size {vocab}): {bad[:5]}"
+                )
+        ids = params.allowed_token_ids
+        if ids is not None:
+            bad = sorted({t for t in ids if t >= vocab})
+            if bad:
+                raise ValueError(
+                    f"allowed_token_ids has token ids out of vocabulary (size {vocab}): {bad[:5]}"
+                )
+            if len(ids) > vocab:
+                raise ValueError(
+                    f"allowed_token_ids holds {len(ids)} ids, more than the vocabulary ({vocab})."
+                )
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs a tokenizer; this engine has none.")
+            params.update_from_tokenizer(self.tokenizer)
+            assert params.bad_words_token_ids is not None
+            bad = sorted({t for s in params.bad_words_token_ids for t in s if t >= vocab})
+            if bad:
+                raise ValueError(
+                    f"bad_words tokenize to ids out of vocabulary (size {vocab}): {bad[:5]}"
+                )
+        else:
+            params.bad_words_token_ids = None
+
     def process(
         self,
         request_id: str,
@@ -98,6 +133,7 @@ class InputProcessor:
             params.hide_logprobs = True
         params.stop = list(params.stop or [])
         params.all_stop_token_ids = set(params.stop_token_ids or [])
+        self._check_token_constraints(params)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}.")
         req = Request(
