@@ -148,12 +148,14 @@ class Request:
     @property
     def needs_host_tokens(self) -> bool:
         """Whether this request's next forward pass needs its last sampled token on the host:
-        penalties over its output, a beam or sibling sequences to fork. Such requests keep the
-        engine in synchronous steps. (A grammar needs the token only before sampling: see
+        penalties over its output, bad words of several tokens (matched against its last
+        tokens), a beam or sibling sequences to fork. Such requests keep the engine in
+        synchronous steps. (A grammar needs the token only before sampling: see
         EngineCore.step.)"""
         p = self.sampling_params
         return (
             p.uses_penalties
+            or p.bad_words_need_history
             or p.external_tokens
             or self.parent_id is not None
             or self.beam_group is not None

@@ -3,7 +3,10 @@ rows are all plain argmax (``SamplingMetadata.argmax_only``) may pass them in th
 
     raw logits ──► logprobs for the client (raw model distribution, as vLLM reports them)
         │
+        ├─► allowed_token_ids (every other token -inf)
+        ├─► bad_words (a word's last token -inf after its other tokens)
         ├─► min_tokens mask (EOS and stop tokens forbidden until min_tokens)
+        ├─► logit_bias (added to the logits)
         ├─► penalties (repetition, frequency, presence)
         ├─► greedy rows: argmax
         └─► temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► exponential race
@@ -11,6 +14,13 @@ rows are all plain argmax (``SamplingMetadata.argmax_only``) may pass them in th
 Parallel sampling (n > 1): a row may draw extra samples from its own logits
 (``SamplingMetadata.fork_counts``); they are rows appended to the batch - the same pipeline,
 one pass - and come back apart, in ``SamplerOutput.forks``.
+
+The order of the masks and the bias is vLLM V1's: the whitelist and bad words first, then its
+non-argmax-invariant logits processors (min_tokens, then logit_bias), then penalties. A
+token masked to -inf stays there whatever its bias. The constraints are flat index tensors
+over all rows (forks included), one indexed write per kind a step (``sample/constraints.py``).
+A row whose every token is masked (e.g. allowed_token_ids only EOS while min_tokens holds it
+back) samples token 0, as in vLLM.
 
 The exponential race picks argmax(p / q) with q ~ Exp(1), which samples from p without a
 device sync (no multinomial). A request with a ``seed`` draws its q from a generator seeded by
@@ -24,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.sample.constraints import TokenConstraints
 from pagedllm.sample.penalties import apply_penalties
 
 _EPS = 1e-5
@@ -54,6 +65,8 @@ class SamplingMetadata:
     output_ids: list[list[int]] | None = None
     # min_tokens: rows and the token ids they may not sample yet
     min_tokens_masks: list[tuple[int, list[int]]] | None = None
+    # logit_bias, allowed_token_ids, bad_words (None when no row uses them this step)
+    constraints: TokenConstraints | None = None
     max_num_logprobs: int = -1  # -1: no row wants logprobs
     generator: torch.Generator | None = None
     # Parallel sampling: [B] extra samples each row draws from its logits (None: none), and
@@ -64,13 +77,14 @@ class SamplingMetadata:
     @property
     def argmax_only(self) -> bool:
         """Every row is a plain argmax of the raw logits (greedy, no penalties, no min_tokens
-        mask, no logprobs): the logits may stay in the model dtype (its argmax is the float32
-        one, ties included, as the upcast is exact)."""
+        mask, no token constraints, no logprobs): the logits may stay in the model dtype (its
+        argmax is the float32 one, ties included, as the upcast is exact)."""
         return (
             self.all_greedy
             and self.max_num_logprobs < 0
             and self.presence is None
             and not self.min_tokens_masks
+            and self.constraints is None
         )
 
 
@@ -109,10 +123,16 @@ class Sampler:
             # each extra sample is one more row of its row's logits: [B + F, vocab]
             logits = torch.cat([logits, logits.index_select(0, md.fork_src)])
         raw = logits
-        logits = logits.clone() if (md.min_tokens_masks or md.presence is not None) else logits
+        cons = md.constraints
+        if md.min_tokens_masks or md.presence is not None or cons is not None:
+            logits = logits.clone()  # raw stays for the logprobs
+        if cons is not None:
+            cons.mask(logits)  # allowed_token_ids, bad_words
         if md.min_tokens_masks:
             for row, ids in md.min_tokens_masks:
                 logits[row, ids] = -float("inf")
+        if cons is not None:
+            cons.add_bias(logits)
         if md.presence is not None:
             assert md.frequency is not None and md.repetition is not None
             assert md.prompt_ids is not None and md.output_ids is not None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagedllm.core.sched.output import NewRequestData
+from pagedllm.sample.constraints import RowConstraints
 from pagedllm.sampling_params import SamplingParams, SamplingType
 
 
@@ -27,6 +28,9 @@ class SamplingColumns:
         self.min_tokens = np.zeros(num_rows, dtype=np.int64)
         self.logprobs = np.full(num_rows, -1, dtype=np.int64)  # -1: none
         self.forks = np.zeros(num_rows, dtype=np.int64)  # sequences to fork at output 0
+        # logit_bias / allowed_token_ids / bad_words as arrays (sample/constraints.py)
+        self.constrained = np.zeros(num_rows, dtype=bool)
+        self.constraints: list[RowConstraints | None] = [None] * num_rows
 
     def write(self, row: int, p: SamplingParams) -> None:
         self.values[row] = (p.temperature, p.top_p, float(p.top_k), p.min_p)
@@ -37,6 +41,8 @@ class SamplingColumns:
         self.min_tokens[row] = p.min_tokens
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.forks[row] = p.num_sequences - 1
+        self.constraints[row] = RowConstraints.of(p)
+        self.constrained[row] = self.constraints[row] is not None
 
 
 class InputBatch:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm.sample.constraints import TokenConstraints, step_constraints
 from pagedllm.sample.sampler import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import InputBatch
@@ -117,8 +118,35 @@ def _build(
         if stop_ids:
             masks.append((i, sorted(stop_ids)))
     md.min_tokens_masks = masks or None
+    if columns.constrained[rows].any():
+        md.constraints = _constraints(ib, rows, draft_prefix, device)
     md.max_num_logprobs = int(columns.logprobs[rows].max(initial=-1))
     return md
+
+
+def _constraints(
+    ib: InputBatch,
+    rows: np.ndarray,  # [B] the InputBatch row of each entry
+    draft_prefix: list[list[int]] | None,  # [B] drafts before each entry's position
+    device: torch.device,
+) -> TokenConstraints | None:
+    """The step's logit_bias / allowed_token_ids / bad_words over the entries whose rows have
+    any; the last output tokens (with drafts) only of entries with multi-token bad words."""
+    entries = np.flatnonzero(ib.columns.constrained[rows]).tolist()
+    cons, tails = [], []
+    for i in entries:
+        row = int(rows[i])
+        c = ib.columns.constraints[row]
+        assert c is not None
+        tail: list[int] = []
+        if c.history:
+            start = max(int(ib.num_prompt_tokens[row]), int(ib.num_tokens[row]) - c.history)
+            tail = ib.token_ids[row, start : ib.num_tokens[row]].tolist()
+            if draft_prefix is not None and draft_prefix[i]:
+                tail = (tail + draft_prefix[i])[-c.history :]
+        cons.append(c)
+        tails.append(tail)
+    return step_constraints(entries, cons, tails, device)
 
 
 def _params(ib: InputBatch, rows: np.ndarray, i: int) -> SamplingParams:
