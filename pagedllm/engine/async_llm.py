@@ -20,8 +20,12 @@ streams and 0.29x at 256 in this mode, 1.0x and 1.08x with the engine core proce
 Failure isolation: a request that fails validation raises ``ValueError`` in the caller before
 any output is streamed (``add_request`` validates synchronously in the caller's thread, then the
 engine thread reports the engine's own checks back through a future). An exception inside
-``LLMEngine.step()`` is delivered to every request in flight (as ``EngineError``), those
-requests are aborted, and the loop goes on serving new requests.
+``LLMEngine.step()`` ends the requests that step may have left wrong (``EngineCore.step_failed``:
+the running ones; those still waiting for their first step stay), their streams raise
+``EngineError``, and the loop goes on serving. After ``MAX_CONSECUTIVE_STEP_FAILURES`` failed
+steps in a row the engine is dead: every stream raises ``EngineDeadError``, ``is_running``
+turns False (``/health`` answers 503) and the thread ends. A request whose output cannot be
+made (its detokenizer raised) ends alone, with ``RequestOutput.error`` set.
 
 Structured outputs: the grammar manager (xgrammar tokenizer info and compiler) is created once,
 on a helper thread (``prepare_structured_outputs``), never on the event loop nor the engine
@@ -355,7 +359,9 @@ class AsyncLLM(AsyncLLMBase):
 
     def _check_running(self) -> None:
         if not self.is_running:
-            raise EngineDeadError("the engine is not running.") from self._dead_error
+            dead = self._dead_error
+            why = f": {dead}" if isinstance(dead, EngineDeadError) else "."
+            raise EngineDeadError(f"the engine is not running{why}") from dead
 
     async def _queue(
         self,
@@ -473,7 +479,10 @@ class AsyncLLM(AsyncLLMBase):
         finally:
             with self._cond:
                 self._stopping = True
-                self._fail_all(EngineDeadError("the engine was shut down."))
+                dead = self._dead_error
+                if not isinstance(dead, EngineDeadError):
+                    dead = EngineDeadError("the engine was shut down.")
+                self._fail_all(dead)
             self.engine.engine_core.shutdown()  # the grammar worker process, if any
 
     def _handle(self, cmd: _Add | _Abort | _Call) -> list[RequestOutput]:
@@ -531,15 +540,20 @@ class AsyncLLM(AsyncLLMBase):
         try:
             return self.engine.step()
         except Exception as e:
-            ids = list(self._streams)
-            logger.exception("engine step failed; aborting the %d requests in flight", len(ids))
-            err = EngineError(f"the engine failed while running this request: {e!r}")
+            logger.exception("engine step failed")
+            failure = self.engine.step_failed(e)
+            if failure.dead:  # the loop ends; every stream and later request gets this
+                logger.error("%s: stopping", failure.message)
+                dead = EngineDeadError(failure.message)
+                dead.__cause__ = e
+                with self._cond:
+                    self._dead_error = dead
+                    self._stopping = True
+                return []
+            logger.error("%d requests ended by the failed step", len(failure.request_ids))
+            err = EngineError(failure.message)
             err.__cause__ = e
-            try:
-                self.engine.abort_request(ids)
-            except Exception:
-                logger.exception("abort after a failed step failed too")
-            self._fail_all(err)
+            self._fail(failure.request_ids, err)
             return []
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -553,6 +567,16 @@ class AsyncLLM(AsyncLLMBase):
             if out.finished:
                 del self._streams[out.request_id]
             by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _put_all, items)
+
+    def _fail(self, request_ids: list[str], err: BaseException) -> None:
+        """End these requests' streams with ``err`` (raised in their consumers)."""
+        failed = [(rid, self._streams.pop(rid, None)) for rid in request_ids]
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        for _, s in failed:
+            if s is not None:
+                by_loop.setdefault(s.loop, []).append((s, err))
         for loop, items in by_loop.items():
             _call_soon(loop, _put_all, items)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import EngineConfig
@@ -16,6 +17,20 @@ if TYPE_CHECKING:
     from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+#: Steps in a row that may fail before the engine gives up (``EngineCore.step_failed``).
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+@dataclass
+class StepFailure:
+    """What ``EngineCore.step_failed`` did: the requests it ended (the ids their callers gave
+    them), the error to report to them, and whether the engine is now dead (too many failed
+    steps in a row, or the workers are broken): then every request must be failed."""
+
+    request_ids: list[str]
+    message: str
+    dead: bool
 
 
 class EngineCore:
@@ -55,6 +70,9 @@ class EngineCore:
         )
         self.num_blocks = num_blocks
         self.num_steps = 0  # step() calls so far (the metrics' engine steps)
+        # failed steps since the last one that completed (see step_failed)
+        self.consecutive_failures = 0
+        self.max_consecutive_failures = MAX_CONSECUTIVE_STEP_FAILURES
         self.tokenizer = tokenizer
         self.async_scheduling = config.scheduler_config.async_scheduling
         # async scheduling: the launched step (its executor handle) whose results are not yet
@@ -145,6 +163,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Run one iteration; returns what changed.
 
+        If it raises, the caller must call ``step_failed`` before anything else.
+
         Synchronous: schedule step N, run it, wait for its tokens, update. With
         ``async_scheduling``: schedule and launch step N, then wait for step N-1 (finished on
         the device by the time N is queued behind it) and update from it, so the host's work
@@ -165,7 +185,51 @@ class EngineCore:
         """
         self.num_steps += 1
         if self.async_scheduling and not self.scheduler.needs_sync:
-            return self._step_async()
+            outputs = self._step_async()
+        else:
+            outputs = self._step_sync()
+        self.consecutive_failures = 0
+        return outputs
+
+    def step_failed(self, error: BaseException) -> StepFailure:
+        """Recover from a ``step()`` that raised ``error``: the requests it may have left
+        wrong end (``Scheduler.fail_in_flight``: the running ones, the swapped ones; those
+        still waiting for their first step stay), the steps in flight are dropped, the
+        workers forget every request (``Executor.reset_requests``) and the engine goes on.
+        A second failed step in a row ends the waiting requests too (one of them may be what
+        fails). After ``max_consecutive_failures`` failed steps in a row, or if the recovery
+        itself fails (a broken executor), the engine is dead: the caller fails every request
+        and stops."""
+        self.consecutive_failures += 1
+        message = f"the engine failed while running this request: {error!r}"
+        dead = self.consecutive_failures >= self.max_consecutive_failures
+        self._pending = None
+        self._grammar_step = None
+        ids: list[str] = []
+        grammars = self.scheduler.grammars
+        if grammars is not None and grammars.in_flight:
+            try:
+                grammars.collect()  # its step is lost; its requests' matchers go below
+            except Exception:
+                logger.exception("the grammar step of a failed step failed too")
+        try:
+            ids = self.scheduler.fail_in_flight(everything=self.consecutive_failures > 1)
+            self.executor.reset_requests()
+        except Exception:
+            logger.exception("recovering from a failed step failed")
+            dead = True
+        if dead:  # every request goes
+            ids += [i for i in self.request_ids() if i not in ids]
+            if self.consecutive_failures >= self.max_consecutive_failures:
+                message = (
+                    f"the engine is dead: {self.consecutive_failures} steps failed in a row "
+                    f"(the last: {error!r})"
+                )
+            else:
+                message = f"the engine is dead: it could not recover from {error!r}"
+        return StepFailure(ids, message, dead)
+
+    def _step_sync(self) -> list[EngineCoreOutput]:
         outputs = self._resolve_pending()
         if not self.scheduler.has_unfinished_requests():
             return outputs

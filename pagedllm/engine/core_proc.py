@@ -17,7 +17,9 @@ Messages in:
     ("shutdown",)
 Messages out:
     ("out", packed outputs, stats)           after every step, and after commands when idle
-    ("step_error", message)                  a step failed: every request was aborted
+    ("step_error", message, ids, dead)       a step failed: the requests ``ids`` were
+                                             ended (``EngineCore.step_failed``); dead: the
+                                             engine gave up, the process exits next
     ("reply", call_id, ok, value)            ok False: value is the error's message
 
 The loop (``EngineCoreProc.run``): take every command that has arrived (waiting for one only
@@ -25,8 +27,10 @@ when idle), step while requests are unfinished, send each step's outputs as ONE 
 batch of deltas; ``pack_outputs``). No thread competes with it for the GIL except the short
 utility ones. The process ends at "shutdown", when a front end closes its channel or dies
 (end of file; Linux also sends SIGKILL when the parent exits: ``child_channel``), after
-stopping its own worker processes. It ignores SIGTERM: a signal to the whole process group
-must not end it under its front ends, which stop it in order.
+stopping its own worker processes, and with status 1 after a step failure it could not
+survive (``MAX_CONSECUTIVE_STEP_FAILURES`` in a row, or broken workers). It ignores SIGTERM:
+a signal to the whole process group must not end it under its front ends, which stop it in
+order.
 
 Several front ends (``pagedllm serve --api-server-count N``): the core serves N channels; a
 request's outputs go to the front end that sent it, the stats and a step's failure to all.
@@ -85,6 +89,18 @@ class _Client:
             with self.lock:
                 self._flush_locked()
 
+    def drain(self, timeout: float) -> None:
+        """Write every queued message, waiting up to ``timeout`` s for the front end (a
+        front end that is gone or stuck loses them)."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            try:
+                while self.wbuf and time.monotonic() < deadline:
+                    select.select([], [self.sock], [], _POLL_S)
+                    self._flush_locked()
+            except OSError:
+                pass
+
     def _flush_locked(self) -> None:
         try:
             n = self.sock.send(self.wbuf)
@@ -104,6 +120,7 @@ class EngineCoreProc:
         self.eos_token_id = eos_token_id
         self.max_model_len = core.config.model_config.max_model_len
         self._owner: dict[str, int] = {}  # request id -> its front end (several only)
+        self.dead = False  # a step failure the engine could not survive: the loop ends
 
     def send(self, msg: Any, client: int = 0) -> None:
         """Send one message to one front end."""
@@ -160,6 +177,8 @@ class EngineCoreProc:
             if core.has_unfinished_requests():
                 outputs = self.step()
                 clock.lap("step")
+                if self.dead:
+                    return
                 self.send_outputs(outputs)
                 clock.lap("send", count=True)
             elif msgs:
@@ -188,20 +207,21 @@ class EngineCoreProc:
         return any(r.parent_id == rid for r in self.core.scheduler.requests.values())
 
     def step(self) -> list[EngineCoreOutput]:
-        """One ``EngineCore.step``; if it raises, every request is aborted and the front end
-        told (it fails their streams); the loop goes on serving new requests."""
+        """One ``EngineCore.step``; if it raises, ``EngineCore.step_failed`` ends the requests
+        it may have left wrong and the front ends are told ("step_error": they fail those
+        streams); the loop goes on serving, unless the engine is dead (``self.dead``)."""
         core = self.core
         try:
             return core.step()
         except Exception as e:
-            ids = core.request_ids()
-            logger.exception("engine step failed; aborting the %d requests in flight", len(ids))
-            try:
-                core.abort_requests(ids)
-            except Exception:
-                logger.exception("abort after a failed step failed too")
-            self._owner.clear()
-            self.broadcast(("step_error", f"the engine failed while running this request: {e!r}"))
+            logger.exception("engine step failed")
+            failure = core.step_failed(e)
+            logger.error("%s; %d requests ended", failure.message, len(failure.request_ids))
+            for rid in failure.request_ids:
+                self._owner.pop(rid, None)
+            self.dead = failure.dead
+            # every front end: each fails the ids it owns (the others are unknown to it)
+            self.broadcast(("step_error", failure.message, failure.request_ids, failure.dead))
             return []
 
     def handle(self, msg: tuple, client: int = 0) -> None:
@@ -328,10 +348,14 @@ def serve(chan: Channel, others: list[Channel] | None = None) -> int:
             "build_seconds": time.monotonic() - t0,
         }
         chan.send(("ready", info))
-        EngineCoreProc(core, [chan, *(others or [])], eos_token_id).run()
+        proc = EngineCoreProc(core, [chan, *(others or [])], eos_token_id)
+        proc.run()
+        if proc.dead:
+            for c in proc.clients:  # the "step_error" that says why, before the end of file
+                c.drain(5.0)
     finally:
         core.shutdown()
-    return 0
+    return 1 if proc.dead else 0
 
 
 def main(argv: list[str]) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from pagedllm.beam_search import BeamSearchParams, beam_sampling_params
 from pagedllm.config import EngineArgs, EngineConfig
-from pagedllm.engine.core import EngineCore
+from pagedllm.engine.core import EngineCore, StepFailure
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.model.loader import load_tokenizer
@@ -89,10 +89,20 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration; the outputs of requests that progressed (or finished)."""
         core_outputs = self.engine_core.step()
-        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        outputs, stopped, failed = self.output_processor.process_outputs(core_outputs)
         if stopped:
             self.engine_core.finish_requests_stopped(stopped)
+        if failed:  # their output could not be made (detokenizer): end them, free their blocks
+            self.engine_core.abort_requests(failed)
         return outputs
+
+    def step_failed(self, error: BaseException) -> StepFailure:
+        """Recover from a ``step()`` that raised (``EngineCore.step_failed``); the ended
+        requests are forgotten here too (their callers get ``StepFailure.message``)."""
+        failure = self.engine_core.step_failed(error)
+        for rid in failure.request_ids:
+            self.output_processor.abort(rid)
+        return failure
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

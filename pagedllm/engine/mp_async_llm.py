@@ -19,7 +19,9 @@ steps; this process does everything else:
 
 Messages to the core are buffered and written without blocking the loop (a full socket
 buffer makes the loop wait for writability, never for the core), so the two processes can
-never block each other. If the core process dies, every stream gets ``EngineDeadError``,
+never block each other. A step that fails in the core ends only the requests it may have
+left wrong ("step_error": their streams raise ``EngineError``). If the core process dies (or
+exits after too many failed steps in a row), every stream gets ``EngineDeadError``,
 ``is_running`` turns False (``/health`` answers 503) and the ``on_dead`` callbacks run (the
 server exits). The core ends when this process closes the channel or dies
 (``utils/child.py``).
@@ -118,6 +120,7 @@ class MPAsyncLLM(AsyncLLMBase):
         self._structured_ready: concurrent.futures.Future[Any] | None = None
         self._stopping = False
         self._dead: str | None = None
+        self._dead_reason: str | None = None  # why the core is about to exit ("step_error")
         self.on_dead: list[Callable[[str], None]] = []
         # the loop's time: handling the core's messages (outputs, detokenization, delivery)
         # vs everything else (HTTP, SSE); logged with PAGEDLLM_LOOP_STATS=SECONDS
@@ -145,11 +148,16 @@ class MPAsyncLLM(AsyncLLMBase):
     @property
     def is_running(self) -> bool:
         """True while the core process is alive and this front end accepts work."""
-        return self._dead is None and not self._stopping and self.core.exit_code() is None
+        return (
+            self._dead is None
+            and self._dead_reason is None
+            and not self._stopping
+            and self.core.exit_code() is None
+        )
 
     def _check_running(self) -> None:
         if not self.is_running:
-            raise EngineDeadError(self._dead or "the engine is not running.")
+            raise EngineDeadError(self._dead or self._dead_reason or "the engine is not running.")
 
     async def start(self) -> None:
         self._attach()
@@ -341,9 +349,11 @@ class MPAsyncLLM(AsyncLLMBase):
     def _outputs(self, packed: list[tuple], stats: dict[str, Any]) -> None:
         """Detokenize, check stop strings, log stats, deliver to the streams."""
         try:
-            outputs, stopped = self.output_processor.process_outputs(unpack_outputs(packed))
+            outputs, stopped, failed = self.output_processor.process_outputs(unpack_outputs(packed))
             if stopped:
                 self._send(("stop", stopped))
+            if failed:  # their output could not be made: end them in the core
+                self._send(("abort", failed))
             self._stats = stats
             self._log_stats(outputs)
             self._deliver(outputs)
@@ -365,12 +375,12 @@ class MPAsyncLLM(AsyncLLMBase):
                 caller = etype == "ValueError"
                 fut.set_exception(ValueError(message) if caller else EngineError(message))
         elif kind == "step_error":
-            # the core aborted what it held; a request sent after its failed step is still
-            # running there: abort every failed one (ids it no longer knows are ignored)
-            ids = list(self._streams)
-            self._fail_all(EngineError(msg[1]))
-            if ids:
-                self._send(("abort", ids))
+            # the core ended these requests (EngineCore.step_failed); the others run on. Dead:
+            # the core exits next; its end of file fails the rest, with this reason
+            _, message, ids, dead = msg
+            if dead:
+                self._dead_reason = message
+            self._fail(ids, EngineDeadError(message) if dead else EngineError(message))
         else:
             logger.error("unknown message from the engine core: %r", kind)
 
@@ -394,6 +404,14 @@ class MPAsyncLLM(AsyncLLMBase):
             except Exception:  # one broken consumer must not starve the others
                 logger.exception("delivering output of %s failed", out.request_id)
 
+    def _fail(self, request_ids: list[str], err: BaseException) -> None:
+        """End these requests' streams with ``err`` (ids unknown here are ignored)."""
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                self.output_processor.abort(rid)
+                stream.put(err)
+
     def _fail_all(self, err: BaseException) -> None:
         streams, self._streams = self._streams, {}
         for rid, stream in streams.items():
@@ -403,6 +421,8 @@ class MPAsyncLLM(AsyncLLMBase):
     def _core_died(self) -> None:
         code = self.core.wait_exit(5.0)
         self._dead = f"the engine core process (pid {self.core.pid}) exited (exit code {code})."
+        if self._dead_reason is not None:
+            self._dead = f"{self._dead_reason}; {self._dead}"
         if not self._stopping:
             logger.error("%s Failing every request in flight.", self._dead)
         assert self._loop is not None

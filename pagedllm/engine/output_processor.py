@@ -3,6 +3,7 @@ and the n sequences of parallel sampling gathered under their request."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +12,8 @@ from pagedllm.core.sched.output import EngineCoreOutput
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 LogprobTriple = tuple[list[int], list[float], list[int]]
 
@@ -108,10 +111,16 @@ class OutputProcessor:
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput], list[str]]:
+    ) -> tuple[list[RequestOutput], list[str], list[str]]:
         """(RequestOutputs to hand out, engine-core ids of sequences that hit a stop string and
-        must be finished in the core)."""
+        must be finished in the core, ids of requests that failed here and must be aborted in
+        the core).
+
+        A request whose output cannot be made (its detokenizer or a logprob's decode raised)
+        ends alone: its last output carries the error (``RequestOutput.error``), the others
+        go on."""
         stopped: list[str] = []
+        failed: list[str] = []
         results: list[RequestOutput] = []
         # requests that progressed, in first-touch order, and which of the sequences of a
         # request with n > 1 did: ONE output per request however many steps ``outputs`` spans
@@ -143,12 +152,18 @@ class OutputProcessor:
             if out.new_token_ids and state.first_token_time is None:
                 state.first_token_time = now
             state.num_cached_tokens = out.num_cached_tokens
-            if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
-                start, rows = out.new_prompt_logprobs
-                if start == len(state.prompt_logprobs):  # ignore a recompute after preemption
-                    state.prompt_logprobs.extend(self._logprob_dicts(rows))
-            if self._update_seq(seq, out):
-                stopped.append(out.request_id)
+            try:
+                if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+                    start, rows = out.new_prompt_logprobs
+                    if start == len(state.prompt_logprobs):  # not a recompute (preemption)
+                        state.prompt_logprobs.extend(self._logprob_dicts(rows))
+                if self._update_seq(seq, out):
+                    stopped.append(out.request_id)
+            except Exception as e:
+                touched.pop(rid, None)
+                results.append(self._fail(state, e))
+                failed.append(rid)
+                continue
             touched[rid] = state
             if len(state.seqs) > 1:
                 seqs = multi.setdefault(rid, [])
@@ -158,10 +173,45 @@ class OutputProcessor:
             finished = state.finished
             if state.output_kind == "final" and not finished:
                 continue
-            results.append(self._make_output(state, multi.get(rid, state.seqs)))
+            try:
+                results.append(self._make_output(state, multi.get(rid, state.seqs)))
+            except Exception as e:
+                results.append(self._fail(state, e))
+                failed.append(rid)
+                continue
             if finished:
                 del self.states[rid]
-        return results, stopped
+        return results, stopped, failed
+
+    def _fail(self, state: RequestState, error: Exception) -> RequestOutput:
+        """End a request whose output could not be made: forget it and return its last output
+        (no new text; every unfinished sequence 'abort'; ``error`` set)."""
+        logger.exception("request %s: making its output failed", state.request_id)
+        self.states.pop(state.request_id, None)
+        completions = []
+        for seq in state.seqs:
+            seq.finish_reason = seq.finish_reason or "abort"
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text="",
+                    token_ids=[],
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=completions,
+            finished=True,
+            num_cached_tokens=state.num_cached_tokens,
+            error=f"making this request's output failed: {error!r}",
+        )
 
     def _update_seq(self, seq: SeqState, out: EngineCoreOutput) -> bool:
         """Apply one step's tokens to a sequence; True if a stop string ended it."""

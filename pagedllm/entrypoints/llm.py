@@ -135,7 +135,12 @@ class LLM:
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             while engine.has_unfinished_requests():
-                for out in engine.step():
+                try:
+                    outs = engine.step()
+                except BaseException as e:
+                    engine.step_failed(e)  # the engine stays usable; this call raises
+                    raise
+                for out in outs:
                     if out.finished:
                         results[out.request_id] = out
                         if bar is not None:

@@ -39,7 +39,9 @@ class Executor(ABC):
       structured requests.
     - Failures: a worker's exception comes back as a ``RuntimeError`` carrying its traceback;
       a worker that died raises a ``RuntimeError`` naming it (rank, pid, exit code) instead of
-      waiting for it. After either the executor is broken: every later call raises.
+      waiting for it. After either the executor is broken: every later call raises. A step
+      that failed otherwise (in the engine core, or a runner exception in this process) is
+      followed by ``reset_requests()``: the workers forget every request and launched step.
     - ``shutdown()`` frees the workers (processes end); it is idempotent.
     """
 
@@ -88,6 +90,11 @@ class Executor(ABC):
         self.launch_sample(handle, None)
         return self.resolve(handle)
 
+    @abstractmethod
+    def reset_requests(self) -> None:
+        """After a failed step: every worker forgets its requests and the steps it launched
+        (``ModelRunner.reset_requests``); raises if the executor is broken."""
+
     def shutdown(self) -> None:  # noqa: B027 - an in-process executor holds nothing to free
         """Free the workers; safe to call twice."""
 
@@ -134,6 +141,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def reset_requests(self) -> None:
+        self.runner.reset_requests()
 
 
 def make_executor(config: EngineConfig, eos_token_ids: set[int] | None = None) -> Executor:

@@ -393,6 +393,15 @@ class ModelRunner:
         self.graph_runner.capture()
 
     # ------------------------------------------------------------------------- the step
+    def reset_requests(self) -> None:
+        """Forget every request and any launched step (after a step failed part-way: its rows
+        may be half-updated, and the scheduler sends every surviving request anew). The KV
+        cache, the CUDA graphs and the buffers stay."""
+        ib = self.input_batch
+        for rid in list(ib.req_id_to_row):
+            ib.remove_request(rid)
+        self._unresolved = None
+
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
         for rid in so.finished_req_ids:

@@ -212,6 +212,9 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._gather(("execute", scheduler_output))[0]
 
+    def reset_requests(self) -> None:
+        self._gather(("reset",))
+
     def shutdown(self) -> None:
         """Stop the workers: close their channels, wait for them, kill any that linger."""
         self._finalizer()

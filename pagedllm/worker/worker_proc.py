@@ -9,6 +9,7 @@ Started as ``python -m pagedllm.worker.worker_proc FD``, FD being one end of a s
     ("sample", step_id, grammar)    launch_sample; grammar: None or (fill_ids, mask array)
     ("resolve", step_id)         replies with the ModelRunnerOutput (rank 0; others None)
     ("execute", scheduler_output)   forward + sample + resolve; replies likewise
+    ("reset",)                   forget every request and launched step (a step failed); replies
 Messages out: ("ok", result) for each message that replies (after "init": the runner's
 device type, batch rows and pid); ("error", traceback) for any message that failed, sent
 when it failed (a step that does not reply reports it before the next reply).
@@ -80,6 +81,10 @@ class Worker:
         if kind == "execute":
             out = runner.execute_model(msg[1])
             return out if self.rank == 0 else None
+        if kind == "reset":
+            self.steps.clear()
+            runner.reset_requests()
+            return None
         if kind == "call":
             if msg[1] not in CALLS:
                 raise ValueError(f"not a worker call: {msg[1]!r}")

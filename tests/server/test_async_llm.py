@@ -41,13 +41,15 @@ def core_idle(core):  # noqa: ANN001, ANN201 - runs in the engine core process
 
 
 def fail_next_step(core) -> None:  # noqa: ANN001 - runs in the engine core process
-    """The core's next ``step()`` raises RuntimeError("boom"); later ones run normally."""
+    """The next step that runs the model raises RuntimeError("boom") (in the runner, after
+    scheduling: its requests are in the failed step); later ones run normally."""
+    runner = core.model_runner
 
-    def flaky():  # noqa: ANN202
-        del core.step  # back to the class method
+    def flaky(scheduler_output):  # noqa: ANN001, ANN202
+        del runner.launch_forward  # back to the class method
         raise RuntimeError("boom")
 
-    core.step = flaky
+    runner.launch_forward = flaky
 
 
 def _idle_ok(llm: AsyncLLMBase) -> None:

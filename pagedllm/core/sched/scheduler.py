@@ -203,6 +203,36 @@ class Scheduler:
             self._runner_has.discard(request.request_id)
             self.finished_req_ids.add(request.request_id)
 
+    def fail_in_flight(self, everything: bool = False) -> list[str]:
+        """After a step failed (in the executor, or in this scheduler mid-step): end every
+        request whose KV or tokens that step may have left wrong - the running ones, those of
+        the steps in flight, and the swapped ones (their copy out may have been in it) - and
+        forget the steps in flight. Requests still waiting for their first step (or to
+        recompute after a preemption) are untouched unless ``everything``: they run as if
+        nothing happened. The caller resets the runner, which then holds no request. The
+        prefix cache is emptied: a block cached in the failed step may never have been
+        written. Returns the ids callers gave the ended requests (a request with n > 1 or a
+        beam search counts once)."""
+        affected: dict[str, None] = {}
+        for batch in self._in_flight.values():
+            for r in batch:
+                if not r.is_finished:
+                    affected[r.parent_id or r.request_id] = None
+        for r in list(self.running) + list(self.waiting):
+            if everything or r in self.running or r.swapped or r.num_output_placeholders > 0:
+                affected[r.parent_id or r.request_id] = None
+        ids = list(affected)
+        self.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self._in_flight.clear()
+        self._swap_out = []
+        self.kv_cache_manager.take_pending_copies()
+        self._kvc_pending = 0
+        self._runner_has.clear()
+        self.finished_req_ids = set()
+        if not self.kv_cache_manager.reset_prefix_cache():
+            raise RuntimeError("KV blocks are still in use after every running request ended.")
+        return ids
+
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
         return len(self.waiting) + len(self.running) > 0
