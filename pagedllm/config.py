@@ -252,6 +252,30 @@ def check_compression_rate(value: Any, name: str = "compression_rate") -> None:
         raise ValueError(f"{name} must be a finite number >= 1, got {value!r}.")
 
 
+# JSON outputs of structured outputs: most whitespace characters in a row (0: compact JSON).
+# A bound keeps a weak model from wandering in tabs and newlines for ever; larger bounds make
+# larger grammars (xgrammar unrolls the runs: ~0.5 MB serialized at 64).
+DEFAULT_JSON_MAX_WHITESPACE = 8
+MAX_JSON_MAX_WHITESPACE = 64
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Engine-wide defaults of structured outputs. ``max_whitespace``: the longest run of
+    whitespace between the tokens of a JSON output (0: none, compact JSON), for every request
+    that does not set ``disable_any_whitespace`` itself."""
+
+    max_whitespace: int = DEFAULT_JSON_MAX_WHITESPACE
+
+    def __post_init__(self) -> None:
+        n = self.max_whitespace
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_JSON_MAX_WHITESPACE:
+            raise ValueError(
+                "structured_outputs_max_whitespace must be an integer from 0 to "
+                f"{MAX_JSON_MAX_WHITESPACE}, got {n!r}."
+            )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core, scheduler and model runner need, resolved and validated."""
@@ -262,6 +286,7 @@ class EngineConfig:
     device_config: DeviceConfig
     parallel_config: ParallelConfig
     kvc_config: KVCompressConfig = KVCompressConfig()
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
 
 @dataclass
@@ -309,6 +334,9 @@ class EngineArgs:
     kvc_num_sinks: int = 0
     prefill_metric_collection_window_size: int = 32
     maxpool_metrics: bool = True
+    # structured outputs (``StructuredOutputsConfig``): the default whitespace of JSON outputs
+    structured_outputs_max_whitespace: int = DEFAULT_JSON_MAX_WHITESPACE
+    structured_outputs_disable_any_whitespace: bool = False  # max_whitespace 0
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -340,6 +368,7 @@ class EngineArgs:
                 f"distributed_executor_backend must be one of {_EXECUTOR_BACKENDS}, "
                 f"got {self.distributed_executor_backend!r}."
             )
+        so_config = self._structured_outputs_config()
 
         device = self.device
         if device == "auto":
@@ -418,6 +447,18 @@ class EngineArgs:
                 prefill_metric_collection_window_size=self.prefill_metric_collection_window_size,
                 maxpool_metrics=bool(self.maxpool_metrics),
             ),
+            structured_outputs_config=so_config,
+        )
+
+    def _structured_outputs_config(self) -> StructuredOutputsConfig:
+        """The structured-outputs defaults these arguments ask for (ValueError if invalid)."""
+        flag = self.structured_outputs_disable_any_whitespace
+        if not isinstance(flag, bool):
+            raise ValueError(
+                f"structured_outputs_disable_any_whitespace must be a boolean, got {flag!r}."
+            )
+        return StructuredOutputsConfig(
+            max_whitespace=0 if flag else self.structured_outputs_max_whitespace
         )
 
 

@@ -120,6 +120,7 @@ class EngineCore:
                 mc.vocab_size,
                 cache_key=f"{mc.tokenizer}|{mc.model}",
                 serialize=process,
+                max_whitespace=self.config.structured_outputs_config.max_whitespace,
             )
             self.scheduler.grammars = make_grammars(
                 process,

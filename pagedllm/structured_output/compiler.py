@@ -46,10 +46,13 @@ class StructuredOutputManager:
         cache_key: str = "",
         max_threads: int = 2,
         serialize: bool = False,
+        max_whitespace: int = MAX_JSON_WHITESPACE,
     ) -> None:
         import xgrammar as xgr
 
         self.xgr = xgr
+        # the engine's default JSON whitespace bound (StructuredOutputsConfig.max_whitespace)
+        self.max_whitespace = max_whitespace
         self.vocab_size = vocab_size
         self.serialize = serialize
         self.tokenizer_info = self._tokenizer_info(tokenizer, vocab_size, cache_key)
@@ -96,7 +99,7 @@ class StructuredOutputManager:
 
     def submit(self, params: StructuredOutputsParams) -> Future:
         """A Future of the ``GrammarEntry`` (shared with equal earlier specs)."""
-        key = params.key()
+        key = params.key(self.max_whitespace)
         with self._lock:
             fut = self._cache.get(key)
             if fut is None:
@@ -112,9 +115,10 @@ class StructuredOutputManager:
         try:
             return fut.result()
         except GrammarCompileError:
+            key = params.key(self.max_whitespace)
             with self._lock:
-                if self._cache.get(params.key()) is fut:
-                    self._cache.pop(params.key(), None)
+                if self._cache.get(key) is fut:
+                    self._cache.pop(key, None)
             raise
 
     def _compile(self, key: tuple[str, str]) -> GrammarEntry:
@@ -123,12 +127,12 @@ class StructuredOutputManager:
 
     def _compile_grammar(self, key: tuple[str, str]) -> Any:
         kind, spec = key
-        kind, _, compact = kind.partition(":")  # "json:compact": no whitespace at all
-        # bounded whitespace by default: runs of at most MAX_JSON_WHITESPACE characters
+        kind, _, ws_spec = kind.partition(":")  # "json:ws8": runs of at most 8 characters
+        max_ws = int(ws_spec[2:]) if ws_spec.startswith("ws") else MAX_JSON_WHITESPACE
         ws: dict[str, Any] = (
-            {"any_whitespace": False, "separators": (",", ":")}
-            if compact
-            else {"max_whitespace_cnt": MAX_JSON_WHITESPACE}
+            {"any_whitespace": False, "separators": (",", ":")}  # "json:ws0": compact JSON
+            if max_ws == 0
+            else {"max_whitespace_cnt": max_ws}
         )
         c = self.compiler
         try:

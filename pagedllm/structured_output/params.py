@@ -6,7 +6,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-MAX_JSON_WHITESPACE = 8  # characters of whitespace in a row in JSON outputs, by default
+from pagedllm.config import DEFAULT_JSON_MAX_WHITESPACE
+
+# characters of whitespace in a row in JSON outputs, by default (the engine's
+# ``--structured-outputs-max-whitespace`` sets its own)
+MAX_JSON_WHITESPACE = DEFAULT_JSON_MAX_WHITESPACE
 
 
 @dataclass
@@ -20,10 +24,11 @@ class StructuredOutputsParams:
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
-    # JSON's whitespace (vLLM's name): False allows runs of at most MAX_JSON_WHITESPACE
-    # characters between tokens of the JSON (a weak model cannot wander in tabs and newlines
-    # for ever), True none at all (compact JSON)
-    disable_any_whitespace: bool = False
+    # JSON's whitespace (vLLM's name): True none at all (compact JSON); False runs of at most
+    # the engine's max_whitespace characters between tokens of the JSON (MAX_JSON_WHITESPACE
+    # where the engine's is 0), so a weak model cannot wander in tabs and newlines for ever;
+    # None (not set) the engine's setting (``--structured-outputs-max-whitespace``)
+    disable_any_whitespace: bool | None = None
 
     def __post_init__(self) -> None:
         given = [
@@ -36,7 +41,9 @@ class StructuredOutputsParams:
                 "structured_outputs needs exactly one of json, json_object, regex, grammar, "
                 f"choice; got {given or 'none'}."
             )
-        if not isinstance(self.disable_any_whitespace, bool):
+        if self.disable_any_whitespace is not None and not isinstance(
+            self.disable_any_whitespace, bool
+        ):
             raise ValueError("structured_outputs.disable_any_whitespace must be a boolean.")
         if self.choice is not None:
             if not isinstance(self.choice, list) or not self.choice:
@@ -50,23 +57,31 @@ class StructuredOutputsParams:
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
 
-    def key(self) -> tuple[str, str]:
-        """(kind, canonical spec): the compile cache key."""
+    def key(self, max_whitespace: int = MAX_JSON_WHITESPACE) -> tuple[str, str]:
+        """(kind, canonical spec): the compile cache key. A JSON kind carries its whitespace
+        bound (``json:ws8``; ``json:ws0`` is compact), resolved against ``max_whitespace``,
+        the engine's default for requests that do not set ``disable_any_whitespace``."""
         if self.json is not None:
             schema = (
                 self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
             )
-            return "json" + self._ws(), schema
+            return f"json:ws{self.json_whitespace(max_whitespace)}", schema
         if self.json_object:
-            return "json_object" + self._ws(), ""
+            return f"json_object:ws{self.json_whitespace(max_whitespace)}", ""
         if self.regex is not None:
             return "regex", self.regex
         if self.grammar is not None:
             return "grammar", self.grammar
         return "choice", json.dumps(self.choice)
 
-    def _ws(self) -> str:
-        return ":compact" if self.disable_any_whitespace else ""
+    def json_whitespace(self, max_whitespace: int = MAX_JSON_WHITESPACE) -> int:
+        """The longest whitespace run this request's JSON may hold (0: compact JSON): its own
+        ``disable_any_whitespace`` when set, else the engine's ``max_whitespace``."""
+        if self.disable_any_whitespace is None:
+            return max_whitespace
+        if self.disable_any_whitespace:
+            return 0
+        return max_whitespace or MAX_JSON_WHITESPACE  # whitespace asked for: bounded, not none
 
     @classmethod
     def from_any(cls, value: Any) -> StructuredOutputsParams:
