@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and the OpenAI error body.
 
 Fields are OpenAI's plus vLLM's extras (``top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, stop_token_ids, skip_special_tokens, spaces_between_special_tokens,
-include_stop_str_in_output, echo, add_generation_prompt, continue_final_message,
-add_special_tokens, priority, cache_salt, chat_template, chat_template_kwargs``), beam search
+ignore_eos, stop_token_ids, allowed_token_ids, bad_words, skip_special_tokens,
+spaces_between_special_tokens, include_stop_str_in_output, echo, add_generation_prompt,
+continue_final_message, add_special_tokens, priority, cache_salt, chat_template,
+chat_template_kwargs``), beam search
 (``use_beam_search, length_penalty, early_stopping``, with ``n`` the beam width) and
 structured outputs (``response_format``, ``guided_json, guided_regex, guided_choice,
 guided_grammar``, ``structured_outputs``; see ``structured.py``).
@@ -82,6 +83,8 @@ class _SamplingFields(OpenAIBaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -106,8 +109,6 @@ class _SamplingFields(OpenAIBaseModel):
     _structured_field: str | None = PrivateAttr(None)
 
     def _check_common(self) -> None:
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported yet.", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options can only be set when stream is true.",
                                param="stream_options")  # fmt: skip
@@ -147,6 +148,9 @@ class _SamplingFields(OpenAIBaseModel):
                 seed=self.seed,
                 stop=self.stop,
                 stop_token_ids=self.stop_token_ids,
+                logit_bias=self.logit_bias,  # string keys: SamplingParams makes them ints
+                allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
                 ignore_eos=self.ignore_eos,
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
@@ -178,6 +182,9 @@ class _SamplingFields(OpenAIBaseModel):
             ("presence_penalty", bool(self.presence_penalty)),
             ("frequency_penalty", bool(self.frequency_penalty)),
             ("repetition_penalty", self.repetition_penalty not in (None, 1.0)),
+            ("logit_bias", bool(self.logit_bias)),
+            ("allowed_token_ids", self.allowed_token_ids is not None),
+            ("bad_words", bool(self.bad_words)),
             ("cache_salt", self.cache_salt is not None),
         ]
         for name, bad in unsupported:
