@@ -47,18 +47,40 @@ _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Al
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The server's flags."""
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default="canned", help="the model name it reports")
-    p.add_argument("--processes", type=int, default=1, help="server processes (SO_REUSEPORT)")
-    p.add_argument("--reuse-port", action="store_true", help="bind with SO_REUSEPORT")
-    p.add_argument("--step-ms", type=float, default=0.0, help="wait between ticks (0: none)")
-    p.add_argument("--max-buffer", type=int, default=1 << 16, help="bytes unsent per stream")
+    p.add_argument("--host", default="127.0.0.1", metavar="ADDRESS", help="Bind address.")
+    p.add_argument("--port", type=int, default=8000, metavar="PORT", help="TCP port.")
+    p.add_argument("--model", default="canned", metavar="NAME", help="The model name it reports.")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="Server processes on one port (SO_REUSEPORT).",
+    )
+    p.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="Bind with SO_REUSEPORT (implied by --processes above 1).",
+    )
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="Wait between token ticks (0: none, as fast as it can).",
+    )
+    p.add_argument(
+        "--max-buffer",
+        type=int,
+        default=1 << 16,
+        metavar="BYTES",
+        help="Bytes unsent per stream before the stream skips ticks until it drains.",
+    )
     p.add_argument(
         "--loop",
         choices=["auto", "asyncio", "uvloop"],
         default="auto",
-        help="event loop (auto: uvloop where installed)",
+        help="Event loop (auto: uvloop where installed).",
     )
 
 

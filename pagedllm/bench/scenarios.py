@@ -25,23 +25,109 @@ from pagedllm.sampling_params import SamplingParams
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--prefix-len", type=int, default=341)
-    p.add_argument("--suffix-len", type=int, default=16)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--conversations", type=int, default=8)
-    p.add_argument("--rate", type=float, default=4.0, help="policy: requests per second")
-    p.add_argument("--duration", type=float, default=20.0, help="policy: seconds of arrivals")
-    p.add_argument("--long-input-len", type=int, default=1024, help="policy: long prompts")
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--name", default=None)
+    """The flags of ``pagedllm bench prefix`` and ``pagedllm bench policy`` (one set: a flag
+    that only one of them reads says which)."""
+    p.add_argument("--model", required=True, help="HF model folder or .gguf file (required).")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+        help="Weight and activation dtype (auto: the model's own).",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="Device (auto: cuda when a GPU is visible, else cpu).",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "gguf", "dummy"],
+        help="Weight format (auto: gguf for a .gguf file, else safetensors).",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=2048, metavar="N", help="Context length of the engine."
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Seed of the random prompts, arrivals and engine.",
+    )
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=32,
+        metavar="N",
+        help="prefix: requests sharing the one long prefix.",
+    )
+    p.add_argument(
+        "--prefix-len",
+        type=int,
+        default=341,
+        metavar="N",
+        help="prefix: tokens of the shared prefix (and of the chat's system prompt).",
+    )
+    p.add_argument(
+        "--suffix-len",
+        type=int,
+        default=16,
+        metavar="N",
+        help="prefix: distinct tokens after the prefix (and per user turn).",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=32,
+        metavar="N",
+        help="prefix: tokens generated per request (and per assistant turn).",
+    )
+    p.add_argument(
+        "--turns", type=int, default=4, metavar="N", help="prefix: turns of each replayed chat."
+    )
+    p.add_argument(
+        "--conversations",
+        type=int,
+        default=8,
+        metavar="N",
+        help="prefix: chats replayed side by side.",
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=4.0,
+        metavar="REQ_PER_S",
+        help="policy: arrivals per second (Poisson; 80%% short requests of 32 "
+        "prompt and 16 output tokens, 20%% long ones).",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=20.0,
+        metavar="SECONDS",
+        help="policy: seconds of arrivals.",
+    )
+    p.add_argument(
+        "--long-input-len",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="policy: prompt tokens of a long request (it generates 64).",
+    )
+    p.add_argument(
+        "--out",
+        default="benchmarks/results",
+        metavar="DIR",
+        help="Folder of the result JSON and PNG.",
+    )
+    p.add_argument(
+        "--name",
+        default=None,
+        metavar="STEM",
+        help="Result file stem (default: the benchmark and the model's name, e.g. prefix_MODEL).",
+    )
 
 
 def _engine(args: argparse.Namespace, **kw: Any):  # noqa: ANN202

@@ -70,61 +70,145 @@ Prompt = str | list[int]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's flags."""
-    p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000/v1")
-    p.add_argument("--model", default=None, help="API model name (default: first of /models)")
-    p.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"))
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128, help="words (or token ids) per prompt")
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--prompt-type", choices=["words", "ids"], default="words")
-    p.add_argument("--max-token-id", type=int, default=10000, help="ids are in [100, this)")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson, req/s")
-    p.add_argument("--concurrency", type=int, default=None, help="most requests in flight")
-    p.add_argument("--warmup", type=int, default=2, help="untimed requests first")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--base-url",
+        default=None,
+        metavar="URL",
+        help="The server's API root, e.g. http://127.0.0.1:8000/v1 (default: unset; give it, "
+        "--spawn-server, --spawn-canned or --offline-only).",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="Model name sent in each request (default: the first of the server's /models).",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDLLM_API_KEY"),
+        metavar="KEY",
+        help="Sent as 'Authorization: Bearer KEY' (default: $PAGEDLLM_API_KEY; unset: none).",
+    )
+    p.add_argument(
+        "--endpoint",
+        choices=["completions", "chat"],
+        default="completions",
+        help="/completions or /chat/completions.",
+    )
+    p.add_argument("--num-prompts", type=int, default=64, metavar="N", help="Timed requests.")
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=128,
+        metavar="N",
+        help="Words (or token ids) per prompt.",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=64,
+        metavar="N",
+        help="Tokens each request asks for (ignore_eos: exactly this many).",
+    )
+    p.add_argument(
+        "--prompt-type",
+        choices=["words", "ids"],
+        default="words",
+        help="words: random common words (about one token each); ids: random token ids "
+        "(completions only).",
+    )
+    p.add_argument(
+        "--max-token-id",
+        type=int,
+        default=10000,
+        metavar="N",
+        help="--prompt-type ids: ids are in [100, N).",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        metavar="REQ_PER_S",
+        help="Poisson arrivals per second (inf: all at once).",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Most requests in flight (default: no cap).",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=2, metavar="N", help="Untimed requests sent first."
+    )
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="Seed of prompts and arrivals.")
     p.add_argument(
         "--client",
         choices=["raw", "httpx"],
         default="raw",
-        help="raw: minimal asyncio HTTP/1.1 client (fast); httpx: httpx.AsyncClient",
+        help="raw: minimal asyncio HTTP/1.1 client (fast); httpx: httpx.AsyncClient.",
     )
     p.add_argument(
         "--client-processes",
         type=int,
         default=1,
-        help="client processes sharing the prompts and the concurrency cap",
+        metavar="N",
+        help="Client processes sharing the prompts and the concurrency cap.",
     )
     p.add_argument(
         "--loop",
         choices=["auto", "asyncio", "uvloop"],
         default="auto",
-        help="client event loop (auto: uvloop where installed)",
+        help="Client event loop (auto: uvloop where installed).",
     )
-    p.add_argument("--spawn-server", action="store_true", help="start pagedllm serve itself")
+    p.add_argument(
+        "--spawn-server",
+        action="store_true",
+        help="Start 'pagedllm serve' itself (with --server-args) and stop it after.",
+    )
     p.add_argument(
         "--spawn-canned",
         action="store_true",
-        help="start the model-free canned server: the client's own ceiling",
+        help="Start the model-free canned server instead: the client's own ceiling.",
     )
-    p.add_argument("--canned-processes", type=int, default=1, help="canned server processes")
+    p.add_argument(
+        "--canned-processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="--spawn-canned: server processes.",
+    )
     p.add_argument(
         "--canned-step-ms",
         type=float,
         default=0.0,
-        help="canned server: wait between token ticks (0: as fast as it can)",
+        metavar="MS",
+        help="--spawn-canned: wait between token ticks (0: as fast as it can).",
     )
     p.add_argument(
         "--server-args",
         default="",
-        help="engine flags for the spawned server and "
-        "the offline engine, e.g. '--max-model-len 1024' (MODEL may lead)",
+        metavar="ARGS",
+        help="Engine flags for the spawned server and the offline engine, e.g. "
+        "'--max-model-len 1024' (MODEL may lead; default: none).",
     )
-    p.add_argument("--offline", action="store_true", help="also run the workload in-process")
-    p.add_argument("--offline-only", action="store_true", help="only the in-process run")
-    p.add_argument("--result-dir", default="benchmarks/results")
-    p.add_argument("--result-name", default=None, help="file stem (default serving_...)")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--offline", action="store_true", help="Also run the workload in-process (no HTTP)."
+    )
+    p.add_argument("--offline-only", action="store_true", help="Only the in-process run.")
+    p.add_argument(
+        "--result-dir",
+        default="benchmarks/results",
+        metavar="DIR",
+        help="Folder of the result JSON and PNG.",
+    )
+    p.add_argument(
+        "--result-name",
+        default=None,
+        metavar="STEM",
+        help="Result file stem (default: serving_ENDPOINT_cCONCURRENCY_rRATE).",
+    )
+    p.add_argument("--no-plot", action="store_true", help="Write no PNG.")
 
 
 @dataclass

@@ -23,12 +23,29 @@ WORKLOADS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--num-requests", type=int, default=8)
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/results")
+    """The benchmark's flags."""
+    p.add_argument("--model", required=True, help="HF model folder or .gguf file (required).")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+        help="Weight and activation dtype.",
+    )
+    p.add_argument(
+        "--num-requests", type=int, default=8, metavar="N", help="Requests per workload and width."
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=1024, metavar="N", help="Context length of the engine."
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="Seed of the workload and the sampling."
+    )
+    p.add_argument(
+        "--out",
+        default="benchmarks/results",
+        metavar="DIR",
+        help="Folder of the result, sharing_memory_saving.json.",
+    )
 
 
 class SharingMeter:

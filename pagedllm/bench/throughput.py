@@ -34,38 +34,148 @@ from pagedllm.bench.roofline import (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen3-0.6b")
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--range-ratio", type=float, default=0.0)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    """The benchmark's flags (the engine's ones keep the engine's names)."""
+    p.add_argument(
+        "--model",
+        default="qwen3-0.6b",
+        help="HF model folder or .gguf file; with --load-format dummy also a built-in shape "
+        "name (qwen3-0.6b, llama-3.1-8b, gemma-3-270m).",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "gguf", "dummy"],
+        help="Weight format (auto: gguf for a .gguf file, else safetensors; dummy: random "
+        "weights).",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+        help="Weight and activation dtype (auto: the model's own).",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="Device (auto: cuda when a GPU is visible, else cpu).",
+    )
+    p.add_argument("--num-prompts", type=int, default=256, metavar="N", help="Requests.")
+    p.add_argument(
+        "--input-len", type=int, default=512, metavar="N", help="Mean prompt tokens (random ids)."
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=128,
+        metavar="N",
+        help="Mean output tokens; each request ignores EOS, so it generates exactly its length.",
+    )
+    p.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        metavar="X",
+        help="Lengths are uniform in [len x (1 - X), len x (1 + X)] (0: all the same).",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=4096, metavar="N", help="Context length of the engine."
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=256, metavar="N", help="Most requests in one batch."
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Token budget of one engine step (default: the engine's, 2048 on a CPU, 8192 on a "
+        "GPU).",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        metavar="X",
+        help="Fraction of the GPU's memory for weights, activations and KV cache (GPU only).",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="Never capture CUDA graphs (GPU only; a CPU always runs eagerly).",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="Seed of the workload and the engine."
+    )
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="KV-cache size in bytes, on any device (default: the engine's: on a GPU what "
+        "--gpu-memory-utilization leaves, on a CPU 2 GiB).",
+    )
     # KV-Compress (the paper's throughput experiment)
-    p.add_argument("--enable-kvc", action="store_true")
-    p.add_argument("--kvc-method", default="kvcompress")
-    p.add_argument("--compression-rate", type=float, default=None)
-    p.add_argument("--max-cache-tokens", type=int, default=None)
-    p.add_argument("--protected-window-size", type=int, default=32)
-    p.add_argument("--compression-interval", type=int, default=None,
-                   help="decode steps between evictions (default: only after the prompt and "
-                   "under memory pressure, as the paper's benchmark)")  # fmt: skip
+    p.add_argument(
+        "--enable-kvc",
+        action="store_true",
+        help="KV-Compress: evict the least-attended KVs of each request down to a budget.",
+    )
+    p.add_argument(
+        "--kvc-method",
+        default="kvcompress",
+        choices=["kvcompress", "uniform", "random"],
+        help="KV-Compress eviction: kvcompress, or the uniform and random baselines.",
+    )
+    p.add_argument(
+        "--compression-rate",
+        type=float,
+        default=None,
+        metavar="X",
+        help="KV-Compress: each request keeps 1/X of its KVs (default: unset; with "
+        "--max-cache-tokens unset too, nothing is evicted).",
+    )
+    p.add_argument(
+        "--max-cache-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV-Compress: each request keeps N KVs per layer and KV head (default: unset; "
+        "wins over --compression-rate).",
+    )
+    p.add_argument(
+        "--protected-window-size",
+        type=int,
+        default=32,
+        metavar="N",
+        help="KV-Compress: the last tokens never evicted.",
+    )
+    p.add_argument(
+        "--compression-interval",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV-Compress: decode steps between evictions (default: only after the prompt and "
+        "under memory pressure, as the paper's benchmark).",
+    )
     p.add_argument(
         "--profile-host",
         default=None,
         metavar="PATH",
-        help="write a cProfile of the host side of the timed run to PATH",
+        help="Write a cProfile of the host side of the timed run to PATH (default: no profile).",
     )
-    p.add_argument("--output-json", default=None)
-    p.add_argument("--name", default=None, help="result file stem")
+    p.add_argument(
+        "--output-json",
+        default=None,
+        metavar="PATH",
+        help="Result file (default: benchmarks/results/STEM.json, STEM from --name).",
+    )
+    p.add_argument(
+        "--name",
+        default=None,
+        metavar="STEM",
+        help="Result file stem (default: throughput_MODEL_DEVICE).",
+    )
 
 
 def make_workload(
