@@ -203,6 +203,12 @@ def test_every_flag_has_help_and_shows_its_default(monkeypatch: pytest.MonkeyPat
         assert not any(m in text for m in MARKUP), (name, text)
 
 
+def test_every_engine_field_has_help_text() -> None:
+    from pagedllm.entrypoints.cli import _HELP
+
+    assert EngineArgs.field_names() <= set(_HELP), EngineArgs.field_names() - set(_HELP)
+
+
 def test_gpu_only_flags_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
     """Flags that do nothing on a CPU: the memory fraction (a CPU's KV cache is sized in
     bytes) and CUDA graphs."""
