@@ -69,14 +69,23 @@ class EngineError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread is not running (shut down, or never started)."""
+    """The engine is not running (shut down, never started, or dead after failed steps)."""
+
+    status_code = 503  # over HTTP: the service is unavailable, not this request's fault
+
+
+#: Outputs a stream keeps unread before merging them into one: a client that does not read
+#: holds at most this many objects, plus its request's own text, token ids and logprobs.
+MAX_UNREAD_OUTPUTS = 64
 
 
 class RequestStream:
     """Async iterator over one request's delta ``RequestOutput``s; ends after ``finished``.
 
     Deltas that queued up while the consumer was busy are merged into one output, so a slow
-    client gets fewer, larger chunks instead of falling behind.
+    client gets fewer, larger chunks instead of falling behind; one that does not read at all
+    holds at most ``MAX_UNREAD_OUTPUTS`` of them (more are merged as they come). Nothing
+    waits for the consumer: the request runs to its end whoever reads.
     """
 
     def __init__(
@@ -86,12 +95,35 @@ class RequestStream:
         self.loop = loop
         self.finished = False
         self._owner = owner
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        # unread outputs, then at most one error (nothing is kept after an error or a
+        # finished output: the consumer stops there)
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._pending_error: BaseException | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Event-loop side: enqueue one output (or an error to raise in the consumer)."""
-        self._queue.put_nowait(item)
+        items = self._items
+        if items:
+            last = items[-1]
+            if isinstance(last, BaseException) or last.finished:
+                return  # the consumer ends before it
+        items.append(item)
+        if len(items) > MAX_UNREAD_OUTPUTS:
+            error = items[-1] if isinstance(items[-1], BaseException) else None
+            outs = [i for i in items if isinstance(i, RequestOutput)]
+            items.clear()
+            items.append(merge_deltas(*outs))
+            if error is not None:
+                items.append(error)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    @property
+    def num_unread(self) -> int:
+        """Outputs (and errors) queued that the consumer has not taken."""
+        return len(self._items)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -103,16 +135,26 @@ class RequestStream:
             raise err
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
-            nxt = self._queue.get_nowait()
-            if isinstance(nxt, BaseException):
-                self._pending_error = nxt
-                break
-            item = merge_deltas(item, nxt)
+        items = self._items
+        while not items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = items.popleft()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        if items:  # everything that queued up, as one output
+            batch = [item]
+            while items:
+                nxt = items.popleft()
+                if isinstance(nxt, BaseException):
+                    self._pending_error = nxt
+                    break
+                batch.append(nxt)
+            item = merge_deltas(*batch)
         if item.finished:
             self.finished = True
         return item
@@ -124,30 +166,38 @@ class RequestStream:
             self._owner.abort_nowait(self.request_id)
 
 
-def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """One delta output equivalent to ``a`` followed by ``b`` (same request; completions are
-    matched by ``index``, so parallel sampling merges too)."""
-    merged: dict[int, CompletionOutput] = {c.index: c for c in a.outputs}
-    for cb in b.outputs:
-        ca = merged.get(cb.index)
-        if ca is None:
-            merged[cb.index] = cb
+def merge_deltas(*outputs: RequestOutput) -> RequestOutput:
+    """One delta output equivalent to ``outputs`` in order (the same request; completions are
+    matched by ``index``, so parallel sampling merges too), in time linear in their size."""
+    if len(outputs) == 1:
+        return outputs[0]
+    parts: dict[int, list[CompletionOutput]] = {}
+    for out in outputs:
+        for c in out.outputs:
+            parts.setdefault(c.index, []).append(c)
+    merged: list[CompletionOutput] = []
+    for index in sorted(parts):
+        cs = parts[index]
+        if len(cs) == 1:
+            merged.append(cs[0])
             continue
         logprobs = None
-        if ca.logprobs is not None or cb.logprobs is not None:
-            logprobs = list(ca.logprobs or []) + list(cb.logprobs or [])
-        merged[cb.index] = CompletionOutput(
-            index=cb.index,
-            text=ca.text + cb.text,
-            token_ids=list(ca.token_ids) + list(cb.token_ids),
-            cumulative_logprob=cb.cumulative_logprob,
-            logprobs=logprobs,
-            finish_reason=cb.finish_reason,
-            stop_reason=cb.stop_reason,
+        if any(c.logprobs is not None for c in cs):
+            logprobs = [lp for c in cs for lp in (c.logprobs or [])]
+        merged.append(
+            dataclasses.replace(
+                cs[-1],
+                text="".join(c.text for c in cs),
+                token_ids=[t for c in cs for t in c.token_ids],
+                logprobs=logprobs,
+            )
         )
-    outputs = [merged[i] for i in sorted(merged)]
-    prompt_logprobs = b.prompt_logprobs if b.prompt_logprobs is not None else a.prompt_logprobs
-    return dataclasses.replace(b, outputs=outputs, prompt_logprobs=prompt_logprobs)
+    prompt_logprobs = None
+    for out in reversed(outputs):
+        if out.prompt_logprobs is not None:
+            prompt_logprobs = out.prompt_logprobs
+            break
+    return dataclasses.replace(outputs[-1], outputs=merged, prompt_logprobs=prompt_logprobs)
 
 
 @dataclasses.dataclass
