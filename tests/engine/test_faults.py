@@ -66,8 +66,7 @@ def _assert_idle_clean(engine: LLMEngine) -> None:
     """Nothing tracked, every block free, KV invariants hold."""
     core = engine.engine_core
     core.check_integrity()  # asserts every block is free when idle
-    kv = core.scheduler.kv_cache_manager
-    assert kv.num_free_blocks() == kv.num_blocks
+    assert core.scheduler.kv_cache_manager.is_idle_clean()
     assert not core.scheduler.requests and not engine.output_processor.states
     # the runner keeps finished requests' rows until the next step tells it to drop them
     held = set(core.model_runner.input_batch.req_id_to_row)
@@ -120,6 +119,27 @@ def test_failed_step_ends_its_requests_and_engine_serves_on(
     the reference tokens too (at=1 with launch_forward: the failed prefill's blocks were
     registered in the prefix cache but never written, so the cache must forget them)."""
     engine = _engine(tiny_models, async_scheduling=async_scheduling)
+    _fault_and_recover(engine, reference, seam, at)
+
+
+def test_failed_step_with_the_hybrid_kv_manager(tiny_models) -> None:  # noqa: ANN001
+    """The same with sliding-window layers (Gemma 3: the hybrid manager, several KV groups
+    in one pool with a null block, a prefix cache per group)."""
+
+    def gemma(arch: str) -> str:
+        return tiny_models("gemma3")
+
+    reference = _run(_engine(gemma, num_gpu_blocks_override=1024), "ABC")
+    engine = _engine(gemma, num_gpu_blocks_override=1024)
+    assert type(engine.engine_core.scheduler.kv_cache_manager).__name__ == "HybridKVCacheManager"
+    _fault_and_recover(engine, reference, "launch_forward", 1)
+
+
+def _fault_and_recover(
+    engine: LLMEngine, reference: dict[str, list[int]], seam: str, at: int
+) -> None:
+    """A, B and C sent (max_num_seqs 2: C waits); the ``at``-th batch holding A fails at
+    ``seam``; the checks of the test above."""
     raised = fail_batches_with(engine, seam, "A", at=at)
     for rid in "ABC":
         engine.add_request(rid, PROMPTS[rid], GREEDY)
