@@ -1,7 +1,8 @@
 """The GPU backend of KV-Compress: Triton kernels over per-head tables and lengths.
 
 Per layer and step:
-- the new K/V go to their per-head slots (``write_head_kv``, one indexed copy);
+- the new K/V go to their per-head slots inside the layer's rope kernel
+  (``rope_and_cache`` with a [T, H] slot list; ``write_head_kv`` when a caller passes K/V);
 - decode rows: ``kvc_decode_attention``, one program per (row, KV head) for the query heads
   that share it, adding each key's squared probabilities to its score in the same kernel (a
   second pass over the keys once the softmax's max and sum are known, no scratch);
@@ -28,13 +29,20 @@ from pagedllm.kvcompress.attention import (
     prefill_window_scores_batched,
     write_head_kv,
 )
-from pagedllm.ops.kvc_attention import kvc_decode_attention, kvc_paged_attention
+from pagedllm.ops.kvc_attention import (
+    kvc_decode_attention,
+    kvc_paged_attention,
+    kvc_prefill_layout,
+)
 
 
 class KVCTritonBackend(AttentionBackend):
     """Per-head paged attention with Triton kernels (see the module docstring)."""
 
     name = "kvc_triton"
+    # the layer's rope kernel writes K/V to each head's own slot (``rope_and_cache`` with
+    # per-head slots): forward then gets key = value = None
+    fuses_rope = True
 
     def forward(
         self,
@@ -46,12 +54,13 @@ class KVCTritonBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        assert key is not None and value is not None
         t, hq, d = query.shape
         info: KVCLayerInfo = metadata.kvc
         k_flat = kv_cache[0].view(-1, d)
         v_flat = kv_cache[1].view(-1, d)
-        write_head_kv(key, value, k_flat, v_flat, metadata.slot_mapping)
+        if key is not None:  # a caller that did not write them with the rotation
+            assert value is not None
+            write_head_kv(key, value, k_flat, v_flat, metadata.slot_mapping)
         plan = info.plan
         scores = info.scores if info.compressible else None
         bs = metadata.block_size
@@ -95,8 +104,13 @@ class KVCTritonBackend(AttentionBackend):
         rows, trows = tensors["prefill_rows"], tensors["prefill_table_rows"]
         max_len = int(plan.max_lens[plan.prefill].max())
         width = min(tables.shape[2], -(-max_len // bs))
+        sub_query = query[rows] if len(plan.decode) else query[: int(qsl[-1])]
+        layout = tensors.get("prefill_layout")  # the same for every layer of the step
+        if layout is None:
+            layout = kvc_prefill_layout(tensors["prefill_qsl"], sub_query.shape[0], lens.shape[1])
+            tensors["prefill_layout"] = layout  # type: ignore[assignment]
         sub = kvc_paged_attention(
-            query[rows] if len(plan.decode) else query[: int(qsl[-1])],
+            sub_query,
             kv_cache,
             tensors["prefill_qsl"],
             lens[trows],
@@ -105,6 +119,7 @@ class KVCTritonBackend(AttentionBackend):
             max_len,
             scale,
             sliding_window,
+            layout=layout,
         )
         if len(plan.decode):
             out[rows] = sub

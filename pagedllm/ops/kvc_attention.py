@@ -52,7 +52,12 @@ from pagedllm.ops.paged_attention import (
     paged_attention,
 )
 
-__all__ = ["kvc_decode_attention", "kvc_paged_attention", "kvc_decode_num_splits"]
+__all__ = [
+    "kvc_decode_attention",
+    "kvc_decode_num_splits",
+    "kvc_paged_attention",
+    "kvc_prefill_layout",
+]
 
 LOG2E = 1.4426950408889634
 
@@ -772,6 +777,45 @@ def kvc_decode_attention(
     return out
 
 
+def kvc_prefill_layout(
+    query_start_loc: torch.Tensor,  # [R + 1] int32, on the device
+    num_tokens: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pseudo-request layout of :func:`kvc_paged_attention` (see there): (pseudo row of
+    each (token, KV head) [T * H] int64, pseudo query_start_loc [P_pad + 1] int32 with the
+    pseudo-requests padded to a multiple of 16). It depends only on the step's request
+    boundaries, so every layer of a step can share one (a dozen small kernels fewer a
+    layer)."""
+    h = num_kv_heads
+    num_reqs = query_start_loc.shape[0] - 1
+    dev = query_start_loc.device
+    qsl = query_start_loc.to(torch.int64)
+    t = torch.arange(num_tokens, device=dev)
+    # request of each token: the last r with qsl[r] <= t (clamped; invalid tokens masked below)
+    req = (torch.searchsorted(qsl, t, right=True) - 1).clamp(0, num_reqs - 1)  # [T]
+    start = qsl[req]
+    q_len = qsl[req + 1] - start
+    valid = (t >= qsl[0]) & (t < qsl[-1])  # [T]
+    heads = torch.arange(h, device=dev)
+    prow = torch.where(
+        valid[:, None],
+        start[:, None] * h + heads[None, :] * q_len[:, None] + (t - start)[:, None],
+        t[:, None] * h + heads[None, :],
+    ).reshape(-1)  # [T * H] pseudo row of (t, h)
+    lens_all = qsl[1:] - qsl[:-1]  # [R]
+    # Pseudo-requests (and, in the caller, table columns) padded to multiples of 16 (empty
+    # requests at the end, zero columns): the kernel's integer arguments then always have the
+    # same divisibility, so Triton compiles one specialization, not one per batch parity and
+    # table width. Example: R 3, H 2 -> 6 pseudo-requests + 10 empty ones; width 37 -> 48.
+    p = num_reqs * h
+    p_pad = -(-p // 16) * 16
+    pqsl = torch.empty(p_pad + 1, dtype=torch.int32, device=dev)
+    pqsl[:p] = (qsl[:-1, None] * h + heads[None, :] * lens_all[:, None]).reshape(-1)
+    pqsl[p:] = qsl[-1:] * h
+    return prow, pqsl
+
+
 def kvc_paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, head_dim]
@@ -782,6 +826,7 @@ def kvc_paged_attention(
     max_seq_len: int,
     scale: float,
     sliding_window: int | None = None,
+    layout: tuple[torch.Tensor, torch.Tensor] | None = None,  # kvc_prefill_layout(...), reused
 ) -> torch.Tensor:
     """Causal attention of prefill chunks (any q_len >= 1) over per-head paged KVs; returns
     [num_tokens, num_heads, head_dim] (rows of no request are 0). No scores.
@@ -809,33 +854,15 @@ def kvc_paged_attention(
     dev = query.device
     if num_tokens == 0 or num_reqs == 0:
         return torch.zeros(query.shape, dtype=query.dtype, device=dev)
-    qsl = query_start_loc.to(torch.int64)
-    t = torch.arange(num_tokens, device=dev)
-    # request of each token: the last r with qsl[r] <= t (clamped; invalid tokens masked below)
-    req = (torch.searchsorted(qsl, t, right=True) - 1).clamp(0, num_reqs - 1)  # [T]
-    start = qsl[req]
-    q_len = qsl[req + 1] - start
-    valid = (t >= qsl[0]) & (t < qsl[-1])  # [T]
-    heads = torch.arange(h, device=dev)
-    prow = torch.where(
-        valid[:, None],
-        start[:, None] * h + heads[None, :] * q_len[:, None] + (t - start)[:, None],
-        t[:, None] * h + heads[None, :],
-    ).reshape(-1)  # [T * H] pseudo row of (t, h)
+    if layout is None:
+        layout = kvc_prefill_layout(query_start_loc, num_tokens, num_kv_heads)
+    prow, pqsl = layout
     pq = torch.empty((num_tokens * h, g, head_dim), dtype=query.dtype, device=dev)
     pq[prow] = query.reshape(num_tokens * h, g, head_dim)
-    lens_all = qsl[1:] - qsl[:-1]  # [R]
-    # Pseudo-requests and table columns padded to multiples of 16 (empty requests at the end,
-    # zero columns): the kernel's integer arguments then always have the same divisibility,
-    # so Triton compiles one specialization, not one per batch parity and table width.
-    # Example: R 3, H 2 -> 6 pseudo-requests + 10 empty ones; width 37 -> 48.
     p = num_reqs * h
-    p_pad = -(-p // 16) * 16
+    p_pad = pqsl.shape[0] - 1
     width = block_tables.shape[2]
     w_pad = -(-width // 16) * 16
-    pqsl = torch.empty(p_pad + 1, dtype=torch.int32, device=dev)
-    pqsl[:p] = (qsl[:-1, None] * h + heads[None, :] * lens_all[:, None]).reshape(-1)
-    pqsl[p:] = qsl[-1:] * h
     pout = torch.zeros_like(pq)
     tables = torch.zeros((p_pad, w_pad), dtype=block_tables.dtype, device=dev)
     tables[:p, :width] = block_tables.reshape(p, width)  # [R * H, max_blocks]

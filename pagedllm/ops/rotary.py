@@ -111,6 +111,8 @@ def _rope_kernel(
     stride_cs=0,
     stride_ch=0,
     BLOCK_SIZE: tl.constexpr = 16,
+    PER_HEAD: tl.constexpr = False,  # slot_ptr is [num_slots, num_kv_heads]: a slot per head
+    stride_st=0,  # PER_HEAD: the slot list's token stride
 ):
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF_PAD)[None, :]
@@ -122,7 +124,27 @@ def _rope_kernel(
         num_heads, True, qw_ptr, cos, sin, eps, offset, HALF, HALF_PAD, Q_HEADS_PAD, HAS_NORM,
         HAS_OFFSET,
     )  # fmt: skip
-    if WRITE_KV:
+    if WRITE_KV and PER_HEAD:
+        # KV-Compress's cache: every (token, KV head) has its own slot in one-head blocks.
+        # Example: BLOCK_SIZE 16, head_dim 64, slots [37, 5] -> K rows at element offsets
+        # (2 * 16 + 5) * 64 and 5 * 64 of the K cache.
+        hh = tl.arange(0, K_HEADS_PAD)
+        slots = tl.load(slot_ptr + t * stride_st + hh, mask=(hh < num_kv_heads) & (t < num_slots),
+                        other=-1).to(tl.int64)  # fmt: skip
+        rows = ((slots // BLOCK_SIZE) * stride_cb + (slots % BLOCK_SIZE) * stride_cs)[:, None]
+        ok = (slots >= 0)[:, None]
+        _rope_heads(
+            k_ptr + t * stride_kt, ko_ptr + rows, stride_kh, 0, num_kv_heads, ok,
+            kw_ptr, cos, sin, eps, offset, HALF, HALF_PAD, K_HEADS_PAD, HAS_NORM, HAS_OFFSET,
+        )  # fmt: skip
+        h = hh[:, None]
+        vmask = (h < num_kv_heads) & (d < HALF) & ok
+        src = v_ptr + t * stride_vt + h * stride_vh + d
+        dst = v_cache_ptr + rows + d
+        out_ty = v_cache_ptr.dtype.element_ty
+        tl.store(dst, tl.load(src, mask=vmask).to(out_ty), mask=vmask)
+        tl.store(dst + HALF, tl.load(src + HALF, mask=vmask).to(out_ty), mask=vmask)
+    elif WRITE_KV:
         slot = tl.load(slot_ptr + t, mask=t < num_slots, other=-1).to(tl.int64)
         # Example: BLOCK_SIZE 16, slot 37 -> block 2, offset 5. Slot -1 gives a negative row
         # that no store reaches: every store below is masked by slot >= 0.
@@ -224,14 +246,26 @@ def rope_and_cache(
     """:func:`rope`, with the rotated K and V written straight into the paged cache at
     ``slot_mapping`` (as :func:`pagedllm.ops.kv_write.write_kv_cache` would, slot -1 and tokens
     past ``len(slot_mapping)`` skipped) instead of returned: one kernel where there were two,
-    and K is never written out only to be read back. Returns rotate(norm(q))."""
+    and K is never written out only to be read back. Returns rotate(norm(q)).
+
+    KV-Compress's per-head cache (``kv_cache`` [2, num_blocks, block_size, head_dim], one KV
+    head per block) takes ``slot_mapping`` [n, num_kv_heads] (any token stride): each head of
+    each token goes to its own slot."""
     _check(q, k, cos_sin, q_weight, k_weight)
     if v.shape != k.shape or v.stride(-1) != 1:
         raise ValueError(f"rope_and_cache: v {tuple(v.shape)} must match k {tuple(k.shape)}")
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != k.shape[1:]:
-        raise ValueError(f"rope_and_cache: kv_cache {tuple(kv_cache.shape)} does not fit k")
+    per_head = kv_cache.dim() == 4
+    if per_head:
+        ok = kv_cache.shape[0] == 2 and kv_cache.shape[3] == k.shape[2]
+        ok = ok and slot_mapping.dim() == 2 and slot_mapping.shape[1] == k.shape[1]
+        ok = ok and slot_mapping.stride(1) == 1
+    else:
+        ok = kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[3:] == k.shape[1:]
+    if not ok:
+        raise ValueError(f"rope_and_cache: kv_cache {tuple(kv_cache.shape)} and slot_mapping "
+                         f"{tuple(slot_mapping.shape)} do not fit k {tuple(k.shape)}")  # fmt: skip
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    if k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
+    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("rope_and_cache: the cache needs a contiguous last dim")
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0]:
@@ -239,8 +273,9 @@ def rope_and_cache(
             "v_ptr": v, "v_cache_ptr": v_cache, "slot_ptr": slot_mapping,
             "num_slots": slot_mapping.shape[0], "stride_vt": v.stride(0),
             "stride_vh": v.stride(1), "stride_cb": k_cache.stride(0),
-            "stride_cs": k_cache.stride(1), "stride_ch": k_cache.stride(2),
-            "BLOCK_SIZE": kv_cache.shape[2],
+            "stride_cs": k_cache.stride(1), "stride_ch": 0 if per_head else k_cache.stride(2),
+            "BLOCK_SIZE": kv_cache.shape[2], "PER_HEAD": per_head,
+            "stride_st": slot_mapping.stride(0) if per_head else 0,
         }  # fmt: skip
         _launch(positions, q, k, q_out, k_cache, cos_sin, q_weight, k_weight, eps, offset, kv)
     return q_out

@@ -198,6 +198,55 @@ def test_rope_and_cache_equals_rope_then_kv_write(dtype, d, heads, kv_heads, nor
     assert torch.equal(flat[1, written], v[: len(slots)][slots >= 0])  # V copied bit for bit
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("norm", ["none", "qwen3"])
+def test_rope_and_cache_per_head_slots(dtype, norm) -> None:
+    """KV-Compress's one-head blocks: every (token, KV head) goes to its own slot of the
+    [2, num_blocks, block_size, d] cache, from a strided [T, H] view of the [T, L*H] slot list
+    (one layer's heads), exactly as rope then ``write_head_kv``; slot -1 and tokens past the
+    list are skipped, every other slot untouched."""
+    from pagedllm.kvcompress.attention import write_head_kv
+
+    gen = torch.Generator().manual_seed(11)
+    d, heads, kv_heads, layers = 64, 8, 4, 3
+    rotary = RotaryEmbedding(d, 4096, 10000.0)
+    tokens, block_size, num_blocks = 9, 4, 40
+    q = (torch.randn(tokens, heads, d, generator=gen) * 2).to(dtype)
+    k = (torch.randn(tokens, kv_heads, d, generator=gen) * 2).to(dtype)
+    v = torch.randn(tokens, kv_heads, d, generator=gen).to(dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    all_slots = torch.randperm(num_blocks * block_size, generator=gen)[: 7 * layers * kv_heads]
+    all_slots = all_slots.view(7, layers * kv_heads)  # [T', L*H]
+    slots = all_slots[:, kv_heads : 2 * kv_heads]  # layer 1's heads: a strided view
+    slots[2, 1] = -1  # padding: skipped; tokens 7, 8 have no slots
+    cache = torch.randn(2, num_blocks, block_size, d, generator=gen).to(dtype)
+    norms = (None, None)
+    if norm != "none":
+        norms = (_norm(d, dtype, 0.0, gen), _norm(d, dtype, 0.0, gen))
+    ref_q, ref_k = rotary(positions, q, k, *norms)
+    ref_cache = cache.clone()
+    keep = slots >= 0
+    flat_ref = ref_cache.view(2, -1, d)
+    flat_ref[0, slots[keep]] = ref_k[:7][keep]
+    flat_ref[1, slots[keep]] = v[:7][keep]
+    w = [None if m is None else m.weight.to(DEVICE) for m in norms]
+    got_cache = cache.to(DEVICE)
+    got_q = rope_and_cache(
+        positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE), v.to(DEVICE),
+        rotary.cos_sin.to(DEVICE), got_cache, slots.to(DEVICE), *w, eps=1e-6,
+    )  # fmt: skip
+    atol = 4 * TOL[dtype]
+    _close(got_q, ref_q, dtype, exact=0.97, atol=atol)
+    _close(got_cache, ref_cache, dtype, exact=0.97, atol=atol)
+    assert torch.equal(got_cache.cpu().view(2, -1, d)[1], flat_ref[1])  # V bit for bit
+    if dtype == torch.float32 and norm == "none":  # the unfused path writes the same
+        again = cache.clone()
+        spare = min(set(range(num_blocks * block_size)) - set(all_slots.flatten().tolist()))
+        fill = torch.where(keep, slots, spare)  # write_head_kv has no -1
+        write_head_kv(ref_k[:7], v[:7], again[0].view(-1, d), again[1].view(-1, d), fill)
+        assert torch.equal(again.view(2, -1, d)[:, slots[keep]], flat_ref[:, slots[keep]])
+
+
 def test_rope_rejects_bad_input() -> None:
     cs = RotaryEmbedding(64, 16, 10000.0).cos_sin.to(DEVICE)
     q = torch.randn(3, 2, 64, device=DEVICE)

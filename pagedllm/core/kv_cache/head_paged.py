@@ -61,6 +61,11 @@ class HeadBlocks:
         return len(self.ids)
 
 
+# what an allocation that needs no new block returns (shared: its arrays are empty, nobody
+# writes them)
+_NO_BLOCKS = HeadBlocks(*(np.zeros(0, dtype=np.int64) for _ in range(3)))
+
+
 class _IdPool:
     """Block ids with reference counts and a stack of free ids."""
 
@@ -109,6 +114,14 @@ class _HeadState:
         self.num_tokens = 0  # tokens allocated (lens grow with them, until an eviction)
         self.pending = 0  # tokens of the latest allocation (the step being scheduled)
         self.shared = False  # holds blocks another request also holds (a fork)
+        # tokens every head can still take without a new block: min(nblocks * bs - lens).
+        # Decode steps check it instead of the [LH] arithmetic (Example: bs 16, lens all 600,
+        # nblocks all 38 -> room 8: the next 8 steps need no block and cost a scalar test).
+        self.room = 0
+
+    def refresh_room(self, block_size: int) -> None:
+        """Recompute ``room`` after ``lens`` or ``nblocks`` changed other than by ``+= n``."""
+        self.room = int((self.nblocks * block_size - self.lens).min()) if len(self.lens) else 0
 
     def held(self) -> np.ndarray:
         mask = np.arange(self.table.shape[1])[None, :] < self.nblocks[:, None]
@@ -173,10 +186,16 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         need = -(-(state.lens + num_new) // self.block_size) - state.nblocks
         return np.maximum(need, 0)
 
+    def _num_blocks_for(self, state: _HeadState | None, num_new: int) -> int:
+        """``_blocks_for(...).sum()``; 0 at once when every head has room."""
+        if state is not None and num_new <= state.room:
+            return 0
+        return int(self._blocks_for(state, num_new).sum())
+
     def blocks_short(self, request: Request, num_new: int) -> int:
         """Blocks missing from the pool for ``num_new`` more tokens of the request (0: it
         fits)."""
-        need = int(self._blocks_for(self.states.get(request.request_id), num_new).sum())
+        need = self._num_blocks_for(self.states.get(request.request_id), num_new)
         return max(need - self.pool.num_free, 0)
 
     def _copy_need(self, state: _HeadState | None) -> int:
@@ -190,7 +209,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         rid = request.request_id
         state = self.states.get(rid)
         chunk = min(request.num_tokens - request.num_computed_tokens, budget)
-        need = int(self._blocks_for(state, chunk).sum())
+        need = self._num_blocks_for(state, chunk)
         # a swapped request first needs its blocks back; a fork, copies of the shared ones
         need += len(self.swapped[rid]) if request.swapped else self._copy_need(state)
         return need <= self.pool.num_free
@@ -216,6 +235,12 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         rid = request.request_id
         state = self.states.get(rid)
         n = num_new_tokens + num_lookahead_tokens
+        if state is not None and n <= state.room and not state.shared:  # most decode steps
+            state.pending = n
+            state.lens += n
+            state.num_tokens += num_new_tokens
+            state.room -= n
+            return _NO_BLOCKS
         need = self._blocks_for(state, n)
         total = int(need.sum())
         copies = self._copy_need(state)
@@ -230,7 +255,8 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         if total == 0:
             state.lens += n
             state.num_tokens += num_new_tokens
-            return HeadBlocks(*(np.zeros(0, dtype=np.int64) for _ in range(3)))
+            state.refresh_room(self.block_size)
+            return _NO_BLOCKS
         ids = self.pool.take(total)
         assert ids is not None
         width = int((state.nblocks + need).max())
@@ -246,6 +272,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         state.nblocks += need
         state.lens += n
         state.num_tokens += num_new_tokens
+        state.refresh_room(self.block_size)
         return HeadBlocks(lh, index, ids.astype(np.int64))
 
     def _unshare(self, rid: str, state: _HeadState) -> None:
@@ -325,6 +352,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         state.nblocks[:] = src.nblocks
         state.lens[:] = src.lens
         state.num_tokens = src.num_tokens
+        state.room = src.room
         held = state.held().astype(np.int64)
         np.add.at(self.pool.ref, held, 1)
         state.shared = src.shared = len(held) > 0
@@ -355,6 +383,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         self.pool.release(freed)
         state.nblocks = np.minimum(state.nblocks, keep)
         state.lens = new_lens
+        state.refresh_room(self.block_size)
         after = int(state.lens[self.compressible].sum())
         self.num_compressions += 1
         self.num_evicted_kvs += before - after
@@ -402,6 +431,8 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         self.pool.check(held.astype(np.int64))
         for s in self.states.values():
             assert np.all(s.nblocks == -(-s.lens // self.block_size)), "blocks != cdiv(lens)"
+            room = int((s.nblocks * self.block_size - s.lens).min()) if len(s.lens) else 0
+            assert s.room == room, f"room {s.room} != {room}"
         if self.host_pool is not None:
             hosts = list(self.swapped.values())
             self.host_pool.check(np.concatenate(hosts) if hosts else np.zeros(0, np.int64))
