@@ -122,30 +122,28 @@ def step_constraints(
         if c.allowed_ids is not None:
             allowed_e.append(e)
             allowed_ids.append(c.allowed_ids)
-        banned = [] if c.banned_ids is None else [c.banned_ids]
+        if c.banned_ids is not None:
+            banned_e.append(e)
+            banned_ids.append(c.banned_ids)
         if c.sequences and tail:
             hits = c.banned_after(tail)
             if hits:
-                banned.append(np.asarray(hits, dtype=np.int64))
-        for ids in banned:
-            banned_e.append(np.full(len(ids), e, dtype=np.int64))
-            banned_ids.append(ids)
+                banned_e.append(e)
+                banned_ids.append(np.asarray(hits, dtype=np.int64))
         if c.bias_ids is not None:
-            assert c.bias_values is not None
-            bias_e.append(np.full(len(c.bias_ids), e, dtype=np.int64))
+            bias_e.append(e)
             bias_ids.append(c.bias_ids)
             bias_v.append(c.bias_values)
     # one int64 host array -> one copy, then views:
     # [allowed rows | allowed entry, id | banned entry, id | bias entry, id]
     parts: list[np.ndarray] = []
     if allowed_e:
-        counts = np.fromiter((len(a) for a in allowed_ids), dtype=np.int64, count=len(allowed_e))
         rows_np = np.asarray(allowed_e, dtype=np.int64)
-        parts += [rows_np, np.repeat(rows_np, counts), np.concatenate(allowed_ids)]
+        parts += [rows_np, *_flat(allowed_e, allowed_ids)]
     if banned_e:
-        parts += [np.concatenate(banned_e), np.concatenate(banned_ids)]
+        parts += _flat(banned_e, banned_ids)
     if bias_e:
-        parts += [np.concatenate(bias_e), np.concatenate(bias_ids)]
+        parts += _flat(bias_e, bias_ids)
     if not parts:
         return None
     out = TokenConstraints()
@@ -161,3 +159,9 @@ def step_constraints(
         values = torch.from_numpy(np.concatenate(bias_v))
         out.bias_values = values.to(device, non_blocking=True)
     return out
+
+
+def _flat(entries: list[int], ids: list[np.ndarray]) -> list[np.ndarray]:
+    """[entry of each id, ids]: e.g. entries [0, 2], ids [[5, 9], [7]] -> [0, 0, 2], [5, 9, 7]."""
+    counts = np.fromiter((len(a) for a in ids), dtype=np.int64, count=len(ids))
+    return [np.repeat(np.asarray(entries, dtype=np.int64), counts), np.concatenate(ids)]
