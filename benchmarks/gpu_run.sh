@@ -74,14 +74,17 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         --out "$OUT" ;;
     tests-kvc) python -m pytest -q -x -p no:cacheprovider tests/kernels/test_kvc_attention.py \
         tests/core/test_kvcompress.py tests/models/test_kvcompress.py ;;
-    tests-kvc-par)  # the KV-Compress GPU tests in 4 processes (Triton compiles in parallel)
+    tests-kvc-par)  # the KV-Compress GPU tests in 7 processes (Triton compiles in parallel)
       P="python -m pytest -q -x -p no:cacheprovider"
-      $P tests/kernels/test_kvc_attention.py -k "test_decode and big-torch.bfloat16" > /tmp/t1 2>&1 &
-      $P tests/kernels/test_kvc_attention.py -k "test_decode and big-torch.float16" > /tmp/t2 2>&1 &
-      $P tests/kernels/test_kvc_attention.py -k "not (test_decode and big)" > /tmp/t3 2>&1 &
-      $P tests/core/test_kvcompress.py tests/models/test_kvcompress.py \
-        tests/kernels/test_fused_ops.py > /tmp/t4 2>&1 &
-      wait; for f in /tmp/t1 /tmp/t2 /tmp/t3 /tmp/t4; do echo "--- $f"; tail -4 $f; done ;;
+      K=tests/kernels/test_kvc_attention.py
+      $P $K -k "test_decode and big-torch.bfloat16" > /tmp/t1 2>&1 &
+      $P $K -k "test_decode and big-torch.float16" > /tmp/t2 2>&1 &
+      $P $K -k "test_paged_mixed_batch and big-torch.bfloat16" > /tmp/t3 2>&1 &
+      $P $K -k "test_paged_mixed_batch and big-torch.float16" > /tmp/t4 2>&1 &
+      $P $K -k "not big" > /tmp/t5 2>&1 &
+      $P tests/models/test_kvcompress.py > /tmp/t6 2>&1 &
+      $P tests/core/test_kvcompress.py tests/kernels/test_fused_ops.py > /tmp/t7 2>&1 &
+      wait; for f in /tmp/t[1-7]; do echo "--- $f"; tail -4 $f; done ;;
     kvc-d-quick) python benchmarks/kvcompress_throughput.py --model qwen3-0.6b --num-prompts 64 \
         --input-len 2000 --output-len 200 --max-model-len 4096 --kv-cache-memory-bytes 1073741824 \
         --rates ${KVC_RATES:-8,64} --eager-rates "${KVC_EAGER:-8}" --profile-dir "${KVC_PROFILE:-}" \
