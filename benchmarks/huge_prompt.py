@@ -230,9 +230,9 @@ def check_case(r: dict[str, Any], expect: int, param: str) -> str | None:
     return None
 
 
-def plot(result: dict[str, Any], health: list, rss: list, t0: float, path: Path) -> None:
-    """/health latency and server RSS over the run, phases shaded (skipped without
-    matplotlib)."""
+def plot(result: dict[str, Any], path: Path) -> None:
+    """/health latency (the slowest poll marked) and server RSS over the run, from the result
+    JSON; phases shaded and named (skipped without matplotlib)."""
     try:
         import matplotlib
 
@@ -240,17 +240,30 @@ def plot(result: dict[str, Any], health: list, rss: list, t0: float, path: Path)
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
-    a1.plot([w - t0 for w, _, _ in health], [dt * 1000 for _, dt, _ in health], lw=0.7)
+    polls = result["health"]["polls_s_ms_status"]
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
+    a1.plot([t for t, _, _ in polls], [ms for _, ms, _ in polls], lw=0.7)
+    if polls:
+        worst = max(polls, key=lambda x: x[1])
+        a1.plot([worst[0]], [worst[1]], "o", color="red", ms=4)
+        a1.annotate(
+            f"{worst[1]:.0f} ms",
+            (worst[0], worst[1]),
+            fontsize=7,
+            xytext=(4, 0),
+            textcoords="offset points",
+        )
     a1.axhline(result["bounds"]["max_health_ms"], color="red", ls="--", lw=0.8)
     a1.set_ylabel("/health latency (ms)")
     a1.set_yscale("log")
-    for name, (p0, p1) in result["phases"].items():
+    for k, (name, (p0, p1)) in enumerate(result["phases"].items()):
         for ax in (a1, a2):
-            ax.axvspan(p0 - t0, p1 - t0, alpha=0.12, color="orange")
-        a1.text(p0 - t0, a1.get_ylim()[1], name, fontsize=6, rotation=90, va="top")
-    if rss:
-        a2.plot([t for t, _ in rss], [b / 2**20 for _, b in rss], lw=0.8)
+            ax.axvspan(p0, p1, alpha=0.12, color="orange")
+        a2.text(p0, 0.02 + 0.12 * (k % 2), name, fontsize=6, transform=a2.get_xaxis_transform())
+    for size, info in result["parallel"].items():
+        p0 = result["phases"][f"parallel-{size}"][0]
+        series = info.get("rss_timeline_s_bytes", [])
+        a2.plot([p0 + t for t, _ in series], [b / 2**20 for _, b in series], lw=0.8, color="C0")
     a2.set_ylabel("server RSS (MiB)")
     a2.set_xlabel("seconds")
     fig.suptitle(f"huge prompts: {result['model']} on {result['device']}", fontsize=9)
@@ -490,11 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.out) if args.out else RESULTS / f"huge_prompt_{device}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
-    rss_series = []
-    for size, info in out["parallel"].items():
-        p0 = phases[f"parallel-{size}"][0] - t_begin
-        rss_series += [(p0 + t, b) for t, b in info.get("rss_timeline_s_bytes", [])]
-    plot({**result, "phases": phases}, health, rss_series, t_begin, path.with_suffix(".png"))
+    plot(result, path.with_suffix(".png"))
     summarize(result)
     print(f"wrote {path}")
     return 0 if not failures else 1
