@@ -19,8 +19,10 @@ The order of the masks and the bias is vLLM V1's: the whitelist and bad words fi
 non-argmax-invariant logits processors (min_tokens, then logit_bias), then penalties. A
 token masked to -inf stays there whatever its bias. The constraints are flat index tensors
 over all rows (forks included), one indexed write per kind a step (``sample/constraints.py``).
-A row whose every token is masked (e.g. allowed_token_ids only EOS while min_tokens holds it
-back) samples token 0, as in vLLM.
+min_tokens never leaves a row without a token: where its mask would (a grammar that accepts
+only EOS now, allowed_token_ids of stop tokens only), the row samples as if min_tokens were
+met (vLLM samples token 0 there, which a grammar then rejects). A row whose every token is
+masked otherwise (allowed_token_ids all banned as bad words) samples token 0, as in vLLM.
 
 The exponential race picks argmax(p / q) with q ~ Exp(1), which samples from p without a
 device sync (no multinomial). A request with a ``seed`` draws its q from a generator seeded by
@@ -129,8 +131,7 @@ class Sampler:
         if cons is not None:
             cons.mask(logits)  # allowed_token_ids, bad_words
         if md.min_tokens_masks:
-            for row, ids in md.min_tokens_masks:
-                logits[row, ids] = -float("inf")
+            self._min_tokens(logits, md.min_tokens_masks)
         if cons is not None:
             cons.add_bias(logits)
         if md.presence is not None:
@@ -149,6 +150,19 @@ class Sampler:
         if md.max_num_logprobs >= 0:
             self._logprobs(raw, sampled, md.max_num_logprobs, out)
         return out.split(num_rows) if md.fork_src is not None else out
+
+    @staticmethod
+    def _min_tokens(logits: torch.Tensor, masks: list[tuple[int, list[int]]]) -> None:
+        """Forbid each row's stop tokens, except in a row the mask would leave with no token
+        at all (a grammar that only accepts EOS now, allowed_token_ids of stop tokens only):
+        that row samples as if min_tokens were met (no device sync: one where over the rows)."""
+        rows = torch.tensor([r for r, _ in masks], device=logits.device)
+        before = logits.index_select(0, rows)  # [M, vocab]
+        for row, ids in masks:
+            logits[row, ids] = -float("inf")
+        after = logits.index_select(0, rows)
+        dead = (after == -float("inf")).all(dim=-1, keepdim=True)  # [M, 1]
+        logits.index_copy_(0, rows, torch.where(dead, before, after))
 
     def _random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         temp = torch.where(md.temperature < _EPS, torch.ones_like(md.temperature), md.temperature)

@@ -350,3 +350,17 @@ def test_request_with_bad_words_needs_host_tokens():
     p.update_from_tokenizer(FakeTokenizer())
     assert Request("r", [1], p).needs_host_tokens
     assert not Request("r", [1], SamplingParams(logit_bias={1: 1.0})).needs_host_tokens
+
+
+@pytest.mark.parametrize("kind", [GREEDY, RANDOM])
+def test_min_tokens_yields_where_it_would_leave_no_token(kind):
+    """A row whose only finite logit is EOS (a grammar that must end now) samples EOS even
+    before min_tokens; a row with other tokens still has EOS held back."""
+    logits = torch.zeros(2, VOCAB)
+    logits[0] = -float("inf")
+    logits[0, 2] = 0.0  # row 0: the grammar accepts EOS (2) only
+    logits[1, 2] = 50.0  # row 1: EOS is the favourite, other tokens are allowed
+    p = SamplingParams(min_tokens=5, **kind)
+    out, _ = _sample([(p, []), (p, [])], logits)
+    assert out.sampled.tolist()[0] == 2
+    assert out.sampled.tolist()[1] != 2

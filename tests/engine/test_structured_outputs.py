@@ -130,6 +130,19 @@ def test_200_constrained_requests_all_valid(llm):
     llm.llm_engine.engine_core.check_integrity()
 
 
+def test_min_tokens_yields_to_a_grammar_that_must_end(llm):
+    """min_tokens longer than the grammar allows: the output is a valid choice that stops
+    (not an error: the grammar's end wins once EOS is its only token)."""
+    for structured in (S(choice=["yes", "no"]), S(regex="[a-z]{2}")):
+        params = SamplingParams(temperature=1.0, seed=0, max_tokens=16, min_tokens=5,
+                                structured_outputs=structured)  # fmt: skip
+        out = llm.generate(["Answer:"], params, use_tqdm=False)[0]
+        c = out.outputs[0]
+        assert out.error is None and c.finish_reason == "stop", (out.error, c.text)
+        assert c.text in ("yes", "no") if structured.choice else re.fullmatch("[a-z]{2}", c.text)
+    llm.llm_engine.engine_core.check_integrity()
+
+
 def test_grammar_and_json_object_and_n(llm):
     ebnf = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
     out = llm.generate(
