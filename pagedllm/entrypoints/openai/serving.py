@@ -179,6 +179,9 @@ class ServingBase:
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.model_config.max_model_len
         self._max_chars: int | None = None
+        # the vocabulary scan (~0.1 s) starts now on the tokenizer thread, not on the first
+        # request's event loop turn
+        self._longest_token = _TOKENIZE_POOL.submit(longest_token_chars, self.tokenizer)
         # called with every engine request this handler starts (the server's drain tracks them)
         self.track: Callable[[RequestStream], None] = lambda stream: None
 
@@ -188,7 +191,7 @@ class ServingBase:
         ``max_model_len`` times that (a margin for normalizers) is too long whatever the text.
         Example: max_model_len 512, longest token 16 characters -> over 16,384 refused."""
         if self._max_chars is None:
-            self._max_chars = 2 * self.max_model_len * longest_token_chars(self.tokenizer)
+            self._max_chars = 2 * self.max_model_len * self._longest_token.result()
         if num_chars > self._max_chars:
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the "
