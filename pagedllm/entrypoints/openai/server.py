@@ -7,11 +7,12 @@ With an API key (``--api-key`` or ``PAGEDLLM_API_KEY``) every ``/v1`` route need
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
 JSON, missing fields, wrong types, out-of-range values and prompts longer than the context, 401
-for a missing or wrong key, 404 for an unknown model or route, 500 if the engine fails (it keeps
-serving the other requests), 503 while the server shuts down. A client that disconnects aborts
-its request, streaming or not. SIGTERM drains (``shutdown.py``): in-flight requests run on up to
-``--shutdown-timeout`` seconds, then end with a final error event; a second signal ends them
-at once.
+for a missing or wrong key, 404 for an unknown model or route, 413 for a body over
+``--max-request-body-bytes``, 500 if the engine fails on a request (it keeps serving the other
+requests), 503 once the engine is dead and while the server shuts down. A client that
+disconnects aborts its request, streaming or not. SIGTERM drains (``shutdown.py``): in-flight
+requests run on up to ``--shutdown-timeout`` seconds, then end with a final error event; a
+second signal ends them at once.
 
 Engine features reachable over HTTP (body fields; vLLM's extras go in the JSON body, e.g. the
 ``openai`` client's ``extra_body``):
