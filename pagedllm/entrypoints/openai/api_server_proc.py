@@ -35,11 +35,15 @@ def serve(init: Channel, listen_fd: int, core_fd: int) -> int:
     import uvicorn
 
     from pagedllm.engine.mp_async_llm import MPAsyncLLM
-    from pagedllm.entrypoints.openai.server import _drain_timeout, _exit_cleanly, build_app
-    from pagedllm.entrypoints.openai.shutdown import DrainingServer
+    from pagedllm.entrypoints.openai.server import build_app
+    from pagedllm.entrypoints.openai.shutdown import (
+        DrainingServer,
+        exit_cleanly,
+        shutdown_timeout_of,
+    )
 
     args, config, info, index = init.recv()
-    signal.signal(signal.SIGTERM, _exit_cleanly)  # uvicorn raises it again once it has stopped
+    signal.signal(signal.SIGTERM, exit_cleanly)  # uvicorn raises it again once it has stopped
     logging.basicConfig(
         level=getattr(logging, str(getattr(args, "log_level", "INFO")).upper(), logging.INFO),
         format=f"%(asctime)s %(levelname)s api-server-{index} %(name)s: %(message)s",
@@ -53,7 +57,7 @@ def serve(init: Channel, listen_fd: int, core_fd: int) -> int:
         config_ = uvicorn.Config(
             app, log_level=getattr(args, "uvicorn_log_level", "info"), timeout_keep_alive=5
         )
-        server = DrainingServer(config_, app.state.drain, _drain_timeout(args))
+        server = DrainingServer(config_, app.state.drain, shutdown_timeout_of(args))
 
         def on_dead(message: str) -> None:
             died.append(message)

@@ -86,10 +86,11 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving import SSEStream, internal_error, off_loop
 from pagedllm.entrypoints.openai.shutdown import (
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
     Drain,
     DrainingServer,
     DrainMiddleware,
+    exit_cleanly,
+    shutdown_timeout_of,
 )
 from pagedllm.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 
@@ -412,7 +413,7 @@ def run_server(args: Any) -> int:
     # uvicorn stops on SIGTERM, then raises it again: exit through the cleanup below (the
     # API server processes, then the engine core, in order), with status 0
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _exit_cleanly)
+        signal.signal(signal.SIGTERM, exit_cleanly)
     count = int(getattr(args, "api_server_count", 1) or 1)
     engine_process = getattr(args, "engine_process", True)
     if count < 1:
@@ -459,7 +460,7 @@ def run_server(args: Any) -> int:
             log_level=getattr(args, "uvicorn_log_level", "info"),
             timeout_keep_alive=5,
         )
-        server = DrainingServer(config, app.state.drain, _drain_timeout(args))
+        server = DrainingServer(config, app.state.drain, shutdown_timeout_of(args))
         # the other API servers drain (or end) with this one
         server.on_signal.append(lambda sig: _signal_api_servers(workers, sig))
 
@@ -476,21 +477,12 @@ def run_server(args: Any) -> int:
         server.run(sockets=[listen] if listen is not None else None)
     finally:
         stopping.set()
-        _stop_api_servers(workers, timeout=_drain_timeout(args) + 10.0)
+        _stop_api_servers(workers, timeout=shutdown_timeout_of(args) + 10.0)
         async_llm.shutdown()
     if died:
         logger.error("exiting: %s", died[0])
         return 1
     return 0
-
-
-def _exit_cleanly(signum: int, frame: Any) -> None:
-    raise SystemExit(0)
-
-
-def _drain_timeout(args: Any) -> float:
-    timeout = getattr(args, "shutdown_timeout", None)
-    return DEFAULT_SHUTDOWN_TIMEOUT_S if timeout is None else float(timeout)
 
 
 def _signal_api_servers(workers: list[Any], sig: int) -> None:

@@ -38,6 +38,18 @@ FLUSH_GRACE_S = 2.0  # after the final events, how long connections get to send 
 PROBE_PATHS = frozenset({"/health", "/metrics", "/version", "/v1/models", "/ping"})
 
 
+def shutdown_timeout_of(args: Any) -> float:
+    """``--shutdown-timeout`` of ``pagedllm serve``'s arguments (the default without one)."""
+    timeout = getattr(args, "shutdown_timeout", None)
+    return DEFAULT_SHUTDOWN_TIMEOUT_S if timeout is None else float(timeout)
+
+
+def exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM handler for after uvicorn has stopped (it raises the signal again): exit through
+    the callers' cleanup with status 0."""
+    raise SystemExit(0)
+
+
 class ServerShuttingDown(EngineError):
     """A request ended because the server is shutting down (HTTP 503)."""
 
