@@ -259,12 +259,9 @@ class Server:
         return r
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        from pagedllm.utils.child import stop_process
+
+        stop_process(self.proc, 30)
         time.sleep(2)
 
 

@@ -52,6 +52,7 @@ import numpy as np
 
 from pagedllm.bench import _http_client
 from pagedllm.bench._http_client import RawClient
+from pagedllm.utils.child import stop_process
 
 WORDS = (
     "the of and to in is was for on are with as by at from this that have not but they his "
@@ -680,12 +681,7 @@ def spawned_server(args: argparse.Namespace) -> Iterator[str]:
             time.sleep(0.5)
         yield f"{url}/v1"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 20)
         log.close()
 
 

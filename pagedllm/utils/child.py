@@ -87,3 +87,14 @@ def process_alive(pid: int) -> bool:
         return False
     except OSError:
         return True
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM ``proc``, wait up to ``timeout`` seconds for it to exit, then SIGKILL it."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

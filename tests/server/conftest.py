@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from pagedllm.utils.child import stop_process
+
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
@@ -138,12 +140,7 @@ def live_server(log_path: Path, extra_args: tuple[str, ...] = ()) -> Iterator[Li
             time.sleep(0.5)
         yield LiveServer(url, API_KEY, MODEL_NAME, MAX_MODEL_LEN, log_path)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 20)
         log.close()
 
 

@@ -529,15 +529,12 @@ def _watch_api_server(worker: Any, on_dead: Any, stopping: threading.Event) -> N
 def _stop_api_servers(workers: list[Any], timeout: float = 10.0) -> None:
     import subprocess
 
+    from pagedllm.utils.child import stop_process
+
     for _, init in workers:
         init.close()  # its end of file stops it (after its drain, if it is draining)
     for proc, _ in workers:
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, 5.0)
