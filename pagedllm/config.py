@@ -10,11 +10,12 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
-_DEVICES = ("auto", "cpu", "cuda")
-_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# the values the engine accepts (its CLI flags and the benchmarks' offer them as choices)
+DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # how the engine core reaches the model: in its own process, or one worker process per rank
-_EXECUTOR_BACKENDS = ("uni", "mp")
+EXECUTOR_BACKENDS = ("uni", "mp")
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -40,10 +41,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.load_format not in ("safetensors", "gguf", "dummy"):
             raise ValueError(
-                f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}."
+                f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}."
             )
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
         _positive_int("max_model_len", self.max_model_len)
 
     @property
@@ -155,7 +156,7 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}.")
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}.")
 
 
 @dataclass(frozen=True)
@@ -171,9 +172,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _positive_int("data_parallel_size", self.data_parallel_size)
-        if self.distributed_executor_backend not in _EXECUTOR_BACKENDS:
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(
-                f"distributed_executor_backend must be one of {_EXECUTOR_BACKENDS}, "
+                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                 f"got {self.distributed_executor_backend!r}."
             )
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
@@ -348,13 +349,13 @@ class EngineArgs:
 
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a path to an HF model folder or a .gguf file.")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
-        if self.device not in _DEVICES:
-            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}.")
-        if self.load_format not in _LOAD_FORMATS:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}.")
+        if self.load_format not in LOAD_FORMATS:
             raise ValueError(
-                f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}."
+                f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}."
             )
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
         _positive_int("max_num_seqs", self.max_num_seqs)
@@ -363,9 +364,9 @@ class EngineArgs:
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space!r}.")
-        if self.distributed_executor_backend not in _EXECUTOR_BACKENDS:
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(
-                f"distributed_executor_backend must be one of {_EXECUTOR_BACKENDS}, "
+                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                 f"got {self.distributed_executor_backend!r}."
             )
         so_config = self._structured_outputs_config()

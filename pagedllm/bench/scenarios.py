@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.bench._flags import add_device, add_dtype, add_load_format
 from pagedllm.bench.replay import TimedRequest, replay, summarize
 from pagedllm.bench.throughput import device_name
 from pagedllm.sampling_params import SamplingParams
@@ -28,24 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``pagedllm bench prefix`` and ``pagedllm bench policy`` (one set: a flag
     that only one of them reads says which)."""
     p.add_argument("--model", required=True, help="HF model folder or .gguf file (required).")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
-        help="Weight and activation dtype (auto: the model's own).",
-    )
-    p.add_argument(
-        "--device",
-        default="auto",
-        choices=["auto", "cpu", "cuda"],
-        help="Device (auto: cuda when a GPU is visible, else cpu).",
-    )
-    p.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "safetensors", "gguf", "dummy"],
-        help="Weight format (auto: gguf for a .gguf file, else safetensors).",
-    )
+    add_dtype(p)
+    add_device(p)
+    add_load_format(p)
     p.add_argument(
         "--max-model-len", type=int, default=2048, metavar="N", help="Context length of the engine."
     )

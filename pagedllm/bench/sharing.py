@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from pagedllm.beam_search import BeamSearchParams
+from pagedllm.bench._flags import add_dtype
 from pagedllm.sampling_params import SamplingParams
 
 WORKLOADS = {
@@ -25,12 +26,7 @@ WORKLOADS = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's flags."""
     p.add_argument("--model", required=True, help="HF model folder or .gguf file (required).")
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
-        help="Weight and activation dtype.",
-    )
+    add_dtype(p, default="float32")
     p.add_argument(
         "--num-requests", type=int, default=8, metavar="N", help="Requests per workload and width."
     )

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.bench._flags import add_device, add_dtype, add_load_format
 from pagedllm.bench.roofline import (
     StepRecord,
     measure_copy_bandwidth,
@@ -41,25 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="HF model folder or .gguf file; with --load-format dummy also a built-in shape "
         "name (qwen3-0.6b, llama-3.1-8b, gemma-3-270m).",
     )
-    p.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "safetensors", "gguf", "dummy"],
-        help="Weight format (auto: gguf for a .gguf file, else safetensors; dummy: random "
-        "weights).",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
-        help="Weight and activation dtype (auto: the model's own).",
-    )
-    p.add_argument(
-        "--device",
-        default="auto",
-        choices=["auto", "cpu", "cuda"],
-        help="Device (auto: cuda when a GPU is visible, else cpu).",
-    )
+    add_load_format(p)
+    add_dtype(p)
+    add_device(p)
     p.add_argument("--num-prompts", type=int, default=256, metavar="N", help="Requests.")
     p.add_argument(
         "--input-len", type=int, default=512, metavar="N", help="Mean prompt tokens (random ids)."

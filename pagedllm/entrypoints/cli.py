@@ -111,12 +111,12 @@ _HELP = {
 _ALIASES = {"enable_kvc": ["--enable-kvcompress"]}
 _CHOICES = {
     "kvc_method": ("kvcompress", "uniform", "random"),
-    "dtype": getattr(_config, "_DTYPES", None),
-    "device": getattr(_config, "_DEVICES", None),
-    "load_format": getattr(_config, "_LOAD_FORMATS", None),
+    "dtype": _config.DTYPES,
+    "device": _config.DEVICES,
+    "load_format": _config.LOAD_FORMATS,
     "scheduling_policy": ("fcfs", "priority", "sjf"),
     "preemption_mode": ("recompute", "swap", "auto"),
-    "distributed_executor_backend": getattr(_config, "_EXECUTOR_BACKENDS", None),
+    "distributed_executor_backend": _config.EXECUTOR_BACKENDS,
 }
 _TYPES = {"str": str, "int": int, "float": float}
 _METAVARS = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.config import _EXECUTOR_BACKENDS, EngineConfig
+from pagedllm.config import EXECUTOR_BACKENDS, EngineConfig
 from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -156,5 +156,5 @@ def make_executor(config: EngineConfig, eos_token_ids: set[int] | None = None) -
 
         return MultiprocExecutor(config, eos_token_ids)
     raise ValueError(
-        f"distributed_executor_backend must be one of {_EXECUTOR_BACKENDS}, got {backend!r}."
+        f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}."
     )
