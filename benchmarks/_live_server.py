@@ -308,6 +308,18 @@ class LiveServer:
             bad = [line.rstrip() for line in f if "ERROR" in line or "Traceback" in line]
         return {"count": len(bad), "first": bad[:limit]}
 
+    def summary(self, log_errors: dict[str, Any]) -> dict[str, Any]:
+        """The result files' ``server`` record (after ``stop``): where it ran, how it was
+        started, its log's error lines (``log_errors()``, read before stopping), its exit."""
+        return {
+            "url": self.url,
+            "command": self.cmd,
+            "log": self.log_path,
+            "log_error_lines": log_errors,
+            "exit_code": self.exit_code,
+            "startup_s": round(self.startup_s, 1),
+        }
+
     def stop(self) -> int | None:
         """SIGTERM a server this object started, wait, SIGKILL its process group if needed;
         its exit status (None when attached)."""

@@ -462,14 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": model,
         "device": device,
         "max_model_len": max_model_len,
-        "server": {
-            "url": server.url,
-            "command": server.cmd,
-            "log": server.log_path,
-            "log_error_lines": log_errors,
-            "exit_code": exit_code,
-            "startup_s": round(server.startup_s, 1),
-        },
+        "server": server.summary(log_errors),
         "host": {
             "cpus": os.cpu_count(),
             "machine": platform.machine(),

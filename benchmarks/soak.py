@@ -774,14 +774,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "model": model,
         "device": device,
-        "server": {
-            "url": server.url,
-            "command": server.cmd,
-            "log": server.log_path,
-            "log_error_lines": log_errors,
-            "exit_code": exit_code,
-            "startup_s": round(server.startup_s, 1),
-        },
+        "server": server.summary(log_errors),
         "host": {
             "cpus": os.cpu_count(),
             "machine": platform.machine(),
