@@ -35,10 +35,13 @@ NUM_STREAMS = 16
 FLUSH_GRACE_S = 2.0
 
 
-async def _streams(url: str, body: dict, started: asyncio.Event) -> list[list[str]]:
-    """NUM_STREAMS streams, a connection each; ``started`` once every one has a token."""
-    lines: list[list[str]] = [[] for _ in range(NUM_STREAMS)]
-    first = [asyncio.Event() for _ in range(NUM_STREAMS)]
+async def open_streams(url: str, body: dict, started: asyncio.Event,
+                       num_streams: int = NUM_STREAMS) -> list[list[str]]:  # fmt: skip
+    """``num_streams`` completion streams of ``body``, a connection each; ``started`` is set
+    once every one has its first event. Each stream's data lines (a connection cut without
+    ``[DONE]`` ends with a ``CUT: ...`` line). ``tests/server/test_shutdown.py`` uses it too."""
+    lines: list[list[str]] = [[] for _ in range(num_streams)]
+    first = [asyncio.Event() for _ in range(num_streams)]
 
     async def one(i: int) -> None:
         try:
@@ -57,12 +60,12 @@ async def _streams(url: str, body: dict, started: asyncio.Event) -> list[list[st
         started.set()
 
     waiter = asyncio.create_task(all_first())
-    await asyncio.gather(*(one(i) for i in range(NUM_STREAMS)))
+    await asyncio.gather(*(one(i) for i in range(num_streams)))
     waiter.cancel()
     return lines
 
 
-def _ending(lines: list[str]) -> dict[str, Any]:
+def stream_ending(lines: list[str]) -> dict[str, Any]:
     """How one stream ended: [DONE] seen, its last finish_reason, its error event."""
     done = bool(lines) and lines[-1] == "[DONE]"
     reason, error = None, None
@@ -87,7 +90,7 @@ async def _scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
     assert server.proc is not None
     try:
         started = asyncio.Event()
-        task = asyncio.create_task(_streams(server.url, body, started))
+        task = asyncio.create_task(open_streams(server.url, body, started))
         await asyncio.wait_for(started.wait(), 300)
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
@@ -109,7 +112,7 @@ async def _scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
         exit_s = time.monotonic() - t0
     finally:
         server.stop()
-    endings = [_ending(x) for x in lines]
+    endings = [stream_ending(x) for x in lines]
     result: dict[str, Any] = {
         "shutdown_timeout_s": timeout, "max_tokens": max_tokens, "exit_code": code,
         "exit_s_after_sigterm": exit_s, "probes": probes, "streams": endings,
@@ -145,8 +148,12 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="model to serve (default: the server's)")
     ap.add_argument("--timeout", type=float, default=5.0, help="deadline scenario's timeout")
     ap.add_argument("--short-tokens", type=int, default=32, help="drain scenario's max_tokens")
-    ap.add_argument("--long-tokens", type=int, default=1900,
-                    help="deadline scenarios' max_tokens (prompt + this fit the context)")  # fmt: skip
+    ap.add_argument(
+        "--long-tokens",
+        type=int,
+        default=1900,
+        help="deadline scenarios' max_tokens (the prompt and these fit the context)",
+    )
     ap.add_argument("--scenarios", default="drain,deadline,second_signal")
     ap.add_argument("--out", default=None, help="default: results/shutdown_<device>.json")
     ap.add_argument("server_args", nargs="*", help="extra `pagedllm serve` flags (after --)")

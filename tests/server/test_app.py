@@ -233,13 +233,18 @@ def test_openapi_documents_bodies_and_responses(llm: AsyncLLM, monkeypatch) -> N
     refs = set(re.findall(r"#/components/schemas/([A-Za-z0-9_.-]+)", json.dumps(doc)))
     assert refs and refs <= set(schemas), refs - set(schemas)
     # the documented shapes are the real ones
-    r = _call(app, "POST", "/v1/completions",
-              json={"prompt": "Hi", "max_tokens": 3, "logprobs": 2, "n": 2, "temperature": 1})
+    r = _call(
+        app,
+        "POST",
+        "/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 3, "logprobs": 2, "n": 2, "temperature": 1},
+    )
     openapi.CompletionResponse.model_validate(r.json(), strict=False)
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": True,
             "top_logprobs": 2}  # fmt: skip
     openapi.ChatCompletionResponse.model_validate(
-        _call(app, "POST", "/v1/chat/completions", json=chat).json())
+        _call(app, "POST", "/v1/chat/completions", json=chat).json()
+    )
     r = _call(app, "POST", "/v1/chat/completions", json={**chat, "stream": True})
     events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: {")]
     assert events

@@ -6,7 +6,6 @@ stream, and the process exits with status 0 (engine core gone too)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 from pathlib import Path
@@ -14,11 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.shutdown_drain import open_streams, stream_ending
 from tests.server.test_engine_process import _Server, _wait_gone
 
 pytest.importorskip("fastapi")
-
-NUM_STREAMS = 16
 
 
 def _body(max_tokens: int) -> dict:
@@ -26,39 +24,11 @@ def _body(max_tokens: int) -> dict:
             "temperature": 0}  # fmt: skip
 
 
-async def _open_streams(url: str, max_tokens: int, started: asyncio.Event) -> list[list[str]]:
-    """NUM_STREAMS streams, each on a connection of its own; ``started`` is set once every
-    stream has its first token. Returns each stream's data lines."""
-    lines: list[list[str]] = [[] for _ in range(NUM_STREAMS)]
-    first = [asyncio.Event() for _ in range(NUM_STREAMS)]
-
-    async def one(i: int) -> None:
-        async with httpx.AsyncClient(timeout=120) as c:
-            async with c.stream("POST", f"{url}/v1/completions", json=_body(max_tokens)) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data: "):
-                        lines[i].append(line[6:])
-                        first[i].set()
-
-    async def all_first() -> None:
-        await asyncio.gather(*(e.wait() for e in first))
-        started.set()
-
-    waiter = asyncio.create_task(all_first())
-    await asyncio.gather(*(one(i) for i in range(NUM_STREAMS)))
-    waiter.cancel()
-    return lines
-
-
 def _ending(lines: list[str]) -> tuple[str | None, dict | None]:
     """(finish_reason of the last token chunk, the error event) of one finished stream."""
-    assert lines and lines[-1] == "[DONE]", lines[-3:]
-    events = [json.loads(x) for x in lines[:-1]]
-    errors = [e["error"] for e in events if "error" in e]
-    reasons = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get(
-        "finish_reason")]  # fmt: skip
-    return (reasons[-1] if reasons else None), (errors[-1] if errors else None)
+    end = stream_ending(lines)
+    assert end["done"], lines[-3:]  # [DONE] last, no cut connection
+    return end["finish_reason"], end["error"]
 
 
 def _run(server: _Server, max_tokens: int, while_draining) -> tuple[list[list[str]], float]:  # noqa: ANN001
@@ -67,7 +37,7 @@ def _run(server: _Server, max_tokens: int, while_draining) -> tuple[list[list[st
 
     async def main() -> tuple[list[list[str]], float]:
         started = asyncio.Event()
-        task = asyncio.create_task(_open_streams(server.url, max_tokens, started))
+        task = asyncio.create_task(open_streams(server.url, _body(max_tokens), started))
         await asyncio.wait_for(started.wait(), 60)
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
@@ -106,8 +76,11 @@ def test_sigterm_drains_in_flight_streams(tiny_models, tmp_path: Path) -> None: 
 
 
 @pytest.mark.parametrize("second_signal", [None, signal.SIGTERM, signal.SIGINT])
-def test_deadline_or_second_signal_ends_every_stream(tiny_models, tmp_path: Path,
-                                                     second_signal: int | None) -> None:  # fmt: skip  # noqa: ANN001
+def test_deadline_or_second_signal_ends_every_stream(
+    tiny_models,  # noqa: ANN001
+    tmp_path: Path,
+    second_signal: int | None,
+) -> None:
     """Streams that cannot finish in time: at the deadline (0.3 s), or at once on a second
     SIGTERM or a SIGINT, every one gets a final 503 error event and [DONE]; exit status 0."""
     timeout = "0.3" if second_signal is None else "300"
