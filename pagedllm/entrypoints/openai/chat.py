@@ -11,6 +11,7 @@ chunk); ``use_beam_search`` answers the n best hypotheses of a width-n beam sear
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from typing import Any
 
@@ -56,9 +57,13 @@ class ServingChat(ServingBase):
     """Chat completions on top of ``ServingBase``."""
 
     def __init__(
-        self, llm: AsyncLLMBase, model_name: str, chat_template: str | None = None
+        self,
+        llm: AsyncLLMBase,
+        model_name: str,
+        chat_template: str | None = None,
+        longest_token: concurrent.futures.Future[int] | None = None,
     ) -> None:
-        super().__init__(llm, model_name)
+        super().__init__(llm, model_name, longest_token)
         self.chat_template = chat_template
 
     def render(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:

@@ -241,7 +241,7 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
         async_llm.prepare_structured_outputs()  # tokenizer info ready before the first request
     drain = Drain(async_llm)
     completions = ServingCompletion(async_llm, model_name)
-    chat = ServingChat(async_llm, model_name, chat_template)
+    chat = ServingChat(async_llm, model_name, chat_template, completions.longest_token)
     completions.track = chat.track = drain.track
     tokenizer = async_llm.tokenizer
     max_model_len = async_llm.model_config.max_model_len

@@ -173,15 +173,22 @@ def longest_token_chars(tokenizer: Any) -> int:
 class ServingBase:
     """Shared by the completion and chat handlers."""
 
-    def __init__(self, llm: AsyncLLMBase, model_name: str) -> None:
+    def __init__(
+        self,
+        llm: AsyncLLMBase,
+        model_name: str,
+        longest_token: concurrent.futures.Future[int] | None = None,
+    ) -> None:
         self.llm = llm
         self.model_name = model_name
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.model_config.max_model_len
         self._max_chars: int | None = None
-        # the vocabulary scan (~0.1 s) starts now on the tokenizer thread, not on the first
-        # request's event loop turn
-        self._longest_token = _TOKENIZE_POOL.submit(longest_token_chars, self.tokenizer)
+        # ``longest_token_chars`` of the tokenizer: another handler's (one scan per server), or
+        # a scan (~0.1 s) started now on the tokenizer thread, not on a request's loop turn
+        self.longest_token = longest_token or _TOKENIZE_POOL.submit(
+            longest_token_chars, self.tokenizer
+        )
         # called with every engine request this handler starts (the server's drain tracks them)
         self.track: Callable[[RequestStream], None] = lambda stream: None
 
@@ -191,7 +198,7 @@ class ServingBase:
         ``max_model_len`` times that (a margin for normalizers) is too long whatever the text.
         Example: max_model_len 512, longest token 16 characters -> over 16,384 refused."""
         if self._max_chars is None:
-            self._max_chars = 2 * self.max_model_len * self._longest_token.result()
+            self._max_chars = 2 * self.max_model_len * self.longest_token.result()
         if num_chars > self._max_chars:
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the "
