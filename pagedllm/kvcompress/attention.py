@@ -51,6 +51,9 @@ class KVCStepPlan:
     prefill_max_q: int = 0  # the longest prefill chunk
     window_max_len: int = 0  # a bound on the head lengths of the prefill requests that score
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the prefill pseudo-request layout (``ops.kvc_attention.kvc_prefill_layout``): made by
+    # the first layer of a GPU step that needs it, shared by the others
+    prefill_layout: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def bound(self, requests: np.ndarray, device: torch.device) -> int | None:
         """The longest head of these requests for a torch attention: on a GPU the host bound

@@ -105,10 +105,10 @@ class KVCTritonBackend(AttentionBackend):
         max_len = int(plan.max_lens[plan.prefill].max())
         width = min(tables.shape[2], -(-max_len // bs))
         sub_query = query[rows] if len(plan.decode) else query[: int(qsl[-1])]
-        layout = tensors.get("prefill_layout")  # the same for every layer of the step
-        if layout is None:
-            layout = kvc_prefill_layout(tensors["prefill_qsl"], sub_query.shape[0], lens.shape[1])
-            tensors["prefill_layout"] = layout  # type: ignore[assignment]
+        if plan.prefill_layout is None:  # the same for every layer of the step
+            plan.prefill_layout = kvc_prefill_layout(
+                tensors["prefill_qsl"], sub_query.shape[0], lens.shape[1]
+            )
         sub = kvc_paged_attention(
             sub_query,
             kv_cache,
@@ -119,7 +119,7 @@ class KVCTritonBackend(AttentionBackend):
             max_len,
             scale,
             sliding_window,
-            layout=layout,
+            layout=plan.prefill_layout,
         )
         if len(plan.decode):
             out[rows] = sub
