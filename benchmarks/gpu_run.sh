@@ -106,6 +106,19 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
       python -c "import glob,json; d=json.load(open(glob.glob('$OUT/kvc_profile/*bench-a*.json')[0]));
 [print(k, json.dumps(d[k], indent=1)) for k in d if k.startswith('kernel_profile')];
 [print(k, json.dumps(d[k]['phases'], indent=1)) for k in d if k.startswith('pagedllm_')]" ;;
+    kvc-host-profile)  # Benchmark A's workload through bench throughput, cProfile of the host
+      # side, KV-Compress off and on without a budget (where the host time of a step goes)
+      for kvc in "" --enable-kvc; do
+        tag=${kvc:+_kvc}
+        python -m pagedllm.entrypoints.cli bench throughput --model qwen3-0.6b --load-format dummy \
+          --dtype bfloat16 --num-prompts 256 --input-len 562 --output-len 562 --range-ratio 0.82 \
+          --max-model-len 2048 $kvc --profile-host "$OUT/host_profile$tag.txt" \
+          --output-json "$OUT/host_profile$tag.json" | tail -2
+        python -c "import json; d=json.load(open('$OUT/host_profile$tag.json')); print('$tag',
+{k: d.get(k) for k in ('output_tokens_per_s','elapsed_s','steps','host_ms_per_decode_step_mean',
+'device_ms_per_step_mean','device_busy_fraction')})"
+        head -60 "$OUT/host_profile$tag.txt" | tail -52
+      done ;;
     kvc-d) python benchmarks/kvcompress_throughput.py --out "$OUT" | tail -40 ;;
     hybrid-kv) python benchmarks/hybrid_kv_gpu.py --out "$OUT" | tail -40 ;;
     hybrid-kv-profile) python benchmarks/hybrid_kv_gpu.py --profile | grep -v "^$" | head -120 ;;
