@@ -119,6 +119,8 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
 'device_ms_per_step_mean','device_busy_fraction')})"
         head -60 "$OUT/host_profile$tag.txt" | tail -52
       done ;;
+    host-phases) python benchmarks/host_phases.py --out "$OUT"
+      python benchmarks/host_phases.py --variants kvc --gc-off --out "$OUT" ;;
     kvc-d) python benchmarks/kvcompress_throughput.py --out "$OUT" | tail -40 ;;
     hybrid-kv) python benchmarks/hybrid_kv_gpu.py --out "$OUT" | tail -40 ;;
     hybrid-kv-profile) python benchmarks/hybrid_kv_gpu.py --profile | grep -v "^$" | head -120 ;;
