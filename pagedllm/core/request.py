@@ -116,6 +116,9 @@ class Request:
         # and decode steps since
         self.kvc_compressed_at = -1
         self.kvc_steps = 0
+        # KV-Compress: its budget in KVs at a length (None: it has none, never evicted),
+        # set by the scheduler once (the per-step eviction check skips it when None)
+        self.kvc_budget_rule: tuple[int | None, float | None] | None = None
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

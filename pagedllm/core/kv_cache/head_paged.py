@@ -110,7 +110,11 @@ class _HeadState:
     def __init__(self, num_heads: int, max_blocks: int) -> None:
         self.table = np.zeros((num_heads, max_blocks), dtype=np.int32)
         self.nblocks = np.zeros(num_heads, dtype=np.int64)
-        self.lens = np.zeros(num_heads, dtype=np.int64)
+        self._lens = np.zeros(num_heads, dtype=np.int64)
+        # tokens added to every head since ``_lens`` was last written: a decode step's
+        # allocation is a scalar add, and ``lens`` applies it when read (Example: _lens [5, 3],
+        # 2 decode steps -> _lag 2; reading lens gives [7, 5] and _lag 0)
+        self._lag = 0
         self.num_tokens = 0  # tokens allocated (lens grow with them, until an eviction)
         self.pending = 0  # tokens of the latest allocation (the step being scheduled)
         self.shared = False  # holds blocks another request also holds (a fork)
@@ -118,6 +122,19 @@ class _HeadState:
         # Decode steps check it instead of the [LH] arithmetic (Example: bs 16, lens all 600,
         # nblocks all 38 -> room 8: the next 8 steps need no block and cost a scalar test).
         self.room = 0
+
+    @property
+    def lens(self) -> np.ndarray:
+        """[LH] KVs each head holds, counting the tokens allocated for the step being
+        scheduled."""
+        if self._lag:
+            self._lens += self._lag
+            self._lag = 0
+        return self._lens
+
+    @lens.setter
+    def lens(self, value: np.ndarray) -> None:
+        self._lens, self._lag = value, 0
 
     def refresh_room(self, block_size: int) -> None:
         """Recompute ``room`` after ``lens`` or ``nblocks`` changed other than by ``+= n``."""
@@ -237,7 +254,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         n = num_new_tokens + num_lookahead_tokens
         if state is not None and n <= state.room and not state.shared:  # most decode steps
             state.pending = n
-            state.lens += n
+            state._lag += n  # lens += n, applied when lens is next read
             state.num_tokens += num_new_tokens
             state.room -= n
             return _NO_BLOCKS

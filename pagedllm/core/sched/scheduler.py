@@ -87,6 +87,10 @@ class Scheduler:
             num_host_blocks,
             scheduler_config.max_num_batched_tokens,
         )
+        # KV-Compress: the (layer, KV head) pairs a budget counts
+        self._kvc_heads = (
+            int(self.kv_cache_manager.compressible.sum()) if self.kvc is not None else 0
+        )
         mode = cache_config.preemption_mode
         self.use_swap = mode == "swap" or (mode == "auto" and swap_is_cheaper)
         self.clock = clock
@@ -662,12 +666,14 @@ class Scheduler:
         ``max_cache_tokens`` x compressible (layer, KV head) pairs, or ``num_tokens`` x pairs /
         ``compression_rate`` (rounded up); None when it has neither (never compressed)."""
         assert self.kvc is not None
-        m, rate = self.kvc.budget_of(request.sampling_params)
-        heads = int(self.kv_cache_manager.compressible.sum())
+        rule = request.kvc_budget_rule
+        if rule is None:
+            rule = request.kvc_budget_rule = self.kvc.budget_of(request.sampling_params)
+        m, rate = rule
         if m is not None:
-            return m * heads
+            return m * self._kvc_heads
         if rate is not None:
-            return math.ceil(num_tokens * heads / rate)
+            return math.ceil(num_tokens * self._kvc_heads / rate)
         return None
 
     def _kvc_cut(self, request: Request, num_new: int) -> int:
@@ -730,8 +736,10 @@ class Scheduler:
             if rid in chosen:
                 continue
             r = self.requests[rid]
-            after = r.num_computed_tokens + n
             at = r.sampling_params.kvc_compress_at
+            if at is None and r.kvc_budget_rule == (None, None):
+                continue  # no budget: never evicted (e.g. KV-Compress on, a plain request)
+            after = r.num_computed_tokens + n
             if at is not None and after == at and r.kvc_compressed_at < 0:
                 r.kvc_compressed_at = after  # the measured prefix: evict now, then never
                 budget = self._kvc_over(r, after)
