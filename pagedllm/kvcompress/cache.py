@@ -80,6 +80,12 @@ class HeadPagedCache:
         self.positions = torch.empty(0)
         self.host: tuple[torch.Tensor, ...] = ()
         self.generator = torch.Generator(device=device).manual_seed(0)
+        # a step's slots: two Triton launches on a GPU (a dozen PyTorch kernels otherwise)
+        self._step_slots = step_slots_torch
+        if device.type == "cuda":
+            from pagedllm.ops.kvc_step import kvc_step_slots
+
+            self._step_slots = kvc_step_slots
 
     # ------------------------------------------------------------------- memory
     @property
@@ -217,8 +223,7 @@ class HeadPagedCache:
 
         Example: H 1, a request with lens [5] (bs 4, table [3, 8]) scheduled 2 tokens ->
         logical 5, 6 -> slots 8*4+1, 8*4+2 = 33, 34; its lens become [7]."""
-        dev = self.device
-        bs, lh = self.block_size, self.num_heads
+        bs = self.block_size
         r = len(rows)
         cu = np.cumsum(n_sched)
         total = int(cu[-1])
@@ -248,15 +253,11 @@ class HeadPagedCache:
             window_max_len=int(md.seq_lens_np[win].max()) if len(win) else 0,
             tensors=tensors,
         )
-        lens_before = self.lens[rows_t]  # [R, LH]
-        idx = lens_before[req_idx] + offsets[:, None]  # [T, LH] logical index of each new KV
-        head = torch.arange(lh, device=dev)
-        blk = self.tables[rows_t[req_idx][:, None], head[None, :], idx // bs].long()
-        slots = blk * bs + idx % bs  # [T, LH]
-        self.lens[rows_t] = lens_before + n_t[:, None]
-        flat = slots.reshape(-1)
-        self.positions[flat] = positions.to(torch.int32)[:, None].expand(total, lh).reshape(-1)
-        self.scores.index_fill_(0, flat, 0.0)
+        # [T, LH] slots; positions and zero scores written there, lens advanced
+        slots = self._step_slots(
+            self.tables, self.lens, rows_t, req_idx, offsets, n_t, positions, self.positions,
+            self.scores, bs,
+        )  # fmt: skip
         md.plan["kvc"] = (slots, rows_t, positions, plan)
 
     def finish_metadata(self, md: AttentionMetadata) -> None:
@@ -325,3 +326,35 @@ class HeadPagedCache:
         )  # fmt: skip
         self.lens[rows_t] = new_lens
         return new_lens
+
+
+def step_slots_torch(
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    rows: torch.Tensor,
+    req_idx: torch.Tensor,
+    offsets: torch.Tensor,
+    n_sched: torch.Tensor,
+    token_positions: torch.Tensor,
+    positions: torch.Tensor,
+    scores: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """A step's new slots [T, LH] in PyTorch ops: token t of request ``req_idx[t]`` (table row
+    ``rows[req_idx[t]]``, its ``offsets[t]``-th token this step) takes logical index
+    ``lens[row, lh] + offset`` in every head ``lh``; the slot's position becomes the token's and
+    its score 0, and ``lens`` of each row advances by its ``n_sched``. The CPU path, and the
+    reference of the Triton version (``pagedllm/ops/kvc_step.py``, whose docstring has an
+    example)."""
+    bs, num_heads = block_size, tables.shape[1]
+    total = req_idx.shape[0]
+    lens_before = lens[rows]  # [R, LH]
+    idx = lens_before[req_idx] + offsets[:, None]  # [T, LH] logical index of each new KV
+    head = torch.arange(num_heads, device=tables.device)
+    blk = tables[rows[req_idx][:, None], head[None, :], idx // bs].long()
+    slots = blk * bs + idx % bs  # [T, LH]
+    lens[rows] = lens_before + n_sched[:, None]
+    flat = slots.reshape(-1)
+    positions[flat] = token_positions.to(torch.int32)[:, None].expand(total, num_heads).reshape(-1)
+    scores.index_fill_(0, flat, 0.0)
+    return slots

@@ -1,0 +1,106 @@
+"""KV-Compress's per-step slot computation in two Triton launches (``kvc_step_slots``).
+
+Each step, every new token of a request takes one KV slot in each of its (layer, KV head)
+pairs, right after that head's current length: token t of request row ``row`` at offset ``o``
+(0 for its first token this step) goes to logical index ``lens[row, lh] + o`` of head ``lh``,
+i.e. slot ``tables[row, lh, idx // bs] * bs + idx % bs``. The slot's position is set to the
+token's position and its score to 0, and the row's lengths advance by its token count.
+
+In PyTorch that is a dozen small kernels (gathers, index arithmetic, two scatters, a fill), and
+on the GPU their launches cost more host time than the rest of a decode step's KV-Compress
+bookkeeping: here the first launch does the slots, positions and scores (one program per
+token and block of heads), the second the lengths (one program per request), after the first
+has read them. ``pagedllm.kvcompress.cache.step_slots_torch`` is the reference, and the path
+on the CPU.
+
+Example: bs 4, one head, a request in row 2 with lens [5] and table [3, 8], scheduled 2
+tokens at positions 5, 6 -> logical 5, 6 -> slots 8*4+1, 8*4+2 = [33, 34]; positions[33] = 5,
+positions[34] = 6, scores 0 there; lens[2] becomes [7].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _slots_kernel(
+    tables_ptr,  # [rows, LH, max_blocks] int32
+    lens_ptr,  # [rows, LH] int64
+    rows_ptr,  # [R] int64 table row of each request
+    req_idx_ptr,  # [T] int64 request of each token
+    offsets_ptr,  # [T] int64 token's offset within its request's tokens this step
+    tok_pos_ptr,  # [T] int64 token positions
+    slots_ptr,  # [T, LH] int64 out
+    positions_ptr,  # [num_slots] int32 in/out
+    scores_ptr,  # [num_slots] float32 in/out
+    num_heads,
+    max_blocks,
+    BS: tl.constexpr,
+    BLOCK_LH: tl.constexpr,
+):
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    r = tl.load(req_idx_ptr + t)
+    row = tl.load(rows_ptr + r)
+    off = tl.load(offsets_ptr + t)
+    pos = tl.load(tok_pos_ptr + t).to(tl.int32)
+    lh = hb * BLOCK_LH + tl.arange(0, BLOCK_LH)
+    mask = lh < num_heads
+    length = tl.load(lens_ptr + row * num_heads + lh, mask=mask, other=0)
+    idx = length + off
+    blk = tl.load(
+        tables_ptr + (row * num_heads + lh) * max_blocks + idx // BS, mask=mask, other=0
+    ).to(tl.int64)
+    slot = blk * BS + idx % BS
+    tl.store(slots_ptr + t * num_heads + lh, slot, mask=mask)
+    tl.store(positions_ptr + slot, tl.zeros_like(lh) + pos, mask=mask)
+    tl.store(scores_ptr + slot, tl.zeros([BLOCK_LH], dtype=tl.float32), mask=mask)
+
+
+@triton.jit
+def _lens_kernel(
+    lens_ptr,  # [rows, LH] int64 in/out
+    rows_ptr,  # [R] int64
+    n_ptr,  # [R] int64 tokens of each request this step
+    num_heads,
+    BLOCK_LH: tl.constexpr,
+):
+    r = tl.program_id(0)
+    hb = tl.program_id(1)
+    row = tl.load(rows_ptr + r)
+    n = tl.load(n_ptr + r)
+    lh = hb * BLOCK_LH + tl.arange(0, BLOCK_LH)
+    mask = lh < num_heads
+    ptr = lens_ptr + row * num_heads + lh
+    tl.store(ptr, tl.load(ptr, mask=mask, other=0) + n, mask=mask)
+
+
+def kvc_step_slots(
+    tables: torch.Tensor,  # [rows, LH, max_blocks] int32
+    lens: torch.Tensor,  # [rows, LH] int64, advanced in place
+    rows: torch.Tensor,  # [R] int64
+    req_idx: torch.Tensor,  # [T] int64
+    offsets: torch.Tensor,  # [T] int64
+    n_sched: torch.Tensor,  # [R] int64
+    token_positions: torch.Tensor,  # [T] int64
+    positions: torch.Tensor,  # [num_slots] int32, written at the new slots
+    scores: torch.Tensor,  # [num_slots] float32, zeroed at the new slots
+    block_size: int,
+) -> torch.Tensor:
+    """The step's new slots [T, LH] (see the module docstring); the rows of ``rows`` must be
+    distinct (one request per row)."""
+    num_tokens, num_heads = req_idx.shape[0], tables.shape[1]
+    slots = torch.empty((num_tokens, num_heads), dtype=torch.int64, device=tables.device)
+    if num_tokens == 0:
+        return slots
+    block_lh = min(256, triton.next_power_of_2(num_heads))
+    nhb = triton.cdiv(num_heads, block_lh)
+    _slots_kernel[(num_tokens, nhb)](
+        tables, lens, rows, req_idx, offsets, token_positions, slots, positions, scores,
+        num_heads, tables.shape[2], BS=block_size, BLOCK_LH=block_lh,
+    )  # fmt: skip
+    _lens_kernel[(rows.shape[0], nhb)](lens, rows, n_sched, num_heads, BLOCK_LH=block_lh)
+    return slots
