@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pagedllm.spec_decode.config import SpeculativeConfig
+
 # the values the engine accepts (its CLI flags and the benchmarks' offer them as choices)
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 DEVICES = ("auto", "cpu", "cuda")
@@ -288,6 +290,8 @@ class EngineConfig:
     parallel_config: ParallelConfig
     kvc_config: KVCompressConfig = KVCompressConfig()
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    # speculative decoding (pagedllm/spec_decode); None: off
+    speculative_config: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -338,6 +342,9 @@ class EngineArgs:
     # structured outputs (``StructuredOutputsConfig``): the default whitespace of JSON outputs
     structured_outputs_max_whitespace: int = DEFAULT_JSON_MAX_WHITESPACE
     structured_outputs_disable_any_whitespace: bool = False  # max_whitespace 0
+    # speculative decoding: vLLM's dict (or its JSON text), e.g. {"method": "ngram",
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 4}; None: off
+    speculative_config: dict | str | SpeculativeConfig | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -370,6 +377,7 @@ class EngineArgs:
                 f"got {self.distributed_executor_backend!r}."
             )
         so_config = self._structured_outputs_config()
+        spec_config = self._speculative_config()
 
         device = self.device
         if device == "auto":
@@ -449,7 +457,33 @@ class EngineArgs:
                 maxpool_metrics=bool(self.maxpool_metrics),
             ),
             structured_outputs_config=so_config,
+            speculative_config=spec_config,
         )
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        """The speculative config these arguments ask for (ValueError if invalid, or if it
+        cannot run with the other arguments)."""
+        spec = self.speculative_config
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            config = spec
+        elif isinstance(spec, str):
+            config = SpeculativeConfig.from_json(spec)
+        elif isinstance(spec, dict):
+            config = SpeculativeConfig.from_dict(spec)
+        else:
+            raise ValueError(
+                f"speculative_config must be a dict or its JSON text, got {type(spec).__name__}."
+            )
+        if config is None:
+            return None
+        if config.method == "draft_model":
+            raise ValueError(
+                "speculative_config: method 'draft_model' is not available yet; use 'ngram' "
+                "or 'suffix'."
+            )
+        if self.enable_kvc:
+            raise ValueError("speculative_config cannot be combined with enable_kvc (yet).")
+        return config
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:
         """The structured-outputs defaults these arguments ask for (ValueError if invalid)."""

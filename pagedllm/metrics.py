@@ -11,7 +11,11 @@ vLLM names: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:request_success_total{finished_reason}``, ``vllm:prefix_cache_queries_total``,
 ``vllm:prefix_cache_hits_total``, histograms ``vllm:time_to_first_token_seconds``,
 ``vllm:time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds``,
-``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``.
+``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``; with speculative decoding
+``vllm:spec_decode_num_drafts_total`` (request-steps that verified drafts),
+``vllm:spec_decode_num_draft_tokens_total``, ``vllm:spec_decode_num_accepted_tokens_total`` and
+``vllm:spec_decode_num_accepted_tokens_per_pos_total{position}`` (drafts accepted at position
+0, 1, ...): accepted / drafts + 1 is the mean acceptance length.
 
 pagedllm names: ``pagedllm:kv_cache_free_blocks``, ``pagedllm:kv_cache_total_blocks`` (so a
 probe can check that every block came back), ``pagedllm:engine_steps_total``.
@@ -88,6 +92,20 @@ class ServerMetrics:
             "pagedllm:kvc_compressions", "KV-Compress evictions (one per request compressed)."
         )
         self.kvc_evicted = counter("pagedllm:kvc_evicted_kvs", "KVs evicted by KV-Compress.")
+        self.spec_drafts = counter(
+            "vllm:spec_decode_num_drafts", "Request-steps that verified draft tokens."
+        )
+        self.spec_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens verified."
+        )
+        self.spec_accepted = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        self.spec_accepted_pos = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each position of a draft.",
+            ("position",),
+        )
         self.ttft = hist(
             "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
         )
@@ -141,12 +159,21 @@ class ServerMetrics:
             ("prefix_cache_hits", self.prefix_hits),
             ("kvc_compressions", self.kvc_compressions),
             ("kvc_evicted_kvs", self.kvc_evicted),
+            ("spec_decode_num_drafts", self.spec_drafts),
+            ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
+            ("spec_decode_num_accepted_tokens", self.spec_accepted),
         ):
             value = float(stats.get(key, 0))
             delta = value - self._last.get(key, 0.0)
             if delta > 0:
                 self._l(metric).inc(delta)
             self._last[key] = value
+        for pos, value in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", ())):
+            key = f"spec_pos_{pos}"
+            delta = float(value) - self._last.get(key, 0.0)
+            if delta > 0:
+                self._l(self.spec_accepted_pos, position=str(pos)).inc(delta)
+            self._last[key] = float(value)
         steps = stats.get("num_steps")
         if steps is not None:  # cumulative in the engine: one call may cover several steps
             if steps > self._last.get("num_steps", 0.0):

@@ -67,6 +67,7 @@ class EngineCore:
             swap_is_cheaper=swap_is_cheaper,
             kv_groups=kv_groups,
             kvc_config=config.kvc_config,
+            spec_config=config.speculative_config,
         )
         self.num_blocks = num_blocks
         self.num_steps = 0  # step() calls so far (the metrics' engine steps)

@@ -107,6 +107,10 @@ _HELP = {
     "structured_outputs_disable_any_whitespace": "Structured outputs: compact JSON, no "
     "whitespace at all, for requests that do not set disable_any_whitespace (the same as "
     "--structured-outputs-max-whitespace 0).",
+    "speculative_config": "Speculative decoding, as vLLM's JSON: "
+    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (prompt lookup) '
+    'or \'{"method": "suffix"}\' (suffix decoding); greedy outputs and sampling distributions '
+    "are those without it (default: off).",
 }
 _ALIASES = {"enable_kvc": ["--enable-kvcompress"]}
 _CHOICES = {
@@ -126,6 +130,7 @@ _METAVARS = {
     "swap_space": "GIB",
     "kv_cache_memory_bytes": "BYTES",
     "max_cache_tokens": "N",
+    "speculative_config": "JSON",
 }
 
 

@@ -9,6 +9,7 @@ from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchS
 from pagedllm.config import EngineArgs
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.metrics_reader import Metric, metrics_from_stats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -18,7 +19,8 @@ class LLM:
 
     Keyword arguments are engine arguments (``dtype``, ``max_model_len``, ``block_size``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``, ``seed``,
-    ``device``, ``kv_cache_memory_bytes``, ...); an unknown one raises ValueError.
+    ``device``, ``kv_cache_memory_bytes``, ``speculative_config``, ...); an unknown one raises
+    ValueError.
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
@@ -32,6 +34,12 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges under vLLM's names, as vLLM's ``LLM.get_metrics``
+        (``pagedllm/metrics_reader.py``); with speculative decoding, its draft and acceptance
+        counts and the mean acceptance length."""
+        return metrics_from_stats(self.llm_engine.engine_core.stats())
 
     def generate(
         self,

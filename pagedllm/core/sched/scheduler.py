@@ -49,9 +49,11 @@ from pagedllm.core.sched.output import (
     SchedulerOutput,
 )
 from pagedllm.core.sched.policy import Now, RankedQueue, make_policy
+from pagedllm.core.sched.spec import SpecDecoding
 from pagedllm.core.sched.structured import GrammarBook
 
 if TYPE_CHECKING:
+    from pagedllm.spec_decode import SpeculativeConfig
     from pagedllm.structured_output.grammars import Grammars, GrammarStep
 
 
@@ -68,6 +70,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         kv_groups: KVCacheGroups | None = None,
         kvc_config: KVCompressConfig | None = None,
+        spec_config: SpeculativeConfig | None = None,
     ) -> None:
         self.config = scheduler_config
         # KV-Compress: when on, the KV manager is the per-head one (core/kv_cache/head_paged)
@@ -78,6 +81,8 @@ class Scheduler:
         # schedule() must see them (the engine runs synchronous steps meanwhile)
         self._kvc_pending = 0
         self.max_model_len = scheduler_config.max_model_len
+        # speculative decoding: drafts before a step, acceptance after it (core/sched/spec.py)
+        self.spec = SpecDecoding(spec_config, self.max_model_len) if spec_config else None
         # the KV manager for the model's KV-cache groups (a single table when none are given)
         self.kv_cache_manager = make_kv_cache_manager(
             kv_groups,
@@ -173,9 +178,10 @@ class Scheduler:
 
     @property
     def needs_sync(self) -> bool:
-        """Whether some live request needs synchronous steps (no async scheduling), or an
-        eviction's new lengths are still to come back."""
-        return bool(self._sync_ids) or self._kvc_pending > 0
+        """Whether some live request needs synchronous steps (no async scheduling), an
+        eviction's new lengths are still to come back, or speculative decoding is on (a draft
+        follows the last sampled token, which must be on the host)."""
+        return bool(self._sync_ids) or self._kvc_pending > 0 or self.spec is not None
 
     def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None:
         """End requests from outside the loop (abort, or a stop string found by the
@@ -198,6 +204,8 @@ class Scheduler:
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
+        if self.spec is not None:
+            self.spec.finish(request)
         self.grammar_book.release(request)
         self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
@@ -260,6 +268,7 @@ class Scheduler:
         preempted = self._preempt_for_priority(budget)
         running_preempted = False
         kvc_room: dict[str, int] = {}  # KV-Compress: requests to evict from for room
+        spec_tokens: dict[str, list[int]] = {}  # speculative decoding: each request's drafts
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -272,12 +281,19 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            drafts: list[int] = []
+            if self.spec is not None and num_new == 1 and request.num_output_placeholders == 0:
+                drafts = self.spec.drafts_for(request, budget)
+                num_new += len(drafts)  # verified in this step's forward pass
             new_blocks = None
             gang_preempted = False
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
                 if new_blocks is not None:
                     break
+                if drafts:  # no room for the drafts: a plain decode before any preemption
+                    drafts, num_new = [], 1
+                    continue
                 if self.kvc is not None and not running_preempted:
                     # evict from running requests over their budget, rather than preempt; this
                     # request waits for the blocks that frees (next step)
@@ -295,6 +311,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             num_scheduled[request.request_id] = num_new
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             budget -= num_new
             self._add_to_output(request, new_blocks, new_reqs, cached_reqs)
             # a gang preemption may remove members before this one: find it again then
@@ -358,6 +376,8 @@ class Scheduler:
             blocks_to_swap_in=swap_in,
             blocks_to_copy=self.kv_cache_manager.take_pending_copies(),
             kvc_compress=kvc_compress,
+            # drafts of requests a later preemption did not take back out of the step
+            scheduled_spec_tokens={r: d for r, d in spec_tokens.items() if r in num_scheduled},
         )
         self._kvc_pending += bool(kvc_compress)
         self.finished_req_ids = set()
@@ -368,10 +388,17 @@ class Scheduler:
         # Example (async): 10 known tokens, 1 placeholder (the last step's token, still on the
         # device), 10 computed -> 1 token scheduled (position 10, its id read on the device),
         # 11 computed = 10 + 1 -> a second placeholder, for the token at position 11.
+        # With k drafts, 1 + k tokens are scheduled and the request samples (one placeholder):
+        # e.g. 10 known tokens, 9 computed, 3 drafts -> 13 computed = 10 + 0 + 3.
+        spec = out.scheduled_spec_tokens
         for rid, n in num_scheduled.items():
             request = self.requests[rid]
             request.num_computed_tokens += n
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            drafted = len(spec[rid]) if rid in spec else 0
+            if (
+                request.num_computed_tokens - drafted
+                == request.num_tokens + request.num_output_placeholders
+            ):
                 request.num_output_placeholders += 1
         return out
 
@@ -529,9 +556,9 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Append sampled tokens, apply stop conditions, free finished requests. (This
-        scheduler proposes no draft tokens; one that does must first turn each such request's
-        k + 1 samples into its accepted tokens: see ``SchedulerOutput.scheduled_spec_tokens``.)"""
+        """Append sampled tokens, apply stop conditions, free finished requests. A request that
+        verified drafts keeps the accepted ones and the model's token after them (see
+        ``SchedulerOutput.scheduled_spec_tokens`` and ``core/sched/spec.py``)."""
         try:
             return self._update_from_output(scheduler_output, runner_output)
         finally:
@@ -559,6 +586,7 @@ class Scheduler:
                 if request is not None and not request.is_finished:
                     self.kv_cache_manager.apply_compaction(request, lens)
         sampled = dict(zip(runner_output.req_ids, range(len(runner_output.req_ids))))
+        spec_tokens = scheduler_output.scheduled_spec_tokens
         for request in self._in_flight.pop(scheduler_output.step_id):
             if request.is_finished:
                 continue  # aborted (or finished by a stop string) while the step ran
@@ -567,6 +595,15 @@ class Scheduler:
             token_ids = runner_output.sampled_token_ids[idx] if idx is not None else []
             if token_ids:
                 request.num_output_placeholders -= 1
+            drafts = spec_tokens.get(rid)
+            if drafts and token_ids:
+                assert self.spec is not None
+                # a drafts accepted: K/V stay valid up to the last one; the new tokens are
+                # samples 0..a. Example: 10 known tokens, drafts [5, 9, 2] (13 computed),
+                # samples [5, 9, 7, 4] -> a = 2, new tokens [5, 9, 7], 12 computed.
+                a = self.spec.accept(drafts, token_ids)
+                token_ids = token_ids[: a + 1]
+                request.num_computed_tokens -= len(drafts) - a
             prompt_lp = runner_output.prompt_logprobs.get(rid)
             if not token_ids and prompt_lp is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
@@ -587,6 +624,9 @@ class Scheduler:
                     request, tok
                 ):
                     break
+            if len(new_tokens) > 1 and not request.is_finished:
+                # the runner holds sample 0; it learns the accepted ones at the next step
+                request.pending_runner_tokens.extend(new_tokens[1:])
             logprobs = None
             if runner_output.logprobs is not None and idx is not None:
                 lp = runner_output.logprobs[idx]
@@ -784,5 +824,6 @@ class Scheduler:
             "num_swaps": self.num_swaps,
             "kvc_compressions": getattr(kv, "num_compressions", 0),
             "kvc_evicted_kvs": getattr(kv, "num_evicted_kvs", 0),
+            **(self.spec.stats() if self.spec is not None else {}),
             "time": time.monotonic(),
         }

@@ -1,0 +1,94 @@
+"""The scheduler's side of speculative decoding: drafts before a step, acceptance after it.
+
+Before a request decodes, a proposer (``pagedllm/spec_decode``) guesses up to k tokens after
+its known ones; the scheduler schedules the request 1 + k tokens (its last known token, then
+the drafts) and the runner samples at each of the k + 1 positions: sample j is the model's
+token after draft j - 1 (see ``SchedulerOutput.scheduled_spec_tokens``). Acceptance keeps
+the longest prefix of drafts that equal the samples, then the model's own sample after it.
+
+Why this is lossless. The drafts here are deterministic (a proposer's guess, with no
+probabilities of its own): in the rejection-sampling rule of speculative decoding that is a
+draft distribution q putting all its mass on the draft d. The rule accepts d with probability
+min(1, p(d) / q(d)) = p(d) and, on rejection, samples from the residual max(p - q, 0)
+renormalized, which is p with d removed. Sampling s ~ p at each position and accepting d when
+s == d does exactly that: P(accept) = p(d), and a rejected position's s is distributed as p
+given s != d. Each position's p is the target's distribution with the request's sampling
+parameters (temperature, top-k/p, min-p, penalties and min_tokens over the output plus the
+drafts before it: ``worker/sampling_inputs.py``), so every emitted token has the distribution
+it would have without speculation. A request with a ``seed`` draws each position's noise from
+(seed, output position), so its tokens are even the same ones as without speculation.
+
+A request gets no drafts while it needs something this version does not do at several
+positions: beam search, structured outputs (its grammar would have to mask every position).
+"""
+
+from __future__ import annotations
+
+from pagedllm.core.request import Request
+from pagedllm.spec_decode import SpeculativeConfig, make_proposer
+
+
+class SpecDecoding:
+    """Drafts for the scheduler, acceptance of a step's samples, and the counters behind
+    vLLM's ``vllm:spec_decode_*`` metrics."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        proposer = make_proposer(config)
+        if proposer is None:
+            raise ValueError(f"speculative_config: method {config.method!r} has no proposer.")
+        self.config = config
+        self.proposer = proposer
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.num_drafts = 0  # steps in which a request verified drafts
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.k  # drafts accepted at position j
+
+    def drafts_for(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a request about to decode one token (its last known token is on
+        the host), within the step's remaining token ``budget`` and so that the request's
+        ``max_tokens`` and ``max_model_len`` are never passed; [] for none."""
+        if request.beam_group is not None:
+            return []
+        if request.sampling_params.structured_outputs is not None:
+            return []
+        # Example: max_tokens 10, 7 output tokens -> at most 3 new tokens: the sample after
+        # the known tokens and 2 drafts (each accepted draft is an output token)
+        k = min(
+            self.k,
+            budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        if k < 1:
+            return []
+        tokens = request.all_token_ids
+        return self.proposer.propose(request.request_id, tokens, request.num_prompt_tokens, k)
+
+    def accept(self, drafts: list[int], samples: list[int]) -> int:
+        """The number of drafts accepted: the longest prefix of ``drafts`` equal to the
+        samples at the same positions. Example: drafts [5, 9, 2], samples [5, 9, 7, 4] -> 2
+        (the new tokens are then 5, 9, 7)."""
+        a = 0
+        while a < len(drafts) and a < len(samples) and samples[a] == drafts[a]:
+            a += 1
+        self.num_drafts += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += a
+        for j in range(a):
+            self.accepted_per_pos[j] += 1
+        return a
+
+    def finish(self, request: Request) -> None:
+        """The request ended: the proposer drops (or, suffix decoding, keeps) what it knew."""
+        self.proposer.finish(request.request_id, request.all_token_ids, request.num_prompt_tokens)
+
+    def stats(self) -> dict[str, float | list[int]]:
+        """Counters for metrics and the offline API's stats."""
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+        }

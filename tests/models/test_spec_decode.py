@@ -1,0 +1,281 @@
+"""Speculative decoding end to end on tiny random models (CPU, fp32): the tokens and the
+sampling distribution are those without it (issue 19).
+
+- Greedy: identical outputs with and without speculation, n-gram and suffix proposers, every
+  architecture, and with chunked prefill, prefix caching, preemption, n > 1, priorities,
+  async scheduling asked for, structured requests in the batch, stop strings, logprobs.
+- Seeded sampling: a request with a seed draws each position's noise from (seed, position),
+  so with speculation it gives the very same tokens at temperature 1 / top-p 0.9.
+- Distribution: unseeded sampling at temperature 1 / top-p 0.9, 10,000 requests with and
+  without speculation (a good proposer and a deliberately bad one): a two-sample chi-square
+  test over the most frequent 3-token outputs finds no difference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
+
+
+def _prompts(n: int = 6, seed: int = 0) -> list[dict]:
+    """Prompts that repeat a phrase, so proposers find matches."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        phrase = rng.integers(3, 500, int(rng.integers(5, 14))).tolist()
+        out.append({"prompt_token_ids": phrase * 3 + phrase[: i + 1]})
+    return out
+
+
+def _tokens(llm: LLM, prompts: list, params: list | SamplingParams) -> list[list[list[int]]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+def _spec_stats(llm: LLM) -> dict:
+    return {m.name: m for m in llm.get_metrics()}
+
+
+def _engine(path: str, **kw) -> LLM:
+    return LLM(path, dtype="float32", device="cpu", max_model_len=256, **kw)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_outputs_equal_every_arch(tiny_models, arch: str) -> None:
+    path = tiny_models(arch)
+    prompts = _prompts()
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = _tokens(_engine(path), prompts, sp)
+    for spec in (NGRAM, SUFFIX):
+        llm = _engine(path, speculative_config=spec)
+        assert _tokens(llm, prompts, sp) == want, spec["method"]
+        m = _spec_stats(llm)
+        # the repeated phrases make drafts that are accepted: speculation really ran
+        assert m["vllm:spec_decode_num_drafts"].value > 0
+        assert m["vllm:spec_decode_num_accepted_tokens"].value > 0
+        assert m["pagedllm:spec_decode_mean_acceptance_length"].value > 1.0
+
+
+@pytest.mark.parametrize(
+    "engine_kw",
+    [
+        {"max_num_batched_tokens": 16},  # chunked prefill, and drafts cut by the budget
+        {"enable_prefix_caching": True},  # shared prefixes hit the cache
+        {"num_gpu_blocks_override": 14, "block_size": 4},  # preemption by recompute
+        {"scheduling_policy": "priority"},
+        {"async_scheduling": True},  # asked for: speculation runs synchronous steps
+    ],
+    ids=["chunked", "prefix", "preempt", "priority", "async"],
+)
+def test_greedy_outputs_equal_with_engine_features(tiny_models, engine_kw: dict) -> None:
+    path = tiny_models("llama")
+    prompts = _prompts(8)
+    shared = prompts[0]["prompt_token_ids"]
+    prompts += [{"prompt_token_ids": shared + p["prompt_token_ids"][:7]} for p in prompts[:4]]
+    sp = [
+        SamplingParams(temperature=0, max_tokens=24 + i % 3, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    priority = list(range(len(prompts)))[::-1]
+    kw = {"priority": priority} if engine_kw.get("scheduling_policy") == "priority" else {}
+    base = _engine(path, **engine_kw)
+    outs = base.generate(prompts, sp, use_tqdm=False, **kw)
+    want = [[list(c.token_ids) for c in o.outputs] for o in outs]
+    for spec in (NGRAM, SUFFIX):
+        llm = _engine(path, speculative_config=spec, **engine_kw)
+        outs = llm.generate(prompts, sp, use_tqdm=False, **kw)
+        got = [[list(c.token_ids) for c in o.outputs] for o in outs]
+        assert got == want, spec["method"]
+        assert _spec_stats(llm)["vllm:spec_decode_num_accepted_tokens"].value > 0
+    if "num_gpu_blocks_override" in engine_kw:
+        core = llm.llm_engine.engine_core
+        assert core.scheduler.num_preemptions > 0, "the case meant to preempt did not"
+        core.check_integrity()
+
+
+def test_greedy_parallel_sampling_logprobs_and_limits(tiny_models) -> None:
+    """n > 1 (seeded forks), logprobs of every token, max_tokens and min_tokens, and a stop
+    token id: exactly as without speculation."""
+    path = tiny_models("qwen2")
+    prompts = _prompts(4, seed=1)
+    base = _engine(path)
+    ref = base.generate(prompts, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    stop_id = ref[1].outputs[0].token_ids[12]  # a token the greedy output meets
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id]),
+        SamplingParams(temperature=0.8, n=3, seed=11, max_tokens=17, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=9, min_tokens=9),
+    ]
+    want = base.generate(prompts, params, use_tqdm=False)
+    for spec in (NGRAM, SUFFIX):
+        got = _engine(path, speculative_config=spec).generate(prompts, params, use_tqdm=False)
+        for w, g in zip(want, got):
+            assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+            assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in w.outputs]
+        lp_w, lp_g = want[0].outputs[0].logprobs, got[0].outputs[0].logprobs
+        assert lp_w is not None and lp_g is not None and len(lp_g) == len(lp_w) == 30
+        for a, b in zip(lp_w, lp_g):
+            assert a.keys() == b.keys()
+            for tok in a:
+                assert b[tok].logprob == pytest.approx(a[tok].logprob, abs=1e-4)
+                assert b[tok].rank == a[tok].rank
+    assert want[1].outputs[0].finish_reason == "stop"
+
+
+def test_stop_string_ends_where_it_would(tiny_models) -> None:
+    """A stop string found in a step that accepted several tokens ends the output at the
+    same text as without speculation."""
+    path = tiny_models("llama")
+    prompts = _prompts(3, seed=2)
+    base = _engine(path)
+    ref = base.generate(prompts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    stops = [o.outputs[0].text[10:13] or "zz" for o in ref]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, stop=[s], ignore_eos=True) for s in stops
+    ]
+    want = base.generate(prompts, params, use_tqdm=False)
+    got = _engine(path, speculative_config=NGRAM).generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].text == w.outputs[0].text
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+
+
+def test_structured_requests_beside_speculation(tiny_models) -> None:
+    """A request with a grammar in a speculating engine: it gets no drafts (its grammar masks
+    one position per step) and its output is the one without speculation; the others still
+    speculate."""
+    pytest.importorskip("xgrammar")
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    path = tiny_models("llama")
+    prompts = _prompts(3, seed=3)
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(
+            temperature=0,
+            max_tokens=20,
+            structured_outputs=StructuredOutputsParams(choice=["alpha", "beta", "gamma"]),
+        ),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+    ]
+    want = _tokens(_engine(path), prompts, params)
+    llm = _engine(path, speculative_config=NGRAM)
+    assert _tokens(llm, prompts, params) == want
+    assert _spec_stats(llm)["vllm:spec_decode_num_accepted_tokens"].value > 0
+
+
+def test_seeded_sampling_is_reproduced_exactly(tiny_models) -> None:
+    """Temperature 1, top-p 0.9, a seed per request: the same tokens with speculation, since
+    each output position draws the same noise and the same target distribution."""
+    path = tiny_models("qwen3")
+    prompts = _prompts(6, seed=4)
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_tokens=32, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    want = _tokens(_engine(path), prompts, params)
+    for spec in (NGRAM, SUFFIX):
+        assert _tokens(_engine(path, speculative_config=spec), prompts, params) == want
+
+
+class _FixedProposer:
+    """Proposes the same tokens every step (a deliberately bad draft when they are unlikely)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def propose(self, req_id: str, token_ids: list[int], num_prompt_tokens: int, k: int):
+        return self.tokens[:k]
+
+    def finish(self, req_id: str, token_ids: list[int], num_prompt_tokens: int) -> None:
+        pass
+
+
+def _peaky_model(path: str, out: str) -> str:
+    """The tiny model with its LM head scaled 6x: distributions with a few likely tokens (top
+    probability ~0.4), so 3-token outputs repeat often enough to compare frequencies."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    tensors = load_file(f"{out}/model.safetensors")
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 6.0
+    save_file(tensors, f"{out}/model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _chi_square_two_sample(a: list[tuple], b: list[tuple], bins: int = 10) -> float:
+    """The two-sample (homogeneity) chi-square statistic over the ``bins - 1`` most frequent
+    values of both samples and one bin for the rest."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    top = [v for v, _ in (ca + cb).most_common(bins - 1)]
+    na, nb = len(a), len(b)
+    obs_a = [ca[v] for v in top] + [na - sum(ca[v] for v in top)]
+    obs_b = [cb[v] for v in top] + [nb - sum(cb[v] for v in top)]
+    stat = 0.0
+    for x, y in zip(obs_a, obs_b):
+        total = x + y
+        ea, eb = total * na / (na + nb), total * nb / (na + nb)
+        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
+    return stat
+
+
+# chi-square critical value, 9 degrees of freedom, alpha = 0.001
+CHI2_9_999 = 27.877
+
+
+def test_sampling_distribution_is_preserved(tiny_models, tmp_path) -> None:
+    """10,000 unseeded requests at temperature 1 / top-p 0.9, 3 output tokens each, with and
+    without speculation: the outputs' frequencies agree (chi-square, 9 df, alpha 0.001; the
+    engine seeds are fixed, so the test is deterministic). Proposers: n-gram, suffix, a fixed
+    draft of the likeliest continuation, and a fixed draft of unlikely tokens."""
+    path = _peaky_model(tiny_models("llama"), str(tmp_path / "peaky"))
+    prompt = [{"prompt_token_ids": [7, 21, 99, 7, 21, 99, 7, 21]}]
+    n = 10_000
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, ignore_eos=True)
+
+    def sample(llm: LLM) -> list[tuple]:
+        outs = llm.generate(prompt * n, sp, use_tqdm=False)
+        return [tuple(o.outputs[0].token_ids) for o in outs]
+
+    kw = {"max_num_seqs": 256, "enable_prefix_caching": True}
+    ref = sample(_engine(path, seed=1, **kw))
+    greedy = _engine(path).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+    )
+    likely = list(greedy[0].outputs[0].token_ids[1:])  # the likeliest second token first
+    counts = {}
+    for name, spec, fixed in (
+        ("ngram", NGRAM, None),
+        ("suffix", SUFFIX, None),
+        ("likely", NGRAM, likely),
+        ("bad", NGRAM, [3, 4, 5]),
+    ):
+        llm = _engine(path, seed=2, speculative_config=spec, **kw)
+        if fixed is not None:
+            llm.llm_engine.engine_core.scheduler.spec.proposer = _FixedProposer(fixed)
+        got = sample(llm)
+        m = _spec_stats(llm)
+        counts[name] = (m["vllm:spec_decode_num_draft_tokens"].value,
+                        m["vllm:spec_decode_num_accepted_tokens"].value)  # fmt: skip
+        stat = _chi_square_two_sample(ref, got)
+        assert stat < CHI2_9_999, (name, stat)
+    # the fixed drafts ran in every request (with 3 tokens to make, one draft at the second
+    # token), the likely ones were often accepted, the bad ones almost never
+    assert counts["likely"][0] >= n and counts["likely"][1] > 0.1 * n
+    assert counts["bad"][0] >= n and counts["bad"][1] < 0.01 * n
+    # and the test can tell: the same statistic between two different prompts' outputs
+    other = [{"prompt_token_ids": [8, 21, 99, 8, 21, 99, 8, 22]}]
+    other_outs = _engine(path, seed=3, **kw).generate(other * 2000, sp, use_tqdm=False)
+    shifted = [tuple(o.outputs[0].token_ids) for o in other_outs]
+    assert _chi_square_two_sample(ref[:2000], shifted) > CHI2_9_999
