@@ -1,5 +1,5 @@
-"""Speculative decoding end to end on tiny random models (CPU, fp32): the tokens and the
-sampling distribution are those without it (issue 19).
+"""Speculative decoding end to end on tiny random models (fp32; the CPU here, CUDA where
+there is a GPU): the tokens and the sampling distribution are those without it (issue 19).
 
 - Greedy: identical outputs with and without speculation, n-gram and suffix proposers, every
   architecture, and with chunked prefill, prefix caching, preemption, n > 1, priorities,
@@ -43,7 +43,10 @@ def _spec_stats(llm: LLM) -> dict:
 
 
 def _engine(path: str, **kw) -> LLM:
-    return LLM(path, dtype="float32", device="cpu", max_model_len=256, **kw)
+    # the CPU here; on a GPU machine the same tests run on CUDA (graphs for plain decode
+    # steps, eager verification steps)
+    kw.setdefault("kv_cache_memory_bytes", 32 << 20)  # several engines live at once on a GPU
+    return LLM(path, dtype="float32", device="auto", max_model_len=256, **kw)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

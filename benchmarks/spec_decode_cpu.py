@@ -1,0 +1,204 @@
+"""Speculative decoding on the CPU with the real SmolLM2-135M-Instruct (the packaged default
+model): output tok/s and mean acceptance length without speculation, with prompt lookup
+(n-gram) and with suffix decoding, at batch 1 and batch 32, on three workloads (issue 19):
+
+- ``grounded``: rewrite, summarize or fix the code of a given text (200-500 tokens) - the
+  answer copies from the prompt, where prompt lookup and suffix decoding find their drafts;
+- ``open``: open questions (little to copy from);
+- ``json``: the grounded prompts answered under a JSON schema (structured requests get no
+  drafts in this version: the row shows what speculation costs them).
+
+Greedy decoding (temperature 0), so the outputs with and without speculation must be the same
+tokens: the script checks it and records the agreement. Batch 1 runs the prompts one at a
+time; batch 32 runs 32 prompts at once. Writes
+``benchmarks/results/spec_decode_SmolLM2-135M-Instruct_cpu.json``.
+
+    .venv/bin/python benchmarks/spec_decode_cpu.py
+    .venv/bin/python benchmarks/spec_decode_cpu.py --quick     # fewer prompts and tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+CODE = '''def moving_average(values, window):
+    """Return the moving averages of values over the given window."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    averages = []
+    total = 0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window:
+            averages.append(total / window)
+    return averages
+
+
+def normalize(values):
+    """Scale values so that they sum to one."""
+    total = sum(values)
+    return [value / total for value in values]
+
+
+def top_k(values, k):
+    """Return the k largest values, largest first."""
+    ordered = sorted(values)
+    return ordered[:k]
+'''
+ARTICLE = (
+    "The town library opened its new reading room on Monday. The room has forty seats, "
+    "long tables with lamps, and shelves for newspapers and magazines from twelve countries. "
+    "The library board said the room was paid for by a grant from the regional council and by "
+    "donations from local families. Opening hours are from nine in the morning to eight in "
+    "the evening on weekdays, and from ten to four on Saturdays. The room is closed on "
+    "Sundays. Children under twelve may use the room when an adult is with them. The "
+    "librarian, Anna Berg, said that the old reading room was too small and too dark, and "
+    "that many readers had asked for a quiet place to study. She thanked the volunteers who "
+    "moved more than three thousand books in two weeks. The library will hold a small "
+    "celebration on Saturday at eleven, with coffee, music from the school band and a talk "
+    "about the history of the building, which was a post office until nineteen sixty."
+)
+GROUNDED = [
+    f"Fix the bug in this code and return the whole corrected code:\n\n{CODE}",
+    f"Rewrite this article in simpler words, keeping every fact:\n\n{ARTICLE}",
+    f"Summarize this article in five sentences:\n\n{ARTICLE}",
+    f"Add a type hint to every function of this code and return the whole code:\n\n{CODE}",
+]
+OPEN = [
+    "Why is the sky blue?",
+    "Give three tips for learning a new language.",
+    "What makes a good breakfast?",
+    "Explain what a computer network is.",
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "summary": {"type": "string"},
+        "facts": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+    },
+    "required": ["title", "summary", "facts"],
+}
+CONFIGS = {
+    "off": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+              "prompt_lookup_min": 2},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+}  # fmt: skip
+
+
+def _messages(prompts: list[str], n: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": prompts[i % len(prompts)]}] for i in range(n)]
+
+
+def run(args: argparse.Namespace) -> dict:
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.model.packaged import smollm2_gguf_path
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    model = smollm2_gguf_path()
+    max_tokens = 64 if args.quick else args.max_tokens
+    batches = {"1": 2 if args.quick else 4, "32": 8 if args.quick else 32}
+    results: dict = {}
+    reference: dict = {}
+    for name, spec in CONFIGS.items():
+        kw = {"speculative_config": spec} if spec else {}
+        t0 = time.perf_counter()
+        llm = LLM(model, device="cpu", max_model_len=2048, seed=0, **kw)
+        startup = time.perf_counter() - t0
+        results[name] = {"speculative_config": spec, "startup_s": startup}
+        for workload, prompts in (("grounded", GROUNDED), ("open", OPEN), ("json", GROUNDED)):
+            so = StructuredOutputsParams(json=SCHEMA) if workload == "json" else None
+            sp = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=so)
+            for batch, count in batches.items():
+                msgs = _messages(prompts, count)
+                before = {m.name: m for m in llm.get_metrics()}
+                t = time.perf_counter()
+                if batch == "1":
+                    outs = [llm.chat([m], sp, use_tqdm=False)[0] for m in msgs]
+                else:
+                    outs = llm.chat(msgs, sp, use_tqdm=False)
+                elapsed = time.perf_counter() - t
+                after = {m.name: m for m in llm.get_metrics()}
+                tokens = [list(o.outputs[0].token_ids) for o in outs]
+                n_out = sum(map(len, tokens))
+                key = f"{workload}_batch{batch}"
+                row = {
+                    "requests": count,
+                    "output_tokens": n_out,
+                    "elapsed_s": elapsed,
+                    "output_tokens_per_s": n_out / elapsed,
+                }
+                if spec:
+                    drafts = _delta(before, after, "vllm:spec_decode_num_drafts")
+                    acc = _delta(before, after, "vllm:spec_decode_num_accepted_tokens")
+                    dtok = _delta(before, after, "vllm:spec_decode_num_draft_tokens")
+                    row.update(
+                        drafts=drafts,
+                        draft_tokens=dtok,
+                        accepted_tokens=acc,
+                        mean_acceptance_length=1 + acc / drafts if drafts else None,
+                        draft_acceptance_rate=acc / dtok if dtok else None,
+                    )
+                    ref = reference[key]
+                    row["speedup"] = row["output_tokens_per_s"] / ref["tok_s"]
+                    row["same_tokens"] = tokens == ref["tokens"]
+                else:
+                    reference[key] = {"tok_s": row["output_tokens_per_s"], "tokens": tokens}
+                results[name][key] = row
+                print(f"{name:6s} {key:16s} {row['output_tokens_per_s']:7.1f} out tok/s"
+                      + (f"  x{row['speedup']:.2f}  acceptance length "
+                         f"{row['mean_acceptance_length'] or 0:.2f}  same tokens "
+                         f"{row['same_tokens']}" if spec else ""), flush=True)  # fmt: skip
+        del llm
+    return results
+
+
+def _delta(before: dict, after: dict, name: str) -> int:
+    b = before.get(name)
+    return int(after[name].value - (b.value if b is not None else 0))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS / "spec_decode_SmolLM2-135M-Instruct_cpu.json"))
+    args = ap.parse_args()
+    import torch
+
+    results = run(args)
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=RESULTS.parent.parent
+    ).stdout.strip()
+    out = {
+        "benchmark": "speculative decoding, CPU, SmolLM2-135M-Instruct (packaged GGUF), greedy",
+        "host": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+        },
+        "torch": torch.__version__,
+        "commit": commit,
+        "max_tokens": 64 if args.quick else args.max_tokens,
+        "results": results,
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
