@@ -2,15 +2,17 @@
 model): output tok/s and mean acceptance length without speculation, with prompt lookup
 (n-gram) and with suffix decoding, at batch 1 and batch 32, on three workloads (issue 19):
 
-- ``grounded``: rewrite, summarize or fix the code of a given text (200-500 tokens) - the
-  answer copies from the prompt, where prompt lookup and suffix decoding find their drafts;
-- ``open``: open questions (little to copy from);
+- ``grounded``: 32 distinct tasks (fix, annotate, rename, rewrite, summarize, list ...) on a
+  given text of 200-500 tokens (a short Python module or a news article) - the answer copies
+  from the prompt, where prompt lookup and suffix decoding find their drafts;
+- ``open``: 32 distinct open questions (little to copy from);
 - ``json``: the grounded prompts answered under a JSON schema (structured requests get no
   drafts in this version: the row shows what speculation costs them).
 
 Greedy decoding (temperature 0), so the outputs with and without speculation must be the same
-tokens: the script checks it and records the agreement. Batch 1 runs the prompts one at a
-time; batch 32 runs 32 prompts at once. Writes
+tokens: the script checks it and records the agreement. Batch 1 runs the first 4 prompts one
+at a time; batch 32 runs the 32 at once. Each (workload, batch) gets a fresh engine, so suffix
+decoding's cache of earlier responses holds only that run's own. Writes
 ``benchmarks/results/spec_decode_SmolLM2-135M-Instruct_cpu.json``.
 
     .venv/bin/python benchmarks/spec_decode_cpu.py
@@ -71,18 +73,47 @@ ARTICLE = (
     "celebration on Saturday at eleven, with coffee, music from the school band and a talk "
     "about the history of the building, which was a post office until nineteen sixty."
 )
+TASKS = [
+    "Fix the bug in this code and return the whole corrected code",
+    "Add a type hint to every function of this code and return the whole code",
+    "Add a comment above every line of this code and return the whole code",
+    "Rename every variable of this code to a longer, clearer name and return the whole code",
+    "Rewrite this code without the enumerate function and return the whole code",
+    "Write a docstring example for every function of this code and return the whole code",
+    "Return this code with every function renamed in camelCase",
+    "Return this code with four more blank lines between the functions",
+    "Rewrite this article in simpler words, keeping every fact",
+    "Summarize this article in five sentences",
+    "List every number mentioned in this article, with the sentence it appears in",
+    "Rewrite this article as a bulleted list of facts",
+    "Rewrite this article in the past tense",
+    "Copy the sentences of this article that mention times or days",
+    "Rewrite this article as a letter from the librarian to the readers",
+    "Correct the spelling of this article and return the whole text",
+]
+# 32 distinct input-grounded prompts (8 code tasks and 8 article tasks, each on its text, and
+# the same 16 asking to start with "Sure")
 GROUNDED = [
-    f"Fix the bug in this code and return the whole corrected code:\n\n{CODE}",
-    f"Rewrite this article in simpler words, keeping every fact:\n\n{ARTICLE}",
-    f"Summarize this article in five sentences:\n\n{ARTICLE}",
-    f"Add a type hint to every function of this code and return the whole code:\n\n{CODE}",
+    f"{task}{suffix}:\n\n{CODE if i < 8 else ARTICLE}"
+    for suffix in ("", ", starting your answer with the word Sure")
+    for i, task in enumerate(TASKS)
 ]
 OPEN = [
-    "Why is the sky blue?",
-    "Give three tips for learning a new language.",
-    "What makes a good breakfast?",
-    "Explain what a computer network is.",
-]
+    "Why is the sky blue?", "Give three tips for learning a new language.",
+    "What makes a good breakfast?", "Explain what a computer network is.",
+    "How do bees make honey?", "Why do we have seasons?", "What is a black hole?",
+    "How does a bicycle stay upright?", "What is the difference between weather and climate?",
+    "Why do cats purr?", "How does a refrigerator keep food cold?",
+    "What should I pack for a weekend hike?", "How do vaccines work?",
+    "Why is exercise good for the heart?", "What is inflation?", "How do airplanes fly?",
+    "What is photosynthesis?", "How can I sleep better?", "Why is the ocean salty?",
+    "What is a good way to save money?", "How do volcanoes form?",
+    "What is the internet made of?", "Why do leaves change color in autumn?",
+    "How does a compass work?", "What is a healthy lunch for school?",
+    "Why do we dream?", "How is glass made?", "What causes thunder?",
+    "How do I start running as a beginner?", "What are prime numbers?",
+    "Why do onions make us cry?", "How does recycling help the planet?",
+]  # fmt: skip
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -116,16 +147,14 @@ def run(args: argparse.Namespace) -> dict:
     reference: dict = {}
     for name, spec in CONFIGS.items():
         kw = {"speculative_config": spec} if spec else {}
-        t0 = time.perf_counter()
-        llm = LLM(model, device="cpu", max_model_len=2048, seed=0, **kw)
-        startup = time.perf_counter() - t0
-        results[name] = {"speculative_config": spec, "startup_s": startup}
+        results[name] = {"speculative_config": spec}
         for workload, prompts in (("grounded", GROUNDED), ("open", OPEN), ("json", GROUNDED)):
             so = StructuredOutputsParams(json=SCHEMA) if workload == "json" else None
             sp = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=so)
             for batch, count in batches.items():
+                # a fresh engine: suffix decoding learns nothing from an earlier run here
+                llm = LLM(model, device="cpu", max_model_len=2048, seed=0, **kw)
                 msgs = _messages(prompts, count)
-                before = {m.name: m for m in llm.get_metrics()}
                 t = time.perf_counter()
                 if batch == "1":
                     outs = [llm.chat([m], sp, use_tqdm=False)[0] for m in msgs]
@@ -133,6 +162,7 @@ def run(args: argparse.Namespace) -> dict:
                     outs = llm.chat(msgs, sp, use_tqdm=False)
                 elapsed = time.perf_counter() - t
                 after = {m.name: m for m in llm.get_metrics()}
+                del llm
                 tokens = [list(o.outputs[0].token_ids) for o in outs]
                 n_out = sum(map(len, tokens))
                 key = f"{workload}_batch{batch}"
@@ -143,9 +173,9 @@ def run(args: argparse.Namespace) -> dict:
                     "output_tokens_per_s": n_out / elapsed,
                 }
                 if spec:
-                    drafts = _delta(before, after, "vllm:spec_decode_num_drafts")
-                    acc = _delta(before, after, "vllm:spec_decode_num_accepted_tokens")
-                    dtok = _delta(before, after, "vllm:spec_decode_num_draft_tokens")
+                    drafts = _value(after, "vllm:spec_decode_num_drafts")
+                    acc = _value(after, "vllm:spec_decode_num_accepted_tokens")
+                    dtok = _value(after, "vllm:spec_decode_num_draft_tokens")
                     row.update(
                         drafts=drafts,
                         draft_tokens=dtok,
@@ -163,13 +193,12 @@ def run(args: argparse.Namespace) -> dict:
                       + (f"  x{row['speedup']:.2f}  acceptance length "
                          f"{row['mean_acceptance_length'] or 0:.2f}  same tokens "
                          f"{row['same_tokens']}" if spec else ""), flush=True)  # fmt: skip
-        del llm
     return results
 
 
-def _delta(before: dict, after: dict, name: str) -> int:
-    b = before.get(name)
-    return int(after[name].value - (b.value if b is not None else 0))
+def _value(metrics: dict, name: str) -> int:
+    m = metrics.get(name)
+    return int(m.value) if m is not None else 0
 
 
 def main() -> None:
