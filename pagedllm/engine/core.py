@@ -123,10 +123,13 @@ class EngineCore:
                 serialize=process,
                 max_whitespace=self.config.structured_outputs_config.max_whitespace,
             )
+            spec = self.config.speculative_config
+            # a row per position: with k drafts a request samples at 1 + k positions
+            positions = 1 + spec.num_speculative_tokens if spec is not None else 1
             self.scheduler.grammars = make_grammars(
                 process,
                 manager,
-                self.executor.max_num_reqs,
+                self.executor.max_num_reqs * positions,
                 pin=self.executor.device_type == "cuda",
                 fill_threads=fill_threads(),
             )

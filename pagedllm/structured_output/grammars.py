@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.structured_output.matchers import MatcherSet
+from pagedllm.structured_output.matchers import MatcherSet, fill_rows
 from pagedllm.utils.channel import Channel
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ _TURNS = 2  # bitmask buffers: the child fills one while the last one's copy may
 @dataclass
 class GrammarStep:
     """What ``collect`` returns: the bitmask rows of ``fill_ids`` (host memory, pinned where
-    the device is a GPU) and the requests whose token a grammar rejected (id -> message)."""
+    the device is a GPU; ``fill_rows(fill_ids)`` rows: 1 + k for a ``SpecFill`` with k
+    drafts) and the requests whose token a grammar rejected (id -> message)."""
 
     fill_ids: list[Key]
     mask: torch.Tensor | None  # [len(fill_ids), ceil(vocab / 32)] int32
@@ -123,7 +124,7 @@ class Grammars:
         fill_ids, turn = self._in_flight
         self._in_flight = None
         rejected, seconds = self._receive()
-        mask = self._masks[turn][: len(fill_ids)] if fill_ids else None
+        mask = self._masks[turn][: fill_rows(fill_ids)] if fill_ids else None
         return GrammarStep(fill_ids, mask, rejected, seconds)
 
     def close(self) -> None:

@@ -10,7 +10,9 @@ Operations, applied in the order the scheduler issued them (tuples, so they pick
     ("accepts", keys, token_ids)        the same for each pair, in order
     ("rollback", key, n)                undo the last n accepted tokens (speculative decoding)
     ("drop", key)                       the request ended
-A key names one request's matcher (the scheduler's ``Request.grammar_key``).
+A key names one request's matcher (the scheduler's ``Request.grammar_key``). A request that
+verifies draft tokens (speculative decoding) is filled as ``SpecFill(key, drafts)``: one
+bitmask row per position, each after the drafts before it (see ``MatcherSet.fill``).
 In the worker process, ``grammar`` in "add" is the cache key of a grammar sent before by
 ("grammar", spec_key, serialized_json), and ("forget", spec_key) frees one; ``GrammarWorkerState``
 resolves them.
@@ -18,10 +20,22 @@ resolves them.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
+
+
+class SpecFill(NamedTuple):
+    """A fill entry for a request verifying ``drafts``: 1 + len(drafts) bitmask rows."""
+
+    key: Hashable
+    drafts: tuple[int, ...]
+
+
+def fill_rows(entries: Sequence[Any]) -> int:
+    """Bitmask rows the fill entries take: one per key, 1 + k per ``SpecFill`` with k drafts."""
+    return sum(1 + len(e.drafts) if isinstance(e, SpecFill) else 1 for e in entries)
 
 
 class MatcherSet:
@@ -76,22 +90,54 @@ class MatcherSet:
         if not m.accept_token(token):
             rejected[rid] = f"token {token} rejected by the grammar"
 
-    def fill(self, keys: list[Hashable], out: np.ndarray) -> None:
-        """Row i of ``out`` ([>= len(keys), ceil(vocab / 32)] int32) gets the bitmask of
-        keys[i]'s next token; a request with no live matcher (ended, or its grammar
-        already terminated) gets all ones: its token is dropped, so any is fine."""
+    def fill(self, keys: list[Any], out: np.ndarray) -> None:
+        """Bitmask rows, in order, for ``keys`` (``[>= fill_rows(keys), ceil(vocab / 32)]``
+        int32): a key gets one row, its next token's mask; ``SpecFill(key, drafts)`` gets
+        1 + k rows, row j the mask after drafts 0..j-1 (accepted for the fill, then rolled
+        back). A request with no live matcher (ended, or its grammar already terminated) gets
+        all ones, as do a draft's rows after a draft the grammar refuses: those samples are
+        dropped (the refused draft can't equal a sample its own row masked out), so any is
+        fine."""
         live: list[Any] = []
         rows: list[int] = []
-        for i, key in enumerate(keys):
-            m = self.matchers.get(key)
+        row = 0
+        for entry in keys:
+            if isinstance(entry, SpecFill):
+                self._fill_spec(entry, out, row)
+                row += 1 + len(entry.drafts)
+                continue
+            m = self.matchers.get(entry)
             if m is None or m.is_terminated():
-                out[i] = -1
+                out[row] = -1
             else:
                 live.append(m)
-                rows.append(i)
+                rows.append(row)
+            row += 1
         if len(live) == 1:
             live[0].fill_next_token_bitmask(out, rows[0])
         elif live:  # xgrammar fills the rows on its own thread pool
             if self._batch is None:
                 self._batch = self._xgr.BatchGrammarMatcher(max_threads=self._fill_threads)
             self._batch.batch_fill_next_token_bitmask(live, out, indices=rows)
+
+    def _fill_spec(self, entry: SpecFill, out: np.ndarray, row: int) -> None:
+        """Rows ``row .. row + k`` of a request verifying k drafts. Example: drafts [a, b],
+        the grammar refuses b -> row 0: mask now; row 1: mask after a; row 2: all ones."""
+        n = 1 + len(entry.drafts)
+        m = self.matchers.get(entry.key)
+        if m is None or m.is_terminated():
+            out[row : row + n] = -1
+            return
+        m.fill_next_token_bitmask(out, row)
+        accepted = 0
+        for j, token in enumerate(entry.drafts):
+            if m.is_terminated() or not m.accept_token(token):
+                out[row + 1 + j : row + n] = -1
+                break
+            accepted += 1
+            if m.is_terminated():
+                out[row + 1 + j : row + n] = -1
+                break
+            m.fill_next_token_bitmask(out, row + 1 + j)
+        if accepted:
+            m.rollback(accepted)

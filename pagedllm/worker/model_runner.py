@@ -69,6 +69,8 @@ class LaunchedStep:
     # structured requests: where each one's (first) token is among the P samples, in
     # SchedulerOutput.structured_requests' order (their bitmask rows; their tokens)
     structured_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # the first sampling position of each structured request (its reported token)
+    structured_first: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # KV-Compress: (request ids, new per-head lengths [B, LH] on the device) of the evictions
     kvc_lens: Any = None
 
@@ -508,8 +510,16 @@ class ModelRunner:
             # sample_idx is ascending: e.g. sampling batch indices [0, 2, 3], structured
             # batch indices [2, 3] -> sampling rows [1, 2] (with drafts: their first samples)
             step.structured_rows = np.searchsorted(sample_idx, so.structured_batch_idx)
+            step.structured_first = step.structured_rows
             if plan.num_samples is not None:
-                step.structured_rows = plan.first[step.structured_rows]
+                # with drafts, a mask row per sampling position (structured_output/matchers.py
+                # fills 1 + k rows for a request with k drafts): e.g. first [0, 3], samples
+                # [3, 1] -> rows [0, 1, 2, 3]; the tokens reported are the first samples
+                sel = step.structured_rows
+                first, counts = plan.first[sel], plan.num_samples[sel]
+                step.structured_first = first
+                starts = np.repeat(np.cumsum(counts) - counts, counts)
+                step.structured_rows = np.repeat(first, counts) + np.arange(len(starts)) - starts
         if len(sample_idx) > 0:
             if len(logits_idx) == inputs.metadata.num_actual_tokens:
                 step.selected = hidden[: len(logits_idx)]  # every token samples (pure decode)
@@ -586,8 +596,8 @@ class ModelRunner:
             ok = step.appended & (ib.epoch[rows] == step.sample_epochs) & (pos < ib.max_model_len)
             ib.token_ids[rows[ok], pos[ok]] = committed[ok]
             sampled_lists = plan.token_lists(tokens_np, num_reqs)
-            if len(step.structured_rows):
-                structured_tokens = tokens_np[step.structured_rows].tolist()
+            if len(step.structured_first):
+                structured_tokens = tokens_np[step.structured_first].tolist()
             n = 4 if step.want_logprobs else 1  # host tensors per sampler output
             if step.want_logprobs:
                 logprobs = plan.logprob_lists(step.host[1:n], num_reqs)
@@ -717,8 +727,9 @@ class ModelRunner:
         n = len(rows_np)
         assert mask is not None and n == mask.shape[0], "a mask row per request"
         cuda = self.device.type == "cuda"
-        if not self._bitmask_rows:
-            max_rows = self.input_batch.max_num_reqs
+        if not self._bitmask_rows or n > self._bitmask_rows[0].shape[0]:
+            # a row per sampling position: more than one per request with drafts
+            max_rows = max(self.input_batch.max_num_reqs, n)
             self._bitmask_rows = [
                 torch.empty(max_rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)
             ]

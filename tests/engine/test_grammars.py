@@ -27,20 +27,23 @@ SPECS = [S(json=SMALL_OBJECT), S(json=SCHEMAS[1]), S(regex=r"[a-z]{1,8}@[a-z]{1,
 
 
 @pytest.fixture(scope="module")
-def manager() -> StructuredOutputManager:
+def tokenizer():  # noqa: ANN201
     """SmolLM2's tokenizer: from the packaged model, or (GPU runs, without the package) the
     copy PAGEDLLM_TOKENIZER_DIR names."""
     tok_dir = os.environ.get("PAGEDLLM_TOKENIZER_DIR")
     if tok_dir:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(tok_dir)
-    else:
-        from pagedllm.model.gguf_loader import load_gguf_tokenizer
-        from pagedllm.model.packaged import smollm2_gguf_path
+        return AutoTokenizer.from_pretrained(tok_dir)
+    from pagedllm.model.gguf_loader import load_gguf_tokenizer
+    from pagedllm.model.packaged import smollm2_gguf_path
 
-        tok = load_gguf_tokenizer(smollm2_gguf_path())
-    return StructuredOutputManager(tok, len(tok), serialize=True)
+    return load_gguf_tokenizer(smollm2_gguf_path())
+
+
+@pytest.fixture(scope="module")
+def manager(tokenizer) -> StructuredOutputManager:  # noqa: ANN001
+    return StructuredOutputManager(tokenizer, len(tokenizer), serialize=True)
 
 
 def _allowed(mask_row: torch.Tensor, vocab: int) -> np.ndarray:
@@ -190,3 +193,49 @@ def test_request_id_used_again_right_after_it_finished(process, tiny_models):
     engine.engine_core.check_integrity()
     for e in (alone, engine):
         e.engine_core.shutdown()
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["in-loop", "worker"])
+def test_spec_fill_masks_each_position_and_leaves_the_state(manager, tokenizer, process):
+    """A request verifying drafts gets one bitmask row per position: row j is the mask after
+    drafts 0..j-1 (the same rows as accepting them one by one), rows after a draft the
+    grammar refuses are all ones, and the matcher's state is unchanged afterwards."""
+    from pagedllm.structured_output.matchers import SpecFill, fill_rows
+
+    vocab = manager.vocab_size
+    tok = tokenizer
+    spec = S(choice=["antidisestablishmentarianism", "photosynthesis"])
+    entry = manager.compile_now(spec)
+    g = make_grammars(process, manager, max_rows=16, pin=False, fill_threads=1)
+    ref = make_grammars(False, manager, max_rows=16, pin=False, fill_threads=1)
+    word = tok.encode("antidisestablishmentarianism", add_special_tokens=False)
+    assert len(word) >= 3
+    for x in (g, ref):
+        x.add("a", entry)
+        x.add("b", entry)
+    # reference rows: accept the drafts one at a time and fill after each
+    want = []
+    for j in range(len(word)):
+        ref.submit(["a"])
+        want.append(ref.collect().mask[0].clone())
+        ref.accept("a", word[j])
+    bad = word[:1] + tok.encode(" zebra", add_special_tokens=False)[:1]  # refused second draft
+    fills = [SpecFill("a", tuple(word[:-1])), "b", SpecFill("b", tuple(bad))]
+    assert fill_rows(fills) == len(word) + 1 + 3
+    g.submit(fills)
+    step = g.collect()
+    assert step.mask is not None and step.mask.shape[0] == fill_rows(fills)
+    rows = step.mask
+    for j in range(len(word)):
+        assert torch.equal(rows[j], want[j]), j
+    b0 = len(word)
+    assert torch.equal(rows[b0], want[0]) and torch.equal(rows[b0 + 1], want[0])
+    assert torch.equal(rows[b0 + 2], want[1])  # after the first draft (accepted)
+    assert bool((rows[b0 + 3] == -1).all())  # after the refused one: anything
+    assert bad[1] not in set(_allowed(rows[b0 + 2], vocab).tolist())
+    # the drafts were rolled back: both matchers still at the start
+    g.submit(["a", "b"])
+    again = g.collect().mask
+    assert torch.equal(again[0], want[0]) and torch.equal(again[1], want[0])
+    g.close()
+    ref.close()

@@ -150,28 +150,52 @@ def test_stop_string_ends_where_it_would(tiny_models) -> None:
         assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
 
 
-def test_structured_requests_beside_speculation(tiny_models) -> None:
-    """A request with a grammar in a speculating engine: it gets no drafts (its grammar masks
-    one position per step) and its output is the one without speculation; the others still
-    speculate."""
+@pytest.mark.parametrize("grammar_process", [False, True], ids=["in-loop", "worker"])
+def test_structured_requests_speculate(tiny_models, grammar_process: bool) -> None:
+    """Requests with a grammar verify drafts too (a bitmask row per position): their outputs
+    are those without speculation and follow their grammars, and drafts were accepted in a
+    batch of structured requests only."""
     pytest.importorskip("xgrammar")
+    import json
+
     from pagedllm.sampling_params import StructuredOutputsParams
 
     path = tiny_models("llama")
     prompts = _prompts(3, seed=3)
+    repeat = {
+        "type": "array",
+        "items": {"type": "string", "enum": ["hello world", "good night"]},
+        "minItems": 4,
+        "maxItems": 4,
+    }
     params = [
-        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(
+            temperature=0,
+            max_tokens=200,
+            structured_outputs=StructuredOutputsParams(json=repeat, disable_any_whitespace=True),
+        ),
         SamplingParams(
             temperature=0,
             max_tokens=20,
             structured_outputs=StructuredOutputsParams(choice=["alpha", "beta", "gamma"]),
         ),
-        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(
+            temperature=0.7,
+            seed=5,
+            max_tokens=60,
+            structured_outputs=StructuredOutputsParams(regex=r"(ab|cd){4,12}"),
+        ),
     ]
-    want = _tokens(_engine(path), prompts, params)
-    llm = _engine(path, speculative_config=NGRAM)
-    assert _tokens(llm, prompts, params) == want
-    assert _spec_stats(llm)["vllm:spec_decode_num_accepted_tokens"].value > 0
+    kw = {"grammar_process": grammar_process}
+    want = _engine(path, **kw).generate(prompts, params, use_tqdm=False)
+    llm = _engine(path, speculative_config=NGRAM, **kw)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert got[0].outputs[0].finish_reason == "stop", got[0].outputs[0].text
+    assert len(json.loads(got[0].outputs[0].text)) == 4
+    assert got[1].outputs[0].text in ("alpha", "beta", "gamma")
+    m = _spec_stats(llm)
+    assert m["vllm:spec_decode_num_accepted_tokens"].value > 0
 
 
 def test_seeded_sampling_is_reproduced_exactly(tiny_models) -> None:

@@ -5,6 +5,7 @@ Everything here is plain data (pickles): it crosses to worker processes (worker/
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -67,7 +68,8 @@ class SchedulerOutput:
     # Structured outputs: the grammar keys (Request.grammar_key) of the scheduled requests
     # with a grammar that sample this step, and their indices in the batch order; their
     # token bitmask is filled (engine/core.py) while the forward pass runs.
-    structured_requests: list[int] = field(default_factory=list)
+    # (a request verifying drafts is a structured_output.matchers.SpecFill: 1 + k mask rows)
+    structured_requests: list[Any] = field(default_factory=list)
     structured_batch_idx: list[int] = field(default_factory=list)
     # Speculative decoding: the draft tokens proposed for a request (only requests that have
     # some), counted in its ``num_scheduled_tokens`` as vLLM does: a decode with k drafts is

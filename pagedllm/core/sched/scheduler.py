@@ -359,7 +359,9 @@ class Scheduler:
         kvc_compress = self._kvc_plan(num_scheduled, kvc_room) if self.kvc is not None else []
         requests = self.requests
         batch = [requests[rid] for rid in num_scheduled]
-        structured, structured_idx = self.grammar_book.batch_keys(batch, num_scheduled.values())
+        structured, structured_idx = self.grammar_book.batch_keys(
+            batch, num_scheduled.values(), spec_tokens
+        )
         step_id = next(self._step_ids)
         self._in_flight[step_id] = batch
         out = SchedulerOutput(

@@ -18,8 +18,9 @@ drafts before it: ``worker/sampling_inputs.py``), so every emitted token has the
 it would have without speculation. A request with a ``seed`` draws each position's noise from
 (seed, output position), so its tokens are even the same ones as without speculation.
 
-A request gets no drafts while it needs something this version does not do at several
-positions: beam search, structured outputs (its grammar would have to mask every position).
+A structured request's grammar masks every position: its matcher accepts the drafts for the
+fill, one bitmask row per position, then rolls them back (``structured_output/matchers.py``);
+only the accepted tokens enter it at the update. Beam searches get no drafts.
 """
 
 from __future__ import annotations
@@ -50,8 +51,6 @@ class SpecDecoding:
         the host), within the step's remaining token ``budget`` and so that the request's
         ``max_tokens`` and ``max_model_len`` are never passed; [] for none."""
         if request.beam_group is not None:
-            return []
-        if request.sampling_params.structured_outputs is not None:
             return []
         # Example: max_tokens 10, 7 output tokens -> at most 3 new tokens: the sample after
         # the known tokens and 2 drafts (each accepted draft is an output token)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from pagedllm.structured_output.matchers import SpecFill
 
 if TYPE_CHECKING:
     from pagedllm.structured_output.grammars import Grammars, GrammarStep
@@ -97,18 +98,24 @@ class GrammarBook:
 
     # ---------------------------------------------------------------------------- steps
     def batch_keys(
-        self, batch: list[Request], num_scheduled: Iterable[int]
-    ) -> tuple[list[int], list[int]]:
+        self,
+        batch: list[Request],
+        num_scheduled: Iterable[int],
+        spec_tokens: dict[str, list[int]] | None = None,
+    ) -> tuple[list[Any], list[int]]:
         """The grammar keys of the batch's structured requests that sample this step (their
-        computed tokens reach their known ones) and their batch indices. Costs nothing while
-        no live request has a grammar."""
-        keys: list[int] = []
+        computed tokens reach their known ones) and their batch indices; a request verifying
+        drafts (``spec_tokens``) is a ``SpecFill`` (a bitmask row per position). Costs nothing
+        while no live request has a grammar."""
+        keys: list[Any] = []
         idx: list[int] = []
         if not self._owner:
             return keys, idx
+        spec_tokens = spec_tokens or {}
         for i, (r, n) in enumerate(zip(batch, num_scheduled)):
             if r.grammar_key is not None and r.num_computed_tokens + n >= r.num_tokens:
-                keys.append(r.grammar_key)
+                drafts = spec_tokens.get(r.request_id)
+                keys.append(SpecFill(r.grammar_key, tuple(drafts)) if drafts else r.grammar_key)
                 idx.append(i)
         return keys, idx
 
@@ -116,8 +123,8 @@ class GrammarBook:
         """Give the step's sampled tokens of structured requests to ``Grammars`` now, before
         the update (which then does not): see ``Scheduler.send_grammar_tokens``."""
         tokens = runner_output.structured_tokens
-        if runner_output.forked_token_ids or tokens is None:
-            return  # the update orders the forks and the tokens
+        if runner_output.forked_token_ids or tokens is None or so.scheduled_spec_tokens:
+            return  # the update orders the forks and the tokens (and accepts drafts)
         assert self.grammars is not None
         # (a key whose request ended meanwhile was dropped first: Grammars skips it)
         self.grammars.accept_many(so.structured_requests, tokens)
