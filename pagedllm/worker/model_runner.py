@@ -66,8 +66,9 @@ class LaunchedStep:
     timing: Any = None  # (start, end) CUDA events when the runner times device work
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # batch rows
     selected: torch.Tensor | None = None  # [P, hidden] until launch_sample
-    # structured requests: where each one's (first) token is among the P samples, in
-    # SchedulerOutput.structured_requests' order (their bitmask rows; their tokens)
+    # structured requests: the sampling positions their bitmask rows mask, in
+    # SchedulerOutput.structured_requests' order (one per request; 1 + k for one verifying k
+    # drafts)
     structured_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # the first sampling position of each structured request (its reported token)
     structured_first: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -725,7 +726,7 @@ class ModelRunner:
 
         mask = bitmask.mask  # [n, ceil(vocab / 32)] int32, host
         n = len(rows_np)
-        assert mask is not None and n == mask.shape[0], "a mask row per request"
+        assert mask is not None and n == mask.shape[0], "a mask row per sampling position"
         cuda = self.device.type == "cuda"
         if not self._bitmask_rows or n > self._bitmask_rows[0].shape[0]:
             # a row per sampling position: more than one per request with drafts

@@ -600,7 +600,7 @@ class Scheduler:
             drafts = spec_tokens.get(rid)
             if drafts and token_ids:
                 assert self.spec is not None
-                # a drafts accepted: K/V stay valid up to the last one; the new tokens are
+                # a = drafts accepted: K/V stay valid up to the last one; the new tokens are
                 # samples 0..a. Example: 10 known tokens, drafts [5, 9, 2] (13 computed),
                 # samples [5, 9, 7, 4] -> a = 2, new tokens [5, 9, 7], 12 computed.
                 a = self.spec.accept(drafts, token_ids)
