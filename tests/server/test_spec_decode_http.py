@@ -39,7 +39,9 @@ def test_same_replies_and_metrics(server: LiveServer, spec_server: LiveServer) -
     assert want.status_code == got.status_code == 200, got.text
     text = want.json()["choices"][0]["message"]["content"]
     assert got.json()["choices"][0]["message"]["content"] == text
-    assert got.json()["usage"] == want.json()["usage"]
+    # (cached prompt tokens differ: the shared default server has served earlier tests)
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert got.json()["usage"][key] == want.json()["usage"][key], key
     # streamed: the deltas join to the same text (a chunk may carry several tokens)
     body = {"model": spec_server.model, "messages": MESSAGES, "max_tokens": 48,
             "temperature": 0, "stream": True}  # fmt: skip
