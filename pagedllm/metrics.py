@@ -15,7 +15,8 @@ vLLM names: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:spec_decode_num_drafts_total`` (request-steps that verified drafts),
 ``vllm:spec_decode_num_draft_tokens_total``, ``vllm:spec_decode_num_accepted_tokens_total`` and
 ``vllm:spec_decode_num_accepted_tokens_per_pos_total{position}`` (drafts accepted at position
-0, 1, ...): accepted / drafts + 1 is the mean acceptance length.
+0, 1, ...): accepted / drafts + 1 is the mean acceptance length. A server without speculation
+exports none of them.
 
 pagedllm names: ``pagedllm:kv_cache_free_blocks``, ``pagedllm:kv_cache_total_blocks`` (so a
 probe can check that every block came back), ``pagedllm:engine_steps_total``.
@@ -92,20 +93,11 @@ class ServerMetrics:
             "pagedllm:kvc_compressions", "KV-Compress evictions (one per request compressed)."
         )
         self.kvc_evicted = counter("pagedllm:kvc_evicted_kvs", "KVs evicted by KV-Compress.")
-        self.spec_drafts = counter(
-            "vllm:spec_decode_num_drafts", "Request-steps that verified draft tokens."
-        )
-        self.spec_draft_tokens = counter(
-            "vllm:spec_decode_num_draft_tokens", "Draft tokens verified."
-        )
-        self.spec_accepted = counter(
-            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted."
-        )
-        self.spec_accepted_pos = counter(
-            "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted at each position of a draft.",
-            ("position",),
-        )
+        # speculative decoding's counters: made when the engine first reports them (a server
+        # without speculation exports none of them, as vLLM)
+        self._counter = counter
+        self._spec: list[tuple[str, Counter]] | None = None
+        self.spec_accepted_pos: Counter | None = None
         self.ttft = hist(
             "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
         )
@@ -137,6 +129,30 @@ class ServerMetrics:
         self._counted_prompts: set[str] = set()
         self._num_tokens: dict[str, dict[int, int]] = {}  # request -> sequence index -> tokens
 
+    def _spec_counters(self, stats: dict[str, Any]) -> list[tuple[str, Counter]]:
+        """(stats key, counter) of speculative decoding, made (at 0) the first time the
+        engine's stats carry them; [] while they do not."""
+        if self._spec is None:
+            if "spec_decode_num_drafts" not in stats:
+                return []
+            c = self._counter
+            self._spec = [
+                ("spec_decode_num_drafts",
+                 c("vllm:spec_decode_num_drafts", "Request-steps that verified draft tokens.")),
+                ("spec_decode_num_draft_tokens",
+                 c("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")),
+                ("spec_decode_num_accepted_tokens",
+                 c("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")),
+            ]  # fmt: skip
+            self.spec_accepted_pos = c(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted at each position of a draft.",
+                ("position",),
+            )
+            for _, metric in self._spec:
+                self._l(metric)
+        return self._spec
+
     def _l(self, metric: Any, **extra: str) -> Any:
         """The metric's child for this model (and ``extra`` labels), looked up once:
         ``labels()`` costs ~1 us, and ``record`` runs for every engine step."""
@@ -159,9 +175,7 @@ class ServerMetrics:
             ("prefix_cache_hits", self.prefix_hits),
             ("kvc_compressions", self.kvc_compressions),
             ("kvc_evicted_kvs", self.kvc_evicted),
-            ("spec_decode_num_drafts", self.spec_drafts),
-            ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
-            ("spec_decode_num_accepted_tokens", self.spec_accepted),
+            *self._spec_counters(stats),
         ):
             value = float(stats.get(key, 0))
             delta = value - self._last.get(key, 0.0)
@@ -171,8 +185,9 @@ class ServerMetrics:
         for pos, value in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", ())):
             key = f"spec_pos_{pos}"
             delta = float(value) - self._last.get(key, 0.0)
+            child = self._l(self.spec_accepted_pos, position=str(pos))  # 0 until it moves
             if delta > 0:
-                self._l(self.spec_accepted_pos, position=str(pos)).inc(delta)
+                child.inc(delta)
             self._last[key] = float(value)
         steps = stats.get("num_steps")
         if steps is not None:  # cumulative in the engine: one call may cover several steps
