@@ -33,8 +33,10 @@ def _prompts(n: int = 6, seed: int = 0) -> list[dict]:
     return out
 
 
-def _tokens(llm: LLM, prompts: list, params: list | SamplingParams) -> list[list[list[int]]]:
-    outs = llm.generate(prompts, params, use_tqdm=False)
+def _tokens(
+    llm: LLM, prompts: list, params: list | SamplingParams, **kw: object
+) -> list[list[list[int]]]:
+    outs = llm.generate(prompts, params, use_tqdm=False, **kw)
     return [[list(c.token_ids) for c in o.outputs] for o in outs]
 
 
@@ -87,14 +89,10 @@ def test_greedy_outputs_equal_with_engine_features(tiny_models, engine_kw: dict)
     ]
     priority = list(range(len(prompts)))[::-1]
     kw = {"priority": priority} if engine_kw.get("scheduling_policy") == "priority" else {}
-    base = _engine(path, **engine_kw)
-    outs = base.generate(prompts, sp, use_tqdm=False, **kw)
-    want = [[list(c.token_ids) for c in o.outputs] for o in outs]
+    want = _tokens(_engine(path, **engine_kw), prompts, sp, **kw)
     for spec in (NGRAM, SUFFIX):
         llm = _engine(path, speculative_config=spec, **engine_kw)
-        outs = llm.generate(prompts, sp, use_tqdm=False, **kw)
-        got = [[list(c.token_ids) for c in o.outputs] for o in outs]
-        assert got == want, spec["method"]
+        assert _tokens(llm, prompts, sp, **kw) == want, spec["method"]
         assert _spec_stats(llm)["vllm:spec_decode_num_accepted_tokens"].value > 0
     if "num_gpu_blocks_override" in engine_kw:
         core = llm.llm_engine.engine_core

@@ -4,13 +4,13 @@ random token lists (fed incrementally and fresh), and a 256 x 2,000-token run.""
 from __future__ import annotations
 
 import random
-import time
 
 import numpy as np
 import pytest
 
 from pagedllm.spec_decode import SpeculativeConfig, make_proposer
 from pagedllm.spec_decode.ngram import NgramProposer, ngram_propose
+from tests.spec_decode.engine_shape import run_engine_shape
 
 
 def _proposer(k: int = 4, lo: int | None = None, hi: int | None = None) -> NgramProposer:
@@ -137,25 +137,8 @@ def test_numpy_and_list_inputs_agree_and_state_restarts_on_rewrite() -> None:
 
 
 def test_256_requests_of_2000_tokens() -> None:
-    """The engine's shape: 256 running requests, 2,000-token contexts, then 16 decode steps of
-    one token each; each context ends by copying an earlier passage, so every draft is known.
-    The time is printed, not asserted."""
+    """The engine's shape (``engine_shape.py``): every draft right, every request dropped."""
     rng = np.random.default_rng(0)
     p = _proposer(k=5, lo=2, hi=5)
-    contexts = []
-    for _ in range(256):
-        base = rng.integers(0, 32000, 1990).tolist()
-        contexts.append(base + base[500:510])
-    t0 = time.perf_counter()
-    for i, ctx in enumerate(contexts):
-        assert p.propose(str(i), ctx, 1000, 5) == ctx[510:515]
-    t1 = time.perf_counter()
-    for step in range(16):
-        for i, ctx in enumerate(contexts):
-            ctx.append(ctx[510 + step])
-            assert p.propose(str(i), ctx, 1000, 5) == ctx[511 + step : 516 + step]
-    t2 = time.perf_counter()
-    print(f"ngram: first call {1e3 * (t1 - t0):.1f} ms, {1e3 * (t2 - t1) / 16:.1f} ms per step")
-    for i, ctx in enumerate(contexts):
-        p.finish(str(i), ctx, 1000)
+    run_engine_shape(p, rng, "ngram")
     assert p.num_requests == 0

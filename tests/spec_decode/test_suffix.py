@@ -7,13 +7,13 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import time
 
 import numpy as np
 import pytest
 
 from pagedllm.spec_decode import SpeculativeConfig, make_proposer
 from pagedllm.spec_decode.suffix import SuffixProposer, _CacheTrie, _RequestTrie
+from tests.spec_decode.engine_shape import run_engine_shape
 
 Seqs = list[tuple[int, list[int]]]  # (sequence number, tokens), the recency order of the refs
 
@@ -299,27 +299,11 @@ def test_a_rewritten_request_starts_over() -> None:
 
 
 def test_256_requests_of_2000_tokens() -> None:
-    """The engine's shape: 256 running requests with 2,000-token contexts, 16 decode steps of
-    one token, a global trie of 64 finished outputs; each context ends by copying an earlier
-    passage, so every draft is known. The time is printed, not asserted."""
+    """The engine's shape (``engine_shape.py``) beside a global trie of 64 finished outputs:
+    every draft right, every request's output cached at its end."""
     rng = np.random.default_rng(0)
     p = _proposer(num_speculative_tokens=5)
     for i in range(64):
         p.finish(f"done{i}", rng.integers(0, 32000, 600).tolist(), 100)
-    contexts = []
-    for _ in range(256):
-        base = rng.integers(0, 32000, 1990).tolist()
-        contexts.append(base + base[500:510])
-    t0 = time.perf_counter()
-    for i, ctx in enumerate(contexts):
-        assert p.propose(str(i), ctx, 1000, 5) == ctx[510:515]
-    t1 = time.perf_counter()
-    for step in range(16):
-        for i, ctx in enumerate(contexts):
-            ctx.append(ctx[510 + step])
-            assert p.propose(str(i), ctx, 1000, 5) == ctx[511 + step : 516 + step]
-    t2 = time.perf_counter()
-    print(f"suffix: first call {1e3 * (t1 - t0):.0f} ms, {1e3 * (t2 - t1) / 16:.1f} ms per step")
-    for i, ctx in enumerate(contexts):
-        p.finish(str(i), ctx, 1000)
+    run_engine_shape(p, rng, "suffix")
     assert p.num_requests == 0 and p.num_cached_requests == 64 + 256
