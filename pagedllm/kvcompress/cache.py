@@ -296,12 +296,14 @@ class HeadPagedCache:
         rows: np.ndarray,  # [B] rows to compress
         budgets: np.ndarray,  # [B] KVs each may keep in its compressible heads
         protect_from: np.ndarray,  # [B] positions >= this are never evicted
+        keep_below: np.ndarray,  # [B] positions < this are never evicted (a shared prefix)
         max_len: int,  # a bound on every head's length
         max_moves: int,  # a bound on the KVs compaction moves (evict.move_bound, summed)
     ) -> torch.Tensor:
         """Evict down to the budgets and compact; returns the new lengths [B, LH] (on the
         device) and updates ``lens``. No host sync."""
-        rows_t, budgets_t, protect_t = self.ship(rows, budgets, protect_from)
+        sinks = np.maximum(np.asarray(keep_below, dtype=np.int64), self.kvc.num_sinks)
+        rows_t, budgets_t, protect_t, sinks_t = self.ship(rows, budgets, protect_from, sinks)
         width = min(self.max_blocks, cdiv(max_len, self.block_size))
         tables = self.tables[rows_t, :, :width]
         lens = self.lens[rows_t]
@@ -315,7 +317,7 @@ class HeadPagedCache:
             self.compressible,
             max_len,
             self.block_size,
-            self.kvc.num_sinks,
+            sinks_t,
             self.kvc.method,
             self.generator,
         )

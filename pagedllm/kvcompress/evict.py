@@ -54,7 +54,7 @@ def plan_eviction(
     compressible: torch.Tensor,  # [LH] bool
     max_len: int,
     block_size: int,
-    num_sinks: int = 0,
+    num_sinks: int | torch.Tensor = 0,  # positions below are never evicted ([B] or one)
     method: str = "kvcompress",
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,7 +68,7 @@ def plan_eviction(
         valid
         & compressible[None, :, None]
         & (pos < protect_from[:, None, None])
-        & (pos >= num_sinks)
+        & (pos >= (num_sinks[:, None, None] if torch.is_tensor(num_sinks) else num_sinks))
     )
     if method == "random":
         sc = torch.rand(slots.shape, generator=generator, device=slots.device)

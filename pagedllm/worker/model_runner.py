@@ -643,12 +643,15 @@ class ModelRunner:
         rows = np.array([ib.req_id_to_row[rid] for rid in ids], dtype=np.int64)
         budgets = np.array([e.budget for e in plan], dtype=np.int64)
         protect = np.array([e.protect_from for e in plan], dtype=np.int64)
+        keep = np.array([e.keep_below for e in plan], dtype=np.int64)
         max_len = max(e.max_head_len for e in plan)
         bs, method = self.kvc.block_size, self.kvc.kvc.method
         max_moves = sum(move_bound(e.held, e.budget, bs, method) for e in plan)
         timer = self._timing_start()
         with torch.inference_mode():
-            lens = self.kvc.compress(rows, budgets, protect, max(max_len, 1), max(max_moves, 1))
+            lens = self.kvc.compress(
+                rows, budgets, protect, keep, max(max_len, 1), max(max_moves, 1)
+            )
         timer = self._timing_end(timer)
         if timer is not None:
             self.compress_events.append(timer)

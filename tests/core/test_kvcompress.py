@@ -86,6 +86,143 @@ def test_fork_shares_then_copies_on_write():
     assert kv.is_idle_clean()
 
 
+# ---------------------------------------------------------------------- prefix caching
+
+
+def _tok_req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=8))
+
+
+def _start(kv: HeadPagedKVCacheManager, r: Request) -> int:
+    """Admit a request as the scheduler does: its prefix hit, then its whole prompt."""
+    hit, n = kv.get_computed_blocks(r)
+    assert kv.allocate_slots(r, r.num_tokens - n, hit) is not None
+    r.num_computed_tokens = r.num_tokens
+    return n
+
+
+def test_prefix_hit_shares_every_heads_blocks_and_parks_them_when_free():
+    kv = HeadPagedKVCacheManager(_spec(), num_blocks=100, enable_caching=True)
+    base = list(range(3, 13))  # 10 tokens: 2 full blocks of 4
+    a = _tok_req("a", base)
+    assert _start(kv, a) == 0 and len(kv.cache) == 2  # its full blocks are registered
+    b = _tok_req("b", base[:8] + [99, 98, 97])
+    assert kv.can_allocate(b, 100)
+    assert _start(kv, b) == 8
+    ta, tb = kv.get_block_table("a")[0].table, kv.get_block_table("b")[0].table
+    assert np.array_equal(ta[:, :2], tb[:, :2])  # the same 2 blocks in each of the 6 heads
+    assert not np.intersect1d(ta[:, 2:], tb[:, 2:]).size
+    assert kv.num_free_blocks() == 100 - 18 - 6  # b took one new block per head
+    assert kv.prefix_tokens("b") == 8
+    assert kv.held_kvs("b") == 11 * 6 - 8 * 6  # the budget counts what follows the prefix
+    kv.check_integrity()
+    kv.free(a)
+    kv.free(b)
+    kv.check_integrity()
+    # nobody holds the entries: parked, counted free, still hit
+    assert len(kv.parked) == 2 and kv.is_idle_clean()
+    c = _tok_req("c", base[:8] + [5])
+    assert kv.num_cached_prefix_tokens(c) == 8
+    # a request that needs every block takes the parked ones (the cache forgets them)
+    d = _tok_req("d", list(range(500, 564)))  # 64 tokens: 16 blocks x 6 heads = 96
+    assert kv.allocate_slots(d, 64) is not None
+    assert not kv.parked and kv.num_free_blocks() == 4
+    assert kv.num_cached_prefix_tokens(c) == 0 and len(kv.cache) == 16  # d's own blocks
+    kv.check_integrity()
+
+
+def test_settle_prefix_keeps_what_others_hold_and_uncaches_the_rest():
+    kv = HeadPagedKVCacheManager(_spec(), num_blocks=200, enable_caching=True)
+    base = list(range(3, 16))  # 13 tokens: 3 full blocks
+    a = _tok_req("a", base)
+    _start(kv, a)
+    assert len(kv.cache) == 3
+    b = _tok_req("b", base[:4] + [77] * 3)  # shares a's first block only
+    assert _start(kv, b) == 4
+    # before a's first eviction: block 0 is held by b too (protected), blocks 1-2 leave
+    assert kv.settle_prefix(a) == 4
+    assert len(kv.cache) == 1 and kv.prefix_tokens("a") == 4
+    assert kv.held_kvs("a") == (13 - 4) * 6
+    kv.check_integrity()
+    # a is frozen: later steps register nothing; a new request hits the shared block only
+    assert kv.allocate_slots(a, 4) is not None
+    a.num_computed_tokens += 4
+    assert len(kv.cache) == 1
+    assert kv.num_cached_prefix_tokens(_tok_req("c", base + [1])) == 4
+    # a request alone with its blocks: nothing protected, nothing left cached
+    e = _tok_req("e", list(range(300, 312)))
+    _start(kv, e)
+    assert kv.settle_prefix(e) == 0 and len(kv.cache) == 1
+    for r in (a, b, e):
+        kv.free(r)
+    kv.check_integrity()
+    assert kv.is_idle_clean() and len(kv.parked) == 1
+
+
+def test_fork_copies_only_past_the_shared_prefix_and_swap_waits_for_sharers():
+    kv = HeadPagedKVCacheManager(
+        _spec(layers=1), num_blocks=60, num_host_blocks=60, enable_caching=True
+    )
+    base = list(range(3, 15))  # 12 tokens
+    a = _tok_req("a", base)
+    _start(kv, a)
+    p = _tok_req("p", base[:8] + [50, 51, 52])
+    assert _start(kv, p) == 8  # 2 shared blocks per head, 1 own
+    child = _tok_req("c", list(p.all_token_ids))
+    kv.fork(p, child)
+    child.num_computed_tokens = p.num_computed_tokens
+    kv.check_integrity()
+    assert kv.allocate_slots(child, 1) is not None
+    copies = kv.take_pending_copies()
+    assert len(copies) == 2  # the own block of each of the 2 heads; the prefix stays shared
+    assert kv.prefix_tokens("c") == 8
+    kv.check_integrity()
+    # swapping out a request that shares blocks would copy shared KVs: refused (recompute)
+    assert kv.swap_out(p) is None
+    kv.free(a)
+    kv.free(child)
+    pairs = kv.swap_out(p)  # alone now: swapped, its cached blocks stay cached (parked)
+    assert pairs is not None and len(pairs) == 6
+    assert len(kv.parked) == 3  # a's own third block, and the 2 p shared with a
+    kv.check_integrity()
+    p.swapped = True
+    assert kv.swap_in(p) is not None
+    kv.check_integrity()
+    kv.free(p)
+    assert kv.is_idle_clean()
+
+
+def test_shared_prefix_is_neither_evicted_nor_moved():
+    """Positions below a row's ``num_sinks`` (its shared cached prefix, logical 0..P-1 in
+    every head) keep their slots' K, V, score and position through eviction and compaction."""
+    rng = np.random.default_rng(3)
+    lens = rng.integers(20, 40, size=(2, 4))
+    tables, lens_t, scores, positions, kv = _cache(lens, 3)
+    prefix = np.array([8, 12])
+    slots0, _ = head_slots(tables, lens_t, int(lens.max()), BS)
+    for i in range(2):  # the prefix in place: logical x holds position x; the rest shuffled
+        for h in range(4):
+            n = int(lens[i, h])
+            p = int(prefix[i])
+            order = np.concatenate([np.arange(p), p + rng.permutation(n - p)])
+            positions[slots0[i, h, :n]] = torch.from_numpy(order).to(torch.int32)
+    scores[:] = 0.0  # the prefix would be the cheapest to evict
+    before = [kv.clone(), scores.clone(), positions.clone()]
+    budget = torch.tensor([0, 0])
+    evict, order, slots, valid = plan_eviction(
+        scores, positions, tables, lens_t, budget, torch.from_numpy(lens.max(1)),
+        torch.ones(4, dtype=torch.bool), int(lens.max()), BS, torch.from_numpy(prefix),
+    )  # fmt: skip
+    bound = sum(move_bound(int(lens[i].sum()), 0, BS, "kvcompress") for i in range(2))
+    new_lens = compact(kv, scores, positions, evict, order, slots, valid, lens_t, bound, SPARE)
+    for i in range(2):
+        p = int(prefix[i])
+        assert bool((new_lens[i] >= p).all()) and bool((evict[i] > 0).any())
+        held = slots0[i, :, :p].reshape(-1)
+        for got, was in zip((kv[:, held], scores[held], positions[held]), before):
+            assert torch.equal(got, was[:, held] if was.dim() == 3 else was[held])
+
+
 # --------------------------------------------------------------------------- eviction
 
 

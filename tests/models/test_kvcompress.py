@@ -281,20 +281,72 @@ def test_compress_at_a_prefix_then_teacher_force(tiny_models):
     assert evicted > 0 and not np.allclose(small, full, atol=1e-3)
 
 
-def test_prefix_caching_is_off_with_kvc(tiny_models, reference):
-    """A compressing request takes no shared blocks: with prefix caching asked for, the same
-    prompt twice gets no hit and the same tokens."""
-    prompt = _prompts()[5]
-    llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True,
-              enable_prefix_caching=True)  # fmt: skip
+def _tail(i: int) -> list[int]:
+    """A 32-token suffix, different for each i."""
+    return [(7 * i + 11 * j) % 400 + 3 for j in range(32)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_prefix_hit_without_eviction_equals_no_cache(arch, tiny_models):
+    """Prefix caching with KV-Compress: prompts that share 48 tokens with an earlier one take
+    its blocks in every (layer, head); with nothing evicted the tokens equal an engine's
+    without the cache."""
+    base = _prompts()[5]  # 64 tokens
+    later = [base[:48] + _tail(i) for i in range(3)]
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    first = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
-    second = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
-    expected = reference("llama")[0][5]
-    assert first[0].outputs[0].token_ids == second[0].outputs[0].token_ids == expected
-    kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
-    assert kv.prefix_cache_hits == 0 and not kv.enable_caching
-    assert second[0].num_cached_tokens == 0
+    runs = {}
+    for caching in (False, True):
+        llm = LLM(tiny_models(arch), dtype="float32", max_model_len=256, enable_kvc=True,
+                  enable_prefix_caching=caching)  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": base}], sp, use_tqdm=False)
+        outs += llm.generate([{"prompt_token_ids": p} for p in later], sp, use_tqdm=False)
+        core = llm.llm_engine.engine_core
+        core.check_integrity()
+        runs[caching] = outs
+        kv = core.scheduler.kv_cache_manager
+        assert kv.enable_caching == caching and kv.is_idle_clean()
+    assert [o.outputs[0].token_ids for o in runs[True]] == [
+        o.outputs[0].token_ids for o in runs[False]
+    ]
+    assert [o.num_cached_tokens for o in runs[True]] == [0, 48, 48, 48]
+    assert all(o.num_cached_tokens == 0 for o in runs[False])
+
+
+def test_shared_prefix_survives_the_evictions_of_its_sharers(tiny_models):
+    """Four requests share a 48-token prefix and each evicts down to 8 KVs a head: the
+    prefix's blocks are never evicted nor moved (their KVs sit outside every budget), so a
+    later request that hits them decodes exactly as after a sharer that evicted nothing."""
+    prefix = _prompts()[5][:48]
+    probe = prefix + _tail(9)
+    small = SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, max_cache_tokens=8,
+        protected_window_size=4,
+    )  # fmt: skip
+
+    def probe_after(warm: list[list[int]], sp: SamplingParams):
+        llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True)
+        core = llm.llm_engine.engine_core
+        kv = core.scheduler.kv_cache_manager
+        kv.eviction_log = []
+        llm.generate([{"prompt_token_ids": p} for p in warm], sp, use_tqdm=False)
+        evicted = kv.num_evicted_kvs
+        heads = int(kv.compressible.sum())
+        # evictions happened, and never below the shared prefix (48 KVs in every head)
+        if kv.eviction_log:
+            assert min(after for _, _, after in kv.eviction_log) >= 48 * heads
+            assert any(after < before for _, before, after in kv.eviction_log)
+        out = llm.generate([{"prompt_token_ids": probe}], small, use_tqdm=False)[0]
+        core.check_integrity()
+        assert kv.is_idle_clean()
+        return out, evicted
+
+    got, evicted = probe_after([prefix + _tail(i) for i in range(4)], small)
+    assert evicted > 0
+    plain = SamplingParams(temperature=0.0, max_tokens=1)
+    want, evicted = probe_after([prefix + _tail(0)], plain)
+    assert evicted == 0
+    assert got.num_cached_tokens == want.num_cached_tokens == 48
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
 
 
 def test_cli_flags():

@@ -17,11 +17,14 @@ def make_kv_cache_manager(
     """One group of full-attention layers (or no groups given): the single-table
     ``KVCacheManager``, exactly the layout of a model without windows. Otherwise (a
     sliding-window group, or several groups): ``HybridKVCacheManager``. KV-Compress (a
-    ``HeadPagedSpec``): ``HeadPagedKVCacheManager``, per-head tables and no prefix cache."""
+    ``HeadPagedSpec``): ``HeadPagedKVCacheManager``, per-head tables, its prefix cache
+    protecting what requests share."""
     if kv_groups is not None and kv_groups.head_paged is not None:
         from pagedllm.core.kv_cache.head_paged import HeadPagedKVCacheManager
 
-        return HeadPagedKVCacheManager(kv_groups.head_paged, num_blocks, num_host_blocks)
+        return HeadPagedKVCacheManager(
+            kv_groups.head_paged, num_blocks, num_host_blocks, enable_caching
+        )
     if kv_groups is None or (kv_groups.num_groups == 1 and not kv_groups.is_hybrid):
         from pagedllm.core.kv_cache.manager import KVCacheManager
 

@@ -19,8 +19,15 @@ every evicted head's survivors into its first blocks and returns the new per-hea
 ``apply_compaction`` gives back the blocks past them.
 
 Decisions (see docs/ARCHITECTURE.md, "KV-Compress"):
-- No prefix cache: a compressing request takes no shared blocks (its prompt KVs are rewritten
-  by compaction). ``enable_caching`` is off whatever the engine's flag.
+- Prefix caching (``enable_caching``): an entry is one full block of tokens in EVERY head,
+  ``ids`` [LH] (before any eviction each head holds the same tokens). A request registers its
+  full blocks while it has never been evicted from; a hit puts the entries' ids in the first
+  columns of the new request's table. The cached prefix a request shares is protected: its
+  KVs are never evicted nor moved (they sit at logical indices 0..P-1 in every head, the
+  eviction treats positions < P like sinks) and its budget counts only the KVs after it.
+  Before a request's first eviction (``settle_prefix``) its registered blocks that another
+  request also holds join its protected prefix; the rest leave the cache, since compaction
+  will rewrite them. Entries nobody holds stay cached (LRU) until their blocks are needed.
 - Forks (n > 1) share the parent's blocks (ref counts); a request holding shared blocks copies
   them all into private ones at its next allocation (``take_pending_copies``), so each sequence
   then compresses its own blocks.
@@ -29,11 +36,14 @@ Decisions (see docs/ARCHITECTURE.md, "KV-Compress"):
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from pagedllm.core.kv_cache.block import BlockHash
+from pagedllm.core.kv_cache.hashing import hash_request_blocks
 from pagedllm.core.kv_cache.interface import KVCacheManagerBase
 from pagedllm.core.kv_cache.spec import HeadPagedSpec, cdiv
 from pagedllm.core.request import Request
@@ -86,14 +96,23 @@ class _IdPool:
     def release(self, ids: np.ndarray) -> None:
         """Drop one reference of each id (distinct ids: the blocks of one request's table);
         ids at 0 go back on the stack."""
+        self.push(self.drop(ids))
+
+    def drop(self, ids: np.ndarray) -> np.ndarray:
+        """Drop one reference of each (distinct) id; returns those now at 0, not yet free."""
         if len(ids) == 0:
-            return
+            return ids
         self.ref[ids] -= 1
-        dead = ids[self.ref[ids] == 0]
+        return ids[self.ref[ids] == 0]
+
+    def push(self, dead: np.ndarray) -> None:
+        """Ids at reference 0 back on the stack."""
         self.stack[self.num_free : self.num_free + len(dead)] = dead[::-1]
         self.num_free += len(dead)
 
-    def check(self, held: np.ndarray) -> None:
+    def check(self, held: np.ndarray, parked: int = 0) -> None:
+        """Ref counts equal the tables' holdings; ``parked`` blocks are at 0 but not free (a
+        prefix cache's unused entries)."""
         refs = np.bincount(held, minlength=self.num_blocks)
         assert np.array_equal(self.ref, refs), (
             "a block's ref count differs from the tables holding it"
@@ -101,7 +120,7 @@ class _IdPool:
         free = self.stack[: self.num_free]
         assert len(np.unique(free)) == self.num_free, "a block is free twice"
         assert not np.any(self.ref[free]), "a free block is referenced"
-        assert int((self.ref > 0).sum()) + self.num_free == self.num_blocks
+        assert int((self.ref > 0).sum()) + self.num_free + parked == self.num_blocks
 
 
 class _HeadState:
@@ -122,6 +141,13 @@ class _HeadState:
         # Decode steps check it instead of the [LH] arithmetic (Example: bs 16, lens all 600,
         # nblocks all 38 -> room 8: the next 8 steps need no block and cost a scalar test).
         self.room = 0
+        # prefix caching: its leading blocks shared through the cache (protected: never
+        # evicted, outside the budget); the leading blocks considered for registration so far;
+        # frozen: registers nothing more (evicted from, forked or swapped: its table no
+        # longer holds the blocks' plain tokens)
+        self.prefix_blocks = 0
+        self.registered = 0
+        self.frozen = False
 
     @property
     def lens(self) -> np.ndarray:
@@ -149,17 +175,30 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
     """Per-(request, layer, KV head) block tables over one pool of one-head blocks (see the
     module docstring)."""
 
-    def __init__(self, spec: HeadPagedSpec, num_blocks: int, num_host_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        spec: HeadPagedSpec,
+        num_blocks: int,
+        num_host_blocks: int = 0,
+        enable_caching: bool = False,
+    ) -> None:
         self.spec = spec
         self.block_size = spec.block_size
         self.num_heads = spec.num_heads_total  # LH
         # head lh = l * H + h is compressible when its layer is
         self.compressible = np.repeat(np.asarray(spec.compressible, dtype=bool), spec.num_kv_heads)
-        self.enable_caching = False
+        self.enable_caching = enable_caching
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_cow_copies = 0
         self.pool = _IdPool(num_blocks)
+        # the prefix cache: block hash -> ids [LH] (one block per head); which ids are in an
+        # entry; an entry's first id -> its hash; entries no request holds, oldest first
+        self.cache: dict[BlockHash, np.ndarray] = {}
+        self.in_cache = np.zeros(num_blocks, dtype=bool)
+        self.key_of: dict[int, BlockHash] = {}
+        self.parked: OrderedDict[BlockHash, None] = OrderedDict()
+        self.req_hashes: dict[str, list[BlockHash]] = {}
         self.host_pool = _IdPool(num_host_blocks) if num_host_blocks else None
         self.states: dict[str, _HeadState] = {}
         self.swapped: dict[str, np.ndarray] = {}  # request -> host ids, in held() order
@@ -180,10 +219,12 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.pool.num_free / max(1, self.pool.num_blocks)
+        return 1.0 - self.num_free_blocks() / max(1, self.pool.num_blocks)
 
     def num_free_blocks(self) -> int:
-        return self.pool.num_free
+        """Free blocks, counting those of cached entries no request holds (taken back from
+        the cache, least recently used first, when needed)."""
+        return self.pool.num_free + len(self.parked) * self.num_heads
 
     def token_capacity(self) -> int:
         """Tokens one request can hold uncompressed (its prompt is computed before any
@@ -191,10 +232,50 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         return (self.pool.num_blocks // self.num_heads) * self.block_size
 
     def is_idle_clean(self) -> bool:
-        return self.pool.num_free == self.pool.num_blocks
+        return self.num_free_blocks() == self.pool.num_blocks
 
     def reset_prefix_cache(self) -> bool:
-        return True  # nothing is ever cached
+        """Forget every cached entry; False (and nothing done) while a request holds one."""
+        if len(self.parked) != len(self.cache):
+            return False
+        while self.parked:
+            self._evict_entry(self.parked.popitem(last=False)[0])
+        return True
+
+    # ------------------------------------------------------------- block supply
+    def _take(self, n: int) -> np.ndarray | None:
+        """``n`` free block ids (refs 1), taking parked cache entries' blocks (oldest first)
+        when the stack is short; None (nothing changed) when even they are too few."""
+        if n > self.num_free_blocks():
+            return None
+        while self.pool.num_free < n:
+            self._evict_entry(self.parked.popitem(last=False)[0])
+        return self.pool.take(n)
+
+    def _evict_entry(self, key: BlockHash) -> None:
+        """Drop a parked entry from the cache: its blocks become free."""
+        ids = self.cache.pop(key)
+        self._uncache(ids)
+        self.pool.push(ids)
+
+    def _uncache(self, ids: np.ndarray) -> None:
+        self.in_cache[ids] = False
+        del self.key_of[int(ids[0])]
+
+    def _release(self, ids: np.ndarray) -> None:
+        """Drop one reference of each id; blocks of cached entries nobody holds any more are
+        parked (still cached), the others freed. The ids are in ``held()`` order (head 0's
+        blocks first, in table order), so a request's tail entries are parked first and
+        leave the cache first."""
+        dead = self.pool.drop(ids)
+        if not self.key_of or len(dead) == 0:
+            self.pool.push(dead)
+            return
+        cached = self.in_cache[dead]
+        self.pool.push(dead[~cached])
+        keys = [self.key_of[i] for i in dead[cached].tolist() if i in self.key_of]
+        for key in reversed(keys):
+            self.parked[key] = None
 
     def _blocks_for(self, state: _HeadState | None, num_new: int) -> np.ndarray:
         """New blocks per head for ``num_new`` more tokens (the module docstring's rule)."""
@@ -213,30 +294,112 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         """Blocks missing from the pool for ``num_new`` more tokens of the request (0: it
         fits)."""
         need = self._num_blocks_for(self.states.get(request.request_id), num_new)
-        return max(need - self.pool.num_free, 0)
+        return max(need - self.num_free_blocks(), 0)
+
+    def _shared_mask(self, state: _HeadState) -> np.ndarray:
+        """[LH, width] the fork-shared blocks a request must copy before writing: held, held
+        by another request too, and past its protected cached prefix."""
+        cols = np.arange(state.table.shape[1])[None, :]
+        held = (cols >= state.prefix_blocks) & (cols < state.nblocks[:, None])
+        return held & (self.pool.ref[state.table] > 1)
 
     def _copy_need(self, state: _HeadState | None) -> int:
         """Blocks a request holding shared blocks needs for its private copies."""
         if state is None or not state.shared:
             return 0
-        held = state.held()
-        return int((self.pool.ref[held] > 1).sum())
+        return int(self._shared_mask(state).sum())
 
     def can_allocate(self, request: Request, budget: int) -> bool:
         rid = request.request_id
         state = self.states.get(rid)
+        if state is None and not request.swapped:
+            hit = self._lookup(request)
+            start = len(hit) * self.block_size
+            chunk = min(request.num_tokens - start, budget)
+            parked = sum(key in self.parked for key in hit) * self.num_heads
+            return self._num_blocks_for(None, chunk) + parked <= self.num_free_blocks()
         chunk = min(request.num_tokens - request.num_computed_tokens, budget)
         need = self._num_blocks_for(state, chunk)
         # a swapped request first needs its blocks back; a fork, copies of the shared ones
         need += len(self.swapped[rid]) if request.swapped else self._copy_need(state)
-        return need <= self.pool.num_free
+        return need <= self.num_free_blocks()
 
     # -------------------------------------------------------------- prefix cache
-    def num_cached_prefix_tokens(self, request: Request) -> int:
-        return 0
+    def _hashes(self, request: Request) -> list[BlockHash]:
+        """The chained hashes of the request's full blocks (kept until it is freed, extended
+        as it grows)."""
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        return hash_request_blocks(
+            request.all_token_ids, self.block_size, hashes, getattr(request, "cache_salt", None)
+        )
 
-    def get_computed_blocks(self, request: Request) -> tuple[None, int]:
-        return None, 0
+    def _lookup(self, request: Request) -> list[BlockHash]:
+        """The cached entries that start the request's tokens (at most ``num_tokens - 1``
+        tokens: the last is always computed, for its logits)."""
+        if not self.uses_prefix_cache(request) or not self.cache:
+            return []
+        hit = []
+        for key in self._hashes(request)[: (request.num_tokens - 1) // self.block_size]:
+            if key not in self.cache:
+                break
+            hit.append(key)
+        return hit
+
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        """Tokens a prefix hit would give the request now (no side effects)."""
+        return len(self._lookup(request)) * self.block_size
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[BlockHash], int]:
+        """The cached entries that start the request (for ``allocate_slots``) and the tokens
+        they hold."""
+        hit = self._lookup(request)
+        return hit, len(hit) * self.block_size
+
+    def _register(self, request: Request, state: _HeadState) -> None:
+        """Cache the request's blocks that are full of known tokens (every head holds the same
+        tokens until its first eviction). A block whose hash another request's entry already
+        has stays private."""
+        if state.frozen or not self.uses_prefix_cache(request):
+            return
+        num_full = min(state.num_tokens, request.num_tokens) // self.block_size
+        if num_full <= state.registered:
+            return
+        hashes = self._hashes(request)
+        for i in range(state.registered, num_full):
+            key = hashes[i]
+            if key in self.cache:
+                continue
+            ids = state.table[:, i].astype(np.int64)
+            self.cache[key] = ids
+            self.in_cache[ids] = True
+            self.key_of[int(ids[0])] = key
+        state.registered = num_full
+
+    def settle_prefix(self, request: Request) -> int:
+        """Before an eviction: the request's protected prefix (tokens). Its registered blocks
+        that another request also holds (a prefix hit on them) join it; its other registered
+        blocks leave the cache (the eviction rewrites them), and it registers nothing more.
+
+        Example: bs 16, a hit of 2 blocks, blocks 2-5 registered by the request, block 2 also
+        held by a later request -> prefix 3 blocks (48 tokens); blocks 3-5 uncached."""
+        state = self.states.get(request.request_id)
+        if state is None:
+            return 0
+        k = state.prefix_blocks
+        ref, first = self.pool.ref, state.table[0]
+        while k < state.registered and self.in_cache[first[k]] and ref[first[k]] > 1:
+            k += 1
+        for i in range(k, state.registered):
+            if self.in_cache[first[i]]:
+                self._uncache(self.cache.pop(self.key_of[int(first[i])]))
+        state.prefix_blocks = state.registered = k
+        state.frozen = True
+        return k * self.block_size
+
+    def prefix_tokens(self, request_id: str) -> int:
+        """Tokens of the request's protected cached prefix (see ``settle_prefix``)."""
+        state = self.states.get(request_id)
+        return 0 if state is None else state.prefix_blocks * self.block_size
 
     # ---------------------------------------------------------------- allocation
     def allocate_slots(
@@ -246,9 +409,10 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         new_computed_blocks: object = None,
         num_lookahead_tokens: int = 0,
     ) -> HeadBlocks | None:
-        """Room for ``num_new_tokens`` (+ lookahead) more KVs in every head; the new table
-        entries, or None (nothing changed) when the pool is short. A request holding shared
-        blocks (a fork) first gets private copies of them."""
+        """Room for ``num_new_tokens`` (+ lookahead) more KVs in every head, after the cached
+        entries ``new_computed_blocks`` of a prefix hit (a new request); the new table entries,
+        or None (nothing changed) when the pool is short. A request holding shared blocks (a
+        fork) first gets private copies of them."""
         rid = request.request_id
         state = self.states.get(rid)
         n = num_new_tokens + num_lookahead_tokens
@@ -258,23 +422,31 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
             state.num_tokens += num_new_tokens
             state.room -= n
             return _NO_BLOCKS
+        # a hit of whole blocks needs, per head, the blocks of n tokens after it, as no hit
         need = self._blocks_for(state, n)
         total = int(need.sum())
         copies = self._copy_need(state)
-        if total + copies > self.pool.num_free:
+        hit: list = list(new_computed_blocks or []) if state is None else []
+        parked = sum(key in self.parked for key in hit) * self.num_heads
+        if total + copies + parked > self.num_free_blocks():
             return None
         if state is None:
             max_blocks = cdiv(max(request.num_tokens, 1) + n, self.block_size) + 1
             state = self.states[rid] = _HeadState(self.num_heads, max_blocks)
+            if hit:
+                self._attach_hit(request, state, hit)
         if copies:
             self._unshare(rid, state)
+        else:
+            state.shared = False  # its siblings are gone (or hold only its cached prefix)
         state.pending = n
         if total == 0:
             state.lens += n
             state.num_tokens += num_new_tokens
             state.refresh_room(self.block_size)
+            self._register(request, state)
             return _NO_BLOCKS
-        ids = self.pool.take(total)
+        ids = self._take(total)
         assert ids is not None
         width = int((state.nblocks + need).max())
         if width > state.table.shape[1]:
@@ -290,18 +462,30 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         state.lens += n
         state.num_tokens += num_new_tokens
         state.refresh_room(self.block_size)
+        self._register(request, state)
         return HeadBlocks(lh, index, ids.astype(np.int64))
+
+    def _attach_hit(self, request: Request, state: _HeadState, hit: list[BlockHash]) -> None:
+        """A new request's table starts with the hit entries' blocks (one more reference
+        each; parked entries are taken back from the LRU)."""
+        k = len(hit)
+        ids = np.stack([self.cache[key] for key in hit], axis=1)  # [LH, k]
+        for key in hit:
+            self.parked.pop(key, None)
+        self.pool.ref[ids.reshape(-1)] += 1
+        state.table[:, :k] = ids
+        state.nblocks[:] = k
+        state.lens = np.full(self.num_heads, k * self.block_size, dtype=np.int64)
+        state.num_tokens = k * self.block_size
+        state.prefix_blocks = state.registered = k
 
     def _unshare(self, rid: str, state: _HeadState) -> None:
         """Copy every block this request shares into a private one (copy-on-write)."""
-        cols = np.arange(state.table.shape[1])[None, :]
-        held = cols < state.nblocks[:, None]
-        shared = held & (self.pool.ref[state.table] > 1)
-        lh, index = np.nonzero(shared)
+        lh, index = np.nonzero(self._shared_mask(state))
         src = state.table[lh, index].astype(np.int64)
-        dst = self.pool.take(len(src))
+        dst = self._take(len(src))
         assert dst is not None
-        self.pool.release(src)
+        self._release(src)
         state.table[lh, index] = dst
         self.pending_copies.extend(zip(src.tolist(), dst.tolist()))
         self.num_cow_copies += len(src)
@@ -336,22 +520,27 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         return state.lens - (state.num_tokens - request.num_computed_tokens)
 
     def held_kvs(self, request_id: str) -> int:
-        """KVs the request holds in compressible heads (what its budget counts)."""
+        """KVs the request holds in compressible heads after its protected cached prefix
+        (what its budget counts)."""
         state = self.states.get(request_id)
-        return 0 if state is None else int(state.lens[self.compressible].sum())
+        if state is None:
+            return 0
+        prefix = state.prefix_blocks * self.block_size * int(self.compressible.sum())
+        return int(state.lens[self.compressible].sum()) - prefix
 
     def head_extent(self, request_id: str) -> tuple[int, int]:
-        """(the longest head's KVs, KVs in compressible heads) of a request, as allocated."""
+        """(the longest head's KVs, ``held_kvs``) of a request, as allocated."""
         state = self.states.get(request_id)
         if state is None:
             return 0, 0
-        return int(state.lens.max()), int(state.lens[self.compressible].sum())
+        return int(state.lens.max()), self.held_kvs(request_id)
 
     def free(self, request: Request) -> None:
         rid = request.request_id
+        self.req_hashes.pop(rid, None)
         state = self.states.pop(rid, None)
         if state is not None:
-            self.pool.release(state.held().astype(np.int64))
+            self._release(state.held().astype(np.int64))
         host = self.swapped.pop(rid, None)
         if host is not None and self.host_pool is not None:
             self.host_pool.release(host)
@@ -359,12 +548,16 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         self.kept_kvs.pop(rid, None)
 
     def fork(self, parent: Request, child: Request) -> None:
-        """The child shares every block of the parent; each copies the shared blocks into
-        private ones at its next allocation."""
+        """The child shares every block of the parent; each copies the shared blocks past
+        their protected cached prefix into private ones at its next allocation. The parent's
+        prefix is settled first (``settle_prefix``): neither registers more blocks."""
         src = self.states.get(parent.request_id)
         if src is None:
             return
+        self.settle_prefix(parent)
         state = _HeadState(self.num_heads, src.table.shape[1])
+        state.prefix_blocks = state.registered = src.prefix_blocks
+        state.frozen = True
         state.table[:] = src.table
         state.nblocks[:] = src.nblocks
         state.lens[:] = src.lens
@@ -397,7 +590,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         cols = np.arange(state.table.shape[1])[None, :]
         gone = (cols >= keep[:, None]) & (cols < state.nblocks[:, None])
         freed = state.table[gone].astype(np.int64)
-        self.pool.release(freed)
+        self._release(freed)
         state.nblocks = np.minimum(state.nblocks, keep)
         state.lens = new_lens
         state.refresh_room(self.block_size)
@@ -415,13 +608,14 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         state = self.states.get(rid)
         if state is None or self.host_pool is None:
             return None
-        if state.shared:
-            return None  # shared blocks stay on the device: recompute instead
         held = state.held().astype(np.int64)
+        if np.any(self.pool.ref[held] > 1):
+            return None  # shared blocks stay on the device: recompute instead
         host = self.host_pool.take(len(held))
         if host is None:
             return None
-        self.pool.release(held)
+        self._release(held)  # cached entries among them stay cached (parked)
+        state.frozen = True  # it comes back in other blocks
         self.swapped[rid] = host.astype(np.int64)
         return list(zip(held.tolist(), host.tolist()))
 
@@ -429,7 +623,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         rid = request.request_id
         state = self.states[rid]
         host = self.swapped[rid]
-        dev = self.pool.take(len(host))
+        dev = self._take(len(host))
         if dev is None:
             return None
         cols = np.arange(state.table.shape[1])[None, :]
@@ -445,7 +639,12 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         head's blocks cover its KVs."""
         live = [s for rid, s in self.states.items() if rid not in self.swapped]
         held = np.concatenate([s.held() for s in live]) if live else np.zeros(0, np.int32)
-        self.pool.check(held.astype(np.int64))
+        self.pool.check(held.astype(np.int64), len(self.parked) * self.num_heads)
+        assert int(self.in_cache.sum()) == len(self.cache) * self.num_heads
+        assert len(self.key_of) == len(self.cache)
+        for key, ids in self.cache.items():
+            assert self.key_of[int(ids[0])] == key and self.in_cache[ids].all()
+            assert np.all(self.pool.ref[ids] == 0) == (key in self.parked), "parked != unheld"
         for s in self.states.values():
             assert np.all(s.nblocks == -(-s.lens // self.block_size)), "blocks != cdiv(lens)"
             room = int((s.nblocks * self.block_size - s.lens).min()) if len(s.lens) else 0

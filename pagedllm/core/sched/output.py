@@ -21,6 +21,7 @@ class KVCEviction:
     protect_from: int  # positions >= this are never evicted
     max_head_len: int  # the longest head (any layer) after the step
     held: int  # KVs in its compressible heads after the step
+    keep_below: int = 0  # positions < this are never evicted (its shared cached prefix)
 
 
 @dataclass

@@ -730,9 +730,12 @@ class Scheduler:
         return self.kvc.protected_window_size if p is None else p
 
     def _kvc_over(self, request: Request, num_tokens: int) -> int | None:
-        """The budget when the request holds more KVs than it (else None)."""
-        budget = self.kvc_budget(request, num_tokens)
-        if budget is None or self.kv_cache_manager.held_kvs(request.request_id) <= budget:
+        """The budget when the request holds more KVs than it (else None). A protected
+        cached prefix counts in neither (``HeadPagedKVCacheManager.settle_prefix``)."""
+        kvm = self.kv_cache_manager
+        prefix = kvm.prefix_tokens(request.request_id)
+        budget = self.kvc_budget(request, num_tokens - prefix)
+        if budget is None or kvm.held_kvs(request.request_id) <= budget:
             return None
         return budget
 
@@ -803,13 +806,21 @@ class Scheduler:
             budget = self._kvc_over(r, after)
             if budget is not None:
                 chosen[rid] = budget
-        for rid, budget in chosen.items():
+        kvm = self.kv_cache_manager
+        for rid in chosen:
             r = self.requests[rid]
             after = r.num_computed_tokens + num_scheduled.get(rid, 0)
             r.kvc_compressed_at, r.kvc_steps = after, 0
-            max_len, held = self.kv_cache_manager.head_extent(rid)
+            # the blocks it shares through the prefix cache are protected from now on; the
+            # budget counts the KVs after them (the device counts all: add them back)
+            prefix = kvm.settle_prefix(r)
+            budget = self._kvc_over(r, after)
+            if budget is None:
+                continue
+            max_len, held = kvm.head_extent(rid)
+            shared = prefix * self._kvc_heads
             protect = after - self._kvc_protected(r)
-            plan.append(KVCEviction(rid, budget, protect, max_len, held))
+            plan.append(KVCEviction(rid, budget + shared, protect, max_len, held + shared, prefix))
         return plan
 
     # --------------------------------------------------------------------------- stats
