@@ -41,6 +41,7 @@ def _args(a: argparse.Namespace, **over: object) -> argparse.Namespace:
     ns.num_prompts, ns.input_len, ns.output_len = a.num_prompts, a.input_len, a.output_len
     ns.max_model_len, ns.max_num_seqs = a.max_model_len, a.max_num_seqs
     ns.kv_cache_memory_bytes = a.kv_cache_memory_bytes
+    ns.prefix_len = a.prefix_len
     ns.gpu_memory_utilization = 0.9
     for k, v in over.items():
         setattr(ns, k, v)
@@ -65,6 +66,8 @@ SUMMARY_KEYS = (
     "device_s_decode_steps",
     "device_s_prefill_steps",
     "cuda_graphs",
+    "enable_prefix_caching",
+    "prefix_cache_hit_rate",
 )
 
 
@@ -84,7 +87,8 @@ def save(a: argparse.Namespace, input_len: int, runs: dict[str, dict]) -> Path:
     device = base["device"].replace(" ", "_")
     cap = "uncapped" if not a.kv_cache_memory_bytes else f"{a.kv_cache_memory_bytes >> 20}MiB"
     model = os.path.basename(a.model)
-    name = f"kvcompress_throughput_{model}_in{input_len}_{cap}_{device}"
+    prefix = f"_prefix{a.prefix_len}" if a.prefix_len else ""
+    name = f"kvcompress_throughput_{model}_in{input_len}{prefix}_{cap}_{device}"
     out = Path(a.out) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {k: _summary(v) for k, v in runs.items()}
@@ -124,10 +128,13 @@ def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dic
           f"seqs {base['concurrent_seqs_peak']}", flush=True)  # fmt: skip
     clean()
     eager = [float(r) for r in a.eager_rates.split(",") if r and r != "none"]
-    todo = [(cr, False) for cr in rates] + [(cr, True) for cr in eager]
-    for cr, enforce_eager in todo:
+    no_cache = [float(r) for r in a.no_prefix_caching_rates.split(",") if r and r != "none"]
+    todo = [(cr, False, True) for cr in rates] + [(cr, True, True) for cr in eager]
+    todo += [(cr, False, False) for cr in no_cache]
+    for cr, enforce_eager, caching in todo:
         m = max_cache_tokens(input_len, cr)
         name = f"kvc_cr{cr:g}" + ("_eager" if enforce_eager else "")
+        name += "" if caching else "_no_prefix_caching"
         prof = None
         if a.profile_dir:
             os.makedirs(a.profile_dir, exist_ok=True)
@@ -135,7 +142,7 @@ def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dic
         r = _run_one(
             _args(a, input_len=input_len, enable_kvc=True, max_cache_tokens=m,
                   protected_window_size=a.protected_window_size, enforce_eager=enforce_eager,
-                  profile_host=prof)
+                  profile_host=prof, enable_prefix_caching=caching)
         )  # fmt: skip
         r["cr"], r["max_cache_tokens"] = cr, m
         r["speedup_output"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
@@ -163,6 +170,10 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30)
     ap.add_argument("--rates", default="1,2,4,8,16,32,64")
     ap.add_argument("--eager-rates", default="", help="also run these rates without graphs")
+    ap.add_argument("--prefix-len", type=int, default=0, help="a prefix every prompt shares")
+    ap.add_argument(
+        "--no-prefix-caching-rates", default="", help="also run these rates with prefix caching off"
+    )
     ap.add_argument("--protected-window-size", type=int, default=32)
     ap.add_argument("--profile-dir", default="", help="cProfile each KVC run's host side")
     ap.add_argument("--out", default="benchmarks/results")

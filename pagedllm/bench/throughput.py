@@ -47,6 +47,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device(p)
     p.add_argument("--num-prompts", type=int, default=256, metavar="N", help="Requests.")
     p.add_argument(
+        "--prefix-len",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Leading tokens every prompt shares (a system prompt), counted in its length.",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Automatic prefix caching (default on, as in the engine).",
+    )
+    p.add_argument(
         "--input-len", type=int, default=512, metavar="N", help="Mean prompt tokens (random ids)."
     )
     p.add_argument(
@@ -164,9 +177,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def make_workload(
-    num: int, input_len: int, output_len: int, range_ratio: float, vocab: int, seed: int
+    num: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    vocab: int,
+    seed: int,
+    prefix_len: int = 0,
 ) -> tuple[list[list[int]], list[int]]:
-    """Random prompts (ids in [100, vocab - 100)) and per-request output lengths."""
+    """Random prompts (ids in [100, vocab - 100)) and per-request output lengths; the first
+    ``prefix_len`` ids of every prompt are the same (each prompt keeps at least one own id)."""
     rng = np.random.default_rng(seed)
 
     def lens(center: int) -> np.ndarray:
@@ -176,6 +196,9 @@ def make_workload(
 
     in_lens, out_lens = lens(input_len), lens(output_len)
     prompts = [rng.integers(100, vocab - 100, size=int(n)).tolist() for n in in_lens]
+    if prefix_len:
+        shared = rng.integers(100, vocab - 100, size=prefix_len).tolist()
+        prompts = [shared + p[prefix_len:] if len(p) > prefix_len else shared + p for p in prompts]
     return prompts, [int(n) for n in out_lens]
 
 
@@ -231,6 +254,7 @@ def run(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
@@ -262,20 +286,23 @@ def run(args: argparse.Namespace) -> dict:
         args.range_ratio,
         mc.vocab_size,
         args.seed,
+        args.prefix_len,
     )
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kvc_params)
         for n in out_lens
     ]
     inputs = [{"prompt_token_ids": p} for p in prompts]
+    # warm-up on reversed prompts: nothing of the workload is in the prefix cache before it
     llm.generate(
-        inputs[:4],
+        [{"prompt_token_ids": p[::-1]} for p in prompts[:4]],
         [SamplingParams(max_tokens=4, ignore_eos=True)] * len(inputs[:4]),
         use_tqdm=False,
-    )  # warm-up
+    )
     rec = StepRecorder(llm)
     kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
     kvc_before = (getattr(kv, "num_compressions", 0), getattr(kv, "num_evicted_kvs", 0))
+    hits_before = (kv.prefix_cache_queries, kv.prefix_cache_hits)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
@@ -320,7 +347,12 @@ def run(args: argparse.Namespace) -> dict:
             "range_ratio": args.range_ratio,
             "total_input_tokens": n_in,
             "total_output_tokens": n_out,
+            "prefix_len": args.prefix_len,
         },
+        "enable_prefix_caching": args.enable_prefix_caching,
+        # prompt tokens the prefix cache gave (not computed) over those looked up
+        "prefix_cache_hit_rate": (kv.prefix_cache_hits - hits_before[1])
+        / max(kv.prefix_cache_queries - hits_before[0], 1),
         "startup_s": startup,
         "elapsed_s": elapsed,
         "requests_per_s": len(prompts) / elapsed,

@@ -196,6 +196,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         # entry; an entry's first id -> its hash; entries no request holds, oldest first
         self.cache: dict[BlockHash, np.ndarray] = {}
         self.in_cache = np.zeros(num_blocks, dtype=bool)
+        self.is_first = np.zeros(num_blocks, dtype=bool)  # an entry's first id (key_of's)
         self.key_of: dict[int, BlockHash] = {}
         self.parked: OrderedDict[BlockHash, None] = OrderedDict()
         self.req_hashes: dict[str, list[BlockHash]] = {}
@@ -260,6 +261,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
 
     def _uncache(self, ids: np.ndarray) -> None:
         self.in_cache[ids] = False
+        self.is_first[ids[0]] = False
         del self.key_of[int(ids[0])]
 
     def _release(self, ids: np.ndarray) -> None:
@@ -273,9 +275,8 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
             return
         cached = self.in_cache[dead]
         self.pool.push(dead[~cached])
-        keys = [self.key_of[i] for i in dead[cached].tolist() if i in self.key_of]
-        for key in reversed(keys):
-            self.parked[key] = None
+        for i in dead[self.is_first[dead]][::-1].tolist():
+            self.parked[self.key_of[i]] = None
 
     def _blocks_for(self, state: _HeadState | None, num_new: int) -> np.ndarray:
         """New blocks per head for ``num_new`` more tokens (the module docstring's rule)."""
@@ -372,6 +373,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
             ids = state.table[:, i].astype(np.int64)
             self.cache[key] = ids
             self.in_cache[ids] = True
+            self.is_first[ids[0]] = True
             self.key_of[int(ids[0])] = key
         state.registered = num_full
 
@@ -641,7 +643,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         held = np.concatenate([s.held() for s in live]) if live else np.zeros(0, np.int32)
         self.pool.check(held.astype(np.int64), len(self.parked) * self.num_heads)
         assert int(self.in_cache.sum()) == len(self.cache) * self.num_heads
-        assert len(self.key_of) == len(self.cache)
+        assert len(self.key_of) == len(self.cache) == int(self.is_first.sum())
         for key, ids in self.cache.items():
             assert self.key_of[int(ids[0])] == key and self.in_cache[ids].all()
             assert np.all(self.pool.ref[ids] == 0) == (key in self.parked), "parked != unheld"
