@@ -94,8 +94,8 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         --eager-rates "${KVC_EAGER:-none}" --out "$OUT" | grep -v "^ " ;;
     kvc-d-prefix)  # Benchmark D with a system prompt every prompt shares, prefix caching on/off
       python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-256} \
-        --prefix-len ${KVC_PREFIX:-1000} --rates ${KVC_RATES:-64} \
-        --no-prefix-caching-rates ${KVC_NOCACHE:-64} --out "$OUT" | grep -v "^ " ;;
+        --prefix-len ${KVC_PREFIX:-1000} --rates "${KVC_RATES-64}" \
+        --no-prefix-caching-rates "${KVC_NOCACHE-64}" --out "$OUT" | grep -v "^ " ;;
     kvc-d-sweep) python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-64} \
         --output-len ${KVC_OUT:-500} --input-lens ${KVC_LENS:-500,2000,14000} --rates 8,64 \
         --max-num-seqs ${KVC_SEQS:-256} \

@@ -129,8 +129,9 @@ def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dic
     clean()
     eager = [float(r) for r in a.eager_rates.split(",") if r and r != "none"]
     no_cache = [float(r) for r in a.no_prefix_caching_rates.split(",") if r and r != "none"]
-    todo = [(cr, False, True) for cr in rates] + [(cr, True, True) for cr in eager]
-    todo += [(cr, False, False) for cr in no_cache]
+    # prefix caching off first: a call cut short still has the comparison of the earlier call
+    todo = [(cr, False, False) for cr in no_cache] + [(cr, False, True) for cr in rates]
+    todo += [(cr, True, True) for cr in eager]
     for cr, enforce_eager, caching in todo:
         m = max_cache_tokens(input_len, cr)
         name = f"kvc_cr{cr:g}" + ("_eager" if enforce_eager else "")
