@@ -27,7 +27,14 @@ _SUFFIX_FIELDS = (
     "suffix_decoding_max_spec_factor",
     "suffix_decoding_min_token_prob",
 )
-_FIELDS = ("method", "num_speculative_tokens", "model", *_NGRAM_FIELDS, *_SUFFIX_FIELDS)
+_FIELDS = (
+    "method",
+    "num_speculative_tokens",
+    "model",
+    "disable_by_batch_size",
+    *_NGRAM_FIELDS,
+    *_SUFFIX_FIELDS,
+)
 
 
 def _error(name: str, why: str, value: Any) -> ValueError:
@@ -71,6 +78,10 @@ class SpeculativeConfig:
       first. vLLM's defaults: both 5 when neither is given; when only one is given the other
       takes its value.
     - ``model`` (draft_model only, required): the draft model's path or name.
+    - ``disable_by_batch_size`` (None: never): while at least this many requests run, steps
+      propose no drafts (under load a step is no longer bound by reading the weights, and
+      verifying drafts that get rejected only costs compute); the engine then runs
+      asynchronous steps if it may. At least 2, as in vLLM.
     - ``suffix_decoding_max_tree_depth`` (24): depth of the suffix trees; bounds the matched
       suffix plus the draft.
     - ``suffix_decoding_max_cached_requests`` (10000): how many finished requests' outputs the
@@ -84,6 +95,7 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
     model: str | None = None
+    disable_by_batch_size: int | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     suffix_decoding_max_tree_depth: int = 24
@@ -108,6 +120,8 @@ class SpeculativeConfig:
                 f"only applies to method 'draft_model' (method is {self.method!r})",
                 self.model,
             )
+        if self.disable_by_batch_size is not None:
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, 2)
         if self.method == "ngram":
             lo = _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
             hi = _check_int("prompt_lookup_max", self.prompt_lookup_max, 1)
@@ -202,6 +216,8 @@ class SpeculativeConfig:
             "method": self.method,
             "num_speculative_tokens": self.num_speculative_tokens,
         }
+        if self.disable_by_batch_size is not None:
+            out["disable_by_batch_size"] = self.disable_by_batch_size
         if self.method == "draft_model":
             out["model"] = self.model
         elif self.method == "ngram":

@@ -130,6 +130,24 @@ def test_greedy_parallel_sampling_logprobs_and_limits(tiny_models) -> None:
     assert want[1].outputs[0].finish_reason == "stop"
 
 
+def test_speculation_pauses_under_load(tiny_models) -> None:
+    """``disable_by_batch_size`` 2: while two or more requests run, steps propose nothing
+    (and may run asynchronously); the request left alone speculates again. Tokens are those
+    without speculation."""
+    path = tiny_models("llama")
+    prompts = _prompts(4)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 8, 8, 8)]
+    want = _tokens(_engine(path), prompts, params)
+    drafted = {}
+    for limit in (2, 100):
+        spec = {**NGRAM, "disable_by_batch_size": limit}
+        llm = _engine(path, speculative_config=spec, async_scheduling=True)
+        assert _tokens(llm, prompts, params) == want, limit
+        drafted[limit] = _spec_stats(llm)["vllm:spec_decode_num_draft_tokens"].value
+    # the long request drafts once alone; with no pause every request drafts from the start
+    assert 0 < drafted[2] < drafted[100]
+
+
 def test_stop_string_ends_where_it_would(tiny_models) -> None:
     """A stop string found in a step that accepted several tokens ends the output at the
     same text as without speculation."""

@@ -146,6 +146,8 @@ def test_draft_model_needs_a_model_and_a_model_alone_means_draft_model() -> None
             {"method": "suffix", "suffix_decoding_min_token_prob": "0.1"},
             "suffix_decoding_min_token_prob",
         ),
+        ({"method": "suffix", "disable_by_batch_size": 1}, "disable_by_batch_size"),
+        ({"method": "suffix", "disable_by_batch_size": 8.0}, "disable_by_batch_size"),
     ],
 )
 def test_errors_name_the_field(d: dict, field: str) -> None:
@@ -181,6 +183,7 @@ def test_direct_construction_is_checked_too() -> None:
             "suffix_decoding_max_cached_requests": 7,
         },
         {"method": "draft_model", "model": "some/draft", "num_speculative_tokens": 3},
+        {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 16},
     ],
 )
 def test_json_round_trip(d: dict) -> None:

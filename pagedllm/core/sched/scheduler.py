@@ -179,9 +179,14 @@ class Scheduler:
     @property
     def needs_sync(self) -> bool:
         """Whether some live request needs synchronous steps (no async scheduling), an
-        eviction's new lengths are still to come back, or speculative decoding is on (a draft
-        follows the last sampled token, which must be on the host)."""
-        return bool(self._sync_ids) or self._kvc_pending > 0 or self.spec is not None
+        eviction's new lengths are still to come back, or speculative decoding is on and not
+        paused by the load (a draft follows the last sampled token, which must be on the
+        host)."""
+        return (
+            bool(self._sync_ids)
+            or self._kvc_pending > 0
+            or (self.spec is not None and not self.spec.paused(len(self.running)))
+        )
 
     def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None:
         """End requests from outside the loop (abort, or a stop string found by the
@@ -269,6 +274,7 @@ class Scheduler:
         running_preempted = False
         kvc_room: dict[str, int] = {}  # KV-Compress: requests to evict from for room
         spec_tokens: dict[str, list[int]] = {}  # speculative decoding: each request's drafts
+        speculate = self.spec is not None and not self.spec.paused(len(self.running))
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -282,7 +288,8 @@ class Scheduler:
                 i += 1
                 continue
             drafts: list[int] = []
-            if self.spec is not None and num_new == 1 and request.num_output_placeholders == 0:
+            if speculate and num_new == 1 and request.num_output_placeholders == 0:
+                assert self.spec is not None
                 drafts = self.spec.drafts_for(request, budget)
                 num_new += len(drafts)  # verified in this step's forward pass
             new_blocks = None

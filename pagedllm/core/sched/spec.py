@@ -41,10 +41,16 @@ class SpecDecoding:
         self.proposer = proposer
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
+        self.disable_by_batch_size = config.disable_by_batch_size
         self.num_drafts = 0  # steps in which a request verified drafts
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k  # drafts accepted at position j
+
+    def paused(self, num_running: int) -> bool:
+        """Whether steps propose nothing at this load (``disable_by_batch_size``)."""
+        limit = self.disable_by_batch_size
+        return limit is not None and num_running >= limit
 
     def drafts_for(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a request about to decode one token (its last known token is on
