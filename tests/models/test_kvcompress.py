@@ -293,13 +293,17 @@ def test_prefix_hit_without_eviction_equals_no_cache(arch, tiny_models):
     without the cache."""
     base = _prompts()[5]  # 64 tokens
     later = [base[:48] + _tail(i) for i in range(3)]
+    # then in one batch: the later prompts hit blocks computed in the same step
+    other = [x + 1 for x in base]
+    batch = [other] + [other[:48] + _tail(i) for i in range(3, 6)]
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     runs = {}
     for caching in (False, True):
         llm = LLM(tiny_models(arch), dtype="float32", max_model_len=256, enable_kvc=True,
                   enable_prefix_caching=caching)  # fmt: skip
         outs = llm.generate([{"prompt_token_ids": base}], sp, use_tqdm=False)
-        outs += llm.generate([{"prompt_token_ids": p} for p in later], sp, use_tqdm=False)
+        for prompts in (later, batch):
+            outs += llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         core = llm.llm_engine.engine_core
         core.check_integrity()
         runs[caching] = outs
@@ -308,7 +312,7 @@ def test_prefix_hit_without_eviction_equals_no_cache(arch, tiny_models):
     assert [o.outputs[0].token_ids for o in runs[True]] == [
         o.outputs[0].token_ids for o in runs[False]
     ]
-    assert [o.num_cached_tokens for o in runs[True]] == [0, 48, 48, 48]
+    assert [o.num_cached_tokens for o in runs[True]] == [0, 48, 48, 48] * 2
     assert all(o.num_cached_tokens == 0 for o in runs[False])
 
 
