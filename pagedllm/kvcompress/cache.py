@@ -143,8 +143,11 @@ class HeadPagedCache:
         """Block src -> dst: K, V, scores and positions (a fork's copy-on-write)."""
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        src, dst = self.ship(np.array([s for s, _ in pairs]), np.array([d for _, d in pairs]))
+        self._copy_ids(src, dst)
+
+    def _copy_ids(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Blocks ``src`` -> ``dst`` (device id tensors): K, V, scores and positions."""
         kv, sc, pos = self._views((self.kv, self.scores, self.positions))
         kv.index_copy_(1, dst, kv.index_select(1, src))
         sc.index_copy_(0, dst, sc.index_select(0, src))
@@ -299,9 +302,19 @@ class HeadPagedCache:
         keep_below: np.ndarray,  # [B] positions < this are never evicted (a shared prefix)
         max_len: int,  # a bound on every head's length
         max_moves: int,  # a bound on the KVs compaction moves (evict.move_bound, summed)
+        copies: list[tuple[int, HeadBlocks, np.ndarray]] = (),  # (row, new entries, src ids)
     ) -> torch.Tensor:
         """Evict down to the budgets and compact; returns the new lengths [B, LH] (on the
-        device) and updates ``lens``. No host sync."""
+        device) and updates ``lens``. First, ``copies``: rows whose cached prompt blocks stay
+        in the prefix cache move to copies of them (content, then table entries). No host
+        sync."""
+        if copies:
+            src, dst = self.ship(
+                np.concatenate([s for _, _, s in copies]),
+                np.concatenate([b.ids for _, b, _ in copies]),
+            )
+            self._copy_ids(src, dst)
+            self.set_entries([r for r, _, _ in copies], [b for _, b, _ in copies])
         sinks = np.maximum(np.asarray(keep_below, dtype=np.int64), self.kvc.num_sinks)
         rows_t, budgets_t, protect_t, sinks_t = self.ship(rows, budgets, protect_from, sinks)
         width = min(self.max_blocks, cdiv(max_len, self.block_size))

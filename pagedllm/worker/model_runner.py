@@ -644,13 +644,14 @@ class ModelRunner:
         budgets = np.array([e.budget for e in plan], dtype=np.int64)
         protect = np.array([e.protect_from for e in plan], dtype=np.int64)
         keep = np.array([e.keep_below for e in plan], dtype=np.int64)
+        copies = [(row, e.copy_to, e.copy_src) for row, e in zip(rows, plan) if e.copy_to]
         max_len = max(e.max_head_len for e in plan)
         bs, method = self.kvc.block_size, self.kvc.kvc.method
         max_moves = sum(move_bound(e.held, e.budget, bs, method) for e in plan)
         timer = self._timing_start()
         with torch.inference_mode():
             lens = self.kvc.compress(
-                rows, budgets, protect, keep, max(max_len, 1), max(max_moves, 1)
+                rows, budgets, protect, keep, max(max_len, 1), max(max_moves, 1), copies
             )
         timer = self._timing_end(timer)
         if timer is not None:

@@ -139,9 +139,12 @@ def test_settle_prefix_keeps_what_others_hold_and_uncaches_the_rest():
     assert len(kv.cache) == 3
     b = _tok_req("b", base[:4] + [77] * 3)  # shares a's first block only
     assert _start(kv, b) == 4
-    # before a's first eviction: block 0 is held by b too (protected), blocks 1-2 leave
+    # before a's first eviction: block 0 is held by b too (protected); blocks 1-2 stay cached
+    # until a's blocks are about to be rewritten, then leave
     assert kv.settle_prefix(a) == 4
-    assert len(kv.cache) == 1 and kv.prefix_tokens("a") == 4
+    assert len(kv.cache) == 3 and kv.prefix_tokens("a") == 4
+    assert kv.detach_own(a) is None
+    assert len(kv.cache) == 1
     assert kv.held_kvs("a") == (13 - 4) * 6
     kv.check_integrity()
     # a is frozen: later steps register nothing; a new request hits the shared block only
@@ -152,11 +155,41 @@ def test_settle_prefix_keeps_what_others_hold_and_uncaches_the_rest():
     # a request alone with its blocks: nothing protected, nothing left cached
     e = _tok_req("e", list(range(300, 312)))
     _start(kv, e)
-    assert kv.settle_prefix(e) == 0 and len(kv.cache) == 1
+    assert kv.settle_prefix(e) == 0 and kv.detach_own(e) is None and len(kv.cache) == 1
     for r in (a, b, e):
         kv.free(r)
     kv.check_integrity()
     assert kv.is_idle_clean() and len(kv.parked) == 1
+
+
+def test_detach_own_keeps_the_entries_cached_through_copies():
+    """A request alone with its cached prompt blocks, about to be evicted from: with room, it
+    moves to copies and its entries stay cached (parked) for the next request."""
+    kv = HeadPagedKVCacheManager(_spec(), num_blocks=60, enable_caching=True)
+    base = list(range(3, 13))  # 10 tokens: 2 full blocks, 3 blocks a head
+    a = _tok_req("a", base)
+    _start(kv, a)
+    old = kv.get_block_table("a")[0].table.copy()
+    assert kv.settle_prefix(a) == 0
+    copy = kv.detach_own(a, keep_cached=True)
+    assert copy is not None
+    blocks, src = copy
+    new = kv.get_block_table("a")[0].table
+    # heads x the 2 full blocks moved; the partial third block is a's alone and stays
+    assert len(blocks) == 12 and np.array_equal(new[:, 2], old[:, 2])
+    assert np.array_equal(src, old[blocks.lh, blocks.index])
+    assert np.array_equal(blocks.ids, new[blocks.lh, blocks.index])
+    assert not np.intersect1d(new[:, :2], old[:, :2]).size
+    assert len(kv.parked) == 2 and kv.num_free_blocks() == 60 - 18  # parked count as free
+    kv.check_integrity()
+    assert kv.num_cached_prefix_tokens(_tok_req("b", base[:8] + [1, 2])) == 8
+    # no room for copies: the entries leave the cache instead
+    kv2 = HeadPagedKVCacheManager(_spec(), num_blocks=20, enable_caching=True)
+    a2 = _tok_req("a", base)
+    _start(kv2, a2)
+    kv2.settle_prefix(a2)
+    assert kv2.detach_own(a2, keep_cached=True) is None and not kv2.cache
+    kv2.check_integrity()
 
 
 def test_fork_copies_only_past_the_shared_prefix_and_swap_waits_for_sharers():

@@ -353,6 +353,39 @@ def test_shared_prefix_survives_the_evictions_of_its_sharers(tiny_models):
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
 
 
+def test_a_prompt_prefix_outlives_its_requests_eviction(tiny_models):
+    """Requests one at a time, each evicting after its prompt: the first one moves to copies
+    of its cached prompt blocks before its eviction, so they stay cached; the next request
+    with the same prefix hits them and decodes exactly as after a request that evicted
+    nothing, and the evicting request's tokens are those of an engine without the cache."""
+    prefix = _prompts()[5][:48]
+    first, probe = prefix + _tail(1), prefix + _tail(9)
+    small = SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, max_cache_tokens=8,
+        protected_window_size=4,
+    )  # fmt: skip
+
+    def one_then_probe(caching: bool, sp: SamplingParams):
+        llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True,
+                  enable_prefix_caching=caching)  # fmt: skip
+        a = llm.generate([{"prompt_token_ids": first}], sp, use_tqdm=False)[0]
+        b = llm.generate([{"prompt_token_ids": probe}], small, use_tqdm=False)[0]
+        core = llm.llm_engine.engine_core
+        core.check_integrity()
+        kv = core.scheduler.kv_cache_manager
+        assert kv.is_idle_clean()
+        return a, b, kv
+
+    a, b, kv = one_then_probe(True, small)
+    assert kv.num_prefix_copies > 0 and kv.num_evicted_kvs > 0
+    a_ref, _, kv_ref = one_then_probe(False, small)
+    assert kv_ref.num_prefix_copies == 0
+    assert a.outputs[0].token_ids == a_ref.outputs[0].token_ids
+    _, b_ref, _ = one_then_probe(True, SamplingParams(temperature=0.0, max_tokens=1))
+    assert b.num_cached_tokens == b_ref.num_cached_tokens == 48
+    assert b.outputs[0].token_ids == b_ref.outputs[0].token_ids
+
+
 def test_cli_flags():
     from pagedllm.entrypoints.cli import build_parser, engine_args_from
 

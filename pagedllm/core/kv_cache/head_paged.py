@@ -26,8 +26,10 @@ Decisions (see docs/ARCHITECTURE.md, "KV-Compress"):
   KVs are never evicted nor moved (they sit at logical indices 0..P-1 in every head, the
   eviction treats positions < P like sinks) and its budget counts only the KVs after it.
   Before a request's first eviction (``settle_prefix``) its registered blocks that another
-  request also holds join its protected prefix; the rest leave the cache, since compaction
-  will rewrite them. Entries nobody holds stay cached (LRU) until their blocks are needed.
+  request also holds join its protected prefix; the rest, which compaction will rewrite,
+  either stay cached while the request moves to copies (free blocks permitting) or leave the
+  cache (``detach_own``). Entries nobody holds stay cached (LRU) until their blocks are
+  needed.
 - Forks (n > 1) share the parent's blocks (ref counts); a request holding shared blocks copies
   them all into private ones at its next allocation (``take_pending_copies``), so each sequence
   then compresses its own blocks.
@@ -191,6 +193,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_cow_copies = 0
+        self.num_prefix_copies = 0  # blocks copied so that cached entries outlive an eviction
         self.pool = _IdPool(num_blocks)
         # the prefix cache: block hash -> ids [LH] (one block per head); which ids are in an
         # entry; an entry's first id -> its hash; entries no request holds, oldest first
@@ -378,12 +381,13 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         state.registered = num_full
 
     def settle_prefix(self, request: Request) -> int:
-        """Before an eviction: the request's protected prefix (tokens). Its registered blocks
-        that another request also holds (a prefix hit on them) join it; its other registered
-        blocks leave the cache (the eviction rewrites them), and it registers nothing more.
+        """Before an eviction is planned: the request's protected prefix (tokens). Its
+        registered blocks that another request also holds (a prefix hit on them) join it, and
+        it registers nothing more. Its other registered blocks stay cached until
+        ``detach_own`` (right before an eviction rewrites them).
 
         Example: bs 16, a hit of 2 blocks, blocks 2-5 registered by the request, block 2 also
-        held by a later request -> prefix 3 blocks (48 tokens); blocks 3-5 uncached."""
+        held by a later request -> prefix 3 blocks (48 tokens); blocks 3-5 its own."""
         state = self.states.get(request.request_id)
         if state is None:
             return 0
@@ -391,12 +395,48 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         ref, first = self.pool.ref, state.table[0]
         while k < state.registered and self.in_cache[first[k]] and ref[first[k]] > 1:
             k += 1
-        for i in range(k, state.registered):
-            if self.in_cache[first[i]]:
-                self._uncache(self.cache.pop(self.key_of[int(first[i])]))
-        state.prefix_blocks = state.registered = k
+        state.prefix_blocks = k
         state.frozen = True
         return k * self.block_size
+
+    def detach_own(
+        self, request: Request, keep_cached: bool = False
+    ) -> tuple[HeadBlocks, np.ndarray] | None:
+        """Before the request's blocks are rewritten (an eviction, a fork): its registered
+        blocks past its protected prefix leave its table's care. With ``keep_cached`` and
+        enough free blocks (parked ones not counted), the request moves to private copies and
+        the cached entries stay (parked, for a later request with the same prefix: a system
+        prompt served one request at a time); returns (its table's new entries, the ids they
+        copy), which the runner copies after the step's forward pass and before the eviction.
+        Otherwise the entries leave the cache; returns None.
+
+        Example: LH 2, prefix 1 block, blocks 1-2 its own cached ones ([[7, 8], [9, 10]] in
+        heads 0 and 1), 4 free -> new ids [[20, 21], [22, 23]]: table entries (lh 0, index 1)
+        = 20 ... (lh 1, index 2) = 23, copying 7, 8, 9, 10; entries 7/9 and 8/10 parked."""
+        state = self.states.get(request.request_id)
+        if state is None:
+            return None
+        first = state.table[0]
+        own = [i for i in range(state.prefix_blocks, state.registered) if self.in_cache[first[i]]]
+        state.registered = state.prefix_blocks
+        if not own:
+            return None
+        index = np.asarray(own, dtype=np.int64)
+        m, lh = len(own), self.num_heads
+        # copies come from free blocks only, never from other parked entries: under memory
+        # pressure the entries simply leave the cache (no churn of copies evicting copies)
+        dst = self.pool.take(m * lh) if keep_cached and m * lh <= self.pool.num_free else None
+        if dst is None:
+            for i in own:
+                self._uncache(self.cache.pop(self.key_of[int(first[i])]))
+            return None
+        src = state.table[:, index].astype(np.int64)  # [LH, m]
+        dst = dst.astype(np.int64).reshape(lh, m)
+        state.table[:, index] = dst
+        self._release(src.reshape(-1))  # cached: parked
+        self.num_prefix_copies += m * lh
+        blocks = HeadBlocks(np.repeat(np.arange(lh), m), np.tile(index, lh), dst.reshape(-1))
+        return blocks, src.reshape(-1)
 
     def prefix_tokens(self, request_id: str) -> int:
         """Tokens of the request's protected cached prefix (see ``settle_prefix``)."""
@@ -557,6 +597,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         if src is None:
             return
         self.settle_prefix(parent)
+        self.detach_own(parent)
         state = _HeadState(self.num_heads, src.table.shape[1])
         state.prefix_blocks = state.registered = src.prefix_blocks
         state.frozen = True

@@ -22,6 +22,10 @@ class KVCEviction:
     max_head_len: int  # the longest head (any layer) after the step
     held: int  # KVs in its compressible heads after the step
     keep_below: int = 0  # positions < this are never evicted (its shared cached prefix)
+    # before the eviction: table entries (a HeadBlocks) that move to copies of the blocks
+    # ``copy_src`` (cached prompt blocks that stay cached), or None
+    copy_to: Any = None
+    copy_src: Any = None
 
 
 @dataclass

@@ -824,10 +824,24 @@ class Scheduler:
             budget = self._kvc_over(r, after)
             if budget is None:
                 continue
+            # its own cached prompt blocks: copied first where there is room (the cache
+            # keeps them for later requests), else out of the cache
+            copy_to, copy_src = kvm.detach_own(r, keep_cached=True) or (None, None)
             max_len, held = kvm.head_extent(rid)
             shared = prefix * self._kvc_heads
             protect = after - self._kvc_protected(r)
-            plan.append(KVCEviction(rid, budget + shared, protect, max_len, held + shared, prefix))
+            plan.append(
+                KVCEviction(
+                    rid,
+                    budget + shared,
+                    protect,
+                    max_len,
+                    held + shared,
+                    keep_below=prefix,
+                    copy_to=copy_to,
+                    copy_src=copy_src,
+                )
+            )
         return plan
 
     # --------------------------------------------------------------------------- stats
