@@ -319,16 +319,21 @@ def test_prefix_hit_without_eviction_equals_no_cache(arch, tiny_models):
 def test_shared_prefix_survives_the_evictions_of_its_sharers(tiny_models):
     """Four requests share a 48-token prefix and each evicts down to 8 KVs a head: the
     prefix's blocks are never evicted nor moved (their KVs sit outside every budget), so a
-    later request that hits them decodes exactly as after a sharer that evicted nothing."""
+    later request that hits them (and evicts nothing: its tokens depend on their K and V
+    only, not on the scores earlier holders left) decodes exactly as after a sharer that
+    evicted nothing."""
     prefix = _prompts()[5][:48]
     probe = prefix + _tail(9)
+    plain_probe = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     small = SamplingParams(
         temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, max_cache_tokens=8,
         protected_window_size=4,
     )  # fmt: skip
 
     def probe_after(warm: list[list[int]], sp: SamplingParams):
-        llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True)
+        # random eviction: any unprotected KV may go, whatever the scores
+        llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True,
+                  kvc_method="random")  # fmt: skip
         core = llm.llm_engine.engine_core
         kv = core.scheduler.kv_cache_manager
         kv.eviction_log = []
@@ -339,7 +344,7 @@ def test_shared_prefix_survives_the_evictions_of_its_sharers(tiny_models):
         if kv.eviction_log:
             assert min(after for _, _, after in kv.eviction_log) >= 48 * heads
             assert any(after < before for _, before, after in kv.eviction_log)
-        out = llm.generate([{"prompt_token_ids": probe}], small, use_tqdm=False)[0]
+        out = llm.generate([{"prompt_token_ids": probe}], plain_probe, use_tqdm=False)[0]
         core.check_integrity()
         assert kv.is_idle_clean()
         return out, evicted
@@ -356,10 +361,12 @@ def test_shared_prefix_survives_the_evictions_of_its_sharers(tiny_models):
 def test_a_prompt_prefix_outlives_its_requests_eviction(tiny_models):
     """Requests one at a time, each evicting after its prompt: the first one moves to copies
     of its cached prompt blocks before its eviction, so they stay cached; the next request
-    with the same prefix hits them and decodes exactly as after a request that evicted
-    nothing, and the evicting request's tokens are those of an engine without the cache."""
+    with the same prefix hits them and decodes (without eviction) exactly as after a request
+    that evicted nothing, and the evicting request's tokens are those of an engine without
+    the cache."""
     prefix = _prompts()[5][:48]
     first, probe = prefix + _tail(1), prefix + _tail(9)
+    plain = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     small = SamplingParams(
         temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, max_cache_tokens=8,
         protected_window_size=4,
@@ -369,7 +376,7 @@ def test_a_prompt_prefix_outlives_its_requests_eviction(tiny_models):
         llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True,
                   enable_prefix_caching=caching)  # fmt: skip
         a = llm.generate([{"prompt_token_ids": first}], sp, use_tqdm=False)[0]
-        b = llm.generate([{"prompt_token_ids": probe}], small, use_tqdm=False)[0]
+        b = llm.generate([{"prompt_token_ids": probe}], plain, use_tqdm=False)[0]
         core = llm.llm_engine.engine_core
         core.check_integrity()
         kv = core.scheduler.kv_cache_manager

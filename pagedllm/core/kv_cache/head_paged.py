@@ -386,18 +386,24 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         it registers nothing more. Its other registered blocks stay cached until
         ``detach_own`` (right before an eviction rewrites them).
 
-        Example: bs 16, a hit of 2 blocks, blocks 2-5 registered by the request, block 2 also
-        held by a later request -> prefix 3 blocks (48 tokens); blocks 3-5 its own."""
+        Example: bs 16, a hit of 2 blocks still held by the request it came from, blocks 2-5
+        registered by the request, block 2 also held by a later request -> prefix 3 blocks (48
+        tokens); blocks 3-5 its own. Once the others are gone, its prefix is 0 blocks at its
+        next eviction: all are its own, compressed like the rest."""
         state = self.states.get(request.request_id)
         if state is None:
             return 0
-        k = state.prefix_blocks
-        ref, first = self.pool.ref, state.table[0]
-        while k < state.registered and self.in_cache[first[k]] and ref[first[k]] > 1:
-            k += 1
-        state.prefix_blocks = k
+        state.prefix_blocks = k = self._shared_run(state)
         state.frozen = True
         return k * self.block_size
+
+    def _shared_run(self, state: _HeadState) -> int:
+        """The leading cached blocks of the request that another request holds too (shared
+        now: a block only this request holds, even one it got from a hit, is its own)."""
+        k, ref, first = 0, self.pool.ref, state.table[0]
+        while k < state.registered and self.in_cache[first[k]] and ref[first[k]] > 1:
+            k += 1
+        return k
 
     def detach_own(
         self, request: Request, keep_cached: bool = False
@@ -439,9 +445,10 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         return blocks, src.reshape(-1)
 
     def prefix_tokens(self, request_id: str) -> int:
-        """Tokens of the request's protected cached prefix (see ``settle_prefix``)."""
+        """Tokens of the request's cached prefix shared now (what ``settle_prefix`` would
+        protect)."""
         state = self.states.get(request_id)
-        return 0 if state is None else state.prefix_blocks * self.block_size
+        return 0 if state is None else self._shared_run(state) * self.block_size
 
     # ---------------------------------------------------------------- allocation
     def allocate_slots(
@@ -567,7 +574,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         state = self.states.get(request_id)
         if state is None:
             return 0
-        prefix = state.prefix_blocks * self.block_size * int(self.compressible.sum())
+        prefix = self.prefix_tokens(request_id) * int(self.compressible.sum())
         return int(state.lens[self.compressible].sum()) - prefix
 
     def head_extent(self, request_id: str) -> tuple[int, int]:
