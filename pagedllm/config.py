@@ -292,6 +292,9 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
     # speculative decoding (pagedllm/spec_decode); None: off
     speculative_config: SpeculativeConfig | None = None
+    # the draft model of speculative_config method "draft_model" (dtype and context length
+    # the target's); None otherwise
+    draft_model_config: ModelConfig | None = None
 
 
 @dataclass
@@ -458,6 +461,11 @@ class EngineArgs:
             ),
             structured_outputs_config=so_config,
             speculative_config=spec_config,
+            draft_model_config=(
+                _draft_model_config(spec_config, model_config)
+                if spec_config is not None and spec_config.method == "draft_model"
+                else None
+            ),
         )
 
     def _speculative_config(self) -> SpeculativeConfig | None:
@@ -476,11 +484,6 @@ class EngineArgs:
             )
         if config is None:
             return None
-        if config.method == "draft_model":
-            raise ValueError(
-                "speculative_config: method 'draft_model' is not available yet; use 'ngram' "
-                "or 'suffix'."
-            )
         if self.enable_kvc:
             raise ValueError("speculative_config cannot be combined with enable_kvc (yet).")
         return config
@@ -495,6 +498,58 @@ class EngineArgs:
         return StructuredOutputsConfig(
             max_whitespace=0 if flag else self.structured_outputs_max_whitespace
         )
+
+
+def _draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
+    """The draft model's config: its own weights and HF config, the target's dtype, context
+    length and seed (dummy weights when the target's are). ValueError, naming
+    ``speculative_config.model``, when it cannot draft for the target: another tokenizer (or
+    vocabulary size), or a context shorter than the target's ``max_model_len``."""
+    from pagedllm.model.loader import (
+        detect_load_format,
+        load_hf_config,
+        load_tokenizer,
+        resolve_model_path,
+    )
+
+    assert spec.model is not None
+    name = f"speculative_config.model ({spec.model!r})"
+    try:
+        load_format = (
+            "dummy" if target.load_format == "dummy" else detect_load_format(spec.model, "auto")
+        )
+        hf_config = load_hf_config(resolve_model_path(spec.model, load_format), load_format)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{name} cannot be loaded: {e}") from None
+    text = getattr(hf_config, "text_config", None) or hf_config
+    if int(text.vocab_size) != target.vocab_size:
+        raise ValueError(
+            f"{name} has a vocabulary of {int(text.vocab_size)} tokens, the target model "
+            f"{target.vocab_size}: a draft model must use the target's tokenizer."
+        )
+    draft_max = int(getattr(text, "max_position_embeddings", 0) or 2048)
+    if draft_max < target.max_model_len:
+        raise ValueError(
+            f"{name} has max_position_embeddings {draft_max}, below the target's "
+            f"max_model_len {target.max_model_len}; lower max_model_len."
+        )
+    try:  # both tokenizers where both have one (a dummy model may have none)
+        want = load_tokenizer(target.model, target.tokenizer, target.load_format)
+        have = load_tokenizer(spec.model, None, load_format)
+    except (OSError, ValueError):
+        want = have = None
+    if want is not None and have is not None and want.get_vocab() != have.get_vocab():
+        raise ValueError(f"{name} has another tokenizer than the target model's.")
+    return ModelConfig(
+        model=spec.model,
+        tokenizer=spec.model,
+        load_format=load_format,
+        dtype=target.dtype,
+        max_model_len=target.max_model_len,
+        seed=target.seed,
+        hf_config=hf_config,
+        served_model_name=os.path.basename(spec.model.rstrip("/")),
+    )
 
 
 def _resolve_dtype(dtype: str, hf_config: Any, load_format: str, device: str) -> str:

@@ -1,8 +1,8 @@
-"""Speculative decoding: its config and the host-side proposers (n-gram, suffix).
+"""Speculative decoding: its config and the proposers (n-gram, suffix, a draft model's store).
 
 The engine asks a ``Proposer`` for up to k draft tokens per running request each step and
 verifies them in one forward pass; ``make_proposer`` builds the one a ``SpeculativeConfig``
-names (``None`` for a draft model, which the engine runs itself).
+names (for a draft model: the store of the drafts the model runner computed).
 """
 
 from pagedllm.spec_decode.config import MAX_NUM_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig

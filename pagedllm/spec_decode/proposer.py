@@ -43,10 +43,10 @@ class Proposer(Protocol):
         ...
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer | None:
+def make_proposer(config: SpeculativeConfig) -> Proposer:
     """The host-side proposer for ``config.method``: ``NgramProposer`` for "ngram",
-    ``SuffixProposer`` for "suffix". ``None`` for "draft_model": the engine runs the draft
-    model itself (its own forward passes and KV cache), so there is nothing to call here."""
+    ``SuffixProposer`` for "suffix", ``DraftModelProposals`` for "draft_model" (the model
+    runner runs the draft model after each step; this keeps its drafts for the next one)."""
     if config.method == "ngram":
         from pagedllm.spec_decode.ngram import NgramProposer
 
@@ -56,7 +56,9 @@ def make_proposer(config: SpeculativeConfig) -> Proposer | None:
 
         return SuffixProposer(config)
     if config.method == "draft_model":
-        return None
+        from pagedllm.spec_decode.draft_model import DraftModelProposals
+
+        return DraftModelProposals()
     raise ValueError(f"speculative_config.method has no proposer, got {config.method!r}.")
 
 

@@ -45,6 +45,9 @@ class InputPreparer:
         self.use_staging = device.type == "cuda"
         if self.use_staging:
             self.hosts = [torch.zeros(cap, dtype=torch.int32, pin_memory=True) for _ in "ab"]
+            # the end of the last copy out of each host buffer: a buffer is rewritten only
+            # after it (a draft model prepares several passes per step without a sync)
+            self._copied: list[torch.cuda.Event | None] = [None, None]
             self._turn = 0
             self.dev = torch.zeros(cap, dtype=torch.int32, device=device)
 
@@ -111,11 +114,16 @@ class InputPreparer:
         offs = [0]
         for p in parts:
             offs.append(offs[-1] + p.size)
-        host = self.hosts[self._turn]
+        turn = self._turn
+        host = self.hosts[turn]
         self._turn ^= 1
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # done long ago, but for back-to-back passes
         host_np = host.numpy()
         for p, a in zip(parts, offs):
             host_np[a : a + p.size] = p
         n = offs[-1]
         self.dev[:n].copy_(host[:n], non_blocking=True)
+        event = self._copied[turn] = torch.cuda.Event()
+        event.record()
         return [self.dev[a:b] for a, b in zip(offs[:-1], offs[1:])]

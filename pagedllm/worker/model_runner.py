@@ -27,6 +27,7 @@ from pagedllm.kvcompress.evict import move_bound
 from pagedllm.model.loader import build_model
 from pagedllm.sample.sampler import Sampler
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
+from pagedllm.worker.drafter import Drafter
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.inputs import InputPreparer, StepInputs
 from pagedllm.worker.sample_plan import SamplePlan, plan_samples
@@ -74,6 +75,9 @@ class LaunchedStep:
     structured_first: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # KV-Compress: (request ids, new per-head lengths [B, LH] on the device) of the evictions
     kvc_lens: Any = None
+    # a draft model: (SchedulerOutput.draft_requests, .scheduled_spec_tokens, [num_reqs] the
+    # tokens computed after the step) of a step whose samples it drafts after
+    drafting: Any = None
 
     @classmethod
     def nothing(cls) -> LaunchedStep:
@@ -123,6 +127,9 @@ class ModelRunner:
         self.backend = make_backend(self.device, self.kvc_config.enabled)
         for layer in self.model.attention_layers():
             layer.backend = self.backend
+        self.drafter: Drafter | None = None  # speculative decoding with a draft model
+        if config.draft_model_config is not None:
+            self.drafter = Drafter(config.draft_model_config, self.device, self.backend)
         self.kv_groups = self._group_kv_layers()
         if self.kvc_config.enabled:
             self.kv_layout = self.kvc = self._make_head_paged_cache(config)
@@ -130,7 +137,7 @@ class ModelRunner:
             self.kv_layout = KVCacheLayout(
                 self.kv_groups, self.model_config.torch_dtype, self.device
             )
-        self.kv_layout.bind(self.model.attention_layers())
+        self.kv_layout.bind(self._attention_layers())
         self.sampler = Sampler()
         self.input_batch = InputBatch(
             config.scheduler_config.max_num_seqs,
@@ -153,12 +160,19 @@ class ModelRunner:
         self.compress_events: list[tuple[Any, Any]] = []
 
     # ------------------------------------------------------------------------ KV cache
+    def _attention_layers(self) -> list[torch.nn.Module]:
+        """Every layer with a KV cache: the model's, then a draft model's (worker/drafter.py)."""
+        layers = self.model.attention_layers()
+        if self.drafter is not None:
+            layers = layers + self.drafter.attention_layers()
+        return layers
+
     def _group_kv_layers(self) -> KVCacheGroups:
         elem = torch.empty(0, dtype=self.model_config.torch_dtype).element_size()
         if self.kvc_config.enabled:
             return self._head_paged_groups(elem)
         specs: list[KVCacheSpec] = []
-        for a in self.model.attention_layers():
+        for a in self._attention_layers():
             shape = (self.block_size, a.num_kv_heads, a.head_dim, elem)
             if a.sliding_window:
                 specs.append(SlidingWindowSpec(*shape, sliding_window=int(a.sliding_window)))
@@ -313,6 +327,8 @@ class ModelRunner:
             self.kvc.prepare_step(inputs.metadata, rows, n_sched, inputs.positions, sampling)
             self.kvc.finish_metadata(inputs.metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        if self.drafter is not None:
+            self.drafter.mirror(inputs)
         if self.kvc is not None:
             self.kvc.lens[:num_reqs] = 0
             self.kvc.tables[:num_reqs] = 0
@@ -324,7 +340,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int, log: bool = True) -> None:
         """Allocate the cache tensors (zeroed; see pagedllm/kv_layout.py) and bind them."""
         self.kv_layout.allocate(num_blocks)
-        self.kv_layout.bind(self.model.attention_layers())
+        self.kv_layout.bind(self._attention_layers())
         if log:
             per_req = self._blocks_per_request()
             logger.info(
@@ -361,7 +377,7 @@ class ModelRunner:
 
     def _release_kv_cache(self) -> None:
         self.kv_layout.release()
-        self.kv_layout.bind(self.model.attention_layers())
+        self.kv_layout.bind(self._attention_layers())
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -384,16 +400,18 @@ class ModelRunner:
             )  # fmt: skip
             self.graph_runner.capture()
             return
-        self.graph_runner = CUDAGraphRunner(
-            self.model,
-            self.input_batch.max_num_reqs,
-            self.input_batch.max_blocks_per_req,
-            self.block_size,
-            self.max_model_len,
-            self.device,
-            self.kv_groups.num_groups,
+        shape = dict(
+            max_bs=self.input_batch.max_num_reqs,
+            max_blocks_per_req=self.input_batch.max_blocks_per_req,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            device=self.device,
+            num_kv_groups=self.kv_groups.num_groups,
         )
+        self.graph_runner = CUDAGraphRunner(self.model, **shape)
         self.graph_runner.capture()
+        if self.drafter is not None:
+            self.drafter.capture_cuda_graphs(**shape)
 
     # ------------------------------------------------------------------------- the step
     def reset_requests(self) -> None:
@@ -502,11 +520,15 @@ class ModelRunner:
             inputs.input_ids[dst_t.long()] = prev.sampled[src_t.long()].to(inputs.input_ids.dtype)
         timing = self._timing_start()
         hidden = self._forward(inputs)  # [num_tokens, hidden]
+        if self.drafter is not None:
+            self.drafter.mirror(inputs)  # the draft model's KVs at the same slots
         qsl = inputs.metadata.query_start_loc_np
         assert qsl is not None
         prompt_lp = self._prompt_logprobs(req_ids, rows, hidden, qsl, seq_lens)
         step = LaunchedStep(req_ids=req_ids, prompt_logprobs=prompt_lp)
         step.rows, step.plan, step.timing = rows, plan, timing
+        if so.draft_requests:
+            step.drafting = (so.draft_requests, so.scheduled_spec_tokens, seq_lens)
         if so.structured_batch_idx:
             # sample_idx is ascending: e.g. sampling batch indices [0, 2, 3], structured
             # batch indices [2, 3] -> sampling rows [1, 2] (with drafts: their first samples)
@@ -607,6 +629,9 @@ class ModelRunner:
                 forked = plan.fork_lists(
                     step.req_ids, step.fork_counts, step.host[n].numpy(), fork_lp
                 )
+        drafts = {}
+        if step.drafting is not None and step.host:
+            drafts = self._propose_drafts(step, sampled_lists)
         kvc_lens = {}
         if step.kvc_lens is not None:
             ids, lens, done = step.kvc_lens
@@ -622,7 +647,46 @@ class ModelRunner:
             forked_token_ids=forked[0],
             forked_logprobs=forked[1],
             structured_tokens=structured_tokens,
+            draft_token_ids=drafts,
         )
+
+    def _propose_drafts(
+        self, step: LaunchedStep, sampled: list[list[int]]
+    ) -> dict[str, tuple[int, list[int]]]:
+        """The draft model's drafts after each drafting request's newest token (see
+        worker/drafter.py): request -> (its known tokens, the drafts)."""
+        assert self.drafter is not None
+        wanted, verified, seq_lens = step.drafting
+        ib = self.input_batch
+        ids: list[str] = []
+        rows, positions, tokens, num = [], [], [], []
+        for i, rid in enumerate(step.req_ids):
+            samples = sampled[i]
+            look = wanted.get(rid, 0)
+            if not samples or not look:
+                continue
+            drafts = verified.get(rid, ())
+            a = 0  # drafts accepted, as the scheduler will count them (core/sched/spec.py)
+            while a < len(drafts) and samples[a] == drafts[a]:
+                a += 1
+            # Example: 10 known tokens, drafts [5, 9, 2] -> 13 computed; samples [5, 9, 7, 4]
+            # -> a = 2, the newest token 7 at position 13 - 3 + 2 = 12
+            q = int(seq_lens[i]) - len(drafts) + a
+            n = min(look, self.max_model_len - 1 - q)
+            if n < 1:
+                continue
+            ids.append(rid)
+            rows.append(int(step.rows[i]))
+            positions.append(q)
+            tokens.append(samples[a])
+            num.append(n)
+        if not ids:
+            return {}
+        out = self.drafter.propose(
+            ib, self.inputs, np.array(rows, dtype=np.int64), np.array(positions, dtype=np.int64),
+            np.array(tokens, dtype=np.int64), np.array(num, dtype=np.int64),
+        )  # fmt: skip
+        return {rid: (q + 1, d) for rid, q, d in zip(ids, positions, out)}
 
     def _kvc_scored(self, params: SamplingParams) -> bool:
         """Whether a request's KVs are scored: only one with a budget (its own or the

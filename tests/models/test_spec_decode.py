@@ -1,9 +1,11 @@
 """Speculative decoding end to end on tiny random models (fp32; the CPU here, CUDA where
 there is a GPU): the tokens and the sampling distribution are those without it (issue 19).
 
-- Greedy: identical outputs with and without speculation, n-gram and suffix proposers, every
-  architecture, and with chunked prefill, prefix caching, preemption, n > 1, priorities,
-  async scheduling asked for, structured requests in the batch, stop strings, logprobs.
+- Greedy: identical outputs with and without speculation, n-gram, suffix and draft-model
+  proposers, every architecture, and with chunked prefill, prefix caching, preemption, n > 1,
+  priorities, async scheduling asked for, structured requests in the batch, stop strings,
+  logprobs. The draft models are the target with noise added to its weights (they agree on
+  many greedy tokens, not all), or another architecture with other KV shapes.
 - Seeded sampling: a request with a seed draws each position's noise from (seed, position),
   so with speculation it gives the very same tokens at temperature 1 / top-p 0.9.
 - Distribution: unseeded sampling at temperature 1 / top-p 0.9, 10,000 requests with and
@@ -21,6 +23,24 @@ from pagedllm import LLM, SamplingParams
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
+DRAFT_NOISE = 0.005  # a draft model's weights: the target's + N(0, this); theirs are ~0.08
+
+
+@pytest.fixture(scope="module")
+def draft_of(tiny_models, tmp_path_factory):  # noqa: ANN001, ANN201
+    """arch -> a speculative_config with a draft model for that architecture's tiny model."""
+    from tests.models.tiny import make_perturbed_copy
+
+    root = tmp_path_factory.mktemp("drafts")
+    cache: dict[str, dict] = {}
+
+    def get(arch: str, k: int = 3) -> dict:
+        if arch not in cache:
+            path = make_perturbed_copy(tiny_models(arch), str(root / arch), DRAFT_NOISE)
+            cache[arch] = {"method": "draft_model", "model": path}
+        return {**cache[arch], "num_speculative_tokens": k}
+
+    return get
 
 
 def _prompts(n: int = 6, seed: int = 0) -> list[dict]:
@@ -52,12 +72,12 @@ def _engine(path: str, **kw) -> LLM:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_outputs_equal_every_arch(tiny_models, arch: str) -> None:
+def test_greedy_outputs_equal_every_arch(tiny_models, draft_of, arch: str) -> None:  # noqa: ANN001
     path = tiny_models(arch)
     prompts = _prompts()
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = _tokens(_engine(path), prompts, sp)
-    for spec in (NGRAM, SUFFIX):
+    for spec in (NGRAM, SUFFIX, draft_of(arch)):
         llm = _engine(path, speculative_config=spec)
         assert _tokens(llm, prompts, sp) == want, spec["method"]
         m = _spec_stats(llm)
@@ -78,7 +98,7 @@ def test_greedy_outputs_equal_every_arch(tiny_models, arch: str) -> None:
     ],
     ids=["chunked", "prefix", "preempt", "priority", "async"],
 )
-def test_greedy_outputs_equal_with_engine_features(tiny_models, engine_kw: dict) -> None:
+def test_greedy_outputs_equal_with_engine_features(tiny_models, draft_of, engine_kw: dict) -> None:  # noqa: ANN001
     path = tiny_models("llama")
     prompts = _prompts(8)
     shared = prompts[0]["prompt_token_ids"]
@@ -90,7 +110,7 @@ def test_greedy_outputs_equal_with_engine_features(tiny_models, engine_kw: dict)
     priority = list(range(len(prompts)))[::-1]
     kw = {"priority": priority} if engine_kw.get("scheduling_policy") == "priority" else {}
     want = _tokens(_engine(path, **engine_kw), prompts, sp, **kw)
-    for spec in (NGRAM, SUFFIX):
+    for spec in (NGRAM, SUFFIX, draft_of("llama")):
         llm = _engine(path, speculative_config=spec, **engine_kw)
         assert _tokens(llm, prompts, sp, **kw) == want, spec["method"]
         assert _spec_stats(llm)["vllm:spec_decode_num_accepted_tokens"].value > 0
@@ -100,7 +120,7 @@ def test_greedy_outputs_equal_with_engine_features(tiny_models, engine_kw: dict)
         core.check_integrity()
 
 
-def test_greedy_parallel_sampling_logprobs_and_limits(tiny_models) -> None:
+def test_greedy_parallel_sampling_logprobs_and_limits(tiny_models, draft_of) -> None:  # noqa: ANN001
     """n > 1 (seeded forks), logprobs of every token, max_tokens and min_tokens, and a stop
     token id: exactly as without speculation."""
     path = tiny_models("qwen2")
@@ -115,7 +135,7 @@ def test_greedy_parallel_sampling_logprobs_and_limits(tiny_models) -> None:
         SamplingParams(temperature=0, max_tokens=9, min_tokens=9),
     ]
     want = base.generate(prompts, params, use_tqdm=False)
-    for spec in (NGRAM, SUFFIX):
+    for spec in (NGRAM, SUFFIX, draft_of("qwen2")):
         got = _engine(path, speculative_config=spec).generate(prompts, params, use_tqdm=False)
         for w, g in zip(want, got):
             assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
@@ -167,7 +187,7 @@ def test_stop_string_ends_where_it_would(tiny_models) -> None:
 
 
 @pytest.mark.parametrize("grammar_process", [False, True], ids=["in-loop", "worker"])
-def test_structured_requests_speculate(tiny_models, grammar_process: bool) -> None:
+def test_structured_requests_speculate(tiny_models, draft_of, grammar_process: bool) -> None:  # noqa: ANN001
     """Requests with a grammar verify drafts too (a bitmask row per position): their outputs
     are those without speculation and follow their grammars, and drafts were accepted in a
     batch of structured requests only."""
@@ -204,17 +224,21 @@ def test_structured_requests_speculate(tiny_models, grammar_process: bool) -> No
     ]
     kw = {"grammar_process": grammar_process}
     want = _engine(path, **kw).generate(prompts, params, use_tqdm=False)
-    llm = _engine(path, speculative_config=NGRAM, **kw)
-    got = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert got[0].outputs[0].finish_reason == "stop", got[0].outputs[0].text
-    assert len(json.loads(got[0].outputs[0].text)) == 4
-    assert got[1].outputs[0].text in ("alpha", "beta", "gamma")
-    m = _spec_stats(llm)
-    assert m["vllm:spec_decode_num_accepted_tokens"].value > 0
+    for spec in (NGRAM, draft_of("llama")):
+        llm = _engine(path, speculative_config=spec, **kw)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert got[0].outputs[0].finish_reason == "stop", got[0].outputs[0].text
+        assert len(json.loads(got[0].outputs[0].text)) == 4
+        assert got[1].outputs[0].text in ("alpha", "beta", "gamma")
+        m = _spec_stats(llm)
+        # the draft model drafts without the grammar (its greedy tokens here are rarely
+        # allowed ones): its drafts are verified, the n-gram ones accepted too
+        key = "accepted_tokens" if spec is NGRAM else "draft_tokens"
+        assert m[f"vllm:spec_decode_num_{key}"].value > 0, spec["method"]
 
 
-def test_seeded_sampling_is_reproduced_exactly(tiny_models) -> None:
+def test_seeded_sampling_is_reproduced_exactly(tiny_models, draft_of) -> None:  # noqa: ANN001
     """Temperature 1, top-p 0.9, a seed per request: the same tokens with speculation, since
     each output position draws the same noise and the same target distribution."""
     path = tiny_models("qwen3")
@@ -224,7 +248,7 @@ def test_seeded_sampling_is_reproduced_exactly(tiny_models) -> None:
         for i in range(len(prompts))
     ]
     want = _tokens(_engine(path), prompts, params)
-    for spec in (NGRAM, SUFFIX):
+    for spec in (NGRAM, SUFFIX, draft_of("qwen3")):
         assert _tokens(_engine(path, speculative_config=spec), prompts, params) == want
 
 
@@ -280,8 +304,11 @@ CHI2_9_999 = 27.877
 def test_sampling_distribution_is_preserved(tiny_models, tmp_path) -> None:
     """10,000 unseeded requests at temperature 1 / top-p 0.9, 3 output tokens each, with and
     without speculation: the outputs' frequencies agree (chi-square, 9 df, alpha 0.001; the
-    engine seeds are fixed, so the test is deterministic). Proposers: n-gram, suffix, a fixed
-    draft of the likeliest continuation, and a fixed draft of unlikely tokens."""
+    engine seeds are fixed, so the test is deterministic). Proposers: n-gram, suffix, a draft
+    model (the target with noise on its weights), a fixed draft of the likeliest continuation,
+    and a fixed draft of unlikely tokens."""
+    from tests.models.tiny import make_perturbed_copy
+
     path = _peaky_model(tiny_models("llama"), str(tmp_path / "peaky"))
     prompt = [{"prompt_token_ids": [7, 21, 99, 7, 21, 99, 7, 21]}]
     n = 10_000
@@ -297,10 +324,12 @@ def test_sampling_distribution_is_preserved(tiny_models, tmp_path) -> None:
         prompt, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
     )
     likely = list(greedy[0].outputs[0].token_ids[1:])  # the likeliest second token first
+    draft = make_perturbed_copy(path, str(tmp_path / "draft"), DRAFT_NOISE)
     counts = {}
     for name, spec, fixed in (
         ("ngram", NGRAM, None),
         ("suffix", SUFFIX, None),
+        ("draft", {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}, None),
         ("likely", NGRAM, likely),
         ("bad", NGRAM, [3, 4, 5]),
     ):
@@ -317,8 +346,112 @@ def test_sampling_distribution_is_preserved(tiny_models, tmp_path) -> None:
     # token), the likely ones were often accepted, the bad ones almost never
     assert counts["likely"][0] >= n and counts["likely"][1] > 0.1 * n
     assert counts["bad"][0] >= n and counts["bad"][1] < 0.01 * n
+    assert counts["draft"][0] >= n and counts["draft"][1] > 0.1 * n  # drafts after token 1
     # and the test can tell: the same statistic between two different prompts' outputs
     other = [{"prompt_token_ids": [8, 21, 99, 8, 21, 99, 8, 22]}]
     other_outs = _engine(path, seed=3, **kw).generate(other * 2000, sp, use_tqdm=False)
     shifted = [tuple(o.outputs[0].token_ids) for o in other_outs]
     assert _chi_square_two_sample(ref[:2000], shifted) > CHI2_9_999
+
+
+# ------------------------------------------------------------------------ draft model
+
+
+def test_target_as_its_own_draft_has_every_draft_accepted(tiny_models) -> None:
+    """With the target model as its draft (same weights, fp32), every greedy draft is the
+    target's own next token: all accepted. A wrong KV of the draft model (a position off, a
+    slot missed after a partial acceptance or a prefill chunk) would show as a rejection.
+    Chunked prefill and prefix hits included."""
+    path = tiny_models("llama")
+    prompts = _prompts(6, seed=5)
+    prompts += [{"prompt_token_ids": prompts[0]["prompt_token_ids"] + [9, 8, 7]}]
+    sp = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
+    want = _tokens(_engine(path), prompts, sp)
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 4}
+    llm = _engine(path, speculative_config=spec, max_num_batched_tokens=16)
+    assert _tokens(llm, prompts, sp) == want
+    m = _spec_stats(llm)
+    drafted = m["vllm:spec_decode_num_draft_tokens"].value
+    assert drafted > 100 and m["vllm:spec_decode_num_accepted_tokens"].value == drafted
+
+
+@pytest.mark.parametrize(
+    ("target", "draft"), [("llama", "qwen3"), ("gemma3", "llama"), ("qwen3", "gemma3")]
+)
+def test_draft_of_another_architecture(tiny_models, target: str, draft: str) -> None:
+    """A draft model of another architecture and other KV shapes (head size 16 vs 32; Gemma
+    3's sliding windows): its layers get cache tensors of their own in the same blocks; the
+    tokens are the target's."""
+    path = tiny_models(target)
+    prompts = _prompts(5, seed=6)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = _tokens(_engine(path), prompts, sp)
+    spec = {"method": "draft_model", "model": tiny_models(draft), "num_speculative_tokens": 3}
+    llm = _engine(path, speculative_config=spec)
+    assert _tokens(llm, prompts, sp) == want
+    assert _spec_stats(llm)["vllm:spec_decode_num_draft_tokens"].value > 0
+    llm.llm_engine.engine_core.check_integrity()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_draft_model_through_preemption(tiny_models, draft_of, mode: str) -> None:  # noqa: ANN001
+    """A cache too small for the batch: requests are preempted (their draft KVs go and come
+    back with the target's) and resume with the same tokens."""
+    path = tiny_models("llama")
+    prompts = _prompts(6, seed=7)
+    sp = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+    kw = dict(block_size=8, num_gpu_blocks_override=16, preemption_mode=mode,
+              enable_prefix_caching=False)  # fmt: skip
+    if mode == "swap":
+        kw["swap_space"] = 0.01
+    want = _tokens(_engine(path, **kw), prompts, sp)
+    llm = _engine(path, speculative_config=draft_of("llama"), **kw)
+    assert _tokens(llm, prompts, sp) == want
+    core = llm.llm_engine.engine_core
+    assert core.scheduler.num_preemptions > 0, "the case meant to preempt did not"
+    assert _spec_stats(llm)["vllm:spec_decode_num_accepted_tokens"].value > 0
+    core.check_integrity()
+
+
+def test_draft_model_must_fit_the_target(tiny_models, tmp_path) -> None:
+    """A draft with another vocabulary, another tokenizer or a shorter context is refused at
+    start with the field named; speculation with a draft model and KV-Compress too."""
+    import json
+    import shutil
+
+    from tests.models.tiny import make_tiny_model
+
+    path = tiny_models("llama")
+    big = make_tiny_model("llama", str(tmp_path / "big"))
+    with open(tmp_path / "big" / "config.json") as f:
+        cfg = json.load(f)
+    cfg["vocab_size"] = 600
+    with open(tmp_path / "big" / "config.json", "w") as f:
+        json.dump(cfg, f)
+    other_tok = shutil.copytree(path, tmp_path / "tok")
+    with open(other_tok / "tokenizer.json") as f:
+        tok = json.load(f)
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens swapped: another tokenizer
+    with open(other_tok / "tokenizer.json", "w") as f:
+        json.dump(tok, f)
+    cases = [
+        (big, "vocabulary of 600"),
+        (str(other_tok), "another tokenizer"),
+        (str(tmp_path / "missing"), "cannot be loaded"),
+    ]
+    for draft, why in cases:
+        spec = {"model": draft, "num_speculative_tokens": 2}
+        with pytest.raises(ValueError, match="speculative_config.model") as e:
+            LLM(path, dtype="float32", device="cpu", speculative_config=spec)
+        assert why in str(e.value)
+    short = shutil.copytree(path, tmp_path / "short")
+    cfg = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 128}))
+    spec = {"model": str(short), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="max_position_embeddings 128, below the target's"):
+        LLM(path, dtype="float32", device="cpu", max_model_len=256, speculative_config=spec)
+    spec = {"model": path, "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="enable_kvc"):
+        LLM(path, dtype="float32", device="cpu", enable_kvc=True, speculative_config=spec)

@@ -84,7 +84,7 @@ def _save_tokenizer(path: str, vocab_size: int) -> None:
 
     specials = ["<unk>", "<s>", "</s>"]
     vocab = {s: i for i, s in enumerate(specials)}
-    for b in pre_tokenizers.ByteLevel.alphabet():
+    for b in sorted(pre_tokenizers.ByteLevel.alphabet()):  # its order varies by call
         vocab[b] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -127,3 +127,22 @@ def hf_greedy(
         tokens.append(out.sequences[0, len(p) :].tolist())
         logprobs.append([lg[0].float().log_softmax(-1) for lg in out.logits])
     return tokens, logprobs
+
+
+def make_perturbed_copy(path: str, out: str, noise: float, seed: int = 1) -> str:
+    """A copy of the saved model at ``path`` with N(0, noise) added to every weight but the
+    norms: a draft model for speculative decoding that agrees with the original on many
+    greedy tokens, not all (same tokenizer, same shapes)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    file = os.path.join(out, "model.safetensors")
+    tensors = load_file(file)
+    gen = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if "norm" not in name:
+            tensors[name] = t + noise * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return out

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -57,6 +58,23 @@ def test_same_replies_and_metrics(server: LiveServer, spec_server: LiveServer) -
     assert drafts > 0 and draft_tokens >= drafts and 0 < accepted <= draft_tokens
     first = spec_server.metric("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0")
     assert 0 < first <= drafts
+
+
+def test_draft_model_server_same_replies(server: LiveServer, tmp_path: Path) -> None:
+    """``--speculative-config '{"model": ...}'``: the default model drafting for itself (the
+    packaged GGUF) gives the default server's greedy reply, and its drafts are accepted."""
+    from pagedllm.model.packaged import smollm2_gguf_path
+
+    spec = json.dumps({"model": str(smollm2_gguf_path()), "num_speculative_tokens": 3})
+    with live_server(tmp_path / "draft.log", ("--speculative-config", spec)) as srv:
+        got = _chat(srv)
+        srv.wait_idle()
+        accepted = srv.metric("vllm:spec_decode_num_accepted_tokens_total")
+    want = _chat(server)
+    assert got.status_code == want.status_code == 200, got.text
+    text = want.json()["choices"][0]["message"]["content"]
+    assert got.json()["choices"][0]["message"]["content"] == text
+    assert accepted > 0
 
 
 def test_bad_config_fails_at_start() -> None:

@@ -14,6 +14,7 @@ from pagedllm.spec_decode import (
     SpeculativeConfig,
     make_proposer,
 )
+from pagedllm.spec_decode.draft_model import DraftModelProposals
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.suffix import SuffixProposer
 
@@ -207,4 +208,4 @@ def test_make_proposer() -> None:
     draft = make_proposer(SpeculativeConfig.from_dict({"model": "d", "num_speculative_tokens": 2}))
     assert isinstance(ngram, NgramProposer) and isinstance(ngram, Proposer)
     assert isinstance(suffix, SuffixProposer) and isinstance(suffix, Proposer)
-    assert draft is None
+    assert isinstance(draft, DraftModelProposals) and isinstance(draft, Proposer)

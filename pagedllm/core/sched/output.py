@@ -94,6 +94,11 @@ class SchedulerOutput:
     #     T + a and ``append_token_ids`` s_1 .. s_a (it holds s_0 already).
     # A scheduler that never proposes leaves this empty: steps run exactly as without it.
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # A draft model (speculative_config method "draft_model"): requests whose step ends with
+    # a sample and that got lookahead slots -> the most drafts the runner's draft model
+    # proposes after the step's newest token (it writes their KVs in those slots) and returns
+    # in ModelRunnerOutput.draft_token_ids for the next step.
+    draft_requests: dict[str, int] = field(default_factory=dict)
     # KV-Compress: the requests to evict from after this step's forward pass (its attention
     # scores count); the new per-head lengths come back in ModelRunnerOutput.kvc_lens.
     kvc_compress: list[KVCEviction] = field(default_factory=list)
@@ -132,6 +137,9 @@ class ModelRunnerOutput:
     structured_tokens: list[int] | None = None
     # KV-Compress: the computed KVs left per (layer, KV head) [LH] of each compressed request
     kvc_lens: dict = field(default_factory=dict)
+    # A draft model: request -> (the known tokens the drafts follow, the drafts), for the
+    # requests of SchedulerOutput.draft_requests (see pagedllm/spec_decode/draft_model.py).
+    draft_token_ids: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
 
 
 @dataclass

@@ -274,6 +274,7 @@ class Scheduler:
         running_preempted = False
         kvc_room: dict[str, int] = {}  # KV-Compress: requests to evict from for room
         spec_tokens: dict[str, list[int]] = {}  # speculative decoding: each request's drafts
+        draft_requests: dict[str, int] = {}  # a draft model drafts after the step for these
         speculate = self.spec is not None and not self.spec.paused(len(self.running))
 
         i = 0
@@ -292,14 +293,19 @@ class Scheduler:
                 assert self.spec is not None
                 drafts = self.spec.drafts_for(request, budget)
                 num_new += len(drafts)  # verified in this step's forward pass
+            # a draft model proposes after this step: slots for its drafts' KVs
+            look = self._draft_lookahead(request, num_new - len(drafts), len(drafts), speculate)
             new_blocks = None
             gang_preempted = False
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new, num_lookahead_tokens=look
+                )
                 if new_blocks is not None:
                     break
-                if drafts:  # no room for the drafts: a plain decode before any preemption
-                    drafts, num_new = [], 1
+                if drafts or look:  # no room to speculate: a plain step before any preemption
+                    num_new -= len(drafts)
+                    drafts, look = [], 0
                     continue
                 if self.kvc is not None and not running_preempted:
                     # evict from running requests over their budget, rather than preempt; this
@@ -320,6 +326,8 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             if drafts:
                 spec_tokens[request.request_id] = drafts
+            if look:
+                draft_requests[request.request_id] = look
             budget -= num_new
             self._add_to_output(request, new_blocks, new_reqs, cached_reqs)
             # a gang preemption may remove members before this one: find it again then
@@ -349,9 +357,21 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and num_new > budget:
                     break
                 num_new = self._kvc_cut(request, min(num_new, budget))
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+                look = 0
+                if num_hit + num_new == request.num_tokens:  # its step ends with a sample
+                    look = self._draft_lookahead(request, num_new, 0, speculate, num_hit)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new, computed_blocks, num_lookahead_tokens=look
+                )
+                if new_blocks is None and look:
+                    look = 0
+                    new_blocks = self.kv_cache_manager.allocate_slots(
+                        request, num_new, computed_blocks
+                    )
                 if new_blocks is None:
                     break
+                if look:
+                    draft_requests[request.request_id] = look
                 self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
             self.waiting.remove(request)
             if request.num_cached_tokens < 0:
@@ -387,6 +407,7 @@ class Scheduler:
             kvc_compress=kvc_compress,
             # drafts of requests a later preemption did not take back out of the step
             scheduled_spec_tokens={r: d for r, d in spec_tokens.items() if r in num_scheduled},
+            draft_requests={r: k for r, k in draft_requests.items() if r in num_scheduled},
         )
         self._kvc_pending += bool(kvc_compress)
         self.finished_req_ids = set()
@@ -410,6 +431,28 @@ class Scheduler:
             ):
                 request.num_output_placeholders += 1
         return out
+
+    def _draft_lookahead(
+        self,
+        request: Request,
+        num_new: int,
+        num_drafts: int,
+        speculate: bool,
+        num_computed: int | None = None,
+    ) -> int:
+        """Lookahead slots for the drafts a draft model writes after this step, when the
+        request's step (``num_new`` known tokens from ``num_computed`` on, then
+        ``num_drafts`` drafts to verify) ends with a sample; 0 otherwise.
+
+        Example: 40 known tokens, 39 computed, 1 new + 3 drafts -> positions up to 42 are
+        computed in the step -> slots for k more from position 43 on (the new token after the
+        accepted drafts is at most at 43: the draft model's KVs go from there)."""
+        if not speculate or self.spec is None or not self.spec.uses_runner:
+            return 0
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        if computed + num_new != request.num_tokens + request.num_output_placeholders:
+            return 0  # a prefill chunk before the prompt's end: nothing to draft after
+        return self.spec.lookahead(request, computed + num_new + num_drafts)
 
     def _add_to_output(
         self,
@@ -641,6 +684,12 @@ class Scheduler:
                 lp = runner_output.logprobs[idx]
                 logprobs = lp[: len(new_tokens)] if lp is not None else None
             outputs.append(self._emit(request, new_tokens, logprobs, prompt_lp))
+        if runner_output.draft_token_ids:
+            assert self.spec is not None
+            for rid, (num_tokens, drafts) in runner_output.draft_token_ids.items():
+                request = self.requests.get(rid)
+                if request is not None and not request.is_finished:
+                    self.spec.store(rid, num_tokens, drafts)
         return outputs
 
     def _emit(

@@ -34,11 +34,11 @@ class SpecDecoding:
     vLLM's ``vllm:spec_decode_*`` metrics."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        proposer = make_proposer(config)
-        if proposer is None:
-            raise ValueError(f"speculative_config: method {config.method!r} has no proposer.")
         self.config = config
-        self.proposer = proposer
+        self.proposer = make_proposer(config)
+        # a draft model runs in the model runner after each step: it needs lookahead slots
+        # for the KVs of its own drafts, and its proposals come back with the step's output
+        self.uses_runner = config.method == "draft_model"
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.disable_by_batch_size = config.disable_by_batch_size
@@ -70,6 +70,25 @@ class SpecDecoding:
             return []
         tokens = request.all_token_ids
         return self.proposer.propose(request.request_id, tokens, request.num_prompt_tokens, k)
+
+    def lookahead(self, request: Request, num_computed_after: int) -> int:
+        """Lookahead slots for a request whose step ends with a sample, so that the draft
+        model can write the KVs of its k drafts after the step (0 without a draft model, for a
+        request that forks n sequences or beams (a forked table shares every block, and only
+        the block a step writes first is copied on write), or at the end of the context).
+
+        Example: k 4, max_model_len 100, 90 tokens computed after the step -> 4 slots; 97 ->
+        2 (the draft writes at most up to position max_model_len - 2)."""
+        if not self.uses_runner or request.beam_group is not None:
+            return 0
+        if request.num_output_tokens == 0 and request.sampling_params.num_sequences > 1:
+            return 0  # its first sample forks the sequences
+        return max(0, min(self.k, self.max_model_len - 1 - num_computed_after))
+
+    def store(self, req_id: str, num_tokens: int, drafts: list[int]) -> None:
+        """Keep the drafts the runner's draft model proposed after a request's first
+        ``num_tokens`` tokens, for its next step."""
+        self.proposer.store(req_id, num_tokens, drafts)  # type: ignore[attr-defined]
 
     def accept(self, drafts: list[int], samples: list[int]) -> int:
         """The number of drafts accepted: the longest prefix of ``drafts`` equal to the
