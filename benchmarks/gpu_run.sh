@@ -92,6 +92,12 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     kvc-d-8b) python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-64} \
         --output-len ${KVC_OUT:-500} --rates ${KVC_RATES:-1,2,4,8,16,32,64} \
         --eager-rates "${KVC_EAGER:-none}" --out "$OUT" | grep -v "^ " ;;
+    tests-spec) python -m pytest -q -x -p no:cacheprovider --durations=5 \
+        tests/models/test_spec_decode.py ;;
+    spec-draft)  # a draft model: tok/s vs acceptance, batch 1-256, k 2 and 4 (Qwen3-0.6B shape)
+      python benchmarks/spec_decode_gpu.py qwen3 --out "$OUT" | grep -v '"tokens"' ;;
+    spec-draft-8b)  # Llama-3.1-8B shape with a Llama-3.2-1B-shaped draft (dummy weights)
+      python benchmarks/spec_decode_gpu.py llama8b --out "$OUT" ;;
     kvc-d-prefix)  # Benchmark D with a system prompt every prompt shares, prefix caching on/off
       python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-256} \
         --prefix-len ${KVC_PREFIX:-1000} --rates "${KVC_RATES-64}" \
