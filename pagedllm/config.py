@@ -163,9 +163,10 @@ class DeviceConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor and data parallel sizes (1 and 1 until distributed support lands), and the
+    """Tensor and data parallel sizes (data parallelism: 1 until it lands), and the
     executor: ``"uni"`` runs the model in the engine's process, ``"mp"`` in one worker
-    process per tensor-parallel rank."""
+    process per tensor-parallel rank (torch.distributed between them: NCCL on GPUs, gloo on
+    CPUs)."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -184,8 +185,8 @@ class ParallelConfig:
                 "distributed_executor_backend 'uni' runs one rank; tensor_parallel_size > 1 "
                 "needs 'mp'."
             )
-        if self.tensor_parallel_size != 1 or self.data_parallel_size != 1:
-            raise ValueError("tensor_parallel_size and data_parallel_size must be 1 for now.")
+        if self.data_parallel_size != 1:
+            raise ValueError("data_parallel_size must be 1 for now.")
 
 
 _KVC_METHODS = ("kvcompress", "uniform", "random")
@@ -330,7 +331,8 @@ class EngineArgs:
     load_format: str = "auto"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"
+    # None: "mp" with tensor_parallel_size > 1 (a worker process per rank), else "uni"
+    distributed_executor_backend: str | None = None
     # KV-Compress (``KVCompressConfig``; the fork's flag names)
     enable_kvc: bool = False
     kvc_method: str = "kvcompress"
@@ -374,11 +376,17 @@ class EngineArgs:
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space!r}.")
-        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(
                 f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
-                f"got {self.distributed_executor_backend!r}."
+                f"got {backend!r}."
             )
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if backend is None:
+            backend = "mp" if self.tensor_parallel_size > 1 else "uni"
+        if self.tensor_parallel_size > 1 and self.enable_kvc:
+            raise ValueError("enable_kvc cannot be combined with tensor_parallel_size > 1 (yet).")
         so_config = self._structured_outputs_config()
         spec_config = self._speculative_config()
 
@@ -415,6 +423,7 @@ class EngineArgs:
             hf_config=hf_config,
             served_model_name=self.served_model_name or os.path.basename(self.model.rstrip("/")),
         )
+        _check_tensor_parallel(model_config, self.tensor_parallel_size)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -445,7 +454,7 @@ class EngineArgs:
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 data_parallel_size=self.data_parallel_size,
-                distributed_executor_backend=self.distributed_executor_backend,
+                distributed_executor_backend=backend,
             ),
             kvc_config=KVCompressConfig(
                 enabled=bool(self.enable_kvc),
@@ -497,6 +506,25 @@ class EngineArgs:
             )
         return StructuredOutputsConfig(
             max_whitespace=0 if flag else self.structured_outputs_max_whitespace
+        )
+
+
+def _check_tensor_parallel(model: ModelConfig, tp: int) -> None:
+    """ValueError naming tensor_parallel_size unless the model's heads split over ``tp``
+    ranks: query heads by tp; KV heads by tp, or tp by the KV heads (each KV head then on
+    tp / num_kv_heads ranks)."""
+    if tp == 1:
+        return
+    heads = int(model.text_config.num_attention_heads)
+    kv = model.num_kv_heads
+    if heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size ({tp}) must divide the model's {heads} attention heads."
+        )
+    if kv % tp and tp % kv:
+        raise ValueError(
+            f"tensor_parallel_size ({tp}) must divide the model's {kv} KV heads or be a "
+            "multiple of them."
         )
 
 

@@ -76,10 +76,12 @@ _HELP = {
     "device": "Device to run on; auto: cuda when a GPU is visible, else cpu.",
     "load_format": "Weight format; auto: gguf for a .gguf file, else safetensors; dummy: random "
     "weights on the model's config (a folder or a built-in name such as qwen3-0.6b).",
-    "tensor_parallel_size": "Tensor-parallel GPUs (only 1 for now).",
+    "tensor_parallel_size": "Tensor-parallel ranks: the model's heads, MLP and vocabulary "
+    "split over N worker processes (GPUs with NCCL, or CPU processes with gloo).",
     "data_parallel_size": "Data-parallel engine replicas (only 1 for now).",
     "distributed_executor_backend": "How the engine reaches the model: uni (in its own "
-    "process) or mp (one worker process per tensor-parallel rank).",
+    "process) or mp (one worker process per tensor-parallel rank) (default: mp when "
+    "--tensor-parallel-size > 1, else uni).",
     "async_scheduling": "Schedule the next step while the device runs this one "
     "(default: on with a GPU, off on a CPU).",
     "grammar_process": "Structured outputs: advance grammars and fill their token bitmasks "

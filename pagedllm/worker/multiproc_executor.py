@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import subprocess
 import time
 import weakref
@@ -63,6 +64,12 @@ def start_timeout() -> float:
     return seconds
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _start_worker(rank: int, device: str) -> _WorkerHandle:
     proc, chan = start_child("pagedllm.worker.worker_proc", device)
     return _WorkerHandle(rank, proc, chan)
@@ -99,8 +106,11 @@ class MultiprocExecutor(Executor):
         try:
             for rank in range(world):
                 self._workers.append(_start_worker(rank, config.device_config.device))
+            # the ranks' torch.distributed store: rank 0 listens on a free local port
+            init_method = f"tcp://127.0.0.1:{_free_port()}" if world > 1 else ""
             for w in self._workers:
-                self._send(w, encode(("init", config, eos_token_ids, w.rank, world)))
+                msg = ("init", config, eos_token_ids, w.rank, world, init_method)
+                self._send(w, encode(msg))
             timeout = start_timeout()
             deadline = time.monotonic() + timeout
             infos = [self._recv(w, deadline, timeout) for w in self._workers]
@@ -162,6 +172,13 @@ class MultiprocExecutor(Executor):
             except (EOFError, OSError) as e:
                 raise self._died(w) from e
             if msg[0] == "error":
+                # a rank whose peer died fails in a collective: name the dead one first
+                for other in self._workers:
+                    if other is not w and other.proc.poll() is not None:
+                        raise self._broke(
+                            f"{other.describe()} died (exit code {other.proc.returncode}); "
+                            f"{w.describe()} failed after it:\n{msg[1]}"
+                        )
                 raise self._broke(f"{w.describe()} failed:\n{msg[1]}")
             return msg[1]
 

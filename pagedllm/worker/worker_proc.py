@@ -3,7 +3,8 @@
 Started as ``python -m pagedllm.worker.worker_proc FD``, FD being one end of a socket pair
 (inherited) that carries pickled messages (``Channel``), so nothing of the engine's
 ``__main__`` is imported again. Messages in:
-    ("init", config, eos_token_ids, rank, world_size)   first, once: builds the ModelRunner
+    ("init", config, eos_token_ids, rank, world_size, init_method)   first, once: joins the
+                                 tensor-parallel group (world_size > 1), builds the ModelRunner
     ("call", name, args)         a start-up method of the runner (``CALLS``); replies
     ("forward", step_id, scheduler_output)    launch_forward; no reply
     ("sample", step_id, grammar)    launch_sample; grammar: None or (fill_ids, mask array)
@@ -46,13 +47,28 @@ class Worker:
     """One rank's ``ModelRunner`` and the steps it launched and has not resolved, by id
     (under async scheduling step N is launched before step N-1 is resolved)."""
 
-    def __init__(self, config: Any, eos_token_ids: set[int] | None, rank: int, world: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        eos_token_ids: set[int] | None,
+        rank: int,
+        world: int,
+        init_method: str = "",
+    ) -> None:
         import torch
 
+        from pagedllm.distributed.parallel_state import init_tensor_parallel
         from pagedllm.worker.model_runner import ModelRunner
 
-        if config.device_config.device.startswith("cuda") and world > 1:
+        device = config.device_config.device
+        if device.startswith("cuda") and world > 1:
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        if not device.startswith("cuda") and world > 1 and "OMP_NUM_THREADS" not in os.environ:
+            # the ranks share the host's cores (one rank per core or more each)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        init_tensor_parallel(
+            rank, world, init_method, "cuda" if device.startswith("cuda") else "cpu"
+        )
         self.rank = rank
         self.runner = ModelRunner(config, eos_token_ids)
         self.steps: dict[int, Any] = {}
@@ -107,12 +123,12 @@ def _grammar_step(grammar: tuple | None) -> Any:
 def serve(conn: Channel) -> None:
     """The worker's loop (see the module docstring)."""
     try:
-        kind, config, eos_token_ids, rank, world = conn.recv()
+        kind, config, eos_token_ids, rank, world, init_method = conn.recv()
     except (EOFError, OSError):
         return
     assert kind == "init", kind
     try:
-        worker = Worker(config, eos_token_ids, rank, world)
+        worker = Worker(config, eos_token_ids, rank, world, init_method)
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return

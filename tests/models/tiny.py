@@ -59,12 +59,15 @@ _MODEL_CLASSES = {
 }
 
 
-def make_tiny_model(arch: str, path: str, seed: int = 0) -> str:
-    """Save a random-weight model (float32 safetensors + a small tokenizer) to ``path``."""
+def make_tiny_model(arch: str, path: str, seed: int = 0, **overrides: object) -> str:
+    """Save a random-weight model (float32 safetensors + a small tokenizer) to ``path``;
+    ``overrides`` replace config fields (e.g. ``num_key_value_heads=1``)."""
     import transformers as tf
 
     torch.manual_seed(seed)
     config = _config(arch)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     model = getattr(tf, _MODEL_CLASSES[arch])(config)
     # Larger-than-default weights make the distribution peaky, so greedy choices are decisive
     # and a wrong kernel shows as different tokens, not as a tie broken differently.

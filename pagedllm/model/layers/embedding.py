@@ -1,4 +1,11 @@
-"""Token embeddings and the LM head."""
+"""Token embeddings and the LM head, split over the vocabulary under tensor parallelism.
+
+With tp ranks the vocabulary is padded to a multiple of tp and rank r holds rows
+[r * V/tp, (r + 1) * V/tp) of the table (``vocab_shard``). The embedding looks up the ids
+that fall in its rows, zeros the others and sums over the ranks (all-reduce); the LM head
+computes the logits of its rows and gathers every rank's side by side (all-gather), so each
+rank holds the whole [n, vocab] logits and samples the same tokens from the same seeds.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +13,61 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pagedllm.distributed.parallel_state import all_gather_last, all_reduce, tp_info
+
+
+def vocab_shard(vocab_size: int) -> tuple[int, int]:
+    """(first row, rows) of this rank's part of the table.
+
+    Example: vocab 10, 4 ranks -> padded to 12, 3 rows each; rank 3 holds rows 9..11 (9 real
+    tokens' rows plus 2 padding rows that no id reaches and whose logits are cut off)."""
+    rank, tp = tp_info()
+    per_rank = -(-vocab_size // tp)
+    return rank * per_rank, per_rank
+
+
+def _load_rows(param: nn.Parameter, loaded: torch.Tensor, vocab_size: int) -> None:
+    """This rank's rows of a whole [vocab, hidden] checkpoint tensor (padding rows zero)."""
+    start, rows = vocab_shard(vocab_size)
+    if loaded.shape[0] != vocab_size or loaded.shape[1:] != param.shape[1:]:
+        raise ValueError(
+            f"weight shape mismatch: expected ({vocab_size}, {param.shape[1]}), "
+            f"got {tuple(loaded.shape)}"
+        )
+    part = loaded[start : start + rows]
+    param.data.zero_()
+    param.data[: part.shape[0]].copy_(part)
+
 
 class VocabEmbedding(nn.Module):
-    """Embedding table [vocab_size, hidden_size] with a weight loader."""
+    """Embedding table [vocab_size, hidden_size] (this rank's rows under TP) with a weight
+    loader."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False
-        )
+        self.vocab_size = vocab_size
+        self.start, rows = vocab_shard(vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        _load_rows(param, loaded, self.vocab_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if tp_info()[1] == 1:
+            return F.embedding(input_ids, self.weight)
+        # ids outside this rank's rows look up row 0 and are zeroed; the sum over the ranks
+        # leaves each id's own row
+        local = input_ids.long() - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
 
 
 class LMHead(nn.Module):
     """Projects hidden states of the tokens that need logits onto the vocabulary, in float32
-    (or in the weights' dtype with ``float32=False``).
+    (or in the weights' dtype with ``float32=False``); under TP each rank computes its rows'
+    logits and they are gathered (see the module docstring).
     ``tie_to`` shares the embedding's weight (Gemma, SmolLM2)."""
 
     def __init__(
@@ -33,14 +78,22 @@ class LMHead(nn.Module):
         tie_to: VocabEmbedding | None = None,
     ) -> None:
         super().__init__()
+        self.vocab_size = vocab_size
         if tie_to is not None:
             self.weight = tie_to.weight
         else:
+            _, rows = vocab_shard(vocab_size)
             self.weight = nn.Parameter(
-                torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False
+                torch.empty(rows, hidden_size, dtype=dtype), requires_grad=False
             )
+            self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        _load_rows(param, loaded, self.vocab_size)
 
     def forward(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:
         # [num_selected, hidden] -> [num_selected, vocab]
         logits = F.linear(hidden_states, self.weight)
+        if tp_info()[1] > 1:
+            logits = all_gather_last(logits)[:, : self.vocab_size]
         return logits.float() if float32 else logits

@@ -1,8 +1,12 @@
 """Linear layers whose parameters know how to load themselves, with fused variants.
 
-Tensor parallelism will split these along their output (column) or input (row) dimension; the
-shard arithmetic lives in the weight loaders so the models need not change when it arrives.
-Today tp_size is 1 and every rank holds the whole weight.
+Under tensor parallelism (``pagedllm/distributed/parallel_state.py``) a column-parallel layer
+holds a slice of the output features on each rank, a row-parallel one a slice of the input
+features, summing the ranks' partial outputs (all-reduce) before its bias. The shard
+arithmetic lives in the weight loaders: a checkpoint's whole tensor comes in, each rank keeps
+its part. Attention's fused q/k/v splits heads: each rank has num_heads / tp query heads and
+num_kv_heads / tp KV heads - or, with fewer KV heads than ranks, one KV head shared by
+tp / num_kv_heads ranks (replicated). On one rank every layer holds the whole weight.
 """
 
 from __future__ import annotations
@@ -11,10 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-
-def tp_info() -> tuple[int, int]:
-    """(rank, world size) of the tensor-parallel group; (0, 1) until distributed lands."""
-    return 0, 1
+from pagedllm.distributed.parallel_state import all_reduce, tp_info
 
 
 class LinearBase(nn.Module):
@@ -53,26 +54,45 @@ class ReplicatedLinear(LinearBase):
     """The whole weight on every rank."""
 
 
+def _divide(total: int, tp: int, what: str) -> int:
+    if total % tp:
+        raise ValueError(f"{what} ({total}) is not divisible by tensor_parallel_size ({tp}).")
+    return total // tp
+
+
 class ColumnParallelLinear(LinearBase):
-    """Output features split across ranks."""
+    """Output features split across ranks: rank r holds rows [r * n/tp, (r + 1) * n/tp)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         _, tp = tp_info()
-        super().__init__(in_features, out_features // tp, bias, dtype)
+        super().__init__(in_features, _divide(out_features, tp, "output features"), bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        rank, tp = tp_info()
+        if tp > 1:
+            loaded = loaded.chunk(tp, dim=0)[rank]
+        _copy(param.data, loaded)
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks (an all-reduce follows under TP)."""
+    """Input features split across ranks; the partial outputs are summed over the ranks
+    (all-reduce), then the bias is added once."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         _, tp = tp_info()
-        super().__init__(in_features // tp, out_features, bias, dtype)
+        super().__init__(_divide(in_features, tp, "input features"), out_features, bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         rank, tp = tp_info()
         if param.dim() == 2 and tp > 1:
             loaded = loaded.chunk(tp, dim=1)[rank]
         _copy(param.data, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tp_info()[1] == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -114,8 +134,13 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         _, tp = tp_info()
         self.head_dim = head_dim
-        self.num_heads = num_heads // tp
-        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.num_heads = _divide(num_heads, tp, "attention heads")
+        self.total_kv_heads = num_kv_heads
+        if num_kv_heads >= tp:
+            self.num_kv_heads = _divide(num_kv_heads, tp, "KV heads")
+        else:  # each KV head on tp / num_kv_heads ranks
+            _divide(tp, num_kv_heads, "tensor_parallel_size over the KV heads")
+            self.num_kv_heads = 1
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         LinearBase.__init__(self, hidden_size, out, bias, dtype)
 
@@ -129,5 +154,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         if tp > 1:
-            loaded = loaded.chunk(tp, dim=0)[rank]  # heads divisible by tp (checked at init)
+            if shard_id == "q" or self.total_kv_heads >= tp:
+                loaded = loaded.chunk(tp, dim=0)[rank]  # whole heads (checked at init)
+            else:
+                # Example: 2 KV heads, 8 ranks -> ranks 0-3 hold head 0, ranks 4-7 head 1
+                head = rank * self.total_kv_heads // tp
+                loaded = loaded.narrow(0, head * self.head_dim, self.head_dim)
         _copy(param.data.narrow(0, offset, size), loaded)

@@ -44,6 +44,8 @@ class Gemma3Attention(nn.Module):
         self.o_proj = RowParallelLinear(
             self.num_heads * self.head_dim, config.hidden_size, bias, dtype
         )
+        # this rank's heads (all of them on one rank; see layers/linear.py)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, offset=1.0)
         theta, scaling = _layer_rope(config, layer_idx)

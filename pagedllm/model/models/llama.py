@@ -63,6 +63,8 @@ class LlamaAttention(nn.Module):
             hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias or o_bias, dtype
         )
         self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, hidden, o_bias, dtype)
+        # this rank's heads (all of them on one rank; see layers/linear.py)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         if qk_norm:
