@@ -163,10 +163,10 @@ class DeviceConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor and data parallel sizes (data parallelism: 1 until it lands), and the
-    executor: ``"uni"`` runs the model in the engine's process, ``"mp"`` in one worker
-    process per tensor-parallel rank (torch.distributed between them: NCCL on GPUs, gloo on
-    CPUs)."""
+    """Tensor and data parallel sizes (data parallelism: engine cores behind one server,
+    ``engine/dp_async_llm.py``), and the executor: ``"uni"`` runs the model in the engine's
+    process, ``"mp"`` in one worker process per tensor-parallel rank (torch.distributed
+    between them: NCCL on GPUs, gloo on CPUs)."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -185,8 +185,6 @@ class ParallelConfig:
                 "distributed_executor_backend 'uni' runs one rank; tensor_parallel_size > 1 "
                 "needs 'mp'."
             )
-        if self.data_parallel_size != 1:
-            raise ValueError("data_parallel_size must be 1 for now.")
 
 
 _KVC_METHODS = ("kvcompress", "uniform", "random")
@@ -379,8 +377,7 @@ class EngineArgs:
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(
-                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
-                f"got {backend!r}."
+                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}."
             )
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if backend is None:

@@ -78,7 +78,9 @@ _HELP = {
     "weights on the model's config (a folder or a built-in name such as qwen3-0.6b).",
     "tensor_parallel_size": "Tensor-parallel ranks: the model's heads, MLP and vocabulary "
     "split over N worker processes (GPUs with NCCL, or CPU processes with gloo).",
-    "data_parallel_size": "Data-parallel engine replicas (only 1 for now).",
+    "data_parallel_size": "Data-parallel engine cores behind one server (each its own "
+    "process, KV cache and --tensor-parallel-size ranks); requests routed by prefix-cache "
+    "affinity, then load (pagedllm serve only).",
     "distributed_executor_backend": "How the engine reaches the model: uni (in its own "
     "process) or mp (one worker process per tensor-parallel rank) (default: mp when "
     "--tensor-parallel-size > 1, else uni).",

@@ -431,12 +431,24 @@ def run_server(args: Any) -> int:
         os.environ.setdefault("PAGEDLLM_LOG_LEVEL", str(getattr(args, "log_level", "INFO")))
         if count > 1:  # bound before anything slow: a port in use fails at once
             listen = socket.create_server((args.host, args.port), backlog=2048)
-        async_llm: AsyncLLMBase = MPAsyncLLM(
-            engine_args.create_engine_config(), api_server_count=count
-        )
-        logger.info(
-            "engine core process %d ready in %.1f s", async_llm.core.pid, async_llm.startup_seconds
-        )
+        engine_config = engine_args.create_engine_config()
+        dp = engine_config.parallel_config.data_parallel_size
+        if dp > 1:
+            from pagedllm.engine.dp_async_llm import DPAsyncLLM
+
+            if count > 1:
+                raise ValueError(
+                    "api_server_count > 1 cannot be combined with data_parallel_size > 1."
+                )
+            async_llm: AsyncLLMBase = DPAsyncLLM(engine_config)
+            logger.info("%d engine core processes ready in %.1f s", dp, async_llm.startup_seconds)
+        else:
+            async_llm = MPAsyncLLM(engine_config, api_server_count=count)
+            logger.info(
+                "engine core process %d ready in %.1f s",
+                async_llm.core.pid,
+                async_llm.startup_seconds,
+            )
     else:
         async_llm = AsyncLLM.from_engine_args(engine_args)
     try:
