@@ -17,7 +17,7 @@ DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # how the engine core reaches the model: in its own process, or one worker process per rank
-EXECUTOR_BACKENDS = ("uni", "mp")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:

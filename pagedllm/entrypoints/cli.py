@@ -16,7 +16,7 @@ The engine flags are generated from the fields of ``EngineArgs`` (``--max-model-
 ``--num-gpu-blocks-override``, ``--enable-chunked-prefill/--no-enable-chunked-prefill``,
 ``--enforce-eager``, ``--load-format``, ``--enable-prefix-caching/--no-enable-prefix-caching``,
 ``--scheduling-policy fcfs|priority|sjf``, ``--preemption-mode recompute|swap|auto``,
-``--swap-space GiB``, ``--distributed-executor-backend uni|mp``,
+``--swap-space GiB``, ``--distributed-executor-backend uni|mp|ray``,
 ``--structured-outputs-max-whitespace N``, ...), so they always match the engine; only the
 flags a user gives are passed on, the rest keep ``EngineArgs``' defaults. Every flag's help says
 its default; flags that only matter on a GPU say "(GPU only)". Importing this module does not
@@ -82,7 +82,8 @@ _HELP = {
     "process, KV cache and --tensor-parallel-size ranks); requests routed by prefix-cache "
     "affinity, then load (pagedllm serve only).",
     "distributed_executor_backend": "How the engine reaches the model: uni (in its own "
-    "process) or mp (one worker process per tensor-parallel rank) (default: mp when "
+    "process), mp (one worker process per tensor-parallel rank) or ray (one Ray actor per "
+    "rank, across the nodes of a Ray cluster; RAY_ADDRESS names it) (default: mp when "
     "--tensor-parallel-size > 1, else uni).",
     "async_scheduling": "Schedule the next step while the device runs this one "
     "(default: on with a GPU, off on a CPU).",

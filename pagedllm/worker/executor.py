@@ -2,7 +2,8 @@
 
 ``make_executor`` picks one by ``ParallelConfig.distributed_executor_backend`` (vLLM's names):
 ``"uni"`` (the default) runs one ``ModelRunner`` in the engine's process; ``"mp"`` runs one
-worker process per rank (``multiproc_executor.py``, ``worker_proc.py``).
+worker process per rank (``multiproc_executor.py``, ``worker_proc.py``); ``"ray"`` one Ray
+actor per rank, placed across the nodes of a Ray cluster (``ray_executor.py``).
 """
 
 from __future__ import annotations
@@ -155,6 +156,10 @@ def make_executor(config: EngineConfig, eos_token_ids: set[int] | None = None) -
         from pagedllm.worker.multiproc_executor import MultiprocExecutor
 
         return MultiprocExecutor(config, eos_token_ids)
+    if backend == "ray":
+        from pagedllm.worker.ray_executor import RayExecutor
+
+        return RayExecutor(config, eos_token_ids)
     raise ValueError(
         f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}."
     )
