@@ -54,9 +54,9 @@ class _RankActor:
         return ray.util.get_node_ip_address(), port
 
     def init(self, config: Any, eos: Any, rank: int, world: int, init_method: str) -> dict:
-        from pagedllm.worker.worker_proc import Worker
-
         import ray
+
+        from pagedllm.worker.worker_proc import Worker
 
         self.worker = Worker(config, eos, rank, world, init_method)
         return {**self.worker.info(), "node": ray.get_runtime_context().get_node_id()}
