@@ -231,14 +231,14 @@ def test_shutdown_and_a_forgotten_engine_leave_no_process(tiny_models):
 
 def test_bad_backend_is_a_value_error_naming_the_field(tiny_models):
     with pytest.raises(ValueError, match="distributed_executor_backend"):
-        ParallelConfig(distributed_executor_backend="ray")
+        ParallelConfig(distributed_executor_backend="dask")
     with pytest.raises(ValueError, match="distributed_executor_backend"):
         EngineArgs(
             model=tiny_models("llama"), distributed_executor_backend="thread"
         ).create_engine_config()
     from pagedllm.entrypoints.cli import build_parser, engine_args_from
 
-    ns = build_parser().parse_args(["serve", "m", "--distributed-executor-backend", "mp"])
-    assert engine_args_from(ns).distributed_executor_backend == "mp"
+    ns = build_parser().parse_args(["serve", "m", "--distributed-executor-backend", "ray"])
+    assert engine_args_from(ns).distributed_executor_backend == "ray"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "m", "--distributed-executor-backend", "bogus"])

@@ -8,6 +8,7 @@ serves on, and ``/health`` turns 503 only when none is left.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -194,3 +195,28 @@ def test_serve_cli_dp2_with_tp2(tiny_models, tmp_path) -> None:  # noqa: ANN001
     finally:
         one.shutdown()
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
+
+
+def _worker_pids(core: Any) -> list[int]:
+    return core.executor.pids
+
+
+def test_dead_tp_worker_is_reported_on_health(tiny_models) -> None:  # noqa: ANN001
+    """An engine core with two tensor-parallel workers: rank 1 killed -> the next request
+    fails with a 503 naming the dead worker, /health turns 503 (bounded time: no hang)."""
+    args = dataclasses.replace(_args(tiny_models("llama"), 1), tensor_parallel_size=2)
+    llm = MPAsyncLLM.from_engine_args(args)
+    try:
+        with serve(llm) as srv:
+            assert _complete(srv, [1, 2, 3, 4])["choices"][0]["text"]
+            pids = srv.in_core(_worker_pids)
+            os.kill(pids[1], signal.SIGKILL)
+            r = srv.post("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 8})
+            # the engine cannot run without the rank: 503, saying which worker died
+            assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"], r.text
+            deadline = time.monotonic() + 60
+            while httpx.get(srv.url + "/health", timeout=30).status_code != 503:
+                assert time.monotonic() < deadline, "/health still 200"
+                time.sleep(0.2)
+    finally:
+        llm.shutdown()
