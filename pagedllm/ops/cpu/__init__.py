@@ -69,8 +69,3 @@ def cpu_ops() -> Any:
             module = None
     _loaded.append(module)
     return module
-
-
-if __name__ == "__main__":  # scripts/setup.sh: build now, say where
-    logging.basicConfig(level=logging.INFO)
-    print("CPU kernels:", "built in " + str(build_dir()) if cpu_ops() else "not available")
