@@ -590,4 +590,20 @@ def _resolve_dtype(dtype: str, hf_config: Any, load_format: str, device: str) ->
         name = "float32"
     if name == "float16" and device == "cpu":
         name = "bfloat16"  # half-precision matmuls are slow on CPUs; bf16 keeps the range
+    if name == "bfloat16" and device == "cpu" and not cpu_has_bf16():
+        name = "float32"  # emulated bf16 is slower than float32 on such a CPU
     return name
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX); Linux's
+    /proc/cpuinfo flags, False where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
