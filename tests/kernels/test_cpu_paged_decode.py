@@ -68,8 +68,8 @@ def test_matches_reference(dtype, heads: int, kv_heads: int, head_dim: int, wind
 
 
 def test_backend_decode_uses_the_kernel_and_agrees(monkeypatch) -> None:  # noqa: ANN001
-    """The CPU backend's decode rows: the same output with the kernel as with the PyTorch
-    path (``PAGEDLLM_CPU_KERNELS=0``), and the kernel really ran."""
+    """The CPU backend's decode rows: the same output with the kernel (what
+    ``PAGEDLLM_CPU_KERNELS=1`` selects) as with the PyTorch path, and the kernel really ran."""
     import numpy as np
 
     from pagedllm.attention.backends import torch_native
@@ -104,6 +104,9 @@ def test_backend_decode_uses_the_kernel_and_agrees(monkeypatch) -> None:  # noqa
         m.plan["block_tables_np"] = tables
         return m
 
+    assert torch_native._decode_kernel() is None  # not the default
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "1")
+    assert torch_native._decode_kernel() is ext
     calls = []
     real = ext.paged_decode
     monkeypatch.setattr(torch_native, "_decode_kernel", lambda: _Spy(real, calls))

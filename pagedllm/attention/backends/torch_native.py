@@ -1,9 +1,9 @@
 """Paged attention in plain PyTorch: the CPU backend and the reference for the GPU kernels.
 
-Decode rows (one query token per request) of a step are attended by the compiled kernel of
-``pagedllm/ops/cpu`` where it is built: it reads K and V from their blocks in place, the query
-heads of a KV head together. Without it (and as the reference), in one batched SDPA call over
-keys gathered from their blocks. Each prefill chunk gets its own SDPA call (or, for a first
+Decode rows (one query token per request) of a step are attended in one batched SDPA call over
+keys gathered from their blocks, or, with ``PAGEDLLM_CPU_KERNELS=1``, by the compiled kernel of
+``pagedllm/ops/cpu``, which reads K and V from their blocks in place, the query heads of a KV
+head together. Each prefill chunk gets its own SDPA call (or, for a first
 chunk on a full-attention layer, plain causal SDPA over its new keys without touching the
 cache). The gather indices, masks and tables are planned once per step and shared by every
 layer.
@@ -23,10 +23,12 @@ write_kv_cache = write_kv_ref  # the name tests and callers know
 
 
 def _decode_kernel() -> object | None:
-    """The compiled decode kernel's module, or None (the PyTorch path)."""
-    from pagedllm.ops.cpu import cpu_ops
+    """The compiled decode kernel's module when asked for (``PAGEDLLM_CPU_KERNELS=1``: it is
+    not the default yet - faster alone, slower end to end on the machine it was measured
+    on; see pagedllm/ops/cpu), else None (the PyTorch path)."""
+    from pagedllm.ops.cpu import cpu_ops, kernels_enabled
 
-    return cpu_ops()
+    return cpu_ops() if kernels_enabled() else None
 
 
 def _visible(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:

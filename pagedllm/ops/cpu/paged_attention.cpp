@@ -25,6 +25,17 @@
 namespace {
 
 inline float to_float(float x) { return x; }
+
+// float32 caches are read in place; bfloat16 ones are widened into a small buffer first
+template <typename T>
+inline const float* widen(const T* src, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = to_float(src[i]);
+  return buf;
+}
+template <>
+inline const float* widen<float>(const float* src, float*, int64_t) {
+  return src;
+}
 inline float to_float(at::BFloat16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float f;
@@ -58,22 +69,18 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
         const int64_t hi = std::min(start + bs, len) - start;
         const T* kb = kc + block * bs * row_stride + h * D;
         const T* vb = vc + block * bs * row_stride + h * D;
-        for (int64_t t = lo; t < hi; ++t) {  // this head's keys and values, as float
-          const T* ks = kb + t * row_stride;
-          const T* vs = vb + t * row_stride;
-          float* kd = kf.data() + t * D;
-          float* vd = vf.data() + t * D;
-          for (int64_t d = 0; d < D; ++d) {
-            kd[d] = to_float(ks[d]);
-            vd[d] = to_float(vs[d]);
-          }
+        const float* kr[64];  // each slot's key and value rows (block_size <= 64)
+        const float* vr[64];
+        for (int64_t t = lo; t < hi; ++t) {
+          kr[t] = widen(kb + t * row_stride, kf.data() + t * D, D);
+          vr[t] = widen(vb + t * row_stride, vf.data() + t * D, D);
         }
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
           float* s = sc.data() + g * bs;
           float block_max = -std::numeric_limits<float>::infinity();
           for (int64_t t = lo; t < hi; ++t) {
-            const float* kd = kf.data() + t * D;
+            const float* kd = kr[t];
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < D; ++d) dot += qg[d] * kd[d];
@@ -84,11 +91,17 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
           const float corr = std::exp(m[g] - new_m);  // 0 for the first block (m = -inf)
           float* a = acc.data() + g * D;
           float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = lo; t < hi; ++t) {
+            s[t] = std::exp(s[t] - new_m);
+            sum += s[t];
+          }
+#pragma omp simd
           for (int64_t d = 0; d < D; ++d) a[d] *= corr;
           for (int64_t t = lo; t < hi; ++t) {
-            const float p = std::exp(s[t] - new_m);
-            sum += p;
-            const float* vd = vf.data() + t * D;
+            const float p = s[t];
+            const float* vd = vr[t];
+#pragma omp simd
             for (int64_t d = 0; d < D; ++d) a[d] += p * vd[d];
           }
           l[g] = l[g] * corr + sum;
@@ -120,6 +133,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head shapes do not match");
+  TORCH_CHECK(bs <= 64, "block_size above 64");
   auto out = torch::empty_like(q);
   if (q.scalar_type() == at::kFloat) {
     decode_kernel<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
