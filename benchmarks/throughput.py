@@ -475,8 +475,6 @@ def resolve_workload(name: str, args: argparse.Namespace) -> tuple[Workload, str
         if v is not None and v != getattr(wl, k)
     }
     stem = f"cpu_throughput_{name}"
-    if args.dtype != "float32":  # float32 keeps the historical names
-        stem += f"_{args.dtype}"
     if changes:
         wl = Workload(**{**asdict(wl), **changes})
         stem += f"_n{wl.num_prompts}_in{wl.input_len}_out{wl.output_len}"

@@ -276,8 +276,8 @@ class DPAsyncLLM(AsyncLLMBase):
                     merged[key] = merged.get(key, 0) + value
         if "kv_cache_usage" in merged:
             merged["kv_cache_usage"] /= len(self._core_stats)
-        merged["dp_requests_routed"] = list(self.router.routed) if hasattr(self, "router") else []
-        merged["dp_live_cores"] = sum(c.is_running for c in getattr(self, "cores", []))
+        merged["dp_requests_routed"] = list(self.router.routed)
+        merged["dp_live_cores"] = sum(c.is_running for c in self.cores)
         return merged
 
     def stats(self) -> dict[str, Any]:

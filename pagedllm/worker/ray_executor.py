@@ -100,22 +100,28 @@ class RayExecutor(Executor):
         world = config.parallel_config.tensor_parallel_size
         gpu = config.device_config.device == "cuda"
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
-        self._pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
         self._ids = itertools.count()
         self._broken: str | None = None
         self._pending: dict[int, list[Any]] = {}  # step id -> refs of its forward/sample
         timeout = start_timeout()
-        ray.get(self._pg.ready(), timeout=timeout)
-        actor_cls = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(_RankActor)
-        self._actors = [
-            actor_cls.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg, placement_group_bundle_index=rank
-                )
-            ).remote()
-            for rank in range(world)
-        ]
         try:
+            self._pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+            try:
+                ray.get(self._pg.ready(), timeout=timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise RuntimeError(
+                    f"the Ray cluster has no room for {world} bundles of {bundle} within "
+                    f"{timeout:g} s"
+                ) from None
+            actor_cls = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(_RankActor)
+            self._actors = [
+                actor_cls.options(
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self._pg, placement_group_bundle_index=rank
+                    )
+                ).remote()
+                for rank in range(world)
+            ]
             host, port = ray.get(self._actors[0].address.remote(), timeout=timeout)
             init_method = f"tcp://{host}:{port}" if world > 1 else ""
             refs = [

@@ -104,15 +104,19 @@ def test_backend_decode_uses_the_kernel_and_agrees(monkeypatch) -> None:  # noqa
         m.plan["block_tables_np"] = tables
         return m
 
-    assert torch_native._decode_kernel() is None  # not the default
+    monkeypatch.delenv("PAGEDLLM_CPU_KERNELS", raising=False)
+    assert torch_native._decode_kernel(torch.float32) is None  # float32: PyTorch by default
+    assert torch_native._decode_kernel(torch.bfloat16) is ext  # bfloat16: the kernel
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "1")
-    assert torch_native._decode_kernel() is ext
+    assert torch_native._decode_kernel(torch.float32) is ext
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
+    assert torch_native._decode_kernel(torch.bfloat16) is None
     calls = []
     real = ext.paged_decode
-    monkeypatch.setattr(torch_native, "_decode_kernel", lambda: _Spy(real, calls))
+    monkeypatch.setattr(torch_native, "_decode_kernel", lambda dtype=None: _Spy(real, calls))
     backend = torch_native.TorchNativeBackend()
     got = backend.forward(q, k, v, kv.clone(), md(), D**-0.5, None)
-    monkeypatch.setattr(torch_native, "_decode_kernel", lambda: None)
+    monkeypatch.setattr(torch_native, "_decode_kernel", lambda dtype=None: None)
     want = backend.forward(q, k, v, kv.clone(), md(), D**-0.5, None)
     assert calls, "the kernel did not run"
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

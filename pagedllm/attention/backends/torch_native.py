@@ -1,9 +1,9 @@
 """Paged attention in plain PyTorch: the CPU backend and the reference for the GPU kernels.
 
 Decode rows (one query token per request) of a step are attended in one batched SDPA call over
-keys gathered from their blocks, or, with ``PAGEDLLM_CPU_KERNELS=1``, by the compiled kernel of
-``pagedllm/ops/cpu``, which reads K and V from their blocks in place, the query heads of a KV
-head together. Each prefill chunk gets its own SDPA call (or, for a first
+keys gathered from their blocks, or by the compiled kernel of ``pagedllm/ops/cpu`` (bfloat16
+caches by default; see ``kernels_enabled``), which reads K and V from their blocks in place,
+the query heads of a KV head together. Each prefill chunk gets its own SDPA call (or, for a first
 chunk on a full-attention layer, plain causal SDPA over its new keys without touching the
 cache). The gather indices, masks and tables are planned once per step and shared by every
 layer.
@@ -22,13 +22,12 @@ from pagedllm.kv_layout import token_slots, write_kv_ref
 write_kv_cache = write_kv_ref  # the name tests and callers know
 
 
-def _decode_kernel() -> object | None:
-    """The compiled decode kernel's module when asked for (``PAGEDLLM_CPU_KERNELS=1``: it is
-    not the default yet - faster alone, slower end to end on the machine it was measured
-    on; see pagedllm/ops/cpu), else None (the PyTorch path)."""
+def _decode_kernel(dtype: torch.dtype | None = None) -> object | None:
+    """The compiled decode kernel's module where it is used for a cache of ``dtype`` (see
+    ``pagedllm/ops/cpu.kernels_enabled``: bfloat16 by default), else None (PyTorch)."""
     from pagedllm.ops.cpu import cpu_ops, kernels_enabled
 
-    return cpu_ops() if kernels_enabled() else None
+    return cpu_ops() if kernels_enabled(dtype) else None
 
 
 def _visible(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
@@ -44,8 +43,10 @@ class TorchNativeBackend(AttentionBackend):
 
     name = "torch_native"
 
-    def _plan(self, md: AttentionMetadata, window: int | None, on_cpu: bool = True) -> dict:
-        key = ("torch_native", window, on_cpu)
+    def _plan(
+        self, md: AttentionMetadata, window: int | None, on_cpu: bool = True, dtype: object = None
+    ) -> dict:
+        key = ("torch_native", window, on_cpu, dtype)
         if key in md.plan:
             return md.plan[key]
         qsl = md.query_start_loc_np
@@ -59,7 +60,7 @@ class TorchNativeBackend(AttentionBackend):
         q_lens = np.diff(qsl[: md.num_reqs + 1])
         dec = np.nonzero(q_lens == 1)[0]
         plan: dict = {"decode": None, "prefill": []}
-        if len(dec) > 0 and on_cpu and _decode_kernel() is not None:
+        if len(dec) > 0 and on_cpu and _decode_kernel(dtype) is not None:
             # the compiled kernel reads the blocks itself: the rows' tables and lengths
             plan["decode"] = (
                 "kernel",
@@ -117,13 +118,13 @@ class TorchNativeBackend(AttentionBackend):
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        plan = self._plan(metadata, sliding_window, query.device.type == "cpu")
+        plan = self._plan(metadata, sliding_window, query.device.type == "cpu", kv_cache.dtype)
         out = torch.empty_like(query)
         gqa = num_heads != num_kv_heads
         if plan["decode"] is not None and plan["decode"][0] == "kernel":
             _, rows, tables, lens = plan["decode"]
             q = query.index_select(0, rows)  # [B, num_heads, head_dim]
-            o = _decode_kernel().paged_decode(  # type: ignore[union-attr]
+            o = _decode_kernel(kv_cache.dtype).paged_decode(  # type: ignore[union-attr]
                 q, kv_cache[0], kv_cache[1], tables, lens, scale, sliding_window or 0
             )
             out.index_copy_(0, rows, o)
@@ -142,10 +143,15 @@ class TorchNativeBackend(AttentionBackend):
                 enable_gqa=gqa,
             )  # [B, num_heads, 1, head_dim]
             out.index_copy_(0, rows, o.squeeze(2))
+        # torch's bfloat16 SDPA is several times slower than its float32 one on the CPUs
+        # measured (pagedllm/ops/cpu): prefill chunks attend in float32 there
+        upcast = query.dtype == torch.bfloat16 and query.device.type == "cpu"
         for start, end, slots, mask in plan["prefill"]:
             q = query[start:end].transpose(0, 1)  # [num_heads, q_len, head_dim]
+            if upcast:
+                q = q.float()
             if slots is None:
-                k, v = key[start:end], value[start:end]
+                k, v = key[start:end].to(q.dtype), value[start:end].to(q.dtype)
                 o = F.scaled_dot_product_attention(
                     q,
                     k.transpose(0, 1),
@@ -165,5 +171,5 @@ class TorchNativeBackend(AttentionBackend):
                     scale=scale,
                     enable_gqa=gqa,
                 )[0]
-            out[start:end] = o.transpose(0, 1)
+            out[start:end] = o.transpose(0, 1).to(out.dtype)
         return out.view(num_tokens, num_heads * head_dim)

@@ -6,12 +6,13 @@ machine's own vector instructions) into a cache folder (``PAGEDLLM_CACHE_DIR``, 
 module; ``scripts/setup.sh`` builds it ahead. Without a compiler (or ninja), or with
 ``PAGEDLLM_CPU_KERNELS=0``, it returns None, saying so once in the log.
 
-The attention backend uses it only with ``PAGEDLLM_CPU_KERNELS=1`` (``kernels_enabled``). On
-the 2-core machine it was measured on, the decode kernel alone beat gather + SDPA (tiny
-Llama shapes, 64 requests x 160 keys: 1.6-2.1 ms against 2.6-8 ms, noisy), but whole runs
-were slower with it (tiny Llama fp32, 64 x 128 -> 64: ~1,050 against ~1,350 output tok/s), the
-linear layers after it taking longer; until that is understood the PyTorch path stays the
-default.
+When the attention backend uses it (``kernels_enabled``): for bfloat16 caches by default, for
+float32 only with ``PAGEDLLM_CPU_KERNELS=1``. Measured on a 2-core AMD EPYC (avx512_bf16):
+SmolLM2 shapes, 64 requests x 320 keys, the decode kernel took 4.4 ms in bfloat16 against 17 ms
+for torch's bfloat16 SDPA (8 ms upcast to float32), and 5.3 ms in float32 against 7.2-9.7 ms;
+whole runs gained ~50% in bfloat16 (SmolLM2, 32 x 256 -> 48: 93 vs 62 output tok/s) but
+nothing clear in float32 (51 vs 49; tiny Llama measured slower with it once), so float32
+keeps the PyTorch path by default.
 """
 
 from __future__ import annotations
@@ -49,9 +50,17 @@ def build_dir() -> Path:
     return root / "cpu_ops" / key
 
 
-def kernels_enabled() -> bool:
-    """Whether the attention backend should use the compiled kernels (opt-in for now)."""
-    return os.environ.get("PAGEDLLM_CPU_KERNELS", "") == "1"
+def kernels_enabled(dtype: Any = None) -> bool:
+    """Whether the attention backend uses the compiled kernels for a cache of ``dtype``:
+    ``PAGEDLLM_CPU_KERNELS=1`` always, ``0`` never; by default for bfloat16 only (torch's
+    bfloat16 SDPA is several times slower than its float32 one on the CPUs measured; the
+    kernel computes in float32 and reads the cache in place)."""
+    flag = os.environ.get("PAGEDLLM_CPU_KERNELS", "")
+    if flag in ("0", "1"):
+        return flag == "1"
+    import torch
+
+    return dtype == torch.bfloat16
 
 
 def cpu_ops() -> Any:
