@@ -147,6 +147,43 @@ class UniProcExecutor(Executor):
         self.runner.reset_requests()
 
 
+def plain_grammar(grammar_step: GrammarStep | None) -> tuple | None:
+    """A grammar step as plain data for another process: (fill ids, a numpy copy of just the
+    mask's rows - a tensor view would pickle its whole buffer), or None."""
+    if grammar_step is None:
+        return None
+    mask = grammar_step.mask
+    return grammar_step.fill_ids, None if mask is None else mask.numpy().copy()
+
+
+class WorkerGroupExecutor(Executor):
+    """An executor whose ranks run elsewhere (processes, Ray actors): its start-up calls go
+    to every rank through ``_call`` (the ranks' replies, by rank) and rank 0's (or the
+    minimum's, for sizes every rank must hold) answer comes back."""
+
+    @abstractmethod
+    def _call(self, name: str, *args: Any) -> list[Any]:
+        """Call the runner method ``name`` on every rank; the replies, by rank."""
+
+    def kv_cache_groups(self) -> Any:
+        return self._call("kv_cache_groups")[0]
+
+    def determine_num_blocks(self) -> int:
+        return min(self._call("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call("initialize_kv_cache", num_blocks)
+
+    def capture_cuda_graphs(self) -> None:
+        self._call("capture_cuda_graphs")
+
+    def initialize_swap_space(self) -> int:
+        return min(self._call("initialize_swap_space"))
+
+    def swap_is_cheaper(self) -> bool:
+        return bool(self._call("swap_is_cheaper")[0])
+
+
 def make_executor(config: EngineConfig, eos_token_ids: set[int] | None = None) -> Executor:
     """The executor ``config.parallel_config.distributed_executor_backend`` names."""
     backend = config.parallel_config.distributed_executor_backend

@@ -27,7 +27,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.utils.channel import Channel, encode
 from pagedllm.utils.child import start_child
-from pagedllm.worker.executor import Executor
+from pagedllm.worker.executor import WorkerGroupExecutor, plain_grammar
 
 if TYPE_CHECKING:
     from pagedllm.structured_output.grammars import GrammarStep
@@ -92,7 +92,7 @@ def _stop_workers(workers: list[_WorkerHandle], timeout: float = _STOP_TIMEOUT_S
     workers.clear()
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(WorkerGroupExecutor):
     """One worker process per tensor-parallel rank; rank 0's results come back (see the
     module docstring and ``Executor``)."""
 
@@ -190,25 +190,6 @@ class MultiprocExecutor(Executor):
     def _call(self, name: str, *args: Any) -> list[Any]:
         return self._gather(("call", name, args))
 
-    # ----------------------------------------------------------------- start-up
-    def kv_cache_groups(self) -> Any:
-        return self._call("kv_cache_groups")[0]
-
-    def determine_num_blocks(self) -> int:
-        return min(self._call("determine_num_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call("initialize_kv_cache", num_blocks)
-
-    def capture_cuda_graphs(self) -> None:
-        self._call("capture_cuda_graphs")
-
-    def initialize_swap_space(self) -> int:
-        return min(self._call("initialize_swap_space"))
-
-    def swap_is_cheaper(self) -> bool:
-        return bool(self._call("swap_is_cheaper")[0])
-
     # ----------------------------------------------------------------- steps
     def launch_forward(self, scheduler_output: SchedulerOutput) -> int:
         step_id = next(self._ids)
@@ -216,12 +197,7 @@ class MultiprocExecutor(Executor):
         return step_id
 
     def launch_sample(self, handle: int, grammar_step: GrammarStep | None) -> None:
-        grammar = None
-        if grammar_step is not None:
-            mask = grammar_step.mask
-            # a numpy copy of just these rows (a tensor view would pickle its whole buffer)
-            grammar = (grammar_step.fill_ids, None if mask is None else mask.numpy().copy())
-        self._broadcast(("sample", handle, grammar))
+        self._broadcast(("sample", handle, plain_grammar(grammar_step)))
 
     def resolve(self, handle: int) -> ModelRunnerOutput:
         return self._gather(("resolve", handle))[0]

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.worker.executor import Executor
+from pagedllm.worker.executor import WorkerGroupExecutor, plain_grammar
 from pagedllm.worker.multiproc_executor import start_timeout
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ def _import_ray() -> Any:
     return ray
 
 
-class RayExecutor(Executor):
+class RayExecutor(WorkerGroupExecutor):
     """One Ray actor per tensor-parallel rank; rank 0's results come back (see the module
     docstring and ``Executor``)."""
 
@@ -179,25 +179,6 @@ class RayExecutor(Executor):
     def _call(self, name: str, *args: Any) -> list[Any]:
         return self._get(self._each("handle", ("call", name, args)))
 
-    # ----------------------------------------------------------------- start-up
-    def kv_cache_groups(self) -> Any:
-        return self._call("kv_cache_groups")[0]
-
-    def determine_num_blocks(self) -> int:
-        return min(self._call("determine_num_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call("initialize_kv_cache", num_blocks)
-
-    def capture_cuda_graphs(self) -> None:
-        self._call("capture_cuda_graphs")
-
-    def initialize_swap_space(self) -> int:
-        return min(self._call("initialize_swap_space"))
-
-    def swap_is_cheaper(self) -> bool:
-        return bool(self._call("swap_is_cheaper")[0])
-
     # ----------------------------------------------------------------- steps
     def launch_forward(self, scheduler_output: SchedulerOutput) -> int:
         step_id = next(self._ids)
@@ -205,11 +186,9 @@ class RayExecutor(Executor):
         return step_id
 
     def launch_sample(self, handle: int, grammar_step: GrammarStep | None) -> None:
-        grammar = None
-        if grammar_step is not None:
-            mask = grammar_step.mask
-            grammar = (grammar_step.fill_ids, None if mask is None else mask.numpy().copy())
-        self._pending[handle] += self._each("handle", ("sample", handle, grammar))
+        self._pending[handle] += self._each(
+            "handle", ("sample", handle, plain_grammar(grammar_step))
+        )
 
     def resolve(self, handle: int) -> ModelRunnerOutput:
         refs = self._pending.pop(handle, []) + self._each("handle", ("resolve", handle))
