@@ -53,6 +53,17 @@ def _metrics(text: str) -> dict[str, float]:
     return out
 
 
+def _one_engine(path: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """The texts one in-process engine (same arguments, data_parallel_size 1) completes."""
+    from pagedllm import LLM
+
+    llm = LLM(path, dtype="float32", device="cpu", seed=0, max_model_len=512,
+              num_gpu_blocks_override=160)  # fmt: skip
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
 def _complete(srv: Live, prompt: list[int], max_tokens: int = 10) -> dict:
     r = srv.post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
                                      "temperature": 0, "ignore_eos": True})  # fmt: skip
@@ -89,13 +100,7 @@ def test_same_outputs_spread_and_affinity(dp: Live, tiny_models) -> None:  # noq
     prompts = [[10 + i, 20 + i, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160,
                 170 + i] for i in range(8)]  # fmt: skip
     got = asyncio.run(_many(dp, prompts))
-    one = MPAsyncLLM.from_engine_args(_args(tiny_models("llama"), 1))
-    try:
-        with serve(one) as single:
-            want = asyncio.run(_many(single, prompts))
-    finally:
-        one.shutdown()
-    assert [g["choices"][0]["text"] for g in got] == [w["choices"][0]["text"] for w in want]
+    assert [g["choices"][0]["text"] for g in got] == _one_engine(tiny_models("llama"), prompts, 10)
     llm = dp.llm
     assert isinstance(llm, DPAsyncLLM)
     routed = llm.router.routed
@@ -188,13 +193,7 @@ def test_serve_cli_dp2_with_tp2(tiny_models, tmp_path) -> None:  # noqa: ANN001
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    one = MPAsyncLLM.from_engine_args(_args(path, 1))
-    try:
-        with serve(one) as single:
-            want = _complete(single, [5, 6, 7, 8], max_tokens=12)
-    finally:
-        one.shutdown()
-    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert [got["choices"][0]["text"]] == _one_engine(path, [[5, 6, 7, 8]], 12)
 
 
 def _worker_pids(core: Any) -> list[int]:
