@@ -27,7 +27,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from pagedllm.bench._http_client import run
+from pagedllm.utils.net import free_port
 
 WORDS = (" the", " of", " and", " to", " in", " is", " was", " for")
 _STREAM_HEAD = (
@@ -318,12 +318,6 @@ def main(args: argparse.Namespace) -> int:
         for p in extra:
             p.join(5)
     return 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

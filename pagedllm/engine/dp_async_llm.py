@@ -194,7 +194,7 @@ class DPAsyncLLM(AsyncLLMBase):
     # ------------------------------------------------------------------ requests
     def loads(self) -> list[int]:
         """Unfinished requests of each core (the streams its front end still tracks)."""
-        return [len(c._streams) for c in self.cores]
+        return [c.num_unfinished for c in self.cores]
 
     async def _queue(
         self,
@@ -208,7 +208,7 @@ class DPAsyncLLM(AsyncLLMBase):
     ) -> RequestStream:
         self._check_running()
         rid = request_id or self.new_request_id()
-        if any(rid in c._streams for c in self.cores):
+        if any(c.has_request(rid) for c in self.cores):
             raise ValueError(f"request_id {rid!r} is already in use.")
         key = self.router.key(ids, cache_salt_of(prompt, params))
         live = [c.is_running for c in self.cores]
@@ -218,7 +218,7 @@ class DPAsyncLLM(AsyncLLMBase):
     def abort_nowait(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for core in self.cores:
-            mine = [r for r in ids if r in core._streams]
+            mine = [r for r in ids if core.has_request(r)]
             if mine and core.is_running:
                 core.abort_nowait(mine)
 

@@ -159,6 +159,15 @@ class MPAsyncLLM(AsyncLLMBase):
         if not self.is_running:
             raise EngineDeadError(self._dead or self._dead_reason or "the engine is not running.")
 
+    @property
+    def num_unfinished(self) -> int:
+        """Requests this front end still tracks (queued, running or not yet delivered)."""
+        return len(self._streams)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether this front end tracks an unfinished request with that id."""
+        return request_id in self._streams
+
     async def start(self) -> None:
         self._attach()
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import subprocess
 import time
 import weakref
@@ -27,6 +26,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.utils.channel import Channel, encode
 from pagedllm.utils.child import start_child
+from pagedllm.utils.net import free_port
 from pagedllm.worker.executor import WorkerGroupExecutor, plain_grammar
 
 if TYPE_CHECKING:
@@ -62,12 +62,6 @@ def start_timeout() -> float:
     if not seconds > 0:
         raise ValueError(f"{_START_TIMEOUT_ENV} must be a positive number, got {value!r}")
     return seconds
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_worker(rank: int, device: str) -> _WorkerHandle:
@@ -107,7 +101,7 @@ class MultiprocExecutor(WorkerGroupExecutor):
             for rank in range(world):
                 self._workers.append(_start_worker(rank, config.device_config.device))
             # the ranks' torch.distributed store: rank 0 listens on a free local port
-            init_method = f"tcp://127.0.0.1:{_free_port()}" if world > 1 else ""
+            init_method = f"tcp://127.0.0.1:{free_port()}" if world > 1 else ""
             for w in self._workers:
                 msg = ("init", config, eos_token_ids, w.rank, world, init_method)
                 self._send(w, encode(msg))

@@ -44,14 +44,11 @@ class _RankActor:
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port on it (rank 0: the ranks' store)."""
-        import socket
-
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        from pagedllm.utils.net import free_port
+
+        return ray.util.get_node_ip_address(), free_port("")
 
     def init(self, config: Any, eos: Any, rank: int, world: int, init_method: str) -> dict:
         import ray

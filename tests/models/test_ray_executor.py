@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,17 +18,12 @@ import numpy as np
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.utils.net import free_port
 
 ray = pytest.importorskip("ray")
 
 RAY = str(Path(sys.executable).with_name("ray"))
 ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ray(*args: str) -> None:
@@ -42,7 +36,7 @@ def cluster() -> Iterator[str]:
     """The address of a two-node Ray cluster on this host."""
     if not shutil.which(RAY):
         pytest.skip("the ray command is not installed")
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     saved = {k: os.environ.get(k) for k in (*ENV, "RAY_ADDRESS")}
     try:

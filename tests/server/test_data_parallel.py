@@ -131,7 +131,7 @@ def test_dead_core_fails_its_own_requests_only(tiny_models) -> None:  # noqa: AN
                 long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
                 streams = [await llm.add_request({"prompt_token_ids": [7 + i] * 3}, long)
                            for i in range(4)]  # fmt: skip
-                assert {len(c._streams) for c in llm.cores} == {2}  # two on each core
+                assert {c.num_unfinished for c in llm.cores} == {2}  # two on each core
                 for s in streams:
                     await s.__anext__()
                 os.kill(victim.core.pid, signal.SIGKILL)
