@@ -144,6 +144,16 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
           | grep -v "^ "
       done
       for d in "$OUT"/ab_*; do echo "$d"; summary "$d"; done ;;
+    # several GPUs (issues 20 and 22): TP=N vs TP=1 tokens, NCCL all-reduce times, Benchmark B
+    # at each TP size, then at DP = 1 and 2 behind the async front end
+    so-equality) python benchmarks/scale_out_gpu.py equality --tp ${SO_TP:-1,2,4} --out "$OUT" \
+        | tail -8 ;;
+    so-allreduce) python benchmarks/scale_out_gpu.py allreduce --tp ${SO_AR:-2,4} --out "$OUT" \
+        | tail -3 ;;
+    so-tp) python benchmarks/scale_out_gpu.py bench-b --tp ${SO_TP:-1,2,4} \
+        --shapes ${SO_SHAPES:-128x1024,1024x128} --out "$OUT" ;;
+    so-dp) python benchmarks/scale_out_gpu.py bench-b-dp --dp ${SO_DP:-1,2} \
+        --shapes ${SO_SHAPES:-128x1024,1024x128} --out "$OUT" ;;
     *) echo "unknown stage $1" ;;
   esac
 }
