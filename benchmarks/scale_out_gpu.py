@@ -52,9 +52,14 @@ HIDDEN_8B = 4096
 def _child(spec: dict, timeout: float) -> dict:
     """Run one measurement in a fresh interpreter; its result dict (or the error)."""
     t = time.perf_counter()
+    env = dict(os.environ)
+    if spec.get("no_allreduce"):  # see benchmarks/_no_allreduce/sitecustomize.py
+        here = os.path.join(ROOT, "benchmarks", "_no_allreduce")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+        env["PAGEDLLM_BENCH_NO_ALLREDUCE"] = "1"
     try:
         p = subprocess.run([sys.executable, __file__, "_one", json.dumps(spec)],
-                           capture_output=True, text=True, timeout=timeout, check=False)
+                           capture_output=True, text=True, timeout=timeout, check=False, env=env)
     except subprocess.TimeoutExpired:
         return {"spec": spec, "error": f"timed out after {timeout:.0f} s"}
     lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
@@ -89,15 +94,18 @@ def main_equality(args: argparse.Namespace) -> None:
     info = _device_info()
     path = os.path.join(args.out, f"scale_out_equality_{_tag(info)}.json")
     result = {**info, "runs": []}
-    cases = [("llama", {}), ("qwen3", {}), ("gemma3", {}),
-             ("llama", {"num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 8})]
-    for arch, overrides in cases:
-        for eager in (False, True) if arch == "llama" and not overrides else (False,):
-            r = _child({"kind": "equality", "arch": arch, "overrides": overrides,
-                        "tps": args.tp, "eager": eager, "device": args.device}, 600)
-            result["runs"].append(r)
-            print(json.dumps(r), flush=True)
-            _save(path, result)
+    # (arch, config overrides, eager): the tiny llama has 4 heads and 2 KV heads (KV heads
+    # replicated at TP 4); the 8-head one splits its 8 KV heads at every size
+    eight = {"num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 8}
+    cases = [("llama", {}, False), ("llama", eight, False), ("llama", {}, True),
+             ("qwen3", {}, False), ("gemma3", {}, False)]
+    for arch, overrides, eager in cases:
+        spec = {"kind": "equality", "arch": arch, "overrides": overrides,
+                "tps": [int(t) for t in args.tp], "eager": eager, "device": args.device}
+        r = _child(spec, 600)
+        result["runs"].append(r)
+        print(json.dumps(r), flush=True)
+        _save(path, result)
     ok = all(r.get("equal") for r in result["runs"])
     result["all_equal"] = ok
     _save(path, result)
@@ -108,8 +116,8 @@ def main_allreduce(args: argparse.Namespace) -> None:
     info = _device_info()
     path = os.path.join(args.out, f"scale_out_allreduce_{_tag(info)}.json")
     result = {**info, "hidden": HIDDEN_8B, "dtype": "bfloat16", "by_tp": {}}
-    for tp in args.tp:
-        r = _child({"kind": "allreduce", "tp": tp, "hidden": HIDDEN_8B}, 300)
+    for tp in map(int, args.tp):
+        r = _child({"kind": "allreduce", "tp": tp, "hidden": HIDDEN_8B}, 150)
         result["by_tp"][str(tp)] = r
         print(json.dumps(r), flush=True)
         _save(path, result)
@@ -130,16 +138,17 @@ def main_bench(args: argparse.Namespace, dp_mode: bool) -> None:
     if os.path.exists(ar_path):
         with open(ar_path) as f:
             ar = json.load(f)["by_tp"]
-    for n in args.dp if dp_mode else args.tp:  # one engine process per size, every shape
+    for size in args.dp if dp_mode else args.tp:  # one engine process per size, every shape
+        n, no_ar = int(size.rstrip("x")), size.endswith("x")  # "2x": TP 2, no all-reduce
         spec = {"kind": "bench", "shapes": args.shapes, "num": args.num, "warm": args.warm,
-                "model": args.model, "device": args.device,
+                "no_allreduce": no_ar, "model": args.model, "device": args.device,
                 "tp": 1 if dp_mode else n, "dp": n if dp_mode else 0,
                 "allreduce": (ar or {}).get(str(n)) if not dp_mode else None}
         r = _child(spec, args.run_timeout)
         for shape in args.shapes:
             run = r.get(shape, {"error": r.get("error"), "spec": spec})
             run.update({k: v for k, v in r.items() if k not in SHAPES})
-            result["runs"][f"{shape}_{name}{n}"] = run
+            result["runs"][f"{shape}_{name}{n}" + ("_no_allreduce" if no_ar else "")] = run
             print(json.dumps({k: v for k, v in run.items() if k != "spec"})[:1500], flush=True)
         _save(path, result)
     base = name + "1"
@@ -194,19 +203,24 @@ def one_equality(spec: dict) -> dict:
 
 
 def _ar_worker(rank: int, world: int, port: int, hidden: int, q) -> None:  # noqa: ANN001
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
+    t0 = time.perf_counter()
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=timedelta(seconds=60))
     out = {}
-    for t in (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192):
-        x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+    for t in (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192):
+        print(f"rank {rank} tokens {t} at {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+              flush=True)
+        x = torch.zeros(t, hidden, device="cuda", dtype=torch.bfloat16)
         for _ in range(5):
             dist.all_reduce(x)
         torch.cuda.synchronize()
-        n = 100
+        n = 50
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(n):
@@ -249,7 +263,7 @@ def one_allreduce(spec: dict) -> dict:
              for r in range(spec["tp"])]
     for p in procs:
         p.start()
-    out = q.get(timeout=240)
+    out = q.get(timeout=120)
     for p in procs:
         p.join(60)
     return {"tp": spec["tp"], "us_by_tokens": out}
@@ -451,9 +465,10 @@ def main() -> None:
         return
     p = argparse.ArgumentParser()
     p.add_argument("part", choices=["equality", "allreduce", "bench-b", "bench-b-dp"])
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    p.add_argument("--tp", type=ints, default=[1, 2])
-    p.add_argument("--dp", type=ints, default=[1, 2])
+    sizes = lambda s: s.split(",")  # noqa: E731
+    p.add_argument("--tp", type=sizes, default=["1", "2"],
+                   help="TP sizes; '2x' = TP 2 with the all-reduce skipped (bench-b only)")
+    p.add_argument("--dp", type=sizes, default=["1", "2"])
     p.add_argument("--shapes", type=lambda s: s.split(","), default=["128x1024", "1024x128"])
     p.add_argument("--num", type=int, default=1000)
     p.add_argument("--warm", type=int, default=256)
