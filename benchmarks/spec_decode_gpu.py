@@ -105,6 +105,14 @@ def _perturb(llm: LLM, noise: float, seed: int) -> None:
                 p.add_((scale * torch.randn(w.shape, generator=gen, device="cuda")).to(p.dtype))
 
 
+def _save(args: argparse.Namespace, result: dict) -> None:
+    """Write what has been measured so far (a time limit may cut the run short)."""
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"spec_decode_draft_{args.part}_{device_tag()}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+
+
 def _free(llm: LLM) -> None:
     """Drop an engine and its KV cache (the next one sizes its own)."""
     del llm
@@ -127,7 +135,8 @@ def qwen3(args: argparse.Namespace) -> dict:
     _free(llm)
     result["baseline"] = {b: {k: v for k, v in r.items() if k != "tokens"} for b, r in base.items()}
     print(json.dumps(result["baseline"]), flush=True)
-    rows = []
+    rows: list[dict] = []
+    result["draft_model"] = rows
     for k in args.k:
         spec = {"method": "draft_model", "model": path, "num_speculative_tokens": k}
         llm = LLM(path, speculative_config=spec, **common)
@@ -140,6 +149,7 @@ def qwen3(args: argparse.Namespace) -> dict:
                 r.update(k=k, noise=noise, speedup=speedup, token_agreement=agree)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
+                _save(args, result)
         _free(llm)
     if 256 in batches:  # paused under load: the engine does not speculate at >= 64 running
         spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 4,
@@ -195,11 +205,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     result = {"qwen3": qwen3, "llama8b": llama8b}[args.part](args)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"spec_decode_draft_{args.part}_{device_tag()}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print("wrote", path)
+    _save(args, result)
+    print("wrote", args.out)
 
 
 if __name__ == "__main__":
