@@ -197,14 +197,50 @@ def llama8b(args: argparse.Namespace) -> dict:
     return result
 
 
+def profile(args: argparse.Namespace) -> dict:
+    """Where a speculative step's time goes at batch 1 (Qwen3-0.6B shape, dummy weights, the
+    draft the same shape): wall time per generate with and without speculation, and a
+    cProfile of the host side of the speculative run (top functions by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    shape = os.path.join(CONFIGS, "qwen3-0.6b")
+    common = dict(dtype="bfloat16", load_format="dummy", max_model_len=1024, max_num_seqs=8,
+                  gpu_memory_utilization=0.5, enable_prefix_caching=False)  # fmt: skip
+    sp = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    res: dict = {**provenance("spec-decode-profile")}
+    for name, spec in (("plain", None),
+                       ("draft_k4", {"method": "draft_model", "model": shape,
+                                     "num_speculative_tokens": 4})):  # fmt: skip
+        t = time.perf_counter()
+        llm = LLM(shape, speculative_config=spec, **common)
+        res[f"{name}_startup_s"] = time.perf_counter() - t
+        llm.generate(_workload(1, 151936, 5), sp, use_tqdm=False)
+        prof = cProfile.Profile()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        prof.enable()
+        llm.generate(_workload(1, 151936, 6), sp, use_tqdm=False)
+        prof.disable()
+        res[f"{name}_generate_s"] = time.perf_counter() - t
+        res[f"{name}_metrics"] = {k: v for k, v in _metrics(llm).items() if "spec" in k}
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        print(name, json.dumps({k: v for k, v in res.items() if k.startswith(name)}))
+        print(buf.getvalue()[:6000], flush=True)
+        _free(llm)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("part", choices=["qwen3", "llama8b"])
+    ap.add_argument("part", choices=["qwen3", "llama8b", "profile"])
     ap.add_argument("--k", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    result = {"qwen3": qwen3, "llama8b": llama8b}[args.part](args)
+    result = {"qwen3": qwen3, "llama8b": llama8b, "profile": profile}[args.part](args)
     _save(args, result)
     print("wrote", args.out)
 
