@@ -60,8 +60,10 @@ def _child(spec: dict, timeout: float) -> dict:
     try:
         p = subprocess.run([sys.executable, __file__, "_one", json.dumps(spec)],
                            capture_output=True, text=True, timeout=timeout, check=False, env=env)
-    except subprocess.TimeoutExpired:
-        return {"spec": spec, "error": f"timed out after {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as e:  # keep what it said (progress lines) for the log
+        said = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        return {"spec": spec, "error": f"timed out after {timeout:.0f} s", "stderr_tail":
+                (said or "")[-3000:]}
     lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     if p.returncode != 0 or not lines:
         return {"spec": spec, "error": (p.stderr or p.stdout)[-3000:], "rc": p.returncode}
@@ -117,7 +119,7 @@ def main_allreduce(args: argparse.Namespace) -> None:
     path = os.path.join(args.out, f"scale_out_allreduce_{_tag(info)}.json")
     result = {**info, "hidden": HIDDEN_8B, "dtype": "bfloat16", "by_tp": {}}
     for tp in map(int, args.tp):
-        r = _child({"kind": "allreduce", "tp": tp, "hidden": HIDDEN_8B}, 150)
+        r = _child({"kind": "allreduce", "tp": tp, "hidden": HIDDEN_8B}, 100)
         result["by_tp"][str(tp)] = r
         print(json.dumps(r), flush=True)
         _save(path, result)
@@ -203,48 +205,47 @@ def one_equality(spec: dict) -> dict:
 
 
 def _ar_worker(rank: int, world: int, port: int, hidden: int, q) -> None:  # noqa: ANN001
+    """One rank: all-reduce [T, hidden] bf16 for each T, eagerly and (on GPUs) replayed from
+    a CUDA graph of ``n`` all-reduces; rank 0 puts {T: microseconds} on ``q``. (On a CPU,
+    gloo and no graphs: a smoke run of the logic.)"""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.set_device(rank)
     t0 = time.perf_counter()
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     out = {}
     for t in (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192):
         print(f"rank {rank} tokens {t} at {time.perf_counter() - t0:.1f} s", file=sys.stderr,
               flush=True)
-        x = torch.zeros(t, hidden, device="cuda", dtype=torch.bfloat16)
+        x = torch.zeros(t, hidden, device="cuda" if gpu else "cpu", dtype=torch.bfloat16)
         for _ in range(5):
             dist.all_reduce(x)
-        torch.cuda.synchronize()
+        sync()
         n = 50
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+        start = time.perf_counter()
         for _ in range(n):
             dist.all_reduce(x)
-        b.record()
-        torch.cuda.synchronize()
-        eager_us = a.elapsed_time(b) * 1e3 / n
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            dist.all_reduce(x)
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g):
-            for _ in range(n):
-                dist.all_reduce(x)
-        g.replay()
-        torch.cuda.synchronize()
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        out[t] = {"eager_us": eager_us, "graph_us": a.elapsed_time(b) * 1e3 / n}
+        sync()
+        row = {"eager_us": (time.perf_counter() - start) * 1e6 / n}
+        if gpu:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(n):
+                    dist.all_reduce(x)
+            g.replay()
+            sync()
+            start = time.perf_counter()
+            g.replay()
+            sync()
+            row["graph_us"] = (time.perf_counter() - start) * 1e6 / n
+        out[t] = row
     if rank == 0:
         q.put(out)
     dist.barrier()
@@ -271,9 +272,9 @@ def one_allreduce(spec: dict) -> dict:
 
 def _ar_us(table: dict | None, tokens: int, key: str = "graph_us") -> float:
     """The all-reduce time at ``tokens`` rows, log-linear between the measured points."""
-    if not table:
+    if not table or "us_by_tokens" not in table:
         return 0.0
-    pts = sorted((int(t), v[key]) for t, v in table["us_by_tokens"].items())
+    pts = sorted((int(t), v.get(key, v["eager_us"])) for t, v in table["us_by_tokens"].items())
     xs, ys = np.log([p[0] for p in pts]), [p[1] for p in pts]
     return float(np.interp(np.log(max(tokens, 1)), xs, ys))
 
