@@ -106,6 +106,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=0, metavar="N", help="Seed of the workload and the engine."
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="Tensor-parallel ranks (one worker process each). With the model in worker "
+        "processes the result has no device times and no roofline (they read the in-process "
+        "model runner); benchmarks/scale_out_gpu.py gives the per-GPU roofline.",
+    )
+    p.add_argument(
+        "--distributed-executor-backend",
+        default=None,
+        choices=["uni", "mp", "ray"],
+        help="How the engine reaches the model (default: uni, or mp with "
+        "--tensor-parallel-size > 1).",
+    )
+    p.add_argument(
         "--kv-cache-memory-bytes",
         type=int,
         default=None,
@@ -217,8 +233,8 @@ class StepRecorder:
         self.steps: list[StepRecord] = []
         self.host_s: list[float] = []
         self.decode_host_s: list[float] = []
-        sched, prep = core.scheduler, core.model_runner.inputs
-        orig_schedule, orig_prepare = sched.schedule, prep.prepare
+        sched = core.scheduler
+        orig_schedule = sched.schedule
         self._t = 0.0
 
         def schedule():  # noqa: ANN202
@@ -230,6 +246,13 @@ class StepRecorder:
                 self.steps.append(StepRecord(list(so.num_scheduled_tokens.values()), seq))
             return so
 
+        sched.schedule = schedule
+        runner = getattr(core.executor, "runner", None)
+        if runner is None:  # the model is in worker processes: scheduling is all we see
+            return
+        prep = runner.inputs
+        orig_prepare = prep.prepare
+
         def prepare(rows, n_sched, *extra):  # noqa: ANN001, ANN002, ANN202
             t = time.perf_counter()
             out = orig_prepare(rows, n_sched, *extra)
@@ -239,7 +262,7 @@ class StepRecorder:
                 self.decode_host_s.append(host)
             return out
 
-        sched.schedule, prep.prepare = schedule, prepare
+        prep.prepare = prepare
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -255,6 +278,8 @@ def run(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
@@ -277,8 +302,12 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(args.model, **kwargs)
     startup = time.perf_counter() - t0
     mc = llm.llm_engine.config.model_config
-    runner = llm.llm_engine.engine_core.model_runner
-    device = runner.device
+    # the in-process runner (its device times, model and KV-Compress state), or None when the
+    # model runs in worker processes (tensor parallelism): those fields are then left empty
+    runner = getattr(llm.llm_engine.engine_core.executor, "runner", None)
+    device = runner.device if runner is not None else torch.device(
+        llm.llm_engine.config.device_config.device
+    )
     prompts, out_lens = make_workload(
         args.num_prompts,
         args.input_len,
@@ -306,7 +335,7 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-    if device.type == "cuda":
+    if device.type == "cuda" and runner is not None:
         runner.time_device = True  # CUDA events around each step (and eviction)
         runner.device_times, runner.compress_events = [], []
     prof = cProfile.Profile() if getattr(args, "profile_host", None) else None
@@ -322,15 +351,18 @@ def run(args: argparse.Namespace) -> dict:
         with open(args.profile_host, "w") as f:
             for key in ("tottime", "cumulative"):
                 pstats.Stats(prof, stream=f).sort_stats(key).print_stats(45)
-    runner.time_device = False
-    compress_s = runner.compress_seconds() if args.enable_kvc else []
+    device_times: list[float] = []
+    if runner is not None:
+        runner.time_device = False
+        device_times = runner.device_times
+    compress_s = runner.compress_seconds() if args.enable_kvc and runner is not None else []
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(p) for p in prompts)
     assert n_out == sum(out_lens), "every request must produce exactly its output length"
     bw = measure_copy_bandwidth(device)
     flops = measure_matmul_flops(device, mc.torch_dtype)
-    cost = model_cost(runner.model, mc.torch_dtype)
-    roof = roofline(rec.steps, cost, bw, flops)
+    cost = model_cost(runner.model, mc.torch_dtype) if runner is not None else None
+    roof = roofline(rec.steps, cost, bw, flops) if cost is not None else None
     result = {
         "engine": "pagedllm",
         "device": device_name(device),
@@ -338,7 +370,8 @@ def run(args: argparse.Namespace) -> dict:
         "triton": _triton_version(),
         "model": args.model,
         "dtype": mc.dtype,
-        "num_params": cost.num_params,
+        "num_params": cost.num_params if cost is not None else None,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "cuda_graphs": device.type == "cuda" and not args.enforce_eager,
         "workload": {
             "num_prompts": args.num_prompts,
@@ -361,7 +394,7 @@ def run(args: argparse.Namespace) -> dict:
         "peak_memory_gib": (
             torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         ),
-        "kv_cache_blocks": runner.num_blocks,
+        "kv_cache_blocks": runner.num_blocks if runner is not None else _num_blocks(kv),
         "steps": len(rec.steps),
         "host_ms_per_step_mean": 1e3 * float(np.mean(rec.host_s)) if rec.host_s else None,
         "host_ms_per_decode_step_mean": (
@@ -379,12 +412,10 @@ def run(args: argparse.Namespace) -> dict:
         # while the workload ran; the one wait per step for the sampled tokens is not one
         # device time of a step: a CUDA event before its forward pass to one after sampling
         "device_ms_per_step_mean": (
-            1e3 * float(np.mean(runner.device_times)) if runner.device_times else None
+            1e3 * float(np.mean(device_times)) if device_times else None
         ),
-        "device_busy_fraction": (
-            float(np.sum(runner.device_times)) / elapsed if runner.device_times else None
-        ),
-        **_phase_split(rec.steps, runner.device_times),
+        "device_busy_fraction": float(np.sum(device_times)) / elapsed if device_times else None,
+        **_phase_split(rec.steps, device_times),
         "host_syncs": syncs.count,
         "host_sync_sources": dict(syncs.sources.most_common(12)),
         "host_syncs_per_step": (
@@ -412,7 +443,7 @@ def run(args: argparse.Namespace) -> dict:
         ),
         "copy_bandwidth_GBps": bw / 1e9,
         "matmul_TFLOPs": flops / 1e12,
-        "roofline": {
+        "roofline": None if roof is None else {
             "ideal_s": roof.ideal_s,
             "memory_s": roof.memory_s,
             "compute_s": roof.compute_s,
@@ -423,6 +454,12 @@ def run(args: argparse.Namespace) -> dict:
         "first_tokens": [o.outputs[0].token_ids[:8] for o in outs[:4]],
     }
     return result
+
+
+def _num_blocks(kv: Any) -> int | None:
+    """The KV cache's block count as the scheduler's KV manager knows it."""
+    pool = getattr(kv, "block_pool", None)
+    return getattr(pool, "num_blocks", None) or getattr(kv, "num_blocks", None)
 
 
 def _phase_split(steps: list, device_times: list[float]) -> dict:

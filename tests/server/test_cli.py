@@ -287,3 +287,10 @@ def test_bench_prefix_policy_throughput(tiny_models, tmp_path: Path, capsys) -> 
     main(["bench", "throughput", *common, "--num-prompts", "4", "--input-len", "8",
           "--output-len", "2", "--output-json", str(out)])  # fmt: skip
     assert json.loads(out.read_text())["workload"]["total_output_tokens"] == 8
+    # tensor parallelism: the model in two worker processes; no in-process runner to time
+    main(["bench", "throughput", *common, "--num-prompts", "4", "--input-len", "8",
+          "--output-len", "2", "--tensor-parallel-size", "2", "--kv-cache-memory-bytes",
+          str(16 << 20), "--output-json", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["workload"]["total_output_tokens"] == 8 and result["steps"] > 0
+    assert result["tensor_parallel_size"] == 2 and result["roofline"] is None
