@@ -305,8 +305,10 @@ def run(args: argparse.Namespace) -> dict:
     # the in-process runner (its device times, model and KV-Compress state), or None when the
     # model runs in worker processes (tensor parallelism): those fields are then left empty
     runner = getattr(llm.llm_engine.engine_core.executor, "runner", None)
-    device = runner.device if runner is not None else torch.device(
-        llm.llm_engine.config.device_config.device
+    device = (
+        runner.device
+        if runner is not None
+        else torch.device(llm.llm_engine.config.device_config.device)
     )
     prompts, out_lens = make_workload(
         args.num_prompts,
@@ -411,9 +413,7 @@ def run(args: argparse.Namespace) -> dict:
         # implicit host syncs (a blocking copy, .item(), a boolean mask...) PyTorch reported
         # while the workload ran; the one wait per step for the sampled tokens is not one
         # device time of a step: a CUDA event before its forward pass to one after sampling
-        "device_ms_per_step_mean": (
-            1e3 * float(np.mean(device_times)) if device_times else None
-        ),
+        "device_ms_per_step_mean": (1e3 * float(np.mean(device_times)) if device_times else None),
         "device_busy_fraction": float(np.sum(device_times)) / elapsed if device_times else None,
         **_phase_split(rec.steps, device_times),
         "host_syncs": syncs.count,
@@ -443,7 +443,9 @@ def run(args: argparse.Namespace) -> dict:
         ),
         "copy_bandwidth_GBps": bw / 1e9,
         "matmul_TFLOPs": flops / 1e12,
-        "roofline": None if roof is None else {
+        "roofline": None
+        if roof is None
+        else {
             "ideal_s": roof.ideal_s,
             "memory_s": roof.memory_s,
             "compute_s": roof.compute_s,
