@@ -226,7 +226,8 @@ def device_name(device: torch.device) -> str:
 
 class StepRecorder:
     """Wraps the scheduler and input preparation of an engine to record each step's shape and
-    the host time they take (the engine's own overhead)."""
+    the host time they take (the engine's own overhead). With the model in worker processes
+    (no in-process runner) only the scheduler is wrapped: shapes, no host times."""
 
     def __init__(self, llm: Any) -> None:
         core = llm.llm_engine.engine_core
