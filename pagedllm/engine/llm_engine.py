@@ -21,8 +21,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
         if config.parallel_config.data_parallel_size > 1:
             raise ValueError(
-                "data_parallel_size > 1 runs several engine cores behind one server "
-                "(pagedllm serve --data-parallel-size N); an in-process engine runs one."
+                "data_parallel_size > 1 runs several engine core processes (LLM(...) and "
+                "pagedllm serve --data-parallel-size N); an in-process engine runs one."
             )
         self.config = config
         mc = config.model_config

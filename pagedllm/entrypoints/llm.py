@@ -19,8 +19,10 @@ class LLM:
 
     Keyword arguments are engine arguments (``dtype``, ``max_model_len``, ``block_size``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``, ``seed``,
-    ``device``, ``kv_cache_memory_bytes``, ``speculative_config``, ...); an unknown one raises
-    ValueError.
+    ``device``, ``kv_cache_memory_bytes``, ``speculative_config``, ``tensor_parallel_size``,
+    ``data_parallel_size``, ...); an unknown one raises ValueError. With
+    ``data_parallel_size`` N > 1 the requests go to N engine core processes
+    (engine/dp_llm_engine.py) and only final outputs come back.
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
@@ -30,7 +32,12 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {sorted(unknown)}")
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        if self.engine_args.data_parallel_size > 1:  # N engine core processes
+            from pagedllm.engine.dp_llm_engine import DPLLMEngine
+
+            self.llm_engine: Any = DPLLMEngine.from_engine_args(self.engine_args)
+        else:
+            self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
