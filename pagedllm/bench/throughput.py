@@ -115,6 +115,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "model runner); benchmarks/scale_out_gpu.py gives the per-GPU roofline.",
     )
     p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="Engine core processes (each its own KV cache and --tensor-parallel-size ranks), "
+        "requests routed by load and prefix; the result then has no per-step figures.",
+    )
+    p.add_argument(
         "--distributed-executor-backend",
         default=None,
         choices=["uni", "mp", "ray"],
@@ -234,9 +242,11 @@ class StepRecorder:
         self.steps: list[StepRecord] = []
         self.host_s: list[float] = []
         self.decode_host_s: list[float] = []
-        sched = core.scheduler
-        orig_schedule = sched.schedule
+        sched = getattr(core, "scheduler", None)
         self._t = 0.0
+        if sched is None:  # data parallelism: the schedulers are in the core processes
+            return
+        orig_schedule = sched.schedule
 
         def schedule():  # noqa: ANN202
             t = time.perf_counter()
@@ -248,7 +258,7 @@ class StepRecorder:
             return so
 
         sched.schedule = schedule
-        runner = getattr(core.executor, "runner", None)
+        runner = getattr(getattr(core, "executor", None), "runner", None)
         if runner is None:  # the model is in worker processes: scheduling is all we see
             return
         prep = runner.inputs
@@ -280,6 +290,7 @@ def run(args: argparse.Namespace) -> dict:
         seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
     )
     if args.max_num_batched_tokens:
@@ -305,7 +316,8 @@ def run(args: argparse.Namespace) -> dict:
     mc = llm.llm_engine.config.model_config
     # the in-process runner (its device times, model and KV-Compress state), or None when the
     # model runs in worker processes (tensor parallelism): those fields are then left empty
-    runner = getattr(llm.llm_engine.engine_core.executor, "runner", None)
+    core = llm.llm_engine.engine_core
+    runner = getattr(getattr(core, "executor", None), "runner", None)
     device = (
         runner.device
         if runner is not None
@@ -332,9 +344,10 @@ def run(args: argparse.Namespace) -> dict:
         use_tqdm=False,
     )
     rec = StepRecorder(llm)
-    kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+    # counters from the scheduler, or (data parallelism) the core processes' merged stats
+    kv = getattr(getattr(core, "scheduler", None), "kv_cache_manager", None)
     kvc_before = (getattr(kv, "num_compressions", 0), getattr(kv, "num_evicted_kvs", 0))
-    hits_before = (kv.prefix_cache_queries, kv.prefix_cache_hits)
+    before = _counters(core)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
@@ -359,6 +372,7 @@ def run(args: argparse.Namespace) -> dict:
         runner.time_device = False
         device_times = runner.device_times
     compress_s = runner.compress_seconds() if args.enable_kvc and runner is not None else []
+    after = _counters(core)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(p) for p in prompts)
     assert n_out == sum(out_lens), "every request must produce exactly its output length"
@@ -387,8 +401,8 @@ def run(args: argparse.Namespace) -> dict:
         },
         "enable_prefix_caching": args.enable_prefix_caching,
         # prompt tokens the prefix cache gave (not computed) over those looked up
-        "prefix_cache_hit_rate": (kv.prefix_cache_hits - hits_before[1])
-        / max(kv.prefix_cache_queries - hits_before[0], 1),
+        "prefix_cache_hit_rate": (after["prefix_cache_hits"] - before["prefix_cache_hits"])
+        / max(after["prefix_cache_queries"] - before["prefix_cache_queries"], 1),
         "startup_s": startup,
         "elapsed_s": elapsed,
         "requests_per_s": len(prompts) / elapsed,
@@ -397,8 +411,9 @@ def run(args: argparse.Namespace) -> dict:
         "peak_memory_gib": (
             torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         ),
-        "kv_cache_blocks": runner.num_blocks if runner is not None else _num_blocks(kv),
-        "steps": len(rec.steps),
+        "kv_cache_blocks": runner.num_blocks if runner is not None else after["num_blocks"],
+        "data_parallel_size": args.data_parallel_size,
+        "steps": len(rec.steps) if rec.steps else None,
         "host_ms_per_step_mean": 1e3 * float(np.mean(rec.host_s)) if rec.host_s else None,
         "host_ms_per_decode_step_mean": (
             1e3 * float(np.mean(rec.decode_host_s)) if rec.decode_host_s else None
@@ -410,7 +425,7 @@ def run(args: argparse.Namespace) -> dict:
             float(np.mean([len(s.num_tokens) for s in rec.steps])) if rec.steps else 0.0
         ),
         "concurrent_seqs_peak": max((len(s.num_tokens) for s in rec.steps), default=0),
-        "preemptions": llm.llm_engine.engine_core.scheduler.num_preemptions,
+        "preemptions": after["num_preemptions"] - before["num_preemptions"],
         # implicit host syncs (a blocking copy, .item(), a boolean mask...) PyTorch reported
         # while the workload ran; the one wait per step for the sampled tokens is not one
         # device time of a step: a CUDA event before its forward pass to one after sampling
@@ -439,7 +454,7 @@ def run(args: argparse.Namespace) -> dict:
                 "metadata_bytes_per_kv": runner.kvc.metadata_bytes_per_kv(),
                 "kv_bytes": runner.kvc.spec.page_bytes // runner.kvc.block_size,
             }
-            if args.enable_kvc
+            if args.enable_kvc and kv is not None and runner is not None
             else None
         ),
         "copy_bandwidth_GBps": bw / 1e9,
@@ -459,10 +474,22 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def _num_blocks(kv: Any) -> int | None:
-    """The KV cache's block count as the scheduler's KV manager knows it."""
+def _counters(core: Any) -> dict[str, int]:
+    """Prefix-cache lookups and hits, preemptions and KV blocks: the in-process scheduler's,
+    or the merged stats of the engine core processes (data parallelism)."""
+    sched = getattr(core, "scheduler", None)
+    if sched is None:
+        stats = core.stats()
+        keys = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_blocks")
+        return {k: int(stats.get(k, 0)) for k in keys}
+    kv = sched.kv_cache_manager
     pool = getattr(kv, "block_pool", None)
-    return getattr(pool, "num_blocks", None) or getattr(kv, "num_blocks", None)
+    return {
+        "prefix_cache_queries": kv.prefix_cache_queries,
+        "prefix_cache_hits": kv.prefix_cache_hits,
+        "num_preemptions": sched.num_preemptions,
+        "num_blocks": getattr(pool, "num_blocks", None) or getattr(kv, "num_blocks", 0),
+    }
 
 
 def _phase_split(steps: list, device_times: list[float]) -> dict:

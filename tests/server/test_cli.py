@@ -294,3 +294,10 @@ def test_bench_prefix_policy_throughput(tiny_models, tmp_path: Path, capsys) -> 
     result = json.loads(out.read_text())
     assert result["workload"]["total_output_tokens"] == 8 and result["steps"] > 0
     assert result["tensor_parallel_size"] == 2 and result["roofline"] is None
+    # data parallelism: two engine core processes; counters from their merged stats
+    main(["bench", "throughput", *common, "--num-prompts", "4", "--input-len", "8",
+          "--output-len", "2", "--data-parallel-size", "2", "--kv-cache-memory-bytes",
+          str(16 << 20), "--output-json", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["workload"]["total_output_tokens"] == 8 and result["data_parallel_size"] == 2
+    assert result["kv_cache_blocks"] > 0 and result["preemptions"] == 0
