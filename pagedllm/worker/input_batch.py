@@ -71,6 +71,8 @@ class InputBatch:
         # beam search: the scheduler, not the sampler, chooses the row's next token
         self.external = np.zeros(max_num_reqs, dtype=bool)
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+        #: rows whose request asked for prompt logprobs (none: a step skips looking for them)
+        self.num_prompt_logprobs = 0
         self.columns = SamplingColumns(max_num_reqs)  # the same parameters, as columns
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_row: dict[str, int] = {}
@@ -93,6 +95,7 @@ class InputBatch:
         self.num_blocks[:, row] = 0
         self.append_blocks(row, new.block_ids)
         self.sampling_params[row] = new.sampling_params
+        self.num_prompt_logprobs += new.sampling_params.prompt_logprobs is not None
         self.columns.write(row, new.sampling_params)
         self.external[row] = new.sampling_params.external_tokens
         self.epoch[row] += 1
@@ -105,6 +108,8 @@ class InputBatch:
         row = self.req_id_to_row.pop(req_id, None)
         if row is None:
             return
+        params = self.sampling_params[row]
+        self.num_prompt_logprobs -= params is not None and params.prompt_logprobs is not None
         self.sampling_params[row] = None
         self.req_ids[row] = None
         self._free_rows.append(row)

@@ -834,6 +834,8 @@ class ModelRunner:
         chunk: a chunk over positions [s, e) yields tokens s+1 .. min(e, prompt_len - 1)."""
         ib = self.input_batch
         result: dict = {}
+        if not ib.num_prompt_logprobs:  # the common case: nobody asked, skip the loop
+            return result
         for i, rid in enumerate(req_ids):
             row = int(rows[i])
             p = ib.sampling_params[row]

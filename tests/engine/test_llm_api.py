@@ -186,6 +186,19 @@ def test_prompt_logprobs_with_chunked_prefill(tiny_models):
     for x, y in zip(a[1:], b[1:]):
         assert x.keys() == y.keys()
         assert all(abs(x[k].logprob - y[k].logprob) < 1e-4 for k in x)
+    # the runner counts its rows that ask for prompt logprobs (a step skips the search at 0;
+    # finished requests leave their rows at the next step): the count matches the rows
+    ib = small.llm_engine.engine_core.model_runner.input_batch
+
+    def asking() -> int:
+        return sum(q is not None and q.prompt_logprobs is not None for q in ib.sampling_params)
+
+    assert ib.num_prompt_logprobs == asking()
+    outs = small.generate([_ids(30), _ids(40)], [SamplingParams(max_tokens=2), p], use_tqdm=False)
+    assert outs[0].prompt_logprobs is None and len(outs[1].prompt_logprobs) == 40
+    assert ib.num_prompt_logprobs == asking()
+    small.generate([_ids(9)], SamplingParams(max_tokens=3), use_tqdm=False)  # frees the rows
+    assert ib.num_prompt_logprobs == asking() == 0
 
 
 def test_chat_uses_template(llm):
