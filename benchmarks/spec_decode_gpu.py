@@ -229,7 +229,9 @@ def profile(args: argparse.Namespace) -> dict:
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
         print(name, json.dumps({k: v for k, v in res.items() if k.startswith(name)}))
         print(buf.getvalue()[:6000], flush=True)
-        _free(llm)
+        del llm  # before the next engine sizes its KV cache from the free memory
+        gc.collect()
+        torch.cuda.empty_cache()
     return res
 
 
