@@ -299,25 +299,6 @@ def analytic_cost(config_path: str, tp: int, elem: int = 2):  # noqa: ANN201
                      4 * layers * (nh // tp) * hd)
 
 
-def _record_steps(core):  # noqa: ANN001, ANN202
-    """Wrap the scheduler of an in-process engine core: each step's shape (for the roofline)."""
-    from pagedllm.bench.roofline import StepRecord
-
-    steps: list = []
-    sched = core.scheduler
-    orig = sched.schedule
-
-    def schedule():  # noqa: ANN202
-        so = orig()
-        if so.total_num_scheduled_tokens:
-            seq = [sched.requests[r].num_computed_tokens for r in so.num_scheduled_tokens]
-            steps.append(StepRecord(list(so.num_scheduled_tokens.values()), seq))
-        return so
-
-    sched.schedule = schedule
-    return steps
-
-
 def _prompts(n: int, n_in: int, vocab: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(100, vocab, size=n_in).tolist() for _ in range(n)]
@@ -355,6 +336,7 @@ def _bench_tp(spec: dict, kw: dict, vocab: int, bw: float, flops: float) -> dict
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.bench.roofline import model_cost, roofline
+    from pagedllm.bench.throughput import StepRecorder
 
     model, tp, num = kw_model(spec), spec["tp"], spec["num"]
     t = time.perf_counter()
@@ -371,6 +353,7 @@ def _bench_tp(spec: dict, kw: dict, vocab: int, bw: float, flops: float) -> dict
                                       "analytic_kv": cost.kv_bytes_per_token,
                                       "model_kv": real.kv_bytes_per_token}
     out["kv_cache_blocks"] = core.scheduler.kv_cache_manager.block_pool.num_blocks
+    rec = StepRecorder(llm)  # wraps the scheduler once; cleared before each timed run
     for shape in spec["shapes"]:
         n_in, n_out = SHAPES[shape]
         # warm-up: the full batch of 256 on other ids (prefill and decode shapes compile
@@ -380,13 +363,13 @@ def _bench_tp(spec: dict, kw: dict, vocab: int, bw: float, flops: float) -> dict
                      SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                      use_tqdm=False)
         core.scheduler.kv_cache_manager.reset_prefix_cache()
-        steps = _record_steps(core)
+        steps = rec.steps  # each timed step's shape, for the roofline
+        steps.clear()
         prompts = _prompts(num, n_in, vocab, seed=0)
         sp = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         el = time.perf_counter() - t
-        core.scheduler.schedule = type(core.scheduler).schedule.__get__(core.scheduler)
         assert sum(len(o.outputs[0].token_ids) for o in outs) == num * n_out
         roof = roofline(steps, cost, bw, flops)
         ar_us = [(2 * 32 + 1) * _ar_us(spec.get("allreduce"), sum(s.num_tokens)) for s in steps]
