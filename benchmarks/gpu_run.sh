@@ -96,6 +96,12 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         tests/models/test_spec_decode.py ;;
     spec-draft)  # a draft model: tok/s vs acceptance, batch 1-256, k 2 and 4 (Qwen3-0.6B shape)
       python benchmarks/spec_decode_gpu.py qwen3 --out "$OUT" | grep -v '"tokens"' ;;
+    spec-profile)  # batch 1: ms per step and a host profile, with / without a draft model
+      python benchmarks/spec_decode_gpu.py profile --out "$OUT" | grep -v '"tokens"' ;;
+    tests-spec-graphs)  # the multi-token-row graphs: kernel tests, then speculation end to end
+      python -m pytest -q -x -p no:cacheprovider tests/kernels/test_paged_attention.py \
+        -k "speculative or short_rows or cuda_graph" && \
+      python -m pytest -q -x -p no:cacheprovider --durations=5 tests/models/test_spec_decode.py ;;
     spec-draft-8b)  # Llama-3.1-8B shape with a Llama-3.2-1B-shaped draft (dummy weights)
       python benchmarks/spec_decode_gpu.py llama8b --out "$OUT" ;;
     kvc-d-prefix)  # Benchmark D with a system prompt every prompt shares, prefix caching on/off

@@ -199,8 +199,9 @@ def llama8b(args: argparse.Namespace) -> dict:
 
 def profile(args: argparse.Namespace) -> dict:
     """Where a speculative step's time goes at batch 1 (Qwen3-0.6B shape, dummy weights, the
-    draft the same shape): wall time per generate with and without speculation, and a
-    cProfile of the host side of the speculative run (top functions by own time)."""
+    draft the same shape): wall time per generate and per engine step with and without
+    speculation (no profiler), then a cProfile of the host side of each (top functions by
+    own and by cumulative time)."""
     import cProfile
     import io
     import pstats
@@ -210,26 +211,45 @@ def profile(args: argparse.Namespace) -> dict:
                   gpu_memory_utilization=0.5, enable_prefix_caching=False)  # fmt: skip
     sp = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     res: dict = {**provenance("spec-decode-profile")}
-    for name, spec in (("plain", None),
-                       ("draft_k4", {"method": "draft_model", "model": shape,
-                                     "num_speculative_tokens": 4})):  # fmt: skip
+    draft = {"method": "draft_model", "model": shape, "num_speculative_tokens": 4}
+    for name, spec, eager in (("plain", None, False), ("draft_k4", draft, False),
+                              ("draft_k4_eager", draft, True)):  # fmt: skip
         t = time.perf_counter()
-        llm = LLM(shape, speculative_config=spec, **common)
+        llm = LLM(shape, speculative_config=spec, enforce_eager=eager, **common)
         res[f"{name}_startup_s"] = time.perf_counter() - t
+        core = llm.llm_engine.engine_core
         llm.generate(_workload(1, 151936, 5), sp, use_tqdm=False)
-        prof = cProfile.Profile()
+        steps = []
+        orig_step = core.step
+
+        def counted(*a, _orig=orig_step, _steps=steps, **kw):  # noqa: ANN002, ANN003, ANN202
+            _steps.append(1)
+            return _orig(*a, **kw)
+
+        core.step = counted
         torch.cuda.synchronize()
         t = time.perf_counter()
-        prof.enable()
         llm.generate(_workload(1, 151936, 6), sp, use_tqdm=False)
-        prof.disable()
-        res[f"{name}_generate_s"] = time.perf_counter() - t
+        torch.cuda.synchronize()
+        el = time.perf_counter() - t
+        core.step = orig_step
+        res[f"{name}_generate_s"] = el
+        res[f"{name}_steps"] = len(steps)
+        res[f"{name}_ms_per_step"] = 1e3 * el / max(1, len(steps))
+        res[f"{name}_output_tokens_per_s"] = 96 / el
         res[f"{name}_metrics"] = {k: v for k, v in _metrics(llm).items() if "spec" in k}
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        prof = cProfile.Profile()
+        prof.enable()
+        llm.generate(_workload(1, 151936, 7), sp, use_tqdm=False)
+        prof.disable()
         print(name, json.dumps({k: v for k, v in res.items() if k.startswith(name)}))
-        print(buf.getvalue()[:6000], flush=True)
-        del llm  # before the next engine sizes its KV cache from the free memory
+        for key in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(30)
+            text = buf.getvalue()
+            res[f"{name}_profile_{key}"] = text[:8000]
+            print(text[:5000], flush=True)
+        del llm, core, orig_step, counted  # before the next engine sizes its KV cache
         gc.collect()
         torch.cuda.empty_cache()
     return res

@@ -44,6 +44,8 @@ class KVCGraphRunner(CUDAGraphRunner):
         self.max_bs = n = self.sizes[-1]
         self.block_size = cache.block_size
         self.max_model_len = max_model_len
+        self.query_lens = (1,)  # decode steps only
+        self.sizes_for = {1: self.sizes}
         self.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
         self.positions = torch.zeros(n, dtype=torch.int32, device=device)
         self.slots = torch.full(
@@ -51,11 +53,12 @@ class KVCGraphRunner(CUDAGraphRunner):
         )  # [n, LH]
         self.rows = torch.full((n,), cache.pad_row, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
+    def _metadata(self, bs: int, q: int) -> AttentionMetadata:
+        assert q == 1
         cache = self.cache
         qsl = np.arange(bs + 1)
         md = AttentionMetadata(
@@ -104,5 +107,5 @@ class KVCGraphRunner(CUDAGraphRunner):
         if bs > b:  # padding rows: the empty row, K/V into the spare slot
             self.slots[b:bs].fill_(self.cache.spare_slot)
             self.rows[b:bs].fill_(self.cache.pad_row)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:b]
+        self.graphs[bs, 1].replay()
+        return self.outputs[bs, 1][:b]

@@ -557,6 +557,11 @@ def paged_attention(
             num_reqs, num_kv_heads, max_query_len, max_seq_len, query.device, cfg.tile_n
         )
     block_m = max(cfg.block_m, triton.next_power_of_2(g))
+    if not decode and tile_config is None and max_query_len * g < block_m:
+        # short rows (speculative decoding: a token and its k drafts): a tile just big enough
+        # for one row's query tokens x heads, not 64 rows of which most would be masked.
+        # Example: 5-token rows, G 2 -> block_m 16 (BLOCK_Q 8); G 4 -> 32 (BLOCK_Q 8)
+        block_m = max(16, triton.next_power_of_2(max_query_len * g))
     tile_n = cfg.tile_n
 
     if num_splits > 1:

@@ -52,8 +52,8 @@ class Drafter:
         self.device = device
         for layer in self.model.attention_layers():
             layer.backend = backend
-        # on a GPU: the draft model's own decode graphs (its one-token passes, and the
-        # mirror of a decode step without drafts)
+        # on a GPU: the draft model's own graphs (its one-token passes, and the mirror of a
+        # decode or verification step)
         self.graph_runner: CUDAGraphRunner | None = None
 
     def capture_cuda_graphs(self, **kw: Any) -> None:
@@ -65,7 +65,7 @@ class Drafter:
     def _run(self, inputs: StepInputs) -> torch.Tensor:
         md = inputs.metadata
         gr = self.graph_runner
-        if gr is not None and md.max_query_len == 1 and gr.can_run(md.num_reqs):
+        if gr is not None and gr.can_run(md.num_reqs, md.max_query_len):
             return gr.run(inputs.input_ids, inputs.positions, md)
         return self.model(inputs.input_ids, inputs.positions, md)
 

@@ -59,6 +59,10 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        # speculative decoding with a draft model: positions whose draft-model KVs are written
+        # (behind num_computed_tokens after steps that skipped the draft model under load;
+        # worker/drafter.py); a request's prefix-cache hit counts as written
+        self.draft_computed = np.zeros(max_num_reqs, dtype=np.int64)
         # one table per KV-cache group, addressed by token position (entries of a sliding-window
         # group that fell out of the window are stale or 0 and never read)
         self.num_kv_groups = num_kv_groups
@@ -92,6 +96,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = len(new.prompt_token_ids)
         self.num_computed_tokens[row] = new.num_computed_tokens
+        self.draft_computed[row] = new.num_computed_tokens
         self.num_blocks[:, row] = 0
         self.append_blocks(row, new.block_ids)
         self.sampling_params[row] = new.sampling_params

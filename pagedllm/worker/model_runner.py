@@ -408,6 +408,9 @@ class ModelRunner:
             device=self.device,
             num_kv_groups=self.kv_groups.num_groups,
         )
+        spec = self.config.speculative_config
+        if spec is not None:  # verification steps: rows of a token and its k drafts
+            shape["query_lens"] = (1, spec.num_speculative_tokens + 1)
         self.graph_runner = CUDAGraphRunner(self.model, **shape)
         self.graph_runner.capture()
         if self.drafter is not None:
@@ -460,7 +463,7 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         md = inputs.metadata
         gr = self.graph_runner
-        if gr is not None and md.max_query_len == 1 and gr.can_run(md.num_reqs):
+        if gr is not None and gr.can_run(md.num_reqs, md.max_query_len):
             return gr.run(inputs.input_ids, inputs.positions, md)
         if self.kvc is not None:
             self.kvc.finish_metadata(md)
@@ -520,8 +523,8 @@ class ModelRunner:
             inputs.input_ids[dst_t.long()] = prev.sampled[src_t.long()].to(inputs.input_ids.dtype)
         timing = self._timing_start()
         hidden = self._forward(inputs)  # [num_tokens, hidden]
-        if self.drafter is not None:
-            self.drafter.mirror(inputs)  # the draft model's KVs at the same slots
+        if self.drafter is not None and not so.spec_paused:
+            self._mirror(rows, n_sched, seq_lens, inputs)  # the draft model's KVs
         qsl = inputs.metadata.query_start_loc_np
         assert qsl is not None
         prompt_lp = self._prompt_logprobs(req_ids, rows, hidden, qsl, seq_lens)
@@ -650,6 +653,44 @@ class ModelRunner:
             draft_token_ids=drafts,
         )
 
+    def _mirror(
+        self, rows: np.ndarray, n_sched: np.ndarray, seq_lens: np.ndarray, inputs: StepInputs
+    ) -> None:
+        """The draft model's KVs for the step's tokens, at the target's slots; first, for rows
+        whose draft KVs lag (steps skipped under load), the missing positions, within the
+        step's token budget (a row still behind after that gets no drafts: ``_propose_drafts``).
+
+        Example: a row computed 100 tokens, draft KVs for 60 (40 skipped), the step computes 5
+        more: a catch-up pass over positions 60..99 (row's n 40), then the step's pass over
+        100..104; draft_computed 105. With a budget of 30 left for catching up: positions
+        60..89 now, draft_computed 90, no drafts, the rest at the next step.
+        """
+        assert self.drafter is not None
+        ib = self.input_batch
+        before = seq_lens - n_sched  # computed before this step
+        done = ib.draft_computed[rows]
+        lag = np.maximum(before - done, 0)  # (done > before after rejected drafts)
+        if lag.any():
+            room = self.max_num_tokens
+            # the rows' catch-up tokens in step order while they fit
+            # Example: lag [0, 40, 25], room 50 -> take [0, 40, 10]
+            ends = np.minimum(np.cumsum(lag), room)
+            take = np.diff(ends, prepend=0)
+            sel = take > 0
+            lag_rows, n = rows[sel], take[sel]
+            saved = ib.num_computed_tokens[lag_rows].copy()
+            ib.num_computed_tokens[lag_rows] = done[sel]
+            try:
+                catch_up = self.inputs.prepare(lag_rows, n)
+            finally:
+                ib.num_computed_tokens[lag_rows] = saved
+            self.drafter.mirror(catch_up)
+            done = done.copy()
+            done[sel] += n
+        self.drafter.mirror(inputs)
+        # rows whose earlier positions all have draft KVs now have the step's too
+        ib.draft_computed[rows] = np.where(done >= before, seq_lens, done)
+
     def _propose_drafts(
         self, step: LaunchedStep, sampled: list[list[int]]
     ) -> dict[str, tuple[int, list[int]]]:
@@ -673,7 +714,7 @@ class ModelRunner:
             # -> a = 2, the newest token 7 at position 13 - 3 + 2 = 12
             q = int(seq_lens[i]) - len(drafts) + a
             n = min(look, self.max_model_len - 1 - q)
-            if n < 1:
+            if n < 1 or ib.draft_computed[step.rows[i]] < q:  # draft KVs still catching up
                 continue
             ids.append(rid)
             rows.append(int(step.rows[i]))

@@ -170,6 +170,23 @@ def test_unified_mixed_batch(
 
 
 @pytest.mark.parametrize("dtype,head_dim,gqa,num_kv_heads,block_size", CFGS)
+def test_short_rows_of_speculative_steps(
+    dtype: torch.dtype, head_dim: int, gqa: int, num_kv_heads: int, block_size: int
+) -> None:
+    """Rows of a token and its drafts (at most 5 here: the small-tile path), fewer near the
+    end of a request, an empty padding request and padding tokens, as a verification step's
+    CUDA graph lays them out."""
+    q_lens, ctx = [5, 5, 2, 1, 0], [40, 3, 70, 17, 1]
+    b = make_batch(
+        q_lens, ctx, gqa * num_kv_heads, num_kv_heads, head_dim, block_size, dtype, seed=3,
+        pad_tokens=12,
+    )  # fmt: skip
+    scale = head_dim**-0.5
+    for window in (None, 8):
+        check(run_kernel(b, scale, window), b, scale, window)
+
+
+@pytest.mark.parametrize("dtype,head_dim,gqa,num_kv_heads,block_size", CFGS)
 def test_decode_split_and_unified(
     dtype: torch.dtype, head_dim: int, gqa: int, num_kv_heads: int, block_size: int
 ) -> None:
@@ -371,3 +388,43 @@ def test_cuda_graph_capture_and_replay(num_splits: int) -> None:
         torch.cuda.synchronize()
         b.max_seq_len = int(new_lens.max())
         check(out, b, scale, None)
+
+
+@cuda_only
+def test_cuda_graph_of_speculative_rows() -> None:
+    """A graph captured for 4 requests of 5-token rows replays a step of 3 requests with 5, 3
+    and 1 tokens (the 4th a padding request: no rows) after the contexts grew."""
+    q_lens, ctx = [5, 5, 5, 5], [300, 40, 1000, 60]
+    b = make_batch(q_lens, ctx, 32, 8, 128, 16, torch.bfloat16, seed=9)
+    scale = 128**-0.5
+    out = torch.full_like(b.query, SENTINEL)
+
+    def step() -> None:
+        paged_attention(
+            b.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, 5, 4096, scale,
+            None, out=out,
+        )  # fmt: skip
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    new_q = [5, 3, 1, 0]
+    new_lens = [300 + 7, 40 + 3, 1000 + 1, 1]
+    qsl = [0, 5, 8, 9, 9]
+    b.query_start_loc.copy_(torch.tensor(qsl, dtype=torch.int32))
+    b.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+    b.query.normal_()
+    out.fill_(SENTINEL)
+    graph.replay()
+    torch.cuda.synchronize()
+    b.max_query_len, b.max_seq_len, b.num_actual_tokens = max(new_q), max(new_lens), 9
+    ref = paged_attention_ref(
+        b.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, scale
+    ).cpu()
+    atol, rtol, _ = TOL[torch.bfloat16]
+    torch.testing.assert_close(out[:9].float().cpu(), ref[:9], atol=atol, rtol=rtol)

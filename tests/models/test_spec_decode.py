@@ -375,6 +375,34 @@ def test_target_as_its_own_draft_has_every_draft_accepted(tiny_models) -> None:
     assert drafted > 100 and m["vllm:spec_decode_num_accepted_tokens"].value == drafted
 
 
+def test_draft_model_catches_up_after_a_pause(tiny_models) -> None:
+    """Under load (``disable_by_batch_size`` 2) the draft model skips its runs; when the long
+    request is left alone it first computes its draft KVs for the skipped positions (chunked:
+    a budget of 16 tokens a step), then drafts. With the target as its own draft every draft
+    is accepted: a skipped position left unfilled or filled at the wrong place would show as
+    a rejection. Tokens are those without speculation."""
+    path = tiny_models("llama")
+    prompts = _prompts(4, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (60, 24, 8, 8)]
+    want = _tokens(_engine(path), prompts, params)
+    mirrored = {}
+    for limit in (2, 100):
+        spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3,
+                "disable_by_batch_size": limit}  # fmt: skip
+        llm = _engine(path, speculative_config=spec, max_num_batched_tokens=16)
+        calls = []
+        drafter = llm.llm_engine.engine_core.model_runner.drafter
+        orig = drafter.mirror
+        drafter.mirror = lambda i: (calls.append(i.metadata.num_actual_tokens), orig(i))  # noqa: B023
+        assert _tokens(llm, prompts, params) == want, limit
+        m = _spec_stats(llm)
+        drafted = m["vllm:spec_decode_num_draft_tokens"].value
+        assert drafted > 20 and m["vllm:spec_decode_num_accepted_tokens"].value == drafted
+        mirrored[limit] = sum(calls)
+    # paused steps skip the draft model: the short requests' tokens were never mirrored
+    assert 0 < mirrored[2] < mirrored[100] - 40
+
+
 @pytest.mark.parametrize(
     ("target", "draft"), [("llama", "qwen3"), ("gemma3", "llama"), ("qwen3", "gemma3")]
 )

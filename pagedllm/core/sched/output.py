@@ -99,6 +99,10 @@ class SchedulerOutput:
     # proposes after the step's newest token (it writes their KVs in those slots) and returns
     # in ModelRunnerOutput.draft_token_ids for the next step.
     draft_requests: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding paused by the load (``disable_by_batch_size``): nothing is drafted
+    # or verified, and a draft model skips its run over the step (it catches up on the
+    # skipped positions once speculation resumes: worker/drafter.py).
+    spec_paused: bool = False
     # KV-Compress: the requests to evict from after this step's forward pass (its attention
     # scores count); the new per-head lengths come back in ModelRunnerOutput.kvc_lens.
     kvc_compress: list[KVCEviction] = field(default_factory=list)

@@ -408,6 +408,7 @@ class Scheduler:
             # drafts of requests a later preemption did not take back out of the step
             scheduled_spec_tokens={r: d for r, d in spec_tokens.items() if r in num_scheduled},
             draft_requests={r: k for r, k in draft_requests.items() if r in num_scheduled},
+            spec_paused=self.spec is not None and not speculate,
         )
         self._kvc_pending += bool(kvc_compress)
         self.finished_req_ids = set()
