@@ -413,7 +413,9 @@ class ModelRunner:
             shape["query_lens"] = (1, spec.num_speculative_tokens + 1)
         self.graph_runner = CUDAGraphRunner(self.model, **shape)
         self.graph_runner.capture()
-        if self.drafter is not None:
+        if self.drafter is not None:  # its first pass after a verification: up to k + 2
+            if spec is not None:
+                shape["query_lens"] = (1, spec.num_speculative_tokens + 2)
             self.drafter.capture_cuda_graphs(**shape)
 
     # ------------------------------------------------------------------------- the step
@@ -524,7 +526,7 @@ class ModelRunner:
         timing = self._timing_start()
         hidden = self._forward(inputs)  # [num_tokens, hidden]
         if self.drafter is not None and not so.spec_paused:
-            self._mirror(rows, n_sched, seq_lens, inputs)  # the draft model's KVs
+            self._mirror(so, rows, n_sched, seq_lens, inputs)  # the draft model's KVs
         qsl = inputs.metadata.query_start_loc_np
         assert qsl is not None
         prompt_lp = self._prompt_logprobs(req_ids, rows, hidden, qsl, seq_lens)
@@ -653,43 +655,54 @@ class ModelRunner:
             draft_token_ids=drafts,
         )
 
-    def _mirror(
-        self, rows: np.ndarray, n_sched: np.ndarray, seq_lens: np.ndarray, inputs: StepInputs
-    ) -> None:
-        """The draft model's KVs for the step's tokens, at the target's slots; first, for rows
-        whose draft KVs lag (steps skipped under load), the missing positions, within the
-        step's token budget (a row still behind after that gets no drafts: ``_propose_drafts``).
+    def _mirror(self, so: SchedulerOutput, rows: np.ndarray, n_sched: np.ndarray,
+                seq_lens: np.ndarray, inputs: StepInputs) -> None:  # fmt: skip
+        """The draft model's KVs for the step's tokens, at the target's slots, in one pass
+        queued behind the target's (see worker/drafter.py).
 
-        Example: a row computed 100 tokens, draft KVs for 60 (40 skipped), the step computes 5
-        more: a catch-up pass over positions 60..99 (row's n 40), then the step's pass over
-        100..104; draft_computed 105. With a budget of 30 left for catching up: positions
-        60..89 now, draft_computed 90, no drafts, the rest at the next step.
+        - A decode or verification row that drafts after the step (``so.draft_requests``)
+          and whose draft KVs are complete is left out: the draft's first pass after the
+          samples computes its KVs together with the new token (``Drafter.propose``).
+        - A row whose draft KVs lag (steps skipped under load, or a left-out row that did not
+          draft) starts at its first missing position; all rows together stay within the
+          step's token budget (a row cut short catches up at its next steps, without drafts).
+
+        Example (budget 64): row A, a prefill chunk at 100..131 with draft KVs up to 100: 32
+        tokens from 100; row B, 200 computed, draft KVs up to 160, one decode token at 200:
+        positions 160..200, 41 tokens, of which 32 fit (160..191; draft_computed 192).
         """
         assert self.drafter is not None
         ib = self.input_batch
         before = seq_lens - n_sched  # computed before this step
         done = ib.draft_computed[rows]
-        lag = np.maximum(before - done, 0)  # (done > before after rejected drafts)
-        if lag.any():
-            room = self.max_num_tokens
-            # the rows' catch-up tokens in step order while they fit
-            # Example: lag [0, 40, 25], room 50 -> take [0, 40, 10]
-            ends = np.minimum(np.cumsum(lag), room)
-            take = np.diff(ends, prepend=0)
-            sel = take > 0
-            lag_rows, n = rows[sel], take[sel]
-            saved = ib.num_computed_tokens[lag_rows].copy()
-            ib.num_computed_tokens[lag_rows] = done[sel]
-            try:
-                catch_up = self.inputs.prepare(lag_rows, n)
-            finally:
-                ib.num_computed_tokens[lag_rows] = saved
-            self.drafter.mirror(catch_up)
-            done = done.copy()
-            done[sel] += n
-        self.drafter.mirror(inputs)
-        # rows whose earlier positions all have draft KVs now have the step's too
-        ib.draft_computed[rows] = np.where(done >= before, seq_lens, done)
+        # rejected drafts leave done past before: the step rewrites those positions
+        start = np.minimum(done, before)
+        mirror = np.ones(len(rows), dtype=bool)
+        if so.draft_requests:
+            spec = so.scheduled_spec_tokens
+            for i, rid in enumerate(so.num_scheduled_tokens):
+                if (rid in so.draft_requests and start[i] == before[i]
+                        and n_sched[i] == 1 + len(spec.get(rid, ()))):  # fmt: skip
+                    mirror[i] = False
+        if not mirror.any():
+            return
+        want = np.where(mirror, seq_lens - start, 0)
+        if mirror.all() and (start == before).all():
+            self.drafter.mirror(inputs)  # the step's own inputs: nothing lags
+            ib.draft_computed[rows] = seq_lens
+            return
+        # Example: want [32, 41], budget 64 -> ends [32, 64] -> take [32, 32]
+        take = np.diff(np.minimum(np.cumsum(want), self.max_num_tokens), prepend=0)
+        sel = take > 0
+        sel_rows, n = rows[sel], take[sel]
+        saved = ib.num_computed_tokens[sel_rows].copy()
+        ib.num_computed_tokens[sel_rows] = start[sel]
+        try:
+            own = self.inputs.prepare(sel_rows, n)
+        finally:
+            ib.num_computed_tokens[sel_rows] = saved
+        self.drafter.mirror(own)
+        ib.draft_computed[sel_rows] = start[sel] + n
 
     def _propose_drafts(
         self, step: LaunchedStep, sampled: list[list[int]]
@@ -700,7 +713,8 @@ class ModelRunner:
         wanted, verified, seq_lens = step.drafting
         ib = self.input_batch
         ids: list[str] = []
-        rows, positions, tokens, num = [], [], [], []
+        rows, positions, tokens, num, starts = [], [], [], [], []
+        k = self.config.speculative_config.num_speculative_tokens
         for i, rid in enumerate(step.req_ids):
             samples = sampled[i]
             look = wanted.get(rid, 0)
@@ -714,19 +728,27 @@ class ModelRunner:
             # -> a = 2, the newest token 7 at position 13 - 3 + 2 = 12
             q = int(seq_lens[i]) - len(drafts) + a
             n = min(look, self.max_model_len - 1 - q)
-            if n < 1 or ib.draft_computed[step.rows[i]] < q:  # draft KVs still catching up
+            row = int(step.rows[i])
+            # the first pass computes the draft KVs from the first missing position to q:
+            # e.g. a verification of [t, d1..d4] at P..P+4 (left out of the mirror, draft KVs
+            # up to P) with 2 accepted -> positions P..P+3 (t, d1, d2 and the new token)
+            first = min(int(ib.draft_computed[row]), q)
+            if n < 1 or q - first + 1 > k + 2:  # still catching up (the mirror does it)
                 continue
             ids.append(rid)
-            rows.append(int(step.rows[i]))
+            rows.append(row)
             positions.append(q)
             tokens.append(samples[a])
             num.append(n)
+            starts.append(first)
         if not ids:
             return {}
+        rows_np, pos_np = np.array(rows, dtype=np.int64), np.array(positions, dtype=np.int64)
         out = self.drafter.propose(
-            ib, self.inputs, np.array(rows, dtype=np.int64), np.array(positions, dtype=np.int64),
-            np.array(tokens, dtype=np.int64), np.array(num, dtype=np.int64),
+            ib, self.inputs, rows_np, pos_np, np.array(tokens, dtype=np.int64),
+            np.array(num, dtype=np.int64), np.array(starts, dtype=np.int64),
         )  # fmt: skip
+        ib.draft_computed[rows_np] = pos_np + 1  # the new token's; the drafts' are unverified
         return {rid: (q + 1, d) for rid, q, d in zip(ids, positions, out)}
 
     def _kvc_scored(self, params: SamplingParams) -> bool:
