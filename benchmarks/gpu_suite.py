@@ -44,9 +44,12 @@ def provenance(benchmark: str) -> dict:
 
     import triton
 
+    # the device machine's copy of the tree may carry a stale .git: the caller names the
+    # commit it sent in PAGEDLLM_COMMIT (with a "+" when the tree had uncommitted changes)
+    commit = os.environ.get("PAGEDLLM_COMMIT")
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip() or None
+        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                          text=True, check=False).stdout.strip() or None
     except OSError:
         commit = None
     return {"benchmark": benchmark, "device": torch.cuda.get_device_name(0),
