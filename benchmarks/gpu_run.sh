@@ -102,6 +102,8 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
       python -m pytest -q -x -p no:cacheprovider tests/kernels/test_paged_attention.py \
         -k "speculative or short_rows or cuda_graph" && \
       python -m pytest -q -x -p no:cacheprovider --durations=5 tests/models/test_spec_decode.py ;;
+    spec-cheap)  # n-gram, suffix and first-layers drafts vs none, batch 1-256 (Qwen3-0.6B shape)
+      python benchmarks/spec_decode_gpu.py cheap --out "$OUT" | grep -v '"tokens"' ;;
     spec-draft-8b)  # Llama-3.1-8B shape with a Llama-3.2-1B-shaped draft (dummy weights)
       python benchmarks/spec_decode_gpu.py llama8b --out "$OUT" ;;
     kvc-d-prefix)  # Benchmark D with a system prompt every prompt shares, prefix caching on/off

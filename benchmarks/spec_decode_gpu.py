@@ -166,6 +166,86 @@ def qwen3(args: argparse.Namespace) -> dict:
     return result
 
 
+def first_layers_copy(path: str, out: str, layers: int) -> str:
+    """A draft made of the target's first ``layers`` decoder layers (its embedding, final
+    norm and LM head kept): a cheap draft with the target's vocabulary whose greedy tokens
+    often agree with the target's (layer skipping, as in self-speculative decoding)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    os.makedirs(out, exist_ok=True)
+    tensors = {}
+    for name in sorted(os.listdir(path)):
+        src = os.path.join(path, name)
+        if name.endswith(".safetensors"):
+            with safe_open(src, "pt") as f:
+                for key in f.keys():
+                    parts = key.split(".")
+                    if parts[:2] == ["model", "layers"] and int(parts[2]) >= layers:
+                        continue
+                    tensors[key] = f.get_tensor(key)
+        elif name == "config.json":
+            with open(src) as f:
+                cfg = json.load(f)
+            cfg["num_hidden_layers"] = layers
+            if isinstance(cfg.get("layer_types"), list):
+                cfg["layer_types"] = cfg["layer_types"][:layers]
+            with open(os.path.join(out, name), "w") as f:
+                json.dump(cfg, f)
+        elif not name.endswith(".index.json") and os.path.isfile(src):
+            shutil.copy(src, out)
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def cheap(args: argparse.Namespace) -> dict:
+    """Cheap proposers on the Qwen3-0.6B shape (the target's saved random weights, bf16):
+    n-gram and suffix (no model: drafting is host work) and drafts made of the target's
+    first 2 or 7 of 28 layers (a pass costs a fraction of the target's; their acceptance is
+    whatever these weights give). Same workload and baseline as ``qwen3``."""
+    path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
+    vocab = 151936
+    batches = [b for b in BATCHES if b <= args.max_batch]
+    common = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=max(batches),
+                  gpu_memory_utilization=0.8, enable_prefix_caching=False)  # fmt: skip
+    workload = {"model": "qwen3-0.6b shape, random weights, bf16", "prompt_len": PROMPT_LEN,
+                "output_len": OUTPUT_LEN, "greedy": True, "ignore_eos": True,
+                "batches": batches}  # fmt: skip
+    result: dict = {**provenance("spec-decode-cheap-proposers"), "workload": workload}
+    llm = LLM(path, **common)
+    base = {b: _timed(llm, b, vocab) for b in batches}
+    _free(llm)
+    result["baseline"] = {b: {k: v for k, v in r.items() if k != "tokens"} for b, r in base.items()}
+    print(json.dumps(result["baseline"]), flush=True)
+    k = 4
+    proposers = {
+        "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3},
+        "suffix": {"method": "suffix", "num_speculative_tokens": k},
+    }
+    for layers in (2, 7):
+        draft = first_layers_copy(path, f"/tmp/qwen3_first{layers}", layers)
+        proposers[f"first{layers}_of_28"] = {"method": "draft_model", "model": draft,
+                                              "num_speculative_tokens": k}  # fmt: skip
+    rows: list[dict] = []
+    result["proposers"] = rows
+    for name, spec in proposers.items():
+        llm = LLM(path, speculative_config=spec, **common)
+        for b in batches:
+            r = _timed(llm, b, vocab)
+            r.update(proposer=name, k=k,
+                     speedup=r["output_tokens_per_s"] / base[b]["output_tokens_per_s"],
+                     token_agreement=_agreement(base[b]["tokens"], r.pop("tokens")))  # fmt: skip
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            _save(args, result)
+        _free(llm)
+    return result
+
+
 def llama8b(args: argparse.Namespace) -> dict:
     target = os.path.join(CONFIGS, "llama-3.1-8b")
     draft = os.path.join(CONFIGS, "llama-3.2-1b")
@@ -182,18 +262,24 @@ def llama8b(args: argparse.Namespace) -> dict:
     llm = LLM(target, **common)
     base = {b: _timed(llm, b, vocab) for b in batches}
     _free(llm)
-    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 4}
-    llm = LLM(target, speculative_config=spec, **common)
-    rows = []
-    for b in batches:
-        r = _timed(llm, b, vocab)
-        r.update(k=4, speedup=r["output_tokens_per_s"] / base[b]["output_tokens_per_s"],
-                 token_agreement=_agreement(base[b]["tokens"], r.pop("tokens")))  # fmt: skip
-        rows.append(r)
-        print(json.dumps(r), flush=True)
-    _free(llm)
     result["baseline"] = {b: {k: v for k, v in r.items() if k != "tokens"} for b, r in base.items()}
+    rows: list[dict] = []
     result["draft_model"] = rows
+    proposers = {"llama-3.2-1b": {"method": "draft_model", "model": draft,
+                                  "num_speculative_tokens": 4},
+                 "ngram": {"method": "ngram", "num_speculative_tokens": 4,
+                           "prompt_lookup_max": 3}}  # fmt: skip
+    for name, spec in proposers.items():
+        llm = LLM(target, speculative_config=spec, **common)
+        for b in batches:
+            r = _timed(llm, b, vocab)
+            r.update(proposer=name, k=4,
+                     speedup=r["output_tokens_per_s"] / base[b]["output_tokens_per_s"],
+                     token_agreement=_agreement(base[b]["tokens"], r.pop("tokens")))  # fmt: skip
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            _save(args, result)
+        _free(llm)
     return result
 
 
@@ -257,12 +343,13 @@ def profile(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("part", choices=["qwen3", "llama8b", "profile"])
+    ap.add_argument("part", choices=["qwen3", "cheap", "llama8b", "profile"])
     ap.add_argument("--k", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    result = {"qwen3": qwen3, "llama8b": llama8b, "profile": profile}[args.part](args)
+    parts = {"qwen3": qwen3, "cheap": cheap, "llama8b": llama8b, "profile": profile}
+    result = parts[args.part](args)
     _save(args, result)
     print("wrote", args.out)
 
