@@ -12,7 +12,10 @@ Prefix caching is off (the timed prompts repeat across draft settings).
   of 128 random tokens per request, 192 output tokens, greedy, ignore_eos); k = 2 and 4.
   At batch 256 also ``disable_by_batch_size`` 64: speculation paused under load.
 - ``llama8b``: the Llama-3.1-8B shape with a Llama-3.2-1B-shaped draft (same vocabulary;
-  dummy weights: unrelated, so drafts are rarely accepted - what a useless draft costs).
+  dummy weights: unrelated, so drafts are rarely accepted - what a useless draft costs), and
+  n-gram on the same workload.
+- ``cheap``: the ``qwen3`` workload with cheap proposers: n-gram, suffix, and drafts made of
+  the target's first 2 or 7 of its 28 layers (``first_layers_copy``).
 
 Greedy bf16: speculation verifies k + 1 positions in one pass (other kernels than a decode
 step's), so a near tie may break differently; the agreement with the run without speculation
@@ -20,6 +23,7 @@ is recorded, not asserted (the fp32 equality tests are tests/models/test_spec_de
 
     python benchmarks/spec_decode_gpu.py qwen3 --out $OUT
     python benchmarks/spec_decode_gpu.py llama8b --out $OUT
+    python benchmarks/spec_decode_gpu.py cheap --out $OUT
 """
 
 from __future__ import annotations
