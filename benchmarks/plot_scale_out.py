@@ -1,5 +1,6 @@
-"""PNG of the scale-out results (scale_out_bench-b_tp_*.json): Benchmark B output tokens/s by
-tensor-parallel size, with the per-GPU roofline x TP and the runs with the all-reduce skipped.
+"""PNG of the scale-out results (scale_out_bench-b_{tp,dp}_*.json): Benchmark B output tokens/s
+by tensor- or data-parallel size, with the per-GPU roofline x TP (TP runs) and the runs with the
+all-reduce skipped.
 Usage: python benchmarks/plot_scale_out.py RESULT.json [MORE.json ...] -o OUT.png"""
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def main() -> None:
                 tag = key.split("_", 1)[1].replace("_no_allreduce", "\nno all-reduce")
                 labels.append(tag + (f"\n(call {i + 1})" if len(runs[key]) > 1 else ""))
                 vals.append(r["output_tokens_per_s"])
-                roofs.append(r["roofline_per_gpu_output_tokens_per_s"])
+                roofs.append(r.get("roofline_per_gpu_output_tokens_per_s", float("nan")))
         x = range(len(vals))
         ax.bar(x, vals, label="measured")
         ax.plot(x, roofs, "k_", markersize=30, mew=2, label="roofline (per GPU, x TP)")
@@ -46,7 +47,7 @@ def main() -> None:
         ax.set_ylabel("output tokens/s")
         ax.set_title(f"Benchmark B {shape.replace('x', ' -> ')}, Llama-3.1-8B shape")
         ax.legend(fontsize=8)
-    fig.suptitle(f"pagedllm tensor parallelism, {device}")
+    fig.suptitle(f"pagedllm scale-out, {device}")
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
 

@@ -1,7 +1,8 @@
-"""PNG of a draft-model speculative decoding result (spec_decode_draft_*.json): output tokens/s
-against the measured acceptance rate, one panel per batch size, k = 2 and 4, with the run
-without speculation (same process) as a line. Usage: python benchmarks/plot_spec_decode.py
-RESULT.json -o OUT.png"""
+"""PNG of a speculative decoding result (spec_decode_draft_*.json): output tokens/s against the
+measured acceptance rate, one panel per batch size - draft-model sweeps (k = 2 and 4) as lines,
+other proposers (n-gram, suffix, first-layers drafts: the ``cheap`` part) as points - with the
+run without speculation (same process) as a dashed line.
+Usage: python benchmarks/plot_spec_decode.py RESULT.json -o OUT.png"""
 
 from __future__ import annotations
 
@@ -25,14 +26,19 @@ def main() -> None:
     batches = sorted(int(b) for b in base)
     fig, axes = plt.subplots(1, len(batches), figsize=(4 * len(batches), 3.8), squeeze=False)
     for ax, b in zip(axes[0], batches):
-        for k in sorted({r["k"] for r in d["draft_model"]}):
-            rows = [r for r in d["draft_model"] if r["batch"] == b and r["k"] == k
+        sweep = d.get("draft_model", [])
+        for k in sorted({r["k"] for r in sweep}):
+            rows = [r for r in sweep if r["batch"] == b and r["k"] == k
                     and "disable_by_batch_size" not in r and r.get("acceptance_rate") is not None]
             rows.sort(key=lambda r: r["acceptance_rate"])
             ax.plot([r["acceptance_rate"] for r in rows],
                     [r["output_tokens_per_s"] for r in rows], "o-", label=f"draft, k={k}")
         ax.axhline(base[str(b)]["output_tokens_per_s"], color="k", ls="--", label="no speculation")
-        for r in d["draft_model"]:
+        for r in d.get("proposers", []):
+            if r["batch"] == b:
+                ax.plot([r["acceptance_rate"]], [r["output_tokens_per_s"]], "s",
+                        label=f"{r['proposer']}, k={r['k']}")
+        for r in sweep:
             if r["batch"] == b and "disable_by_batch_size" in r:
                 ax.axhline(r["output_tokens_per_s"], color="r", ls=":",
                            label=f"paused (disable_by_batch_size={r['disable_by_batch_size']})")
@@ -41,7 +47,7 @@ def main() -> None:
         ax.set_ylabel("output tokens/s")
         ax.set_yscale("log")
         ax.legend(fontsize=7)
-    fig.suptitle(f"pagedllm draft-model speculation, {d['workload']['model']}, {d['device']}")
+    fig.suptitle(f"pagedllm speculative decoding, {d['workload']['model']}, {d['device']}")
     fig.tight_layout()
     fig.savefig(args.out, dpi=100)
 
