@@ -117,6 +117,39 @@ def test_async_preemption_keeps_outputs(mode, tiny_models):
     assert got == ref
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_async_request_finishing_while_preempted(mode, tiny_models):
+    """A request preempted (recompute or swap) while the step with its last token is still in flight
+    finishes from the waiting queue when that step resolves: the tokens are the synchronous
+    run's, and no block or request is left behind (found on a GPU, where async scheduling is
+    the default: the scheduler assumed a finishing request was running)."""
+    path = tiny_models("llama")
+    rng = np.random.default_rng(7)
+    prompts = []
+    for i in range(6):
+        phrase = rng.integers(3, 500, int(rng.integers(5, 14))).tolist()
+        prompts.append(phrase * 3 + phrase[: i + 1])
+    greedy = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+    kw = dict(block_size=8, num_gpu_blocks_override=16, preemption_mode=mode,
+              enable_prefix_caching=False)  # fmt: skip
+    if mode == "swap":
+        kw["swap_space"] = 0.01
+    ref = _run(_llm(path, False, **kw), prompts, greedy)
+    llm = _llm(path, True, **kw)
+    sched = llm.llm_engine.engine_core.scheduler
+    seen = []
+    emit = sched._emit
+
+    def spy(request, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append(request.is_finished and request not in sched.running)
+        return emit(request, *a, **k)
+
+    sched._emit = spy
+    assert _run(llm, prompts, greedy) == ref
+    assert any(seen), "no request finished while preempted: the case did not occur"
+    assert not sched.waiting and not sched.running and not sched.requests  # _run checked blocks
+
+
 def test_async_prefix_caching_and_priority_policy(tiny_models):
     path = tiny_models("llama")
     rng = np.random.default_rng(7)

@@ -713,7 +713,10 @@ class Scheduler:
             seq_index=request.seq_index,
         )
         if request.is_finished:
-            self.running.remove(request)
+            if request in self.running:
+                self.running.remove(request)
+            else:  # preempted while this step was in flight (async scheduling): waiting
+                self.waiting.remove(request)
             self._free_request(request)
         return out
 
