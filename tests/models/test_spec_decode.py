@@ -318,7 +318,7 @@ def test_sampling_distribution_is_preserved(tiny_models, tmp_path) -> None:
         outs = llm.generate(prompt * n, sp, use_tqdm=False)
         return [tuple(o.outputs[0].token_ids) for o in outs]
 
-    kw = {"max_num_seqs": 256, "enable_prefix_caching": True}
+    kw = {"max_num_seqs": 1024, "enable_prefix_caching": True}
     ref = sample(_engine(path, seed=1, **kw))
     greedy = _engine(path).generate(
         prompt, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
