@@ -124,7 +124,9 @@ def _free(llm: LLM) -> None:
     torch.cuda.empty_cache()
 
 
-def qwen3(args: argparse.Namespace) -> dict:
+def _qwen3_baseline(args: argparse.Namespace, benchmark: str) -> tuple:
+    """The Qwen3-0.6B workload (random weights saved once, bf16) and its run without
+    speculation: (path, vocab, batches, engine kwargs, result dict, baseline rows by batch)."""
     path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
     vocab = 151936
     batches = [b for b in BATCHES if b <= args.max_batch]
@@ -133,12 +135,17 @@ def qwen3(args: argparse.Namespace) -> dict:
     workload = {"model": "qwen3-0.6b shape, random weights, bf16", "prompt_len": PROMPT_LEN,
                 "output_len": OUTPUT_LEN, "greedy": True, "ignore_eos": True,
                 "batches": batches}  # fmt: skip
-    result: dict = {**provenance("spec-decode-draft-model"), "workload": workload}
+    result: dict = {**provenance(benchmark), "workload": workload}
     llm = LLM(path, **common)
     base = {b: _timed(llm, b, vocab) for b in batches}
     _free(llm)
     result["baseline"] = {b: {k: v for k, v in r.items() if k != "tokens"} for b, r in base.items()}
     print(json.dumps(result["baseline"]), flush=True)
+    return path, vocab, batches, common, result, base
+
+
+def qwen3(args: argparse.Namespace) -> dict:
+    path, vocab, batches, common, result, base = _qwen3_baseline(args, "spec-decode-draft-model")
     rows: list[dict] = []
     result["draft_model"] = rows
     for k in args.k:
@@ -168,6 +175,24 @@ def qwen3(args: argparse.Namespace) -> dict:
         _free(llm)
     result["draft_model"] = rows
     return result
+
+
+def _run_proposers(args: argparse.Namespace, target: str, proposers: dict, common: dict,
+                   vocab: int, batches: list[int], base: dict, result: dict,
+                   rows: list[dict]) -> None:  # fmt: skip
+    """One engine per proposer (name -> speculative_config), every batch against ``base``;
+    each row appended to ``rows`` (a list in ``result``) and the result saved after it."""
+    for name, spec in proposers.items():
+        llm = LLM(target, speculative_config=spec, **common)
+        for b in batches:
+            r = _timed(llm, b, vocab)
+            r.update(proposer=name, k=spec["num_speculative_tokens"],
+                     speedup=r["output_tokens_per_s"] / base[b]["output_tokens_per_s"],
+                     token_agreement=_agreement(base[b]["tokens"], r.pop("tokens")))  # fmt: skip
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            _save(args, result)
+        _free(llm)
 
 
 def first_layers_copy(path: str, out: str, layers: int) -> str:
@@ -211,20 +236,9 @@ def cheap(args: argparse.Namespace) -> dict:
     n-gram and suffix (no model: drafting is host work) and drafts made of the target's
     first 2 or 7 of 28 layers (a pass costs a fraction of the target's; their acceptance is
     whatever these weights give). Same workload and baseline as ``qwen3``."""
-    path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
-    vocab = 151936
-    batches = [b for b in BATCHES if b <= args.max_batch]
-    common = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=max(batches),
-                  gpu_memory_utilization=0.8, enable_prefix_caching=False)  # fmt: skip
-    workload = {"model": "qwen3-0.6b shape, random weights, bf16", "prompt_len": PROMPT_LEN,
-                "output_len": OUTPUT_LEN, "greedy": True, "ignore_eos": True,
-                "batches": batches}  # fmt: skip
-    result: dict = {**provenance("spec-decode-cheap-proposers"), "workload": workload}
-    llm = LLM(path, **common)
-    base = {b: _timed(llm, b, vocab) for b in batches}
-    _free(llm)
-    result["baseline"] = {b: {k: v for k, v in r.items() if k != "tokens"} for b, r in base.items()}
-    print(json.dumps(result["baseline"]), flush=True)
+    path, vocab, batches, common, result, base = _qwen3_baseline(
+        args, "spec-decode-cheap-proposers"
+    )
     k = 4
     proposers = {
         "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3},
@@ -236,17 +250,7 @@ def cheap(args: argparse.Namespace) -> dict:
                                               "num_speculative_tokens": k}  # fmt: skip
     rows: list[dict] = []
     result["proposers"] = rows
-    for name, spec in proposers.items():
-        llm = LLM(path, speculative_config=spec, **common)
-        for b in batches:
-            r = _timed(llm, b, vocab)
-            r.update(proposer=name, k=k,
-                     speedup=r["output_tokens_per_s"] / base[b]["output_tokens_per_s"],
-                     token_agreement=_agreement(base[b]["tokens"], r.pop("tokens")))  # fmt: skip
-            rows.append(r)
-            print(json.dumps(r), flush=True)
-            _save(args, result)
-        _free(llm)
+    _run_proposers(args, path, proposers, common, vocab, batches, base, result, rows)
     return result
 
 
@@ -273,17 +277,7 @@ def llama8b(args: argparse.Namespace) -> dict:
                                   "num_speculative_tokens": 4},
                  "ngram": {"method": "ngram", "num_speculative_tokens": 4,
                            "prompt_lookup_max": 3}}  # fmt: skip
-    for name, spec in proposers.items():
-        llm = LLM(target, speculative_config=spec, **common)
-        for b in batches:
-            r = _timed(llm, b, vocab)
-            r.update(proposer=name, k=4,
-                     speedup=r["output_tokens_per_s"] / base[b]["output_tokens_per_s"],
-                     token_agreement=_agreement(base[b]["tokens"], r.pop("tokens")))  # fmt: skip
-            rows.append(r)
-            print(json.dumps(r), flush=True)
-            _save(args, result)
-        _free(llm)
+    _run_proposers(args, target, proposers, common, vocab, batches, base, result, rows)
     return result
 
 
