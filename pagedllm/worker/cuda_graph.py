@@ -2,8 +2,9 @@
 
 One graph per (batch size, query length): batch sizes from a ladder (1, 2, 4, 8, 16, 24, 32,
 ... up to max_num_seqs); query length 1 for decode steps and, with speculative decoding,
-k + 1 for the steps that verify k drafts per request. All are captured largest first into one
-shared memory pool.
+k + 1 for the target's steps that verify k drafts per request (k + 2 for a draft model's
+first pass after them: worker/drafter.py). All are captured largest first into one shared
+memory pool.
 
 A step of B requests whose rows each have at most q tokens (q = 1: a decode step; q = k + 1:
 each request's newest token and its drafts, or fewer near ``max_tokens``) replays the graph of
@@ -43,8 +44,8 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class CUDAGraphRunner:
     """Captures ``model(input_ids, positions, metadata)`` for each (size, query length) and
-    replays it (see the module docstring). ``query_lens``: the rows' token counts to capture,
-    1 (decode) and, with speculative decoding, k + 1."""
+    replays it (see the module docstring). ``query_lens``: the longest rows to capture (1,
+    decode, is always among them)."""
 
     def __init__(
         self,
@@ -106,8 +107,9 @@ class CUDAGraphRunner:
         """Capture every (size, query length), the most token rows first, sharing one pool."""
         keys = [(bs, q) for q, sizes in self.sizes_for.items() for bs in sizes]
         for bs, q in sorted(keys, key=lambda k: (-k[0] * k[1], k[1])):
-            if q > 1:  # q rows per request: [0, q, 2q, ...]
+            if q > 1:  # q rows per request: [0, q, 2q, ...], each its own whole context
                 self.multi_qsl[: bs + 1].copy_(self.query_start_loc[: bs + 1] * q)
+                self.seq_lens[:bs].fill_(q)  # (a replay copies the step's lengths in)
             md = self._metadata(bs, q)
             t = bs * q
             args = (self.input_ids[:t], self.positions[:t], md)

@@ -59,8 +59,8 @@ class Drafter:
         self.device = device
         for layer in self.model.attention_layers():
             layer.backend = backend
-        # on a GPU: the draft model's own graphs (its one-token passes, and the mirror of a
-        # decode or verification step)
+        # on a GPU: the draft model's own graphs (its one-token passes, its first pass of up
+        # to k + 2 tokens per request, and a mirror whose rows fit those)
         self.graph_runner: CUDAGraphRunner | None = None
 
     def capture_cuda_graphs(self, **kw: Any) -> None:
