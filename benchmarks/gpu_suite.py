@@ -45,7 +45,7 @@ def provenance(benchmark: str) -> dict:
     import triton
 
     # the device machine's copy of the tree may carry a stale .git: the caller names the
-    # commit it sent in PAGEDLLM_COMMIT (with a "+" when the tree had uncommitted changes)
+    # commit it sent in PAGEDLLM_COMMIT
     commit = os.environ.get("PAGEDLLM_COMMIT")
     try:
         commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,

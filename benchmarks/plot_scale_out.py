@@ -40,7 +40,8 @@ def main() -> None:
                 roofs.append(r.get("roofline_per_gpu_output_tokens_per_s", float("nan")))
         x = range(len(vals))
         ax.bar(x, vals, label="measured")
-        ax.plot(x, roofs, "k_", markersize=30, mew=2, label="roofline (per GPU, x TP)")
+        if any(r == r for r in roofs):  # NaN for runs without one (DP)
+            ax.plot(x, roofs, "k_", markersize=30, mew=2, label="roofline (per GPU, x TP)")
         for i, v in zip(x, vals):
             ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
         ax.set_xticks(list(x), labels, fontsize=8)
