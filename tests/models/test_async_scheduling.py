@@ -227,8 +227,8 @@ def test_async_grammars_fill_the_mask_after_the_forward_is_queued(process, tiny_
     collects the bitmask; texts equal synchronous steps and parse."""
     import json
 
-    import jsonschema
-
+    pytest.importorskip("xgrammar")
+    jsonschema = pytest.importorskip("jsonschema")
     from pagedllm.structured_output.params import StructuredOutputsParams
     from tests.engine.test_structured_outputs import SMALL_OBJECT as schema
 
