@@ -93,8 +93,10 @@ def save(a: argparse.Namespace, input_len: int, runs: dict[str, dict]) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {k: _summary(v) for k, v in runs.items()}
     args = {**vars(a), "input_len": input_len}
-    out.write_text(json.dumps({"benchmark": "D", "args": args, "summary": summary,
-                               "runs": runs}, indent=1))  # fmt: skip
+    # the device machine's tree may carry a stale .git: the call names its commit
+    commit = os.environ.get("PAGEDLLM_COMMIT")
+    out.write_text(json.dumps({"benchmark": "D", "git_commit": commit, "args": args,
+                               "summary": summary, "runs": runs}, indent=1))  # fmt: skip
     return out
 
 
