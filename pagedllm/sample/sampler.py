@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.ops.cpu import argmax
 from pagedllm.sample.constraints import TokenConstraints
 from pagedllm.sample.penalties import apply_penalties
 
@@ -140,7 +141,7 @@ class Sampler:
             logits = apply_penalties(
                 logits, md.prompt_ids, md.output_ids, md.presence, md.frequency, md.repetition
             )
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax(logits)  # [B]
         if md.all_greedy:
             sampled = greedy
         else:
@@ -182,7 +183,7 @@ class Sampler:
                 g = torch.Generator(device=probs.device)
                 g.manual_seed(_mix(seed, md.output_positions[i]))
                 q[i].exponential_(generator=g)
-        return probs.div(q).argmax(dim=-1)
+        return argmax(probs.div(q))
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, sampled: torch.Tensor, n: int, out: SamplerOutput) -> None:

@@ -68,8 +68,9 @@ def test_matches_reference(dtype, heads: int, kv_heads: int, head_dim: int, wind
 
 
 def test_backend_decode_uses_the_kernel_and_agrees(monkeypatch) -> None:  # noqa: ANN001
-    """The CPU backend's decode rows: the same output with the kernel (what
-    ``PAGEDLLM_CPU_KERNELS=1`` selects) as with the PyTorch path, and the kernel really ran."""
+    """The CPU backend's decode rows: the same output with the kernel (the default for float32
+    and bfloat16 caches) as with the PyTorch path (``PAGEDLLM_CPU_KERNELS=0``), and the kernel
+    really ran."""
     import numpy as np
 
     from pagedllm.attention.backends import torch_native
@@ -105,11 +106,13 @@ def test_backend_decode_uses_the_kernel_and_agrees(monkeypatch) -> None:  # noqa
         return m
 
     monkeypatch.delenv("PAGEDLLM_CPU_KERNELS", raising=False)
-    assert torch_native._decode_kernel(torch.float32) is None  # float32: PyTorch by default
-    assert torch_native._decode_kernel(torch.bfloat16) is ext  # bfloat16: the kernel
+    assert torch_native._decode_kernel(torch.float32) is ext  # by default: the kernel
+    assert torch_native._decode_kernel(torch.bfloat16) is ext
+    assert torch_native._decode_kernel(torch.float16) is None  # the kernel has no float16
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "1")
-    assert torch_native._decode_kernel(torch.float32) is ext
+    assert torch_native._decode_kernel(torch.float16) is None
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
+    assert torch_native._decode_kernel(torch.float32) is None
     assert torch_native._decode_kernel(torch.bfloat16) is None
     calls = []
     real = ext.paged_decode
@@ -129,3 +132,25 @@ class _Spy:
     def paged_decode(self, *args):  # noqa: ANN002, ANN202
         self.calls.append(1)
         return self.fn(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_equals_torch(dtype: torch.dtype) -> None:
+    """The compiled argmax (greedy sampling on the CPU) gives torch.argmax's indices: random
+    rows, ties (the first), rows of -inf, NaN (the first NaN), +inf, a non-contiguous view;
+    and ``pagedllm.ops.cpu.argmax`` routes to it once built."""
+    from pagedllm.ops.cpu import argmax
+
+    ext = _ext()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(33, 5000, generator=g).to(dtype)
+    y = torch.zeros(6, 300, dtype=dtype)
+    y[0, 10] = y[0, 20] = 2.0  # tie
+    y[1] = float("-inf")
+    y[2, 3], y[2, 7], y[2, 9] = 5.0, float("nan"), float("nan")
+    y[3, 100] = y[3, 200] = float("inf")
+    y[4, 299] = 1.0
+    y[5] = torch.arange(300, 0, -1).to(dtype)  # the first element
+    for t in (x, y, x[:, ::3], x[:, :1]):
+        assert torch.equal(ext.argmax_last(t), t.argmax(-1))
+        assert torch.equal(argmax(t), t.argmax(-1))

@@ -1,9 +1,10 @@
 """Paged attention in plain PyTorch: the CPU backend and the reference for the GPU kernels.
 
-Decode rows (one query token per request) of a step are attended in one batched SDPA call over
-keys gathered from their blocks, or by the compiled kernel of ``pagedllm/ops/cpu`` (bfloat16
-caches by default; see ``kernels_enabled``), which reads K and V from their blocks in place,
-the query heads of a KV head together. Each prefill chunk gets its own SDPA call (or, for a first
+Decode rows (one query token per request) of a step are attended by the compiled kernel of
+``pagedllm/ops/cpu`` where it is built (float32 and bfloat16 caches; see ``kernels_enabled``),
+which reads K and V from their blocks in place,
+the query heads of a KV head together, or else in one batched SDPA call over keys gathered
+from their blocks. Each prefill chunk gets its own SDPA call (or, for a first
 chunk on a full-attention layer, plain causal SDPA over its new keys without touching the
 cache). The gather indices, masks and tables are planned once per step and shared by every
 layer.
@@ -24,7 +25,7 @@ write_kv_cache = write_kv_ref  # the name tests and callers know
 
 def _decode_kernel(dtype: torch.dtype | None = None) -> object | None:
     """The compiled decode kernel's module where it is used for a cache of ``dtype`` (see
-    ``pagedllm/ops/cpu.kernels_enabled``: bfloat16 by default), else None (PyTorch)."""
+    ``pagedllm/ops/cpu.kernels_enabled``: float32 and bfloat16), else None (PyTorch)."""
     from pagedllm.ops.cpu import cpu_ops, kernels_enabled
 
     return cpu_ops() if kernels_enabled(dtype) else None

