@@ -2,12 +2,11 @@
 
 Decode rows (one query token per request) of a step are attended by the compiled kernel of
 ``pagedllm/ops/cpu`` where it is built (float32 and bfloat16 caches; see ``kernels_enabled``),
-which reads K and V from their blocks in place,
-the query heads of a KV head together, or else in one batched SDPA call over keys gathered
-from their blocks. Each prefill chunk gets its own SDPA call (or, for a first
-chunk on a full-attention layer, plain causal SDPA over its new keys without touching the
-cache). The gather indices, masks and tables are planned once per step and shared by every
-layer.
+which reads K and V from their blocks in place, the query heads of a KV head together; else in
+one batched SDPA call over keys gathered from their blocks. Each prefill chunk gets its own
+SDPA call (or, for a first chunk on a full-attention layer, plain causal SDPA over its new keys
+without touching the cache). The gather indices, masks and tables are planned once per step
+and shared by every layer.
 """
 
 from __future__ import annotations

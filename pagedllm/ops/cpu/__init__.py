@@ -64,7 +64,8 @@ def kernels_enabled(dtype: Any = None) -> bool:
 
 def cpu_ops(build: bool = True) -> Any:
     """The compiled module (``paged_decode``, ``argmax_last``), or None (see the module
-    docstring). ``build=False``: None unless it is loaded or built already (no compile)."""
+    docstring). ``build=False``: None unless it is loaded or was built before (a build made
+    from another checkout's path may still be redone by torch's loader)."""
     if _loaded:
         return _loaded[0]
     if not build and not (build_dir() / f"pagedllm_cpu_ops_{build_dir().name}.so").exists():
@@ -99,7 +100,8 @@ def argmax(x: Any) -> Any:
     """``x.argmax(-1)`` of a [rows, n] tensor, the same indices (first maximum; first NaN),
     through the compiled ``argmax_last`` for a float32 or bfloat16 CPU tensor when the kernels
     are built (torch's CPU argmax does not vectorize: 3.8 ms against ~1 ms for a step's
-    [64, 49152] logits on this project's 2-core EPYC; 8 ms in bfloat16). Never compiles."""
+    [64, 49152] logits on this project's 2-core EPYC; 8 ms in bfloat16). Where the kernels
+    were never built it does not start a build (the torch path instead)."""
     import torch
 
     if (
