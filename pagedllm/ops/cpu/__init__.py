@@ -17,6 +17,7 @@ tok/s, 64 x 256 -> 128) and 7% on the tiny Llama, so it is on for both.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -40,14 +41,20 @@ def _cpu_tag() -> str:
     return "\n".join(dict.fromkeys(lines))
 
 
-def build_dir() -> Path:
+@functools.lru_cache(maxsize=1)
+def _build_key() -> str:
+    """The source, torch's version and the CPU, hashed once a process (``argmax`` asks on
+    every sampling step where the kernels were never built)."""
     import torch
 
-    key = hashlib.sha256(
+    return hashlib.sha256(
         _SOURCE.read_bytes() + torch.__version__.encode() + _cpu_tag().encode()
     ).hexdigest()[:16]
+
+
+def build_dir() -> Path:
     root = Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm")
-    return root / "cpu_ops" / key
+    return root / "cpu_ops" / _build_key()
 
 
 def kernels_enabled(dtype: Any = None) -> bool:
@@ -68,8 +75,10 @@ def cpu_ops(build: bool = True) -> Any:
     from another checkout's path may still be redone by torch's loader)."""
     if _loaded:
         return _loaded[0]
-    if not build and not (build_dir() / f"pagedllm_cpu_ops_{build_dir().name}.so").exists():
-        return None
+    if not build:
+        folder = build_dir()
+        if not (folder / f"pagedllm_cpu_ops_{folder.name}.so").exists():
+            return None
     module = None
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0":
         try:
