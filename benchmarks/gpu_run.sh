@@ -160,6 +160,13 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         | tail -3 ;;
     so-tp) python benchmarks/scale_out_gpu.py bench-b --tp ${SO_TP:-1,2,4} \
         --shapes ${SO_SHAPES:-128x1024,1024x128} --out "$OUT" ;;
+    so-profile)  # where a TP step's time goes: engine phases, each rank's calls, device time
+      for b in ${SO_BACKENDS:-uni mp}; do
+        tps=${SO_TP:-1,2,4}; [ "$b" = uni ] && tps=1
+        python benchmarks/scale_out_gpu.py bench-b --tp $tps --backend $b --shapes 128x1024 \
+          --num ${SO_NUM:-512} --profile --profile-at ${SO_PROFILE_AT:-400} --out "$OUT/profile" \
+          | grep -v '^{' ; done
+      python benchmarks/scale_out_gpu.py show-profile --out "$OUT/profile" ;;
     so-dp) python benchmarks/scale_out_gpu.py bench-b-dp --dp ${SO_DP:-1,2} \
         --shapes ${SO_SHAPES:-128x1024,1024x128} --out "$OUT" ;;
     *) echo "unknown stage $1" ;;
