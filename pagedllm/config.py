@@ -171,6 +171,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
+    # GPUs: NCCL for every all-reduce, not the symmetric-memory kernel
+    # (``distributed/parallel_state.py``)
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
@@ -331,6 +334,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     # None: "mp" with tensor_parallel_size > 1 (a worker process per rank), else "uni"
     distributed_executor_backend: str | None = None
+    disable_custom_all_reduce: bool = False
     # KV-Compress (``KVCompressConfig``; the fork's flag names)
     enable_kvc: bool = False
     kvc_method: str = "kvcompress"
@@ -452,6 +456,7 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 data_parallel_size=self.data_parallel_size,
                 distributed_executor_backend=backend,
+                disable_custom_all_reduce=bool(self.disable_custom_all_reduce),
             ),
             kvc_config=KVCompressConfig(
                 enabled=bool(self.enable_kvc),

@@ -85,6 +85,8 @@ _HELP = {
     "process), mp (one worker process per tensor-parallel rank) or ray (one Ray actor per "
     "rank, across the nodes of a Ray cluster; RAY_ADDRESS names it) (default: mp when "
     "--tensor-parallel-size > 1, else uni).",
+    "disable_custom_all_reduce": "Tensor parallelism on GPUs: NCCL for every all-reduce, "
+    "instead of the symmetric-memory kernel for tensors of up to 16 MiB.",
     "async_scheduling": "Schedule the next step while the device runs this one "
     "(default: on with a GPU, off on a CPU).",
     "grammar_process": "Structured outputs: advance grammars and fill their token bitmasks "

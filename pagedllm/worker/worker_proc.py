@@ -57,7 +57,7 @@ class Worker:
     ) -> None:
         import torch
 
-        from pagedllm.distributed.parallel_state import init_tensor_parallel
+        from pagedllm.distributed.parallel_state import init_custom_all_reduce, init_tensor_parallel
         from pagedllm.worker.model_runner import ModelRunner
 
         device = config.device_config.device
@@ -69,6 +69,8 @@ class Worker:
         init_tensor_parallel(
             rank, world, init_method, "cuda" if device.startswith("cuda") else "cpu"
         )
+        if device.startswith("cuda") and not config.parallel_config.disable_custom_all_reduce:
+            init_custom_all_reduce(torch.device("cuda", torch.cuda.current_device()))
         self.rank = rank
         self.runner = ModelRunner(config, eos_token_ids)
         self.steps: dict[int, Any] = {}

@@ -1,0 +1,92 @@
+"""The tensor-parallel all-reduce through symmetric memory (``distributed/parallel_state.py``):
+on two GPUs it gives NCCL's sums for every size a step produces, eagerly and replayed from a
+CUDA graph, falls back to NCCL for what it cannot take, and a TP = 2 engine with it gives the
+tokens of one with NCCL only. On a CPU it is never used (gloo does the sums)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.distributed import parallel_state
+
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+def test_never_on_a_cpu() -> None:
+    assert parallel_state.init_custom_all_reduce(torch.device("cpu")) is False
+    assert parallel_state._custom is None
+
+
+def _rank(rank: int, port: int, q) -> None:  # noqa: ANN001
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    parallel_state.init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", "cuda")
+    try:
+        ok = parallel_state.init_custom_all_reduce(torch.device("cuda", rank), nbytes=1 << 20)
+        errs = []
+        gen = torch.Generator(device="cuda").manual_seed(rank)
+        # decode rows, a prefill chunk, an odd size (NCCL), one over the buffer (NCCL)
+        shapes = [(1, 64), (7, 64), (256, 256), (3, 5), (1024, 1024)]
+        for dtype in (torch.bfloat16, torch.float32):
+            for shape in shapes:
+                x = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+                want = x.clone()
+                dist.all_reduce(want)
+                got = parallel_state.all_reduce(x.clone())
+                errs.append(float((got.float() - want.float()).abs().max()))
+                g = torch.cuda.CUDAGraph()
+                static = x.clone()
+                with torch.cuda.graph(g):
+                    out = parallel_state.all_reduce(static)
+                for k in range(3):  # fresh data each replay, into the captured input
+                    static.copy_(x * (k + 1))
+                    want = static.clone()
+                    dist.all_reduce(want)
+                    g.replay()
+                    errs.append(float((out.float() - want.float()).abs().max()))
+        torch.cuda.synchronize()
+        q.put((rank, ok, max(errs)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
+def test_equals_nccl_on_two_gpus() -> None:
+    import torch.multiprocessing as mp
+
+    from pagedllm.utils.net import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(q.get(timeout=180) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert [r[1] for r in results] == [True, True], "the custom all-reduce did not start"
+    assert max(r[2] for r in results) == 0.0  # two ranks: one addition, the same rounding
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
+def test_tp2_engine_same_tokens_as_nccl(tiny_models) -> None:
+    from pagedllm import LLM, SamplingParams
+
+    path = tiny_models("llama")
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (9, 33, 70)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    got = []
+    for disable in (True, False):
+        llm = LLM(path, dtype="float32", max_model_len=256, tensor_parallel_size=2,
+                  kv_cache_memory_bytes=32 << 20, disable_custom_all_reduce=disable)  # fmt: skip
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        got.append([(list(o.outputs[0].token_ids),
+                     [d[t].logprob for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                    for o in outs])  # fmt: skip
+        llm.llm_engine.engine_core.shutdown()
+    assert [t for t, _ in got[0]] == [t for t, _ in got[1]]
+    for (_, a), (_, b) in zip(got[0], got[1]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
