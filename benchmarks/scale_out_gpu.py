@@ -451,6 +451,7 @@ def _engine_timer(llm):  # noqa: ANN001, ANN202
     for obj, attr, name in [(sched, "schedule", "schedule"),
                             (ex, "launch_forward", "launch_forward"),
                             (ex, "launch_sample", "launch_sample"), (ex, "resolve", "resolve"),
+                            (ex, "launch_step", "launch_step"),
                             (sched, "update_from_output", "update"),
                             (engine.output_processor, "process_outputs", "process_outputs"),
                             (core, "step", "core_step"), (engine, "step", "loop")]:

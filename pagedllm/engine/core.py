@@ -259,10 +259,11 @@ class EngineCore:
         launched = None
         structured: list[int] = []
         if scheduler_output is not None:
-            launched = (scheduler_output, executor.launch_forward(scheduler_output))
             structured = scheduler_output.structured_requests
-            if not structured:
-                executor.launch_sample(launched[1], None)
+            if structured:  # its sampling waits for the grammar step's bitmask
+                launched = (scheduler_output, executor.launch_forward(scheduler_output))
+            else:
+                launched = (scheduler_output, executor.launch_step(scheduler_output))
         if self._pending is not None:
             last_output, last_step = self._pending
             self._pending = None

@@ -36,8 +36,8 @@ class Executor(ABC):
       step's structured requests, or None), ``resolve(handle)`` waits for its tokens. Steps
       are launched and resolved in order; under async scheduling step N is launched (forward
       and sample) before step N-1 is resolved, so at most two are in flight. Each handle is
-      resolved exactly once. ``execute_model(so)`` is the three at once, for a step without
-      structured requests.
+      resolved exactly once. ``launch_step(so)`` is the first two at once and
+      ``execute_model(so)`` all three, for a step without structured requests.
     - Failures: a worker's exception comes back as a ``RuntimeError`` carrying its traceback;
       a worker that died raises a ``RuntimeError`` naming it (rank, pid, exit code) instead of
       waiting for it. After either the executor is broken: every later call raises. A step
@@ -84,6 +84,13 @@ class Executor(ABC):
     @abstractmethod
     def resolve(self, handle: Any) -> ModelRunnerOutput:
         """Wait for a launched step's tokens."""
+
+    def launch_step(self, scheduler_output: SchedulerOutput) -> Any:
+        """Queue a step without structured requests, its forward pass and its sampling (one
+        message to each worker where they are processes); its handle."""
+        handle = self.launch_forward(scheduler_output)
+        self.launch_sample(handle, None)
+        return handle
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run a step without structured requests to the end: forward, sample, resolve."""

@@ -21,11 +21,12 @@ from pagedllm.core.kv_cache.spec import (
     group_layers,
 )
 from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.parallel_state import tp_info
 from pagedllm.kv_layout import KVCacheLayout
 from pagedllm.kvcompress.cache import HeadPagedCache
 from pagedllm.kvcompress.evict import move_bound
 from pagedllm.model.loader import build_model
-from pagedllm.sample.sampler import Sampler
+from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.drafter import Drafter
 from pagedllm.worker.input_batch import InputBatch
@@ -154,6 +155,7 @@ class ModelRunner:
         # on a GPU: device buffers the mask and its rows are copied into (reused each step;
         # the stream orders a step's copy after the last step's kernel read them)
         self._bitmask_dev: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.tp_size = tp_info()[1]  # this process's tensor-parallel group (1: none)
         self.time_device = False  # record each step's device time (benchmarks)
         self.device_times: list[float] = []  # seconds, one per resolved step when timed
         # KV-Compress: (start, end) CUDA events of each step's eviction when timed
@@ -442,23 +444,23 @@ class ModelRunner:
             kvc.set_row(row, head, self._kvc_scored(new.sampling_params))
         entry_rows: list[int] = []  # KV-Compress: every row's new table entries, one scatter
         entries: list = []
-        for cached in so.scheduled_cached_reqs:
-            row = ib.req_id_to_row[cached.req_id]
+        for req_id, new_block_ids, num_computed, replaced, append in so.cached_rows():
+            row = ib.req_id_to_row[req_id]
             if kvc is not None:
-                for blocks in cached.replaced_block_ids + list(cached.new_block_ids):
+                for blocks in replaced + list(new_block_ids):
                     entry_rows.append(row)
                     entries.append(blocks)
-                for token in cached.append_token_ids:
+                for token in append:
                     ib.append_token(row, token)
-                ib.num_computed_tokens[row] = cached.num_computed_tokens
+                ib.num_computed_tokens[row] = num_computed
                 continue
-            for g, idx, block_id in cached.replaced_block_ids:
+            for g, idx, block_id in replaced:
                 ib.block_table[g, row, idx] = block_id
-            for token in cached.append_token_ids:
+            for token in append:
                 ib.append_token(row, token)
-            if cached.new_block_ids:
-                ib.append_blocks(row, cached.new_block_ids)
-            ib.num_computed_tokens[row] = cached.num_computed_tokens
+            if new_block_ids:
+                ib.append_blocks(row, new_block_ids)
+            ib.num_computed_tokens[row] = num_computed
         if entries:
             kvc.set_entries(entry_rows, entries)
 
@@ -571,12 +573,24 @@ class ModelRunner:
             smd = build_sampling_metadata(
                 ib, sample_rows, self.device, self.generator, self.eos_token_ids, plan.drafts
             )
-            float32 = bitmask is not None or not smd.argmax_only
-            logits = self.model.compute_logits(step.selected, float32=float32)  # [P, vocab]
+            greedy = None
+            if (
+                self.tp_size > 1
+                and bitmask is None
+                and smd.argmax_only
+                and smd.fork_src is None
+                and plan.drafts is None
+            ):  # each rank's argmax, not the gathered vocabulary (LMHead.argmax)
+                greedy = self.model.greedy_tokens(step.selected)  # [P]
+            if greedy is not None:
+                out = SamplerOutput(sampled=greedy)
+            else:
+                float32 = bitmask is not None or not smd.argmax_only
+                logits = self.model.compute_logits(step.selected, float32=float32)  # [P, vocab]
+                if bitmask is not None:
+                    self._apply_bitmask(logits, bitmask, step.structured_rows)
+                out = self.sampler(logits, smd)
             step.selected = None
-            if bitmask is not None:
-                self._apply_bitmask(logits, bitmask, step.structured_rows)
-            out = self.sampler(logits, smd)
             step.sample_rows = sample_rows
             step.sample_epochs = ib.epoch[sample_rows]
             step.sample_pos = ib.num_tokens[sample_rows]

@@ -2,7 +2,8 @@
 
 Each worker is started as ``python -m pagedllm.worker.worker_proc FD`` with one end of a
 socket pair, over which pickled plain data travels (``Channel``). A step is three messages
-to every worker - forward, sample, resolve - of which only the resolve waits for a reply
+to every worker - forward, sample, resolve (forward and sample are one "step" message when no
+grammar bitmask is awaited) - of which only the resolve waits for a reply
 (rank 0's tokens; the other ranks answer None, so their failures surface too). Handles are
 integer step ids; the workers keep their launched steps by id.
 
@@ -192,6 +193,11 @@ class MultiprocExecutor(WorkerGroupExecutor):
 
     def launch_sample(self, handle: int, grammar_step: GrammarStep | None) -> None:
         self._broadcast(("sample", handle, plain_grammar(grammar_step)))
+
+    def launch_step(self, scheduler_output: SchedulerOutput) -> int:
+        step_id = next(self._ids)
+        self._broadcast(("step", step_id, scheduler_output))
+        return step_id
 
     def resolve(self, handle: int) -> ModelRunnerOutput:
         return self._gather(("resolve", handle))[0]

@@ -8,6 +8,8 @@ Started as ``python -m pagedllm.worker.worker_proc FD``, FD being one end of a s
     ("call", name, args)         a start-up method of the runner (``CALLS``); replies
     ("forward", step_id, scheduler_output)    launch_forward; no reply
     ("sample", step_id, grammar)    launch_sample; grammar: None or (fill_ids, mask array)
+    ("step", step_id, scheduler_output)    launch_forward, then launch_sample without a
+                                 bitmask (a step without structured requests); no reply
     ("resolve", step_id)         replies with the ModelRunnerOutput (rank 0; others None)
     ("execute", scheduler_output)   forward + sample + resolve; replies likewise
     ("reset",)                   forget every request and launched step (a step failed); replies
@@ -20,6 +22,7 @@ SIGINT, which the engine handles.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -90,6 +93,11 @@ class Worker:
         if kind == "forward":
             self.steps[msg[1]] = runner.launch_forward(msg[2])
             return _NO_REPLY
+        if kind == "step":
+            step = runner.launch_forward(msg[2])
+            self.steps[msg[1]] = step
+            runner.launch_sample(step, None)
+            return _NO_REPLY
         if kind == "sample":
             runner.launch_sample(self.steps[msg[1]], _grammar_step(msg[2]))
             return _NO_REPLY
@@ -106,7 +114,13 @@ class Worker:
         if kind == "call":
             if msg[1] not in CALLS:
                 raise ValueError(f"not a worker call: {msg[1]!r}")
-            return getattr(runner, msg[1])(*msg[2])
+            result = getattr(runner, msg[1])(*msg[2])
+            if msg[1] == "initialize_swap_space" and runner.device.type == "cuda":
+                # the last start-up call: freeze the heap, as the engine core does (its
+                # reason: a full collection's pause, here on every rank, between steps)
+                gc.collect()
+                gc.freeze()
+            return result
         raise ValueError(f"unknown worker message {kind!r}")
 
 

@@ -129,6 +129,8 @@ def test_what_crosses_the_executor_pickles_unchanged(tiny_models):
             assert back.fill_ids == obj.fill_ids and torch.equal(back.mask, obj.mask)
         else:
             assert back == obj
+        if type(obj).__name__ == "SchedulerOutput":  # the runner reads the tuples
+            assert back.cached_rows() == obj.cached_rows()
     assert {"SchedulerOutput", "ModelRunnerOutput"} <= kinds
     assert ("GrammarStep" in kinds) == (params[3].structured_outputs is not None)
 
@@ -184,7 +186,7 @@ def test_killed_worker_raises_naming_it(tiny_models):
     core = llm.llm_engine.engine_core
     executor = core.executor
     pid = executor.pids[0]
-    launch = executor.launch_forward
+    launch = executor.launch_step  # an async step without grammars: forward + sample
     calls = []
 
     def launch_then_kill(so):  # noqa: ANN001, ANN202
@@ -193,7 +195,7 @@ def test_killed_worker_raises_naming_it(tiny_models):
             os.kill(pid, signal.SIGKILL)
         return launch(so)
 
-    executor.launch_forward = launch_then_kill
+    executor.launch_step = launch_then_kill
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     with pytest.raises(RuntimeError, match=rf"worker rank 0 \(pid {pid}\) died \(exit code -9\)"):
         llm.generate([{"prompt_token_ids": p} for p in _prompts(3, 2)], params, use_tqdm=False)

@@ -126,3 +126,43 @@ def test_killed_rank_fails_fast(tiny_models) -> None:
             for _ in range(100):
                 os.kill(pid, 0)
                 time.sleep(0.1)
+
+
+def _rank_argmax(monkeypatch, weight, x, rank: int, tp: int, gather) -> object:  # noqa: ANN001
+    """LMHead.argmax as rank ``rank`` of ``tp`` would run it, ``gather`` standing in for the
+    all-gather."""
+    import torch
+
+    from pagedllm.model.layers import embedding
+
+    monkeypatch.setattr(embedding, "tp_info", lambda: (rank, tp))
+    monkeypatch.setattr(embedding, "all_gather_last", gather)
+    head = embedding.LMHead(weight.shape[0], weight.shape[1], torch.float32)
+    head.weight_loader(head.weight, weight)
+    return head.argmax(x)
+
+
+@pytest.mark.parametrize(("vocab", "tp"), [(6, 2), (10, 4), (5, 4)])
+def test_lm_head_argmax_across_ranks(monkeypatch, vocab: int, tp: int) -> None:
+    """Greedy steps under TP gather each rank's (max, id), not the logits: the result is
+    torch.argmax of the whole row, the first of equal maxima across ranks and within one,
+    never a padding row (vocab 5 on 4 ranks: rank 3 holds only padding)."""
+    import torch
+
+    hidden = 4
+    full = torch.randn(vocab, hidden)
+    x = torch.randn(7, hidden)
+    x[0] = 0  # every logit 0: a tie over the whole vocabulary -> id 0
+    tied = full.clone()
+    tied[vocab - 1] = tied[0]  # equal maxima in the first and last real rows (two ranks)
+    for weight in (full, tied):
+        want = torch.argmax(x @ weight.T, -1)
+        parts = []
+        for r in range(tp):  # every rank's (max, id) pairs
+            record = lambda t: parts.append(t) or t.repeat(1, tp)  # noqa: B023, E731
+            _rank_argmax(monkeypatch, weight, x, r, tp, record)
+        gathered = torch.cat(parts, -1)
+        for r in range(tp):  # each rank's answer from everyone's pairs
+            got = _rank_argmax(monkeypatch, weight, x, r, tp, lambda t: gathered)  # noqa: B023
+            assert got.dtype == torch.long and torch.equal(got, want), (r, got, want)
+    assert torch.argmax(x @ tied.T, -1)[0] == 0

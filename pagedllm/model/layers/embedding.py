@@ -97,3 +97,28 @@ class LMHead(nn.Module):
         if tp_info()[1] > 1:
             logits = all_gather_last(logits)[:, : self.vocab_size]
         return logits.float() if float32 else logits
+
+    def argmax(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n] int64: the argmax of the logits (the first of equal maxima, as
+        ``torch.argmax``). Under TP each rank takes its rows' maximum and only (value, id)
+        pairs are gathered, not [n, vocab] logits.
+
+        Example: 2 ranks, vocab 6 (rows 0-2 and 3-5), a row's logits [1, 4, 4 | 4, 0, 2]:
+        rank 0 holds (4, 1), rank 1 (4, 3); the largest value's first rank wins: id 1."""
+        logits = F.linear(hidden_states, self.weight)  # [n, rows]
+        rank, tp = tp_info()
+        if tp == 1:
+            return logits[:, : self.vocab_size].argmax(-1)
+        first, rows = vocab_shard(self.vocab_size)
+        real = min(rows, self.vocab_size - first)  # the last rank's padding rows excluded
+        n = logits.shape[0]
+        if real > 0:
+            ids = logits[:, :real].argmax(-1, keepdim=True)  # [n, 1]
+            vals = logits.gather(1, ids).float()
+        else:  # a rank with only padding rows (tiny vocabularies)
+            ids = torch.zeros(n, 1, dtype=torch.long, device=logits.device)
+            vals = torch.full((n, 1), float("-inf"), device=logits.device)
+        # ids < 2^24 are exact in float32
+        pairs = all_gather_last(torch.cat([vals, (ids + first).float()], 1)).view(n, tp, 2)
+        best = pairs[:, :, 0].argmax(-1, keepdim=True)  # [n, 1]: the first rank on ties
+        return pairs[:, :, 1].gather(1, best).squeeze(1).long()

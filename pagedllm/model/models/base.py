@@ -31,6 +31,14 @@ class CausalLM(nn.Module):
         """[num_tokens] ids and positions -> [num_tokens, hidden_size] final hidden states."""
         return self.model(input_ids, positions, metadata)
 
+    def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[n, hidden] -> [n] argmax ids without the [n, vocab] logits (``LMHead.argmax``:
+        under TP the vocabulary is never gathered); None for soft-capped logits, where
+        tanh's rounding can make ties that the argmax of the raw logits would not see."""
+        if self.final_logit_softcapping:
+            return None
+        return self.lm_head.argmax(hidden_states)
+
     def compute_logits(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] logits, float32 unless ``float32=False`` (then the model
         dtype, for an argmax-only step: the float32 copy of a 256 x 152k batch costs more
