@@ -155,6 +155,7 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     # several GPUs (issues 20 and 22): TP=N vs TP=1 tokens, NCCL all-reduce times, Benchmark B
     # at each TP size, then at DP = 1 and 2 behind the async front end
     so-equality) python benchmarks/scale_out_gpu.py equality --tp ${SO_TP:-1,2,4} --out "$OUT" \
+        --cases "${SO_CASES:-}" \
         | tail -8 ;;
     so-allreduce) python benchmarks/scale_out_gpu.py allreduce --tp ${SO_AR:-2,4} --out "$OUT" \
         | tail -3 ;;

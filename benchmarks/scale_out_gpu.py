@@ -107,6 +107,8 @@ def main_equality(args: argparse.Namespace) -> None:
     eight = {"num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 8}
     cases = [("llama", {}, False), ("llama", eight, False), ("llama", {}, True),
              ("qwen3", {}, False), ("gemma3", {}, False)]
+    if args.cases:  # a subset, by index (what an earlier call did not reach)
+        cases = [cases[int(i)] for i in args.cases.split(",")]
     for arch, overrides, eager in cases:
         spec = {"kind": "equality", "arch": arch, "overrides": overrides,
                 "tps": [int(t) for t in args.tp], "eager": eager, "device": args.device}
@@ -582,6 +584,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", default="llama-3.1-8b", help="(a tiny model dir: CPU smoke run)")
     p.add_argument("--run-timeout", type=float, default=420)
+    p.add_argument("--cases", default="", help="equality: the cases to run, by index (0-4)")
     p.add_argument("--backend", default="uni", choices=["uni", "mp"],
                    help="executor of the TP = 1 runs (TP > 1 always runs worker processes)")
     p.add_argument("--profile", action="store_true",

@@ -14,6 +14,8 @@ from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.worker.executor import Executor, UniProcExecutor, make_executor
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -165,10 +167,16 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self._pending is not None or self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self, after_launch: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
         """Run one iteration; returns what changed.
 
         If it raises, the caller must call ``step_failed`` before anything else.
+
+        ``after_launch`` (async scheduling): called once, after this iteration's step is
+        queued on the device and before the wait for the previous step's tokens: the caller's
+        own work that may overlap the device (``LLMEngine``'s deferred output processing).
+        Not called when nothing was launched, nor for a step with structured requests (the
+        caller then does that work itself, after the step).
 
         Synchronous: schedule step N, run it, wait for its tokens, update. With
         ``async_scheduling``: schedule and launch step N, then wait for step N-1 (finished on
@@ -190,7 +198,7 @@ class EngineCore:
         """
         self.num_steps += 1
         if self.async_scheduling and not self.scheduler.needs_sync:
-            outputs = self._step_async()
+            outputs = self._step_async(after_launch)
         else:
             outputs = self._step_sync()
         self.consecutive_failures = 0
@@ -249,7 +257,7 @@ class EngineCore:
             runner_output = executor.resolve(step)
         return outputs + self.scheduler.update_from_output(scheduler_output, runner_output)
 
-    def _step_async(self) -> list[EngineCoreOutput]:
+    def _step_async(self, after_launch: Callable[[], None] | None) -> list[EngineCoreOutput]:
         executor, scheduler = self.executor, self.scheduler
         scheduler_output = scheduler.schedule() if scheduler.has_unfinished_requests() else None
         # step N-1's sampling, if it waited for its bitmask: queued before step N's forward,
@@ -264,6 +272,8 @@ class EngineCore:
                 launched = (scheduler_output, executor.launch_forward(scheduler_output))
             else:
                 launched = (scheduler_output, executor.launch_step(scheduler_output))
+            if after_launch is not None and not structured:  # (a grammar step is pending:
+                after_launch()  # no request may end before it is submitted)
         if self._pending is not None:
             last_output, last_step = self._pending
             self._pending = None

@@ -36,6 +36,9 @@ class LLMEngine:
         self.engine_core = EngineCore(config, {eos} if eos is not None else set(), tokenizer)
         self.output_processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
+        # process a step's outputs during the next one (see step); LLM.generate turns it on
+        self.defer_outputs = False
+        self._deferred: list = []  # core outputs not yet processed
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -89,11 +92,36 @@ class LLMEngine:
         return [o for o in outs if o is not None]
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine_core.has_unfinished_requests()
+        return bool(self._deferred) or self.engine_core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """One engine iteration; the outputs of requests that progressed (or finished)."""
-        core_outputs = self.engine_core.step()
+        """One engine iteration; the outputs of requests that progressed (or finished).
+
+        With ``defer_outputs`` (``LLM.generate``) and async scheduling, a step's outputs are
+        detokenized during the next iteration, while the device runs the step that iteration
+        launched (``EngineCore.step``'s ``after_launch``), not between the previous step's
+        tokens and the launch of the next: that work leaves the host's critical path. The
+        price: outputs come out one iteration later, and a sequence that hits a stop string
+        is computed for one more step (its extra tokens are dropped)."""
+        if not (self.defer_outputs and self.engine_core.async_scheduling):
+            return self._process(self.engine_core.step())
+        pending, self._deferred = self._deferred, []
+        results: list[RequestOutput] = []
+
+        def process_pending() -> None:
+            results.extend(self._process(pending))
+            pending.clear()
+
+        try:
+            self._deferred = self.engine_core.step(process_pending if pending else None)
+        except BaseException:
+            self._deferred = pending  # not processed yet (empty if they were)
+            raise
+        if pending:  # nothing was launched (or a grammar step waited): process them now
+            process_pending()
+        return results
+
+    def _process(self, core_outputs: list) -> list[RequestOutput]:
         outputs, stopped, failed = self.output_processor.process_outputs(core_outputs)
         if stopped:
             self.engine_core.finish_requests_stopped(stopped)

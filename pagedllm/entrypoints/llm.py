@@ -38,6 +38,8 @@ class LLM:
             self.llm_engine: Any = DPLLMEngine.from_engine_args(self.engine_args)
         else:
             self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+            # offline: no one streams, so a step's outputs are detokenized while the next runs
+            self.llm_engine.defer_outputs = True
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

@@ -711,7 +711,7 @@ def kvc_decode_attention(
         assert scores.numel() >= kv_cache.shape[1] * block_size
     window = int(sliding_window) if sliding_window else 0
     qk_scale = float(scale) * LOG2E
-    head_pad = triton.next_power_of_2(head_dim)
+    head_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on a GPU
     upcast = query.device.type == "cpu"  # the CPU interpreter mis-computes 16-bit dots
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     cfg = tile_config or default_tile_config(head_pad, decode=True)

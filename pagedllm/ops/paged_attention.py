@@ -547,7 +547,7 @@ def paged_attention(
     assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     window = int(sliding_window) if sliding_window else 0
     qk_scale = float(scale) * LOG2E
-    head_pad = triton.next_power_of_2(head_dim)
+    head_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on a GPU
     upcast = query.device.type == "cpu"
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     decode = max_query_len <= 1

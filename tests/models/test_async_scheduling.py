@@ -57,6 +57,48 @@ def test_async_steps_overlap_launch_and_resolve(tiny_models):
             assert calls.index("L" + c[1:]) < i - 1
 
 
+def test_offline_outputs_are_processed_while_the_next_step_runs(tiny_models):
+    """LLM.generate under async scheduling detokenizes step N's outputs after step N+1 is
+    queued and before N+1's tokens are awaited (LLMEngine.defer_outputs); with stop strings
+    (found one step later, so the sequence runs one more step), max_tokens and EOS the texts,
+    tokens and finish reasons are those without the deferral and those of sync steps, and no
+    block is left behind."""
+    path = tiny_models("qwen3")
+    prompts = _prompts(10, 4)
+    llm = _llm(path, True, max_num_batched_tokens=32)
+    engine = llm.llm_engine
+    assert engine.defer_outputs
+    free = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True) for _ in prompts]
+    texts = [t for _, _, t in _run(llm, prompts, free)]
+    # odd requests stop at a character their unstopped text has after its third
+    stops = [next((c for c in t[3:] if c.isprintable()), None) for t in texts]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=i % 3 == 0,
+                       stop=[stops[i]] if i % 2 and stops[i] else None)
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    runner = engine.engine_core.model_runner
+    calls: list[str] = []
+    launch, resolve = runner.launch_forward, runner.resolve
+    process = engine.output_processor.process_outputs
+
+    def logged(tag, fn):  # noqa: ANN001, ANN202
+        def call(*a):  # noqa: ANN002, ANN202
+            calls.append(tag)
+            return fn(*a)
+
+        return call
+
+    runner.launch_forward, runner.resolve = logged("L", launch), logged("R", resolve)
+    engine.output_processor.process_outputs = logged("P", process)
+    deferred = _run(llm, prompts, params)
+    assert "LPR" in "".join(calls)  # processing between a launch and the next resolve
+    assert sum(t != d[2] and d[1] == "stop" for t, d in zip(texts, deferred)) >= 2
+    engine.defer_outputs = False
+    assert _run(llm, prompts, params) == deferred
+    assert _run(_llm(path, False), prompts, params) == deferred
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_async_greedy_equals_hf_and_sync(arch, tiny_models):
     path = tiny_models(arch)
