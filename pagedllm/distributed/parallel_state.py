@@ -117,13 +117,18 @@ def init_custom_all_reduce(device: torch.device, nbytes: int = CUSTOM_ALL_REDUCE
     global _custom
     if _world == 1 or device.type != "cuda":
         return False
+    import torch.distributed as dist
+
     try:
-        _custom = _SymmAllReduce(nbytes, device, _world)
+        custom: _SymmAllReduce | None = _SymmAllReduce(nbytes, device, _world)
     except Exception as e:  # an old torch, no peer access between the GPUs, ...
         logger.warning("custom all-reduce unavailable (%s); NCCL does every all-reduce", e)
-        _custom = None
-        return False
-    return True
+        custom = None
+    # every rank takes the same path, or the ranks' collectives would not meet
+    ok = torch.tensor([custom is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    _custom = custom if bool(ok.item()) else None
+    return _custom is not None
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -244,3 +244,17 @@ def test_bad_backend_is_a_value_error_naming_the_field(tiny_models):
     assert engine_args_from(ns).distributed_executor_backend == "ray"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "m", "--distributed-executor-backend", "bogus"])
+
+
+def test_a_plan_pickles_again_after_crossing() -> None:
+    """A plan that crossed once (cached requests as tuples, not expanded) pickles again - as a
+    Ray actor or a relaying process would - and expands to the same requests."""
+    from pagedllm.core.sched.output import CachedRequestData, SchedulerOutput
+
+    cached = [CachedRequestData("a", ([3],), 17), CachedRequestData("b", (), 5, [(0, 1, 9)], [4])]
+    so = SchedulerOutput([], cached, {"a": 1, "b": 1}, 2)
+    once = pickle.loads(pickle.dumps(so))
+    twice = pickle.loads(pickle.dumps(once))
+    assert "scheduled_cached_reqs" not in vars(twice)  # still the tuples
+    assert twice.cached_rows() == so.cached_rows()
+    assert twice.scheduled_cached_reqs == cached and twice == so
