@@ -438,7 +438,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-python", default=sys.executable)
     p.add_argument("--hf-threads", type=int, default=2)
     p.add_argument(
-        "--vllm-prefix-caching", action="store_true", help="leave vLLM's prefix cache on"
+        "--prefix-caching",
+        "--vllm-prefix-caching",
+        dest="prefix_caching",
+        action="store_true",
+        help="prefix caching on in pagedllm and vLLM (default: off in both - the timed runs "
+        "repeat the warm-up's prompts, so a prefix cache would skip their prefill)",
     )
     p.add_argument(
         "--pagedllm-kwargs",
@@ -506,7 +511,8 @@ def run_workload(name: str, args: argparse.Namespace) -> dict[str, Any]:
                     dtype=args.dtype,
                     seed=args.seed,
                     repeats=args.repeats,
-                    extra_kwargs=json.loads(args.pagedllm_kwargs),
+                    extra_kwargs={"enable_prefix_caching": args.prefix_caching,
+                                  **json.loads(args.pagedllm_kwargs)},  # fmt: skip
                     profile_txt=results_dir / f"{stem}_profile.txt" if args.profile else None,
                 )
                 gc.collect()  # free the engine before the peers run
@@ -524,7 +530,7 @@ def run_workload(name: str, args: argparse.Namespace) -> dict[str, Any]:
                     out_json=tmp_dir / f"{stem}_vllm.json",
                     log_path=tmp_dir / f"{stem}_vllm.log",
                     timeout_s=args.timeout,
-                    extra_args=["--prefix-caching"] if args.vllm_prefix_caching else [],
+                    extra_args=["--prefix-caching"] if args.prefix_caching else [],
                 )
             else:
                 res = run_peer(
