@@ -7,7 +7,8 @@ of the phases per step, against the device time per step, says whether a variant
 
 Phases (ms per step, means over the timed run): ``schedule``, ``launch_forward`` (and inside it
 ``update_states``, ``prepare_inputs``, ``kvc_prepare_step``, ``forward``), ``launch_sample``,
-``resolve`` (mostly the wait for the step's tokens), ``update`` (the scheduler's update from
+``launch_step`` (forward and sample together, the async path), ``resolve`` (mostly the wait
+for the step's tokens), ``update`` (the scheduler's update from
 the runner output), ``process_outputs`` (detokenization and request outputs), ``gc`` (time in
 Python's garbage collector, from ``gc.callbacks``), ``core_step`` (the engine core's part of an
 iteration) and ``loop`` (one whole engine iteration).
@@ -48,6 +49,8 @@ class PhaseTimer:
 
     def wrap(self, obj: Any, attr: str, name: str) -> None:
         fn: Callable = getattr(obj, attr)
+        if getattr(vars(obj).get(attr), "_phase_timed", False):  # timed before: time the
+            fn = fn.__wrapped__  # original, once
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -58,7 +61,35 @@ class PhaseTimer:
                 self.total[name] += time.perf_counter() - t
                 self.calls[name] += 1
 
+        timed._phase_timed = True  # type: ignore[attr-defined]
         setattr(obj, attr, timed)
+
+    def wrap_engine(self, llm: Any) -> None:
+        """Time the phases of ``llm``'s engine loop (see the module docstring), and the
+        runner's where it runs in this process."""
+        engine = llm.llm_engine
+        core = engine.engine_core
+        sched, ex = core.scheduler, core.executor
+        for obj, attr, name in [
+            (sched, "schedule", "schedule"),
+            (ex, "launch_forward", "launch_forward"),
+            (ex, "launch_sample", "launch_sample"),
+            (ex, "launch_step", "launch_step"),
+            (ex, "resolve", "resolve"),
+            (sched, "update_from_output", "update"),
+            (engine.output_processor, "process_outputs", "process_outputs"),
+            (core, "step", "core_step"),
+            (engine, "step", "loop"),
+        ]:
+            self.wrap(obj, attr, name)
+        runner = getattr(ex, "runner", None)  # None: the model is in worker processes
+        if runner is None:
+            return
+        self.wrap(runner, "_update_states", "update_states")
+        self.wrap(runner.inputs, "prepare", "prepare_inputs")
+        self.wrap(runner, "_forward", "forward")
+        if runner.kvc is not None:
+            self.wrap(runner.kvc, "prepare_step", "kvc_prepare_step")
 
     def gc_callback(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -82,22 +113,8 @@ def run_variant(name: str, args: argparse.Namespace, prompts: list, out_lens: li
 
     llm.generate([{"prompt_token_ids": p} for p in warm], params(), use_tqdm=False)
     engine = llm.llm_engine
-    core = engine.engine_core
-    sched, ex, runner = core.scheduler, core.executor, core.model_runner
     timer = PhaseTimer()
-    timer.wrap(sched, "schedule", "schedule")
-    timer.wrap(ex, "launch_forward", "launch_forward")
-    timer.wrap(ex, "launch_sample", "launch_sample")
-    timer.wrap(ex, "resolve", "resolve")
-    timer.wrap(sched, "update_from_output", "update")
-    timer.wrap(runner, "_update_states", "update_states")
-    timer.wrap(runner.inputs, "prepare", "prepare_inputs")
-    timer.wrap(runner, "_forward", "forward")
-    if runner.kvc is not None:
-        timer.wrap(runner.kvc, "prepare_step", "kvc_prepare_step")
-    timer.wrap(engine.output_processor, "process_outputs", "process_outputs")
-    timer.wrap(core, "step", "core_step")
-    timer.wrap(engine, "step", "loop")
+    timer.wrap_engine(llm)
     if args.gc_off:
         gc.disable()
     gc.callbacks.append(timer.gc_callback)
@@ -120,7 +137,7 @@ def run_variant(name: str, args: argparse.Namespace, prompts: list, out_lens: li
         "ms_per_step": {k: 1e3 * v / steps for k, v in sorted(timer.total.items())},
         "calls": dict(timer.calls),
     }
-    del llm, engine, core, sched, ex, runner
+    del llm, engine
     gc.collect()
     torch.cuda.empty_cache()
     return result

@@ -53,15 +53,14 @@ def _child(spec: dict, timeout: float) -> dict:
     """Run one measurement in a fresh interpreter; its result dict (or the error)."""
     t = time.perf_counter()
     env = dict(os.environ)
-    if spec.get("profile"):  # see benchmarks/_step_profile/sitecustomize.py
-        here = os.path.join(ROOT, "benchmarks", "_step_profile")
+    if spec.get("profile") or spec.get("no_allreduce"):  # benchmarks/_bench_site/
+        here = os.path.join(ROOT, "benchmarks", "_bench_site")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    if spec.get("profile"):
         env["PAGEDLLM_STEP_PROFILE"] = spec["profile"]
         env["PAGEDLLM_STEP_PROFILE_AT"] = str(spec.get("profile_at", 0))
         os.makedirs(spec["profile"], exist_ok=True)
-    if spec.get("no_allreduce"):  # see benchmarks/_no_allreduce/sitecustomize.py
-        here = os.path.join(ROOT, "benchmarks", "_no_allreduce")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    if spec.get("no_allreduce"):
         env["PAGEDLLM_BENCH_NO_ALLREDUCE"] = "1"
     try:
         p = subprocess.run([sys.executable, __file__, "_one", json.dumps(spec)],
@@ -443,38 +442,16 @@ def _bench_tp(spec: dict, kw: dict, vocab: int, bw: float, flops: float) -> dict
 
 
 def _engine_timer(llm):  # noqa: ANN001, ANN202
-    """A ``PhaseTimer`` around the engine loop's phases (and the runner's, in process)."""
+    """A ``PhaseTimer`` around the engine loop's phases (and the runner's, in process, with
+    its device time per step)."""
     from benchmarks.host_phases import PhaseTimer
 
-    engine = llm.llm_engine
-    core = engine.engine_core
-    sched, ex = core.scheduler, core.executor
     timer = PhaseTimer()
-    for obj, attr, name in [(sched, "schedule", "schedule"),
-                            (ex, "launch_forward", "launch_forward"),
-                            (ex, "launch_sample", "launch_sample"), (ex, "resolve", "resolve"),
-                            (ex, "launch_step", "launch_step"),
-                            (sched, "update_from_output", "update"),
-                            (engine.output_processor, "process_outputs", "process_outputs"),
-                            (core, "step", "core_step"), (engine, "step", "loop")]:
-        _unwrap(obj, attr)
-        timer.wrap(obj, attr, name)
-    runner = getattr(ex, "runner", None)
+    timer.wrap_engine(llm)
+    runner = getattr(llm.llm_engine.engine_core.executor, "runner", None)
     if runner is not None:
         runner.time_device, runner.device_times = True, []
-        for obj, attr, name in [(runner, "_update_states", "update_states"),
-                                (runner.inputs, "prepare", "prepare_inputs"),
-                                (runner, "_forward", "forward")]:
-            _unwrap(obj, attr)
-            timer.wrap(obj, attr, name)
     return timer
-
-
-def _unwrap(obj, attr: str) -> None:  # noqa: ANN001
-    """Undo a ``PhaseTimer.wrap`` of an earlier shape (an attribute of the instance itself)."""
-    fn = vars(obj).get(attr) if hasattr(obj, "__dict__") else None
-    if fn is not None and hasattr(fn, "__wrapped__"):
-        setattr(obj, attr, fn.__wrapped__)
 
 
 def _step_profile(folder: str, start: float, end: float, n_steps: int, timer, runner) -> dict:  # noqa: ANN001

@@ -1,8 +1,15 @@
-"""Loaded by every Python process whose PYTHONPATH starts with this folder (scale_out_gpu.py's
-``--profile`` runs and their worker processes). With ``PAGEDLLM_STEP_PROFILE=DIR`` each process
-that runs a ``ModelRunner`` (a worker of the multiprocess executor) times its step methods
-(``launch_forward``, ``launch_sample``, ``resolve``) and, at exit, writes
-``DIR/worker_r<rank>_<pid>.json``:
+"""Loaded by every Python process whose PYTHONPATH starts with this folder (scale_out_gpu.py
+puts it there for its ``--profile`` runs and its "no all-reduce" runs, and their worker
+processes inherit it). Diagnostics, each on its own variable:
+
+``PAGEDLLM_BENCH_NO_ALLREDUCE=1``: the tensor-parallel all-reduce becomes the identity, before
+the layers import it. The numbers are wrong; the schedule (``ignore_eos``, fixed lengths) and
+every other kernel are the same, so the run's time minus the normal run's is what the
+all-reduces cost inside the engine. Never for outputs.
+
+``PAGEDLLM_STEP_PROFILE=DIR``: each process that runs a ``ModelRunner`` (a worker of the
+multiprocess executor) times its step methods (``launch_forward``, ``launch_sample``,
+``resolve``) and, at exit, writes ``DIR/worker_r<rank>_<pid>.json``:
 
     events: [kind, start, seconds, wait, device] per call, ``start`` on time.monotonic()
             (one clock for every process of the host); ``wait`` the part of a "resolve" spent
@@ -10,8 +17,8 @@ that runs a ``ModelRunner`` (a worker of the multiprocess executor) times its st
             (CUDA events from the start of its forward pass to the end of its sampling)
 
 With ``PAGEDLLM_STEP_PROFILE_AT=N`` rank 0 also runs torch.profiler over its forward passes
-N .. N+19 and writes the kernels by device time to ``DIR/kernels_r0.txt``. A diagnostic: the
-engine's outputs are unchanged."""
+N .. N+19 and writes the kernels by device time to ``DIR/kernels_r0.txt``. The engine's
+outputs are unchanged."""
 
 import atexit
 import importlib.util
@@ -101,6 +108,11 @@ def _profiler_stop(state: dict, out_dir: str) -> None:
         f.write("\nby host time\n")
         f.write(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
 
+
+if os.environ.get("PAGEDLLM_BENCH_NO_ALLREDUCE") == "1":
+    from pagedllm.distributed import parallel_state
+
+    parallel_state.all_reduce = lambda x: x
 
 _dir = os.environ.get("PAGEDLLM_STEP_PROFILE")
 if _dir:
