@@ -37,6 +37,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -227,21 +228,26 @@ def one_equality(spec: dict) -> dict:
                   tensor_parallel_size=tp, kv_cache_memory_bytes=64 << 20,
                   max_num_batched_tokens=64, enforce_eager=spec["eager"])
         outs = llm.generate(prompts, sp, use_tqdm=False)
+        # and without logprobs: greedy rows then take LMHead.argmax's path at TP > 1 (each
+        # rank's (max, id), not the gathered logits)
+        plain = llm.generate(prompts, replace(sp, logprobs=None), use_tqdm=False)
         got[tp] = ([list(o.outputs[0].token_ids) for o in outs],
                    [[d[t].logprob for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
-                    for o in outs])
+                    for o in outs],
+                   [list(o.outputs[0].token_ids) for o in plain])
         llm.llm_engine.engine_core.shutdown()  # its worker processes and their GPU memory
         del llm
-    t1, lp1 = got[spec["tps"][0]]
+    t1, lp1, _ = got[spec["tps"][0]]
     res = {"arch": spec["arch"], "overrides": spec["overrides"], "eager": spec["eager"],
            "tps": spec["tps"], "num_prompts": len(prompts), "max_tokens": 32, "equal": True,
            "by_tp": {}}
     for tp in spec["tps"][1:]:
-        toks, lps = got[tp]
+        toks, lps, greedy = got[tp]
         same = toks == t1
         diff = max(abs(a - b) for x, y in zip(lp1, lps) for a, b in zip(x, y)) if same else None
-        res["by_tp"][str(tp)] = {"tokens_equal": same, "max_abs_logprob_diff": diff}
-        res["equal"] = res["equal"] and same
+        res["by_tp"][str(tp)] = {"tokens_equal": same, "max_abs_logprob_diff": diff,
+                                 "argmax_path_tokens_equal": greedy == t1}
+        res["equal"] = res["equal"] and same and greedy == t1
     return res
 
 
