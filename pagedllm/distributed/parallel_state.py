@@ -109,6 +109,31 @@ class _SymmAllReduce:
         torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.group)
         return x.copy_(buf.view_as(x))
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """``x @ weight.T`` summed over the ranks, with no copy in or out: the matmul writes
+        into this rank's buffer and the kernel writes the sums into a new tensor. None where
+        the output does not fit (the caller takes the copying path).
+
+        Safe to reuse the buffer at once: the kernel ends with a barrier of every rank, so no
+        peer still reads this buffer when the next matmul writes it, and no peer reads it
+        again before this rank reaches the next kernel's opening barrier."""
+        lead, k = x.shape[:-1], weight.shape[0]
+        m = x.numel() // x.shape[-1]
+        size = m * k * x.element_size()
+        if not (
+            x.is_cuda
+            and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float32)
+            and size <= self.nbytes
+            and size % self.granule == 0
+        ):
+            return None
+        buf = self.buffer.view(x.dtype)[: m * k].view(m, k)  # [m, k]
+        torch.mm(x.reshape(m, x.shape[-1]), weight.t(), out=buf)
+        out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+        torch.ops.symm_mem.two_shot_all_reduce_out(buf, "sum", self.group, out)
+        return out.view(*lead, k)
+
 
 def init_custom_all_reduce(device: torch.device, nbytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES) -> bool:
     """Set up the symmetric-memory all-reduce on this rank's GPU (every rank must call it, at
@@ -140,6 +165,17 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
         dist.all_reduce(x)
     return x
+
+
+def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` summed over the ranks (a row-parallel layer's output); on GPUs
+    with the custom all-reduce the matmul lands in the symmetric buffer directly, which
+    saves the two copies ``all_reduce`` makes (two per layer, 130 a step of an 8B model)."""
+    if _world > 1 and _custom is not None:
+        out = _custom.linear(x, weight)
+        if out is not None:
+            return out
+    return all_reduce(torch.nn.functional.linear(x, weight))
 
 
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:

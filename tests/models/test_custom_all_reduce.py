@@ -46,6 +46,33 @@ def _rank(rank: int, port: int, q) -> None:  # noqa: ANN001
                     dist.all_reduce(want)
                     g.replay()
                     errs.append(float((out.float() - want.float()).abs().max()))
+        # a row-parallel layer's matmul + all-reduce (``linear_all_reduce``: the matmul
+        # writes into the symmetric buffer): two in a row, the first one's sums still read
+        # after the second ran, eagerly and from a graph; (3, 5) outputs take the fallback
+        for dtype in (torch.bfloat16, torch.float32):
+            for m, k, n in [(1, 32, 64), (256, 64, 256), (3, 16, 5)]:
+                x = torch.randn((m, k), device="cuda", dtype=dtype, generator=gen)
+                w1 = torch.randn((n, k), device="cuda", dtype=dtype, generator=gen)
+                w2 = torch.randn((n, k), device="cuda", dtype=dtype, generator=gen)
+
+                def two(x, w1=w1, w2=w2):  # noqa: ANN001, ANN202
+                    a = parallel_state.linear_all_reduce(x, w1)
+                    b = parallel_state.linear_all_reduce(x, w2)
+                    return a, b
+
+                want = [torch.nn.functional.linear(x, w) for w in (w1, w2)]
+                for t in want:
+                    dist.all_reduce(t)
+                for got, ref in zip(two(x), want):
+                    errs.append(float((got.float() - ref.float()).abs().max()))
+                g = torch.cuda.CUDAGraph()
+                static = x.clone()
+                with torch.cuda.graph(g):
+                    outs = two(static)
+                static.mul_(2)
+                g.replay()
+                for got, ref in zip(outs, want):
+                    errs.append(float((got.float() - 2 * ref.float()).abs().max()))
         torch.cuda.synchronize()
         q.put((rank, ok, max(errs)))
     finally:

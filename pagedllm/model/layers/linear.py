@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pagedllm.distributed.parallel_state import all_reduce, tp_info
+from pagedllm.distributed.parallel_state import linear_all_reduce, tp_info
 
 
 class LinearBase(nn.Module):
@@ -91,7 +91,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_info()[1] == 1:
             return F.linear(x, self.weight, self.bias)
-        out = all_reduce(F.linear(x, self.weight))
+        out = linear_all_reduce(x, self.weight)
         return out if self.bias is None else out + self.bias
 
 
