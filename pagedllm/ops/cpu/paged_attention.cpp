@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -73,12 +74,37 @@ inline float exp_softmax(float x) {
 // -march=native: on a CPU without AVX-512 the plain loops below are all there is).
 constexpr bool kAvx512 = true;
 
+// out[i] = the sum of a[i]'s 16 lanes, i < 8, with 8 horizontal reductions folded into one:
+// halves added (16 -> 8 lanes), then pairwise adds across registers (hadd: 8 -> 4 -> 2),
+// then the two 128-bit lanes. ~25 instructions where eight _mm512_reduce_add_ps take ~64.
+inline void reduce8(const __m512* a, float* out) {
+  __m256 b[8];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
+  // per 128-bit lane: c01 = [b0 b0 b1 b1] pair sums, ... ; e0 = [b0 b1 b2 b3] quarter sums
+  const __m256 e0 = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
+  const __m256 e1 = _mm256_hadd_ps(_mm256_hadd_ps(b[4], b[5]), _mm256_hadd_ps(b[6], b[7]));
+  const __m256 lo = _mm256_permute2f128_ps(e0, e1, 0x20);  // lane 0 of each
+  const __m256 hi = _mm256_permute2f128_ps(e0, e1, 0x31);  // lane 1 of each
+  _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+}
+
 // s[t] = q . k_t for the slots t in [lo, hi): four keys at a time, each with its own
 // accumulator (four independent FMA chains instead of one dependent chain and a horizontal
 // sum per key before the next key starts).
 inline void scores_avx512(const float* qg, const float* const* kr, int64_t lo, int64_t hi,
                           int64_t D, float* s) {
   int64_t t = lo;
+  for (; t + 8 <= hi; t += 8) {
+    __m512 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 qv = _mm512_loadu_ps(qg + d);
+      for (int i = 0; i < 8; ++i) a[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr[t + i] + d), a[i]);
+    }
+    reduce8(a, s + t);
+  }
   for (; t + 4 <= hi; t += 4) {
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
@@ -133,8 +159,72 @@ inline void accumulate_avx512(float* a, float corr, const float* p, const float*
     _mm512_storeu_ps(a + d, r);
   }
 }
+#if defined(__AVX512BF16__)
+constexpr bool kAvx512Bf16 = true;
+
+// The bfloat16 form of scores_avx512, reading the keys in place (no widening): s[t] =
+// scale * (q . k_t), the products summed in float32 by VDPBF16PS (32 bfloat16 products per
+// instruction; a bfloat16 product is exact in float32). q is the unscaled bfloat16 query.
+// D is a multiple of 32; key t starts at kb + t * stride.
+inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* kb, int64_t stride,
+                        int64_t lo, int64_t hi, int64_t D, float scale, float* s) {
+  auto ld = [](const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  int64_t t = lo;
+  for (; t + 8 <= hi; t += 8) {
+    __m512 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm512_setzero_ps();
+    const at::BFloat16* k0 = kb + t * stride;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh qv = ld(q + d);
+      for (int i = 0; i < 8; ++i) a[i] = _mm512_dpbf16_ps(a[i], qv, ld(k0 + i * stride + d));
+    }
+    reduce8(a, s + t);
+    for (int i = 0; i < 8; ++i) s[t + i] *= scale;
+  }
+  for (; t + 4 <= hi; t += 4) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    const at::BFloat16* k0 = kb + t * stride;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh qv = ld(q + d);
+      a0 = _mm512_dpbf16_ps(a0, qv, ld(k0 + d));
+      a1 = _mm512_dpbf16_ps(a1, qv, ld(k0 + stride + d));
+      a2 = _mm512_dpbf16_ps(a2, qv, ld(k0 + 2 * stride + d));
+      a3 = _mm512_dpbf16_ps(a3, qv, ld(k0 + 3 * stride + d));
+    }
+    s[t] = scale * _mm512_reduce_add_ps(a0);
+    s[t + 1] = scale * _mm512_reduce_add_ps(a1);
+    s[t + 2] = scale * _mm512_reduce_add_ps(a2);
+    s[t + 3] = scale * _mm512_reduce_add_ps(a3);
+  }
+  for (; t < hi; ++t) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32)
+      a = _mm512_dpbf16_ps(a, ld(q + d), ld(kb + t * stride + d));
+    s[t] = scale * _mm512_reduce_add_ps(a);
+  }
+}
+
+// n bfloat16 values to float32 (n a multiple of 16): the 16 bits moved to the top
+inline void widen_bf16(const at::BFloat16* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(w));
+  }
+}
+#else
+constexpr bool kAvx512Bf16 = false;
+inline void scores_bf16(const at::BFloat16*, const at::BFloat16*, int64_t, int64_t, int64_t,
+                        int64_t, float, float*) {}
+inline void widen_bf16(const at::BFloat16*, float*, int64_t) {}
+#endif
 #else
 constexpr bool kAvx512 = false;
+constexpr bool kAvx512Bf16 = false;
+inline void scores_bf16(const at::BFloat16*, const at::BFloat16*, int64_t, int64_t, int64_t,
+                        int64_t, float, float*) {}
+inline void widen_bf16(const at::BFloat16*, float*, int64_t) {}
 inline void scores_avx512(const float*, const float* const*, int64_t, int64_t, int64_t,
                           float*) {}
 inline void accumulate_avx512(float*, float, const float*, const float* const*, int64_t,
@@ -148,6 +238,9 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
   const int64_t G = H / KVH;
   const int64_t row_stride = KVH * D;  // one token's K (or V) for all KV heads
   const bool vec = kAvx512 && D % 16 == 0;
+  // bfloat16 caches: keys read in place by VDPBF16PS, values widened 16 at a time
+  constexpr bool is_bf16 = std::is_same_v<T, at::BFloat16>;
+  const bool dp = is_bf16 && kAvx512Bf16 && D % 32 == 0;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), kf(bs * D), vf(bs * D), sc(G * bs);
     std::vector<float> m(G), l(G);
@@ -168,17 +261,46 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
         const int64_t hi = std::min(start + bs, len) - start;
         const T* kb = kc + block * bs * row_stride + h * D;
         const T* vb = vc + block * bs * row_stride + h * D;
+        if (start + bs < len) {  // the next block's rows, fetched while this one is worked on:
+          // its place in the cache is a table lookup away, which the hardware prefetcher
+          // cannot follow (the loads stalled ~40% of the kernel's time without this)
+          const int64_t next = tables[b * max_blocks + start / bs + 1];
+          const char* kn = reinterpret_cast<const char*>(kc + next * bs * row_stride + h * D);
+          const char* vn = reinterpret_cast<const char*>(vc + next * bs * row_stride + h * D);
+          const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+          const int64_t stride_bytes = row_stride * static_cast<int64_t>(sizeof(T));
+          for (int64_t t = 0; t < bs; ++t)
+            for (int64_t o = 0; o < row_bytes; o += 64) {
+              __builtin_prefetch(kn + t * stride_bytes + o);
+              __builtin_prefetch(vn + t * stride_bytes + o);
+            }
+        }
         const float* kr[64];  // each slot's key and value rows (block_size <= 64)
         const float* vr[64];
-        for (int64_t t = lo; t < hi; ++t) {
-          kr[t] = widen(kb + t * row_stride, kf.data() + t * D, D);
-          vr[t] = widen(vb + t * row_stride, vf.data() + t * D, D);
+        if constexpr (is_bf16) {
+          if (dp) {
+            for (int64_t t = lo; t < hi; ++t) {
+              widen_bf16(reinterpret_cast<const at::BFloat16*>(vb + t * row_stride),
+                         vf.data() + t * D, D);
+              vr[t] = vf.data() + t * D;
+            }
+          }
+        }
+        if (!dp) {
+          for (int64_t t = lo; t < hi; ++t) {
+            kr[t] = widen(kb + t * row_stride, kf.data() + t * D, D);
+            vr[t] = widen(vb + t * row_stride, vf.data() + t * D, D);
+          }
         }
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
           float* s = sc.data() + g * bs;
           float block_max = -std::numeric_limits<float>::infinity();
-          if (vec) {
+          if (dp) {
+            scores_bf16(reinterpret_cast<const at::BFloat16*>(q + (b * H + h * G + g) * D),
+                        reinterpret_cast<const at::BFloat16*>(kb), row_stride, lo, hi, D,
+                        scale, s);
+          } else if (vec) {
             scores_avx512(qg, kr, lo, hi, D, s);
           } else {
             for (int64_t t = lo; t < hi; ++t) {
