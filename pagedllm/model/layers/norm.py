@@ -8,6 +8,8 @@ from typing import overload
 import torch
 from torch import nn
 
+from pagedllm.ops import cpu as cpu_ops
+
 _TRITON_OPS: ModuleType | None = None
 
 
@@ -32,8 +34,9 @@ class RMSNorm(nn.Module):
     same as adding first.
 
     On a GPU the same arithmetic runs as one Triton kernel (``pagedllm.ops.rms_norm``) instead
-    of seven (eight with the add) PyTorch ones; the code below is its reference (and the CPU
-    path).
+    of seven (eight with the add) PyTorch ones; on a CPU in bfloat16, as one compiled kernel
+    with the same roundings (``pagedllm.ops.cpu.rms_norm``) when the CPU kernels are built.
+    The code below is their reference (and the float32 CPU path).
     """
 
     def __init__(
@@ -61,10 +64,18 @@ class RMSNorm(nn.Module):
                 return _triton_ops().fused_add_rms_norm(
                     x, residual, self.weight, self.eps, self.offset
                 )
+            if not x.is_cuda:  # bfloat16 on a CPU: one compiled kernel (ops/cpu)
+                out = cpu_ops.rms_norm(x, self.weight, self.eps, self.offset, residual)
+                if out is not None:
+                    return out
             s = x + residual
             return self.forward(s), s
         if x.is_cuda and x.dim() in (2, 3) and x.stride(-1) == 1:
             return _triton_ops().rms_norm(x, self.weight, self.eps, self.offset)
+        if not x.is_cuda:
+            out = cpu_ops.rms_norm(x, self.weight, self.eps, self.offset)
+            if out is not None:
+                return out
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

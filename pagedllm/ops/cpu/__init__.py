@@ -124,3 +124,37 @@ def argmax(x: Any) -> Any:
         if ops is not None:
             return ops.argmax_last(x)
     return x.argmax(dim=-1)
+
+
+def _small_ops(x: Any) -> Any:
+    """The compiled module where ``x`` may take its bfloat16 element-wise ops (a CPU bfloat16
+    tensor, the kernels on and built), else None. Never starts a build."""
+    import torch
+
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return None
+    if os.environ.get("PAGEDLLM_CPU_KERNELS", "") == "0":
+        return None
+    return cpu_ops(build=False)
+
+
+def rms_norm(x: Any, weight: Any, eps: float, offset: float, residual: Any = None) -> Any:
+    """``RMSNorm.forward`` for a bfloat16 CPU tensor through the compiled ``rms_norm_bf16``
+    (the same rounding, op for op): y, or (y, x + residual) with ``residual``; None where the
+    kernels cannot take it (the caller runs the PyTorch code)."""
+    ops = _small_ops(x)
+    if ops is None or weight.dtype != x.dtype:
+        return None
+    if residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape):
+        return None
+    out = ops.rms_norm_bf16(x, weight, eps, offset, residual)
+    return out[0] if residual is None else (out[0], out[1])
+
+
+def rope(x: Any, positions: Any, cos_sin: Any) -> Any:
+    """``_rotate`` of rotary.py for a bfloat16 CPU [tokens, heads, head_dim] tensor through the
+    compiled ``rope_bf16``; None where the kernels cannot take it."""
+    ops = _small_ops(x)
+    if ops is None or x.dim() != 3 or x.stride(-1) != 1 or x.shape[-1] % 2:
+        return None
+    return ops.rope_bf16(x, positions, cos_sin)

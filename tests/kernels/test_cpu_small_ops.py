@@ -1,0 +1,63 @@
+"""The compiled bfloat16 RMSNorm and rotary embedding of the CPU path (``pagedllm.ops.cpu``)
+against the PyTorch code they replace (the layers with the kernels off): the rotation bit for
+bit, the norm within one bfloat16 rounding (its sum of squares is added in another order);
+and the layers take them in bfloat16 only (float32 stays on the exact PyTorch path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.rotary import get_rope
+from pagedllm.ops import cpu as cpu_ops
+from tests.kernels.test_cpu_paged_decode import _ext
+
+
+def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
+@pytest.mark.parametrize("shape", [(1, 64), (37, 576), (5, 9, 64)])
+def test_rms_norm_matches_layer(monkeypatch: pytest.MonkeyPatch, offset: float, shape) -> None:  # noqa: ANN001
+    _ext()
+    g = torch.Generator().manual_seed(len(shape) * 10 + shape[-1])
+    norm = RMSNorm(shape[-1], 1e-6, torch.bfloat16, offset=offset)
+    norm.weight.data = torch.randn(shape[-1], generator=g).to(torch.bfloat16)
+    x = (3 * torch.randn(shape, generator=g)).to(torch.bfloat16)
+    r = torch.randn(shape, generator=g).to(torch.bfloat16)
+    got, (got_y, got_s) = norm(x), norm(x, r)
+    assert cpu_ops.rms_norm(x, norm.weight, 1e-6, offset) is not None  # the kernel ran
+    _torch_path(monkeypatch)
+    want, (want_y, want_s) = norm(x), norm(x, r)
+    assert torch.equal(got_s, want_s)  # the residual sum: one rounding, the same
+    for a, b in ((got, want), (got_y, want_y)):
+        assert a.shape == b.shape and a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), atol=0, rtol=2**-7)  # <= 1 ulp
+
+
+def test_rope_matches_layer_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    _ext()
+    g = torch.Generator().manual_seed(3)
+    rope = get_rope(64, 4096, 10000.0)
+    qkv = torch.randn(29, 15 * 64, generator=g).to(torch.bfloat16)
+    q, k = qkv[:, : 9 * 64].view(29, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(29, 3, 64)  # views
+    pos = torch.randint(0, 4096, (29,), generator=g)
+    got = rope(pos, q, k)
+    assert cpu_ops.rope(q, pos, rope.cos_sin) is not None
+    with pytest.raises(RuntimeError, match="position out of range"):
+        cpu_ops.rope(q, torch.full((29,), 4096), rope.cos_sin)
+    _torch_path(monkeypatch)
+    want = rope(pos, q, k)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_float32_keeps_the_pytorch_path() -> None:
+    _ext()
+    x = torch.randn(4, 64)
+    assert cpu_ops.rms_norm(x, torch.ones(64), 1e-6, 0.0) is None
+    assert (
+        cpu_ops.rope(x.view(4, 1, 64), torch.zeros(4, dtype=torch.long), torch.ones(8, 64)) is None
+    )
