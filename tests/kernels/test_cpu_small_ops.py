@@ -61,3 +61,44 @@ def test_float32_keeps_the_pytorch_path() -> None:
     assert (
         cpu_ops.rope(x.view(4, 1, 64), torch.zeros(4, dtype=torch.long), torch.ones(8, 64)) is None
     )
+
+
+def test_packed_linear_and_lm_head_equal_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 layers packed for oneDNN (``pack_for_cpu``, done by the model loader on a CPU)
+    give F.linear's outputs bit for bit, for decode rows, a prefill chunk and 3-D input; the
+    plain weight of a linear layer is freed, the LM head keeps its (tied) one."""
+    from torch.nn import functional as F
+
+    from pagedllm.model.layers.embedding import LMHead
+    from pagedllm.model.layers.linear import QKVParallelLinear, ReplicatedLinear
+
+    if cpu_ops_pack_unavailable():
+        pytest.skip("this torch has no oneDNN bfloat16 matmul")
+    g = torch.Generator().manual_seed(5)
+    layers = [ReplicatedLinear(64, 96, True, torch.bfloat16),
+              QKVParallelLinear(64, 16, 4, 2, False, torch.bfloat16)]  # fmt: skip
+    for layer in layers:
+        for p in layer.parameters():
+            p.data = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+        w, b = layer.weight.data.clone(), layer.bias
+        assert layer.pack_for_cpu()
+        assert layer.weight.numel() == 0  # the plain copy is gone
+        for shape in [(1, 64), (7, 64), (300, 64), (2, 5, 64)]:
+            x = torch.randn(shape, generator=g).to(torch.bfloat16)
+            assert torch.equal(layer(x), F.linear(x, w, b))
+    head = LMHead(1000, 64, torch.bfloat16)
+    head.weight.data = torch.randn(1000, 64, generator=g).to(torch.bfloat16)
+    h = torch.randn(9, 64, generator=g).to(torch.bfloat16)
+    want, want_ids = head(h), head.argmax(h)
+    assert head.pack_for_cpu() and head.weight.numel() == 1000 * 64
+    assert torch.equal(head(h), want) and torch.equal(head.argmax(h), want_ids)
+    # float32 and the switch keep the plain path
+    assert not ReplicatedLinear(8, 8, False, torch.float32).pack_for_cpu()
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
+    assert not ReplicatedLinear(8, 8, False, torch.bfloat16).pack_for_cpu()
+
+
+def cpu_ops_pack_unavailable() -> bool:
+    from pagedllm.model.layers.linear import cpu_pack
+
+    return cpu_pack(torch.zeros(4, 4, dtype=torch.bfloat16)) is None

@@ -91,9 +91,30 @@ class LMHead(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         _load_rows(param, loaded, self.vocab_size)
 
+    _packed: torch.Tensor | None = None  # pack_for_cpu
+
+    def pack_for_cpu(self) -> bool:
+        """On a CPU in bfloat16, a oneDNN copy of the weight for the logits' matmul
+        (``linear.cpu_pack``: the same logits, 1.8x faster for SmolLM2's [64, 576] x
+        [576, 49152]). The plain weight stays (a tied one is the embedding's table), so this
+        costs the head's size once more in memory."""
+        from pagedllm.model.layers.linear import cpu_pack
+
+        if tp_info()[1] > 1:
+            return False
+        self._packed = cpu_pack(self.weight.data)
+        return self._packed is not None
+
+    def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            from pagedllm.model.layers.linear import cpu_linear
+
+            return cpu_linear(hidden_states, self._packed, None)
+        return F.linear(hidden_states, self.weight)
+
     def forward(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:
         # [num_selected, hidden] -> [num_selected, vocab]
-        logits = F.linear(hidden_states, self.weight)
+        logits = self._logits(hidden_states)
         if tp_info()[1] > 1:
             logits = all_gather_last(logits)[:, : self.vocab_size]
         return logits.float() if float32 else logits
@@ -105,7 +126,7 @@ class LMHead(nn.Module):
 
         Example: 2 ranks, vocab 6 (rows 0-2 and 3-5), a row's logits [1, 4, 4 | 4, 0, 2]:
         rank 0 holds (4, 1), rank 1 (4, 3); the largest value's first rank wins: id 1."""
-        logits = F.linear(hidden_states, self.weight)  # [n, rows]
+        logits = self._logits(hidden_states)  # [n, rows]
         rank, tp = tp_info()
         if tp == 1:
             return logits[:, : self.vocab_size].argmax(-1)
