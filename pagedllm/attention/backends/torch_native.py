@@ -143,28 +143,27 @@ class TorchNativeBackend(AttentionBackend):
                 enable_gqa=gqa,
             )  # [B, num_heads, 1, head_dim]
             out.index_copy_(0, rows, o.squeeze(2))
-        # torch's bfloat16 SDPA is several times slower than its float32 one on the CPUs
-        # measured (pagedllm/ops/cpu): prefill chunks attend in float32 there
-        upcast = query.dtype == torch.bfloat16 and query.device.type == "cpu"
+        # [1, heads, len, head_dim]: 4-D inputs take torch's flash-attention CPU kernel, 3-D
+        # ones its math fallback - measured on this project's 2-core Xeon for a 256-token
+        # prompt (9 heads, 3 KV heads, D 64): 3.0 -> 0.65 ms in float32, 2.5 -> 0.26 ms in
+        # bfloat16 (which thus no longer attends in float32, as it did to avoid the slow path)
         for start, end, slots, mask in plan["prefill"]:
-            q = query[start:end].transpose(0, 1)  # [num_heads, q_len, head_dim]
-            if upcast:
-                q = q.float()
+            q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
             if slots is None:
-                k, v = key[start:end].to(q.dtype), value[start:end].to(q.dtype)
+                k, v = key[start:end], value[start:end]
                 o = F.scaled_dot_product_attention(
                     q,
-                    k.transpose(0, 1),
-                    v.transpose(0, 1),
+                    k.transpose(0, 1)[None],
+                    v.transpose(0, 1)[None],
                     is_causal=True,
                     scale=scale,
                     enable_gqa=gqa,
-                )
+                )[0]
             else:
                 k = k_flat.index_select(0, slots).to(q.dtype)
                 v = v_flat.index_select(0, slots).to(q.dtype)
                 o = F.scaled_dot_product_attention(
-                    q[None],
+                    q,
                     k.transpose(0, 1)[None],
                     v.transpose(0, 1)[None],
                     attn_mask=mask,
