@@ -295,7 +295,9 @@ def _ar_worker(rank: int, world: int, port: int, hidden: int, q) -> None:  # noq
         out[t] = row
     if rank == 0:
         q.put(out)
-    dist.barrier()
+    # no dist.barrier() here: on 4 x H100 it hung after every size was timed (twice on
+    # 4 x H200 before), killing the stage with nothing saved; every rank has finished its
+    # collectives at this point (the last graph replay was synchronized)
     dist.destroy_process_group()
 
 
