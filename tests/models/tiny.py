@@ -106,13 +106,18 @@ def _save_tokenizer(path: str, vocab_size: int) -> None:
 
 
 def hf_greedy(
-    path: str, prompts: list[list[int]], max_new_tokens: int, num_logprobs: int = 0
+    path: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    num_logprobs: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """HF transformers' greedy continuation of each prompt (one at a time, no padding), and
-    the log-softmax of the logits at each generated position."""
+    the log-softmax of the logits at each generated position (computed in float32 from the
+    logits of a ``dtype`` model)."""
     import transformers as tf
 
-    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     # Never stop at EOS and never mask it (min_new_tokens would): pagedllm runs with ignore_eos.
     model.generation_config.eos_token_id = None
     tokens, logprobs = [], []
