@@ -7,8 +7,9 @@ grammar bitmask is awaited) - of which only the resolve waits for a reply
 (rank 0's tokens; the other ranks answer None, so their failures surface too). Handles are
 integer step ids; the workers keep their launched steps by id.
 
-No wait on a worker is unbounded: every receive wakes each ``_POLL_S`` to check that the
-worker is alive (a dead one raises ``RuntimeError`` naming its rank, pid and exit code), and
+No wait on a worker is unbounded: every receive wakes each ``_POLL_S`` to check that every
+worker is alive (a dead one raises ``RuntimeError`` naming its rank, pid and exit code, also
+while another rank, stuck in a collective with it, is the one awaited), and
 start-up has a deadline (``PAGEDLLM_WORKER_START_TIMEOUT``, default 300 s). A finalizer stops
 the workers if the executor is dropped without ``shutdown()``, and at interpreter exit.
 """
@@ -156,8 +157,12 @@ class MultiprocExecutor(WorkerGroupExecutor):
             try:
                 msg = w.chan.recv(timeout=_POLL_S)
             except TimeoutError:
-                if w.proc.poll() is not None:
-                    raise self._died(w) from None
+                # any dead rank, not only the one awaited: on GPUs a rank whose peer died
+                # waits in a collective (NCCL, or the all-reduce's spin on its peers'
+                # signals) without failing, so it would never answer
+                for other in [w] + [x for x in self._workers if x is not w]:
+                    if other.proc.poll() is not None:
+                        raise self._died(other) from None
                 if deadline is not None and time.monotonic() > deadline:
                     raise self._broke(
                         f"{w.describe()} did not start within {timeout:g} s "

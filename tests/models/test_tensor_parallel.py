@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 
@@ -97,6 +98,75 @@ def test_heads_that_do_not_split_are_refused(tiny_models) -> None:
         _engine(path, 3)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         _engine(path, 2, distributed_executor_backend="uni")
+
+
+def test_dead_rank_found_while_another_is_stuck(tiny_models) -> None:
+    """As on GPUs, where a rank whose peer died waits in a collective without failing: rank 0
+    stopped (SIGSTOP: it never answers), rank 1 killed - the engine's wait for rank 0 still
+    ends within seconds with an error naming rank 1, and shutdown stops the stuck rank."""
+    llm = _engine(tiny_models("llama"), 2)
+    executor = llm.llm_engine.engine_core.executor
+    pids = executor.pids
+    execute = executor.execute_model
+    calls = [0]
+
+    def execute_then_stop(so):  # noqa: ANN001, ANN202
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(pids[0], signal.SIGSTOP)
+            os.kill(pids[1], signal.SIGKILL)
+        return execute(so)
+
+    executor.execute_model = execute_then_stop
+    sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    t = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"rank 1 .* died"):
+            llm.generate(_prompts(2), sp, use_tqdm=False)
+        assert time.monotonic() - t < 30
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # kills what does not exit in time
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            for _ in range(200):
+                os.kill(pid, 0)
+                time.sleep(0.1)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.device_count() >= 2), reason="needs 2 GPUs"
+)
+def test_killed_rank_on_gpus_fails_fast(tiny_models) -> None:
+    """On GPUs (async steps, CUDA graphs, the symmetric-memory all-reduce, whose kernel waits
+    for its peers without a timeout): rank 1 killed mid-run - generate raises naming it within
+    seconds, and shutdown removes rank 0, stuck on its GPU, too."""
+    llm = LLM(tiny_models("llama"), dtype="float32", device="cuda", max_model_len=256,
+              tensor_parallel_size=2, kv_cache_memory_bytes=64 << 20)  # fmt: skip
+    executor = llm.llm_engine.engine_core.executor
+    pids = executor.pids
+    launch = executor.launch_step
+    calls = [0]
+
+    def launch_then_kill(so):  # noqa: ANN001, ANN202
+        calls[0] += 1
+        if calls[0] == 5:
+            os.kill(pids[1], signal.SIGKILL)
+        return launch(so)
+
+    executor.launch_step = launch_then_kill
+    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    t = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"rank 1 .* died"):
+            llm.generate(_prompts(4), sp, use_tqdm=False)
+        assert time.monotonic() - t < 60
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            for _ in range(300):
+                os.kill(pid, 0)
+                time.sleep(0.1)
 
 
 def test_killed_rank_fails_fast(tiny_models) -> None:
