@@ -100,37 +100,59 @@ def test_heads_that_do_not_split_are_refused(tiny_models) -> None:
         _engine(path, 2, distributed_executor_backend="uni")
 
 
+def _fault_mid_run(llm: LLM, method: str, at_call: int, fault, limit_s: float) -> None:  # noqa: ANN001
+    """Run ``fault(pids)`` when the executor's ``method`` is called the ``at_call``-th time
+    during a generate: the generate must raise an error naming the dead rank 1 within
+    ``limit_s``, and after shutdown no worker may be left (shutdown kills what does not exit
+    in time)."""
+    executor = llm.llm_engine.engine_core.executor
+    pids = executor.pids
+    original = getattr(executor, method)
+    calls = [0]
+
+    def faulty(so):  # noqa: ANN001, ANN202
+        calls[0] += 1
+        if calls[0] == at_call:
+            fault(pids)
+        return original(so)
+
+    setattr(executor, method, faulty)
+    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    t = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"rank 1 .* died"):
+            llm.generate(_prompts(4), sp, use_tqdm=False)
+        assert time.monotonic() - t < limit_s
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    for pid in pids:  # no worker outlives the engine
+        with pytest.raises(ProcessLookupError):
+            for _ in range(300):
+                os.kill(pid, 0)
+                time.sleep(0.1)
+
+
+def _kill_rank_1(pids: list[int]) -> None:
+    os.kill(pids[1], signal.SIGKILL)
+
+
+def test_killed_rank_fails_fast(tiny_models) -> None:
+    """Rank 1 killed while requests run (a CPU engine runs synchronous steps): generate raises
+    an error naming the dead worker within seconds (rank 0 may be blocked in a collective; it
+    is stopped, not waited for)."""
+    _fault_mid_run(_engine(tiny_models("llama"), 2), "execute_model", 3, _kill_rank_1, 60)
+
+
 def test_dead_rank_found_while_another_is_stuck(tiny_models) -> None:
     """As on GPUs, where a rank whose peer died waits in a collective without failing: rank 0
     stopped (SIGSTOP: it never answers), rank 1 killed - the engine's wait for rank 0 still
     ends within seconds with an error naming rank 1, and shutdown stops the stuck rank."""
-    llm = _engine(tiny_models("llama"), 2)
-    executor = llm.llm_engine.engine_core.executor
-    pids = executor.pids
-    execute = executor.execute_model
-    calls = [0]
 
-    def execute_then_stop(so):  # noqa: ANN001, ANN202
-        calls[0] += 1
-        if calls[0] == 3:
-            os.kill(pids[0], signal.SIGSTOP)
-            os.kill(pids[1], signal.SIGKILL)
-        return execute(so)
+    def stop_0_kill_1(pids: list[int]) -> None:
+        os.kill(pids[0], signal.SIGSTOP)
+        os.kill(pids[1], signal.SIGKILL)
 
-    executor.execute_model = execute_then_stop
-    sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-    t = time.monotonic()
-    try:
-        with pytest.raises(RuntimeError, match=r"rank 1 .* died"):
-            llm.generate(_prompts(2), sp, use_tqdm=False)
-        assert time.monotonic() - t < 30
-    finally:
-        llm.llm_engine.engine_core.shutdown()  # kills what does not exit in time
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            for _ in range(200):
-                os.kill(pid, 0)
-                time.sleep(0.1)
+    _fault_mid_run(_engine(tiny_models("llama"), 2), "execute_model", 3, stop_0_kill_1, 30)
 
 
 @pytest.mark.skipif(
@@ -142,60 +164,7 @@ def test_killed_rank_on_gpus_fails_fast(tiny_models) -> None:
     seconds, and shutdown removes rank 0, stuck on its GPU, too."""
     llm = LLM(tiny_models("llama"), dtype="float32", device="cuda", max_model_len=256,
               tensor_parallel_size=2, kv_cache_memory_bytes=64 << 20)  # fmt: skip
-    executor = llm.llm_engine.engine_core.executor
-    pids = executor.pids
-    launch = executor.launch_step
-    calls = [0]
-
-    def launch_then_kill(so):  # noqa: ANN001, ANN202
-        calls[0] += 1
-        if calls[0] == 5:
-            os.kill(pids[1], signal.SIGKILL)
-        return launch(so)
-
-    executor.launch_step = launch_then_kill
-    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    t = time.monotonic()
-    try:
-        with pytest.raises(RuntimeError, match=r"rank 1 .* died"):
-            llm.generate(_prompts(4), sp, use_tqdm=False)
-        assert time.monotonic() - t < 60
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            for _ in range(300):
-                os.kill(pid, 0)
-                time.sleep(0.1)
-
-
-def test_killed_rank_fails_fast(tiny_models) -> None:
-    """Rank 1 killed while requests run: generate raises an error naming the dead worker
-    within seconds (rank 0 may be blocked in a collective; it is stopped, not waited for)."""
-    llm = _engine(tiny_models("llama"), 2)
-    executor = llm.llm_engine.engine_core.executor
-    pids = executor.pids
-    execute = executor.execute_model  # a CPU engine runs synchronous steps
-    calls = [0]
-
-    def execute_then_kill(so):  # noqa: ANN001, ANN202
-        calls[0] += 1
-        if calls[0] == 3:
-            os.kill(pids[1], signal.SIGKILL)
-        return execute(so)
-
-    executor.execute_model = execute_then_kill
-    sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-    t = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"rank 1 .* died"):
-        llm.generate(_prompts(2), sp, use_tqdm=False)
-    assert time.monotonic() - t < 60
-    llm.llm_engine.engine_core.shutdown()
-    for pid in pids:  # no worker outlives the engine
-        with pytest.raises(ProcessLookupError):
-            for _ in range(100):
-                os.kill(pid, 0)
-                time.sleep(0.1)
+    _fault_mid_run(llm, "launch_step", 5, _kill_rank_1, 60)
 
 
 def _rank_argmax(monkeypatch, weight, x, rank: int, tp: int, gather) -> object:  # noqa: ANN001
