@@ -6,7 +6,12 @@ machine's own vector instructions) into a cache folder (``PAGEDLLM_CACHE_DIR``, 
 module; ``scripts/setup.sh`` builds it ahead. Without a compiler (or ninja), or with
 ``PAGEDLLM_CPU_KERNELS=0``, it returns None, saying so once in the log.
 
-When the attention backend uses it (``kernels_enabled``): for float32 and bfloat16 caches.
+What it holds: the paged decode attention (used by the attention backend for float32 and
+bfloat16 caches, ``kernels_enabled``), the greedy argmax (``argmax``), and bfloat16 RMSNorm
+and rope (``rms_norm``, ``rope``: the layers take them for bfloat16 CPU tensors).
+``PAGEDLLM_CPU_KERNELS=0`` turns all of them off, and with them the oneDNN-packed bfloat16
+matmuls of ``model/layers/linear.py`` (``cpu_pack``): the plain PyTorch path, for A/B runs.
+
 Measured on a 2-core AMD EPYC (avx512_bf16): SmolLM2 shapes, 64 requests x 320 keys, the
 decode kernel took 4.4 ms in bfloat16 against 17 ms for torch's bfloat16 SDPA (8 ms upcast to
 float32), and 5.3 ms in float32 against 7.2-9.7 ms; whole runs gained ~50% in bfloat16. In
