@@ -37,11 +37,12 @@ def test_rms_norm_matches_layer(monkeypatch: pytest.MonkeyPatch, offset: float, 
         torch.testing.assert_close(a.float(), b.float(), atol=0, rtol=2**-7)  # <= 1 ulp
 
 
-def test_rope_matches_layer_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_matches_layer_bit_for_bit(monkeypatch: pytest.MonkeyPatch, dtype) -> None:  # noqa: ANN001
     _ext()
     g = torch.Generator().manual_seed(3)
     rope = get_rope(64, 4096, 10000.0)
-    qkv = torch.randn(29, 15 * 64, generator=g).to(torch.bfloat16)
+    qkv = torch.randn(29, 15 * 64, generator=g).to(dtype)
     q, k = qkv[:, : 9 * 64].view(29, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(29, 3, 64)  # views
     pos = torch.randint(0, 4096, (29,), generator=g)
     got = rope(pos, q, k)
@@ -54,13 +55,16 @@ def test_rope_matches_layer_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None
         assert torch.equal(a, b)
 
 
-def test_float32_keeps_the_pytorch_path() -> None:
+def test_float32_keeps_the_pytorch_norm() -> None:
+    """The norm's sum of squares would be added in another order than torch's: float32 (the
+    exact-vs-HF path) keeps the PyTorch code; rope, exact in float32, is compiled for both."""
     _ext()
     x = torch.randn(4, 64)
     assert cpu_ops.rms_norm(x, torch.ones(64), 1e-6, 0.0) is None
-    assert (
-        cpu_ops.rope(x.view(4, 1, 64), torch.zeros(4, dtype=torch.long), torch.ones(8, 64)) is None
-    )
+    assert cpu_ops.rope(
+        x.view(4, 1, 64), torch.zeros(4, dtype=torch.long), torch.ones(8, 64)
+    ).shape == (4, 1, 64)
+    assert cpu_ops.rope(x.half().view(4, 1, 64), torch.zeros(4), torch.ones(8, 64)) is None
 
 
 def test_packed_linear_and_lm_head_equal_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:

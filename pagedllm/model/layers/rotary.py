@@ -77,9 +77,9 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k by their tokens' positions; with ``q_norm``/``k_norm`` (per-head
         RMSNorms, Qwen3 and Gemma 3) normalize each head first. On a GPU all of it is one
-        Triton kernel (``pagedllm.ops.rotary``); on a CPU in bfloat16 the rotation is one
-        compiled kernel per tensor (``pagedllm.ops.cpu.rope``, the same roundings). The code
-        below is their reference."""
+        Triton kernel (``pagedllm.ops.rotary``); on a CPU the rotation is one compiled kernel
+        per tensor (``pagedllm.ops.cpu.rope``: the same operations in the same order, float32
+        bit for bit). The code below is their reference."""
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
         if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
             from pagedllm.ops.rotary import rope  # Triton is needed only on GPUs
@@ -87,7 +87,7 @@ class RotaryEmbedding(nn.Module):
             return rope(positions, q, k, self.cos_sin, *_norm_args(q_norm, k_norm))
         if q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
-        rq = cpu_ops.rope(q, positions, self.cos_sin)  # bfloat16 on a CPU: compiled
+        rq = cpu_ops.rope(q, positions, self.cos_sin)  # on a CPU: compiled
         rk = cpu_ops.rope(k, positions, self.cos_sin) if rq is not None else None
         if rq is not None and rk is not None:
             return rq, rk

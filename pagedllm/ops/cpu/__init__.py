@@ -8,7 +8,8 @@ module; ``scripts/setup.sh`` builds it ahead. Without a compiler (or ninja), or 
 
 What it holds: the paged decode attention (used by the attention backend for float32 and
 bfloat16 caches, ``kernels_enabled``), the greedy argmax (``argmax``), and bfloat16 RMSNorm
-and rope (``rms_norm``, ``rope``: the layers take them for bfloat16 CPU tensors).
+and rope (``rms_norm``, ``rope``: the layers take them for bfloat16 CPU tensors; rope also for
+float32 ones, where it is bit for bit PyTorch's).
 ``PAGEDLLM_CPU_KERNELS=0`` turns all of them off, and with them the oneDNN-packed bfloat16
 matmuls of ``model/layers/linear.py`` (``cpu_pack``): the plain PyTorch path, for A/B runs.
 
@@ -131,12 +132,14 @@ def argmax(x: Any) -> Any:
     return x.argmax(dim=-1)
 
 
-def _small_ops(x: Any) -> Any:
-    """The compiled module where ``x`` may take its bfloat16 element-wise ops (a CPU bfloat16
-    tensor, the kernels on and built), else None. Never starts a build."""
+def _small_ops(x: Any, float32_too: bool = False) -> Any:
+    """The compiled module where ``x`` may take its element-wise ops (a CPU bfloat16 tensor -
+    or float32 one, for ops exact in float32 - the kernels on and built), else None. Never
+    starts a build."""
     import torch
 
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+    ok = (torch.bfloat16, torch.float32) if float32_too else (torch.bfloat16,)
+    if x.dtype not in ok or x.device.type != "cpu":
         return None
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "") == "0":
         return None
@@ -157,9 +160,10 @@ def rms_norm(x: Any, weight: Any, eps: float, offset: float, residual: Any = Non
 
 
 def rope(x: Any, positions: Any, cos_sin: Any) -> Any:
-    """``_rotate`` of rotary.py for a bfloat16 CPU [tokens, heads, head_dim] tensor through the
-    compiled ``rope_bf16``; None where the kernels cannot take it."""
-    ops = _small_ops(x)
+    """``_rotate`` of rotary.py for a float32 or bfloat16 CPU [tokens, heads, head_dim] tensor
+    through the compiled ``rope`` (PyTorch's operations in its order, no fused multiply-add:
+    float32 results bit for bit); None where the kernels cannot take it."""
+    ops = _small_ops(x, float32_too=True)
     if ops is None or x.dim() != 3 or x.stride(-1) != 1 or x.shape[-1] % 2:
         return None
-    return ops.rope_bf16(x, positions, cos_sin)
+    return ops.rope(x, positions, cos_sin)

@@ -486,46 +486,62 @@ std::vector<torch::Tensor> rms_norm_bf16(torch::Tensor x, torch::Tensor weight, 
 // Rotary embedding of x [tokens, heads, D] (any strides, unit stride along D) by its
 // tokens' positions: cos_sin [max_position, D] float32 (the D/2 cosines, then the sines);
 // out = (x1 c - x2 s, x2 c + x1 s) in float32, each product rounded before the sum as in
-// PyTorch (no fused multiply-add: fp-contract off), then bfloat16. Returns a new tensor.
+// PyTorch (no fused multiply-add: fp-contract off), then x's dtype: float32 bit for bit as
+// PyTorch, bfloat16 rounded to nearest even. Returns a new tensor.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-torch::Tensor rope_bf16(
-    torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1,
-              "rope_bf16: bfloat16 [tokens, heads, D] with unit stride along D");
-  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(), "rope_bf16: cos_sin");
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
-  auto pos = positions.to(at::kLong).contiguous();
-  auto out = torch::empty({T, H, D}, x.options());
-  const auto* xs = x.data_ptr<at::BFloat16>();
-  const int64_t st = x.stride(0), sh = x.stride(1);
-  const auto* p = pos.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(p[t] >= 0 && p[t] < cos_sin.size(0), "rope_bf16: position out of range");
-  const float* cs = cos_sin.data_ptr<float>();
-  auto* o = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, T * H, 64, [&](int64_t begin, int64_t end) {
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }
+template <>
+inline at::BFloat16 from_float<at::BFloat16>(float x) { return rb(x); }
+
+template <typename T>
+void rope_rows(const T* xs, int64_t st, int64_t sh, const int64_t* p, const float* cs, T* o,
+               int64_t T_, int64_t H, int64_t D) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, T_ * H, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / H, h = i % H;
-      const at::BFloat16* xr = xs + t * st + h * sh;
+      const T* xr = xs + t * st + h * sh;
       const float* c = cs + p[t] * D;
       const float* s = c + half;
-      at::BFloat16* orow = o + i * D;
+      T* orow = o + i * D;
       for (int64_t j = 0; j < half; ++j) {
-        const float x1 = bf(xr[j]), x2 = bf(xr[j + half]);
+        const float x1 = to_float(xr[j]), x2 = to_float(xr[j + half]);
         const float a = x1 * c[j], b = x2 * s[j], u = x2 * c[j], v = x1 * s[j];
-        orow[j] = rb(a - b);
-        orow[j + half] = rb(u + v);
+        orow[j] = from_float<T>(a - b);
+        orow[j + half] = from_float<T>(u + v);
       }
     }
   });
+}
+
+torch::Tensor rope(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin) {
+  TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
+                  x.dim() == 3 && x.stride(2) == 1,
+              "rope: float32 or bfloat16 [tokens, heads, D] with unit stride along D");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(), "rope: cos_sin");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  auto pos = positions.to(at::kLong).contiguous();
+  auto out = torch::empty({T, H, D}, x.options());
+  const auto* p = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(p[t] >= 0 && p[t] < cos_sin.size(0), "rope: position out of range");
+  const float* cs = cos_sin.data_ptr<float>();
+  if (x.scalar_type() == at::kFloat) {
+    rope_rows<float>(x.data_ptr<float>(), x.stride(0), x.stride(1), p, cs,
+                     out.data_ptr<float>(), T, H, D);
+  } else {
+    rope_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), x.stride(0), x.stride(1), p, cs,
+                            out.data_ptr<at::BFloat16>(), T, H, D);
+  }
   return out;
 }
 #pragma GCC pop_options
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm (optionally of x + residual), bfloat16");
-  m.def("rope_bf16", &rope_bf16, "Rotary embedding of [tokens, heads, D], bfloat16");
+  m.def("rope", &rope, "Rotary embedding of [tokens, heads, D], float32 or bfloat16");
   m.def("paged_decode", &paged_decode, "Decode attention over the paged KV cache (CPU)");
   m.def("argmax_last", &argmax_last, "Index of each row's maximum, as torch.argmax(-1)");
 }
