@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from pagedllm.structured_output.grammars import GrammarStep
 
 _POLL_S = 1.0  # how often a waiting receive checks that its worker is alive
+_PEER_EXIT_S = 0.5  # how long a rank's error waits for a dying peer to show as dead
 _START_TIMEOUT_ENV = "PAGEDLLM_WORKER_START_TIMEOUT"
 _DEFAULT_START_TIMEOUT_S = 300.0
 _STOP_TIMEOUT_S = 10.0  # how long shutdown waits for a worker to exit before killing it
@@ -172,15 +173,30 @@ class MultiprocExecutor(WorkerGroupExecutor):
             except (EOFError, OSError) as e:
                 raise self._died(w) from e
             if msg[0] == "error":
-                # a rank whose peer died fails in a collective: name the dead one first
-                for other in self._workers:
-                    if other is not w and other.proc.poll() is not None:
-                        raise self._broke(
-                            f"{other.describe()} died (exit code {other.proc.returncode}); "
-                            f"{w.describe()} failed after it:\n{msg[1]}"
-                        )
+                # a rank whose peer died fails in a collective: name the dead one first. Its
+                # error can arrive while the peer is still exiting (the peer's sockets close
+                # before the process is reaped): look for a dead peer for up to _PEER_EXIT_S
+                dead = self._dead_peer(w)
+                if dead is not None:
+                    raise self._broke(
+                        f"{dead.describe()} died (exit code {dead.proc.returncode}); "
+                        f"{w.describe()} failed after it:\n{msg[1]}"
+                    )
                 raise self._broke(f"{w.describe()} failed:\n{msg[1]}")
             return msg[1]
+
+    def _dead_peer(self, w: _WorkerHandle) -> _WorkerHandle | None:
+        """A worker other than ``w`` that has exited, waiting up to ``_PEER_EXIT_S`` for one
+        (only with several workers: a lone worker's error has no peer to blame)."""
+        others = [x for x in self._workers if x is not w]
+        deadline = time.monotonic() + (_PEER_EXIT_S if others else 0.0)
+        while True:
+            for other in others:
+                if other.proc.poll() is not None:
+                    return other
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     def _gather(self, msg: tuple) -> list[Any]:
         """Send ``msg`` to every worker; their replies, by rank."""
