@@ -103,6 +103,4 @@ def test_packed_linear_and_lm_head_equal_f_linear(monkeypatch: pytest.MonkeyPatc
 
 
 def cpu_ops_pack_unavailable() -> bool:
-    from pagedllm.model.layers.linear import cpu_pack
-
-    return cpu_pack(torch.zeros(4, 4, dtype=torch.bfloat16)) is None
+    return cpu_ops.pack_linear(torch.zeros(4, 4, dtype=torch.bfloat16)) is None

@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pagedllm.distributed.parallel_state import all_gather_last, all_reduce, tp_info
+from pagedllm.ops.cpu import pack_linear, packed_linear
 
 
 def vocab_shard(vocab_size: int) -> tuple[int, int]:
@@ -95,21 +96,17 @@ class LMHead(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         """On a CPU in bfloat16, a oneDNN copy of the weight for the logits' matmul
-        (``linear.cpu_pack``: the same logits, 1.8x faster for SmolLM2's [64, 576] x
-        [576, 49152]). The plain weight stays (a tied one is the embedding's table), so this
-        costs the head's size once more in memory."""
-        from pagedllm.model.layers.linear import cpu_pack
-
+        (``pagedllm.ops.cpu.pack_linear``: the same logits, 1.8x faster for SmolLM2's
+        [64, 576] x [576, 49152]). The plain weight stays (a tied one is the embedding's
+        table), so this costs the head's size once more in memory."""
         if tp_info()[1] > 1:
             return False
-        self._packed = cpu_pack(self.weight.data)
+        self._packed = pack_linear(self.weight.data)
         return self._packed is not None
 
     def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            from pagedllm.model.layers.linear import cpu_linear
-
-            return cpu_linear(hidden_states, self._packed, None)
+            return packed_linear(hidden_states, self._packed, None)
         return F.linear(hidden_states, self.weight)
 
     def forward(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:

@@ -16,42 +16,15 @@ from torch import nn
 from torch.nn import functional as F
 
 from pagedllm.distributed.parallel_state import linear_all_reduce, tp_info
-
-
-def cpu_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """A bfloat16 CPU weight [out, in] reordered once for oneDNN's matmul (the blocked layout
-    its AMX / AVX512-BF16 kernels read), or None where that does not apply: another dtype or
-    device, a torch without oneDNN, ``PAGEDLLM_CPU_KERNELS=0``. ``cpu_linear`` with it gives
-    F.linear's results bit for bit (tested), 1.4-1.8x faster at SmolLM2's decode shapes on
-    this project's 2-core Xeon (F.linear reorders the weight on every call)."""
-    import os
-
-    if (
-        weight.dtype != torch.bfloat16
-        or weight.device.type != "cpu"
-        or weight.dim() != 2
-        or os.environ.get("PAGEDLLM_CPU_KERNELS", "") == "0"
-        or not torch.backends.mkldnn.is_available()
-        or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    ):
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, 64)  # batch-size hint: decode
-    except RuntimeError:  # a oneDNN build without bfloat16 kernels
-        return None
-
-
-def cpu_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, W, bias) with ``packed = cpu_pack(W)``."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+from pagedllm.ops.cpu import pack_linear, packed_linear
 
 
 class LinearBase(nn.Module):
     """y = x W^T (+ b), with ``weight_loader`` attached to each parameter.
 
     On a CPU in bfloat16, ``pack_for_cpu()`` (called once the weights are loaded) moves the
-    weight into oneDNN's layout (``cpu_pack``) and frees the plain copy; forward then runs
-    oneDNN's matmul on it."""
+    weight into oneDNN's layout (``pagedllm.ops.cpu.pack_linear``) and frees the plain copy;
+    forward then runs oneDNN's matmul on it."""
 
     _packed: torch.Tensor | None = None
 
@@ -74,14 +47,14 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            return cpu_linear(x, self._packed, self.bias)
+            return packed_linear(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self) -> bool:
         """Pack the loaded weight for oneDNN (see the class docstring); False where it does
         not apply. The parameter keeps its shape's metadata only (an empty tensor): loading
         weights again is not supported after packing."""
-        packed = cpu_pack(self.weight.data)
+        packed = pack_linear(self.weight.data)
         if packed is None:
             return False
         self._packed = packed
