@@ -161,9 +161,9 @@ class MultiprocExecutor(WorkerGroupExecutor):
                 # any dead rank, not only the one awaited: on GPUs a rank whose peer died
                 # waits in a collective (NCCL, or the all-reduce's spin on its peers'
                 # signals) without failing, so it would never answer
-                for other in [w] + [x for x in self._workers if x is not w]:
-                    if other.proc.poll() is not None:
-                        raise self._died(other) from None
+                dead = w if w.proc.poll() is not None else self._dead_peer(w, wait_s=0.0)
+                if dead is not None:
+                    raise self._died(dead) from None
                 if deadline is not None and time.monotonic() > deadline:
                     raise self._broke(
                         f"{w.describe()} did not start within {timeout:g} s "
@@ -176,7 +176,7 @@ class MultiprocExecutor(WorkerGroupExecutor):
                 # a rank whose peer died fails in a collective: name the dead one first. Its
                 # error can arrive while the peer is still exiting (the peer's sockets close
                 # before the process is reaped): look for a dead peer for up to _PEER_EXIT_S
-                dead = self._dead_peer(w)
+                dead = self._dead_peer(w, wait_s=_PEER_EXIT_S)
                 if dead is not None:
                     raise self._broke(
                         f"{dead.describe()} died (exit code {dead.proc.returncode}); "
@@ -185,11 +185,11 @@ class MultiprocExecutor(WorkerGroupExecutor):
                 raise self._broke(f"{w.describe()} failed:\n{msg[1]}")
             return msg[1]
 
-    def _dead_peer(self, w: _WorkerHandle) -> _WorkerHandle | None:
-        """A worker other than ``w`` that has exited, waiting up to ``_PEER_EXIT_S`` for one
-        (only with several workers: a lone worker's error has no peer to blame)."""
+    def _dead_peer(self, w: _WorkerHandle, wait_s: float) -> _WorkerHandle | None:
+        """A worker other than ``w`` that has exited, waiting up to ``wait_s`` for one (only
+        with several workers: a lone worker has no peer)."""
         others = [x for x in self._workers if x is not w]
-        deadline = time.monotonic() + (_PEER_EXIT_S if others else 0.0)
+        deadline = time.monotonic() + (wait_s if others else 0.0)
         while True:
             for other in others:
                 if other.proc.poll() is not None:

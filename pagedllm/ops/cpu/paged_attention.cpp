@@ -159,7 +159,15 @@ inline void accumulate_avx512(float* a, float corr, const float* p, const float*
     _mm512_storeu_ps(a + d, r);
   }
 }
-#if defined(__AVX512BF16__)
+#else
+constexpr bool kAvx512 = false;
+inline void scores_avx512(const float*, const float* const*, int64_t, int64_t, int64_t,
+                          float*) {}
+inline void accumulate_avx512(float*, float, const float*, const float* const*, int64_t,
+                              int64_t, int64_t) {}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 constexpr bool kAvx512Bf16 = true;
 
 // The bfloat16 form of scores_avx512, reading the keys in place (no widening): s[t] =
@@ -218,17 +226,6 @@ constexpr bool kAvx512Bf16 = false;
 inline void scores_bf16(const at::BFloat16*, const at::BFloat16*, int64_t, int64_t, int64_t,
                         int64_t, float, float*) {}
 inline void widen_bf16(const at::BFloat16*, float*, int64_t) {}
-#endif
-#else
-constexpr bool kAvx512 = false;
-constexpr bool kAvx512Bf16 = false;
-inline void scores_bf16(const at::BFloat16*, const at::BFloat16*, int64_t, int64_t, int64_t,
-                        int64_t, float, float*) {}
-inline void widen_bf16(const at::BFloat16*, float*, int64_t) {}
-inline void scores_avx512(const float*, const float* const*, int64_t, int64_t, int64_t,
-                          float*) {}
-inline void accumulate_avx512(float*, float, const float*, const float* const*, int64_t,
-                              int64_t, int64_t) {}
 #endif
 
 template <typename T>
