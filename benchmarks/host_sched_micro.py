@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagedllm.config import CacheConfig, SchedulerConfig  # noqa: E402
+from pagedllm.config import CacheConfig, KVCompressConfig, SchedulerConfig  # noqa: E402
+from pagedllm.core.kv_cache.spec import HeadPagedSpec, KVCacheGroup, KVCacheGroups  # noqa: E402
 from pagedllm.core.request import Request  # noqa: E402
 from pagedllm.core.sched.output import ModelRunnerOutput  # noqa: E402
 from pagedllm.core.sched.scheduler import Scheduler  # noqa: E402
@@ -28,11 +29,19 @@ from pagedllm.sampling_params import SamplingParams  # noqa: E402
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
+    groups, kvc, blocks = None, None, args.blocks
+    if args.kvc:
+        # KV-Compress without a budget, Qwen3-0.6B's shape (Benchmark A: 28 layers x 8 KV
+        # heads): one block per (layer, head), so 224x the block ids of the same token count
+        layers, heads = 28, 8
+        spec = HeadPagedSpec(16, heads, 128, 2, num_layers=layers, compressible=(True,) * layers)
+        groups = KVCacheGroups((KVCacheGroup(spec, tuple(range(layers))),), 1, (spec,))
+        kvc, blocks = KVCompressConfig(enabled=True), args.blocks * layers * heads
     sched = Scheduler(
         SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=args.max_seqs,
                         max_model_len=4096, enable_chunked_prefill=True),
         CacheConfig(block_size=16, enable_prefix_caching=args.prefix_caching),
-        args.blocks, 0,
+        blocks, 0, kv_groups=groups, kvc_config=kvc,
     )  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=args.out_len, ignore_eos=True)
     for i in range(args.num):
@@ -75,6 +84,7 @@ def main() -> None:
     ap.add_argument("--out-len", type=int, default=256)
     ap.add_argument("--blocks", type=int, default=33024)
     ap.add_argument("--prefix-caching", action="store_true")
+    ap.add_argument("--kvc", action="store_true", help="KV-Compress on, no budget (issue 17)")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     best: dict[str, float] = {}

@@ -75,6 +75,52 @@ def test_matches_reference(dtype, heads: int, kv_heads: int, head_dim: int, wind
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "bs"),
+    [
+        (9, 3, 64, 16),  # SmolLM2: the AMX path where the CPU has it (G 3, two tiles of dims)
+        (16, 8, 128, 16),  # G 2, four tiles of dims (the most the AMX path takes)
+        (32, 2, 64, 16),  # G 16, the widest score tile
+        (34, 2, 64, 16),  # G 17: beyond a tile, the AVX-512 path
+        (4, 1, 256, 16),  # D 256 (Gemma 3): beyond the AMX path
+        (9, 3, 64, 32),  # blocks of 32: the AVX-512 path
+    ],
+)
+def test_amx_shapes_match_reference(dtype, heads: int, kv_heads: int, head_dim: int,  # noqa: ANN001
+                                    bs: int) -> None:  # fmt: skip
+    """The shapes at the edges of the bfloat16 AMX path (and past them) against the
+    reference: partial first and last blocks (a window), a one-key context, long contexts."""
+    ext = _ext()
+    g = torch.Generator().manual_seed(heads + head_dim + bs)
+    B = 5
+    lens = torch.tensor([1, 15, 16, 70, 131], dtype=torch.int32)
+    per = -(-131 // bs)
+    num_blocks = B * per + 3
+    k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[: B * per].view(B, per).to(torch.int32)
+    q = torch.randn(B, heads, head_dim, generator=g).to(dtype)
+    for window in (0, 37):
+        got = ext.paged_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5, window)
+        want = _reference(q, k_cache, v_cache, tables, lens, head_dim**-0.5, window)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_amx_path_where_the_cpu_has_it() -> None:
+    """On a Linux CPU with AMX-BF16 the kernel was built with its AMX path and may use it."""
+    ext = _ext()
+    try:
+        flags = open("/proc/cpuinfo").read().split()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    if "amx_bf16" not in flags:
+        assert not ext.amx_decode()
+        return
+    assert ext.amx_decode()
+
+
 def test_backend_decode_uses_the_kernel_and_agrees(monkeypatch) -> None:  # noqa: ANN001
     """The CPU backend's decode rows: the same output with the kernel (the default for float32
     and bfloat16 caches) as with the PyTorch path (``PAGEDLLM_CPU_KERNELS=0``), and the kernel
