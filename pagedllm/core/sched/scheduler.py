@@ -80,6 +80,9 @@ class Scheduler:
         # steps scheduled with evictions whose new lengths have not come back yet: the next
         # schedule() must see them (the engine runs synchronous steps meanwhile)
         self._kvc_pending = 0
+        # KV-Compress: the requests with a budget (or a measured prefix): without any, a step
+        # plans no eviction unless memory is short (no per-request pass over the batch)
+        self._kvc_budgeted: set[str] = set()
         self.max_model_len = scheduler_config.max_model_len
         # speculative decoding: drafts before a step, acceptance after it (core/sched/spec.py)
         self.spec = SpecDecoding(spec_config, self.max_model_len) if spec_config else None
@@ -173,6 +176,10 @@ class Scheduler:
 
     def _track(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        if self.kvc is not None:
+            rule = request.kvc_budget_rule = self.kvc.budget_of(request.sampling_params)
+            if rule != (None, None) or request.sampling_params.kvc_compress_at is not None:
+                self._kvc_budgeted.add(request.request_id)
         if request.needs_host_tokens:
             self._sync_ids.add(request.request_id)
 
@@ -214,6 +221,7 @@ class Scheduler:
         self.grammar_book.release(request)
         self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
+        self._kvc_budgeted.discard(request.request_id)
         self._sync_ids.discard(request.request_id)
         self.groups.finished(request)
         if request.request_id in self._runner_has:
@@ -836,6 +844,8 @@ class Scheduler:
         those ``_kvc_make_room`` chose; each only when it holds more KVs than its budget."""
         assert self.kvc is not None
         plan: list[KVCEviction] = []
+        if not room and not self._kvc_budgeted:
+            return plan
         chosen = dict(room)
         for rid, n in num_scheduled.items():
             if rid in chosen:
