@@ -104,3 +104,62 @@ def test_packed_linear_and_lm_head_equal_f_linear(monkeypatch: pytest.MonkeyPatc
 
 def cpu_ops_pack_unavailable() -> bool:
     return cpu_ops.pack_linear(torch.zeros(4, 4, dtype=torch.bfloat16)) is None
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 576), (64, 2 * 1536), (3, 5, 2 * 40), (2, 2 * 7)])
+def test_silu_and_mul_matches_layer(monkeypatch: pytest.MonkeyPatch, shape) -> None:  # noqa: ANN001
+    """The compiled bfloat16 silu-and-mul against the layer's PyTorch code: values spread
+    over float32's range (silu of large negative gates is -0 in torch), widths that are not a
+    multiple of 16 (the scalar tail); equal but for rare roundings of a float32 silu that
+    lies within the polynomial exponential's error of a bfloat16 boundary."""
+    from pagedllm.model.layers.activation import SiluAndMul
+
+    _ext()
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (4 * torch.randn(shape, generator=g)).to(torch.bfloat16)
+    x.view(-1)[:6] = torch.tensor([-200.0, 200.0, 0.0, -0.0, 88.5, -88.5]).to(torch.bfloat16)
+    layer = SiluAndMul()
+    got = layer(x)
+    assert cpu_ops.silu_and_mul(x) is not None  # the kernel ran
+    _torch_path(monkeypatch)
+    want = layer(x)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert (got != want).float().mean().item() <= 1e-3
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-30, rtol=2**-7)  # <= 1 ulp
+
+
+def test_silu_and_mul_many_values_rarely_round_apart() -> None:
+    """3M random gates: the fused kernel's bfloat16 results equal torch's in all but a
+    handful of places (none on this project's Xeon)."""
+    import torch.nn.functional as F
+
+    _ext()
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(2048, 2 * 1536, generator=g)).to(torch.bfloat16)
+    gate, up = x.chunk(2, dim=-1)
+    assert int((cpu_ops.silu_and_mul(x) != F.silu(gate) * up).sum()) <= 30
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_reference(dtype: torch.dtype) -> None:
+    """The compiled KV write: the reference's cache bit for bit, keys and values as strided
+    views of a QKV projection, slot -1 skipped, fewer slots than tokens (padding rows); a
+    slot past the cache is an error, not a write out of bounds; a dtype other than the
+    cache's goes to the reference."""
+    from pagedllm.kv_layout import write_kv_ref
+
+    _ext()
+    g = torch.Generator().manual_seed(1)
+    kv = torch.zeros(2, 20, 16, 3, 64, dtype=dtype)
+    qkv = torch.randn(40, 15 * 64, generator=g).to(dtype)
+    k, v = qkv[:, 9 * 64 : 12 * 64].view(40, 3, 64), qkv[:, 12 * 64 :].view(40, 3, 64)
+    slots = torch.randperm(320, generator=g)[:37]
+    slots[[3, 20]] = -1
+    want = kv.clone()
+    write_kv_ref(k, v, want, slots)
+    got = kv.clone()
+    assert cpu_ops.write_kv(k, v, got, slots)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        cpu_ops.write_kv(k, v, got, torch.tensor([320]))
+    assert not cpu_ops.write_kv(k.to(torch.float16), v.to(torch.float16), got, slots)

@@ -1,7 +1,8 @@
 """Gated activations over a fused [gate | up] projection.
 
 On a GPU each runs as one Triton kernel (``pagedllm.ops.activation``); the PyTorch code here is
-its reference and the CPU path.
+its reference and the CPU path (in bfloat16 on a CPU, silu-and-mul is one compiled pass of
+``pagedllm.ops.cpu`` where the kernels are built).
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _on_gpu(x):
             return _triton_act_and_mul(x, "silu")
+        if x.dtype == torch.bfloat16:  # one compiled pass on a CPU (pagedllm/ops/cpu)
+            from pagedllm.ops.cpu import silu_and_mul
+
+            out = silu_and_mul(x)
+            if out is not None:
+                return out
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

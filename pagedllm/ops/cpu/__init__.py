@@ -7,8 +7,9 @@ module; ``scripts/setup.sh`` builds it ahead. Without a compiler (or ninja), or 
 ``PAGEDLLM_CPU_KERNELS=0``, it returns None, saying so once in the log.
 
 What it holds: the paged decode attention (used by the attention backend for float32 and
-bfloat16 caches, ``kernels_enabled``), the greedy argmax (``argmax``), and bfloat16 RMSNorm
-and rope (``rms_norm``, ``rope``: the layers take them for bfloat16 CPU tensors; rope also for
+bfloat16 caches, ``kernels_enabled``), the KV write (``write_kv``, float32 and bfloat16), the
+greedy argmax (``argmax``), and bfloat16 RMSNorm, rope and silu-and-mul (``rms_norm``,
+``rope``, ``silu_and_mul``: the layers take them for bfloat16 CPU tensors; rope also for
 float32 ones, where it is bit for bit PyTorch's).
 ``PAGEDLLM_CPU_KERNELS=0`` turns all of them off, and with them the oneDNN-packed bfloat16
 matmuls (``pack_linear``, used by the linear layers and the LM head): the plain PyTorch path,
@@ -174,6 +175,34 @@ def rope(x: Any, positions: Any, cos_sin: Any) -> Any:
     if ops is None or x.dim() != 3 or x.stride(-1) != 1 or x.shape[-1] % 2:
         return None
     return ops.rope(x, positions, cos_sin)
+
+
+def silu_and_mul(x: Any) -> Any:
+    """``SiluAndMul.forward`` (silu(gate) * up of x = [gate | up]) for a bfloat16 CPU tensor in
+    one compiled pass (``silu_and_mul_bf16``: PyTorch's two roundings; its exponential is a
+    polynomial, so a float32 silu within ~2e-7 of a bfloat16 rounding boundary may round
+    the other way - none in 3.1M random values); None where the kernels cannot take it."""
+    ops = _small_ops(x)
+    if ops is None or x.shape[-1] % 2:
+        return None
+    return ops.silu_and_mul_bf16(x)
+
+
+def write_kv(key: Any, value: Any, kv_cache: Any, slot_mapping: Any) -> bool:
+    """``kv_layout.write_kv_ref`` through the compiled ``write_kv`` (a row copy per token)
+    for a float32 or bfloat16 CPU cache whose dtype the keys and values have; False where the
+    kernels cannot take it (the caller writes with the reference)."""
+    ops = _small_ops(kv_cache, float32_too=True)
+    if (
+        ops is None
+        or key.dtype != kv_cache.dtype
+        or value.dtype != kv_cache.dtype
+        or slot_mapping.dtype.is_floating_point
+        or slot_mapping.device.type != "cpu"
+    ):
+        return False
+    ops.write_kv(key, value, kv_cache[0], kv_cache[1], slot_mapping.long())
+    return True
 
 
 def pack_linear(weight: Any) -> Any:

@@ -85,6 +85,23 @@ inline float exp_softmax(float x) {
 // -march=native: on a CPU without AVX-512 the plain loops below are all there is).
 constexpr bool kAvx512 = true;
 
+// exp of 16 arguments <= 88 (softmax ones are <= 0): the vector form of exp_softmax
+inline __m512 exp512(__m512 x) {
+  const __m512 y = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)),
+                                 _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(_mm512_fmadd_ps(f, p, _mm512_set1_ps(1.f)), _mm512_castsi512_ps(bits));
+}
+
 // out[i] = the sum of a[i]'s 16 lanes, i < 8, with 8 horizontal reductions folded into one:
 // halves added (16 -> 8 lanes), then pairwise adds across registers (hadd: 8 -> 4 -> 2),
 // then the two 128-bit lanes. ~25 instructions where eight _mm512_reduce_add_ps take ~64.
@@ -270,22 +287,6 @@ inline TileConfig amx_config(int64_t G, int64_t chunks) {
   return c;
 }
 
-// exp of 16 softmax arguments (<= 0): the vector form of exp_softmax
-inline __m512 exp512(__m512 x) {
-  const __m512 y = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)),
-                                 _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  const __m512i bits = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(_mm512_fmadd_ps(f, p, _mm512_set1_ps(1.f)), _mm512_castsi512_ps(bits));
-}
 
 // The query heads g < G of one KV head as the B operand of TDPBF16PS, 32 dims per tile:
 // qt[c][p][g][j] = q_g[32 c + 2 p + j] (pairs of dims side by side, "VNNI" order).
@@ -594,6 +595,25 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 inline float bf(at::BFloat16 x) { return to_float(x); }
 inline at::BFloat16 rb(float x) { return at::BFloat16(x); }  // round to nearest even
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// 16 bfloat16 values to float32, and float32 to bfloat16 rounded to nearest even (VCVTNEPS2BF16:
+// at::BFloat16's rounding, but for denormal inputs, which it takes as zero)
+inline __m512 load_bf16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store_bf16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline __m512 round_bf16(__m512 v) {  // v rounded to bfloat16, as float32
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+constexpr bool kBf16Vec = true;
+#else
+constexpr bool kBf16Vec = false;
+#endif
+
 // RMSNorm of each row of x [rows, n] (optionally of x + residual, the sum rounded to
 // bfloat16 first and returned in residual's place): offset 0 -> w * bf16(x / rms(x)) with
 // the product rounded; offset != 0 (Gemma) -> bf16(x / rms(x) * (offset + w)) in float32.
@@ -605,35 +625,52 @@ std::vector<torch::Tensor> rms_norm_bf16(torch::Tensor x, torch::Tensor weight, 
   TORCH_CHECK(weight.numel() == n, "rms_norm_bf16: weight size");
   auto xc = x.contiguous().view({-1, n});
   const int64_t rows = xc.size(0);
-  torch::Tensor sum;
+  torch::Tensor rc, sum;  // sum = x + residual, rounded: returned in the residual's place
+  const at::BFloat16* rs = nullptr;
   if (residual.has_value()) {
-    auto rc = residual->contiguous().view({-1, n});
+    rc = residual->contiguous().view({-1, n});
     sum = torch::empty_like(xc);
-    const auto* a = xc.data_ptr<at::BFloat16>();
-    const auto* r = rc.data_ptr<at::BFloat16>();
-    auto* o = sum.data_ptr<at::BFloat16>();
-    at::parallel_for(0, rows * n, 4096, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) o[i] = rb(bf(a[i]) + bf(r[i]));
-    });
-    xc = sum;
+    rs = rc.data_ptr<at::BFloat16>();
   }
   auto out = torch::empty_like(xc);
   const auto* xs = xc.data_ptr<at::BFloat16>();
+  at::BFloat16* ss_out = residual.has_value() ? sum.data_ptr<at::BFloat16>() : nullptr;
   const auto* w = weight.contiguous().data_ptr<at::BFloat16>();
   auto* ys = out.data_ptr<at::BFloat16>();
   const float e = static_cast<float>(eps), off = static_cast<float>(offset);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const at::BFloat16* xr = xs + i * n;
+      if (rs != nullptr) {  // the row's sum first (one pass: the norm reads it from L1)
+        const at::BFloat16* rr = rs + i * n;
+        at::BFloat16* sr = ss_out + i * n;
+        int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        for (; j + 16 <= n; j += 16)
+          store_bf16(sr + j, _mm512_add_ps(load_bf16(xr + j), load_bf16(rr + j)));
+#endif
+        for (; j < n; ++j) sr[j] = rb(bf(xr[j]) + bf(rr[j]));
+        xr = sr;
+      }
       at::BFloat16* yr = ys + i * n;
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t j = 0; j < n; ++j) ss += bf(xr[j]) * bf(xr[j]);
       const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + e);
+      int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      const __m512 rv = _mm512_set1_ps(r), ov = _mm512_set1_ps(off);
+      for (; j + 16 <= n; j += 16) {  // the loops below, 16 at a time (the same roundings)
+        const __m512 xv = load_bf16(xr + j), wv = load_bf16(w + j);
+        store_bf16(yr + j, off != 0.f
+                               ? _mm512_mul_ps(_mm512_mul_ps(xv, rv), _mm512_add_ps(ov, wv))
+                               : _mm512_mul_ps(wv, round_bf16(_mm512_mul_ps(xv, rv))));
+      }
+#endif
       if (off != 0.f) {
-        for (int64_t j = 0; j < n; ++j) yr[j] = rb(bf(xr[j]) * r * (off + bf(w[j])));
+        for (; j < n; ++j) yr[j] = rb(bf(xr[j]) * r * (off + bf(w[j])));
       } else {
-        for (int64_t j = 0; j < n; ++j) yr[j] = rb(bf(w[j]) * bf(rb(bf(xr[j]) * r)));
+        for (; j < n; ++j) yr[j] = rb(bf(w[j]) * bf(rb(bf(xr[j]) * r)));
       }
     }
   });
@@ -665,7 +702,27 @@ void rope_rows(const T* xs, int64_t st, int64_t sh, const int64_t* p, const floa
       const float* c = cs + p[t] * D;
       const float* s = c + half;
       T* orow = o + i * D;
-      for (int64_t j = 0; j < half; ++j) {
+      int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      // 16 at a time: the same products and sums (no fused multiply-add: fp-contract off)
+      for (; j + 16 <= half; j += 16) {
+        __m512 x1, x2;
+        if constexpr (std::is_same_v<T, float>) {
+          x1 = _mm512_loadu_ps(xr + j), x2 = _mm512_loadu_ps(xr + j + half);
+        } else {
+          x1 = load_bf16(xr + j), x2 = load_bf16(xr + j + half);
+        }
+        const __m512 cv = _mm512_loadu_ps(c + j), sv = _mm512_loadu_ps(s + j);
+        const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv));
+        const __m512 hi = _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv));
+        if constexpr (std::is_same_v<T, float>) {
+          _mm512_storeu_ps(orow + j, lo), _mm512_storeu_ps(orow + j + half, hi);
+        } else {
+          store_bf16(orow + j, lo), store_bf16(orow + j + half, hi);
+        }
+      }
+#endif
+      for (; j < half; ++j) {
         const float x1 = to_float(xr[j]), x2 = to_float(xr[j + half]);
         const float a = x1 * c[j], b = x2 * s[j], u = x2 * c[j], v = x1 * s[j];
         orow[j] = from_float<T>(a - b);
@@ -698,6 +755,113 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_s
 }
 #pragma GCC pop_options
 
+// ------------------------------------------------------------- KV write, silu-and-mul
+// The step's new keys and values into their slots: k_cache.view(-1, KVH, D)[slot[t]] =
+// key[t] (the same for values), a row copy per token; slots < 0 are skipped. key/value
+// [T, KVH, D] with unit strides inside a token (a slice of the QKV projection is fine), the
+// cache's dtype. index_copy_ (the PyTorch reference, kv_layout.write_kv_ref) costs ~30 us a
+// call at a decode step's 64 rows here, this ~1 us.
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
+              torch::Tensor v_cache, torch::Tensor slots) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "write_kv: key/value shapes");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() &&
+                  value.scalar_type() == v_cache.scalar_type(),
+              "write_kv: key/value and cache dtypes differ");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "write_kv: cache layout");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) <= key.size(0),
+              "write_kv: slot_mapping");
+  const int64_t KVH = key.size(1), D = key.size(2);
+  const int64_t row = KVH * D;
+  TORCH_CHECK(k_cache.numel() % row == 0 && v_cache.numel() == k_cache.numel(),
+              "write_kv: cache shape");
+  auto rowwise = [&](torch::Tensor x) {
+    return (x.stride(2) == 1 && x.stride(1) == D) ? x : x.contiguous();
+  };
+  key = rowwise(key);
+  value = rowwise(value);
+  slots = slots.contiguous();
+  const int64_t n = slots.size(0), num_slots = k_cache.numel() / row;
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(sl[t] < num_slots, "write_kv: slot ", sl[t], " past the cache");
+  const int64_t bytes = row * static_cast<int64_t>(key.element_size());
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (sl[t] < 0) continue;
+      std::memcpy(kc + sl[t] * bytes, kp + t * ks, bytes);
+      std::memcpy(vc + sl[t] * bytes, vp + t * vs, bytes);
+    }
+  });
+}
+
+// silu(gate) * up for x = [gate | up] [rows, 2n] in bfloat16, with PyTorch's roundings:
+// silu in float32 (x / (1 + exp(-x))) rounded to bfloat16, then the product in float32
+// rounded. One pass over x instead of torch's two (silu, then the multiply) and no
+// intermediate tensor. The exponential is a polynomial (relative error ~2e-7, torch's SLEEF
+// one is within 1 ulp): a float32 silu that lands within that of a bfloat16 rounding boundary
+// may round the other way (rarely; bfloat16 runs are compared with a tolerance).
+torch::Tensor silu_and_mul_bf16(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) % 2 == 0,
+              "silu_and_mul_bf16: bfloat16 [..., 2n]");
+  const int64_t n = x.size(-1) / 2;
+  auto xc = x.contiguous().view({-1, 2 * n});
+  const int64_t rows = xc.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  auto out = torch::empty(shape, x.options());
+  const auto* xs = xc.data_ptr<at::BFloat16>();
+  auto* os = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const at::BFloat16* g = xs + r * 2 * n;
+      const at::BFloat16* u = g + n;
+      at::BFloat16* o = os + r * n;
+      int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; j + 16 <= n; j += 16) {
+        auto widen16 = [](const at::BFloat16* p) {
+          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+          return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        };
+        const __m512 gv = widen16(g + j);
+        // exp(-g): g > 87 gives ~0 (silu = g); -g in (87, 88.72] exp(-g / 2) squared (2^n
+        // of exp512 would overflow), past float32's range infinity, as torch's exponential
+        // (silu = -0 there)
+        const __m512 ng = _mm512_sub_ps(_mm512_setzero_ps(), gv);
+        __m512 e = exp512(_mm512_min_ps(ng, _mm512_set1_ps(87.f)));
+        const __mmask16 big = _mm512_cmp_ps_mask(ng, _mm512_set1_ps(87.f), _CMP_GT_OQ);
+        if (big) {
+          const __m512 h = exp512(_mm512_mul_ps(_mm512_min_ps(ng, _mm512_set1_ps(88.7228394f)),
+                                                _mm512_set1_ps(0.5f)));
+          e = _mm512_mask_blend_ps(big, e, _mm512_mul_ps(h, h));
+          e = _mm512_mask_blend_ps(
+              _mm512_cmp_ps_mask(ng, _mm512_set1_ps(88.7228394f), _CMP_GT_OQ), e,
+              _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+        }
+        const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+        // round silu to bfloat16 (nearest even), back to float32, times up, round again
+        const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(silu)), 16));
+        const __m512 prod = _mm512_mul_ps(sr, widen16(u + j));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), (__m256i)_mm512_cvtneps_pbh(prod));
+      }
+#endif
+      for (; j < n; ++j) {
+        const float gv = bf(g[j]);
+        o[j] = rb(bf(rb(gv / (1.f + std::exp(-gv)))) * bf(u[j]));
+      }
+    }
+  });
+  return out;
+}
+
 // Whether bfloat16 decode attention takes the AMX path here (built for a CPU with AMX-BF16,
 // and the kernel lets this process use the tiles).
 bool amx_decode() {
@@ -710,6 +874,8 @@ bool amx_decode() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_decode", &amx_decode, "Whether bfloat16 decode attention uses AMX tiles here");
+  m.def("write_kv", &write_kv, "New keys and values into their cache slots (CPU)");
+  m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "silu(gate) * up, bfloat16 (CPU)");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm (optionally of x + residual), bfloat16");
   m.def("rope", &rope, "Rotary embedding of [tokens, heads, D], float32 or bfloat16");
   m.def("paged_decode", &paged_decode, "Decode attention over the paged KV cache (CPU)");
