@@ -19,6 +19,7 @@ from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kv_layout import token_slots, write_kv_ref
 
+
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -30,7 +31,6 @@ def write_kv_cache(
         if write_kv(key, value, kv_cache, slot_mapping):
             return
     write_kv_ref(key, value, kv_cache, slot_mapping)
-
 
 
 def _decode_kernel(dtype: torch.dtype | None = None) -> object | None:
