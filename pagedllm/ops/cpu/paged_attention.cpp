@@ -333,9 +333,53 @@ inline void scores_amx(const at::BFloat16* kb, int64_t stride, int64_t chunks, f
 // One block of one work item on the AMX path: the 16 slots' scores for every query head in
 // one tile product, then per head the softmax over the block in one vector (masked to the
 // valid slots [lo, hi)), the rescale only when the running maximum grows, and the values.
-inline void block_amx(const at::BFloat16* kb, int64_t row_stride, int64_t lo, int64_t hi,
-                      int64_t G, int64_t D, float scale, float* cbuf, float* m, float* l,
-                      float* acc, float* sc, const float* const* vr) {
+// acc[g] += sum over t in [lo, hi) of p[g][t] v_t (after acc[g] *= corr[g]), the values read
+// as bfloat16 in place: a 32-value row piece as 16 32-bit lanes is its odd values' float32
+// bits with junk below (masked off) and its even values' bits shifted up (no widening pass).
+// So acc holds, per 32 dimensions, the 16 even ones then the 16 odd ones (``acc_to_dims``
+// puts them back in order). NG query heads at a time keep 2 NG accumulators in registers.
+// Example: D 64 -> acc[g] = [d0 d2 .. d30, d1 d3 .. d31, d32 d34 .. d62, d33 .. d63].
+template <int NG>
+inline void accumulate_bf16(float* acc, const float* corr, const float* p,
+                            const at::BFloat16* vb, int64_t row_stride, int64_t lo, int64_t hi,
+                            int64_t D) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t c = 0; c < D; c += 32) {
+    __m512 ev[NG], od[NG];
+    for (int g = 0; g < NG; ++g) {
+      const __m512 cg = _mm512_set1_ps(corr[g]);
+      ev[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c), cg);
+      od[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c + 16), cg);
+    }
+    for (int64_t t = lo; t < hi; ++t) {
+      const __m512i x = _mm512_loadu_si512(vb + t * row_stride + c);
+      const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      const __m512 o = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+      for (int g = 0; g < NG; ++g) {
+        const __m512 pv = _mm512_set1_ps(p[g * 16 + t]);
+        ev[g] = _mm512_fmadd_ps(pv, e, ev[g]);
+        od[g] = _mm512_fmadd_ps(pv, o, od[g]);
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      _mm512_storeu_ps(acc + g * D + c, ev[g]);
+      _mm512_storeu_ps(acc + g * D + c + 16, od[g]);
+    }
+  }
+}
+
+// One query head's accumulator from accumulate_bf16's order back to dimension order.
+inline void acc_to_dims(const float* acc, float* out, int64_t D) {
+  for (int64_t c = 0; c < D; c += 32)
+    for (int64_t i = 0; i < 16; ++i) {
+      out[c + 2 * i] = acc[c + i];
+      out[c + 2 * i + 1] = acc[c + 16 + i];
+    }
+}
+
+inline void block_amx(const at::BFloat16* kb, const at::BFloat16* vb, int64_t row_stride,
+                      int64_t lo, int64_t hi, int64_t G, int64_t D, float scale, float* cbuf,
+                      float* m, float* l, float* acc, float* sc, float* corr) {
   scores_amx(kb, row_stride * 2, D / 32, cbuf);
   const __m512i rows = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -347,12 +391,22 @@ inline void block_amx(const at::BFloat16* kb, int64_t row_stride, int64_t lo, in
     s = _mm512_mask_blend_ps(valid, ninf, s);
     const float new_m = std::max(m[g], _mm512_reduce_max_ps(s));
     // 0 for the first block (m = -inf); 1 with no call while the maximum holds
-    const float corr = new_m == m[g] ? 1.f : std::exp(m[g] - new_m);
+    corr[g] = new_m == m[g] ? 1.f : std::exp(m[g] - new_m);
     const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(new_m))));
     _mm512_storeu_ps(sc + g * 16, p);
-    l[g] = l[g] * corr + _mm512_reduce_add_ps(p);
+    l[g] = l[g] * corr[g] + _mm512_reduce_add_ps(p);
     m[g] = new_m;
-    accumulate_avx512(acc + g * D, corr, sc + g * 16, vr, lo, hi, D);
+  }
+  for (int64_t g = 0; g < G; g += 4) {  // the query heads 4 at a time (8 accumulators)
+    float* a = acc + g * D;
+    const float* c = corr + g;
+    const float* p = sc + g * 16;
+    switch (std::min<int64_t>(4, G - g)) {
+      case 4: accumulate_bf16<4>(a, c, p, vb, row_stride, lo, hi, D); break;
+      case 3: accumulate_bf16<3>(a, c, p, vb, row_stride, lo, hi, D); break;
+      case 2: accumulate_bf16<2>(a, c, p, vb, row_stride, lo, hi, D); break;
+      default: accumulate_bf16<1>(a, c, p, vb, row_stride, lo, hi, D);
+    }
   }
 }
 #else
@@ -377,7 +431,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
 #endif
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), kf(bs * D), vf(bs * D), sc(G * bs);
-    std::vector<float> m(G), l(G);
+    std::vector<float> m(G), l(G), corr(G), dims(D);
     std::vector<at::BFloat16> qt(amx ? G * D : 0);
     alignas(64) float cbuf[256];
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
@@ -428,7 +482,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
         const float* kr[64];  // each slot's key and value rows (block_size <= 64)
         const float* vr[64];
         if constexpr (is_bf16) {
-          if (dp) {
+          if (dp && !amx) {  // (the AMX path reads the values in place)
             for (int64_t t = lo; t < hi; ++t) {
               widen_bf16(reinterpret_cast<const at::BFloat16*>(vb + t * row_stride),
                          vf.data() + t * D, D);
@@ -444,8 +498,9 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
         }
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
         if (amx) {
-          block_amx(reinterpret_cast<const at::BFloat16*>(kb), row_stride, lo, hi, G, D, scale,
-                    cbuf, m.data(), l.data(), acc.data(), sc.data(), vr);
+          block_amx(reinterpret_cast<const at::BFloat16*>(kb),
+                    reinterpret_cast<const at::BFloat16*>(vb), row_stride, lo, hi, G, D, scale,
+                    cbuf, m.data(), l.data(), acc.data(), sc.data(), corr.data());
           continue;
         }
 #endif
@@ -497,7 +552,11 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
       for (int64_t g = 0; g < G; ++g) {
         T* os = out + (b * H + h * G + g) * D;
         const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t d = 0; d < D; ++d) os[d] = static_cast<T>(acc[g * D + d] * inv);
+        const float* a = acc.data() + g * D;
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+        if (amx) a = (acc_to_dims(a, dims.data(), D), dims.data());
+#endif
+        for (int64_t d = 0; d < D; ++d) os[d] = static_cast<T>(a[d] * inv);
       }
     }
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
