@@ -1,7 +1,8 @@
 """The compiled bfloat16 RMSNorm and rotary embedding of the CPU path (``pagedllm.ops.cpu``)
 against the PyTorch code they replace (the layers with the kernels off): the rotation bit for
 bit, the norm within one bfloat16 rounding (its sum of squares is added in another order);
-and the layers take them in bfloat16 only (float32 stays on the exact PyTorch path)."""
+and in float32 the norm and silu-and-mul within ulps of PyTorch's (``PAGEDLLM_FLOAT32_EXACT=1``
+keeps float32 on PyTorch's ops)."""
 
 from __future__ import annotations
 
@@ -55,16 +56,38 @@ def test_rope_matches_layer_bit_for_bit(monkeypatch: pytest.MonkeyPatch, dtype) 
         assert torch.equal(a, b)
 
 
-def test_float32_keeps_the_pytorch_norm() -> None:
-    """The norm's sum of squares would be added in another order than torch's: float32 (the
-    exact-vs-HF path) keeps the PyTorch code; rope, exact in float32, is compiled for both."""
-    _ext()
-    x = torch.randn(4, 64)
-    assert cpu_ops.rms_norm(x, torch.ones(64), 1e-6, 0.0) is None
+def test_float32_norm_and_silu_within_ulps_and_exact_switch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """float32: the compiled norm (sum of squares in another order) and silu-and-mul (a
+    polynomial exponential) are within a couple of ulps of the layers' PyTorch code; with
+    ``PAGEDLLM_FLOAT32_EXACT=1`` the layers run that code (bit for bit HF's) and rope, exact in
+    float32, stays compiled; float16 takes none of the kernels."""
+    from pagedllm.model.layers.activation import SiluAndMul
+
+    ops = _ext()
+    if not ops.small_ops_vectorized():
+        pytest.skip("float32 takes the compiled element-wise ops only where they vectorize")
+    g = torch.Generator().manual_seed(5)
+    x, r = torch.randn(37, 576, generator=g), torch.randn(37, 576, generator=g)
+    gu = 4 * torch.randn(37, 2 * 1536, generator=g)
+    norm = RMSNorm(576, 1e-6, torch.float32)
+    norm.weight.data = torch.randn(576, generator=g)
+    monkeypatch.delenv("PAGEDLLM_FLOAT32_EXACT", raising=False)
+    assert cpu_ops.rms_norm(x, norm.weight, 1e-6, 0.0) is not None  # the kernel runs
+    got = (norm(x), *norm(x, r), SiluAndMul()(gu))
+    monkeypatch.setenv("PAGEDLLM_FLOAT32_EXACT", "1")
+    assert cpu_ops.rms_norm(x, norm.weight, 1e-6, 0.0) is None
+    assert cpu_ops.silu_and_mul(gu) is None
+    want = (norm(x), *norm(x, r), SiluAndMul()(gu))
+    assert torch.equal(got[2], want[2])  # the residual sum: one rounding, the same
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=4e-7)
     assert cpu_ops.rope(
-        x.view(4, 1, 64), torch.zeros(4, dtype=torch.long), torch.ones(8, 64)
-    ).shape == (4, 1, 64)
-    assert cpu_ops.rope(x.half().view(4, 1, 64), torch.zeros(4), torch.ones(8, 64)) is None
+        x.view(37, 9, 64), torch.zeros(37, dtype=torch.long), torch.ones(8, 64)
+    ).shape == (37, 9, 64)
+    assert cpu_ops.rope(x.half().view(37, 9, 64), torch.zeros(37), torch.ones(8, 64)) is None
+    assert cpu_ops.rms_norm(x.half(), norm.weight.half(), 1e-6, 0.0) is None
 
 
 def test_packed_linear_and_lm_head_equal_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:

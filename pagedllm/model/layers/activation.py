@@ -28,7 +28,7 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _on_gpu(x):
             return _triton_act_and_mul(x, "silu")
-        if x.dtype == torch.bfloat16:  # one compiled pass on a CPU (pagedllm/ops/cpu)
+        if x.device.type == "cpu":  # one compiled pass (pagedllm/ops/cpu) where built
             from pagedllm.ops.cpu import silu_and_mul
 
             out = silu_and_mul(x)

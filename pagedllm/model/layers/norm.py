@@ -34,9 +34,10 @@ class RMSNorm(nn.Module):
     same as adding first.
 
     On a GPU the same arithmetic runs as one Triton kernel (``pagedllm.ops.rms_norm``) instead
-    of seven (eight with the add) PyTorch ones; on a CPU in bfloat16, as one compiled kernel
-    with the same roundings (``pagedllm.ops.cpu.rms_norm``) when the CPU kernels are built.
-    The code below is their reference (and the float32 CPU path).
+    of seven (eight with the add) PyTorch ones; on a CPU, as one compiled kernel
+    (``pagedllm.ops.cpu.rms_norm``: in bfloat16 the same roundings, in float32 the same
+    arithmetic with the sum of squares in another order) when the CPU kernels are built.
+    The code below is their reference (and the path with ``PAGEDLLM_FLOAT32_EXACT=1``).
     """
 
     def __init__(

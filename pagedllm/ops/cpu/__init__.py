@@ -154,16 +154,32 @@ def _small_ops(x: Any, float32_too: bool = False) -> Any:
     return cpu_ops(build=False)
 
 
+def _float32_ops(x: Any) -> Any:
+    """The compiled module where a float32 or bfloat16 CPU tensor may take the element-wise
+    kernels that are not bit for bit PyTorch's in float32 (a different order of a sum, a
+    polynomial exponential: within an ulp or two); float32 only where they are vectorized
+    (``PAGEDLLM_FLOAT32_EXACT=1`` keeps float32 on PyTorch's ops, bit for bit HF's)."""
+    import torch
+
+    ops = _small_ops(x, float32_too=True)
+    if ops is None or x.dtype == torch.bfloat16:
+        return ops
+    if os.environ.get("PAGEDLLM_FLOAT32_EXACT", "") == "1" or not ops.small_ops_vectorized():
+        return None
+    return ops
+
+
 def rms_norm(x: Any, weight: Any, eps: float, offset: float, residual: Any = None) -> Any:
-    """``RMSNorm.forward`` for a bfloat16 CPU tensor through the compiled ``rms_norm_bf16``
-    (the same rounding, op for op): y, or (y, x + residual) with ``residual``; None where the
+    """``RMSNorm.forward`` for a float32 or bfloat16 CPU tensor through the compiled
+    ``rms_norm`` (the same arithmetic, and in bfloat16 the same roundings op for op; the sum
+    of squares in another order): y, or (y, x + residual) with ``residual``; None where the
     kernels cannot take it (the caller runs the PyTorch code)."""
-    ops = _small_ops(x)
+    ops = _float32_ops(x)
     if ops is None or weight.dtype != x.dtype:
         return None
     if residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape):
         return None
-    out = ops.rms_norm_bf16(x, weight, eps, offset, residual)
+    out = ops.rms_norm(x, weight, eps, offset, residual)
     return out[0] if residual is None else (out[0], out[1])
 
 
@@ -178,14 +194,15 @@ def rope(x: Any, positions: Any, cos_sin: Any) -> Any:
 
 
 def silu_and_mul(x: Any) -> Any:
-    """``SiluAndMul.forward`` (silu(gate) * up of x = [gate | up]) for a bfloat16 CPU tensor in
-    one compiled pass (``silu_and_mul_bf16``: PyTorch's two roundings; its exponential is a
-    polynomial, so a float32 silu within ~2e-7 of a bfloat16 rounding boundary may round
-    the other way - none in 3.1M random values); None where the kernels cannot take it."""
-    ops = _small_ops(x)
+    """``SiluAndMul.forward`` (silu(gate) * up of x = [gate | up]) for a float32 or bfloat16
+    CPU tensor in one compiled pass (``silu_and_mul``: PyTorch's roundings; its exponential is
+    a polynomial, so float32 results are within an ulp or two of torch's, and a bfloat16 silu
+    within ~2e-7 of a rounding boundary may round the other way - none in 3.1M random values);
+    None where the kernels cannot take it."""
+    ops = _float32_ops(x)
     if ops is None or x.shape[-1] % 2:
         return None
-    return ops.silu_and_mul_bf16(x)
+    return ops.silu_and_mul(x)
 
 
 def write_kv(key: Any, value: Any, kv_cache: Any, slot_mapping: Any) -> bool:

@@ -669,70 +669,115 @@ inline __m512 round_bf16(__m512 v) {  // v rounded to bfloat16, as float32
       _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
 constexpr bool kBf16Vec = true;
+// the element-wise kernels below for float32 or bfloat16 rows: 16 values in, out, and the
+// rounding to T (none for float32)
+template <typename T>
+inline __m512 ld16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
+  else return load_bf16(p);
+}
+template <typename T>
+inline void st16(T* p, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) _mm512_storeu_ps(p, v);
+  else store_bf16(p, v);
+}
+template <typename T>
+inline __m512 rnd16(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return round_bf16(v);
+}
 #else
 constexpr bool kBf16Vec = false;
 #endif
+template <typename T>
+inline float tof(T x) { return to_float(x); }
+template <typename T>
+inline T fromf(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return rb(x);
+}
 
-// RMSNorm of each row of x [rows, n] (optionally of x + residual, the sum rounded to
-// bfloat16 first and returned in residual's place): offset 0 -> w * bf16(x / rms(x)) with
-// the product rounded; offset != 0 (Gemma) -> bf16(x / rms(x) * (offset + w)) in float32.
-std::vector<torch::Tensor> rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps,
-                                         double offset, c10::optional<torch::Tensor> residual) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
-              "rms_norm_bf16: bfloat16 tensors");
-  const int64_t n = x.size(-1);
-  TORCH_CHECK(weight.numel() == n, "rms_norm_bf16: weight size");
-  auto xc = x.contiguous().view({-1, n});
-  const int64_t rows = xc.size(0);
-  torch::Tensor rc, sum;  // sum = x + residual, rounded: returned in the residual's place
-  const at::BFloat16* rs = nullptr;
-  if (residual.has_value()) {
-    rc = residual->contiguous().view({-1, n});
-    sum = torch::empty_like(xc);
-    rs = rc.data_ptr<at::BFloat16>();
-  }
-  auto out = torch::empty_like(xc);
-  const auto* xs = xc.data_ptr<at::BFloat16>();
-  at::BFloat16* ss_out = residual.has_value() ? sum.data_ptr<at::BFloat16>() : nullptr;
-  const auto* w = weight.contiguous().data_ptr<at::BFloat16>();
-  auto* ys = out.data_ptr<at::BFloat16>();
-  const float e = static_cast<float>(eps), off = static_cast<float>(offset);
+// RMSNorm of each row of x [rows, n] (optionally of x + residual, the sum rounded to T
+// first and returned in residual's place): offset 0 -> w * T(x / rms(x)) with the product
+// rounded; offset != 0 (Gemma) -> T(x / rms(x) * (offset + w)) in float32. bfloat16: the
+// roundings of the PyTorch code, op for op (the sum of squares in another order); float32:
+// the same arithmetic, the sum of squares in 16 lanes (torch's reduction adds in another
+// order: results within an ulp or so, not bit for bit).
+template <typename T>
+void rms_norm_rows(const T* xs, const T* rs, T* sums, const T* w, T* ys, int64_t rows,
+                   int64_t n, float e, float off) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const at::BFloat16* xr = xs + i * n;
+      const T* xr = xs + i * n;
       if (rs != nullptr) {  // the row's sum first (one pass: the norm reads it from L1)
-        const at::BFloat16* rr = rs + i * n;
-        at::BFloat16* sr = ss_out + i * n;
+        const T* rr = rs + i * n;
+        T* sr = sums + i * n;
         int64_t j = 0;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-        for (; j + 16 <= n; j += 16)
-          store_bf16(sr + j, _mm512_add_ps(load_bf16(xr + j), load_bf16(rr + j)));
+        for (; j + 16 <= n; j += 16) st16(sr + j, _mm512_add_ps(ld16(xr + j), ld16(rr + j)));
 #endif
-        for (; j < n; ++j) sr[j] = rb(bf(xr[j]) + bf(rr[j]));
+        for (; j < n; ++j) sr[j] = fromf<T>(tof(xr[j]) + tof(rr[j]));
         xr = sr;
       }
-      at::BFloat16* yr = ys + i * n;
+      T* yr = ys + i * n;
       float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < n; ++j) ss += bf(xr[j]) * bf(xr[j]);
-      const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + e);
       int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      __m512 acc = _mm512_setzero_ps();
+      for (; j + 16 <= n; j += 16) {
+        const __m512 v = ld16(xr + j);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      ss = _mm512_reduce_add_ps(acc);
+#endif
+      for (; j < n; ++j) ss += tof(xr[j]) * tof(xr[j]);
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + e);
+      j = 0;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
       const __m512 rv = _mm512_set1_ps(r), ov = _mm512_set1_ps(off);
       for (; j + 16 <= n; j += 16) {  // the loops below, 16 at a time (the same roundings)
-        const __m512 xv = load_bf16(xr + j), wv = load_bf16(w + j);
-        store_bf16(yr + j, off != 0.f
-                               ? _mm512_mul_ps(_mm512_mul_ps(xv, rv), _mm512_add_ps(ov, wv))
-                               : _mm512_mul_ps(wv, round_bf16(_mm512_mul_ps(xv, rv))));
+        const __m512 xv = ld16(xr + j), wv = ld16(w + j);
+        st16(yr + j, off != 0.f ? _mm512_mul_ps(_mm512_mul_ps(xv, rv), _mm512_add_ps(ov, wv))
+                                : _mm512_mul_ps(wv, rnd16<T>(_mm512_mul_ps(xv, rv))));
       }
 #endif
       if (off != 0.f) {
-        for (; j < n; ++j) yr[j] = rb(bf(xr[j]) * r * (off + bf(w[j])));
+        for (; j < n; ++j) yr[j] = fromf<T>(tof(xr[j]) * r * (off + tof(w[j])));
       } else {
-        for (; j < n; ++j) yr[j] = rb(bf(w[j]) * bf(rb(bf(xr[j]) * r)));
+        for (; j < n; ++j) yr[j] = fromf<T>(tof(w[j]) * tof(fromf<T>(tof(xr[j]) * r)));
       }
     }
   });
+}
+
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                                    double offset, c10::optional<torch::Tensor> residual) {
+  const auto dt = x.scalar_type();
+  TORCH_CHECK((dt == at::kBFloat16 || dt == at::kFloat) && weight.scalar_type() == dt,
+              "rms_norm: float32 or bfloat16 tensors of one dtype");
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.numel() == n, "rms_norm: weight size");
+  auto xc = x.contiguous().view({-1, n});
+  const int64_t rows = xc.size(0);
+  torch::Tensor rc, sum;  // sum = x + residual, rounded: returned in the residual's place
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->scalar_type() == dt, "rms_norm: residual dtype");
+    rc = residual->contiguous().view({-1, n});
+    sum = torch::empty_like(xc);
+  }
+  auto out = torch::empty_like(xc);
+  auto w = weight.contiguous();
+  const float e = static_cast<float>(eps), off = static_cast<float>(offset);
+  if (dt == at::kFloat) {
+    rms_norm_rows<float>(xc.data_ptr<float>(), rc.defined() ? rc.data_ptr<float>() : nullptr,
+                         sum.defined() ? sum.data_ptr<float>() : nullptr, w.data_ptr<float>(),
+                         out.data_ptr<float>(), rows, n, e, off);
+  } else {
+    using B = at::BFloat16;
+    rms_norm_rows<B>(xc.data_ptr<B>(), rc.defined() ? rc.data_ptr<B>() : nullptr,
+                     sum.defined() ? sum.data_ptr<B>() : nullptr, w.data_ptr<B>(),
+                     out.data_ptr<B>(), rows, n, e, off);
+  }
   auto y = out.view(x.sizes());
   if (residual.has_value()) return {y, sum.view(x.sizes())};
   return {y};
@@ -858,38 +903,26 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
   });
 }
 
-// silu(gate) * up for x = [gate | up] [rows, 2n] in bfloat16, with PyTorch's roundings:
-// silu in float32 (x / (1 + exp(-x))) rounded to bfloat16, then the product in float32
+// silu(gate) * up for x = [gate | up] [rows, 2n] in float32 or bfloat16, with PyTorch's
+// roundings: silu in float32 (x / (1 + exp(-x))) rounded to T, then the product in float32
 // rounded. One pass over x instead of torch's two (silu, then the multiply) and no
 // intermediate tensor. The exponential is a polynomial (relative error ~2e-7, torch's SLEEF
-// one is within 1 ulp): a float32 silu that lands within that of a bfloat16 rounding boundary
-// may round the other way (rarely; bfloat16 runs are compared with a tolerance).
-torch::Tensor silu_and_mul_bf16(torch::Tensor x) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) % 2 == 0,
-              "silu_and_mul_bf16: bfloat16 [..., 2n]");
-  const int64_t n = x.size(-1) / 2;
-  auto xc = x.contiguous().view({-1, 2 * n});
-  const int64_t rows = xc.size(0);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  auto out = torch::empty(shape, x.options());
-  const auto* xs = xc.data_ptr<at::BFloat16>();
-  auto* os = out.data_ptr<at::BFloat16>();
+// one is within 1 ulp): float32 results within an ulp or two of torch's; in bfloat16 a silu
+// that lands within that of a rounding boundary may round the other way (none in 3.1M random
+// values here).
+template <typename T>
+void silu_and_mul_rows(const T* xs, T* os, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)),
                    [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const at::BFloat16* g = xs + r * 2 * n;
-      const at::BFloat16* u = g + n;
-      at::BFloat16* o = os + r * n;
+      const T* g = xs + r * 2 * n;
+      const T* u = g + n;
+      T* o = os + r * n;
       int64_t j = 0;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
       const __m512 one = _mm512_set1_ps(1.f);
       for (; j + 16 <= n; j += 16) {
-        auto widen16 = [](const at::BFloat16* p) {
-          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-          return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        };
-        const __m512 gv = widen16(g + j);
+        const __m512 gv = ld16(g + j);
         // exp(-g): g > 87 gives ~0 (silu = g); -g in (87, 88.72] exp(-g / 2) squared (2^n
         // of exp512 would overflow), past float32's range infinity, as torch's exponential
         // (silu = -0 there)
@@ -904,22 +937,39 @@ torch::Tensor silu_and_mul_bf16(torch::Tensor x) {
               _mm512_cmp_ps_mask(ng, _mm512_set1_ps(88.7228394f), _CMP_GT_OQ), e,
               _mm512_set1_ps(std::numeric_limits<float>::infinity()));
         }
-        const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, e));
-        // round silu to bfloat16 (nearest even), back to float32, times up, round again
-        const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(silu)), 16));
-        const __m512 prod = _mm512_mul_ps(sr, widen16(u + j));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), (__m256i)_mm512_cvtneps_pbh(prod));
+        const __m512 silu = rnd16<T>(_mm512_div_ps(gv, _mm512_add_ps(one, e)));
+        st16(o + j, _mm512_mul_ps(silu, ld16(u + j)));
       }
 #endif
       for (; j < n; ++j) {
-        const float gv = bf(g[j]);
-        o[j] = rb(bf(rb(gv / (1.f + std::exp(-gv)))) * bf(u[j]));
+        const float gv = tof(g[j]);
+        o[j] = fromf<T>(tof(fromf<T>(gv / (1.f + std::exp(-gv)))) * tof(u[j]));
       }
     }
   });
+}
+
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  const auto dt = x.scalar_type();
+  TORCH_CHECK((dt == at::kBFloat16 || dt == at::kFloat) && x.size(-1) % 2 == 0,
+              "silu_and_mul: float32 or bfloat16 [..., 2n]");
+  const int64_t n = x.size(-1) / 2;
+  auto xc = x.contiguous().view({-1, 2 * n});
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  auto out = torch::empty(shape, x.options());
+  if (dt == at::kFloat) {
+    silu_and_mul_rows<float>(xc.data_ptr<float>(), out.data_ptr<float>(), xc.size(0), n);
+  } else {
+    silu_and_mul_rows<at::BFloat16>(xc.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),
+                                    xc.size(0), n);
+  }
   return out;
 }
+
+// Whether the element-wise kernels above run vectorized here (AVX-512 with BF16); the
+// float32 callers take them only then (PyTorch's own ops are as fast as scalar loops).
+bool small_ops_vectorized() { return kBf16Vec; }
 
 // Whether bfloat16 decode attention takes the AMX path here (built for a CPU with AMX-BF16,
 // and the kernel lets this process use the tiles).
@@ -934,8 +984,9 @@ bool amx_decode() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_decode", &amx_decode, "Whether bfloat16 decode attention uses AMX tiles here");
   m.def("write_kv", &write_kv, "New keys and values into their cache slots (CPU)");
-  m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "silu(gate) * up, bfloat16 (CPU)");
-  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm (optionally of x + residual), bfloat16");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, float32 or bfloat16 (CPU)");
+  m.def("small_ops_vectorized", &small_ops_vectorized, "Element-wise kernels vectorized here");
+  m.def("rms_norm", &rms_norm, "RMSNorm (optionally of x + residual), float32 or bfloat16");
   m.def("rope", &rope, "Rotary embedding of [tokens, heads, D], float32 or bfloat16");
   m.def("paged_decode", &paged_decode, "Decode attention over the paged KV cache (CPU)");
   m.def("argmax_last", &argmax_last, "Index of each row's maximum, as torch.argmax(-1)");
