@@ -52,9 +52,11 @@ def _reference(q, k_cache, v_cache, tables, lens, scale, window):  # noqa: ANN00
 )
 @pytest.mark.parametrize("window", [0, 20])
 @pytest.mark.parametrize("sharp", [False, True], ids=["", "sharp"])
+@pytest.mark.parametrize("allow_amx", [True, False], ids=["", "no-amx"])
 def test_matches_reference(dtype, heads: int, kv_heads: int, head_dim: int, window: int,  # noqa: ANN001
-                           sharp: bool) -> None:  # fmt: skip
-    """sharp: scores 30x larger, so most exponentials fall far below -87 (clamped)."""
+                           sharp: bool, allow_amx: bool) -> None:  # fmt: skip
+    """sharp: scores 30x larger, so most exponentials fall far below -87 (clamped). no-amx:
+    the AVX-512 path on a CPU with AMX too (where the AMX one would run)."""
     ext = _ext()
     g = torch.Generator().manual_seed(heads * 100 + head_dim + window)
     bs, num_blocks, B = 16, 64, 7
@@ -66,7 +68,7 @@ def test_matches_reference(dtype, heads: int, kv_heads: int, head_dim: int, wind
     tables = perm[: B * 8].view(B, 8).to(torch.int32)
     q = torch.randn(B, heads, head_dim, generator=g).to(dtype)
     scale = head_dim**-0.5 * (30 if sharp else 1)
-    got = ext.paged_decode(q, k_cache, v_cache, tables, lens, scale, window)
+    got = ext.paged_decode(q, k_cache, v_cache, tables, lens, scale, window, allow_amx)
     want = _reference(q, k_cache, v_cache, tables, lens, scale, window)
     # bf16: output rounding; sharp fp32: a peaked softmax's sums in another order than SDPA's
     # (2e-5 with std::exp too)
@@ -87,8 +89,9 @@ def test_matches_reference(dtype, heads: int, kv_heads: int, head_dim: int, wind
         (9, 3, 64, 32),  # blocks of 32: the AVX-512 path
     ],
 )
+@pytest.mark.parametrize("allow_amx", [True, False], ids=["", "no-amx"])
 def test_amx_shapes_match_reference(dtype, heads: int, kv_heads: int, head_dim: int,  # noqa: ANN001
-                                    bs: int) -> None:  # fmt: skip
+                                    bs: int, allow_amx: bool) -> None:  # fmt: skip
     """The shapes at the edges of the bfloat16 AMX path (and past them) against the
     reference: partial first and last blocks (a window), a one-key context, long contexts."""
     ext = _ext()
@@ -102,7 +105,7 @@ def test_amx_shapes_match_reference(dtype, heads: int, kv_heads: int, head_dim: 
     tables = torch.randperm(num_blocks, generator=g)[: B * per].view(B, per).to(torch.int32)
     q = torch.randn(B, heads, head_dim, generator=g).to(dtype)
     for window in (0, 37):
-        got = ext.paged_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5, window)
+        got = ext.paged_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5, window, allow_amx)
         want = _reference(q, k_cache, v_cache, tables, lens, head_dim**-0.5, window)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

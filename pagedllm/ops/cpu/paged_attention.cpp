@@ -416,7 +416,8 @@ constexpr bool kAmx = false;
 template <typename T>
 void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
                    const int32_t* lens, T* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                   int64_t bs, int64_t max_blocks, float scale, int64_t window) {
+                   int64_t bs, int64_t max_blocks, float scale, int64_t window,
+                   bool allow_amx) {
   const int64_t G = H / KVH;
   const int64_t row_stride = KVH * D;  // one token's K (or V) for all KV heads
   const bool vec = kAvx512 && D % 16 == 0;
@@ -425,7 +426,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
   const bool dp = is_bf16 && kAvx512Bf16 && D % 32 == 0;
   // AMX (bfloat16 tile products): a block's scores for all G query heads in one product
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-  const bool amx = dp && bs == 16 && D <= 128 && G <= 16 && amx_permitted();
+  const bool amx = allow_amx && dp && bs == 16 && D <= 128 && G <= 16 && amx_permitted();
 #else
   const bool amx = false;
 #endif
@@ -614,7 +615,7 @@ torch::Tensor argmax_last(torch::Tensor x) {
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                           int64_t window) {
+                           int64_t window, bool allow_amx) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the cache differ in dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache not contiguous");
@@ -632,13 +633,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     decode_kernel<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
                          v_cache.data_ptr<float>(), block_tables.data_ptr<int32_t>(),
                          seq_lens.data_ptr<int32_t>(), out.data_ptr<float>(), B, H, KVH, D, bs,
-                         block_tables.size(1), static_cast<float>(scale), window);
+                         block_tables.size(1), static_cast<float>(scale), window, false);
   } else if (q.scalar_type() == at::kBFloat16) {
     decode_kernel<at::BFloat16>(
         q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
         v_cache.data_ptr<at::BFloat16>(), block_tables.data_ptr<int32_t>(),
         seq_lens.data_ptr<int32_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, D, bs,
-        block_tables.size(1), static_cast<float>(scale), window);
+        block_tables.size(1), static_cast<float>(scale), window, allow_amx);
   } else {
     TORCH_CHECK(false, "paged_decode supports float32 and bfloat16");
   }
@@ -988,6 +989,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_ops_vectorized", &small_ops_vectorized, "Element-wise kernels vectorized here");
   m.def("rms_norm", &rms_norm, "RMSNorm (optionally of x + residual), float32 or bfloat16");
   m.def("rope", &rope, "Rotary embedding of [tokens, heads, D], float32 or bfloat16");
-  m.def("paged_decode", &paged_decode, "Decode attention over the paged KV cache (CPU)");
+  m.def("paged_decode", &paged_decode, "Decode attention over the paged KV cache (CPU)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("window"), py::arg("allow_amx") = true);
   m.def("argmax_last", &argmax_last, "Index of each row's maximum, as torch.argmax(-1)");
 }
