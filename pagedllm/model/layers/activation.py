@@ -1,8 +1,8 @@
 """Gated activations over a fused [gate | up] projection.
 
 On a GPU each runs as one Triton kernel (``pagedllm.ops.activation``); the PyTorch code here is
-its reference and the CPU path (in bfloat16 on a CPU, silu-and-mul is one compiled pass of
-``pagedllm.ops.cpu`` where the kernels are built).
+its reference and the CPU path (on a CPU, silu-and-mul is one compiled pass of
+``pagedllm.ops.cpu`` where the kernels are built, in float32 and bfloat16).
 """
 
 from __future__ import annotations

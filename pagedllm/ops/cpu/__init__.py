@@ -7,10 +7,12 @@ module; ``scripts/setup.sh`` builds it ahead. Without a compiler (or ninja), or 
 ``PAGEDLLM_CPU_KERNELS=0``, it returns None, saying so once in the log.
 
 What it holds: the paged decode attention (used by the attention backend for float32 and
-bfloat16 caches, ``kernels_enabled``), the KV write (``write_kv``, float32 and bfloat16), the
-greedy argmax (``argmax``), and bfloat16 RMSNorm, rope and silu-and-mul (``rms_norm``,
-``rope``, ``silu_and_mul``: the layers take them for bfloat16 CPU tensors; rope also for
-float32 ones, where it is bit for bit PyTorch's).
+bfloat16 caches, ``kernels_enabled``; AMX tile products in bfloat16 where the CPU has them),
+the KV write (``write_kv``, float32 and bfloat16, bit for bit), the greedy argmax
+(``argmax``), and RMSNorm, rope and silu-and-mul (``rms_norm``, ``rope``, ``silu_and_mul``:
+the layers take them for CPU tensors; in bfloat16 with PyTorch's roundings; in float32 rope
+bit for bit, the norm and silu-and-mul within an ulp or two - ``PAGEDLLM_FLOAT32_EXACT=1``
+keeps those two on PyTorch's ops).
 ``PAGEDLLM_CPU_KERNELS=0`` turns all of them off, and with them the oneDNN-packed bfloat16
 matmuls (``pack_linear``, used by the linear layers and the LM head): the plain PyTorch path,
 for A/B runs (``kernels_off``).
@@ -212,6 +214,7 @@ def write_kv(key: Any, value: Any, kv_cache: Any, slot_mapping: Any) -> bool:
     ops = _small_ops(kv_cache, float32_too=True)
     if (
         ops is None
+        or not kv_cache.is_contiguous()
         or key.dtype != kv_cache.dtype
         or value.dtype != kv_cache.dtype
         or slot_mapping.dtype.is_floating_point

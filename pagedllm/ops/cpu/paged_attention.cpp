@@ -432,10 +432,12 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
 #endif
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), kf(bs * D), vf(bs * D), sc(G * bs);
-    std::vector<float> m(G), l(G), corr(G), dims(D);
+    std::vector<float> m(G), l(G);
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+    // the AMX path's query tiles, block scores [16 slots x 16], rescales, dimension order
     std::vector<at::BFloat16> qt(amx ? G * D : 0);
     alignas(64) float cbuf[256];
-#if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+    std::vector<float> corr(G), dims(D);
     const TileConfig cfg = amx_config(G, D / 32);
     if (amx) _tile_loadconfig(&cfg);
 #endif
