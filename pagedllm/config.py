@@ -155,8 +155,16 @@ class DeviceConfig:
 
     device: str = "cpu"  # resolved: cpu | cuda
     enforce_eager: bool = False
+    # the CPU path's torch threads (None: the bound CPUs' count, or torch's default) and
+    # the CPUs each rank is bound to ("none" | "auto" | "0-3|4-7"; worker/cpu_threads.py)
+    cpu_threads: int | None = None
+    cpu_threads_bind: str = "none"
 
     def __post_init__(self) -> None:
+        from pagedllm.worker.cpu_threads import check_bind
+
+        _positive_int("cpu_threads", self.cpu_threads, allow_none=True)
+        check_bind(self.cpu_threads_bind)
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}.")
 
@@ -335,6 +343,8 @@ class EngineArgs:
     # None: "mp" with tensor_parallel_size > 1 (a worker process per rank), else "uni"
     distributed_executor_backend: str | None = None
     disable_custom_all_reduce: bool = False
+    cpu_threads: int | None = None
+    cpu_threads_bind: str = "none"
     # KV-Compress (``KVCompressConfig``; the fork's flag names)
     enable_kvc: bool = False
     kvc_method: str = "kvcompress"
@@ -451,7 +461,12 @@ class EngineArgs:
                     device == "cuda" if self.grammar_process is None else self.grammar_process
                 ),
             ),
-            device_config=DeviceConfig(device=device, enforce_eager=self.enforce_eager),
+            device_config=DeviceConfig(
+                device=device,
+                enforce_eager=self.enforce_eager,
+                cpu_threads=self.cpu_threads,
+                cpu_threads_bind=self.cpu_threads_bind,
+            ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 data_parallel_size=self.data_parallel_size,

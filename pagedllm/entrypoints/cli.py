@@ -87,6 +87,12 @@ _HELP = {
     "--tensor-parallel-size > 1, else uni).",
     "disable_custom_all_reduce": "Tensor parallelism on GPUs: NCCL for every all-reduce, "
     "instead of the symmetric-memory kernel for tensors of up to 16 MiB.",
+    "cpu_threads": "CPU only: torch threads of the model's process (each rank's); default: "
+    "the bound CPUs' count with --cpu-threads-bind, else the usable CPUs (divided among "
+    "tensor-parallel ranks).",
+    "cpu_threads_bind": "CPU only: bind each rank's process to CPUs - none (default), auto "
+    "(the usable CPUs split evenly among the ranks) or a list per rank such as '0-3|4-7' "
+    "(vLLM's VLLM_CPU_OMP_THREADS_BIND).",
     "async_scheduling": "Schedule the next step while the device runs this one "
     "(default: on with a GPU, off on a CPU).",
     "grammar_process": "Structured outputs: advance grammars and fill their token bitmasks "

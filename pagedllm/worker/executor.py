@@ -115,6 +115,11 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, eos_token_ids: set[int] | None = None) -> None:
         from pagedllm.worker.model_runner import ModelRunner
 
+        dc = config.device_config
+        if dc.device == "cpu":  # --cpu-threads / --cpu-threads-bind (no-ops when unset)
+            from pagedllm.worker.cpu_threads import apply_cpu_threads
+
+            apply_cpu_threads(dc.cpu_threads, dc.cpu_threads_bind, 0, 1)
         self.runner: ModelRunner = ModelRunner(config, eos_token_ids)
         self.device_type = self.runner.device.type
         self.max_num_reqs = self.runner.input_batch.max_num_reqs

@@ -61,14 +61,15 @@ class Worker:
         import torch
 
         from pagedllm.distributed.parallel_state import init_custom_all_reduce, init_tensor_parallel
+        from pagedllm.worker.cpu_threads import apply_cpu_threads
         from pagedllm.worker.model_runner import ModelRunner
 
         device = config.device_config.device
         if device.startswith("cuda") and world > 1:
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        if not device.startswith("cuda") and world > 1 and "OMP_NUM_THREADS" not in os.environ:
-            # the ranks share the host's cores (one rank per core or more each)
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        if not device.startswith("cuda"):  # the ranks share the host's cores
+            dc = config.device_config
+            apply_cpu_threads(dc.cpu_threads, dc.cpu_threads_bind, rank, world)
         init_tensor_parallel(
             rank, world, init_method, "cuda" if device.startswith("cuda") else "cpu"
         )
