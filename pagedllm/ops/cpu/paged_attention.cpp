@@ -10,9 +10,10 @@
 // bfloat16 on a CPU with AMX (blocks of 16, D a multiple of 32 up to 128, G <= 16): a block's
 // G x 16 scores are one tile product (TDPBF16PS: the keys as they lie in the cache times the
 // query heads laid out once per work item), its softmax one 16-lane vector per query head.
-// SmolLM2's decode shape (64 requests x ~300 keys, 9 heads, 3 KV heads, D 64) on this
-// project's 2-core Xeon: 1.28x faster over caches that fit in L3, 1.07x over 30 layers' caches
-// in DRAM, where the kernel is bound by memory (benchmarks/README.md).
+// The values are read as bfloat16 in place (accumulate_bf16). SmolLM2's decode shape (64
+// requests x ~300 keys, 9 heads, 3 KV heads, D 64) on this project's 2-core Xeon: 1.45x
+// faster than the AVX-512 path over a cache in L3, 1.18x over 30 layers' caches in DRAM,
+// where the kernel is bound by memory (benchmarks/README.md).
 //
 // Shapes: q [B, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] (contiguous);
 // block_tables [B, max_blocks] int32; seq_lens [B] int32 (keys of request b: positions
@@ -241,13 +242,23 @@ inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* kb, int64_t s
   }
 }
 
-// n bfloat16 values to float32 (n a multiple of 16): the 16 bits moved to the top
+// 16 bfloat16 values to float32, and float32 to bfloat16 rounded to nearest even (VCVTNEPS2BF16:
+// at::BFloat16's rounding, but for denormal inputs, which it takes as zero)
+inline __m512 load_bf16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store_bf16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline __m512 round_bf16(__m512 v) {  // v rounded to bfloat16, as float32
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// n bfloat16 values to float32 (n a multiple of 16)
 inline void widen_bf16(const at::BFloat16* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(w));
-  }
+  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, load_bf16(src + i));
 }
 #else
 constexpr bool kAvx512Bf16 = false;
@@ -654,24 +665,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // its result to bfloat16 (round to nearest even), and so do these, op for op. Eight to ten
 // PyTorch kernels a layer become two; at SmolLM2's decode shape they took ~15% of a step.
 
-inline float bf(at::BFloat16 x) { return to_float(x); }
 inline at::BFloat16 rb(float x) { return at::BFloat16(x); }  // round to nearest even
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// 16 bfloat16 values to float32, and float32 to bfloat16 rounded to nearest even (VCVTNEPS2BF16:
-// at::BFloat16's rounding, but for denormal inputs, which it takes as zero)
-inline __m512 load_bf16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline void store_bf16(at::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-}
-inline __m512 round_bf16(__m512 v) {  // v rounded to bfloat16, as float32
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-constexpr bool kBf16Vec = true;
 // the element-wise kernels below for float32 or bfloat16 rows: 16 values in, out, and the
 // rounding to T (none for float32)
 template <typename T>
@@ -689,8 +685,6 @@ inline __m512 rnd16(__m512 v) {
   if constexpr (std::is_same_v<T, float>) return v;
   else return round_bf16(v);
 }
-#else
-constexpr bool kBf16Vec = false;
 #endif
 template <typename T>
 inline float tof(T x) { return to_float(x); }
@@ -794,11 +788,6 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, doubl
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 template <typename T>
-inline T from_float(float x) { return static_cast<T>(x); }
-template <>
-inline at::BFloat16 from_float<at::BFloat16>(float x) { return rb(x); }
-
-template <typename T>
 void rope_rows(const T* xs, int64_t st, int64_t sh, const int64_t* p, const float* cs, T* o,
                int64_t T_, int64_t H, int64_t D) {
   const int64_t half = D / 2;
@@ -813,27 +802,19 @@ void rope_rows(const T* xs, int64_t st, int64_t sh, const int64_t* p, const floa
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
       // 16 at a time: the same products and sums (no fused multiply-add: fp-contract off)
       for (; j + 16 <= half; j += 16) {
-        __m512 x1, x2;
-        if constexpr (std::is_same_v<T, float>) {
-          x1 = _mm512_loadu_ps(xr + j), x2 = _mm512_loadu_ps(xr + j + half);
-        } else {
-          x1 = load_bf16(xr + j), x2 = load_bf16(xr + j + half);
-        }
+        const __m512 x1 = ld16(xr + j), x2 = ld16(xr + j + half);
         const __m512 cv = _mm512_loadu_ps(c + j), sv = _mm512_loadu_ps(s + j);
         const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv));
         const __m512 hi = _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv));
-        if constexpr (std::is_same_v<T, float>) {
-          _mm512_storeu_ps(orow + j, lo), _mm512_storeu_ps(orow + j + half, hi);
-        } else {
-          store_bf16(orow + j, lo), store_bf16(orow + j + half, hi);
-        }
+        st16(orow + j, lo);
+        st16(orow + j + half, hi);
       }
 #endif
       for (; j < half; ++j) {
         const float x1 = to_float(xr[j]), x2 = to_float(xr[j + half]);
         const float a = x1 * c[j], b = x2 * s[j], u = x2 * c[j], v = x1 * s[j];
-        orow[j] = from_float<T>(a - b);
-        orow[j + half] = from_float<T>(u + v);
+        orow[j] = fromf<T>(a - b);
+        orow[j + half] = fromf<T>(u + v);
       }
     }
   });
@@ -972,7 +953,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 
 // Whether the element-wise kernels above run vectorized here (AVX-512 with BF16); the
 // float32 callers take them only then (PyTorch's own ops are as fast as scalar loops).
-bool small_ops_vectorized() { return kBf16Vec; }
+bool small_ops_vectorized() { return kAvx512Bf16; }
 
 // Whether bfloat16 decode attention takes the AMX path here (built for a CPU with AMX-BF16,
 // and the kernel lets this process use the tiles).
