@@ -17,6 +17,10 @@ each; bind "0,2|1,3" -> rank 0 on CPUs 0 and 2, rank 1 on 1 and 3.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.config import DeviceConfig
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -58,14 +62,15 @@ def cpus_for_rank(bind: str, rank: int, world: int) -> list[int] | None:
     return parse_cpu_list(lists[rank])
 
 
-def apply_cpu_threads(threads: int | None, bind: str, rank: int, world: int) -> int:
-    """Bind this process (see the module docstring) and set torch's thread count: ``threads``
-    when given, else the bound CPUs' count, else (several ranks sharing the host, no
-    ``OMP_NUM_THREADS``) the usable CPUs divided among the ranks. Returns the thread count
-    torch uses afterwards."""
+def apply_cpu_threads(device_config: DeviceConfig, rank: int, world: int) -> int:
+    """Bind this process (see the module docstring) and set torch's thread count:
+    ``cpu_threads`` when given, else the bound CPUs' count, else (several ranks sharing the
+    host, no ``OMP_NUM_THREADS``) the usable CPUs divided among the ranks. Returns the thread
+    count torch uses afterwards."""
     import torch
 
-    cpus = cpus_for_rank(bind, rank, world)
+    threads = device_config.cpu_threads
+    cpus = cpus_for_rank(device_config.cpu_threads_bind, rank, world)
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
     if threads is None and cpus is not None:

@@ -115,11 +115,10 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, eos_token_ids: set[int] | None = None) -> None:
         from pagedllm.worker.model_runner import ModelRunner
 
-        dc = config.device_config
-        if dc.device == "cpu":  # --cpu-threads / --cpu-threads-bind (no-ops when unset)
+        if config.device_config.device == "cpu":  # --cpu-threads / --cpu-threads-bind
             from pagedllm.worker.cpu_threads import apply_cpu_threads
 
-            apply_cpu_threads(dc.cpu_threads, dc.cpu_threads_bind, 0, 1)
+            apply_cpu_threads(config.device_config, 0, 1)  # (no-op when neither is set)
         self.runner: ModelRunner = ModelRunner(config, eos_token_ids)
         self.device_type = self.runner.device.type
         self.max_num_reqs = self.runner.input_batch.max_num_reqs

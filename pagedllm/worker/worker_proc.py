@@ -68,8 +68,7 @@ class Worker:
         if device.startswith("cuda") and world > 1:
             torch.cuda.set_device(rank % torch.cuda.device_count())
         if not device.startswith("cuda"):  # the ranks share the host's cores
-            dc = config.device_config
-            apply_cpu_threads(dc.cpu_threads, dc.cpu_threads_bind, rank, world)
+            apply_cpu_threads(config.device_config, rank, world)
         init_tensor_parallel(
             rank, world, init_method, "cuda" if device.startswith("cuda") else "cpu"
         )
