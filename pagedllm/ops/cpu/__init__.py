@@ -142,14 +142,12 @@ def argmax(x: Any) -> Any:
     return x.argmax(dim=-1)
 
 
-def _small_ops(x: Any, float32_too: bool = False) -> Any:
-    """The compiled module where ``x`` may take its element-wise ops (a CPU bfloat16 tensor -
-    or float32 one, for ops exact in float32 - the kernels on and built), else None. Never
-    starts a build."""
+def _small_ops(x: Any) -> Any:
+    """The compiled module where ``x`` may take its element-wise ops (a float32 or bfloat16
+    CPU tensor, the kernels on and built), else None. Never starts a build."""
     import torch
 
-    ok = (torch.bfloat16, torch.float32) if float32_too else (torch.bfloat16,)
-    if x.dtype not in ok or x.device.type != "cpu":
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu":
         return None
     if kernels_off():
         return None
@@ -163,7 +161,7 @@ def _float32_ops(x: Any) -> Any:
     (``PAGEDLLM_FLOAT32_EXACT=1`` keeps float32 on PyTorch's ops, bit for bit HF's)."""
     import torch
 
-    ops = _small_ops(x, float32_too=True)
+    ops = _small_ops(x)
     if ops is None or x.dtype == torch.bfloat16:
         return ops
     if os.environ.get("PAGEDLLM_FLOAT32_EXACT", "") == "1" or not ops.small_ops_vectorized():
@@ -189,7 +187,7 @@ def rope(x: Any, positions: Any, cos_sin: Any) -> Any:
     """``_rotate`` of rotary.py for a float32 or bfloat16 CPU [tokens, heads, head_dim] tensor
     through the compiled ``rope`` (PyTorch's operations in its order, no fused multiply-add:
     float32 results bit for bit); None where the kernels cannot take it."""
-    ops = _small_ops(x, float32_too=True)
+    ops = _small_ops(x)
     if ops is None or x.dim() != 3 or x.stride(-1) != 1 or x.shape[-1] % 2:
         return None
     return ops.rope(x, positions, cos_sin)
@@ -211,7 +209,7 @@ def write_kv(key: Any, value: Any, kv_cache: Any, slot_mapping: Any) -> bool:
     """``kv_layout.write_kv_ref`` through the compiled ``write_kv`` (a row copy per token)
     for a float32 or bfloat16 CPU cache whose dtype the keys and values have; False where the
     kernels cannot take it (the caller writes with the reference)."""
-    ops = _small_ops(kv_cache, float32_too=True)
+    ops = _small_ops(kv_cache)
     if (
         ops is None
         or not kv_cache.is_contiguous()
