@@ -171,6 +171,13 @@ class _HeadState:
         """Recompute ``room`` after ``lens`` or ``nblocks`` changed other than by ``+= n``."""
         self.room = int((self.nblocks * block_size - self.lens).min()) if len(self.lens) else 0
 
+    def reserve(self, width: int) -> None:
+        """Room for ``width`` table entries per head (the table at least doubles)."""
+        if width > self.table.shape[1]:
+            grown = np.zeros((self.table.shape[0], max(width, 2 * self.table.shape[1])), np.int32)
+            grown[:, : self.table.shape[1]] = self.table
+            self.table = grown
+
     def held(self) -> np.ndarray:
         mask = np.arange(self.table.shape[1])[None, :] < self.nblocks[:, None]
         return self.table[mask]
@@ -503,11 +510,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
             return _NO_BLOCKS
         ids = self._take(total)
         assert ids is not None
-        width = int((state.nblocks + need).max())
-        if width > state.table.shape[1]:
-            grown = np.zeros((self.num_heads, max(width, 2 * state.table.shape[1])), np.int32)
-            grown[:, : state.table.shape[1]] = state.table
-            state.table = grown
+        state.reserve(int((state.nblocks + need).max()))
         # Example: need [0, 2, 1], nblocks [3, 1, 4] -> lh [1, 1, 2], index [1, 2, 4]
         lh = np.repeat(np.arange(self.num_heads), need)
         offsets = np.arange(total) - np.repeat(np.cumsum(need) - need, need)
@@ -544,10 +547,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
             return _NO_BLOCKS
         ids = self._take(need * heads)
         assert ids is not None
-        if nb + need > state.table.shape[1]:
-            grown = np.zeros((heads, max(nb + need, 2 * state.table.shape[1])), np.int32)
-            grown[:, : state.table.shape[1]] = state.table
-            state.table = grown
+        state.reserve(nb + need)
         state.table[:, nb : nb + need] = ids.reshape(heads, need)
         state.nblocks += need
         self._register(request, state)
