@@ -11,7 +11,7 @@
 // G x 16 scores are one tile product (TDPBF16PS: the keys as they lie in the cache times the
 // query heads laid out once per work item), its softmax one 16-lane vector per query head.
 // The values are read as bfloat16 in place (accumulate_bf16). SmolLM2's decode shape (64
-// requests x ~300 keys, 9 heads, 3 KV heads, D 64) on this project's 2-core Xeon: 1.45x
+// requests x ~300 keys, 9 heads, 3 KV heads, D 64) on this project's 2-core Xeon: 1.3-1.45x
 // faster than the AVX-512 path over a cache in L3, 1.18x over 30 layers' caches in DRAM,
 // where the kernel is bound by memory (benchmarks/README.md).
 //
