@@ -36,11 +36,13 @@ class KVCStepPlan:
     copy): which requests decode, which run prefill chunks, and how many of each request's
     last queries score the keys (0: none).
 
-    ``tensors``: "decode" / "prefill" (request indices), "decode_rows" / "prefill_rows"
-    (their query rows), "decode_table_rows" / "prefill_table_rows" (their rows of the cache's
-    tables and lengths), "prefill_qsl" (query_start_loc of the prefill requests alone).
-    Example: qsl [0, 1, 5, 6, 9], table rows [7, 3, 0, 4], prefill [1, 3] -> prefill_rows
-    [1, 2, 3, 4, 6, 7, 8], prefill_table_rows [3, 4], prefill_qsl [0, 4, 7]."""
+    ``tensors``: "decode" / "prefill" (request indices), "decode_rows" (the decodes' query
+    rows), "prefill_q_start" (each prefill chunk's first query row), "decode_table_rows" /
+    "prefill_table_rows" (their rows of the cache's tables and lengths), "prefill_qsl"
+    (query_start_loc of the prefill requests alone). Every layer of the step reads its query
+    and output rows and its tables through these (no per-layer gather).
+    Example: qsl [0, 1, 5, 6, 9], table rows [7, 3, 0, 4], prefill [1, 3] -> prefill_q_start
+    [1, 6], prefill_table_rows [3, 4], prefill_qsl [0, 4, 7], prefill_tokens 7."""
 
     decode: np.ndarray  # request indices with one query
     prefill: np.ndarray  # request indices with several
@@ -51,9 +53,7 @@ class KVCStepPlan:
     prefill_max_q: int = 0  # the longest prefill chunk
     window_max_len: int = 0  # a bound on the head lengths of the prefill requests that score
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    # the prefill pseudo-request layout (``ops.kvc_attention.kvc_prefill_layout``): made by
-    # the first layer of a GPU step that needs it, shared by the others
-    prefill_layout: tuple[torch.Tensor, torch.Tensor] | None = None
+    prefill_tokens: int = 0  # the prefill chunks' queries (0: not given, bounded by T)
 
     def bound(self, requests: np.ndarray, device: torch.device) -> int | None:
         """The longest head of these requests for a torch attention: on a GPU the host bound
@@ -90,18 +90,15 @@ class KVCStepPlan:
     def _index_arrays(
         decode: np.ndarray, prefill: np.ndarray, qsl: np.ndarray, rows: np.ndarray
     ) -> dict[str, np.ndarray]:
-        q_lens = (qsl[prefill + 1] - qsl[prefill]).astype(np.int64)
+        start = qsl[prefill]
         sub_qsl = np.zeros(len(prefill) + 1, dtype=np.int64)
-        sub_qsl[1:] = np.cumsum(q_lens)
-        pre_rows = np.concatenate(
-            [np.arange(qsl[r], qsl[r + 1]) for r in prefill.tolist()] or [np.zeros(0, int)]
-        )
+        np.cumsum(qsl[prefill + 1] - start, out=sub_qsl[1:])
         return {
             "decode": decode,
             "decode_rows": qsl[decode],
             "decode_table_rows": rows[decode],
             "prefill": prefill,
-            "prefill_rows": pre_rows,
+            "prefill_q_start": start,
             "prefill_table_rows": rows[prefill],
             "prefill_qsl": sub_qsl,
         }

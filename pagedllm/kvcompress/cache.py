@@ -255,6 +255,7 @@ class HeadPagedCache:
             prefill_max_q=int(n_sched[prefill].max()) if len(prefill) else 0,
             window_max_len=int(md.seq_lens_np[win].max()) if len(win) else 0,
             tensors=tensors,
+            prefill_tokens=int(index["prefill_qsl"][-1]),
         )
         # [T, LH] slots; positions and zero scores written there, lens advanced
         slots = self._step_slots(

@@ -6,10 +6,13 @@ Per layer and step:
 - decode rows: ``kvc_decode_attention``, one program per (row, KV head) for the query heads
   that share it, adding each key's squared probabilities to its score in the same kernel (a
   second pass over the keys once the softmax's max and sum are known, no scratch);
-- prefill chunks: ``kvc_paged_attention`` (each (request, KV head) a pseudo-request of the
-  unified paged kernel), then, for a chunk that ends a prompt, the window queries' scores in
+- prefill chunks: ``kvc_paged_attention`` (one program per (query tile, KV head) over that
+  head's own table), then, for a chunk that ends a prompt, the window queries' scores in
   torch (``prefill_window_scores_batched``: 32 queries over the prompt's keys, every such
   request of the step in one pass).
+In a mixed step both kernels read their query rows and write their output rows of the step in
+place, through index tensors made once a step (``KVCStepPlan.tensors``), and the cache's whole
+tables through table-row indices: no per-layer gather, scatter or permutation.
 A compacted sliding-window layer (only when every layer has a window, Mistral v0.1) is not in
 position order: its decode rows take the torch path, which applies the window by position.
 
@@ -29,11 +32,7 @@ from pagedllm.kvcompress.attention import (
     prefill_window_scores_batched,
     write_head_kv,
 )
-from pagedllm.ops.kvc_attention import (
-    kvc_decode_attention,
-    kvc_paged_attention,
-    kvc_prefill_layout,
-)
+from pagedllm.ops.kvc_attention import kvc_decode_attention, kvc_paged_attention
 
 
 class KVCTritonBackend(AttentionBackend):
@@ -75,6 +74,9 @@ class KVCTritonBackend(AttentionBackend):
         tensors = plan.tensors
         qsl = metadata.query_start_loc_np
         assert qsl is not None
+        # A mixed step: every kernel reads its query rows and writes its output rows of the
+        # whole step in place, through the step's index tensors (``KVCStepPlan.tensors``, made
+        # once for all layers), and the cache's whole tables through table-row indices.
         out = torch.empty_like(query)
         if len(plan.decode):
             rows, trows = tensors["decode_rows"], tensors["decode_table_rows"]
@@ -85,9 +87,10 @@ class KVCTritonBackend(AttentionBackend):
                     positions=info.positions, q_pos=info.token_positions[rows],
                 )  # fmt: skip
             else:
-                out[rows] = kvc_decode_attention(
-                    query[rows], kv_cache, tables, lens, scale, scores=scores,
+                kvc_decode_attention(
+                    query, kv_cache, tables, lens, scale, scores=scores,
                     sliding_window=sliding_window, row_ids=trows, scored=info.scored,
+                    q_rows=rows, out=out,
                 )  # fmt: skip
         if len(plan.prefill) == 0:
             return out.view(t, hq * d)
@@ -101,30 +104,12 @@ class KVCTritonBackend(AttentionBackend):
                     max_len=int(plan.max_lens[r]), positions=info.positions,
                 )  # fmt: skip
             return out.view(t, hq * d)
-        rows, trows = tensors["prefill_rows"], tensors["prefill_table_rows"]
-        max_len = int(plan.max_lens[plan.prefill].max())
-        width = min(tables.shape[2], -(-max_len // bs))
-        sub_query = query[rows] if len(plan.decode) else query[: int(qsl[-1])]
-        if plan.prefill_layout is None:  # the same for every layer of the step
-            plan.prefill_layout = kvc_prefill_layout(
-                tensors["prefill_qsl"], sub_query.shape[0], lens.shape[1]
-            )
-        sub = kvc_paged_attention(
-            sub_query,
-            kv_cache,
-            tensors["prefill_qsl"],
-            lens[trows],
-            tables[trows, :, :width],
-            plan.prefill_max_q,
-            max_len,
-            scale,
-            sliding_window,
-            layout=plan.prefill_layout,
-        )
-        if len(plan.decode):
-            out[rows] = sub
-        else:
-            out[: sub.shape[0]] = sub
+        kvc_paged_attention(
+            query, kv_cache, tensors["prefill_qsl"], lens, tables, plan.prefill_max_q, scale,
+            sliding_window, row_ids=tensors["prefill_table_rows"],
+            q_start=tensors["prefill_q_start"], out=out,
+            num_chunk_tokens=plan.prefill_tokens or t,
+        )  # fmt: skip
         if scores is not None and plan.window_max_len:  # chunks that end their prompts
             win = tensors["window_reqs"]
             prefill_window_scores_batched(

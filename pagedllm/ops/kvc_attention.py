@@ -31,9 +31,10 @@ Measured on an H200 (bf16, head_dim 128, G 4, 8 KV heads, CUDA-graph time; paged
 on the same bytes in brackets): 128 x 1k keys 136 us (129), 1 x 32k 44 us (42), 8 x 8k 76 us
 (71); the scores pass adds about 80% (it reads K again).
 
-Prefill chunks (:func:`kvc_paged_attention`): each (request, KV head) becomes a pseudo-request
-of the unified kernel of :mod:`pagedllm.ops.paged_attention` with one KV head and G query heads
-(queries reordered so a pseudo-request's rows are contiguous); no scores.
+Prefill chunks (:func:`kvc_paged_attention`): one program per (query tile of a chunk, KV head),
+the unified paged kernel's loop over key tiles (:mod:`pagedllm.ops.paged_attention`) on that
+head's own table and length; query and output rows, table rows and lengths are read in place
+through the step's index tensors (no per-layer gather or permutation); no scores.
 
 Host-side dispatch uses shapes only (no device-to-host sync). This module imports Triton at
 import time; under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors, for tests.
@@ -47,16 +48,16 @@ import triton.language as tl
 
 from pagedllm.ops.paged_attention import (
     TileConfig,
+    _find_request,
     _num_sms,
     default_tile_config,
-    paged_attention,
 )
+from pagedllm.ops.paged_attention import _attend_range as _paged_attend_range
 
 __all__ = [
     "kvc_decode_attention",
     "kvc_decode_num_splits",
     "kvc_paged_attention",
-    "kvc_prefill_layout",
 ]
 
 LOG2E = 1.4426950408889634
@@ -329,6 +330,7 @@ def _group_setup(
     bt_ptr,
     lens_ptr,
     row_ids_ptr,  # [rows] int64: the table/length row of each query row
+    q_rows_ptr,  # [rows] int64: the query (and output) row of each row (read with Q_ROWS)
     row,
     kvh,
     window,  # 0 = no sliding window
@@ -343,17 +345,23 @@ def _group_setup(
     HEAD_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
+    Q_ROWS: tl.constexpr,  # False: row ``row`` of the query is the row's (``q_rows`` unread)
 ):
     """What every decode program of (row, kvh) starts from: the group's query rows
     [BLOCK_M, HEAD_PAD] (row m = query head kvh * G + m; rows >= G are 0), the row mask, the
     head's block-table pointer (table row ``row_ids[row]``), the visible logical indices
-    [key_lo, key_hi) and their tiles [tile_lo, tile_hi)."""
+    [key_lo, key_hi), their tiles [tile_lo, tile_hi) and the query row (``q_rows[row]`` with
+    Q_ROWS, else ``row``; int64)."""
     m = tl.arange(0, BLOCK_M)
     row_mask = m < G
     d = tl.arange(0, HEAD_PAD)
     head = kvh * G + m
+    if Q_ROWS:
+        qrow = tl.load(q_rows_ptr + row).to(tl.int64)
+    else:
+        qrow = row.to(tl.int64)
     q = tl.load(
-        q_ptr + row.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
+        q_ptr + qrow * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_mask[:, None] & (d < HEAD_DIM)[None, :],
         other=0.0,
     )
@@ -363,7 +371,7 @@ def _group_setup(
     key_lo = tl.maximum(tl.where(window > 0, key_hi - window, 0), 0)
     tile_lo = key_lo // TILE_N
     tile_hi = (key_hi + TILE_N - 1) // TILE_N
-    return q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi
+    return q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi, qrow
 
 
 @triton.jit
@@ -401,6 +409,7 @@ def _decode_kernel(
     bt_ptr,  # [rows, num_kv_heads, max_blocks] int32
     lens_ptr,  # [rows, num_kv_heads] int32/int64
     row_ids_ptr,  # [rows] int64
+    q_rows_ptr,  # [rows] int64: query/output row of each row (read with Q_ROWS)
     scores_ptr,  # [num_blocks * block_size] fp32 (unused without SCORES)
     scored_ptr,  # [table rows] int32: 0 = the row's keys are not scored (read with ROW_FLAGS)
     qk_scale,
@@ -426,14 +435,16 @@ def _decode_kernel(
     ROW_FLAGS: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    Q_ROWS: tl.constexpr,
 ):
     """One program per (row, KV head): the G query heads' output and (SCORES) the keys'
     scores (with ROW_FLAGS only for table rows whose ``scored`` flag is set)."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
-    q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi = _group_setup(
-        q_ptr, bt_ptr, lens_ptr, row_ids_ptr, row, kvh, window, stride_qt, stride_qh,
-        stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M, TILE_N,
+    q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi, qrow = _group_setup(
+        q_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr, row, kvh, window, stride_qt,
+        stride_qh, stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M,
+        TILE_N, Q_ROWS,
     )  # fmt: skip
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -446,7 +457,7 @@ def _decode_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a head with no key: acc 0 -> output 0
     d = tl.arange(0, HEAD_PAD)
     tl.store(
-        out_ptr + row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out_ptr + qrow * stride_ot + head[:, None] * stride_oh + d[None, :],
         (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
         mask=row_mask[:, None] & (d < HEAD_DIM)[None, :],
     )
@@ -472,6 +483,7 @@ def _split_kernel(
     bt_ptr,
     lens_ptr,
     row_ids_ptr,
+    q_rows_ptr,
     qk_scale,
     window,
     stride_qt,
@@ -493,15 +505,17 @@ def _split_kernel(
     TILE_N: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    Q_ROWS: tl.constexpr,
 ):
     """One program per (row, KV head, split): the split's partial (acc, max, sum) per query
     head; an empty split writes (0, -inf, 0)."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
-    q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi = _group_setup(
-        q_ptr, bt_ptr, lens_ptr, row_ids_ptr, row, kvh, window, stride_qt, stride_qh,
-        stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M, TILE_N,
+    q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi, qrow = _group_setup(
+        q_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr, row, kvh, window, stride_qt,
+        stride_qh, stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M,
+        TILE_N, Q_ROWS,
     )  # fmt: skip
     tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
@@ -528,6 +542,7 @@ def _combine_kernel(
     part_acc_ptr,  # [rows, num_heads, NUM_SPLITS, HEAD_PAD] fp32
     part_m_ptr,  # [rows, num_heads, NUM_SPLITS] fp32
     part_l_ptr,
+    q_rows_ptr,  # [rows] int64: the output row of each row (read with Q_ROWS)
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
@@ -536,11 +551,16 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     STORE_ML: tl.constexpr,
+    Q_ROWS: tl.constexpr,
 ):
     """One program per (row, query head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,
-    M = max_s m_s."""
+    M = max_s m_s, written to output row ``q_rows[row]`` (Q_ROWS) or ``row``."""
     row = tl.program_id(0)
     h = tl.program_id(1)
+    if Q_ROWS:
+        orow = tl.load(q_rows_ptr + row).to(tl.int64)
+    else:
+        orow = row.to(tl.int64)
     sp = tl.arange(0, SPLIT_PAD)
     sp_mask = sp < NUM_SPLITS
     base = row.to(tl.int64) * NUM_HEADS + h
@@ -561,7 +581,7 @@ def _combine_kernel(
     )
     out = tl.sum(acc * w[:, None], axis=0) / denom
     tl.store(
-        out_ptr + row.to(tl.int64) * stride_ot + h * stride_oh + d,
+        out_ptr + orow * stride_ot + h * stride_oh + d,
         out.to(out_ptr.dtype.element_ty),
         mask=d_mask,
     )
@@ -581,6 +601,7 @@ def _split_score_kernel(
     bt_ptr,
     lens_ptr,
     row_ids_ptr,
+    q_rows_ptr,
     qk_scale,
     window,
     stride_qt,
@@ -603,15 +624,17 @@ def _split_score_kernel(
     ROW_FLAGS: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    Q_ROWS: tl.constexpr,
 ):
     """One program per (row, KV head, split): the split's keys' scores from the combined max
     and sum (the same tiles as the split's ``_split_kernel`` program)."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
-    q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi = _group_setup(
-        q_ptr, bt_ptr, lens_ptr, row_ids_ptr, row, kvh, window, stride_qt, stride_qh,
-        stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M, TILE_N,
+    q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi, qrow = _group_setup(
+        q_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr, row, kvh, window, stride_qt,
+        stride_qh, stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M,
+        TILE_N, Q_ROWS,
     )  # fmt: skip
     tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS)
     tile_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi, ROW_FLAGS)
@@ -657,7 +680,7 @@ def kvc_decode_num_splits(
 
 
 def kvc_decode_attention(
-    query: torch.Tensor,  # [num_rows, num_heads, head_dim]
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, head_dim]
     block_tables: torch.Tensor,  # [num_rows, num_kv_heads, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_rows, num_kv_heads] int32/int64
@@ -668,9 +691,11 @@ def kvc_decode_attention(
     tile_config: TileConfig | None = None,  # override the launch shape (tuning, tests)
     row_ids: torch.Tensor | None = None,  # [num_rows] int64: table rows (None: 0..num_rows-1)
     scored: torch.Tensor | None = None,  # [table rows] int32: score only rows flagged != 0
+    q_rows: torch.Tensor | None = None,  # [num_rows] int64: query/output rows (None: 0..)
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]: written in place
 ) -> torch.Tensor:
-    """Decode attention over per-head paged KVs; returns [num_rows, num_heads, head_dim] in the
-    query's dtype.
+    """Decode attention over per-head paged KVs; returns [num_tokens, num_heads, head_dim] in
+    the query's dtype.
 
     Row r's query head q attends to the keys of KV head ``q // G`` of table row
     ``t = row_ids[r]`` (``r`` without ``row_ids``): logical indices ``[max(len - W, 0), len)``
@@ -678,12 +703,18 @@ def kvc_decode_attention(
     one). A head with no key gives 0. With ``scores``, each attended key's slot gets
     ``+= sum over its G query heads of p^2`` (p: the final softmax probability), for every
     row or, with ``scored``, for the table rows whose flag is set (a request that can never
-    be evicted skips the score pass). Query rows past the rows (if any) come back 0.
+    be evicted skips the score pass).
+
+    Row r's query is ``query[q_rows[r]]`` and its output goes to ``out[q_rows[r]]`` (row r
+    without ``q_rows``): the decode rows of a mixed step are read and written in place, no
+    gather of the query nor scatter of the output. Output rows no row writes stay as they
+    were in ``out``, or come back 0 when ``out`` is None.
 
     ``row_ids`` lets the caller pass the whole persistent tables and lengths (every request
     row of the cache, no per-step gather): a CUDA graph captures their addresses once.
-    Example: tables [8, H, W] of 8 request rows, a step decoding rows 5 and 2 ->
-    ``row_ids = [5, 2]``, query rows 0 and 1.
+    Example: tables [8, H, W] of 8 request rows, a step of tokens [prefill a, prefill a,
+    decode, decode] whose decodes are table rows 5 and 2 -> ``row_ids = [5, 2]``,
+    ``q_rows = [2, 3]``.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = seq_lens.shape[1]
@@ -692,14 +723,20 @@ def kvc_decode_attention(
         row_ids = torch.arange(num_rows, device=query.device)
     else:
         num_rows = row_ids.shape[0]
+    assert q_rows is None or q_rows.shape == (num_rows,)
     assert kv_cache.dim() == 4 and kv_cache.shape[0] == 2 and kv_cache.shape[3] == head_dim
     assert block_tables.dim() == 3 and block_tables.shape[:2] == seq_lens.shape
     assert num_heads % num_kv_heads == 0 and num_tokens >= num_rows
     g = num_heads // num_kv_heads
     block_size = kv_cache.shape[2]
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    if num_tokens > num_rows:
-        out[num_rows:].zero_()
+    if out is None:
+        if q_rows is not None:
+            out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+        else:
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+            if num_tokens > num_rows:
+                out[num_rows:].zero_()
+    assert out.shape == query.shape and out.stride(2) == 1
     if num_rows == 0:
         return out
     if query.stride(2) != 1:
@@ -729,15 +766,16 @@ def kvc_decode_attention(
     )  # fmt: skip
     consts = dict(
         G=g, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        TILE_N=tile_n, UPCAST=upcast, PRECISION=precision,
+        TILE_N=tile_n, UPCAST=upcast, PRECISION=precision, Q_ROWS=q_rows is not None,
     )  # fmt: skip
     scores_arg = scores if scores is not None else out  # never read without SCORES
     scored_arg = scored if scored is not None else row_ids  # never read without ROW_FLAGS
+    q_rows_arg = q_rows if q_rows is not None else row_ids  # never read without Q_ROWS
 
     if num_splits == 1:
         _decode_kernel[(num_rows, num_kv_heads)](
-            out, query, k_cache, v_cache, block_tables, seq_lens, row_ids, scores_arg,
-            scored_arg, qk_scale, window,
+            out, query, k_cache, v_cache, block_tables, seq_lens, row_ids, q_rows_arg,
+            scores_arg, scored_arg, qk_scale, window,
             strides[0], strides[1], out.stride(0), out.stride(1), *strides[2:],
             SCORES=scores is not None, ROW_FLAGS=scored is not None, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
@@ -753,7 +791,7 @@ def kvc_decode_attention(
     grid = (num_rows, num_kv_heads, num_splits)
     _split_kernel[grid](
         part_acc, part_m, part_l, query, k_cache, v_cache, block_tables, seq_lens, row_ids,
-        qk_scale, window, *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
+        q_rows_arg, qk_scale, window, *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
         num_warps=cfg.num_warps, num_stages=cfg.split_num_stages, **consts,
     )  # fmt: skip
     if scores is not None:
@@ -762,123 +800,194 @@ def kvc_decode_attention(
     else:
         glob_m = glob_l = part_m  # never written without STORE_ML
     _combine_kernel[(num_rows, num_heads)](
-        out, glob_m, glob_l, part_acc, part_m, part_l, out.stride(0), out.stride(1),
+        out, glob_m, glob_l, part_acc, part_m, part_l, q_rows_arg, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
         SPLIT_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-        STORE_ML=scores is not None, num_warps=4 if head_pad >= 128 else 2,
+        STORE_ML=scores is not None, Q_ROWS=q_rows is not None,
+        num_warps=4 if head_pad >= 128 else 2,
     )  # fmt: skip
     if scores is not None:
         _split_score_kernel[grid](
             scores, scored_arg, glob_m, glob_l, query, k_cache, block_tables, seq_lens,
-            row_ids, qk_scale, window,
+            row_ids, q_rows_arg, qk_scale, window,
             *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits, num_warps=cfg.num_warps,
             num_stages=cfg.split_num_stages, ROW_FLAGS=scored is not None, **consts,
         )  # fmt: skip
     return out
 
 
-def kvc_prefill_layout(
-    query_start_loc: torch.Tensor,  # [R + 1] int32, on the device
-    num_tokens: int,
-    num_kv_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pseudo-request layout of :func:`kvc_paged_attention` (see there): (pseudo row of
-    each (token, KV head) [T * H] int64, pseudo query_start_loc [P_pad + 1] int32 with the
-    pseudo-requests padded to a multiple of 16). It depends only on the step's request
-    boundaries, so every layer of a step can share one (a dozen small kernels fewer a
-    layer)."""
-    h = num_kv_heads
-    num_reqs = query_start_loc.shape[0] - 1
-    dev = query_start_loc.device
-    qsl = query_start_loc.to(torch.int64)
-    t = torch.arange(num_tokens, device=dev)
-    # request of each token: the last r with qsl[r] <= t (clamped; invalid tokens masked below)
-    req = (torch.searchsorted(qsl, t, right=True) - 1).clamp(0, num_reqs - 1)  # [T]
-    start = qsl[req]
-    q_len = qsl[req + 1] - start
-    valid = (t >= qsl[0]) & (t < qsl[-1])  # [T]
-    heads = torch.arange(h, device=dev)
-    prow = torch.where(
-        valid[:, None],
-        start[:, None] * h + heads[None, :] * q_len[:, None] + (t - start)[:, None],
-        t[:, None] * h + heads[None, :],
-    ).reshape(-1)  # [T * H] pseudo row of (t, h)
-    lens_all = qsl[1:] - qsl[:-1]  # [R]
-    # Pseudo-requests (and, in the caller, table columns) padded to multiples of 16 (empty
-    # requests at the end, zero columns): the kernel's integer arguments then always have the
-    # same divisibility, so Triton compiles one specialization, not one per batch parity and
-    # table width. Example: R 3, H 2 -> 6 pseudo-requests + 10 empty ones; width 37 -> 48.
-    p = num_reqs * h
-    p_pad = -(-p // 16) * 16
-    pqsl = torch.empty(p_pad + 1, dtype=torch.int32, device=dev)
-    pqsl[:p] = (qsl[:-1, None] * h + heads[None, :] * lens_all[:, None]).reshape(-1)
-    pqsl[p:] = qsl[-1:] * h
-    return prow, pqsl
+# The chunk count varies from step to step: no specialization on its value (Triton would
+# compile one kernel for 1, one for multiples of 16 and one for the rest), nor on the
+# alignment of the index tensors (views at any offset of one shipped buffer).
+@triton.jit(
+    do_not_specialize=["num_reqs"],
+    do_not_specialize_on_alignment=["qsl_ptr", "q_start_ptr", "row_ids_ptr"],
+)
+def _prefill_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, head_dim]
+    v_cache_ptr,
+    bt_ptr,  # [rows, num_kv_heads, max_blocks] int32 (columns contiguous)
+    lens_ptr,  # [rows, num_kv_heads] int32/int64
+    qsl_ptr,  # [num_reqs + 1]: the chunks' boundaries counted over the chunks alone
+    q_start_ptr,  # [num_reqs]: query row of each chunk's first query
+    row_ids_ptr,  # [num_reqs]: table/length row of each chunk
+    num_reqs,
+    qk_scale,
+    window,  # 0 = no sliding window
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_br,
+    stride_bh,
+    stride_lr,
+    stride_lh,
+    stride_cb,
+    stride_cs,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # BLOCK_M // G query tokens per tile
+    TILE_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One program per (query tile of one chunk, KV head): the tile's queries x the G query
+    heads of the KV head, over that head's own table and length (see
+    :func:`kvc_paged_attention`); the loop over key tiles is the unified paged kernel's."""
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    r = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
+    c_start = tl.load(qsl_ptr + r)
+    q_len = (tl.load(qsl_ptr + r + 1) - c_start).to(tl.int32)
+    local = (pid - (c_start // BLOCK_Q + r)).to(tl.int32)  # tile index within the chunk
+    if local * BLOCK_Q >= q_len:
+        return
+    trow = tl.load(row_ids_ptr + r).to(tl.int64)
+    seq_len = tl.load(lens_ptr + trow * stride_lr + kvh * stride_lh).to(tl.int32)
+    ctx = seq_len - q_len  # keys of this head before the chunk's new ones
+
+    # Row m of the tile = query local * BLOCK_Q + m // G of the chunk, query head kvh * G + m % G.
+    m = tl.arange(0, BLOCK_M)
+    qi = local * BLOCK_Q + m // G  # [BLOCK_M]
+    head = kvh * G + m % G
+    row_mask = (m < BLOCK_Q * G) & (qi < q_len)
+    q_pos = ctx + qi  # logical index of each row's own key
+    win_lo = tl.where(window > 0, q_pos - window, -1)
+    d = tl.arange(0, HEAD_PAD)
+    d_mask = d < HEAD_DIM
+    tok = tl.load(q_start_ptr + r).to(tl.int64) + qi  # [BLOCK_M] query row of each
+    io_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=io_mask,
+        other=0.0,
+    )
+    first_pos = ctx + local * BLOCK_Q
+    key_end = ctx + tl.minimum((local + 1) * BLOCK_Q, q_len)
+    key_start = tl.maximum(tl.where(window > 0, first_pos - window + 1, 0), 0)
+    tile_lo = key_start // TILE_N
+    tile_hi = (key_end + TILE_N - 1) // TILE_N
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _paged_attend_range(
+        acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr,
+        bt_ptr + trow * stride_br + kvh * stride_bh, 0, tile_lo, tile_hi, first_pos, key_end,
+        window, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
+        PRECISION,
+    )  # fmt: skip
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
 
 
 def kvc_paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, head_dim]
-    query_start_loc: torch.Tensor,  # [R + 1] int32, on the device
-    seq_lens: torch.Tensor,  # [R, num_kv_heads] int32/int64: keys per head incl. the new ones
-    block_tables: torch.Tensor,  # [R, num_kv_heads, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [R + 1] int32/int64: chunk boundaries, on the device
+    seq_lens: torch.Tensor,  # [rows, num_kv_heads] int32/int64: keys per head incl. the new
+    block_tables: torch.Tensor,  # [rows, num_kv_heads, max_blocks] int32
     max_query_len: int,
-    max_seq_len: int,
     scale: float,
     sliding_window: int | None = None,
-    layout: tuple[torch.Tensor, torch.Tensor] | None = None,  # kvc_prefill_layout(...), reused
+    row_ids: torch.Tensor | None = None,  # [R]: each chunk's table row (None: 0..R-1)
+    q_start: torch.Tensor | None = None,  # [R]: each chunk's first query row (None: qsl[:-1])
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]: written in place
+    num_chunk_tokens: int | None = None,  # a host bound on qsl[-1] (None: num_tokens)
+    tile_config: TileConfig | None = None,  # override the launch shape (tuning, tests)
 ) -> torch.Tensor:
     """Causal attention of prefill chunks (any q_len >= 1) over per-head paged KVs; returns
-    [num_tokens, num_heads, head_dim] (rows of no request are 0). No scores.
+    ``out`` [num_tokens, num_heads, head_dim] (rows of no chunk are left as they were, 0 when
+    ``out`` is None). No scores.
 
-    Request r owns query rows ``query_start_loc[r]:query_start_loc[r+1]``; its q_len new keys
-    are the last q_len logical indices of every head, so query i of r sees, in KV head h,
-    the logical indices ``<= seq_lens[r, h] - q_len + i`` (and ``>`` that ``- W`` with a
-    window W).
+    Chunk r has ``q_len = qsl[r + 1] - qsl[r]`` queries, at query rows ``q_start[r] ..
+    q_start[r] + q_len - 1`` (``qsl[r]..`` without ``q_start``), and reads table row
+    ``t = row_ids[r]``; its q_len new keys are the last q_len logical indices of every head,
+    so its query i sees, in KV head h, the logical indices ``<= seq_lens[t, h] - q_len + i``
+    (and ``>`` that ``- W`` with a window W).
 
-    Each (request r, KV head h) runs as pseudo-request ``p = r * H + h`` of
-    :func:`pagedllm.ops.paged_attention.paged_attention` with one KV head and G query heads:
-    token t of r (local index i) and head h go to pseudo row ``qsl[r] * H + h * q_len + i``.
-    Example: H 2, G 2, qsl [0, 3, 4]: request 0's rows 0-2 of heads 0-1 (query heads 0-1) ->
-    pseudo rows 0-2, heads 2-3 -> rows 3-5; request 1's row 3 -> rows 6 (h 0) and 7 (h 1);
-    pseudo qsl [0, 3, 6, 7, 8]. Rows outside every request keep a row of their own
-    (``t * H + h``), so the map is a permutation of ``[0, num_tokens * H)``.
+    One program per (query tile of a chunk, KV head) reads that head's table and length in
+    place and the tile's query rows by index: no per-call copy of the query, the output, the
+    tables or the lengths (every layer of a step passes the cache's whole tables, the step's
+    index tensors made once). Example: a step of tokens [decode, a, a, a, decode, b, b]
+    with table rows 7 (a) and 2 (b) -> qsl [0, 3, 5], q_start [1, 5], row_ids [7, 2].
     """
     num_tokens, num_heads, head_dim = query.shape
-    num_reqs, num_kv_heads = seq_lens.shape
+    num_kv_heads = seq_lens.shape[1]
+    num_reqs = query_start_loc.shape[0] - 1
     assert kv_cache.dim() == 4 and kv_cache.shape[0] == 2 and kv_cache.shape[3] == head_dim
-    assert block_tables.shape[:2] == (num_reqs, num_kv_heads)
+    assert block_tables.dim() == 3 and block_tables.shape[:2] == seq_lens.shape
     assert num_heads % num_kv_heads == 0
     g = num_heads // num_kv_heads
-    h = num_kv_heads
     dev = query.device
-    if num_tokens == 0 or num_reqs == 0:
-        return torch.zeros(query.shape, dtype=query.dtype, device=dev)
-    if layout is None:
-        layout = kvc_prefill_layout(query_start_loc, num_tokens, num_kv_heads)
-    prow, pqsl = layout
-    pq = torch.empty((num_tokens * h, g, head_dim), dtype=query.dtype, device=dev)
-    pq[prow] = query.reshape(num_tokens * h, g, head_dim)
-    p = num_reqs * h
-    p_pad = pqsl.shape[0] - 1
-    width = block_tables.shape[2]
-    w_pad = -(-width // 16) * 16
-    pout = torch.zeros_like(pq)
-    tables = torch.zeros((p_pad, w_pad), dtype=block_tables.dtype, device=dev)
-    tables[:p, :width] = block_tables.reshape(p, width)  # [R * H, max_blocks]
-    plens = torch.zeros(p_pad, dtype=torch.int32, device=dev)
-    plens[:p] = seq_lens.reshape(p)
-    paged_attention(
-        pq,
-        kv_cache.unsqueeze(3),  # [2, num_blocks, block_size, 1, head_dim]
-        pqsl,
-        plens,
-        tables,
-        max_query_len,
-        max_seq_len,
-        scale,
-        sliding_window,
-        out=pout,
-        num_splits=1,
-    )
-    return pout[prow].reshape(num_tokens, num_heads, head_dim)
+    if out is None:
+        out = torch.zeros(query.shape, dtype=query.dtype, device=dev)
+    assert out.shape == query.shape and out.stride(2) == 1
+    if num_tokens == 0 or num_reqs <= 0:
+        return out
+    if row_ids is None:
+        assert seq_lens.shape[0] >= num_reqs
+        row_ids = torch.arange(num_reqs, device=dev)
+    if q_start is None:
+        q_start = query_start_loc[:-1]
+    assert row_ids.shape == (num_reqs,) and q_start.shape == (num_reqs,)
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    if block_tables.stride(2) != 1:
+        block_tables = block_tables.contiguous()
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    assert k_cache.stride(2) == 1 and k_cache.stride() == v_cache.stride()
+    block_size = kv_cache.shape[2]
+    window = int(sliding_window) if sliding_window else 0
+    qk_scale = float(scale) * LOG2E
+    head_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on a GPU
+    upcast = query.device.type == "cpu"  # the CPU interpreter mis-computes 16-bit dots
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    cfg = tile_config or default_tile_config(head_pad, decode=False)
+    block_m = max(cfg.block_m, triton.next_power_of_2(g))
+    if tile_config is None and max_query_len * g < block_m:
+        # short chunks: a tile just big enough for one chunk's queries x heads (as
+        # paged_attention). Example: 5-token chunks, G 2 -> block_m 16 (BLOCK_Q 8)
+        block_m = max(16, triton.next_power_of_2(max_query_len * g))
+    block_q = block_m // g
+    n_tok = num_tokens if num_chunk_tokens is None else num_chunk_tokens
+    # an upper bound on the tiles of all chunks (see paged_attention's _find_request)
+    grid = (n_tok // block_q + num_reqs, num_kv_heads)
+    _prefill_kernel[grid](
+        out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, q_start, row_ids,
+        num_reqs, qk_scale, window, query.stride(0), query.stride(1), out.stride(0),
+        out.stride(1), block_tables.stride(0), block_tables.stride(1), seq_lens.stride(0),
+        seq_lens.stride(1), k_cache.stride(0), k_cache.stride(1), G=g, HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
+        TILE_N=cfg.tile_n, UPCAST=upcast, PRECISION=precision, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out

@@ -431,9 +431,9 @@ def test_paged_mixed_batch(
             lens.to(DEVICE),
             c.block_tables.to(DEVICE),
             max(q_lens),
-            int(lens.max()),
             scale,
             window,
+            tile_config=TILE,
         )
         assert out.dtype == dtype and out.shape == query.shape
         got = out.float().cpu()
@@ -452,10 +452,108 @@ def test_paged_matches_decode_for_decode_rows() -> None:
     qsl = torch.arange(4, dtype=torch.int32, device=DEVICE)
     for window in (None, 6):
         a = kvc_decode_attention(query, kv, tables, lens_d, 0.1, sliding_window=window)
-        b = kvc_paged_attention(
-            query, kv, qsl, lens_d, tables, 1, int(lens.max()), 0.1, sliding_window=window
-        )
+        b = kvc_paged_attention(query, kv, qsl, lens_d, tables, 1, 0.1, sliding_window=window)
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _layer_view(c: HeadCache, order: torch.Tensor, layers: int, layer: int):
+    """The cache's tables and lengths as the backend passes them: table row ``order[i]`` holds
+    row i of ``c``, inside [rows, layers * H, max_blocks] / [rows, layers * H] tensors of which
+    this layer's H heads are a strided view. Returns (tables, lens) views, one spare row more
+    (never read)."""
+    rows, h = c.lens.shape
+    n = rows + 1
+    tables = torch.zeros(n, layers * h, c.block_tables.shape[2], dtype=torch.int32)
+    lens = torch.zeros(n, layers * h, dtype=torch.int64)
+    part = slice(layer * h, (layer + 1) * h)
+    tables[order, part] = c.block_tables
+    lens[order, part] = c.lens.long()
+    return tables[:, part], lens[:, part]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_paged_rows_in_place(dtype: torch.dtype) -> None:
+    """``row_ids``, ``q_start`` and ``out``: chunks whose query rows lie among other rows (a
+    mixed step's decodes), in table rows of their own order, over one layer's strided view of
+    the whole tables, write only their rows of ``out``; the rest keep their values. Equal to
+    the reference on the chunks gathered."""
+    num_heads, h, d, bs = 8, 2, 64, BLOCK_SIZES[1]
+    if CUDA:
+        q_lens, max_ctx = [130, 7, 300, 2], 900
+    else:
+        q_lens, max_ctx = [6, 3, 9, 2], 30
+    ctx = random_lens(len(q_lens), h, max_ctx, bs, seed=30)
+    lens = ctx + torch.tensor(q_lens, dtype=torch.int32)[:, None]
+    c = make_head_cache(lens, d, bs, dtype, seed=31)
+    # step layout: [decode, chunk 0, decode, decode, chunk 1, chunk 2, decode, chunk 3]
+    gaps = [1, 2, 0, 1]
+    starts, row = [], 0
+    for gap, ql in zip(gaps, q_lens):
+        row += gap
+        starts.append(row)
+        row += ql
+    t = row + 1
+    gen = torch.Generator().manual_seed(32)
+    query = torch.randn(t, num_heads, d, generator=gen).to(dtype)
+    chunk_rows = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, q_lens)])
+    sub_qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int64)
+    order = torch.tensor([3, 0, 4, 1])  # chunk i's table row
+    tables, lens_v = _layer_view(c, order, layers=3, layer=1)
+    assert not tables.is_contiguous() and not lens_v.is_contiguous()
+    atol, rtol = TOL[dtype]
+    for window in (None, 5):
+        ref = paged_ref(query[chunk_rows], c, q_lens, d**-0.5, window)
+        lo = (lens - torch.tensor(q_lens)[:, None] - window + 1).clamp(min=0) if window else (
+            torch.zeros_like(lens))  # fmt: skip
+        kv = poisoned(c, lo, 1e3).to(DEVICE)
+        sentinel = torch.full((t, num_heads, d), 7.0).to(dtype).to(DEVICE)
+        out = sentinel.clone()
+        got = kvc_paged_attention(
+            query.to(DEVICE), kv, sub_qsl.to(DEVICE), lens_v.to(DEVICE), tables.to(DEVICE),
+            max(q_lens), d**-0.5, window, row_ids=order.to(DEVICE),
+            q_start=torch.tensor(starts).to(DEVICE), out=out,
+            num_chunk_tokens=sum(q_lens), tile_config=TILE,
+        )  # fmt: skip
+        assert got is out
+        got = out.float().cpu()
+        torch.testing.assert_close(got[chunk_rows], ref, atol=atol, rtol=rtol)
+        others = torch.ones(t, dtype=torch.bool)
+        others[chunk_rows] = False
+        assert (got[others] == 7.0).all(), "a row of no chunk was written"
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_rows_in_place(num_splits: int) -> None:
+    """``q_rows`` and ``out``: decode rows at chosen rows of a mixed step's query read and
+    write only those rows of ``out``; output and scores equal the reference on the gathered
+    rows (single pass and split-K)."""
+    block_size, heads, num_heads, d = BLOCK_SIZES[0], 2, 8, 64
+    lens = random_lens(5, heads, 300 if CUDA else 40, block_size, seed=33)
+    c = make_head_cache(lens, d, block_size, torch.float32, seed=34)
+    ids = torch.tensor([4, 1, 2])  # table rows of the decodes
+    q_rows = torch.tensor([6, 0, 3])  # their query rows in a step of 8 tokens
+    sub = HeadCache(c.kv_cache, c.block_tables[ids], c.lens[ids])
+    gen = torch.Generator().manual_seed(35)
+    query = torch.randn(8, num_heads, d, generator=gen)
+    ref, attended, delta = decode_ref(query[q_rows], sub, d**-0.5, None)
+    start = torch.rand(c.kv_cache.shape[1] * block_size, generator=gen)
+    scores = start.clone().to(DEVICE)
+    out = torch.full((8, num_heads, d), 7.0, device=DEVICE)
+    kvc_decode_attention(
+        query.to(DEVICE), c.kv_cache.to(DEVICE), c.block_tables.to(DEVICE), c.lens.to(DEVICE),
+        d**-0.5, scores=scores, num_splits=num_splits, row_ids=ids.to(DEVICE),
+        q_rows=q_rows.to(DEVICE), out=out, tile_config=TILE,
+    )  # fmt: skip
+    got = out.cpu()
+    torch.testing.assert_close(got[q_rows], ref, atol=1e-4, rtol=1e-4)
+    others = torch.ones(8, dtype=torch.bool)
+    others[q_rows] = False
+    assert (got[others] == 7.0).all(), "a row of no decode was written"
+    got_s = scores.cpu()
+    assert torch.equal(got_s[~attended], start[~attended])
+    torch.testing.assert_close(
+        got_s[attended], (start + delta)[attended], atol=SCORE_TOL[0], rtol=SCORE_TOL[1]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,31 +569,38 @@ def _kvc_step(
     block_size: int,
     compressible: bool,
     dev: torch.device,
+    table_rows: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(query, key, value, kv_cache, metadata) of one KV-Compress step on ``dev``, the metadata
-    as ``HeadPagedCache.prepare_step`` makes it (float32, the same data for every ``dev``)."""
+    as ``HeadPagedCache.prepare_step`` makes it (float32, the same data for every ``dev``).
+    Request i sits in row ``table_rows[i]`` of the tables (i without them); rows of no request
+    hold no key."""
     r, h = ctx.shape
-    lens = ctx + torch.tensor(q_lens, dtype=torch.int32)[:, None]  # [R, H]
+    rows = np.arange(r) if table_rows is None else np.asarray(table_rows)
+    n_rows = int(rows.max()) + 1
+    lens_req = ctx + torch.tensor(q_lens, dtype=torch.int32)[:, None]  # [R, H]
+    lens = torch.zeros(n_rows, h, dtype=torch.int32)
+    lens[torch.from_numpy(rows)] = lens_req  # [rows, H]
     c = make_head_cache(lens, head_dim, block_size, torch.float32, seed=20)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
     t = int(qsl[-1])
     req = torch.from_numpy(np.repeat(np.arange(r), q_lens))
+    trow = torch.from_numpy(rows)[req]  # [T] table row of each token
     local = torch.arange(t) - torch.from_numpy(qsl)[req]
     # Example: ctx[r, h] 5, q_len 2 -> the new keys are logical 5, 6 of head h.
     idx = ctx[req].long() + local[:, None]  # [T, H]
-    blk = c.block_tables[req[:, None], torch.arange(h)[None, :], idx // block_size].long()
+    blk = c.block_tables[trow[:, None], torch.arange(h)[None, :], idx // block_size].long()
     slots = blk * block_size + idx % block_size  # [T, H]
     num_slots = c.kv_cache.shape[1] * block_size
     positions = torch.zeros(num_slots, dtype=torch.int32)
-    for rr, hh in itertools.product(range(r), range(h)):
+    for rr, hh in itertools.product(range(n_rows), range(h)):
         n = int(lens[rr, hh])
         positions[c.slots(rr, hh, 0, n)] = torch.arange(n, dtype=torch.int32)
     q_np = np.asarray(q_lens)
     decode, prefill = np.nonzero(q_np == 1)[0], np.nonzero(q_np > 1)[0]
-    rows = np.arange(r)  # the step's requests are the tables' rows 0..r-1
     collect = np.where(q_np == 1, 1, np.minimum(4, q_np))  # every chunk ends its prompt
     index = KVCStepPlan.index_arrays(decode, prefill, qsl, rows, collect)
-    max_lens = lens.max(1).values.numpy()
+    max_lens = lens_req.max(1).values.numpy()
     plan = KVCStepPlan(
         decode=decode,
         prefill=prefill,
@@ -506,6 +611,7 @@ def _kvc_step(
         prefill_max_q=int(q_np[prefill].max()) if len(prefill) else 0,
         window_max_len=int(max_lens[prefill].max()) if len(prefill) else 0,
         tensors={k: torch.from_numpy(v).long().to(dev) for k, v in index.items()},
+        prefill_tokens=int(index["prefill_qsl"][-1]),
     )
     gen = torch.Generator().manual_seed(21)
     scores = torch.rand(num_slots, generator=gen)
@@ -538,24 +644,31 @@ def _kvc_step(
 
 
 @pytest.mark.parametrize(
-    "q_lens,window,compressible",
+    "q_lens,window,compressible,table_rows",
     [
-        ([1, 6, 1, 3], None, True),  # decodes and prompt-ending chunks, scored
-        ([1, 1, 1], None, True),  # a decode-only step: one kernel call
-        ([5, 1, 2], 4, False),  # a windowed layer (never compacted, not scored)
+        ([1, 6, 1, 3], None, True, None),  # decodes and prompt-ending chunks, scored
+        ([1, 1, 1], None, True, None),  # a decode-only step: one kernel call
+        ([5, 1, 2], 4, False, None),  # a windowed layer (never compacted, not scored)
+        ([3, 1, 4, 1], None, True, [5, 2, 0, 3]),  # table rows in another order, gaps
+        ([4, 7], None, True, [1, 0]),  # a prefill-only step
     ],
-    ids=["mixed", "decode-only", "window"],
+    ids=["mixed", "decode-only", "window", "mixed-rows", "prefill-only"],
 )
-def test_backend_matches_torch(q_lens: list[int], window: int | None, compressible: bool):
+def test_backend_matches_torch(
+    q_lens: list[int], window: int | None, compressible: bool, table_rows: list[int] | None
+) -> None:
     """KVCTritonBackend (kvc_decode_attention, kvc_paged_attention and the torch window
-    scores) against KVCTorchBackend: same cache after the write, same output and scores."""
+    scores, reading and writing the step's rows in place) against KVCTorchBackend: same
+    cache after the write, same output and scores."""
     num_heads, h, d, bs = 8, 2, 64, BLOCK_SIZES[0]
     ctx = torch.tensor([[3, 20], [0, 0], [17, 5], [9, 40]], dtype=torch.int32)[: len(q_lens)]
     if not compressible:  # never compacted: every head of a request holds the same keys
         ctx = ctx[:, :1].expand(-1, h).contiguous()
     results = []
     for backend, dev in ((KVCTorchBackend(), torch.device("cpu")), (KVCTritonBackend(), DEVICE)):
-        query, key, value, kv, md = _kvc_step(q_lens, ctx, num_heads, d, bs, compressible, dev)
+        query, key, value, kv, md = _kvc_step(
+            q_lens, ctx, num_heads, d, bs, compressible, dev, table_rows
+        )
         out = backend.forward(query, key, value, kv, md, d**-0.5, window)
         assert out.shape == (query.shape[0], num_heads * d)
         results.append((out.cpu(), kv.cpu(), md.kvc.scores.cpu()))
