@@ -31,9 +31,10 @@ from pagedllm.kvcompress.evict import head_slots, maxpool_scores
 
 @dataclass
 class KVCStepPlan:
-    """Host-side facts of one step shared by every layer, and their index tensors on the
-    device (made once per step by ``HeadPagedCache.prepare_step``, in its one host-to-device
-    copy): which requests decode, which run prefill chunks, and how many of each request's
+    """Host-side facts of one step shared by every layer (``HeadPagedCache.prepare_step``),
+    and their index tensors on the device (made once per eager step by
+    ``HeadPagedCache.finish_metadata``, in one host-to-device copy; a CUDA-graph replay needs
+    none): which requests decode, which run prefill chunks, and how many of each request's
     last queries score the keys (0: none).
 
     ``tensors``: "decode" / "prefill" (request indices), "decode_rows" (the decodes' query

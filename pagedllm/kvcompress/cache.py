@@ -238,13 +238,11 @@ class HeadPagedCache:
         collect = np.where(n_sched == 1, 1, np.where(sampling, np.minimum(w, n_sched), 0))
         collect *= self.scored_np[rows]  # requests that are never evicted collect nothing
         decode, prefill = np.nonzero(n_sched == 1)[0], np.nonzero(n_sched > 1)[0]
-        qsl = md.query_start_loc_np
-        assert qsl is not None and md.seq_lens_np is not None
-        index = KVCStepPlan.index_arrays(decode, prefill, qsl, rows, collect)
-        shipped = self.ship(rows, req_idx_np, offsets_np, n_sched, *index.values())
-        rows_t, req_idx, offsets, n_t = shipped[:4]
-        tensors = {k: t.view(a.shape) for (k, a), t in zip(index.items(), shipped[4:])}
+        assert md.seq_lens_np is not None
+        rows_t, req_idx, offsets, n_t = self.ship(rows, req_idx_np, offsets_np, n_sched)
         win = prefill[collect[prefill] > 0]
+        # the plan's index tensors are made by ``finish_metadata``, for an eager pass only (a
+        # CUDA-graph replay of a decode step reads none of them)
         plan = KVCStepPlan(
             decode=decode,
             prefill=prefill,
@@ -254,8 +252,7 @@ class HeadPagedCache:
             max_lens=md.seq_lens_np,
             prefill_max_q=int(n_sched[prefill].max()) if len(prefill) else 0,
             window_max_len=int(md.seq_lens_np[win].max()) if len(win) else 0,
-            tensors=tensors,
-            prefill_tokens=int(index["prefill_qsl"][-1]),
+            prefill_tokens=int(n_sched[prefill].sum()),
         )
         # [T, LH] slots; positions and zero scores written there, lens advanced
         slots = self._step_slots(
@@ -269,6 +266,14 @@ class HeadPagedCache:
         ``prepare_step`` planned (a CUDA-graph replay needs none: it has its own)."""
         if md.groups is None:
             slots, rows_t, positions, plan = md.plan["kvc"]
+            if not plan.tensors:  # the step's index tensors, shared by every layer
+                qsl = md.query_start_loc_np
+                assert qsl is not None
+                index = KVCStepPlan.index_arrays(
+                    plan.decode, plan.prefill, qsl, plan.rows, plan.collect
+                )
+                shipped = self.ship(*index.values())
+                plan.tensors = {k: t.view(a.shape) for (k, a), t in zip(index.items(), shipped)}
             md.groups = self.layer_metadata(md, slots, positions, plan, rows_t)
 
     def layer_metadata(

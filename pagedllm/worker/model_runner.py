@@ -125,6 +125,7 @@ class ModelRunner:
         self.model = build_model(self.model_config, str(self.device))
         self.kvc_config = config.kvc_config
         self.kvc: HeadPagedCache | None = None  # KV-Compress (per-head paged cache)
+        self._kvc_measured = False  # a request with ``kvc_compress_at`` has been added
         self.backend = make_backend(self.device, self.kvc_config.enabled)
         for layer in self.model.attention_layers():
             layer.backend = self.backend
@@ -440,6 +441,8 @@ class ModelRunner:
                 ib.add_request(new)
                 continue
             head = new.block_ids[0] if new.block_ids else None
+            if new.sampling_params.kvc_compress_at is not None:
+                self._kvc_measured = True
             row = ib.add_request(replace(new, block_ids=()))
             kvc.set_row(row, head, self._kvc_scored(new.sampling_params))
         entry_rows: list[int] = []  # KV-Compress: every row's new table entries, one scatter
@@ -516,7 +519,9 @@ class ModelRunner:
         if self.kvc is not None:
             sampling = np.zeros(len(rows), dtype=bool)
             sampling[plan.sample_idx] = True
-            for i, row in enumerate(rows.tolist()):  # a chunk that ends a measured prefix
+            # a chunk that ends a measured prefix (a Python pass over the batch only once
+            # such a request has been seen)
+            for i, row in enumerate(rows.tolist() if self._kvc_measured else ()):
                 at = ib.sampling_params[row].kvc_compress_at
                 if at is not None and seq_lens[i] == at:
                     sampling[i] = True

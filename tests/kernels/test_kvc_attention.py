@@ -572,7 +572,8 @@ def _kvc_step(
     table_rows: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(query, key, value, kv_cache, metadata) of one KV-Compress step on ``dev``, the metadata
-    as ``HeadPagedCache.prepare_step`` makes it (float32, the same data for every ``dev``).
+    as ``HeadPagedCache.prepare_step`` / ``finish_metadata`` make it (float32, the same data
+    for every ``dev``).
     Request i sits in row ``table_rows[i]`` of the tables (i without them); rows of no request
     hold no key."""
     r, h = ctx.shape
