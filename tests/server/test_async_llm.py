@@ -98,7 +98,9 @@ def test_validation_error_before_streaming(llm: AsyncLLMBase) -> None:
         gen = llm.generate([10**6], GREEDY)
         with pytest.raises(ValueError, match="vocab"):
             await gen.__anext__()
-        stream = await llm.add_request("ok", GREEDY, request_id="dup")
+        # 100 tokens: still running when the duplicate comes (8 could finish before it)
+        long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+        stream = await llm.add_request("ok", long, request_id="dup")
         with pytest.raises(ValueError, match="already in use"):
             await llm.add_request("ok", GREEDY, request_id="dup")
         assert [o async for o in stream][-1].finished
