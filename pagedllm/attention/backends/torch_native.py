@@ -3,10 +3,12 @@
 Decode rows (one query token per request) of a step are attended by the compiled kernel of
 ``pagedllm/ops/cpu`` where it is built (float32 and bfloat16 caches; see ``kernels_enabled``),
 which reads K and V from their blocks in place, the query heads of a KV head together; else in
-one batched SDPA call over keys gathered from their blocks. Each prefill chunk gets its own
-SDPA call (or, for a first chunk on a full-attention layer, plain causal SDPA over its new keys
-without touching the cache). The gather indices, masks and tables are planned once per step
-and shared by every layer.
+one batched SDPA call over keys gathered from their blocks. The prefill chunks of a bfloat16
+step go to the compiled ``paged_prefill`` in one call (CPUs with AVX512-BF16; AMX tiles where
+there are: the keys and values read from their blocks, laid out once per KV head for all its
+query heads); elsewhere each chunk gets its own SDPA call (or, for a first chunk on a
+full-attention layer, plain causal SDPA over its new keys without touching the cache). The
+gather indices, masks and tables are planned once per step and shared by every layer.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class TorchNativeBackend(AttentionBackend):
         bs = md.block_size
         q_lens = np.diff(qsl[: md.num_reqs + 1])
         dec = np.nonzero(q_lens == 1)[0]
-        plan: dict = {"decode": None, "prefill": []}
+        plan: dict = {"decode": None, "prefill": None, "prefill_kernel": None}
         if len(dec) > 0 and on_cpu and _decode_kernel(dtype) is not None:
             # the compiled kernel reads the blocks itself: the rows' tables and lengths
             plan["decode"] = (
@@ -96,6 +98,28 @@ class TorchNativeBackend(AttentionBackend):
                 torch.from_numpy(valid)[:, None, None, :],  # [B, 1, 1, s_max]
                 s_max,
             )
+        pre = np.nonzero(q_lens > 1)[0]
+        if len(pre) > 0 and on_cpu and dtype == torch.bfloat16 and _decode_kernel(dtype):
+            # the compiled prefill kernel (it may still decline: then the SDPA plan below)
+            plan["prefill_kernel"] = (
+                torch.from_numpy(qsl[pre].astype(np.int64)),
+                torch.from_numpy(q_lens[pre].astype(np.int32)),
+                torch.from_numpy(seq_lens[pre].astype(np.int32)),
+                torch.from_numpy(np.ascontiguousarray(block_tables[pre], dtype=np.int32)),
+            )
+        md.plan[key] = plan
+        return plan
+
+    def _sdpa_prefill(self, md: AttentionMetadata, plan: dict, window: int | None) -> list:
+        """The SDPA calls of the step's prefill chunks (planned at the first layer that
+        needs them): (start, end, slots or None, mask or None) a chunk."""
+        if plan["prefill"] is not None:
+            return plan["prefill"]
+        qsl, seq_lens = md.query_start_loc_np, md.seq_lens_np
+        assert qsl is not None and seq_lens is not None
+        block_tables, bs = md.plan["block_tables_np"], md.block_size
+        q_lens = np.diff(qsl[: md.num_reqs + 1])
+        plan["prefill"] = []
         for r in np.nonzero(q_lens > 1)[0]:
             start, end, seq_len = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
             ctx = seq_len - (end - start)
@@ -110,8 +134,7 @@ class TorchNativeBackend(AttentionBackend):
             slots = token_slots(block_tables[r], k_pos, bs)
             mask = torch.from_numpy(_visible(q_pos, k_pos, window))[None, None]
             plan["prefill"].append((start, end, torch.from_numpy(slots), mask))
-        md.plan[key] = plan
-        return plan
+        return plan["prefill"]
 
     def forward(
         self,
@@ -161,7 +184,12 @@ class TorchNativeBackend(AttentionBackend):
         # ones its math fallback - measured on this project's 2-core Xeon for a 256-token
         # prompt (9 heads, 3 KV heads, D 64): 3.0 -> 0.65 ms in float32, 2.5 -> 0.26 ms in
         # bfloat16 (which thus no longer attends in float32, as it did to avoid the slow path)
-        for start, end, slots, mask in plan["prefill"]:
+        kp = plan["prefill_kernel"]
+        if kp is not None and _decode_kernel(kv_cache.dtype).paged_prefill(  # type: ignore[union-attr]
+            query, kv_cache[0], kv_cache[1], *kp, scale, sliding_window or 0, out
+        ):
+            return out.view(num_tokens, num_heads * head_dim)
+        for start, end, slots, mask in self._sdpa_prefill(metadata, plan, sliding_window):
             q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
             if slots is None:
                 k, v = key[start:end], value[start:end]

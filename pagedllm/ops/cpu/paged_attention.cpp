@@ -955,6 +955,412 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 // float32 callers take them only then (PyTorch's own ops are as fast as scalar loops).
 bool small_ops_vectorized() { return kAvx512Bf16; }
 
+// ---------------------------------------------------------------- bfloat16 prefill attention
+// The prefill chunks of a step (several query tokens of one request) over the request's keys
+// as they lie in the paged cache, their own new keys included (written before the call):
+// causal, and within the window when one is given. bfloat16, head sizes a multiple of 32 up
+// to 128, on a CPU with AVX512-BF16: AMX tile products where the CPU has AMX, VDPBF16PS
+// (32 products an instruction) elsewhere; without either the caller keeps torch's SDPA.
+//
+// Per (request, KV head), once: the keys laid out for S = Q K^T (Kt: per 16 keys, 16 x D / 32
+// rows of one dim pair of the 16 keys - a 32-bit transpose) and the values for O = P V (Vv:
+// per 32 keys and 16 dims, 16 rows of one key pair's 16 dims, the pair side by side). Every
+// query head of the KV head and every group of 16 queries reads them. A row of either is what
+// one VDPBF16PS takes beside one broadcast pair (a query's two dims, or two keys' weights) and
+// what a tile product takes as its B operand (16 rows of 64 bytes).
+// Per (request, query head, group of 16 queries): S [16, keys], the softmax of each row over
+// all its keys at once (the scores are kept, 64 bytes a key: no online rescale), P rounded to
+// bfloat16, O [16, D] accumulated over every 32 keys in float32, then divided by the sum.
+// Keys the rows read: positions [klo, pos_last], klo the window's start for the group's first
+// row rounded down to 32 (the packs start at such a multiple too); a key past a row's
+// position, or before its window, is masked. Example: a chunk of 40 queries at positions
+// 100..139 (context 100), window 0: groups 0, 1, 2 hold positions 100..115, 116..131,
+// 132..139; group 2 reads keys 0..139 (ns = 160 score columns, the last 20 masked for all).
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+namespace {
+
+// The cache row (all D dims) of position `pos` of a request for KV head `kvh`.
+inline const at::BFloat16* kv_row(const at::BFloat16* cache, const int32_t* table, int64_t pos,
+                                  int64_t bs, int64_t KVH, int64_t kvh, int64_t D) {
+  const int64_t slot = static_cast<int64_t>(table[pos / bs]) * bs + pos % bs;
+  return cache + (slot * KVH + kvh) * D;
+}
+
+alignas(64) const uint16_t kZeroRow[128] = {};
+inline const at::BFloat16* zero_row() { return reinterpret_cast<const at::BFloat16*>(kZeroRow); }
+inline __m512i iota16() {
+  return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+// Kt for keys [k0, k0 + nk) (nk a multiple of 32; keys at or past `len` as zeros):
+// kt[j][p][n] = the 32-bit pair (dims 2 p, 2 p + 1) of key k0 + 16 j + n; D / 2 rows a j.
+// Example: D 64 -> 32 rows of 16 pairs a j; a tile product's B for dims 32 c .. 32 c + 31 is
+// rows 16 c .. 16 c + 15.
+inline void pack_keys(const at::BFloat16* kc, const int32_t* table, int64_t k0, int64_t nk,
+                      int64_t len, int64_t bs, int64_t KVH, int64_t kvh, int64_t D,
+                      uint32_t* kt) {
+  const int64_t half = D / 2;  // 32-bit pairs a row
+  alignas(64) at::BFloat16 tmp[16 * 128];
+  for (int64_t j = 0; j < nk / 16; ++j) {
+    const int64_t first = k0 + 16 * j;
+    const int32_t* src;
+    int64_t row;  // 32-bit units from one key to the next
+    if (bs % 16 == 0 && first + 16 <= len) {  // 16 keys of one block: read in place
+      src = reinterpret_cast<const int32_t*>(kv_row(kc, table, first, bs, KVH, kvh, D));
+      row = KVH * half;
+    } else {
+      for (int64_t n = 0; n < 16; ++n)
+        std::memcpy(tmp + n * D,
+                    first + n < len ? kv_row(kc, table, first + n, bs, KVH, kvh, D) : zero_row(),
+                    D * 2);
+      src = reinterpret_cast<const int32_t*>(tmp);
+      row = half;
+    }
+    const __m512i rows = _mm512_mullo_epi32(iota16(), _mm512_set1_epi32(static_cast<int>(row)));
+    uint32_t* dst = kt + j * 16 * half;
+    for (int64_t p = 0; p < half; ++p)
+      _mm512_storeu_si512(dst + p * 16, _mm512_i32gather_epi32(
+          _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(p))), src, 4));
+  }
+}
+
+// Vv for keys [k0, k0 + nk): vv[t][g][p][n][i] = dim 16 g + n of key k0 + 32 t + 2 p + i
+// (512 values a (t, g)).
+inline void pack_values(const at::BFloat16* vc, const int32_t* table, int64_t k0, int64_t nk,
+                        int64_t len, int64_t bs, int64_t KVH, int64_t kvh, int64_t D,
+                        at::BFloat16* vv) {
+  const int64_t DG = D / 16;
+  alignas(64) static const uint16_t lo_i[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5,
+                                                37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42,
+                                                11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_i[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                                53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                                27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(lo_i), hi = _mm512_load_si512(hi_i);
+  for (int64_t t = 0; t < nk / 32; ++t)
+    for (int64_t p = 0; p < 16; ++p) {
+      const int64_t a = k0 + 32 * t + 2 * p;
+      const at::BFloat16* ra = a < len ? kv_row(vc, table, a, bs, KVH, kvh, D) : zero_row();
+      const at::BFloat16* rb =
+          a + 1 < len ? kv_row(vc, table, a + 1, bs, KVH, kvh, D) : zero_row();
+      for (int64_t c = 0; c < D; c += 32) {
+        const __m512i x = _mm512_loadu_si512(ra + c), y = _mm512_loadu_si512(rb + c);
+        at::BFloat16* d0 = vv + ((t * DG + c / 16) * 16 + p) * 32;
+        _mm512_storeu_si512(d0, _mm512_permutex2var_epi16(x, lo, y));
+        _mm512_storeu_si512(d0 + 16 * 32, _mm512_permutex2var_epi16(x, hi, y));
+      }
+    }
+}
+
+// The group's geometry: its first key klo and its score columns ns (a multiple of 32).
+struct GroupKeys {
+  int64_t klo, ns;
+};
+inline GroupKeys group_keys(int64_t nq, int64_t pos0, int64_t k0, int64_t window) {
+  int64_t klo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+  klo = k0 + (klo - k0) / 32 * 32;
+  return {klo, (pos0 + nq - klo + 31) / 32 * 32};
+}
+
+// Rows i < nq of s [16, ns] (raw scores of keys klo ..) to P (bfloat16, 0 where masked);
+// inv[i] = 1 / the row's sum. Rows past nq: P zeros.
+inline void softmax_rows(float* s, at::BFloat16* pb, float* inv, int64_t nq, int64_t pos0,
+                         GroupKeys gk, float scale, int64_t window) {
+  const int64_t ns = gk.ns;
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < 16; ++i) {
+    float* si = s + i * ns;
+    at::BFloat16* pi = pb + i * ns;
+    if (i >= nq) {
+      std::memset(pi, 0, ns * 2);
+      inv[i] = 0.f;
+      continue;
+    }
+    const int64_t pos = pos0 + i;  // visible: offsets first .. last from klo
+    const __m512i last = _mm512_set1_epi32(static_cast<int>(pos - gk.klo));
+    const __m512i first = _mm512_set1_epi32(static_cast<int>(
+        window > 0 ? pos - window + 1 - gk.klo : std::numeric_limits<int>::min()));
+    __m512 mx = ninf;
+    for (int64_t x = 0; x < ns; x += 16) {
+      const __m512i off = _mm512_add_epi32(iota16(), _mm512_set1_epi32(static_cast<int>(x)));
+      const __mmask16 ok =
+          _mm512_cmple_epi32_mask(off, last) & _mm512_cmpge_epi32_mask(off, first);
+      const __m512 v =
+          _mm512_mask_blend_ps(ok, ninf, _mm512_mul_ps(_mm512_loadu_ps(si + x), vs));
+      _mm512_storeu_ps(si + x, v);
+      mx = _mm512_max_ps(mx, v);
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t x = 0; x < ns; x += 32) {
+      const __m512 a = _mm512_loadu_ps(si + x), b = _mm512_loadu_ps(si + x + 16);
+      // exp512 clamps its argument at -87: the masked lanes are zeroed instead
+      const __m512 pa = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, ninf, _CMP_NEQ_OQ),
+                                            exp512(_mm512_sub_ps(a, m)));
+      const __m512 pv = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(b, ninf, _CMP_NEQ_OQ),
+                                            exp512(_mm512_sub_ps(b, m)));
+      sum = _mm512_add_ps(sum, _mm512_add_ps(pa, pv));
+      _mm512_storeu_si512(pi + x, (__m512i)_mm512_cvtne2ps_pbh(pv, pa));
+    }
+    inv[i] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+}
+
+// The rows' outputs: out row i = o row i * inv[i], rounded to bfloat16.
+inline void store_rows(const float* o, const float* inv, at::BFloat16* out, int64_t out_stride,
+                       int64_t nq, int64_t D) {
+  for (int64_t i = 0; i < nq; ++i) {
+    const __m512 r = _mm512_set1_ps(inv[i]);
+    for (int64_t d = 0; d < D; d += 16)
+      store_bf16(out + i * out_stride + d, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), r));
+  }
+}
+
+// The VDPBF16PS path. S: 4 queries x 32 keys a step (8 accumulators), each instruction a
+// query's dim pair (broadcast) times a Kt row. O: 4 queries x 64 dims a step (16
+// accumulators), each instruction a query's key pair of P (broadcast) times a Vv row.
+inline void prefill_group_avx(const at::BFloat16* qbuf, int64_t nq, int64_t pos0, int64_t k0,
+                              const uint32_t* kt, const at::BFloat16* vv, int64_t D,
+                              float scale, int64_t window, float* s, at::BFloat16* pb,
+                              float* obuf, float* inv) {
+  const GroupKeys gk = group_keys(nq, pos0, k0, window);
+  const int64_t ns = gk.ns, half = D / 2, DG = D / 16;
+  auto bh = [](__m512i x) { return (__m512bh)x; };
+  const auto* q32 = reinterpret_cast<const int32_t*>(qbuf);  // [16][half]
+  const uint32_t* kt0 = kt + (gk.klo - k0) / 16 * 8 * D;
+  for (int64_t i = 0; i < nq; i += 4) {
+    const int64_t nr = std::min<int64_t>(4, nq - i);
+    for (int64_t j = 0; j < ns / 16; j += 2) {
+      const uint32_t* ka = kt0 + j * 8 * D;
+      const uint32_t* kb = ka + 8 * D;
+      __m512 acc[4][2];
+      for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < half; ++p) {
+        const __m512i x = _mm512_loadu_si512(ka + p * 16), y = _mm512_loadu_si512(kb + p * 16);
+        for (int r = 0; r < 4; ++r) {
+          const __m512i qb = _mm512_set1_epi32(q32[(i + r) * half + p]);
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], bh(qb), bh(x));
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], bh(qb), bh(y));
+        }
+      }
+      for (int r = 0; r < nr; ++r) {
+        _mm512_storeu_ps(s + (i + r) * ns + j * 16, acc[r][0]);
+        _mm512_storeu_ps(s + (i + r) * ns + j * 16 + 16, acc[r][1]);
+      }
+    }
+  }
+  softmax_rows(s, pb, inv, nq, pos0, gk, scale, window);
+  const at::BFloat16* vt0 = vv + (gk.klo - k0) / 32 * DG * 512;
+  for (int64_t i = 0; i < nq; i += 4) {
+    const int64_t nr = std::min<int64_t>(4, nq - i);
+    const auto* p32 = reinterpret_cast<const int32_t*>(pb + i * ns);  // [rows][ns / 2]
+    for (int64_t g0 = 0; g0 < DG; g0 += 4) {
+      const int64_t ng = std::min<int64_t>(4, DG - g0);
+      __m512 acc[4][4];
+      for (int r = 0; r < 4; ++r)
+        for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < ns / 32; ++t)
+        for (int64_t p = 0; p < 16; ++p) {
+          __m512i v[4];
+          for (int g = 0; g < ng; ++g)
+            v[g] = _mm512_loadu_si512(vt0 + ((t * DG + g0 + g) * 16 + p) * 32);
+          for (int r = 0; r < 4; ++r) {
+            const __m512i pw = _mm512_set1_epi32(p32[r * (ns / 2) + t * 16 + p]);
+            for (int g = 0; g < ng; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], bh(pw), bh(v[g]));
+          }
+        }
+      for (int r = 0; r < nr; ++r)
+        for (int g = 0; g < ng; ++g) _mm512_storeu_ps(obuf + (i + r) * D + (g0 + g) * 16, acc[r][g]);
+    }
+  }
+}
+
+#if defined(__AMX_BF16__) && defined(__linux__)
+// The AMX path (tile configuration: tiles 0-7 all 16 rows of 64 bytes). S: Q in tiles 1..
+// (32 dims each), 16 keys' Kt rows as B, scores in tile 0. O: 32 keys of P as A (tile 4), a
+// Vv (t, g) as B, the 64 dims of a pass in tiles 0-3.
+inline void prefill_group_amx(const at::BFloat16* qbuf, int64_t nq, int64_t pos0, int64_t k0,
+                              const uint32_t* kt, const at::BFloat16* vv, int64_t D,
+                              float scale, int64_t window, float* s, at::BFloat16* pb,
+                              float* obuf, float* inv) {
+  const GroupKeys gk = group_keys(nq, pos0, k0, window);
+  const int64_t C = D / 32, DG = D / 16, ns = gk.ns;
+  _tile_loadd(1, qbuf, D * 2);
+  if (C > 1) _tile_loadd(2, qbuf + 32, D * 2);
+  if (C > 2) _tile_loadd(3, qbuf + 64, D * 2);
+  if (C > 3) _tile_loadd(4, qbuf + 96, D * 2);
+  const uint32_t* ktb = kt + (gk.klo - k0) / 16 * 8 * D;  // 8 D pairs per 16 keys
+  for (int64_t j = 0; j < ns / 16; ++j, ktb += 8 * D) {
+    _tile_zero(0);
+    _tile_loadd(5, ktb, 64);
+    _tile_dpbf16ps(0, 1, 5);
+    if (C > 1) {
+      _tile_loadd(6, ktb + 256, 64);
+      _tile_dpbf16ps(0, 2, 6);
+    }
+    if (C > 2) {
+      _tile_loadd(5, ktb + 512, 64);
+      _tile_dpbf16ps(0, 3, 5);
+    }
+    if (C > 3) {
+      _tile_loadd(6, ktb + 768, 64);
+      _tile_dpbf16ps(0, 4, 6);
+    }
+    _tile_stored(0, s + j * 16, ns * 4);
+  }
+  softmax_rows(s, pb, inv, nq, pos0, gk, scale, window);
+  const at::BFloat16* vt0 = vv + (gk.klo - k0) / 32 * DG * 512;
+  for (int64_t g0 = 0; g0 < DG; g0 += 4) {
+    const int64_t ng = std::min<int64_t>(4, DG - g0);
+    _tile_zero(0);
+    if (ng > 1) _tile_zero(1);
+    if (ng > 2) _tile_zero(2);
+    if (ng > 3) _tile_zero(3);
+    for (int64_t t = 0; t < ns / 32; ++t) {
+      const at::BFloat16* vb = vt0 + (t * DG + g0) * 512;
+      _tile_loadd(4, pb + t * 32, ns * 2);
+      _tile_loadd(5, vb, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      if (ng > 1) {
+        _tile_loadd(6, vb + 512, 64);
+        _tile_dpbf16ps(1, 4, 6);
+      }
+      if (ng > 2) {
+        _tile_loadd(5, vb + 1024, 64);
+        _tile_dpbf16ps(2, 4, 5);
+      }
+      if (ng > 3) {
+        _tile_loadd(6, vb + 1536, 64);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+    }
+    _tile_stored(0, obuf + g0 * 16, D * 4);
+    if (ng > 1) _tile_stored(1, obuf + g0 * 16 + 16, D * 4);
+    if (ng > 2) _tile_stored(2, obuf + g0 * 16 + 32, D * 4);
+    if (ng > 3) _tile_stored(3, obuf + g0 * 16 + 48, D * 4);
+  }
+}
+#endif
+
+}  // namespace
+#endif
+
+// Prefill attention for the prefill rows of a step (see the section's header), written into
+// `out` [T, H, D] (contiguous) at rows q_starts[r] .. q_starts[r] + q_lens[r] - 1; the key
+// positions of request r are 0 .. seq_lens[r] - 1, its queries the last q_lens[r] of them.
+// Returns false, writing nothing, where this build or CPU cannot (no AVX512-BF16; another
+// dtype; D not a multiple of 32 or above 128): the caller then attends with SDPA.
+// allow_amx=false takes the VDPBF16PS path on a CPU with AMX too (tests, A/B runs).
+bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor seq_lens,
+                   torch::Tensor block_tables, double scale, int64_t window, torch::Tensor out,
+                   bool allow_amx) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
+  const int64_t H = q.size(1), D = q.size(2);
+  if (q.scalar_type() != at::kBFloat16 || k_cache.scalar_type() != at::kBFloat16 ||
+      v_cache.scalar_type() != at::kBFloat16 || D % 32 != 0 || D > 128)
+    return false;
+#if defined(__AMX_BF16__) && defined(__linux__)
+  const bool amx = allow_amx && amx_permitted();
+#else
+  const bool amx = false;
+#endif
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
+              "cache and out must be contiguous");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kBFloat16, "bad out");
+  TORCH_CHECK(q_starts.scalar_type() == at::kLong && q_lens.scalar_type() == at::kInt &&
+                  seq_lens.scalar_type() == at::kInt && block_tables.scalar_type() == at::kInt,
+              "q_starts int64; q_lens, seq_lens, block_tables int32");
+  if (q.stride(2) != 1 || q.stride(1) != D) q = q.contiguous();
+  q_starts = q_starts.contiguous();
+  q_lens = q_lens.contiguous();
+  seq_lens = seq_lens.contiguous();
+  block_tables = block_tables.contiguous();
+  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head shapes do not match");
+  const int64_t G = H / KVH;
+  const int64_t R = q_starts.size(0), max_blocks = block_tables.size(1);
+  const int64_t* qs = q_starts.data_ptr<int64_t>();
+  const int32_t* ql = q_lens.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  // per request: the packs' first key and size, their offset (bfloat16 values, Kt and Vv
+  // alike: nk D a KV head), its first item of the second phase
+  std::vector<int64_t> k0(R), nk(R), off(R + 1, 0), items(R + 1, 0);
+  int64_t max_ns = 32;
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(ql[r] >= 1 && ql[r] <= sl[r] && (sl[r] + bs - 1) / bs <= max_blocks,
+                "bad q_lens / seq_lens");
+    TORCH_CHECK(qs[r] >= 0 && qs[r] + ql[r] <= q.size(0), "q_starts out of range");
+    const int64_t ctx = sl[r] - ql[r];
+    k0[r] = window > 0 ? std::max<int64_t>(0, ctx - window + 1) / 32 * 32 : 0;
+    nk[r] = (sl[r] - k0[r] + 31) / 32 * 32;
+    off[r + 1] = off[r] + KVH * nk[r] * D;
+    items[r + 1] = items[r] + H * ((ql[r] + 15) / 16);
+    max_ns = std::max(max_ns, nk[r]);
+  }
+  auto kt_buf = torch::empty({std::max<int64_t>(off[R] / 2, 1)}, q.options().dtype(at::kInt));
+  auto vv_buf = torch::empty({std::max<int64_t>(off[R], 1)}, q.options());
+  auto* kt = reinterpret_cast<uint32_t*>(kt_buf.data_ptr<int32_t>());
+  auto* vv = vv_buf.data_ptr<at::BFloat16>();
+  const auto* kc = k_cache.data_ptr<at::BFloat16>();
+  const auto* vc = v_cache.data_ptr<at::BFloat16>();
+  at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / KVH, h = i % KVH;
+      const int32_t* table = tables + r * max_blocks;
+      const int64_t o = off[r] + h * nk[r] * D;
+      pack_keys(kc, table, k0[r], nk[r], sl[r], bs, KVH, h, D, kt + o / 2);
+      pack_values(vc, table, k0[r], nk[r], sl[r], bs, KVH, h, D, vv + o);
+    }
+  });
+  const auto* qd = q.data_ptr<at::BFloat16>();
+  auto* od = out.data_ptr<at::BFloat16>();
+  const int64_t q_stride = q.stride(0);
+  // items (request, query head, group of 16), query heads outermost within a request
+  at::parallel_for(0, items[R], 1, [&](int64_t begin, int64_t end) {
+#if defined(__AMX_BF16__) && defined(__linux__)
+    TileConfig cfg;
+    for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    if (amx) _tile_loadconfig(&cfg);
+#endif
+    std::vector<at::BFloat16> qbuf(16 * D), pb(16 * max_ns);
+    std::vector<float> s(16 * max_ns), obuf(16 * D), inv(16);
+    int64_t r = std::upper_bound(items.begin(), items.end(), begin) - items.begin() - 1;
+    for (int64_t it = begin; it < end; ++it) {
+      while (it >= items[r + 1]) ++r;
+      const int64_t groups = (ql[r] + 15) / 16, local = it - items[r];
+      const int64_t h = local / groups, g = local % groups;
+      const int64_t row0 = qs[r] + 16 * g, nq = std::min<int64_t>(16, ql[r] - 16 * g);
+      const int64_t pos0 = sl[r] - ql[r] + 16 * g;
+      const int64_t o = off[r] + (h / G) * nk[r] * D;
+      for (int64_t i = 0; i < 16; ++i)  // the group's queries, zeros past nq
+        std::memcpy(qbuf.data() + i * D,
+                    i < nq ? qd + (row0 + i) * q_stride + h * D : zero_row(), D * 2);
+#if defined(__AMX_BF16__) && defined(__linux__)
+      if (amx)
+        prefill_group_amx(qbuf.data(), nq, pos0, k0[r], kt + o / 2, vv + o, D,
+                          static_cast<float>(scale), window, s.data(), pb.data(), obuf.data(),
+                          inv.data());
+      else
+#endif
+        prefill_group_avx(qbuf.data(), nq, pos0, k0[r], kt + o / 2, vv + o, D,
+                          static_cast<float>(scale), window, s.data(), pb.data(), obuf.data(),
+                          inv.data());
+      store_rows(obuf.data(), inv.data(), od + (row0 * H + h) * D, H * D, nq, D);
+    }
+#if defined(__AMX_BF16__) && defined(__linux__)
+    if (amx) _tile_release();
+#endif
+  });
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Whether bfloat16 decode attention takes the AMX path here (built for a CPU with AMX-BF16,
 // and the kernel lets this process use the tiles).
 bool amx_decode() {
@@ -975,5 +1381,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Decode attention over the paged KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("window"), py::arg("allow_amx") = true);
+  m.def("paged_prefill", &paged_prefill,
+        "Prefill attention over the paged KV cache, bfloat16 (CPU); False where not built",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("q_starts"),
+        py::arg("q_lens"), py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"),
+        py::arg("window"), py::arg("out"), py::arg("allow_amx") = true);
   m.def("argmax_last", &argmax_last, "Index of each row's maximum, as torch.argmax(-1)");
 }
