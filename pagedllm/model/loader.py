@@ -124,7 +124,7 @@ def build_model(model_config: Any, device: str) -> torch.nn.Module:
         model.load_weights(iter_gguf_weights(model_config.model))
     else:
         model.load_weights(iter_safetensors(model_config.model))
-    if device == "cpu":  # bfloat16 matmuls in oneDNN's weight layout (layers/linear.py)
+    if device == "cpu":  # matmuls in oneDNN's weight layout (layers/linear.py, ops/cpu)
         for module in model.modules():
             pack = getattr(module, "pack_for_cpu", None)
             if pack is not None:

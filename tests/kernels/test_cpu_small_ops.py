@@ -92,8 +92,9 @@ def test_float32_norm_and_silu_within_ulps_and_exact_switch(
 
 def test_packed_linear_and_lm_head_equal_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
     """bfloat16 layers packed for oneDNN (``pack_for_cpu``, done by the model loader on a CPU)
-    give F.linear's outputs bit for bit, for decode rows, a prefill chunk and 3-D input; the
-    plain weight of a linear layer is freed, the LM head keeps its (tied) one."""
+    give F.linear's outputs bit for bit (float32 ones within rounding), for decode rows, a
+    prefill chunk and 3-D input; the plain weight of a linear layer is freed, the LM head
+    keeps its (tied) one."""
     from torch.nn import functional as F
 
     from pagedllm.model.layers.embedding import LMHead
@@ -119,10 +120,22 @@ def test_packed_linear_and_lm_head_equal_f_linear(monkeypatch: pytest.MonkeyPatc
     want, want_ids = head(h), head.argmax(h)
     assert head.pack_for_cpu() and head.weight.numel() == 1000 * 64
     assert torch.equal(head(h), want) and torch.equal(head.argmax(h), want_ids)
-    # float32 and the switch keep the plain path
+    # float32 packs too: F.linear's results within float32 rounding (another order of sums)
+    layer = ReplicatedLinear(64, 96, True, torch.float32)
+    for p in layer.parameters():
+        p.data = torch.randn(p.shape, generator=g)
+    w, b = layer.weight.data.clone(), layer.bias
+    assert layer.pack_for_cpu() and layer.weight.numel() == 0
+    for shape in [(1, 64), (300, 64), (2, 5, 64)]:
+        x = torch.randn(shape, generator=g)
+        torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    # PAGEDLLM_FLOAT32_EXACT keeps float32 on F.linear; the switch keeps both plain
+    monkeypatch.setenv("PAGEDLLM_FLOAT32_EXACT", "1")
     assert not ReplicatedLinear(8, 8, False, torch.float32).pack_for_cpu()
+    assert ReplicatedLinear(8, 8, False, torch.bfloat16).pack_for_cpu()
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
     assert not ReplicatedLinear(8, 8, False, torch.bfloat16).pack_for_cpu()
+    assert not ReplicatedLinear(8, 8, False, torch.float32).pack_for_cpu()
 
 
 def cpu_ops_pack_unavailable() -> bool:

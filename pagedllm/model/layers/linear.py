@@ -22,9 +22,9 @@ from pagedllm.ops.cpu import pack_linear, packed_linear
 class LinearBase(nn.Module):
     """y = x W^T (+ b), with ``weight_loader`` attached to each parameter.
 
-    On a CPU in bfloat16, ``pack_for_cpu()`` (called once the weights are loaded) moves the
-    weight into oneDNN's layout (``pagedllm.ops.cpu.pack_linear``) and frees the plain copy;
-    forward then runs oneDNN's matmul on it."""
+    On a CPU in bfloat16 or float32, ``pack_for_cpu()`` (called once the weights are loaded)
+    moves the weight into oneDNN's layout (``pagedllm.ops.cpu.pack_linear``) and frees the
+    plain copy; forward then runs oneDNN's matmul on it."""
 
     _packed: torch.Tensor | None = None
 

@@ -8,14 +8,16 @@ module; ``scripts/setup.sh`` builds it ahead. Without a compiler (or ninja), or 
 
 What it holds: the paged decode attention (used by the attention backend for float32 and
 bfloat16 caches, ``kernels_enabled``; AMX tile products in bfloat16 where the CPU has them),
+the paged prefill attention (``paged_prefill``: bfloat16 on CPUs with AVX512-BF16, AMX where
+there; 6x torch's SDPA on a 2-core AMD EPYC, 3.4x on a Xeon with AMX, for 8 prompts of 256),
 the KV write (``write_kv``, float32 and bfloat16, bit for bit), the greedy argmax
 (``argmax``), and RMSNorm, rope and silu-and-mul (``rms_norm``, ``rope``, ``silu_and_mul``:
 the layers take them for CPU tensors; in bfloat16 with PyTorch's roundings; in float32 rope
 bit for bit, the norm and silu-and-mul within an ulp or two - ``PAGEDLLM_FLOAT32_EXACT=1``
-keeps those two on PyTorch's ops).
+keeps those two, and float32 matmuls, on PyTorch's ops).
 ``PAGEDLLM_CPU_KERNELS=0`` turns all of them off, and with them the oneDNN-packed bfloat16
-matmuls (``pack_linear``, used by the linear layers and the LM head): the plain PyTorch path,
-for A/B runs (``kernels_off``).
+and float32 matmuls (``pack_linear``, used by the linear layers and the LM head): the plain
+PyTorch path, for A/B runs (``kernels_off``).
 
 Measured on a 2-core AMD EPYC (avx512_bf16): SmolLM2 shapes, 64 requests x 320 keys, the
 decode kernel took 4.4 ms in bfloat16 against 17 ms for torch's bfloat16 SDPA (8 ms upcast to
@@ -164,7 +166,7 @@ def _float32_ops(x: Any) -> Any:
     ops = _small_ops(x)
     if ops is None or x.dtype == torch.bfloat16:
         return ops
-    if os.environ.get("PAGEDLLM_FLOAT32_EXACT", "") == "1" or not ops.small_ops_vectorized():
+    if float32_exact() or not ops.small_ops_vectorized():
         return None
     return ops
 
@@ -223,17 +225,27 @@ def write_kv(key: Any, value: Any, kv_cache: Any, slot_mapping: Any) -> bool:
     return True
 
 
+def float32_exact() -> bool:
+    """``PAGEDLLM_FLOAT32_EXACT=1``: float32 layers on PyTorch's own ops (F.linear, the norm
+    and silu-and-mul in PyTorch), bit for bit what HF computes; read at each call."""
+    return os.environ.get("PAGEDLLM_FLOAT32_EXACT", "") == "1"
+
+
 def pack_linear(weight: Any) -> Any:
-    """A bfloat16 CPU weight [out, in] reordered once for oneDNN's matmul (the blocked layout
-    its AMX / AVX512-BF16 kernels read), or None where that does not apply: another dtype or
-    device, a torch without oneDNN, ``kernels_off()``. ``packed_linear`` with it gives
-    F.linear's results bit for bit (tested), 1.4-1.8x faster at SmolLM2's decode shapes on
-    this project's 2-core Xeon (F.linear reorders the weight on every call). No compiler
-    needed: the matmul is torch's own oneDNN."""
+    """A bfloat16 or float32 CPU weight [out, in] reordered once for oneDNN's matmul (the
+    blocked layout its AMX / AVX512-BF16 / AVX-512 kernels read), or None where that does not
+    apply: another dtype or device, a torch without oneDNN, ``kernels_off()``, float32 with
+    ``float32_exact()``. In bfloat16 ``packed_linear`` with it gives F.linear's results bit
+    for bit (tested), 1.4-1.8x faster at SmolLM2's decode shapes on a 2-core Xeon (F.linear
+    reorders the weight on every call). In float32 the sums run in another order than
+    F.linear's (MKL's sgemm): within float32 rounding (tested), and on a 2-core AMD EPYC
+    2.3-3.6x faster at SmolLM2's shapes (MKL takes no AVX-512 path on AMD; vLLM-CPU uses
+    oneDNN). No compiler needed: the matmul is torch's own oneDNN."""
     import torch
 
     if (
-        weight.dtype != torch.bfloat16
+        weight.dtype not in (torch.bfloat16, torch.float32)
+        or (weight.dtype == torch.float32 and float32_exact())
         or weight.device.type != "cpu"
         or weight.dim() != 2
         or kernels_off()
