@@ -1,11 +1,12 @@
-"""Prefill attention on the CPU: the compiled kernel (``paged_prefill``, bfloat16) against the
+"""Prefill attention on the CPU: the compiled kernel (``paged_prefill``) against the
 SDPA path it replaces (torch's flash-attention CPU kernel a chunk, keys gathered from the
 cache where the chunk has context), both through the attention backend's ``forward`` on one
 step's shape: ``--prompts`` first chunks of ``--tokens`` (SmolLM2-135M's heads by default: 9
 query heads, 3 KV heads, head size 64, blocks of 16), and a second run of chunks after as many
-cached keys. Rounds alternate kernel / SDPA (this machine's speed drifts); outputs compared.
+cached keys; bfloat16 or float32. Rounds alternate kernel / SDPA (this machine's speed
+drifts); outputs compared.
 
-    .venv/bin/python benchmarks/cpu_prefill_attention.py [--out FILE.json]
+    .venv/bin/python benchmarks/cpu_prefill_attention.py [--dtype float32] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -26,16 +27,16 @@ from pagedllm.attention.backends import torch_native  # noqa: E402
 from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
 
 
-def _step(prompts: int, tokens: int, ctx: int, H: int, KVH: int, D: int, bs: int):  # noqa: ANN202
+def _step(prompts: int, tokens: int, ctx: int, H: int, KVH: int, D: int, bs: int, dtype):  # noqa: ANN001, ANN202
     g = torch.Generator().manual_seed(0)
     seq = ctx + tokens
     per = (seq + bs - 1) // bs
     num_blocks = prompts * per + 1
     tables = torch.randperm(num_blocks, generator=g)[: prompts * per].view(prompts, per)
     tables = tables.numpy().astype(np.int32)
-    kv = torch.randn(2, num_blocks, bs, KVH, D, generator=g).bfloat16()
+    kv = torch.randn(2, num_blocks, bs, KVH, D, generator=g).to(dtype)
     T = prompts * tokens
-    qkv = torch.randn(T, H + 2 * KVH, D, generator=g).bfloat16()
+    qkv = torch.randn(T, H + 2 * KVH, D, generator=g).to(dtype)
     q, k, v = qkv[:, :H], qkv[:, H : H + KVH], qkv[:, H + KVH :]
     pos = np.tile(np.arange(ctx, seq), prompts)
     req = np.repeat(np.arange(prompts), tokens)
@@ -65,9 +66,11 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=30, help="forward calls a round (layers)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    ext = torch_native._decode_kernel(torch.bfloat16)
+    dtype = getattr(torch, args.dtype)
+    ext = torch_native._decode_kernel(dtype)
     assert ext is not None, "the CPU kernels are not built"
     H, KVH, D, bs = args.heads, args.kv_heads, args.head_dim, 16
     backend = torch_native.TorchNativeBackend()
@@ -77,7 +80,7 @@ def main() -> None:
         "amx": bool(ext.amx_decode()), "args": vars(args), "cases": [],
     }  # fmt: skip
     for ctx in (0, args.tokens):
-        q, k, v, kv, md = _step(args.prompts, args.tokens, ctx, H, KVH, D, bs)
+        q, k, v, kv, md = _step(args.prompts, args.tokens, ctx, H, KVH, D, bs, dtype)
         paths = {"kernel": lambda dtype=None: ext, "sdpa": lambda dtype=None: None}
         outs, times = {}, {name: [] for name in paths}
         for _ in range(args.rounds):

@@ -49,13 +49,13 @@ def _reference(q, k_cache, v_cache, starts, q_lens, lens, tables, scale, window)
     return out
 
 
-def _case(heads, kv_heads, head_dim, bs, q_lens, ctxs, seed):  # noqa: ANN001, ANN202
+def _case(heads, kv_heads, head_dim, bs, q_lens, ctxs, seed, dtype=torch.bfloat16):  # noqa: ANN001, ANN202
     g = torch.Generator().manual_seed(seed)
     lens = [c + q for c, q in zip(ctxs, q_lens)]
     need = [(n + bs - 1) // bs for n in lens]
     num_blocks = sum(need) + 3
-    k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).bfloat16()
-    v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).bfloat16()
+    k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
     perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
     tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
     used = 0
@@ -63,7 +63,7 @@ def _case(heads, kv_heads, head_dim, bs, q_lens, ctxs, seed):  # noqa: ANN001, A
         tables[r, :m] = perm[used : used + m]
         used += m
     # a query tensor with gaps between rows ([T, H + 2 KVH, D] sliced), as the model's q is
-    qkv = torch.randn(sum(q_lens), heads + 2 * kv_heads, head_dim, generator=g).bfloat16()
+    qkv = torch.randn(sum(q_lens), heads + 2 * kv_heads, head_dim, generator=g).to(dtype)
     q = qkv[:, :heads]
     starts = torch.tensor(np.cumsum([0, *q_lens[:-1]]), dtype=torch.int64)
     return (
@@ -79,48 +79,63 @@ def _case(heads, kv_heads, head_dim, bs, q_lens, ctxs, seed):  # noqa: ANN001, A
 @pytest.mark.parametrize("window", [0, 24])
 @pytest.mark.parametrize("sharp", [False, True], ids=["", "sharp"])
 @pytest.mark.parametrize("allow_amx", [True, False], ids=["", "no-amx"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_matches_reference(heads: int, kv_heads: int, head_dim: int, bs: int, window: int,
-                           sharp: bool, allow_amx: bool) -> None:  # fmt: skip
+                           sharp: bool, allow_amx: bool, dtype: torch.dtype) -> None:  # fmt: skip
     """Requests: a first chunk of 1 row past a 16-row group (17), a first chunk of 40, a chunk
     of 33 after 100 cached keys, a chunk of 5 after 7, one of 64 after 31. sharp: scores 30x
-    larger (most exponentials underflow). no-amx: the VDPBF16PS path where AMX is there too."""
+    larger (most exponentials underflow). no-amx: the VDPBF16PS path where AMX is there too
+    (float32 has one path: AVX-512 FMAs)."""
+    if dtype == torch.float32 and not allow_amx:
+        pytest.skip("float32 has no AMX path to turn off")
     ext = _ext()
     if not _bf16_cpu():
         pytest.skip("no AVX512-BF16 here: paged_prefill declines (tested below)")
     q_lens, ctxs = [17, 40, 33, 5, 64], [0, 0, 100, 7, 31]
-    args = _case(heads, kv_heads, head_dim, bs, q_lens, ctxs, heads * 7 + bs + window)
+    args = _case(heads, kv_heads, head_dim, bs, q_lens, ctxs, heads * 7 + bs + window, dtype)
     q, k_cache, v_cache, starts, ql, lens, tables = args
     scale = head_dim**-0.5 * (30 if sharp else 1)
-    out = torch.full((q.shape[0], heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((q.shape[0], heads, head_dim), float("nan"), dtype=dtype)
     assert ext.paged_prefill(
         q, k_cache, v_cache, starts, ql, lens, tables, scale, window, out, allow_amx
     )
     want = _reference(q, k_cache, v_cache, starts, ql, lens, tables, scale, window)
-    # P rounded to bfloat16 before the products, the output rounded to bfloat16
-    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    # bfloat16: P rounded to bfloat16 before the products, the output rounded to bfloat16;
+    # float32: sums in another order than SDPA's, a polynomial exponential
+    tol = 2e-2 if dtype == torch.bfloat16 else (1e-4 if sharp else 1e-5)
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
 
 
-def test_declines_without_amx_or_for_other_dtypes() -> None:
-    """float32, or a head size that is not a multiple of 32: False and `out` untouched; on a
-    CPU without AVX512-BF16: False for bfloat16 too."""
+def test_declines_other_dtypes_and_head_sizes() -> None:
+    """float16, a bfloat16 head size that is not a multiple of 32 (40), a float32 one not of 16
+    (24): False and `out` untouched; float32 at 48 runs; on a CPU without AVX512-BF16: False
+    for all."""
     ext = _ext()
     q, k_cache, v_cache, starts, ql, lens, tables = _case(4, 2, 64, 16, [20], [3], 0)
-    out = torch.zeros(q.shape[0], 4, 64)
+    out = torch.zeros(q.shape[0], 4, 64, dtype=torch.float16)
     assert not ext.paged_prefill(
-        q.float(), k_cache.float(), v_cache.float(), starts, ql, lens, tables, 0.1, 0, out
+        q.half(), k_cache.half(), v_cache.half(), starts, ql, lens, tables, 0.1, 0, out
     )
     assert out.abs().sum() == 0
     q2, k2, v2, *_ = _case(4, 2, 40, 16, [20], [3], 0)
     out2 = torch.zeros(q2.shape[0], 4, 40, dtype=torch.bfloat16)
     assert not ext.paged_prefill(q2, k2, v2, starts, ql, lens, tables, 0.1, 0, out2)
-    out3 = torch.zeros(q.shape[0], 4, 64, dtype=torch.bfloat16)
-    ran = ext.paged_prefill(q, k_cache, v_cache, starts, ql, lens, tables, 0.1, 0, out3)
+    assert out2.abs().sum() == 0
+    q3, k3, v3, *_ = _case(4, 2, 24, 16, [20], [3], 0, torch.float32)
+    out3 = torch.zeros(q3.shape[0], 4, 24)
+    assert not ext.paged_prefill(q3, k3, v3, starts, ql, lens, tables, 0.1, 0, out3)
+    q4, k4, v4, *_ = _case(4, 2, 48, 16, [20], [3], 0, torch.float32)
+    out4 = torch.zeros(q4.shape[0], 4, 48)
+    assert ext.paged_prefill(q4, k4, v4, starts, ql, lens, tables, 0.1, 0, out4) == _bf16_cpu()
+    out5 = torch.zeros(q.shape[0], 4, 64, dtype=torch.bfloat16)
+    ran = ext.paged_prefill(q, k_cache, v_cache, starts, ql, lens, tables, 0.1, 0, out5)
     assert ran == _bf16_cpu()
 
 
 @pytest.mark.parametrize("window", [None, 20])
-def test_backend_prefill_rows_use_the_kernel_and_agree(monkeypatch, window) -> None:  # noqa: ANN001
-    """A bfloat16 step of two decode rows and three prefill chunks (a first chunk, one after
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_backend_prefill_rows_use_the_kernel_and_agree(monkeypatch, window, dtype) -> None:  # noqa: ANN001
+    """A step of two decode rows and three prefill chunks (a first chunk, one after
     cached keys, one of 2 rows) through the CPU backend: the kernel ran for the chunks and the
     output agrees with the SDPA path's (``PAGEDLLM_CPU_KERNELS=0``) on every row."""
     from pagedllm.attention.backends import torch_native
@@ -135,10 +150,10 @@ def test_backend_prefill_rows_use_the_kernel_and_agree(monkeypatch, window) -> N
     lens = np.array([30, 37, 9, 70, 18], dtype=np.int64)
     perm = torch.randperm(num_blocks, generator=g).numpy().astype(np.int32)
     tables = perm[:35].reshape(5, 7)
-    kv = torch.randn(2, num_blocks, bs, KVH, D, generator=g).bfloat16()
+    kv = torch.randn(2, num_blocks, bs, KVH, D, generator=g).to(dtype)
     T = int(q_lens.sum())
-    q = torch.randn(T, H, D, generator=g).bfloat16()
-    k, v = torch.randn(T, KVH, D, generator=g).bfloat16(), torch.randn(T, KVH, D).bfloat16()
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    k, v = torch.randn(T, KVH, D, generator=g).to(dtype), torch.randn(T, KVH, D).to(dtype)
     pos = np.concatenate([np.arange(n - m, n) for m, n in zip(q_lens, lens)])
     req = np.repeat(np.arange(5), q_lens)
     slots = torch.from_numpy(tables[req, pos // bs].astype(np.int64) * bs + pos % bs)
@@ -177,4 +192,5 @@ def test_backend_prefill_rows_use_the_kernel_and_agree(monkeypatch, window) -> N
     assert calls, "the prefill kernel did not run"
     monkeypatch.setattr(torch_native, "_decode_kernel", lambda dtype=None: None)
     want = backend.forward(q, k, v, kv.clone(), md(), D**-0.5, window)
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)

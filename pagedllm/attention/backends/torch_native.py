@@ -3,10 +3,10 @@
 Decode rows (one query token per request) of a step are attended by the compiled kernel of
 ``pagedllm/ops/cpu`` where it is built (float32 and bfloat16 caches; see ``kernels_enabled``),
 which reads K and V from their blocks in place, the query heads of a KV head together; else in
-one batched SDPA call over keys gathered from their blocks. The prefill chunks of a bfloat16
-step go to the compiled ``paged_prefill`` in one call (CPUs with AVX512-BF16; AMX tiles where
-there are: the keys and values read from their blocks, laid out once per KV head for all its
-query heads); elsewhere each chunk gets its own SDPA call (or, for a first chunk on a
+one batched SDPA call over keys gathered from their blocks. The prefill chunks of a step go
+to the compiled ``paged_prefill`` in one call (bfloat16 and float32 on CPUs with AVX512-BF16;
+AMX tiles in bfloat16 where there are: the keys and values read from their blocks, laid out
+once per KV head for all its query heads); elsewhere each chunk gets its own SDPA call (or, for a first chunk on a
 full-attention layer, plain causal SDPA over its new keys without touching the cache). The
 gather indices, masks and tables are planned once per step and shared by every layer.
 """
@@ -99,7 +99,7 @@ class TorchNativeBackend(AttentionBackend):
                 s_max,
             )
         pre = np.nonzero(q_lens > 1)[0]
-        if len(pre) > 0 and on_cpu and dtype == torch.bfloat16 and _decode_kernel(dtype):
+        if len(pre) > 0 and on_cpu and _decode_kernel(dtype) is not None:
             # the compiled prefill kernel (it may still decline: then the SDPA plan below)
             plan["prefill_kernel"] = (
                 torch.from_numpy(qsl[pre].astype(np.int64)),

@@ -958,9 +958,10 @@ bool small_ops_vectorized() { return kAvx512Bf16; }
 // ---------------------------------------------------------------- bfloat16 prefill attention
 // The prefill chunks of a step (several query tokens of one request) over the request's keys
 // as they lie in the paged cache, their own new keys included (written before the call):
-// causal, and within the window when one is given. bfloat16, head sizes a multiple of 32 up
-// to 128, on a CPU with AVX512-BF16: AMX tile products where the CPU has AMX, VDPBF16PS
-// (32 products an instruction) elsewhere; without either the caller keeps torch's SDPA.
+// causal, and within the window when one is given. On a CPU with AVX512-BF16, head sizes up
+// to 128: bfloat16 (D a multiple of 32) by AMX tile products where the CPU has AMX, VDPBF16PS
+// (32 products an instruction) elsewhere; float32 (D a multiple of 16) by AVX-512 FMAs, the
+// same plan in float32 (prefill_group_f32). Elsewhere the caller keeps torch's SDPA.
 //
 // Per (request, KV head), once: the keys laid out for S = Q K^T (Kt: per 16 keys, 16 x D / 32
 // rows of one dim pair of the 16 keys - a 32-bit transpose) and the values for O = P V (Vv:
@@ -980,14 +981,18 @@ bool small_ops_vectorized() { return kAvx512Bf16; }
 namespace {
 
 // The cache row (all D dims) of position `pos` of a request for KV head `kvh`.
-inline const at::BFloat16* kv_row(const at::BFloat16* cache, const int32_t* table, int64_t pos,
-                                  int64_t bs, int64_t KVH, int64_t kvh, int64_t D) {
+template <typename T>
+inline const T* kv_row(const T* cache, const int32_t* table, int64_t pos, int64_t bs,
+                       int64_t KVH, int64_t kvh, int64_t D) {
   const int64_t slot = static_cast<int64_t>(table[pos / bs]) * bs + pos % bs;
   return cache + (slot * KVH + kvh) * D;
 }
 
-alignas(64) const uint16_t kZeroRow[128] = {};
-inline const at::BFloat16* zero_row() { return reinterpret_cast<const at::BFloat16*>(kZeroRow); }
+alignas(64) const float kZeroRow[128] = {};  // a row of zeros (D <= 128), either dtype
+template <typename T = at::BFloat16>
+inline const T* zero_row() {
+  return reinterpret_cast<const T*>(kZeroRow);
+}
 inline __m512i iota16() {
   return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
@@ -1062,18 +1067,19 @@ inline GroupKeys group_keys(int64_t nq, int64_t pos0, int64_t k0, int64_t window
   return {klo, (pos0 + nq - klo + 31) / 32 * 32};
 }
 
-// Rows i < nq of s [16, ns] (raw scores of keys klo ..) to P (bfloat16, 0 where masked);
-// inv[i] = 1 / the row's sum. Rows past nq: P zeros.
-inline void softmax_rows(float* s, at::BFloat16* pb, float* inv, int64_t nq, int64_t pos0,
-                         GroupKeys gk, float scale, int64_t window) {
+// Rows i < nq of s [16, ns] (raw scores of keys klo ..) to P (bfloat16 or float32, 0 where
+// masked); inv[i] = 1 / the row's sum. Rows past nq: P zeros.
+template <typename P>
+inline void softmax_rows(float* s, P* pb, float* inv, int64_t nq, int64_t pos0, GroupKeys gk,
+                         float scale, int64_t window) {
   const int64_t ns = gk.ns;
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 vs = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < 16; ++i) {
     float* si = s + i * ns;
-    at::BFloat16* pi = pb + i * ns;
+    P* pi = pb + i * ns;  // may be si itself (float32: P over the scores in place)
     if (i >= nq) {
-      std::memset(pi, 0, ns * 2);
+      std::memset(pi, 0, ns * sizeof(P));
       inv[i] = 0.f;
       continue;
     }
@@ -1101,19 +1107,121 @@ inline void softmax_rows(float* s, at::BFloat16* pb, float* inv, int64_t nq, int
       const __m512 pv = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(b, ninf, _CMP_NEQ_OQ),
                                             exp512(_mm512_sub_ps(b, m)));
       sum = _mm512_add_ps(sum, _mm512_add_ps(pa, pv));
-      _mm512_storeu_si512(pi + x, (__m512i)_mm512_cvtne2ps_pbh(pv, pa));
+      if constexpr (std::is_same_v<P, float>) {
+        _mm512_storeu_ps(pi + x, pa);
+        _mm512_storeu_ps(pi + x + 16, pv);
+      } else {
+        _mm512_storeu_si512(pi + x, (__m512i)_mm512_cvtne2ps_pbh(pv, pa));
+      }
     }
     inv[i] = 1.f / _mm512_reduce_add_ps(sum);
   }
 }
 
 // The rows' outputs: out row i = o row i * inv[i], rounded to bfloat16.
-inline void store_rows(const float* o, const float* inv, at::BFloat16* out, int64_t out_stride,
-                       int64_t nq, int64_t D) {
+template <typename T>
+inline void store_rows(const float* o, const float* inv, T* out, int64_t out_stride, int64_t nq,
+                       int64_t D) {
   for (int64_t i = 0; i < nq; ++i) {
     const __m512 r = _mm512_set1_ps(inv[i]);
-    for (int64_t d = 0; d < D; d += 16)
-      store_bf16(out + i * out_stride + d, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), r));
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), r);
+      if constexpr (std::is_same_v<T, float>)
+        _mm512_storeu_ps(out + i * out_stride + d, v);
+      else
+        store_bf16(out + i * out_stride + d, v);
+    }
+  }
+}
+
+// float32: Kt for keys [k0, k0 + nk) as kt[j][d][n] = dim d of key k0 + 16 j + n (D rows of
+// 16 a j; zeros past `len`), and Vv their rows side by side (vv[k][d]).
+inline void pack_keys_f32(const float* kc, const int32_t* table, int64_t k0, int64_t nk,
+                          int64_t len, int64_t bs, int64_t KVH, int64_t kvh, int64_t D,
+                          float* kt) {
+  alignas(64) float tmp[16 * 128];
+  for (int64_t j = 0; j < nk / 16; ++j) {
+    const int64_t first = k0 + 16 * j;
+    const float* src;
+    int64_t row;
+    if (bs % 16 == 0 && first + 16 <= len) {
+      src = kv_row(kc, table, first, bs, KVH, kvh, D);
+      row = KVH * D;
+    } else {
+      for (int64_t n = 0; n < 16; ++n)
+        std::memcpy(tmp + n * D,
+                    first + n < len ? kv_row(kc, table, first + n, bs, KVH, kvh, D)
+                                    : zero_row<float>(),
+                    D * 4);
+      src = tmp;
+      row = D;
+    }
+    const __m512i rows = _mm512_mullo_epi32(iota16(), _mm512_set1_epi32(static_cast<int>(row)));
+    for (int64_t d = 0; d < D; ++d)
+      _mm512_storeu_ps(kt + (j * D + d) * 16, _mm512_i32gather_ps(
+          _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(d))), src, 4));
+  }
+}
+inline void pack_values_f32(const float* vc, const int32_t* table, int64_t k0, int64_t nk,
+                            int64_t len, int64_t bs, int64_t KVH, int64_t kvh, int64_t D,
+                            float* vv) {
+  for (int64_t k = 0; k < nk; ++k)
+    std::memcpy(vv + k * D,
+                k0 + k < len ? kv_row(vc, table, k0 + k, bs, KVH, kvh, D) : zero_row<float>(),
+                D * 4);
+}
+
+// float32, AVX-512 FMAs. S: 4 queries x 32 keys a step, a query's dim (broadcast) times a Kt
+// row. P over the scores in place. O: 4 queries x 64 dims a step, a key's weight (broadcast)
+// times the key's value row.
+inline void prefill_group_f32(const float* qbuf, int64_t nq, int64_t pos0, int64_t k0,
+                              const float* kt, const float* vv, int64_t D, float scale,
+                              int64_t window, float* s, float* obuf, float* inv) {
+  const GroupKeys gk = group_keys(nq, pos0, k0, window);
+  const int64_t ns = gk.ns, DG = D / 16;
+  const float* kt0 = kt + (gk.klo - k0) * D;  // 16 D values per 16 keys
+  for (int64_t i = 0; i < nq; i += 4) {
+    const int64_t nr = std::min<int64_t>(4, nq - i);
+    for (int64_t j = 0; j < ns / 16; j += 2) {
+      const float* ka = kt0 + j * 16 * D;
+      const float* kb = ka + 16 * D;
+      __m512 acc[4][2];
+      for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; ++d) {
+        const __m512 x = _mm512_loadu_ps(ka + d * 16), y = _mm512_loadu_ps(kb + d * 16);
+        for (int r = 0; r < 4; ++r) {
+          const __m512 qb = _mm512_set1_ps(qbuf[(i + r) * D + d]);
+          acc[r][0] = _mm512_fmadd_ps(qb, x, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(qb, y, acc[r][1]);
+        }
+      }
+      for (int r = 0; r < nr; ++r) {
+        _mm512_storeu_ps(s + (i + r) * ns + j * 16, acc[r][0]);
+        _mm512_storeu_ps(s + (i + r) * ns + j * 16 + 16, acc[r][1]);
+      }
+    }
+  }
+  softmax_rows(s, s, inv, nq, pos0, gk, scale, window);
+  const float* v0 = vv + (gk.klo - k0) * D;
+  for (int64_t i = 0; i < nq; i += 4) {
+    const int64_t nr = std::min<int64_t>(4, nq - i);
+    for (int64_t g0 = 0; g0 < DG; g0 += 4) {
+      const int64_t ng = std::min<int64_t>(4, DG - g0);
+      __m512 acc[4][4];
+      for (int r = 0; r < 4; ++r)
+        for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < ns; ++k) {
+        __m512 v[4];
+        for (int g = 0; g < ng; ++g) v[g] = _mm512_loadu_ps(v0 + k * D + (g0 + g) * 16);
+        for (int r = 0; r < 4; ++r) {
+          const __m512 pw = _mm512_set1_ps(s[(i + r) * ns + k]);
+          for (int g = 0; g < ng; ++g) acc[r][g] = _mm512_fmadd_ps(pw, v[g], acc[r][g]);
+        }
+      }
+      for (int r = 0; r < nr; ++r)
+        for (int g = 0; g < ng; ++g)
+          _mm512_storeu_ps(obuf + (i + r) * D + (g0 + g) * 16, acc[r][g]);
+    }
   }
 }
 
@@ -1249,9 +1357,10 @@ inline void prefill_group_amx(const at::BFloat16* qbuf, int64_t nq, int64_t pos0
 // Prefill attention for the prefill rows of a step (see the section's header), written into
 // `out` [T, H, D] (contiguous) at rows q_starts[r] .. q_starts[r] + q_lens[r] - 1; the key
 // positions of request r are 0 .. seq_lens[r] - 1, its queries the last q_lens[r] of them.
-// Returns false, writing nothing, where this build or CPU cannot (no AVX512-BF16; another
-// dtype; D not a multiple of 32 or above 128): the caller then attends with SDPA.
-// allow_amx=false takes the VDPBF16PS path on a CPU with AMX too (tests, A/B runs).
+// bfloat16 (D a multiple of 32) or float32 (D a multiple of 16), D <= 128. Returns false,
+// writing nothing, where this build or CPU cannot (no AVX512-BF16; another dtype or D): the
+// caller then attends with SDPA. allow_amx=false takes the VDPBF16PS path on a CPU with AMX
+// too (tests, A/B runs).
 bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor seq_lens,
                    torch::Tensor block_tables, double scale, int64_t window, torch::Tensor out,
@@ -1259,17 +1368,19 @@ bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
   const int64_t H = q.size(1), D = q.size(2);
-  if (q.scalar_type() != at::kBFloat16 || k_cache.scalar_type() != at::kBFloat16 ||
-      v_cache.scalar_type() != at::kBFloat16 || D % 32 != 0 || D > 128)
+  const auto dt = q.scalar_type();
+  const bool f32 = dt == at::kFloat;
+  if ((dt != at::kBFloat16 && !f32) || k_cache.scalar_type() != dt ||
+      v_cache.scalar_type() != dt || D % (f32 ? 16 : 32) != 0 || D > 128)
     return false;
 #if defined(__AMX_BF16__) && defined(__linux__)
-  const bool amx = allow_amx && amx_permitted();
+  const bool amx = !f32 && allow_amx && amx_permitted();
 #else
   const bool amx = false;
 #endif
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
               "cache and out must be contiguous");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kBFloat16, "bad out");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == dt, "bad out");
   TORCH_CHECK(q_starts.scalar_type() == at::kLong && q_lens.scalar_type() == at::kInt &&
                   seq_lens.scalar_type() == at::kInt && block_tables.scalar_type() == at::kInt,
               "q_starts int64; q_lens, seq_lens, block_tables int32");
@@ -1280,13 +1391,13 @@ bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
   block_tables = block_tables.contiguous();
   const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head shapes do not match");
-  const int64_t G = H / KVH;
+  const int64_t G = H / KVH, esize = f32 ? 4 : 2;
   const int64_t R = q_starts.size(0), max_blocks = block_tables.size(1);
   const int64_t* qs = q_starts.data_ptr<int64_t>();
   const int32_t* ql = q_lens.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  // per request: the packs' first key and size, their offset (bfloat16 values, Kt and Vv
+  // per request: the packs' first key and size, their offset (values of the dtype, Kt and Vv
   // alike: nk D a KV head), its first item of the second phase
   std::vector<int64_t> k0(R), nk(R), off(R + 1, 0), items(R + 1, 0);
   int64_t max_ns = 32;
@@ -1301,23 +1412,32 @@ bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
     items[r + 1] = items[r] + H * ((ql[r] + 15) / 16);
     max_ns = std::max(max_ns, nk[r]);
   }
-  auto kt_buf = torch::empty({std::max<int64_t>(off[R] / 2, 1)}, q.options().dtype(at::kInt));
+  auto kt_buf = torch::empty({std::max<int64_t>(off[R], 1)}, q.options());
   auto vv_buf = torch::empty({std::max<int64_t>(off[R], 1)}, q.options());
-  auto* kt = reinterpret_cast<uint32_t*>(kt_buf.data_ptr<int32_t>());
-  auto* vv = vv_buf.data_ptr<at::BFloat16>();
-  const auto* kc = k_cache.data_ptr<at::BFloat16>();
-  const auto* vc = v_cache.data_ptr<at::BFloat16>();
+  char* ktp = static_cast<char*>(kt_buf.data_ptr());
+  char* vvp = static_cast<char*>(vv_buf.data_ptr());
+  const void* kc = k_cache.data_ptr();
+  const void* vc = v_cache.data_ptr();
   at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / KVH, h = i % KVH;
       const int32_t* table = tables + r * max_blocks;
-      const int64_t o = off[r] + h * nk[r] * D;
-      pack_keys(kc, table, k0[r], nk[r], sl[r], bs, KVH, h, D, kt + o / 2);
-      pack_values(vc, table, k0[r], nk[r], sl[r], bs, KVH, h, D, vv + o);
+      const int64_t o = (off[r] + h * nk[r] * D) * esize;  // bytes
+      if (f32) {
+        pack_keys_f32(static_cast<const float*>(kc), table, k0[r], nk[r], sl[r], bs, KVH, h, D,
+                      reinterpret_cast<float*>(ktp + o));
+        pack_values_f32(static_cast<const float*>(vc), table, k0[r], nk[r], sl[r], bs, KVH, h,
+                        D, reinterpret_cast<float*>(vvp + o));
+      } else {
+        pack_keys(static_cast<const at::BFloat16*>(kc), table, k0[r], nk[r], sl[r], bs, KVH, h,
+                  D, reinterpret_cast<uint32_t*>(ktp + o));
+        pack_values(static_cast<const at::BFloat16*>(vc), table, k0[r], nk[r], sl[r], bs, KVH,
+                    h, D, reinterpret_cast<at::BFloat16*>(vvp + o));
+      }
     }
   });
-  const auto* qd = q.data_ptr<at::BFloat16>();
-  auto* od = out.data_ptr<at::BFloat16>();
+  const char* qd = static_cast<const char*>(q.data_ptr());
+  char* od = static_cast<char*>(out.data_ptr());
   const int64_t q_stride = q.stride(0);
   // items (request, query head, group of 16), query heads outermost within a request
   at::parallel_for(0, items[R], 1, [&](int64_t begin, int64_t end) {
@@ -1326,8 +1446,8 @@ bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
     for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
     if (amx) _tile_loadconfig(&cfg);
 #endif
-    std::vector<at::BFloat16> qbuf(16 * D), pb(16 * max_ns);
-    std::vector<float> s(16 * max_ns), obuf(16 * D), inv(16);
+    std::vector<float> qbuf(16 * D), s(16 * max_ns), obuf(16 * D), inv(16);
+    std::vector<at::BFloat16> pb(f32 ? 0 : 16 * max_ns);
     int64_t r = std::upper_bound(items.begin(), items.end(), begin) - items.begin() - 1;
     for (int64_t it = begin; it < end; ++it) {
       while (it >= items[r + 1]) ++r;
@@ -1335,21 +1455,33 @@ bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
       const int64_t h = local / groups, g = local % groups;
       const int64_t row0 = qs[r] + 16 * g, nq = std::min<int64_t>(16, ql[r] - 16 * g);
       const int64_t pos0 = sl[r] - ql[r] + 16 * g;
-      const int64_t o = off[r] + (h / G) * nk[r] * D;
+      const int64_t o = (off[r] + (h / G) * nk[r] * D) * esize;  // bytes
+      char* qb = reinterpret_cast<char*>(qbuf.data());
       for (int64_t i = 0; i < 16; ++i)  // the group's queries, zeros past nq
-        std::memcpy(qbuf.data() + i * D,
-                    i < nq ? qd + (row0 + i) * q_stride + h * D : zero_row(), D * 2);
+        std::memcpy(qb + i * D * esize,
+                    i < nq ? qd + ((row0 + i) * q_stride + h * D) * esize
+                           : reinterpret_cast<const char*>(kZeroRow),
+                    D * esize);
+      char* orow = od + (row0 * H + h) * D * esize;
+      if (f32) {
+        prefill_group_f32(qbuf.data(), nq, pos0, k0[r], reinterpret_cast<const float*>(ktp + o),
+                          reinterpret_cast<const float*>(vvp + o), D, static_cast<float>(scale),
+                          window, s.data(), obuf.data(), inv.data());
+        store_rows(obuf.data(), inv.data(), reinterpret_cast<float*>(orow), H * D, nq, D);
+        continue;
+      }
+      const auto* qh = reinterpret_cast<const at::BFloat16*>(qb);
+      const auto* kth = reinterpret_cast<const uint32_t*>(ktp + o);
+      const auto* vvh = reinterpret_cast<const at::BFloat16*>(vvp + o);
 #if defined(__AMX_BF16__) && defined(__linux__)
       if (amx)
-        prefill_group_amx(qbuf.data(), nq, pos0, k0[r], kt + o / 2, vv + o, D,
-                          static_cast<float>(scale), window, s.data(), pb.data(), obuf.data(),
-                          inv.data());
+        prefill_group_amx(qh, nq, pos0, k0[r], kth, vvh, D, static_cast<float>(scale), window,
+                          s.data(), pb.data(), obuf.data(), inv.data());
       else
 #endif
-        prefill_group_avx(qbuf.data(), nq, pos0, k0[r], kt + o / 2, vv + o, D,
-                          static_cast<float>(scale), window, s.data(), pb.data(), obuf.data(),
-                          inv.data());
-      store_rows(obuf.data(), inv.data(), od + (row0 * H + h) * D, H * D, nq, D);
+        prefill_group_avx(qh, nq, pos0, k0[r], kth, vvh, D, static_cast<float>(scale), window,
+                          s.data(), pb.data(), obuf.data(), inv.data());
+      store_rows(obuf.data(), inv.data(), reinterpret_cast<at::BFloat16*>(orow), H * D, nq, D);
     }
 #if defined(__AMX_BF16__) && defined(__linux__)
     if (amx) _tile_release();
