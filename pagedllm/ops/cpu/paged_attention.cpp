@@ -260,6 +260,69 @@ inline __m512 round_bf16(__m512 v) {  // v rounded to bfloat16, as float32
 inline void widen_bf16(const at::BFloat16* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, load_bf16(src + i));
 }
+// The values of a block of 16 slots into the G accumulators of a work item (the AMX path,
+// and the VDPBF16PS one for blocks of 16): acc[g] += sum over t in [lo, hi) of p[g][t] v_t (after acc[g] *= corr[g]), the values read
+// as bfloat16 in place: a 32-value row piece as 16 32-bit lanes is its odd values' float32
+// bits with junk below (masked off) and its even values' bits shifted up (no widening pass).
+// So acc holds, per 32 dimensions, the 16 even ones then the 16 odd ones (``acc_to_dims``
+// puts them back in order). NG query heads at a time keep 2 NG accumulators in registers.
+// Example: D 64 -> acc[g] = [d0 d2 .. d30, d1 d3 .. d31, d32 d34 .. d62, d33 .. d63].
+template <int NG>
+inline void accumulate_bf16(float* acc, const float* corr, const float* p,
+                            const at::BFloat16* vb, int64_t row_stride, int64_t lo, int64_t hi,
+                            int64_t D) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t c = 0; c < D; c += 32) {
+    __m512 ev[NG], od[NG];
+    for (int g = 0; g < NG; ++g) {
+      const __m512 cg = _mm512_set1_ps(corr[g]);
+      ev[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c), cg);
+      od[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c + 16), cg);
+    }
+    for (int64_t t = lo; t < hi; ++t) {
+      const __m512i x = _mm512_loadu_si512(vb + t * row_stride + c);
+      const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      const __m512 o = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+      for (int g = 0; g < NG; ++g) {
+        const __m512 pv = _mm512_set1_ps(p[g * 16 + t]);
+        ev[g] = _mm512_fmadd_ps(pv, e, ev[g]);
+        od[g] = _mm512_fmadd_ps(pv, o, od[g]);
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      _mm512_storeu_ps(acc + g * D + c, ev[g]);
+      _mm512_storeu_ps(acc + g * D + c + 16, od[g]);
+    }
+  }
+}
+
+// accumulate_bf16 for the G query heads of a work item, 4 at a time (8 accumulators);
+// p = sc + g * 16 is head g's block of probabilities, corr[g] its rescale.
+inline void accumulate_heads(float* acc, const float* corr, const float* sc,
+                             const at::BFloat16* vb, int64_t row_stride, int64_t lo, int64_t hi,
+                             int64_t G, int64_t D) {
+  for (int64_t g = 0; g < G; g += 4) {
+    float* a = acc + g * D;
+    const float* c = corr + g;
+    const float* p = sc + g * 16;
+    switch (std::min<int64_t>(4, G - g)) {
+      case 4: accumulate_bf16<4>(a, c, p, vb, row_stride, lo, hi, D); break;
+      case 3: accumulate_bf16<3>(a, c, p, vb, row_stride, lo, hi, D); break;
+      case 2: accumulate_bf16<2>(a, c, p, vb, row_stride, lo, hi, D); break;
+      default: accumulate_bf16<1>(a, c, p, vb, row_stride, lo, hi, D);
+    }
+  }
+}
+
+// One query head's accumulator from accumulate_bf16's order back to dimension order.
+inline void acc_to_dims(const float* acc, float* out, int64_t D) {
+  for (int64_t c = 0; c < D; c += 32)
+    for (int64_t i = 0; i < 16; ++i) {
+      out[c + 2 * i] = acc[c + i];
+      out[c + 2 * i + 1] = acc[c + 16 + i];
+    }
+}
+
 #else
 constexpr bool kAvx512Bf16 = false;
 inline void scores_bf16(const at::BFloat16*, const at::BFloat16*, int64_t, int64_t, int64_t,
@@ -343,51 +406,8 @@ inline void scores_amx(const at::BFloat16* kb, int64_t stride, int64_t chunks, f
 
 // One block of one work item on the AMX path: the 16 slots' scores for every query head in
 // one tile product, then per head the softmax over the block in one vector (masked to the
-// valid slots [lo, hi)), the rescale only when the running maximum grows, and the values.
-// acc[g] += sum over t in [lo, hi) of p[g][t] v_t (after acc[g] *= corr[g]), the values read
-// as bfloat16 in place: a 32-value row piece as 16 32-bit lanes is its odd values' float32
-// bits with junk below (masked off) and its even values' bits shifted up (no widening pass).
-// So acc holds, per 32 dimensions, the 16 even ones then the 16 odd ones (``acc_to_dims``
-// puts them back in order). NG query heads at a time keep 2 NG accumulators in registers.
-// Example: D 64 -> acc[g] = [d0 d2 .. d30, d1 d3 .. d31, d32 d34 .. d62, d33 .. d63].
-template <int NG>
-inline void accumulate_bf16(float* acc, const float* corr, const float* p,
-                            const at::BFloat16* vb, int64_t row_stride, int64_t lo, int64_t hi,
-                            int64_t D) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t c = 0; c < D; c += 32) {
-    __m512 ev[NG], od[NG];
-    for (int g = 0; g < NG; ++g) {
-      const __m512 cg = _mm512_set1_ps(corr[g]);
-      ev[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c), cg);
-      od[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c + 16), cg);
-    }
-    for (int64_t t = lo; t < hi; ++t) {
-      const __m512i x = _mm512_loadu_si512(vb + t * row_stride + c);
-      const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-      const __m512 o = _mm512_castsi512_ps(_mm512_and_si512(x, high));
-      for (int g = 0; g < NG; ++g) {
-        const __m512 pv = _mm512_set1_ps(p[g * 16 + t]);
-        ev[g] = _mm512_fmadd_ps(pv, e, ev[g]);
-        od[g] = _mm512_fmadd_ps(pv, o, od[g]);
-      }
-    }
-    for (int g = 0; g < NG; ++g) {
-      _mm512_storeu_ps(acc + g * D + c, ev[g]);
-      _mm512_storeu_ps(acc + g * D + c + 16, od[g]);
-    }
-  }
-}
-
-// One query head's accumulator from accumulate_bf16's order back to dimension order.
-inline void acc_to_dims(const float* acc, float* out, int64_t D) {
-  for (int64_t c = 0; c < D; c += 32)
-    for (int64_t i = 0; i < 16; ++i) {
-      out[c + 2 * i] = acc[c + i];
-      out[c + 2 * i + 1] = acc[c + 16 + i];
-    }
-}
-
+// valid slots [lo, hi)), the rescale only when the running maximum grows, and the values
+// (accumulate_bf16).
 inline void block_amx(const at::BFloat16* kb, const at::BFloat16* vb, int64_t row_stride,
                       int64_t lo, int64_t hi, int64_t G, int64_t D, float scale, float* cbuf,
                       float* m, float* l, float* acc, float* sc, float* corr) {
@@ -408,17 +428,7 @@ inline void block_amx(const at::BFloat16* kb, const at::BFloat16* vb, int64_t ro
     l[g] = l[g] * corr[g] + _mm512_reduce_add_ps(p);
     m[g] = new_m;
   }
-  for (int64_t g = 0; g < G; g += 4) {  // the query heads 4 at a time (8 accumulators)
-    float* a = acc + g * D;
-    const float* c = corr + g;
-    const float* p = sc + g * 16;
-    switch (std::min<int64_t>(4, G - g)) {
-      case 4: accumulate_bf16<4>(a, c, p, vb, row_stride, lo, hi, D); break;
-      case 3: accumulate_bf16<3>(a, c, p, vb, row_stride, lo, hi, D); break;
-      case 2: accumulate_bf16<2>(a, c, p, vb, row_stride, lo, hi, D); break;
-      default: accumulate_bf16<1>(a, c, p, vb, row_stride, lo, hi, D);
-    }
-  }
+  accumulate_heads(acc, corr, sc, vb, row_stride, lo, hi, G, D);
 }
 #else
 constexpr bool kAmx = false;
@@ -441,14 +451,18 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
 #else
   const bool amx = false;
 #endif
+  // bfloat16 without AMX, blocks of 16: the values read in place by accumulate_bf16 for all
+  // G heads at once (no widening pass): 1.07-1.09x the widened path on a 2-core AMD EPYC
+  // (cpu_kernel_ab.py --layers 30, results/cpu_decode_kernel_ab_inplace_bf16_epyc.json)
+  const bool inplace_v = dp && !amx && bs == 16;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), kf(bs * D), vf(bs * D), sc(G * bs);
     std::vector<float> m(G), l(G);
+    std::vector<float> corr(G), dims(D);  // rescales and dimension order (in-place values)
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-    // the AMX path's query tiles, block scores [16 slots x 16], rescales, dimension order
+    // the AMX path's query tiles, block scores [16 slots x 16]
     std::vector<at::BFloat16> qt(amx ? G * D : 0);
     alignas(64) float cbuf[256];
-    std::vector<float> corr(G), dims(D);
     const TileConfig cfg = amx_config(G, D / 32);
     if (amx) _tile_loadconfig(&cfg);
 #endif
@@ -496,7 +510,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
         const float* kr[64];  // each slot's key and value rows (block_size <= 64)
         const float* vr[64];
         if constexpr (is_bf16) {
-          if (dp && !amx) {  // (the AMX path reads the values in place)
+          if (dp && !amx && !inplace_v) {  // (else the values are read in place)
             for (int64_t t = lo; t < hi; ++t) {
               widen_bf16(reinterpret_cast<const at::BFloat16*>(vb + t * row_stride),
                          vf.data() + t * D, D);
@@ -539,7 +553,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
           }
           for (int64_t t = lo; t < hi; ++t) block_max = std::max(block_max, s[t]);
           const float new_m = std::max(m[g], block_max);
-          const float corr = std::exp(m[g] - new_m);  // 0 for the first block (m = -inf)
+          const float cg = std::exp(m[g] - new_m);  // 0 for the first block (m = -inf)
           float* a = acc.data() + g * D;
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -547,11 +561,13 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
             s[t] = exp_softmax(s[t] - new_m);
             sum += s[t];
           }
-          if (vec) {
-            accumulate_avx512(a, corr, s, vr, lo, hi, D);
+          if (inplace_v) {
+            corr[g] = cg;  // the values after the loop, all heads at once
+          } else if (vec) {
+            accumulate_avx512(a, cg, s, vr, lo, hi, D);
           } else {
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+            for (int64_t d = 0; d < D; ++d) a[d] *= cg;
             for (int64_t t = lo; t < hi; ++t) {
               const float p = s[t];
               const float* vd = vr[t];
@@ -559,16 +575,21 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
               for (int64_t d = 0; d < D; ++d) a[d] += p * vd[d];
             }
           }
-          l[g] = l[g] * corr + sum;
+          l[g] = l[g] * cg + sum;
           m[g] = new_m;
         }
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        if (inplace_v)
+          accumulate_heads(acc.data(), corr.data(), sc.data(),
+                           reinterpret_cast<const at::BFloat16*>(vb), row_stride, lo, hi, G, D);
+#endif
       }
       for (int64_t g = 0; g < G; ++g) {
         T* os = out + (b * H + h * G + g) * D;
         const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
         const float* a = acc.data() + g * D;
-#if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-        if (amx) a = (acc_to_dims(a, dims.data(), D), dims.data());
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        if (amx || inplace_v) a = (acc_to_dims(a, dims.data(), D), dims.data());
 #endif
         for (int64_t d = 0; d < D; ++d) os[d] = static_cast<T>(a[d] * inv);
       }
