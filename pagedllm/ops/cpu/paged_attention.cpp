@@ -1397,7 +1397,7 @@ bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
 #if defined(__AMX_BF16__) && defined(__linux__)
   const bool amx = !f32 && allow_amx && amx_permitted();
 #else
-  const bool amx = false;
+  (void)allow_amx;  // (no AMX in this build)
 #endif
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
               "cache and out must be contiguous");
