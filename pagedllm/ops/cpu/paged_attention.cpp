@@ -261,9 +261,10 @@ inline void widen_bf16(const at::BFloat16* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, load_bf16(src + i));
 }
 // The values of a block of 16 slots into the G accumulators of a work item (the AMX path,
-// and the VDPBF16PS one for blocks of 16): acc[g] += sum over t in [lo, hi) of p[g][t] v_t (after acc[g] *= corr[g]), the values read
-// as bfloat16 in place: a 32-value row piece as 16 32-bit lanes is its odd values' float32
-// bits with junk below (masked off) and its even values' bits shifted up (no widening pass).
+// and the VDPBF16PS one for blocks of 16): acc[g] += sum over t in [lo, hi) of p[g][t] v_t
+// (after acc[g] *= corr[g]), the values read as bfloat16 in place: a 32-value row piece as
+// 16 32-bit lanes is its odd values' float32 bits with junk below (masked off) and its even
+// values' bits shifted up (no widening pass).
 // So acc holds, per 32 dimensions, the 16 even ones then the 16 odd ones (``acc_to_dims``
 // puts them back in order). NG query heads at a time keep 2 NG accumulators in registers.
 // Example: D 64 -> acc[g] = [d0 d2 .. d30, d1 d3 .. d31, d32 d34 .. d62, d33 .. d63].
@@ -976,7 +977,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 // float32 callers take them only then (PyTorch's own ops are as fast as scalar loops).
 bool small_ops_vectorized() { return kAvx512Bf16; }
 
-// ---------------------------------------------------------------- bfloat16 prefill attention
+// ---------------------------------------------------------------- prefill attention
 // The prefill chunks of a step (several query tokens of one request) over the request's keys
 // as they lie in the paged cache, their own new keys included (written before the call):
 // causal, and within the window when one is given. On a CPU with AVX512-BF16, head sizes up
@@ -1018,35 +1019,37 @@ inline __m512i iota16() {
   return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
-// Kt for keys [k0, k0 + nk) (nk a multiple of 32; keys at or past `len` as zeros):
-// kt[j][p][n] = the 32-bit pair (dims 2 p, 2 p + 1) of key k0 + 16 j + n; D / 2 rows a j.
-// Example: D 64 -> 32 rows of 16 pairs a j; a tile product's B for dims 32 c .. 32 c + 31 is
-// rows 16 c .. 16 c + 15.
-inline void pack_keys(const at::BFloat16* kc, const int32_t* table, int64_t k0, int64_t nk,
-                      int64_t len, int64_t bs, int64_t KVH, int64_t kvh, int64_t D,
-                      uint32_t* kt) {
-  const int64_t half = D / 2;  // 32-bit pairs a row
-  alignas(64) at::BFloat16 tmp[16 * 128];
+// Kt for keys [k0, k0 + nk) (nk a multiple of 32; keys at or past `len` as zeros): the keys'
+// 32-bit words transposed, 16 keys at a time - kt[j][w][n] = word w of key k0 + 16 j + n, W =
+// D sizeof(T) / 4 words a key. bfloat16: word w is the dim pair (2 w, 2 w + 1), and a tile
+// product's B for dims 32 c .. 32 c + 31 is rows 16 c .. 16 c + 15 (D 64 -> 32 rows a j);
+// float32: word w is dim w (D rows a j).
+template <typename T>
+inline void pack_keys(const T* kc, const int32_t* table, int64_t k0, int64_t nk, int64_t len,
+                      int64_t bs, int64_t KVH, int64_t kvh, int64_t D, uint32_t* kt) {
+  const int64_t W = D * static_cast<int64_t>(sizeof(T)) / 4;  // 32-bit words a key
+  alignas(64) uint32_t tmp[16 * 128];
   for (int64_t j = 0; j < nk / 16; ++j) {
     const int64_t first = k0 + 16 * j;
     const int32_t* src;
-    int64_t row;  // 32-bit units from one key to the next
+    int64_t row;  // words from one key to the next
     if (bs % 16 == 0 && first + 16 <= len) {  // 16 keys of one block: read in place
       src = reinterpret_cast<const int32_t*>(kv_row(kc, table, first, bs, KVH, kvh, D));
-      row = KVH * half;
+      row = KVH * W;
     } else {
-      for (int64_t n = 0; n < 16; ++n)
-        std::memcpy(tmp + n * D,
-                    first + n < len ? kv_row(kc, table, first + n, bs, KVH, kvh, D) : zero_row(),
-                    D * 2);
+      for (int64_t n = 0; n < 16; ++n) {
+        const T* key = first + n < len ? kv_row(kc, table, first + n, bs, KVH, kvh, D)
+                                       : zero_row<T>();
+        std::memcpy(tmp + n * W, key, W * 4);
+      }
       src = reinterpret_cast<const int32_t*>(tmp);
-      row = half;
+      row = W;
     }
     const __m512i rows = _mm512_mullo_epi32(iota16(), _mm512_set1_epi32(static_cast<int>(row)));
-    uint32_t* dst = kt + j * 16 * half;
-    for (int64_t p = 0; p < half; ++p)
-      _mm512_storeu_si512(dst + p * 16, _mm512_i32gather_epi32(
-          _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(p))), src, 4));
+    uint32_t* dst = kt + j * 16 * W;
+    for (int64_t w = 0; w < W; ++w)
+      _mm512_storeu_si512(dst + w * 16, _mm512_i32gather_epi32(
+          _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(w))), src, 4));
   }
 }
 
@@ -1139,7 +1142,7 @@ inline void softmax_rows(float* s, P* pb, float* inv, int64_t nq, int64_t pos0, 
   }
 }
 
-// The rows' outputs: out row i = o row i * inv[i], rounded to bfloat16.
+// The rows' outputs: out row i = o row i * inv[i] (rounded to bfloat16 for a bfloat16 out).
 template <typename T>
 inline void store_rows(const float* o, const float* inv, T* out, int64_t out_stride, int64_t nq,
                        int64_t D) {
@@ -1155,34 +1158,7 @@ inline void store_rows(const float* o, const float* inv, T* out, int64_t out_str
   }
 }
 
-// float32: Kt for keys [k0, k0 + nk) as kt[j][d][n] = dim d of key k0 + 16 j + n (D rows of
-// 16 a j; zeros past `len`), and Vv their rows side by side (vv[k][d]).
-inline void pack_keys_f32(const float* kc, const int32_t* table, int64_t k0, int64_t nk,
-                          int64_t len, int64_t bs, int64_t KVH, int64_t kvh, int64_t D,
-                          float* kt) {
-  alignas(64) float tmp[16 * 128];
-  for (int64_t j = 0; j < nk / 16; ++j) {
-    const int64_t first = k0 + 16 * j;
-    const float* src;
-    int64_t row;
-    if (bs % 16 == 0 && first + 16 <= len) {
-      src = kv_row(kc, table, first, bs, KVH, kvh, D);
-      row = KVH * D;
-    } else {
-      for (int64_t n = 0; n < 16; ++n)
-        std::memcpy(tmp + n * D,
-                    first + n < len ? kv_row(kc, table, first + n, bs, KVH, kvh, D)
-                                    : zero_row<float>(),
-                    D * 4);
-      src = tmp;
-      row = D;
-    }
-    const __m512i rows = _mm512_mullo_epi32(iota16(), _mm512_set1_epi32(static_cast<int>(row)));
-    for (int64_t d = 0; d < D; ++d)
-      _mm512_storeu_ps(kt + (j * D + d) * 16, _mm512_i32gather_ps(
-          _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(d))), src, 4));
-  }
-}
+// float32: Vv for keys [k0, k0 + nk), their rows side by side (vv[k][d]; zeros past `len`).
 inline void pack_values_f32(const float* vc, const int32_t* table, int64_t k0, int64_t nk,
                             int64_t len, int64_t bs, int64_t KVH, int64_t kvh, int64_t D,
                             float* vv) {
@@ -1296,11 +1272,13 @@ inline void prefill_group_avx(const at::BFloat16* qbuf, int64_t nq, int64_t pos0
             v[g] = _mm512_loadu_si512(vt0 + ((t * DG + g0 + g) * 16 + p) * 32);
           for (int r = 0; r < 4; ++r) {
             const __m512i pw = _mm512_set1_epi32(p32[r * (ns / 2) + t * 16 + p]);
-            for (int g = 0; g < ng; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], bh(pw), bh(v[g]));
+            for (int g = 0; g < ng; ++g)
+              acc[r][g] = _mm512_dpbf16_ps(acc[r][g], bh(pw), bh(v[g]));
           }
         }
       for (int r = 0; r < nr; ++r)
-        for (int g = 0; g < ng; ++g) _mm512_storeu_ps(obuf + (i + r) * D + (g0 + g) * 16, acc[r][g]);
+        for (int g = 0; g < ng; ++g)
+          _mm512_storeu_ps(obuf + (i + r) * D + (g0 + g) * 16, acc[r][g]);
     }
   }
 }
@@ -1445,8 +1423,8 @@ bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
       const int32_t* table = tables + r * max_blocks;
       const int64_t o = (off[r] + h * nk[r] * D) * esize;  // bytes
       if (f32) {
-        pack_keys_f32(static_cast<const float*>(kc), table, k0[r], nk[r], sl[r], bs, KVH, h, D,
-                      reinterpret_cast<float*>(ktp + o));
+        pack_keys(static_cast<const float*>(kc), table, k0[r], nk[r], sl[r], bs, KVH, h, D,
+                  reinterpret_cast<uint32_t*>(ktp + o));
         pack_values_f32(static_cast<const float*>(vc), table, k0[r], nk[r], sl[r], bs, KVH, h,
                         D, reinterpret_cast<float*>(vvp + o));
       } else {
