@@ -37,8 +37,9 @@ def write_kv_cache(
 
 
 def _decode_kernel(dtype: torch.dtype | None = None) -> object | None:
-    """The compiled decode kernel's module where it is used for a cache of ``dtype`` (see
-    ``pagedllm/ops/cpu.kernels_enabled``: float32 and bfloat16), else None (PyTorch)."""
+    """The compiled kernels' module (``paged_decode``, and ``paged_prefill`` for the prefill
+    chunks) where it is used for a cache of ``dtype`` (see ``pagedllm/ops/cpu.kernels_enabled``:
+    float32 and bfloat16), else None (PyTorch)."""
     from pagedllm.ops.cpu import cpu_ops, kernels_enabled
 
     return cpu_ops() if kernels_enabled(dtype) else None
@@ -73,7 +74,8 @@ class TorchNativeBackend(AttentionBackend):
         bs = md.block_size
         q_lens = np.diff(qsl[: md.num_reqs + 1])
         dec = np.nonzero(q_lens == 1)[0]
-        plan: dict = {"decode": None, "prefill": None, "prefill_kernel": None}
+        pre = np.nonzero(q_lens > 1)[0]  # the prefill chunks' requests
+        plan: dict = {"decode": None, "prefill_reqs": pre, "prefill": None, "prefill_kernel": None}
         if len(dec) > 0 and on_cpu and _decode_kernel(dtype) is not None:
             # the compiled kernel reads the blocks itself: the rows' tables and lengths
             plan["decode"] = (
@@ -99,7 +101,6 @@ class TorchNativeBackend(AttentionBackend):
                 torch.from_numpy(valid)[:, None, None, :],  # [B, 1, 1, s_max]
                 s_max,
             )
-        pre = np.nonzero(q_lens > 1)[0]
         if len(pre) > 0 and on_cpu and _decode_kernel(dtype) is not None:
             # the compiled prefill kernel (it may still decline: then the SDPA plan below)
             plan["prefill_kernel"] = (
@@ -119,9 +120,8 @@ class TorchNativeBackend(AttentionBackend):
         qsl, seq_lens = md.query_start_loc_np, md.seq_lens_np
         assert qsl is not None and seq_lens is not None
         block_tables, bs = md.plan["block_tables_np"], md.block_size
-        q_lens = np.diff(qsl[: md.num_reqs + 1])
         plan["prefill"] = []
-        for r in np.nonzero(q_lens > 1)[0]:
+        for r in plan["prefill_reqs"]:
             start, end, seq_len = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
             ctx = seq_len - (end - start)
             if ctx == 0 and window is None:
