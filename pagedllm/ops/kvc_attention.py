@@ -50,6 +50,8 @@ from pagedllm.ops.paged_attention import (
     TileConfig,
     _find_request,
     _num_sms,
+    _query_tile,
+    _store_tile,
     default_tile_config,
 )
 from pagedllm.ops.paged_attention import _attend_range as _paged_attend_range
@@ -871,27 +873,11 @@ def _prefill_kernel(
     seq_len = tl.load(lens_ptr + trow * stride_lr + kvh * stride_lh).to(tl.int32)
     ctx = seq_len - q_len  # keys of this head before the chunk's new ones
 
-    # Row m of the tile = query local * BLOCK_Q + m // G of the chunk, query head kvh * G + m % G.
-    m = tl.arange(0, BLOCK_M)
-    qi = local * BLOCK_Q + m // G  # [BLOCK_M]
-    head = kvh * G + m % G
-    row_mask = (m < BLOCK_Q * G) & (qi < q_len)
-    q_pos = ctx + qi  # logical index of each row's own key
-    win_lo = tl.where(window > 0, q_pos - window, -1)
-    d = tl.arange(0, HEAD_PAD)
-    d_mask = d < HEAD_DIM
-    tok = tl.load(q_start_ptr + r).to(tl.int64) + qi  # [BLOCK_M] query row of each
-    io_mask = row_mask[:, None] & d_mask[None, :]
-    q = tl.load(
-        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=io_mask,
-        other=0.0,
-    )
-    first_pos = ctx + local * BLOCK_Q
-    key_end = ctx + tl.minimum((local + 1) * BLOCK_Q, q_len)
-    key_start = tl.maximum(tl.where(window > 0, first_pos - window + 1, 0), 0)
-    tile_lo = key_start // TILE_N
-    tile_hi = (key_end + TILE_N - 1) // TILE_N
+    # q_pos: the logical index of each row's own key in this head
+    q, q_pos, win_lo, tok, head, d, io_mask, first_pos, key_end, tile_lo, tile_hi = _query_tile(
+        q_ptr, tl.load(q_start_ptr + r).to(tl.int64), q_len, ctx, local, kvh, window,
+        stride_qt, stride_qh, G, HEAD_DIM, HEAD_PAD, BLOCK_M, BLOCK_Q, TILE_N,
+    )  # fmt: skip
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -901,12 +887,7 @@ def _prefill_kernel(
         window, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
         PRECISION,
     )  # fmt: skip
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    tl.store(
-        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-        (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
-        mask=io_mask,
-    )
+    _store_tile(out_ptr, acc, l_i, tok, head, d, io_mask, stride_ot, stride_oh)
 
 
 def kvc_paged_attention(

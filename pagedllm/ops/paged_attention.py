@@ -164,6 +164,52 @@ def _attend_tiles(
 
 
 @triton.jit
+def _query_tile(
+    q_ptr, q_start, q_len, ctx, local, kvh, window, stride_qt, stride_qh,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+):  # fmt: skip
+    """A prefill tile's rows, its queries and the key tiles it reads (the unified paged
+    kernel's and KV-Compress's per-head prefill kernel's): tile ``local`` of a chunk of
+    ``q_len`` queries whose first sits at row ``q_start`` after ``ctx`` cached keys.
+
+    Row m of the tile = query token local * BLOCK_Q + m // G, query head kvh * G + m % G.
+    Example: G 4, BLOCK_M 16 (BLOCK_Q 4), kvh 1, m 9 -> token offset 2, head 5. Keys the tile
+    can see: [first query pos - window + 1, last query pos]."""
+    m = tl.arange(0, BLOCK_M)
+    qi = local * BLOCK_Q + m // G  # [BLOCK_M] query index within the chunk
+    head = kvh * G + m % G
+    row_mask = (m < BLOCK_Q * G) & (qi < q_len)
+    q_pos = ctx + qi  # each row's own position
+    win_lo = tl.where(window > 0, q_pos - window, -1)
+    d = tl.arange(0, HEAD_PAD)
+    tok = (q_start + qi).to(tl.int64)  # [BLOCK_M] query row of each
+    io_mask = row_mask[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=io_mask,
+        other=0.0,
+    )
+    first_pos = ctx + local * BLOCK_Q
+    key_end = ctx + tl.minimum((local + 1) * BLOCK_Q, q_len)
+    key_start = tl.maximum(tl.where(window > 0, first_pos - window + 1, 0), 0)
+    tile_lo = key_start // TILE_N
+    tile_hi = (key_end + TILE_N - 1) // TILE_N
+    return q, q_pos, win_lo, tok, head, d, io_mask, first_pos, key_end, tile_lo, tile_hi
+
+
+@triton.jit
+def _store_tile(out_ptr, acc, l_i, tok, head, d, io_mask, stride_ot, stride_oh):
+    """A prefill tile's rows out: acc / l (rows that saw no key: acc itself, 0)."""
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
+
+
+@triton.jit
 def _attend_range(
     acc,
     l_i,
@@ -270,31 +316,10 @@ def _unified_kernel(
     seq_len = tl.load(seq_lens_ptr + r)
     ctx = seq_len - q_len  # tokens cached before this chunk
 
-    # Row m of the tile = query token local * BLOCK_Q + m // G, query head kvh * G + m % G.
-    # Example: G 4, BLOCK_M 16 (BLOCK_Q 4), kvh 1, m 9 -> token offset 2, head 5.
-    m = tl.arange(0, BLOCK_M)
-    qi = local * BLOCK_Q + m // G  # [BLOCK_M] query index within the request
-    head = kvh * G + m % G
-    row_mask = (m < BLOCK_Q * G) & (qi < q_len)
-    q_pos = ctx + qi
-    win_lo = tl.where(window > 0, q_pos - window, -1)
-    d = tl.arange(0, HEAD_PAD)
-    d_mask = d < HEAD_DIM
-    tok = (q_start + qi).to(tl.int64)
-    io_mask = row_mask[:, None] & d_mask[None, :]
-    q = tl.load(
-        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=io_mask,
-        other=0.0,
-    )
-
-    # Keys this tile can see: [first query pos - window + 1, last query pos].
-    first_pos = ctx + local * BLOCK_Q
-    key_end = ctx + tl.minimum((local + 1) * BLOCK_Q, q_len)
-    key_start = tl.maximum(tl.where(window > 0, first_pos - window + 1, 0), 0)
-    tile_lo = key_start // TILE_N
-    tile_hi = (key_end + TILE_N - 1) // TILE_N
-
+    q, q_pos, win_lo, tok, head, d, io_mask, first_pos, key_end, tile_lo, tile_hi = _query_tile(
+        q_ptr, q_start, q_len, ctx, local, kvh, window, stride_qt, stride_qh,
+        G, HEAD_DIM, HEAD_PAD, BLOCK_M, BLOCK_Q, TILE_N,
+    )  # fmt: skip
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -304,13 +329,7 @@ def _unified_kernel(
         window, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
         PRECISION,
     )  # fmt: skip
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=io_mask,
-    )
+    _store_tile(out_ptr, acc, l_i, tok, head, d, io_mask, stride_ot, stride_oh)
 
 
 @triton.jit
