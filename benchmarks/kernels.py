@@ -172,14 +172,11 @@ class Step:
             max_seq_len=self.context,
             block_size=BLOCK_SIZE,
         )
-        if host_plan:  # the CPU backend plans on the host; build it once, then move it over
+        if host_plan:  # the CPU backend plans on the host, once (its index tensors on the GPU)
             md.query_start_loc_np = self.qsl.cpu().numpy().astype("int64")
             md.seq_lens_np = self.seq_lens.cpu().numpy()
             md.plan["block_tables_np"] = self.block_tables.cpu().numpy()
-            plan = TorchNativeBackend()._plan(md, None)
-            rows, slots, mask, s_max = plan["decode"]
-            dev = self.device
-            plan["decode"] = (rows.to(dev), slots.to(dev), mask.to(dev), s_max)
+            TorchNativeBackend()._plan(md, None, self.query.device, self.kv_cache.dtype)
         return md
 
     def backend(self, backend: Any, md: AttentionMetadata) -> Callable[[], Any]:

@@ -300,6 +300,33 @@ def test_triton_backend_matches_torch_native(dtype: torch.dtype, window: int | N
     torch.testing.assert_close(got[:m].float().cpu(), ref[:m].float(), atol=atol, rtol=rtol)
 
 
+@cuda_only
+@pytest.mark.parametrize("window", [None, 6])
+def test_torch_native_backend_on_the_gpu(window: int | None) -> None:
+    """The CPU backend's SDPA paths also run on a GPU (the kernels benchmark's reference):
+    its plan puts the index tensors on the query's device."""
+    q_lens, ctx, (heads, kvh, hd, bs, pad) = MIXED_Q, MIXED_CTX, MIXED_SHAPE
+    dtype = torch.float32
+    b = make_batch(q_lens, ctx, heads, kvh, hd, bs, dtype, seed=5, pad_tokens=pad)
+    tables = b.block_tables.cpu().numpy()
+    gen = torch.Generator().manual_seed(7)
+    n = b.query.shape[0]
+    key = torch.randn(n, kvh, hd, generator=gen).to(dtype)
+    value = torch.randn(n, kvh, hd, generator=gen).to(dtype)
+    scale = hd**-0.5
+    md_cpu = _metadata(q_lens, ctx, tables, bs, pad, torch.device("cpu"))
+    cache_ref = b.kv_cache.cpu().clone()
+    ref = TorchNativeBackend().forward(b.query.cpu(), key, value, cache_ref, md_cpu, scale, window)
+    md = _metadata(q_lens, ctx, tables, bs, pad, DEVICE)
+    cache = b.kv_cache.clone()
+    got = TorchNativeBackend().forward(
+        b.query, key.to(DEVICE), value.to(DEVICE), cache, md, scale, window
+    )
+    m = md.num_actual_tokens
+    assert torch.equal(cache.cpu(), cache_ref)
+    torch.testing.assert_close(got[:m].cpu(), ref[:m], atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_attention_layer_fused_rope_matches_the_torch_path(dtype: torch.dtype) -> None:
     """The attention layer with a rotary embedding and q/k norms: on the Triton backend the

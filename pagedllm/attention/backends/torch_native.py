@@ -22,6 +22,8 @@ from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kv_layout import token_slots, write_kv_ref
 
+_CPU = torch.device("cpu")
+
 
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -59,9 +61,16 @@ class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
 
     def _plan(
-        self, md: AttentionMetadata, window: int | None, on_cpu: bool = True, dtype: object = None
+        self,
+        md: AttentionMetadata,
+        window: int | None,
+        device: torch.device = _CPU,
+        dtype: object = None,
     ) -> dict:
-        key = ("torch_native", window, on_cpu, dtype)
+        """The step's decode rows and prefill chunks, planned once for all layers; index
+        tensors live on ``device`` (the query's: the SDPA paths also run on a GPU)."""
+        key = ("torch_native", window, device, dtype)
+        on_cpu = device.type == "cpu"
         if key in md.plan:
             return md.plan[key]
         qsl = md.query_start_loc_np
@@ -75,7 +84,13 @@ class TorchNativeBackend(AttentionBackend):
         q_lens = np.diff(qsl[: md.num_reqs + 1])
         dec = np.nonzero(q_lens == 1)[0]
         pre = np.nonzero(q_lens > 1)[0]  # the prefill chunks' requests
-        plan: dict = {"decode": None, "prefill_reqs": pre, "prefill": None, "prefill_kernel": None}
+        plan: dict = {
+            "decode": None,
+            "prefill_reqs": pre,
+            "prefill": None,
+            "prefill_kernel": None,
+            "device": device,
+        }
         if len(dec) > 0 and on_cpu and _decode_kernel(dtype) is not None:
             # the compiled kernel reads the blocks itself: the rows' tables and lengths
             plan["decode"] = (
@@ -96,9 +111,9 @@ class TorchNativeBackend(AttentionBackend):
             pos = np.where(valid, pos, 0)
             slots = np.where(valid, token_slots(block_tables[dec], pos, bs), 0)
             plan["decode"] = (
-                torch.from_numpy(qsl[dec].astype(np.int64)),
-                torch.from_numpy(slots.reshape(-1)),
-                torch.from_numpy(valid)[:, None, None, :],  # [B, 1, 1, s_max]
+                torch.from_numpy(qsl[dec].astype(np.int64)).to(device),
+                torch.from_numpy(slots.reshape(-1)).to(device),
+                torch.from_numpy(valid)[:, None, None, :].to(device),  # [B, 1, 1, s_max]
                 s_max,
             )
         if len(pre) > 0 and on_cpu and _decode_kernel(dtype) is not None:
@@ -132,9 +147,9 @@ class TorchNativeBackend(AttentionBackend):
             if window is not None:  # keys older than every query's window are never read
                 first = max(0, ctx - window + 1)
                 k_pos = k_pos[first:]
-            slots = token_slots(block_tables[r], k_pos, bs)
+            slots = torch.from_numpy(token_slots(block_tables[r], k_pos, bs)).to(plan["device"])
             mask = torch.from_numpy(_visible(q_pos, k_pos, window))[None, None]
-            plan["prefill"].append((start, end, torch.from_numpy(slots), mask))
+            plan["prefill"].append((start, end, slots, mask.to(plan["device"])))
         return plan["prefill"]
 
     def forward(
@@ -153,7 +168,7 @@ class TorchNativeBackend(AttentionBackend):
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        plan = self._plan(metadata, sliding_window, query.device.type == "cpu", kv_cache.dtype)
+        plan = self._plan(metadata, sliding_window, query.device, kv_cache.dtype)
         out = torch.empty_like(query)
         gqa = num_heads != num_kv_heads
         if plan["decode"] is not None and plan["decode"][0] == "kernel":
