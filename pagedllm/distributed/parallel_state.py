@@ -17,6 +17,12 @@ inside CUDA graphs, [256, 4096] bf16: 18 us against NCCL's 30 us
 Larger tensors, sizes the kernel cannot split evenly, a GPU setup without it
 (``init_custom_all_reduce`` returns False and logs why) and ``disable_custom_all_reduce``
 keep NCCL.
+
+A row-parallel layer followed by a residual add and RMSNorm (Llama's o_proj and down_proj)
+goes further where it can (``linear_all_reduce_add_rms_norm``): its matmul writes into one of
+two symmetric slots and one Triton kernel sums every rank's slot, adds the residual and
+normalizes (``pagedllm/ops/all_reduce_norm.py``): one kernel and one cross-GPU barrier where
+the two-shot kernel has two barriers and the add + RMSNorm kernel follows it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ COLLECTIVE_TIMEOUT_S = 120
 CUSTOM_ALL_REDUCE_MAX_BYTES = 16 << 20  # [2048, 4096] bf16
 _rank, _world = 0, 1
 _custom: _SymmAllReduce | None = None
+_fused: _FusedAddNorm | None = None
 
 
 def init_tensor_parallel(rank: int, world: int, init_method: str, device_type: str) -> None:
@@ -135,6 +142,131 @@ class _SymmAllReduce:
         return out.view(*lead, k)
 
 
+class _FusedAddNorm:
+    """All-reduce + residual add + RMSNorm in one kernel (``ops/all_reduce_norm.py``): two
+    slots of ``nbytes`` in symmetric memory (the matmul of a call writes one; consecutive calls
+    must alternate, see that module) and a symmetric pad of barrier flags."""
+
+    def __init__(self, nbytes: int, device: torch.device, world: int, group: str) -> None:
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        rank = dist.get_rank()
+        # one program per multiprocessor at most (every program resident: see the module);
+        # the same on every rank, or the barrier would pair programs that do not exist
+        sms = torch.tensor(
+            [torch.cuda.get_device_properties(device).multi_processor_count],
+            dtype=torch.int32,
+            device=device,
+        )
+        dist.all_reduce(sms, op=dist.ReduceOp.MIN)
+        self.max_programs = int(sms.item())
+        self.slots = symm_mem.empty(2 * nbytes, dtype=torch.uint8, device=device)
+        self.pads = symm_mem.empty(self.max_programs * world, dtype=torch.int32, device=device)
+        self.pads.zero_()
+        torch.cuda.synchronize(device)  # zero before any peer can signal (rendezvous waits)
+        ptrs = []
+        for t in (self.slots, self.pads):
+            h = symm_mem.rendezvous(t, group)
+            # each rank's tensor sits at the same offset of its allocation
+            off = t.data_ptr() - h.buffer_ptrs[rank]
+            ptrs.append([b + off for b in h.buffer_ptrs])
+        self.buf_ptrs = torch.tensor(
+            [ptrs[0], [b + nbytes for b in ptrs[0]]], dtype=torch.int64, device=device
+        )  # [2 slots, world]
+        self.pad_ptrs = torch.tensor(ptrs[1], dtype=torch.int64, device=device)  # [world]
+        self.nbytes, self.rank = nbytes, rank
+        self._check(device, world)
+
+    def _check(self, device: torch.device, world: int) -> None:
+        """Both slots, in both dtypes, on known numbers before a step trusts the kernel."""
+        from pagedllm.ops.all_reduce_norm import all_reduce_add_rms_norm_ref
+
+        wrong = []
+        for dtype in (torch.bfloat16, torch.float32):
+            rows, hidden = 3, 64
+            j = torch.arange(rows * hidden, device=device, dtype=torch.float32)
+            parts = [((j % 7) / 4 + r + 1).to(dtype).view(rows, hidden) for r in range(world)]
+            residual = ((j % 5) / 8 - 1).to(dtype).view(rows, hidden)
+            weight = (torch.arange(hidden, device=device, dtype=torch.float32) / 64 + 0.5).to(dtype)
+            want = all_reduce_add_rms_norm_ref(parts, residual, weight, 1e-6)
+            for slot in (0, 1):
+                got = self.add_norm(parts[self.rank], residual, weight, 1e-6, 0.0, slot)
+                for g, w in zip(got, want):
+                    if not torch.allclose(g.float(), w.float(), rtol=1e-2, atol=1e-2):
+                        wrong.append(str(dtype))
+        if wrong:  # (after every call: a peer that still calls would wait here forever)
+            raise RuntimeError(f"the fused all-reduce's {wrong[0]} results are wrong")
+
+    def _slot(self, slot: int, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        n = rows * hidden
+        return self.slots[slot * self.nbytes :].view(dtype)[:n].view(rows, hidden)
+
+    def add_norm(
+        self,
+        part: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float,
+        slot: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(sum + residual), sum + residual) of this rank's ``part`` [rows, hidden] (a
+        copy into the slot: start-up's check; layers use ``linear_add_norm``)."""
+        self._slot(slot, *part.shape, part.dtype).copy_(part)
+        return self._launch(part.shape[0], residual, weight, eps, offset, slot)
+
+    def _launch(
+        self,
+        rows: int,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float,
+        slot: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from pagedllm.ops.all_reduce_norm import all_reduce_add_rms_norm
+
+        return all_reduce_add_rms_norm(
+            self.buf_ptrs[slot],
+            self.pad_ptrs,
+            self.rank,
+            rows,
+            residual,
+            weight,
+            eps,
+            offset,
+            self.max_programs,
+        )
+
+    def linear_add_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        offset: float,
+        slot: int,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """See ``linear_all_reduce_add_rms_norm``; None where the inputs do not fit."""
+        m, k = x.numel() // x.shape[-1], weight.shape[0]
+        if not (
+            x.is_cuda
+            and x.dtype == weight.dtype == residual.dtype == norm_weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float32)
+            and residual.dim() == 2
+            and residual.shape == (m, k)
+            and residual.stride(-1) == 1
+            and norm_weight.shape == (k,)
+            and m * k * x.element_size() <= self.nbytes
+        ):
+            return None
+        buf = self._slot(slot, m, k, x.dtype)
+        torch.mm(x.reshape(m, x.shape[-1]), weight.t(), out=buf)
+        return self._launch(m, residual, norm_weight, eps, offset, slot)
+
+
 def init_custom_all_reduce(device: torch.device, nbytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES) -> bool:
     """Set up the symmetric-memory all-reduce on this rank's GPU (every rank must call it, at
     the same point: it is collective). False, with the reason logged, where it cannot run:
@@ -153,7 +285,26 @@ def init_custom_all_reduce(device: torch.device, nbytes: int = CUSTOM_ALL_REDUCE
     ok = torch.tensor([custom is not None], dtype=torch.int32, device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     _custom = custom if bool(ok.item()) else None
+    if _custom is not None:
+        _init_fused(device, nbytes)
     return _custom is not None
+
+
+def _init_fused(device: torch.device, nbytes: int) -> None:
+    """The fused all-reduce + add + RMSNorm (collective, like the above); on failure the
+    layers keep the two-shot kernel and the separate add + RMSNorm, on every rank alike."""
+    global _fused
+    import torch.distributed as dist
+
+    assert _custom is not None
+    try:
+        fused: _FusedAddNorm | None = _FusedAddNorm(nbytes, device, _world, _custom.group)
+    except Exception as e:
+        logger.warning("fused all-reduce + RMSNorm unavailable (%s)", e)
+        fused = None
+    ok = torch.tensor([fused is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    _fused = fused if bool(ok.item()) else None
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -176,6 +327,30 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if out is not None:
             return out
     return all_reduce(torch.nn.functional.linear(x, weight))
+
+
+def linear_all_reduce_add_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    slot: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(norm(s), s) with s = ``linear_all_reduce(x, weight)`` + ``residual`` and norm the
+    RMSNorm of ``norm_weight``, ``eps``, ``offset`` (``RMSNorm.forward(out, residual)``), the
+    matmul written into symmetric slot ``slot`` and the rest one kernel
+    (``ops/all_reduce_norm.py``). None on one rank, without the symmetric-memory all-reduce
+    or where the inputs do not fit (bias-free layers, 2-D residual, up to the slot's size):
+    the caller runs the unfused path.
+
+    ``slot`` (0 or 1) must differ from the previous call's on this rank: the kernel ends with
+    no barrier, and a slot is safe to write again only after the next call's barrier. Llama's
+    o_proj uses 0, its down_proj 1: they alternate, across steps and CUDA graphs too."""
+    if _fused is None:
+        return None
+    return _fused.linear_add_norm(x, weight, residual, norm_weight, eps, offset, slot)
 
 
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:

@@ -73,10 +73,73 @@ def _rank(rank: int, port: int, q) -> None:  # noqa: ANN001
                 g.replay()
                 for got, ref in zip(outs, want):
                     errs.append(float((got.float() - 2 * ref.float()).abs().max()))
+        fused = _fused_errors(gen)
         torch.cuda.synchronize()
-        q.put((rank, ok, max(errs)))
+        q.put((rank, ok, max(errs), fused))
     finally:
         dist.destroy_process_group()
+
+
+def _fused_errors(gen: torch.Generator) -> dict:
+    """The fused all-reduce + add + RMSNorm (``linear_all_reduce_add_rms_norm``) against the
+    unfused path (``linear_all_reduce``, then ``RMSNorm(out, residual)``) on random inputs: a
+    chain of four calls alternating the slots as Llama's layers do, each feeding the next,
+    eagerly and replayed from a CUDA graph with fresh data. Max errors of the sums (s) and of
+    the normed rows (y), by dtype; and which shapes took the fused path."""
+    from pagedllm.model.layers.norm import RMSNorm
+
+    out: dict = {"fused": [], "s": {}, "y": {}}
+    for dtype in (torch.bfloat16, torch.float32):
+        es, ey = [0.0], [0.0]
+        # decode rows, a hidden size that is no power of two, a chunk, one over the 1 MiB slot
+        for m, k, n in [(1, 32, 64), (7, 64, 96), (100, 64, 2048), (1024, 16, 1024)]:
+            ws = [torch.randn((n, k), device="cuda", dtype=dtype, generator=gen) / 4
+                  for _ in range(4)]  # fmt: skip
+            norm = RMSNorm(n, 1e-6, dtype).cuda()
+            norm.weight.data.copy_(torch.rand(n, device="cuda", generator=gen) + 0.5)
+
+            def chain(x, res, fused, ws=ws, norm=norm, k=k):  # noqa: ANN001, ANN202
+                outs = []
+                for i, w in enumerate(ws):
+                    got = None
+                    if fused:
+                        got = parallel_state.linear_all_reduce_add_rms_norm(
+                            x, w, res, norm.weight, norm.eps, 0.0, i % 2
+                        )
+                    if got is None:
+                        got = norm(parallel_state.linear_all_reduce(x, w), res)
+                    y, res = got
+                    outs += [y, res]
+                    x = y[:, :k].contiguous()
+                return outs
+
+            x = torch.randn((m, k), device="cuda", dtype=dtype, generator=gen)
+            res = torch.randn((m, n), device="cuda", dtype=dtype, generator=gen)
+            probe = parallel_state.linear_all_reduce_add_rms_norm(
+                x, ws[0], res, norm.weight, norm.eps, 0.0, 0
+            )
+            out["fused"].append(probe is not None)
+            parallel_state.linear_all_reduce_add_rms_norm(  # (slot 1: alternate)
+                x, ws[1], res, norm.weight, norm.eps, 0.0, 1
+            )
+
+            def compare(got, want, ey=ey, es=es):  # noqa: ANN001, ANN202
+                for j, (g, w) in enumerate(zip(got, want)):
+                    err = float((g.float() - w.float()).abs().max())
+                    (ey if j % 2 == 0 else es).append(err / (1 + float(w.abs().max())))
+
+            compare(chain(x, res, True), chain(x, res, False))
+            g = torch.cuda.CUDAGraph()
+            sx, sres = x.clone(), res.clone()
+            with torch.cuda.graph(g):
+                outs = chain(sx, sres, True)
+            for _ in range(3):
+                sx.copy_(torch.randn((m, k), device="cuda", dtype=dtype, generator=gen))
+                sres.copy_(torch.randn((m, n), device="cuda", dtype=dtype, generator=gen))
+                g.replay()
+                compare(outs, chain(sx, sres, False))
+        out["s"][str(dtype)], out["y"][str(dtype)] = max(es), max(ey)
+    return out
 
 
 @pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
@@ -96,6 +159,13 @@ def test_equals_nccl_on_two_gpus() -> None:
         p.join(timeout=30)
     assert [r[1] for r in results] == [True, True], "the custom all-reduce did not start"
     assert max(r[2] for r in results) == 0.0  # two ranks: one addition, the same rounding
+    for r in results:  # the fused all-reduce + add + RMSNorm
+        fused = r[3]
+        assert fused["fused"] == [True, True, True, False] * 2  # the last is over the slot
+        # the sums: one addition, then the residual add, each rounded once, on either path
+        assert fused["s"] == {"torch.bfloat16": 0.0, "torch.float32": 0.0}, fused
+        # the norm: the unfused kernel's arithmetic (relative to the rows' largest value)
+        assert fused["y"]["torch.bfloat16"] <= 1e-2 and fused["y"]["torch.float32"] <= 1e-6, fused
 
 
 @pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")

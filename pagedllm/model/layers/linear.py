@@ -15,7 +15,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pagedllm.distributed.parallel_state import linear_all_reduce, tp_info
+from pagedllm.distributed.parallel_state import (
+    linear_all_reduce,
+    linear_all_reduce_add_rms_norm,
+    tp_info,
+)
+from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.ops.cpu import pack_linear, packed_linear
 
 
@@ -113,6 +118,22 @@ class RowParallelLinear(LinearBase):
             return super().forward(x)
         out = linear_all_reduce(x, self.weight)
         return out if self.bias is None else out + self.bias
+
+    def forward_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, slot: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm(self(x), residual)``: (norm(out + residual), out + residual), a pre-norm
+        residual block's step. Under TP on GPUs with the symmetric-memory all-reduce, one
+        kernel sums the ranks' partial outputs, adds and normalizes
+        (``linear_all_reduce_add_rms_norm``: ``slot`` must alternate between consecutive
+        calls); elsewhere the layer, then the norm."""
+        if self.bias is None and tp_info()[1] > 1:
+            out = linear_all_reduce_add_rms_norm(
+                x, self.weight, residual, norm.weight, norm.eps, norm.offset, slot
+            )
+            if out is not None:
+                return out
+        return norm(self(x), residual)
 
     def pack_for_cpu(self) -> bool:
         return tp_info()[1] == 1 and super().pack_for_cpu()  # (TP: the all-reduce path)

@@ -46,6 +46,13 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
+    def forward_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm(self(x), residual)``, down_proj's all-reduce fused with the add and norm
+        where it can be (slot 1: see ``RowParallelLinear.forward_add_norm``)."""
+        return self.down_proj.forward_add_norm(self.act_fn(self.gate_up_proj(x)), residual, norm, 1)
+
 
 class LlamaAttention(nn.Module):
     """Self-attention with fused qkv, RoPE, optional per-head q/k RMSNorm (Qwen3)."""
@@ -84,23 +91,42 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
+        return self.o_proj(self._attend(positions, x, metadata))
+
+    def forward_add_norm(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        metadata: AttentionMetadata,
+        residual: torch.Tensor,
+        norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm(self(...), residual)``, o_proj's all-reduce fused with the add and norm where
+        it can be (slot 0: see ``RowParallelLinear.forward_add_norm``)."""
+        return self.o_proj.forward_add_norm(self._attend(positions, x, metadata), residual, norm, 0)
+
+    def _attend(
+        self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Attention's output before o_proj: [num_tokens, this rank's heads * head_dim]."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
-        out = self.attn(q, k, v, metadata, positions, self.rotary_emb, *norms)
-        return self.o_proj(out)
+        return self.attn(q, k, v, metadata, positions, self.rotary_emb, *norms)
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm MLP block, each with a residual.
 
-    The residual stream travels beside the block outputs: a layer takes (x, residual) and
-    returns (mlp output, residual), and the next layer's input norm adds the two (one fused
-    kernel on GPUs). The first layer gets residual None: its input is the embedding.
-    Worked example, layer i: r = x_i + r; h = attn(norm(r)); r = h + r; h = mlp(norm(r)),
-    returns (h, r), so x_{i+1} + r equals HF's hidden state after layer i, bit for bit.
+    The residual stream travels beside the normed block inputs: a layer takes (h, residual),
+    h already normed by its input norm, and ends with the next layer's input norm (or the
+    model's final norm), ``next_norm``, so that each row-parallel layer's all-reduce, the
+    residual add and the norm after it are one kernel under TP on GPUs
+    (``RowParallelLinear.forward_add_norm``). Worked example, layer i, with h = norm_i(r):
+    r = attn(h) + r; h = post_norm(r); r = mlp(h) + r; returns (next_norm(r), r), so r equals
+    HF's hidden state after layer i, bit for bit.
     """
 
     def __init__(
@@ -121,19 +147,16 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
+        h: torch.Tensor,
+        residual: torch.Tensor,
         metadata: AttentionMetadata,
+        next_norm: RMSNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # x, residual: [num_tokens, hidden]
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(
-            self.self_attn(positions, h, metadata), residual
+        # h, residual: [num_tokens, hidden]
+        h, residual = self.self_attn.forward_add_norm(
+            positions, h, metadata, residual, self.post_attention_layernorm
         )
-        return self.mlp(h), residual
+        return self.mlp.forward_add_norm(h, residual, next_norm)
 
 
 class LlamaModel(nn.Module):
@@ -152,12 +175,14 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, metadata)
-        if residual is None:  # no layers
+        if not len(self.layers):
             return self.norm(x)
-        return self.norm(x, residual)[0]
+        # each layer ends with the next one's input norm, the last with the final norm
+        h, residual = self.layers[0].input_layernorm(x), x
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, norms):
+            h, residual = layer(positions, h, residual, metadata, next_norm)
+        return h
 
 
 class LlamaForCausalLM(CausalLM):
