@@ -22,7 +22,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = "pagedllm/ops/cpu/paged_attention.cpp"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]  # as pagedllm/ops/cpu
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", *os.environ.get("AB_EXTRA_FLAGS", "").split()]  # as pagedllm/ops/cpu
 
 
 def _build(name: str, source: Path, folder: Path):  # noqa: ANN202
