@@ -35,6 +35,8 @@ from pagedllm.core.kv_cache.spec import HeadPagedSpec, cdiv
 from pagedllm.kvcompress.attention import KVCLayerInfo, KVCStepPlan
 from pagedllm.kvcompress.evict import compact, plan_eviction
 
+_NO_ENTRIES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))  # (nobody writes them)
+
 
 class HeadPagedCache:
     """The KV-Compress cache of one device (see the module docstring). It has the methods of
@@ -80,6 +82,10 @@ class HeadPagedCache:
         self.positions = torch.empty(0)
         self.host: tuple[torch.Tensor, ...] = ()
         self.generator = torch.Generator(device=device).manual_seed(0)
+        self._arange = np.arange(max_rows, dtype=np.int64)  # (shared: nobody writes them)
+        self._zeros = np.zeros(max_rows, dtype=np.int64)
+        # table entries set since the last step, not yet on the device (``set_entries``)
+        self._entries: list[tuple[np.ndarray, np.ndarray]] = []
         # a step's slots: two Triton launches on a GPU (a dozen PyTorch kernels otherwise)
         self._step_slots = step_slots_torch
         if device.type == "cuda":
@@ -185,6 +191,7 @@ class HeadPagedCache:
     def set_row(self, row: int, head: HeadTable | None, scored: bool = True) -> None:
         """A (re)started request's whole table and computed lengths, and whether its KVs are
         scored (False: it has no budget, never evicted, so no score pass)."""
+        self.flush_entries()  # (entries of an earlier request in the row must land first)
         self.scored_np[row] = scored
         self.tables[row].zero_()
         # (a Python scalar written into a device tensor would be a blocking copy)
@@ -198,16 +205,37 @@ class HeadPagedCache:
         self.scored[row : row + 1] = flag
 
     def set_entries(self, rows: list[int], blocks: list[HeadBlocks]) -> None:
-        """New (or copy-on-write replaced) table entries of several rows, in one scatter."""
+        """New (or copy-on-write replaced) table entries of several rows. They reach the
+        device with the next step: ``prepare_step`` sends them in its one copy and its slot
+        kernel writes them before it reads the tables (``flush_entries`` writes them at once,
+        for a use of the tables without a step).
+
+        Example: max_blocks 5, LH 2; row 3 gets block 9 at index 1 of head 1 -> flat index
+        (3 * 2 + 1) * 5 + 1 = 36."""
         parts = [(r, b) for r, b in zip(rows, blocks) if len(b)]
         if not parts:
             return
-        row = np.concatenate([np.full(len(b), r, dtype=np.int64) for r, b in parts])
+        row = np.repeat(np.array([r for r, _ in parts], dtype=np.int64), [len(b) for _, b in parts])
         lh = np.concatenate([b.lh for _, b in parts])
         index = np.concatenate([b.index for _, b in parts])
-        ids = np.concatenate([b.ids for _, b in parts])
-        row_t, lh_t, index_t, ids_t = self.ship(row, lh, index, ids)
-        self.tables[row_t, lh_t, index_t] = ids_t.to(torch.int32)
+        flat = (row * self.num_heads + lh) * self.max_blocks + index
+        self._entries.append((flat, np.concatenate([b.ids for _, b in parts])))
+
+    def _take_entries(self) -> tuple[np.ndarray, np.ndarray]:
+        """The table entries set since the last step: (flat indices, block ids), int64."""
+        if not self._entries:
+            return _NO_ENTRIES
+        parts, self._entries = self._entries, []
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate([f for f, _ in parts]), np.concatenate([i for _, i in parts])
+
+    def flush_entries(self) -> None:
+        """Write the pending table entries now (one scatter)."""
+        flat, ids = self._take_entries()
+        if len(flat):
+            flat_t, ids_t = self.ship(flat, ids)
+            self.tables.view(-1).index_copy_(0, flat_t, ids_t.to(torch.int32))
 
     # --------------------------------------------------------------------- step
     def prepare_step(
@@ -228,18 +256,28 @@ class HeadPagedCache:
         logical 5, 6 -> slots 8*4+1, 8*4+2 = 33, 34; its lens become [7]."""
         bs = self.block_size
         r = len(rows)
-        cu = np.cumsum(n_sched)
-        total = int(cu[-1])
-        req_idx_np = np.repeat(np.arange(r), n_sched)
-        offsets_np = np.arange(total) - np.repeat(cu - n_sched, n_sched)
-        # which of each request's last queries score the keys: a decode its one query, the
-        # chunk that ends a prompt its last `window` queries, other prefill chunks none
-        w = self.kvc.prefill_metric_collection_window_size
-        collect = np.where(n_sched == 1, 1, np.where(sampling, np.minimum(w, n_sched), 0))
-        collect *= self.scored_np[rows]  # requests that are never evicted collect nothing
-        decode, prefill = np.nonzero(n_sched == 1)[0], np.nonzero(n_sched > 1)[0]
+        total = int(md.num_actual_tokens)
+        collect_scored = self.scored_np[rows]  # requests that are never evicted collect nothing
+        if total == r:  # a decode step (every request one token): the arrays at once
+            ar = self._arange[:r]
+            req_idx_np, offsets_np, decode = ar, self._zeros[:r], ar
+            prefill = self._zeros[:0]
+            collect = collect_scored.astype(np.int64)
+        else:
+            cu = np.cumsum(n_sched)
+            req_idx_np = np.repeat(np.arange(r), n_sched)
+            offsets_np = np.arange(total) - np.repeat(cu - n_sched, n_sched)
+            # which of each request's last queries score the keys: a decode its one query,
+            # the chunk that ends a prompt its last `window` queries, other prefill chunks none
+            w = self.kvc.prefill_metric_collection_window_size
+            collect = np.where(n_sched == 1, 1, np.where(sampling, np.minimum(w, n_sched), 0))
+            collect *= collect_scored
+            decode, prefill = np.nonzero(n_sched == 1)[0], np.nonzero(n_sched > 1)[0]
         assert md.seq_lens_np is not None
-        rows_t, req_idx, offsets, n_t = self.ship(rows, req_idx_np, offsets_np, n_sched)
+        flat, ids = self._take_entries()  # the new table entries travel in the same copy
+        rows_t, req_idx, offsets, n_t, flat_t, ids_t = self.ship(
+            rows, req_idx_np, offsets_np, n_sched, flat, ids
+        )
         win = prefill[collect[prefill] > 0]
         # the plan's index tensors are made by ``finish_metadata``, for an eager pass only (a
         # CUDA-graph replay of a decode step reads none of them)
@@ -252,12 +290,13 @@ class HeadPagedCache:
             max_lens=md.seq_lens_np,
             prefill_max_q=int(n_sched[prefill].max()) if len(prefill) else 0,
             window_max_len=int(md.seq_lens_np[win].max()) if len(win) else 0,
-            prefill_tokens=int(n_sched[prefill].sum()),
+            prefill_tokens=int(n_sched[prefill].sum()) if len(prefill) else 0,
         )
-        # [T, LH] slots; positions and zero scores written there, lens advanced
+        # [T, LH] slots (after writing the new table entries); positions and zero scores
+        # written there, lens advanced
         slots = self._step_slots(
             self.tables, self.lens, rows_t, req_idx, offsets, n_t, positions, self.positions,
-            self.scores, bs,
+            self.scores, bs, flat_t, ids_t,
         )  # fmt: skip
         md.plan["kvc"] = (slots, rows_t, positions, plan)
 
@@ -314,6 +353,7 @@ class HeadPagedCache:
         device) and updates ``lens``. First, ``copies``: rows whose cached prompt blocks stay
         in the prefix cache move to copies of them (content, then table entries). No host
         sync."""
+        self.flush_entries()
         if copies:
             src, dst = self.ship(
                 np.concatenate([s for _, _, s in copies]),
@@ -321,6 +361,7 @@ class HeadPagedCache:
             )
             self._copy_ids(src, dst)
             self.set_entries([r for r, _, _ in copies], [b for _, b, _ in copies])
+            self.flush_entries()
         sinks = np.maximum(np.asarray(keep_below, dtype=np.int64), self.kvc.num_sinks)
         rows_t, budgets_t, protect_t, sinks_t = self.ship(rows, budgets, protect_from, sinks)
         width = min(self.max_blocks, cdiv(max_len, self.block_size))
@@ -360,15 +401,21 @@ def step_slots_torch(
     positions: torch.Tensor,
     scores: torch.Tensor,
     block_size: int,
+    entry_index: torch.Tensor | None = None,
+    entry_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A step's new slots [T, LH] in PyTorch ops: token t of request ``req_idx[t]`` (table row
-    ``rows[req_idx[t]]``, its ``offsets[t]``-th token this step) takes logical index
-    ``lens[row, lh] + offset`` in every head ``lh``; the slot's position becomes the token's and
-    its score 0, and ``lens`` of each row advances by its ``n_sched``. The CPU path, and the
+    """A step's new slots [T, LH] in PyTorch ops, after the step's new table entries (block
+    ``entry_ids[i]`` at flat index ``entry_index[i]`` of ``tables``): token t of request
+    ``req_idx[t]`` (table row ``rows[req_idx[t]]``, its ``offsets[t]``-th token this step)
+    takes logical index ``lens[row, lh] + offset`` in every head ``lh``; the slot's position
+    becomes the token's and its score 0, and ``lens`` of each row advances by its
+    ``n_sched``. The CPU path, and the
     reference of the Triton version (``pagedllm/ops/kvc_step.py``, whose docstring has an
     example)."""
     bs, num_heads = block_size, tables.shape[1]
     total = req_idx.shape[0]
+    if entry_index is not None and entry_index.numel():
+        tables.view(-1).index_copy_(0, entry_index, entry_ids.to(tables.dtype))
     lens_before = lens[rows]  # [R, LH]
     idx = lens_before[req_idx] + offsets[:, None]  # [T, LH] logical index of each new KV
     head = torch.arange(num_heads, device=tables.device)

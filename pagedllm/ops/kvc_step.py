@@ -6,12 +6,17 @@ pairs, right after that head's current length: token t of request row ``row`` at
 i.e. slot ``tables[row, lh, idx // bs] * bs + idx % bs``. The slot's position is set to the
 token's position and its score to 0, and the row's lengths advance by its token count.
 
-In PyTorch that is a dozen small kernels (gathers, index arithmetic, two scatters, a fill), and
-on the GPU their launches cost more host time than the rest of a decode step's KV-Compress
-bookkeeping: here the first launch does the slots, positions and scores (one program per
-token and block of heads), the second the lengths (one program per request), after the first
-has read them. ``pagedllm.kvcompress.cache.step_slots_torch`` is the reference, and the path
-on the CPU.
+The step's new table entries (the blocks the scheduler added since the last step, as flat
+indices into ``tables`` and block ids) are written first, so that a token whose KV starts a
+new block finds it.
+
+In PyTorch that is a dozen small kernels (a scatter of the entries, gathers, index arithmetic,
+two scatters, a fill), and on the GPU their launches cost more host time than the rest of a
+decode step's KV-Compress bookkeeping: here the first launch writes the table entries and
+advances the lengths (one program per request and block of heads, then one per block of
+entries), the second does the slots, positions and scores (one program per token and block of
+heads) from the advanced lengths less the request's tokens.
+``pagedllm.kvcompress.cache.step_slots_torch`` is the reference, and the path on the CPU.
 
 Example: bs 4, one head, a request in row 2 with lens [5] and table [3, 8], scheduled 2
 tokens at positions 5, 6 -> logical 5, 6 -> slots 8*4+1, 8*4+2 = [33, 34]; positions[33] = 5,
@@ -26,10 +31,42 @@ import triton.language as tl
 
 
 @triton.jit
+def _advance_kernel(
+    lens_ptr,  # [rows, LH] int64 in/out
+    rows_ptr,  # [R] int64
+    n_ptr,  # [R] int64 tokens of each request this step
+    tables_ptr,  # [rows * LH * max_blocks] int32, the entries written
+    flat_ptr,  # [E] int64 flat index of each new entry
+    ids_ptr,  # [E] int64 its block id
+    num_reqs,
+    num_entries,
+    num_heads,
+    BLOCK_LH: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    p = tl.program_id(0)
+    hb = tl.program_id(1)
+    if p < num_reqs:  # the request's lengths advance by its tokens
+        row = tl.load(rows_ptr + p)
+        n = tl.load(n_ptr + p)
+        lh = hb * BLOCK_LH + tl.arange(0, BLOCK_LH)
+        mask = lh < num_heads
+        ptr = lens_ptr + row * num_heads + lh
+        tl.store(ptr, tl.load(ptr, mask=mask, other=0) + n, mask=mask)
+    elif hb == 0:  # a block of the new table entries
+        e = (p - num_reqs) * BLOCK_E + tl.arange(0, BLOCK_E)
+        mask = e < num_entries
+        flat = tl.load(flat_ptr + e, mask=mask, other=0)
+        ids = tl.load(ids_ptr + e, mask=mask, other=0).to(tl.int32)
+        tl.store(tables_ptr + flat, ids, mask=mask)
+
+
+@triton.jit
 def _slots_kernel(
     tables_ptr,  # [rows, LH, max_blocks] int32
-    lens_ptr,  # [rows, LH] int64
+    lens_ptr,  # [rows, LH] int64, already advanced by the step's tokens
     rows_ptr,  # [R] int64 table row of each request
+    n_ptr,  # [R] int64 tokens of each request this step
     req_idx_ptr,  # [T] int64 request of each token
     offsets_ptr,  # [T] int64 token's offset within its request's tokens this step
     tok_pos_ptr,  # [T] int64 token positions
@@ -45,7 +82,7 @@ def _slots_kernel(
     hb = tl.program_id(1)
     r = tl.load(req_idx_ptr + t)
     row = tl.load(rows_ptr + r)
-    off = tl.load(offsets_ptr + t)
+    off = tl.load(offsets_ptr + t) - tl.load(n_ptr + r)  # from the lengths before the step
     pos = tl.load(tok_pos_ptr + t).to(tl.int32)
     lh = hb * BLOCK_LH + tl.arange(0, BLOCK_LH)
     mask = lh < num_heads
@@ -60,24 +97,6 @@ def _slots_kernel(
     tl.store(scores_ptr + slot, tl.zeros([BLOCK_LH], dtype=tl.float32), mask=mask)
 
 
-@triton.jit
-def _lens_kernel(
-    lens_ptr,  # [rows, LH] int64 in/out
-    rows_ptr,  # [R] int64
-    n_ptr,  # [R] int64 tokens of each request this step
-    num_heads,
-    BLOCK_LH: tl.constexpr,
-):
-    r = tl.program_id(0)
-    hb = tl.program_id(1)
-    row = tl.load(rows_ptr + r)
-    n = tl.load(n_ptr + r)
-    lh = hb * BLOCK_LH + tl.arange(0, BLOCK_LH)
-    mask = lh < num_heads
-    ptr = lens_ptr + row * num_heads + lh
-    tl.store(ptr, tl.load(ptr, mask=mask, other=0) + n, mask=mask)
-
-
 def kvc_step_slots(
     tables: torch.Tensor,  # [rows, LH, max_blocks] int32
     lens: torch.Tensor,  # [rows, LH] int64, advanced in place
@@ -89,18 +108,31 @@ def kvc_step_slots(
     positions: torch.Tensor,  # [num_slots] int32, written at the new slots
     scores: torch.Tensor,  # [num_slots] float32, zeroed at the new slots
     block_size: int,
+    entry_index: torch.Tensor | None = None,  # [E] int64 flat indices into ``tables``
+    entry_ids: torch.Tensor | None = None,  # [E] int64 the block ids written there
 ) -> torch.Tensor:
-    """The step's new slots [T, LH] (see the module docstring); the rows of ``rows`` must be
-    distinct (one request per row)."""
+    """The step's new slots [T, LH] (see the module docstring), after writing the new table
+    entries; the rows of ``rows`` must be distinct (one request per row) and the entries'
+    indices distinct."""
     num_tokens, num_heads = req_idx.shape[0], tables.shape[1]
     slots = torch.empty((num_tokens, num_heads), dtype=torch.int64, device=tables.device)
-    if num_tokens == 0:
+    num_entries = 0 if entry_index is None else entry_index.shape[0]
+    if num_entries == 0:
+        entry_index = entry_ids = rows  # (never read)
+    num_reqs = rows.shape[0]
+    if num_reqs == 0 and num_entries == 0:
         return slots
     block_lh = min(256, triton.next_power_of_2(num_heads))
     nhb = triton.cdiv(num_heads, block_lh)
-    _slots_kernel[(num_tokens, nhb)](
-        tables, lens, rows, req_idx, offsets, token_positions, slots, positions, scores,
-        num_heads, tables.shape[2], BS=block_size, BLOCK_LH=block_lh,
+    block_e = 1024
+    grid = (num_reqs + triton.cdiv(num_entries, block_e), nhb)
+    _advance_kernel[grid](
+        lens, rows, n_sched, tables, entry_index, entry_ids, num_reqs, num_entries, num_heads,
+        BLOCK_LH=block_lh, BLOCK_E=block_e,
     )  # fmt: skip
-    _lens_kernel[(rows.shape[0], nhb)](lens, rows, n_sched, num_heads, BLOCK_LH=block_lh)
+    if num_tokens:
+        _slots_kernel[(num_tokens, nhb)](
+            tables, lens, rows, n_sched, req_idx, offsets, token_positions, slots, positions,
+            scores, num_heads, tables.shape[2], BS=block_size, BLOCK_LH=block_lh,
+        )  # fmt: skip
     return slots

@@ -504,3 +504,87 @@ def test_maxpool_over_valid_entries():
     valid = torch.tensor([[True] * 8 + [False]])
     out = maxpool_scores(metric, valid, 3)
     assert out[0, :8].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+
+
+def _step_md(n_sched: np.ndarray, seq_lens: np.ndarray):
+    from pagedllm.attention.metadata import AttentionMetadata
+
+    qsl = np.concatenate([[0], np.cumsum(n_sched)])
+    t = torch.zeros(1)
+    return AttentionMetadata(
+        num_reqs=len(n_sched), num_actual_tokens=int(qsl[-1]), query_start_loc=t,
+        seq_lens=t, slot_mapping=t, block_tables=t, max_query_len=int(n_sched.max()),
+        max_seq_len=int(seq_lens.max()), block_size=BS, query_start_loc_np=qsl,
+        seq_lens_np=seq_lens,
+    )  # fmt: skip
+
+
+def test_runner_tables_follow_the_manager_through_deferred_entries():
+    """The runner's cache mirrors the manager's tables from each step's new entries, which
+    reach the device with the next step's slot computation (or at once, before a row is set
+    anew): every step's slots are those the manager's tables give, through block boundaries
+    (uniform and after an eviction) and a row given to another request."""
+    from pagedllm.config import KVCompressConfig
+    from pagedllm.core.kv_cache.head_paged import HeadTable
+    from pagedllm.kvcompress.cache import HeadPagedCache
+
+    spec = _spec()
+    kv = HeadPagedKVCacheManager(spec, num_blocks=200)
+    cfg = KVCompressConfig(enabled=True)
+    cpu = torch.device("cpu")
+    cache = HeadPagedCache(spec, cfg, torch.float32, cpu, 4, 64, windows=[None] * 3)
+    cache.allocate(200)
+    lh = spec.num_heads_total
+    reqs = [_req("a", 6), _req("b", 3)]
+    for row, r in enumerate(reqs):
+        kv.allocate_slots(r, r.num_tokens)
+        head = kv.get_block_table(r.request_id)[0]
+        cache.set_row(row, HeadTable(head.table, np.zeros(lh)))
+
+    def step(rows, n):
+        rows, n = np.asarray(rows), np.asarray(n)
+        md = _step_md(n, np.full(len(rows), 64))
+        pos = torch.arange(int(n.sum()))
+        cache.prepare_step(md, rows, n, pos, np.zeros(len(rows), dtype=bool))
+        return md.plan["kvc"][0]
+
+    def expected(r, offsets):  # [len(offsets), LH] slots from the manager's table
+        state = kv.states[r.request_id]
+        idx = state.lens[None, :] - state.pending + np.asarray(offsets)[:, None]
+        blk = state.table[np.arange(lh)[None, :], idx // BS]
+        return blk * BS + idx % BS
+
+    slots = step([0, 1], [6, 3])
+    assert np.array_equal(slots[:6].numpy(), expected(reqs[0], range(6)))
+    for r in reqs:
+        r.num_computed_tokens = r.num_tokens
+    # an eviction: request a keeps [4, 5, 2, ...] KVs per head (its heads differ from now on)
+    new = np.array([4, 5, 2, 6, 3, 1])
+    kv.apply_compaction(reqs[0], new)
+    cache.lens[0] = torch.from_numpy(new)
+    for i in range(7):  # decodes: blocks at 4 and 8 tokens (b), and per head after a's eviction
+        entries = []
+        for r in reqs:
+            r.append_output_token_ids([9])
+            entries.append(kv.allocate_slots(r, 1))
+            r.num_computed_tokens += 1
+        cache.set_entries([0, 1], entries)
+        slots = step([0, 1], [1, 1]).numpy()
+        for j, r in enumerate(reqs):
+            assert np.array_equal(slots[j : j + 1], expected(r, [0])), (i, r.request_id)
+    # entries set for both rows, then the row of b given to a new request c before any step
+    # (as after a failed step): b's entries land before c's table, which replaces them
+    entries = []
+    for r, n in ((reqs[0], 1), (reqs[1], 3)):  # b: 10 -> 13 tokens, a new block at index 3
+        r.append_output_token_ids([9] * n)
+        entries.append(kv.allocate_slots(r, n))
+    assert len(entries[1]) == lh
+    cache.set_entries([0, 1], entries)
+    c = _req("c", 16)  # (its blocks 0-3: b's entries at index 3 would break its last 4 slots)
+    kv.allocate_slots(c, 16)
+    kv.free(reqs[1])
+    cache.set_row(1, HeadTable(kv.get_block_table("c")[0].table, np.zeros(lh)))
+    slots = step([0, 1], [1, 16]).numpy()
+    assert np.array_equal(slots[:1], expected(reqs[0], [0]))
+    assert np.array_equal(slots[1:], expected(c, range(16)))
+    kv.check_integrity()

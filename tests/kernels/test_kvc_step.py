@@ -1,6 +1,7 @@
 """KV-Compress's per-step slot kernel (pagedllm/ops/kvc_step.py) against its PyTorch
-reference (``step_slots_torch``): the slots of every new token in every head, the positions
-and zero scores written there, the lengths advanced, and nothing else touched."""
+reference (``step_slots_torch``): the step's new table entries written first, the slots of
+every new token in every head, the positions and zero scores written there, the lengths
+advanced, and nothing else touched."""
 
 from __future__ import annotations
 
@@ -31,11 +32,26 @@ def _case(
     req_idx = torch.repeat_interleave(torch.arange(r), n)
     offsets = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
     token_positions = torch.randint(0, 10_000, (int(n.sum()),), generator=g)
-    positions = torch.randint(-5, 5, (num_blocks * bs,), generator=g).to(torch.int32)
-    scores = torch.rand(num_blocks * bs, generator=g) + 1.0  # never 0 before the step
+    # (room for the fresh entries' blocks below)
+    num_slots = (num_blocks + 2 * max_rows * num_heads) * bs
+    positions = torch.randint(-5, 5, (num_slots,), generator=g).to(torch.int32)
+    scores = torch.rand(num_slots, generator=g) + 1.0  # never 0 before the step
+    # new table entries: for each scheduled row, the block holding each head's next KV and
+    # the one after it get fresh ids (the tokens must read them, not the old ones)
+    flat, ids = [], []
+    fresh = num_blocks  # ids past the table's (the slots differ from the old ones')
+    for row in rows.tolist():
+        for lh in range(num_heads):
+            first = int(lens[row, lh]) // bs
+            for index in (first, first + 1):
+                flat.append((row * num_heads + lh) * max_blocks + index)
+                ids.append(fresh)
+                fresh += 1
     args = dict(
         tables=tables, lens=lens, rows=rows, req_idx=req_idx, offsets=offsets, n_sched=n,
         token_positions=token_positions, positions=positions, scores=scores,
+        entry_index=torch.tensor(flat, dtype=torch.int64),
+        entry_ids=torch.tensor(ids, dtype=torch.int64),
     )  # fmt: skip
     return {k: v.to(DEVICE) for k, v in args.items()}, bs
 
@@ -56,6 +72,11 @@ def test_step_slots_match_reference(num_heads: int, bs: int, n_sched: list[int])
     slots_ref = step_slots_torch(**ref, block_size=bs)
     slots = kvc_step_slots(**got, block_size=bs)
     assert slots.shape == (sum(n_sched), num_heads)
+    if n_sched:  # the entries were written, and the slots are in their blocks
+        flat = ref["entry_index"]
+        assert torch.equal(got["tables"].view(-1)[flat], ref["entry_ids"].to(torch.int32))
+        first = slots[ref["offsets"] == 0]  # each request's first token: in a new block
+        assert bool((first // bs >= int(ref["entry_ids"].min())).all())
     torch.testing.assert_close(slots, slots_ref, rtol=0, atol=0)
     for name in ("lens", "positions", "scores", "tables"):
         torch.testing.assert_close(got[name], ref[name], rtol=0, atol=0, msg=name)
