@@ -534,12 +534,13 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         Example: bs 16, LH 2, every head 32 KVs in 2 blocks, n 1 -> 1 new block per head at
         column 2: ids [a, b] -> table[0, 2] = a, table[1, 2] = b; room 15."""
         bs, heads = self.block_size, self.num_heads
-        nb, length = int(state.nblocks[0]), int(state.lens[0])
+        # (scalars of head 0: every head holds the same; ``_lens`` less its pending lag)
+        nb, length = int(state.nblocks[0]), int(state._lens[0]) + state._lag
         need = max(-(-(length + n) // bs) - nb, 0)
         if need * heads > self.num_free_blocks():
             return None
         state.pending = n
-        state.lens += n
+        state._lag += n  # lens += n, applied when lens is next read
         state.num_tokens += num_new_tokens
         state.room = (nb + need) * bs - (length + n)
         if need == 0:
@@ -548,11 +549,15 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         ids = self._take(need * heads)
         assert ids is not None
         state.reserve(nb + need)
-        state.table[:, nb : nb + need] = ids.reshape(heads, need)
+        if need == 1:  # a decode step's block: one column of every head
+            state.table[:, nb] = ids
+            lh, index = self._heads, np.full(heads, nb, dtype=np.int64)
+        else:
+            state.table[:, nb : nb + need] = ids.reshape(heads, need)
+            lh = np.repeat(self._heads, need)
+            index = np.tile(np.arange(nb, nb + need, dtype=np.int64), heads)
         state.nblocks += need
         self._register(request, state)
-        lh = self._heads if need == 1 else np.repeat(self._heads, need)
-        index = np.tile(np.arange(nb, nb + need, dtype=np.int64), heads)
         return HeadBlocks(lh, index, ids.astype(np.int64))
 
     def _attach_hit(self, request: Request, state: _HeadState, hit: list[BlockHash]) -> None:
@@ -592,7 +597,9 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         state.shared = False
 
     def new_block_ids(self, new_blocks: Sequence) -> tuple:
-        return (new_blocks,) if new_blocks is not None and len(new_blocks) else ()
+        if new_blocks is _NO_BLOCKS or new_blocks is None:  # (most steps: no HeadBlocks.len)
+            return ()
+        return (new_blocks,) if len(new_blocks) else ()
 
     def get_block_table(self, request_id: str) -> tuple:
         """The whole table, with the KVs per head computed before the step being scheduled:
