@@ -1281,7 +1281,7 @@ inline void pv_bf16(const int32_t* p32, int64_t ns, const at::BFloat16* vt0, int
     for (int g = 0; g < NG; ++g) _mm512_storeu_ps(o + r * D + (g0 + g) * 16, acc[r][g]);
 }
 
-// The VDPBF16PS path. S: 4 queries x 32 keys a step (8 accumulators), each instruction a
+// The VDPBF16PS path. S: 8 queries x 32 keys a step (16 accumulators), each instruction a
 // query's dim pair (broadcast) times a Kt row. O: 4 queries x 64 dims a step (16
 // accumulators), each instruction a query's key pair of P (broadcast) times a Vv row.
 inline void prefill_group_avx(const at::BFloat16* qbuf, int64_t nq, int64_t pos0, int64_t k0,
@@ -1293,16 +1293,16 @@ inline void prefill_group_avx(const at::BFloat16* qbuf, int64_t nq, int64_t pos0
   auto bh = [](__m512i x) { return (__m512bh)x; };
   const auto* q32 = reinterpret_cast<const int32_t*>(qbuf);  // [16][half]
   const uint32_t* kt0 = kt + (gk.klo - k0) / 16 * 8 * D;
-  for (int64_t i = 0; i < nq; i += 4) {
-    const int64_t nr = std::min<int64_t>(4, nq - i);
+  for (int64_t i = 0; i < nq; i += 8) {
+    const int64_t nr = std::min<int64_t>(8, nq - i);
     for (int64_t j = 0; j < ns / 16; j += 2) {
       const uint32_t* ka = kt0 + j * 8 * D;
       const uint32_t* kb = ka + 8 * D;
-      __m512 acc[4][2];
-      for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+      __m512 acc[8][2];
+      for (int r = 0; r < 8; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
       for (int64_t p = 0; p < half; ++p) {
         const __m512i x = _mm512_loadu_si512(ka + p * 16), y = _mm512_loadu_si512(kb + p * 16);
-        for (int r = 0; r < 4; ++r) {
+        for (int r = 0; r < 8; ++r) {
           const __m512i qb = _mm512_set1_epi32(q32[(i + r) * half + p]);
           acc[r][0] = _mm512_dpbf16_ps(acc[r][0], bh(qb), bh(x));
           acc[r][1] = _mm512_dpbf16_ps(acc[r][1], bh(qb), bh(y));
