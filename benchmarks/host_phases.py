@@ -6,7 +6,9 @@ phase of the engine loop, for the default engine and for KV-Compress without a b
 of the phases per step, against the device time per step, says whether a variant is host-bound.
 
 Phases (ms per step, means over the timed run): ``schedule``, ``launch_forward`` (and inside it
-``update_states``, ``prepare_inputs``, ``kvc_prepare_step``, ``forward``), ``launch_sample``,
+``update_states``, ``prepare_inputs``, ``kvc_prepare_step``, ``forward``; with KV-Compress
+``kvc_set_entries`` inside ``update_states`` and ``kvc_step_slots`` inside
+``kvc_prepare_step``), ``launch_sample``,
 ``launch_step`` (forward and sample together, the async path), ``resolve`` (mostly the wait
 for the step's tokens), ``update`` (the scheduler's update from
 the runner output), ``process_outputs`` (detokenization and request outputs), ``gc`` (time in
@@ -90,6 +92,8 @@ class PhaseTimer:
         self.wrap(runner, "_forward", "forward")
         if runner.kvc is not None:
             self.wrap(runner.kvc, "prepare_step", "kvc_prepare_step")
+            self.wrap(runner.kvc, "set_entries", "kvc_set_entries")
+            self.wrap(runner.kvc, "_step_slots", "kvc_step_slots")  # (its kernel launches)
 
     def gc_callback(self, phase: str, info: dict) -> None:
         if phase == "start":

@@ -450,9 +450,10 @@ class ModelRunner:
         for req_id, new_block_ids, num_computed, replaced, append in so.cached_rows():
             row = ib.req_id_to_row[req_id]
             if kvc is not None:
-                for blocks in replaced + list(new_block_ids):
-                    entry_rows.append(row)
-                    entries.append(blocks)
+                if replaced or new_block_ids:  # (most rows of a decode step have neither)
+                    for blocks in (*replaced, *new_block_ids):
+                        entry_rows.append(row)
+                        entries.append(blocks)
                 for token in append:
                     ib.append_token(row, token)
                 ib.num_computed_tokens[row] = num_computed
