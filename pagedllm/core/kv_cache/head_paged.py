@@ -206,6 +206,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         self.num_prefix_copies = 0  # blocks copied so that cached entries outlive an eviction
         self.pool = _IdPool(num_blocks)
         self._heads = np.arange(self.num_heads, dtype=np.int64)  # (shared: nobody writes it)
+        self._columns: dict[int, np.ndarray] = {}  # ``_column``'s
         # the prefix cache: block hash -> ids [LH] (one block per head); which ids are in an
         # entry; an entry's first id -> its hash; entries no request holds, oldest first
         self.cache: dict[BlockHash, np.ndarray] = {}
@@ -546,12 +547,15 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         if need == 0:
             self._register(request, state)
             return _NO_BLOCKS
-        ids = self._take(need * heads)
-        assert ids is not None
+        # (the stack first: _take's check of the parked cache entries is for a short stack)
+        ids = self.pool.take(need * heads) if need * heads <= self.pool.num_free else None
+        if ids is None:
+            ids = self._take(need * heads)
+            assert ids is not None
         state.reserve(nb + need)
         if need == 1:  # a decode step's block: one column of every head
             state.table[:, nb] = ids
-            lh, index = self._heads, np.full(heads, nb, dtype=np.int64)
+            lh, index = self._heads, self._column(nb)
         else:
             state.table[:, nb : nb + need] = ids.reshape(heads, need)
             lh = np.repeat(self._heads, need)
@@ -559,6 +563,13 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         state.nblocks += need
         self._register(request, state)
         return HeadBlocks(lh, index, ids.astype(np.int64))
+
+    def _column(self, index: int) -> np.ndarray:
+        """[LH] int64 all ``index`` (shared, cached by index: nobody writes them)."""
+        col = self._columns.get(index)
+        if col is None:
+            col = self._columns[index] = np.full(self.num_heads, index, dtype=np.int64)
+        return col
 
     def _attach_hit(self, request: Request, state: _HeadState, hit: list[BlockHash]) -> None:
         """A new request's table starts with the hit entries' blocks (one more reference
