@@ -273,9 +273,9 @@ def _metadata(
 MIXED_Q, MIXED_CTX, MIXED_SHAPE = [1, 9, 1, 4], [20, 0, 3, 13], (8, 2, 64, 16, 3)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("window", [None, 6])
-def test_triton_backend_matches_torch_native(dtype: torch.dtype, window: int | None) -> None:
+def _mixed_step_against_cpu(backend: object, dtype: torch.dtype, window: int | None) -> tuple:
+    """The mixed batch through ``backend`` on DEVICE and through the CPU backend on the CPU:
+    (output on DEVICE, the CPU's output, rows that are real tokens); the KV writes compared."""
     q_lens, ctx, (heads, kvh, hd, bs, pad) = MIXED_Q, MIXED_CTX, MIXED_SHAPE
     b = make_batch(q_lens, ctx, heads, kvh, hd, bs, dtype, seed=5, pad_tokens=pad)
     tables = b.block_tables.cpu().numpy()
@@ -290,13 +290,19 @@ def test_triton_backend_matches_torch_native(dtype: torch.dtype, window: int | N
     ref = TorchNativeBackend().forward(b.query.cpu(), key, value, cache_ref, md_cpu, scale, window)
     md = _metadata(q_lens, ctx, tables, bs, pad, DEVICE)
     cache = b.kv_cache.clone()
-    got = TritonBackend().forward(
+    got = backend.forward(  # type: ignore[attr-defined]
         b.query, key.to(DEVICE), value.to(DEVICE), cache, md, scale, window
     )
     assert got.shape == (n, heads * hd)
     assert torch.equal(cache.cpu(), cache_ref), "KV write differs from the reference"
+    return got, ref, md.num_actual_tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("window", [None, 6])
+def test_triton_backend_matches_torch_native(dtype: torch.dtype, window: int | None) -> None:
+    got, ref, m = _mixed_step_against_cpu(TritonBackend(), dtype, window)
     atol, rtol, _ = TOL[dtype]
-    m = md.num_actual_tokens
     torch.testing.assert_close(got[:m].float().cpu(), ref[:m].float(), atol=atol, rtol=rtol)
 
 
@@ -305,25 +311,7 @@ def test_triton_backend_matches_torch_native(dtype: torch.dtype, window: int | N
 def test_torch_native_backend_on_the_gpu(window: int | None) -> None:
     """The CPU backend's SDPA paths also run on a GPU (the kernels benchmark's reference):
     its plan puts the index tensors on the query's device."""
-    q_lens, ctx, (heads, kvh, hd, bs, pad) = MIXED_Q, MIXED_CTX, MIXED_SHAPE
-    dtype = torch.float32
-    b = make_batch(q_lens, ctx, heads, kvh, hd, bs, dtype, seed=5, pad_tokens=pad)
-    tables = b.block_tables.cpu().numpy()
-    gen = torch.Generator().manual_seed(7)
-    n = b.query.shape[0]
-    key = torch.randn(n, kvh, hd, generator=gen).to(dtype)
-    value = torch.randn(n, kvh, hd, generator=gen).to(dtype)
-    scale = hd**-0.5
-    md_cpu = _metadata(q_lens, ctx, tables, bs, pad, torch.device("cpu"))
-    cache_ref = b.kv_cache.cpu().clone()
-    ref = TorchNativeBackend().forward(b.query.cpu(), key, value, cache_ref, md_cpu, scale, window)
-    md = _metadata(q_lens, ctx, tables, bs, pad, DEVICE)
-    cache = b.kv_cache.clone()
-    got = TorchNativeBackend().forward(
-        b.query, key.to(DEVICE), value.to(DEVICE), cache, md, scale, window
-    )
-    m = md.num_actual_tokens
-    assert torch.equal(cache.cpu(), cache_ref)
+    got, ref, m = _mixed_step_against_cpu(TorchNativeBackend(), torch.float32, window)
     torch.testing.assert_close(got[:m].cpu(), ref[:m], atol=2e-5, rtol=2e-5)
 
 
