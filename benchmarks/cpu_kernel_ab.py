@@ -25,7 +25,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = "pagedllm/ops/cpu/paged_attention.cpp"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", *os.environ.get("AB_EXTRA_FLAGS", "").split()]  # as pagedllm/ops/cpu
+# as pagedllm/ops/cpu, plus AB_EXTRA_FLAGS (e.g. -DNAME=value for a compile-time experiment)
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+FLAGS += os.environ.get("AB_EXTRA_FLAGS", "").split()
 
 
 def _build(name: str, source: Path, folder: Path):  # noqa: ANN202
