@@ -409,9 +409,8 @@ def step_slots_torch(
     ``req_idx[t]`` (table row ``rows[req_idx[t]]``, its ``offsets[t]``-th token this step)
     takes logical index ``lens[row, lh] + offset`` in every head ``lh``; the slot's position
     becomes the token's and its score 0, and ``lens`` of each row advances by its
-    ``n_sched``. The CPU path, and the
-    reference of the Triton version (``pagedllm/ops/kvc_step.py``, whose docstring has an
-    example)."""
+    ``n_sched``. The CPU path, and the reference of the Triton version
+    (``pagedllm/ops/kvc_step.py``, whose docstring has an example)."""
     bs, num_heads = block_size, tables.shape[1]
     total = req_idx.shape[0]
     if entry_index is not None and entry_index.numel():
