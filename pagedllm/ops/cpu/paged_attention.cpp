@@ -1258,12 +1258,14 @@ inline void prefill_group_f32(const float* qbuf, int64_t nq, int64_t pos0, int64
   }
 }
 
+// 32 bfloat16 values in a 512-bit register as VDPBF16PS's operand type
+inline __m512bh bh(__m512i x) { return (__m512bh)x; }
+
 // pv_f32 for bfloat16 P and Vv (VDPBF16PS: a key pair of P broadcast times a Vv row); p32
 // the rows' weights as key pairs (ns / 2 a row).
 template <int NG>
 inline void pv_bf16(const int32_t* p32, int64_t ns, const at::BFloat16* vt0, int64_t DG,
                     int64_t g0, int64_t D, int64_t nr, float* o) {
-  auto bh = [](__m512i x) { return (__m512bh)x; };
   __m512 acc[4][NG];
   for (int r = 0; r < 4; ++r)
     for (int g = 0; g < NG; ++g) acc[r][g] = _mm512_setzero_ps();
@@ -1290,7 +1292,6 @@ inline void prefill_group_avx(const at::BFloat16* qbuf, int64_t nq, int64_t pos0
                               float* obuf, float* inv) {
   const GroupKeys gk = group_keys(nq, pos0, k0, window);
   const int64_t ns = gk.ns, half = D / 2, DG = D / 16;
-  auto bh = [](__m512i x) { return (__m512bh)x; };
   const auto* q32 = reinterpret_cast<const int32_t*>(qbuf);  // [16][half]
   const uint32_t* kt0 = kt + (gk.klo - k0) / 16 * 8 * D;
   for (int64_t i = 0; i < nq; i += 8) {
