@@ -5,9 +5,12 @@ query heads over 8 KV heads, GQA 2); Benchmark B 256 requests on the Llama-3.1-8
 over 8, GQA 4). The default launch shape was picked on uniform-length GQA-4 batches
 (benchmarks/kernels.py), so this times every (tile_n, num_warps, num_stages) of the unified
 kernel and split counts 2/4 on ragged and uniform batches of both shapes, as a fraction of the
-device copy bandwidth measured in the same run (bytes of K/V read / time).
+device copy bandwidth measured in the same run (bytes of K/V read / time). Layout "kvc" times
+KV-Compress's per-head decode kernel (:func:`pagedllm.ops.kvc_attention.kvc_decode_attention`)
+on the same lengths, every head of a request as long as the request (a budget that never
+evicts: Benchmark A's overhead run), over the same launch shapes.
 
-Usage (GPU): python benchmarks/attn_decode_sweep.py [--out FILE]
+Usage (GPU): python benchmarks/attn_decode_sweep.py [--layouts nhd,kvc] [--out FILE]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.kernels import bench, copy_bandwidth_gbps  # noqa: E402
+from pagedllm.ops.kvc_attention import kvc_decode_attention  # noqa: E402
 from pagedllm.ops.paged_attention import TileConfig, paged_attention  # noqa: E402
 
 BLOCK_SIZE, HEAD_DIM = 16, 128
@@ -34,12 +38,19 @@ def make_batch(lens: list[int], heads: int, kv_heads: int, seed: int, layout: st
     scattered at random over a cache just big enough. ``layout`` "nhd": the engine's cache,
     [2, blocks, block_size, kv_heads, head_dim]; "hnd": [2, blocks, kv_heads, block_size,
     head_dim] memory (a block's keys of one head contiguous: 4 KB reads instead of 256 B),
-    passed to the kernel as the same-shaped strided view."""
+    passed to the kernel as the same-shaped strided view; "kvc": KV-Compress's cache
+    [2, blocks * kv_heads, block_size, head_dim] with a table [requests, kv_heads, width] and
+    lengths [requests, kv_heads] per head."""
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(seed)
     nblk = [-(-n // BLOCK_SIZE) for n in lens]
     total, width = sum(nblk), max(nblk)
-    if layout == "hnd":
+    if layout == "kvc":
+        cache = torch.randn(
+            (2, total * kv_heads, BLOCK_SIZE, HEAD_DIM), generator=g, device=dev,
+            dtype=torch.bfloat16,
+        )  # fmt: skip
+    elif layout == "hnd":
         cache = torch.randn(
             (2, total, kv_heads, BLOCK_SIZE, HEAD_DIM), generator=g, device=dev,
             dtype=torch.bfloat16,
@@ -49,18 +60,30 @@ def make_batch(lens: list[int], heads: int, kv_heads: int, seed: int, layout: st
             (2, total, BLOCK_SIZE, kv_heads, HEAD_DIM), generator=g, device=dev,
             dtype=torch.bfloat16,
         )  # fmt: skip
-    perm = torch.randperm(total, generator=g, device=dev).to(torch.int32)
-    tables = torch.zeros((len(lens), width), dtype=torch.int32, device=dev)
+    b = len(lens)
+    if layout == "kvc":
+        perm = torch.randperm(total * kv_heads, generator=g, device=dev).to(torch.int32)
+        tables = torch.zeros((b, kv_heads, width), dtype=torch.int32, device=dev)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)[:, None]
+        seq_lens = seq_lens.expand(b, kv_heads).contiguous()
+    else:
+        perm = torch.randperm(total, generator=g, device=dev).to(torch.int32)
+        tables = torch.zeros((b, width), dtype=torch.int32, device=dev)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
     at = 0
     for r, n in enumerate(nblk):
-        tables[r, :n] = perm[at : at + n]
-        at += n
-    b = len(lens)
+        if layout == "kvc":
+            tables[r, :, :n] = perm[at : at + n * kv_heads].view(kv_heads, n)
+            at += n * kv_heads
+        else:
+            tables[r, :n] = perm[at : at + n]
+            at += n
     return {
         "query": torch.randn(b, heads, HEAD_DIM, generator=g, device=dev).to(torch.bfloat16),
         "cache": cache,
         "qsl": torch.arange(b + 1, dtype=torch.int32, device=dev),
-        "seq_lens": torch.tensor(lens, dtype=torch.int32, device=dev),
+        "seq_lens": seq_lens,
+        "kvc": layout == "kvc",
         "tables": tables,
         "max_len": max(lens),
         "kv_bytes": sum(lens) * kv_heads * HEAD_DIM * 2 * 2,
@@ -69,6 +92,20 @@ def make_batch(lens: list[int], heads: int, kv_heads: int, seed: int, layout: st
 
 def time_one(batch: dict, splits: int, cfg: TileConfig | None) -> float:
     out = torch.empty_like(batch["query"])
+    if batch["kvc"]:
+        return bench(
+            lambda: kvc_decode_attention(
+                batch["query"],
+                batch["cache"],
+                batch["tables"],
+                batch["seq_lens"],
+                HEAD_DIM**-0.5,
+                num_splits=splits,
+                tile_config=cfg,
+                out=out,
+            ),  # fmt: skip
+            torch.device("cuda"),
+        )
     return bench(
         lambda: paged_attention(
             batch["query"],
@@ -91,7 +128,8 @@ def time_one(batch: dict, splits: int, cfg: TileConfig | None) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
-    ap.add_argument("--layouts", default="nhd", help="comma list of nhd, hnd")
+    ap.add_argument("--layouts", default="nhd", help="comma list of nhd, hnd, kvc")
+    ap.add_argument("--cases", default="", help="comma list of case names (default: all)")
     ap.add_argument("--quick", action="store_true", help="two launch shapes, no split")
     args = ap.parse_args()
     bw = copy_bandwidth_gbps(torch.device("cuda"), 1 << 30)
@@ -102,6 +140,8 @@ def main() -> None:
         "qwen3_uniform_512": (16, 8, [512] * 256),
         "llama8b_ragged_128_1152": (32, 8, rng.integers(128, 1153, 256).tolist()),
     }
+    if args.cases:
+        cases = {k: v for k, v in cases.items() if k in args.cases.split(",")}
     configs = [(1, TileConfig(16, tn, w, st)) for tn, w, st in
                itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))]  # fmt: skip
     configs += [(s, TileConfig(16, 64, 4, 2, sst)) for s in (2, 4) for sst in (2, 3, 4)]
