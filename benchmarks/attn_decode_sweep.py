@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--layouts", default="nhd", help="comma list of nhd, hnd, kvc")
     ap.add_argument("--cases", default="", help="comma list of case names (default: all)")
+    ap.add_argument("--narrow", action="store_true", help="tiles 64/128, no split")
     ap.add_argument("--quick", action="store_true", help="two launch shapes, no split")
     args = ap.parse_args()
     bw = copy_bandwidth_gbps(torch.device("cuda"), 1 << 30)
@@ -145,6 +146,9 @@ def main() -> None:
     configs = [(1, TileConfig(16, tn, w, st)) for tn, w, st in
                itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))]  # fmt: skip
     configs += [(s, TileConfig(16, 64, 4, 2, sst)) for s in (2, 4) for sst in (2, 3, 4)]
+    if args.narrow:  # the shapes that won somewhere, for a second look
+        configs = [(1, TileConfig(16, tn, w, st)) for tn, w, st in
+                   itertools.product((64, 128), (2, 4, 8), (2, 3))]  # fmt: skip
     if args.quick:
         configs = [(1, TileConfig(16, 64, 4, 2)), (1, TileConfig(16, 128, 4, 3))]
     result: dict = {"device": torch.cuda.get_device_name(0), "copy_bandwidth_GBps": bw}

@@ -57,8 +57,8 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     attn-sweep) python benchmarks/attn_decode_sweep.py --out "$OUT/attn_sweep.json" ;;
     attn-layout) python benchmarks/attn_decode_sweep.py --quick --layouts nhd,hnd \
         --out "$OUT/attn_layout.json" ;;
-    kvc-attn-sweep) python benchmarks/attn_decode_sweep.py --layouts nhd,kvc \
-        --cases qwen3_ragged_100_2048,llama8b_ragged_128_1152 --out "$OUT/kvc_attn_sweep.json" ;;
+    kvc-attn-sweep) python benchmarks/attn_decode_sweep.py --layouts ${SWEEP_LAYOUTS:-nhd,kvc} \
+        ${SWEEP_NARROW:+--narrow} --cases qwen3_ragged_100_2048,llama8b_ragged_128_1152 --out "$OUT/kvc_attn_sweep.json" ;;
     attn-quick) python benchmarks/attn_decode_sweep.py --quick --out "$OUT/attn_quick.json" ;;
     bench-a) python benchmarks/gpu_suite.py bench-a --sync-too --time-device --out "$OUT" | grep -v "^ ";
         summary "$OUT" ;;

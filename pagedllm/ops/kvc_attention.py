@@ -655,6 +655,23 @@ def _split_score_kernel(
 # --------------------------------------------------------------------------------------------
 
 
+def kvc_decode_tile_config(head_pad: int) -> TileConfig:
+    """Launch shape of the single-pass decode kernel: 128-key tiles, 3 stages up to head size
+    128, else the unified kernel's decode default (32-key tiles at 256: shared memory). The
+    split path keeps the unified kernel's decode default, which it was measured with.
+
+    Measured on an H200 (``benchmarks/attn_decode_sweep.py --layouts kvc``, bf16, Benchmark
+    A's decode batch: 256 rows of 100-2,048 keys, 16 / 8 heads, head size 128): 0.297 ms
+    (92.8% of the copy bandwidth) against 0.312 ms (88.3%) with the 64-key, 2-stage default,
+    and 0.304 ms for the unified kernel's best on the same keys. A head's block is 4 KB of
+    one head's keys here (256 B rows strided by the KV heads in the unified cache), so longer
+    tiles keep more loads in flight per program.
+    """
+    if head_pad <= 128:
+        return TileConfig(block_m=16, tile_n=128, num_warps=4, num_stages=3)
+    return default_tile_config(head_pad, decode=True)
+
+
 def kvc_decode_num_splits(
     num_rows: int, num_kv_heads: int, max_len: int, device: torch.device, tile_n: int = 64
 ) -> int:
@@ -753,15 +770,20 @@ def kvc_decode_attention(
     head_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on a GPU
     upcast = query.device.type == "cpu"  # the CPU interpreter mis-computes 16-bit dots
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    # the split count from the split path's launch shape (the one it was measured with)
     cfg = tile_config or default_tile_config(head_pad, decode=True)
-    tile_n = cfg.tile_n
     block_m = max(16, triton.next_power_of_2(g))
     if num_splits is None:
         max_len = block_tables.shape[2] * block_size
         if window:
             max_len = min(max_len, window)
-        num_splits = kvc_decode_num_splits(num_rows, num_kv_heads, max_len, query.device, tile_n)
+        num_splits = kvc_decode_num_splits(
+            num_rows, num_kv_heads, max_len, query.device, cfg.tile_n
+        )
     assert num_splits >= 1
+    if tile_config is None and num_splits == 1:
+        cfg = kvc_decode_tile_config(head_pad)
+    tile_n = cfg.tile_n
     strides = (
         query.stride(0), query.stride(1), *block_tables.stride(), *seq_lens.stride(),
         k_cache.stride(0), k_cache.stride(1),
