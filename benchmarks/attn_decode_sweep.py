@@ -45,7 +45,8 @@ def make_batch(lens: list[int], heads: int, kv_heads: int, seed: int, layout: st
     g = torch.Generator(device=dev).manual_seed(seed)
     nblk = [-(-n // BLOCK_SIZE) for n in lens]
     total, width = sum(nblk), max(nblk)
-    if layout == "kvc":
+    kvc = layout in ("kvc", "kvcs")
+    if kvc:
         cache = torch.randn(
             (2, total * kv_heads, BLOCK_SIZE, HEAD_DIM), generator=g, device=dev,
             dtype=torch.bfloat16,
@@ -61,7 +62,7 @@ def make_batch(lens: list[int], heads: int, kv_heads: int, seed: int, layout: st
             dtype=torch.bfloat16,
         )  # fmt: skip
     b = len(lens)
-    if layout == "kvc":
+    if kvc:
         perm = torch.randperm(total * kv_heads, generator=g, device=dev).to(torch.int32)
         tables = torch.zeros((b, kv_heads, width), dtype=torch.int32, device=dev)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)[:, None]
@@ -72,7 +73,7 @@ def make_batch(lens: list[int], heads: int, kv_heads: int, seed: int, layout: st
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
     at = 0
     for r, n in enumerate(nblk):
-        if layout == "kvc":
+        if kvc:
             tables[r, :, :n] = perm[at : at + n * kv_heads].view(kv_heads, n)
             at += n * kv_heads
         else:
@@ -83,7 +84,13 @@ def make_batch(lens: list[int], heads: int, kv_heads: int, seed: int, layout: st
         "cache": cache,
         "qsl": torch.arange(b + 1, dtype=torch.int32, device=dev),
         "seq_lens": seq_lens,
-        "kvc": layout == "kvc",
+        "kvc": kvc,
+        # "kvcs": the engine's never-evicting requests: the kernel built with the score pass,
+        # every row's ``scored`` flag 0
+        "scores": torch.zeros(total * kv_heads * BLOCK_SIZE, device=dev)
+        if layout == "kvcs"
+        else None,
+        "scored": torch.zeros(b, dtype=torch.int32, device=dev) if layout == "kvcs" else None,
         "tables": tables,
         "max_len": max(lens),
         "kv_bytes": sum(lens) * kv_heads * HEAD_DIM * 2 * 2,
@@ -100,6 +107,8 @@ def time_one(batch: dict, splits: int, cfg: TileConfig | None) -> float:
                 batch["tables"],
                 batch["seq_lens"],
                 HEAD_DIM**-0.5,
+                scores=batch["scores"],
+                scored=batch["scored"],
                 num_splits=splits,
                 tile_config=cfg,
                 out=out,
@@ -128,7 +137,7 @@ def time_one(batch: dict, splits: int, cfg: TileConfig | None) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
-    ap.add_argument("--layouts", default="nhd", help="comma list of nhd, hnd, kvc")
+    ap.add_argument("--layouts", default="nhd", help="comma list of nhd, hnd, kvc, kvcs")
     ap.add_argument("--cases", default="", help="comma list of case names (default: all)")
     ap.add_argument("--narrow", action="store_true", help="tiles 64/128, no split")
     ap.add_argument("--quick", action="store_true", help="two launch shapes, no split")

@@ -238,7 +238,12 @@ def bench_a(args: argparse.Namespace) -> dict:
         variants.append(("eager", {"enforce_eager": True}))
     if args.kvc_too:  # KV-Compress on, no budget: per-head layout and scoring, no eviction
         variants.append(("kvc_never_evicts", {"enable_kvc": True}))
+    variants += [("kvc_never_evicts_" + t, {"enable_kvc": True, "_tile": t})
+                 for t in kvc_tiles(args)]  # fmt: skip
+    if args.repeat_off:
+        variants.append(("cuda_graphs_again", {}))
     for name, kw in variants:
+        kw = set_kvc_tile(kw)
         llm = LLM(path, dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
                   gpu_memory_utilization=0.85, **kw)
         # Warm-up: the same lengths with other token ids (no prefix-cache hits later), so every
@@ -348,8 +353,14 @@ def bench_b(args: argparse.Namespace) -> dict:
     engines = [("", {})]
     if args.kvc_too:  # KV-Compress on, no budget: per-head layout and scoring, no eviction
         engines.append(("kvc_never_evicts_", {"enable_kvc": True}))
+    engines += [(f"kvc_never_evicts_{t}_", {"enable_kvc": True, "_tile": t})
+                for t in kvc_tiles(args)]  # fmt: skip
+    if args.repeat_off:
+        engines.append(("again_", {}))
+    if args.b_shapes:
+        shapes = [tuple(map(int, x.split("x"))) for x in args.b_shapes.split(",")]
     for prefix, kw in engines:
-        _bench_b_engine(args, result, shapes, prefix, kw, bw, flops)
+        _bench_b_engine(args, result, shapes, prefix, set_kvc_tile(kw), bw, flops)
     if not args.skip_peers:
         config = tf.AutoConfig.from_pretrained(os.path.join(CONFIGS, "llama-3.1-8b"))
         with torch.device("cuda"):
@@ -370,6 +381,27 @@ def bench_b(args: argparse.Namespace) -> dict:
                 save_partial(args, "bench-b", result)
                 free_mem()
     return result
+
+
+def kvc_tiles(args: argparse.Namespace) -> list[str]:
+    """``--kvc-tiles 64:4:2,128:4:3`` -> ["t64_4_2", "t128_4_3"]: one KV-Compress variant each."""
+    return ["t" + x.replace(":", "_") for x in args.kvc_tiles.split(",") if x]
+
+
+def set_kvc_tile(kw: dict) -> dict:
+    """Set (or clear) the KV-Compress decode kernel's launch shape for the next engine from a
+    variant's ``_tile`` ("t128_4_3": 128-key tiles, 4 warps, 3 stages); the engine kwargs."""
+    from pagedllm.ops import kvc_attention
+    from pagedllm.ops.paged_attention import TileConfig
+
+    kw = dict(kw)
+    tile = kw.pop("_tile", None)
+    if tile is None:
+        kvc_attention.DECODE_TILE_OVERRIDE = None
+    else:
+        tn, w, st = map(int, tile[1:].split("_"))
+        kvc_attention.DECODE_TILE_OVERRIDE = TileConfig(16, tn, w, st)
+    return kw
 
 
 def _bench_b_engine(args, result, shapes, prefix, kw, bw, flops) -> None:  # noqa: ANN001
@@ -622,6 +654,11 @@ def main() -> None:
     p.add_argument("--eager-too", action="store_true")
     p.add_argument("--kvc-too", action="store_true",
                    help="bench-a/b: also with KV-Compress on and no budget (its overhead)")
+    p.add_argument("--kvc-tiles", default="",
+                   help="bench-a/b: a KV-Compress run per decode launch shape, TILE_N:WARPS:STAGES")
+    p.add_argument("--repeat-off", action="store_true",
+                   help="bench-a/b: the KV-Compress-off run again at the end (drift)")
+    p.add_argument("--b-shapes", default="", help="bench-b: e.g. 128x1024 (default both)")
     p.add_argument("--sync-too", action="store_true", help="also without async scheduling")
     p.add_argument("--time-device", action="store_true", help="CUDA events around each step")
     p.add_argument("--only-structured", action="store_true")
@@ -637,7 +674,7 @@ def main() -> None:
     files = {part: result}
     if args.part == "bench-b":  # one file per workload: gpu_bench-b-1024-128_<device>.json
         files = {"bench-b-" + k.split("-", 2)[2]: v for k, v in split_b(result).items()}
-        if args.kvc_too:  # the whole run: both engines on both workloads
+        if args.kvc_too or args.kvc_tiles:  # the whole run: every engine on every workload
             files["bench-b-kvc-overhead"] = result
     for name, res in files.items():
         path = os.path.join(args.out, f"gpu_{name}_{device_tag()}.json")

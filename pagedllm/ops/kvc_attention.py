@@ -64,6 +64,10 @@ __all__ = [
 
 LOG2E = 1.4426950408889634
 
+# The single-pass decode kernel's launch shape when set (benchmarks compare shapes inside the
+# engine with it: ``benchmarks/gpu_suite.py --kvc-tiles``); None: kvc_decode_tile_config's.
+DECODE_TILE_OVERRIDE: TileConfig | None = None
+
 
 # --------------------------------------------------------------------------------------------
 # Device helpers
@@ -782,7 +786,7 @@ def kvc_decode_attention(
         )
     assert num_splits >= 1
     if tile_config is None and num_splits == 1:
-        cfg = kvc_decode_tile_config(head_pad)
+        cfg = DECODE_TILE_OVERRIDE or kvc_decode_tile_config(head_pad)
     tile_n = cfg.tile_n
     strides = (
         query.stride(0), query.stride(1), *block_tables.stride(), *seq_lens.stride(),
