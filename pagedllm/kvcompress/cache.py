@@ -313,7 +313,8 @@ class HeadPagedCache:
                 )
                 shipped = self.ship(*index.values())
                 plan.tensors = {k: t.view(a.shape) for (k, a), t in zip(index.items(), shipped)}
-            md.groups = self.layer_metadata(md, slots, positions, plan, rows_t)
+            scoring = bool(self.scored_np[plan.rows].any())  # else no score pass is built in
+            md.groups = self.layer_metadata(md, slots, positions, plan, rows_t, scoring)
 
     def layer_metadata(
         self,
@@ -322,10 +323,15 @@ class HeadPagedCache:
         positions: torch.Tensor,  # [T]
         plan: KVCStepPlan,
         rows_t: torch.Tensor,  # [R]
+        scoring: bool = True,
     ) -> list[AttentionMetadata]:
-        """Layer l's metadata: its heads' slots and its views of the whole tables/lengths."""
+        """Layer l's metadata: its heads' slots and its views of the whole tables/lengths.
+
+        ``scoring`` False: no row of the step is scored (none has a budget, so none was ever
+        evicted either): every layer reads as not compressible, its kernels built without the
+        score pass."""
         h = self.num_kv_heads
-        comp = self.spec.compressible
+        comp = self.spec.compressible if scoring else (False,) * self.num_layers
         groups = []
         for layer in range(self.num_layers):
             part = slice(layer * h, (layer + 1) * h)

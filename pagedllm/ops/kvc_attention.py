@@ -659,19 +659,23 @@ def _split_score_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-def kvc_decode_tile_config(head_pad: int) -> TileConfig:
-    """Launch shape of the single-pass decode kernel: 128-key tiles, 3 stages up to head size
-    128, else the unified kernel's decode default (32-key tiles at 256: shared memory). The
-    split path keeps the unified kernel's decode default, which it was measured with.
+def kvc_decode_tile_config(head_pad: int, scores: bool) -> TileConfig:
+    """Launch shape of the single-pass decode kernel: without the score pass, 128-key tiles
+    and 3 stages up to head size 128; with it (and at head size 256) the unified kernel's
+    decode default, 64-key tiles and 2 stages (32-key tiles at 256: shared memory). The split
+    path keeps that default too, which it was measured with.
 
-    Measured on an H200 (``benchmarks/attn_decode_sweep.py --layouts kvc``, bf16, Benchmark
-    A's decode batch: 256 rows of 100-2,048 keys, 16 / 8 heads, head size 128): 0.297 ms
-    (92.8% of the copy bandwidth) against 0.312 ms (88.3%) with the 64-key, 2-stage default,
-    and 0.304 ms for the unified kernel's best on the same keys. A head's block is 4 KB of
-    one head's keys here (256 B rows strided by the KV heads in the unified cache), so longer
-    tiles keep more loads in flight per program.
+    Measured on an H200 (``benchmarks/attn_decode_sweep.py --narrow``, bf16, 256 rows, head
+    size 128; layout ``kvc`` without scores, ``kvcs`` with the score pass built in and every
+    row's flag 0, as the engine's never-evicting requests run it). Benchmark A's decode batch
+    (100-2,048 keys, 16 / 8 heads): without scores 0.297 ms (92.7% of the copy bandwidth)
+    with 128 / 3 against 0.312 ms with 64 / 2, and 0.306 ms for the unified kernel on the same
+    keys; with the score pass built in 64 / 2 is best (0.311 ms), 128 / 3 0.315. Benchmark B's
+    (128-1,152 keys, 32 / 8 heads): without scores 0.187 vs 0.196 ms (unified 0.194); with
+    them 0.196 (64 / 2) vs 0.209 (128 / 3). Inside the engine (Benchmark A, one call) the
+    scored kernel with 128 / 3 took 4.3% more decode time than with 64 / 2.
     """
-    if head_pad <= 128:
+    if head_pad <= 128 and not scores:
         return TileConfig(block_m=16, tile_n=128, num_warps=4, num_stages=3)
     return default_tile_config(head_pad, decode=True)
 
@@ -786,7 +790,7 @@ def kvc_decode_attention(
         )
     assert num_splits >= 1
     if tile_config is None and num_splits == 1:
-        cfg = DECODE_TILE_OVERRIDE or kvc_decode_tile_config(head_pad)
+        cfg = DECODE_TILE_OVERRIDE or kvc_decode_tile_config(head_pad, scores is not None)
     tile_n = cfg.tile_n
     strides = (
         query.stride(0), query.stride(1), *block_tables.stride(), *seq_lens.stride(),

@@ -142,6 +142,36 @@ def test_cuda_graphs_equal_eager_with_evictions(arch, tiny_models):
     assert results[0] == results[1]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_without_the_score_pass_when_no_row_is_scored(tiny_models):
+    """Requests with a budget and requests without, in one batch, then alone: the decode steps
+    with no scored row replay the graphs built without the score pass, the others the scored
+    ones, and every request's tokens equal the eager engine's."""
+    prompts = _prompts()
+    budgeted = {"max_cache_tokens": 24, "protected_window_size": 4}
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_NEW + 8 * (i % 2), ignore_eos=True,
+                       **(budgeted if i % 2 else {}))
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    results, replays = [], None
+    for eager in (True, False):
+        llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True,
+                  enforce_eager=eager)  # fmt: skip
+        # a mixed batch (the budgeted requests run longer: their last steps are all scored),
+        # then the unbudgeted requests alone (no row scored in any step)
+        mixed = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        alone = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts[::2]], params[::2], use_tqdm=False
+        )
+        llm.llm_engine.engine_core.check_integrity()
+        results.append([o.outputs[0].token_ids for o in mixed + alone])
+        if not eager:
+            replays = llm.llm_engine.engine_core.model_runner.graph_runner.replays
+    assert results[0] == results[1]
+    assert replays[True] > 0 and replays[False] > 0
+
+
 def test_no_eviction_for_room_that_cannot_make_it(tiny_models):
     """Memory short, budgets just below the prompts: evicting a few KVs each step would not
     give a stalled request its blocks, so the scheduler preempts instead of evicting again and
