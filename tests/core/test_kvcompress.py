@@ -519,11 +519,10 @@ def _step_md(n_sched: np.ndarray, seq_lens: np.ndarray):
     )  # fmt: skip
 
 
-def test_runner_tables_follow_the_manager_through_deferred_entries():
-    """The runner's cache mirrors the manager's tables from each step's new entries, which
-    reach the device with the next step's slot computation (or at once, before a row is set
-    anew): every step's slots are those the manager's tables give, through block boundaries
-    (uniform and after an eviction) and a row given to another request."""
+def _runner_cache(reqs: list, scored: tuple[bool, ...] | None = None):
+    """A manager and the runner's cache on the CPU (3 layers of _spec()), request i in row i
+    with its prompt's blocks (``scored[i]``: whether its keys are scored), and a function
+    that prepares a step of (rows, tokens each) and returns its metadata."""
     from pagedllm.config import KVCompressConfig
     from pagedllm.core.kv_cache.head_paged import HeadTable
     from pagedllm.kvcompress.cache import HeadPagedCache
@@ -531,22 +530,49 @@ def test_runner_tables_follow_the_manager_through_deferred_entries():
     spec = _spec()
     kv = HeadPagedKVCacheManager(spec, num_blocks=200)
     cfg = KVCompressConfig(enabled=True)
-    cpu = torch.device("cpu")
-    cache = HeadPagedCache(spec, cfg, torch.float32, cpu, 4, 64, windows=[None] * 3)
+    cache = HeadPagedCache(spec, cfg, torch.float32, torch.device("cpu"), 4, 64, [None] * 3)
     cache.allocate(200)
     lh = spec.num_heads_total
-    reqs = [_req("a", 6), _req("b", 3)]
     for row, r in enumerate(reqs):
         kv.allocate_slots(r, r.num_tokens)
         head = kv.get_block_table(r.request_id)[0]
-        cache.set_row(row, HeadTable(head.table, np.zeros(lh)))
+        cache.set_row(
+            row, HeadTable(head.table, np.zeros(lh)), True if scored is None else scored[row]
+        )
 
     def step(rows, n):
         rows, n = np.asarray(rows), np.asarray(n)
         md = _step_md(n, np.full(len(rows), 64))
         pos = torch.arange(int(n.sum()))
         cache.prepare_step(md, rows, n, pos, np.zeros(len(rows), dtype=bool))
-        return md.plan["kvc"][0]
+        return md
+
+    return kv, cache, lh, step
+
+
+def test_steps_without_a_scored_row_build_no_score_pass():
+    """A step's layers are compressible (their kernels add scores) when any of its rows is
+    scored, and read as not compressible when none is (no budget: never evicted)."""
+    reqs = [_req("a", 6), _req("b", 3)]
+    _, cache, _, step = _runner_cache(reqs, scored=(True, False))
+    for rows, scoring in (([0, 1], True), ([1], False), ([0], True)):
+        md = step(rows, [1] * len(rows))
+        cache.finish_metadata(md)
+        assert [m.kvc.compressible for m in md.groups] == [scoring] * 3, rows
+
+
+def test_runner_tables_follow_the_manager_through_deferred_entries():
+    """The runner's cache mirrors the manager's tables from each step's new entries, which
+    reach the device with the next step's slot computation (or at once, before a row is set
+    anew): every step's slots are those the manager's tables give, through block boundaries
+    (uniform and after an eviction) and a row given to another request."""
+    from pagedllm.core.kv_cache.head_paged import HeadTable
+
+    reqs = [_req("a", 6), _req("b", 3)]
+    kv, cache, lh, prepare = _runner_cache(reqs)
+
+    def step(rows, n):
+        return prepare(rows, n).plan["kvc"][0]
 
     def expected(r, offsets):  # [len(offsets), LH] slots from the manager's table
         state = kv.states[r.request_id]
