@@ -42,6 +42,8 @@ import time; under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors, f
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -659,11 +661,14 @@ def _split_score_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-def kvc_decode_tile_config(head_pad: int, scores: bool) -> TileConfig:
+def kvc_decode_tile_config(
+    head_pad: int, scores: bool, device: torch.device, elem_bytes: int
+) -> TileConfig:
     """Launch shape of the single-pass decode kernel: without the score pass, 128-key tiles
-    and 3 stages up to head size 128; with it (and at head size 256) the unified kernel's
-    decode default, 64-key tiles and 2 stages (32-key tiles at 256: shared memory). The split
-    path keeps that default too, which it was measured with.
+    and 3 stages where the device's shared memory holds 3 stages of K and V tiles (Hopper, 16-
+    bit caches up to head size 128: 192 KB of 227); otherwise the unified kernel's decode
+    default, 64-key tiles and 2 stages (32-key tiles at head size 256). The split path keeps
+    that default too, which it was measured with.
 
     Measured on an H200 (``benchmarks/attn_decode_sweep.py --narrow``, bf16, 256 rows, head
     size 128; layout ``kvc`` without scores, ``kvcs`` with the score pass built in and every
@@ -673,11 +678,27 @@ def kvc_decode_tile_config(head_pad: int, scores: bool) -> TileConfig:
     keys; with the score pass built in 64 / 2 is best (0.311 ms), 128 / 3 0.315. Benchmark B's
     (128-1,152 keys, 32 / 8 heads): without scores 0.187 vs 0.196 ms (unified 0.194); with
     them 0.196 (64 / 2) vs 0.209 (128 / 3). Inside the engine (Benchmark A, one call) the
-    scored kernel with 128 / 3 took 4.3% more decode time than with 64 / 2.
+    scored kernel took 2.6% more decode time with 128 / 3 than with 64 / 2.
     """
-    if head_pad <= 128 and not scores:
-        return TileConfig(block_m=16, tile_n=128, num_warps=4, num_stages=3)
+    wide = TileConfig(block_m=16, tile_n=128, num_warps=4, num_stages=3)
+    need = wide.num_stages * 2 * wide.tile_n * head_pad * elem_bytes  # K and V tiles
+    if head_pad <= 128 and not scores and need <= _max_shared_memory(device):
+        return wide
     return default_tile_config(head_pad, decode=True)
+
+
+@functools.cache
+def _max_shared_memory(device: torch.device) -> int:
+    """Shared memory one program may use on ``device``, in bytes, as Triton's driver reports
+    it (0 when it cannot say; no bound on the CPU interpreter)."""
+    if device.type != "cuda":
+        return 1 << 30
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
+        return int(props["max_shared_mem"])
+    except Exception:  # an older or other driver: the default launch shape
+        return 0
 
 
 def kvc_decode_num_splits(
@@ -790,7 +811,9 @@ def kvc_decode_attention(
         )
     assert num_splits >= 1
     if tile_config is None and num_splits == 1:
-        cfg = DECODE_TILE_OVERRIDE or kvc_decode_tile_config(head_pad, scores is not None)
+        cfg = DECODE_TILE_OVERRIDE or kvc_decode_tile_config(
+            head_pad, scores is not None, query.device, kv_cache.element_size()
+        )
     tile_n = cfg.tile_n
     strides = (
         query.stride(0), query.stride(1), *block_tables.stride(), *seq_lens.stride(),
