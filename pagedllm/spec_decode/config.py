@@ -32,6 +32,7 @@ _FIELDS = (
     "num_speculative_tokens",
     "model",
     "disable_by_batch_size",
+    "disable_when_slower",
     *_NGRAM_FIELDS,
     *_SUFFIX_FIELDS,
 )
@@ -82,6 +83,10 @@ class SpeculativeConfig:
       propose no drafts (under load a step is no longer bound by reading the weights, and
       verifying drafts that get rejected only costs compute); the engine then runs
       asynchronous steps if it may. At least 2, as in vLLM.
+    - ``disable_when_slower`` (False; not in vLLM): measure output tokens per second with and
+      without drafts at each load level (running requests, by powers of two) and speculate
+      only where it is faster, trying the other mode now and then
+      (``pagedllm.core.sched.spec.SpecPacer``). The tokens are the same either way.
     - ``suffix_decoding_max_tree_depth`` (24): depth of the suffix trees; bounds the matched
       suffix plus the draft.
     - ``suffix_decoding_max_cached_requests`` (10000): how many finished requests' outputs the
@@ -96,6 +101,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     model: str | None = None
     disable_by_batch_size: int | None = None
+    disable_when_slower: bool = False
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     suffix_decoding_max_tree_depth: int = 24
@@ -122,6 +128,8 @@ class SpeculativeConfig:
             )
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 2)
+        if not isinstance(self.disable_when_slower, bool):
+            raise _error("disable_when_slower", "must be true or false", self.disable_when_slower)
         if self.method == "ngram":
             lo = _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
             hi = _check_int("prompt_lookup_max", self.prompt_lookup_max, 1)
@@ -218,6 +226,8 @@ class SpeculativeConfig:
         }
         if self.disable_by_batch_size is not None:
             out["disable_by_batch_size"] = self.disable_by_batch_size
+        if self.disable_when_slower:
+            out["disable_when_slower"] = True
         if self.method == "draft_model":
             out["model"] = self.model
         elif self.method == "ngram":

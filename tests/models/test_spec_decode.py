@@ -403,6 +403,33 @@ def test_draft_model_catches_up_after_a_pause(tiny_models) -> None:
     assert 0 < mirrored[2] < mirrored[100] - 40
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_disable_when_slower_keeps_the_tokens(tiny_models, method: str) -> None:
+    """``disable_when_slower``: speculation switches on and off by measured speed (phases of
+    8 steps, both modes tried at each load) with asynchronous steps while off. Tokens are those
+    without speculation, and with the target as its own draft every draft is still accepted
+    (the draft model catches up on the positions of the steps it skipped)."""
+    path = tiny_models("llama")
+    prompts = _prompts(4, seed=5)
+    lens = (120, 40, 24, 8)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    want = _tokens(_engine(path), prompts, params)
+    if method == "ngram":
+        spec = {**NGRAM, "disable_when_slower": True}
+    else:
+        spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3,
+                "disable_when_slower": True}  # fmt: skip
+    llm = _engine(path, speculative_config=spec, async_scheduling=True)
+    assert _tokens(llm, prompts, params) == want
+    pacer = llm.llm_engine.engine_core.scheduler.spec.pacer
+    assert any(len(b.rate) == 2 for b in pacer.buckets.values())  # both modes ran somewhere
+    m = _spec_stats(llm)
+    drafted = m["vllm:spec_decode_num_draft_tokens"].value
+    assert drafted > 0
+    if method == "draft_model":
+        assert m["vllm:spec_decode_num_accepted_tokens"].value == drafted
+
+
 @pytest.mark.parametrize(
     ("target", "draft"), [("llama", "qwen3"), ("gemma3", "llama"), ("qwen3", "gemma3")]
 )

@@ -149,6 +149,8 @@ def test_draft_model_needs_a_model_and_a_model_alone_means_draft_model() -> None
         ),
         ({"method": "suffix", "disable_by_batch_size": 1}, "disable_by_batch_size"),
         ({"method": "suffix", "disable_by_batch_size": 8.0}, "disable_by_batch_size"),
+        ({"method": "suffix", "disable_when_slower": "yes"}, "disable_when_slower"),
+        ({"method": "suffix", "disable_when_slower": 1}, "disable_when_slower"),
     ],
 )
 def test_errors_name_the_field(d: dict, field: str) -> None:
@@ -185,6 +187,7 @@ def test_direct_construction_is_checked_too() -> None:
         },
         {"method": "draft_model", "model": "some/draft", "num_speculative_tokens": 3},
         {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 16},
+        {"method": "suffix", "disable_when_slower": True},
     ],
 )
 def test_json_round_trip(d: dict) -> None:

@@ -283,7 +283,8 @@ class Scheduler:
         kvc_room: dict[str, int] = {}  # KV-Compress: requests to evict from for room
         spec_tokens: dict[str, list[int]] = {}  # speculative decoding: each request's drafts
         draft_requests: dict[str, int] = {}  # a draft model drafts after the step for these
-        speculate = self.spec is not None and not self.spec.paused(len(self.running))
+        load = len(self.running)  # the load speculation is decided at (and measured by)
+        speculate = self.spec is not None and not self.spec.paused(load)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -418,6 +419,11 @@ class Scheduler:
             draft_requests={r: k for r, k in draft_requests.items() if r in num_scheduled},
             spec_paused=self.spec is not None and not speculate,
         )
+        if self.spec is not None and self.spec.pacer is not None:
+            decode_only = all(
+                n == 1 + len(spec_tokens.get(rid, ())) for rid, n in num_scheduled.items()
+            )
+            self.spec.pacer.scheduled(step_id, time.perf_counter(), load, speculate, decode_only)
         self._kvc_pending += bool(kvc_compress)
         self.finished_req_ids = set()
         self._swap_out = []
@@ -693,6 +699,12 @@ class Scheduler:
                 lp = runner_output.logprobs[idx]
                 logprobs = lp[: len(new_tokens)] if lp is not None else None
             outputs.append(self._emit(request, new_tokens, logprobs, prompt_lp))
+        if self.spec is not None and self.spec.pacer is not None:
+            self.spec.pacer.updated(
+                scheduler_output.step_id,
+                time.perf_counter(),
+                sum(len(o.new_token_ids) for o in outputs),
+            )
         if runner_output.draft_token_ids:
             assert self.spec is not None
             for rid, (num_tokens, drafts) in runner_output.draft_token_ids.items():
