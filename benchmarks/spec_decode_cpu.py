@@ -18,6 +18,11 @@ request, untimed, whose drafts are left out of the counts). Writes
 
     .venv/bin/python benchmarks/spec_decode_cpu.py
     .venv/bin/python benchmarks/spec_decode_cpu.py --quick     # fewer prompts and tokens
+    .venv/bin/python benchmarks/spec_decode_cpu.py \
+        --configs off,ngram,suffix,ngram_paced,suffix_paced
+
+``*_paced``: the same proposers with ``disable_when_slower`` (speculation only at the loads
+where the engine measured it faster).
 """
 
 from __future__ import annotations
@@ -130,6 +135,10 @@ CONFIGS = {
               "prompt_lookup_min": 2},
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
 }  # fmt: skip
+# the same proposers, speculating only at the loads where the engine measured it faster
+CONFIGS["ngram_paced"] = {**CONFIGS["ngram"], "disable_when_slower": True}
+CONFIGS["suffix_paced"] = {**CONFIGS["suffix"], "disable_when_slower": True}
+DEFAULT_CONFIGS = "off,ngram,suffix"
 
 
 WARMUP = [[{"role": "user", "content": "Hello!"}]]
@@ -149,7 +158,11 @@ def run(args: argparse.Namespace) -> dict:
     batches = {"1": 2 if args.quick else 4, "32": 8 if args.quick else 32}
     results: dict = {}
     reference: dict = {}
-    for name, spec in CONFIGS.items():
+    names = args.configs.split(",")
+    if names[0] != "off":
+        raise SystemExit("--configs must start with off (every speed-up is against it)")
+    for name in names:
+        spec = CONFIGS[name]
         kw = {"speculative_config": spec} if spec else {}
         results[name] = {"speculative_config": spec}
         for workload, prompts in (("grounded", GROUNDED), ("open", OPEN), ("json", GROUNDED)):
@@ -218,6 +231,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
+                    help=f"comma list, off first, of {list(CONFIGS)}")  # fmt: skip
     ap.add_argument("--out", default=str(RESULTS / "spec_decode_SmolLM2-135M-Instruct_cpu.json"))
     args = ap.parse_args()
     import torch
