@@ -18,8 +18,7 @@ request, untimed, whose drafts are left out of the counts). Writes
 
     .venv/bin/python benchmarks/spec_decode_cpu.py
     .venv/bin/python benchmarks/spec_decode_cpu.py --quick     # fewer prompts and tokens
-    .venv/bin/python benchmarks/spec_decode_cpu.py \
-        --configs off,ngram,suffix,ngram_paced,suffix_paced
+    .venv/bin/python benchmarks/spec_decode_cpu.py --configs off,ngram_paced,suffix_paced
 
 ``*_paced``: the same proposers with ``disable_when_slower`` (speculation only at the loads
 where the engine measured it faster).
