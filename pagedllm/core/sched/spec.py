@@ -33,14 +33,16 @@ from pagedllm.spec_decode import SpeculativeConfig, make_proposer
 
 @dataclass
 class _Bucket:
-    """A load level's measurements: output tokens per second of each mode's phases (EMA)."""
+    """A load level's measurements: each mode's output tokens per second and seconds a phase
+    (exponential averages), and the time spent in the faster mode since the other was tried."""
 
     rate: dict[bool, float] = field(default_factory=dict)  # speculating -> tokens / s
+    phase_s: dict[bool, float] = field(default_factory=dict)  # speculating -> s a phase
     mode: bool = True  # the current phase's
     steps: int = 0  # steps of the current phase seen (the first is not counted)
     tokens: int = 0
     seconds: float = 0.0
-    phases: int = 0
+    since_explore_s: float = 0.0
 
 
 class SpecPacer:
@@ -49,18 +51,20 @@ class SpecPacer:
     Per load level (bucket: the number of running requests rounded down to a power of two)
     it measures output tokens per second of decode-only steps in phases of ``PHASE`` steps,
     each phase with speculation on or off, and keeps an exponential average per mode. A
-    level tries both modes first (on, then off), then runs the faster one, and every
-    ``EXPLORE``-th phase the other (the acceptance and the load drift). A phase's first step
-    is not counted (the switch between synchronous and asynchronous steps), nor are steps with
+    level tries both modes first (on, then off), then runs the faster one, and tries the
+    other again (the acceptance and the load drift) once the time spent in the faster mode
+    since the last try is ``1 / EXPLORE_SHARE`` times the other mode's phase: at most ~3% of
+    the time goes to the slower mode, however much slower it is. A phase's first step is not
+    counted (the switch between synchronous and asynchronous steps), nor are steps with
     prompt tokens (their cost is not the mode's), nor the engine's idle time.
 
-    Example: at 32 running, phases measured 900 tok/s with drafts and 1,150 without: the next
-    seven phases at that level run without drafts, the eighth with them; at 1 running, 120
-    with and 60 without: drafts.
+    Example: at 32 running, phases measured 900 tok/s with drafts (0.4 s a phase) and 1,150
+    without: that level runs without drafts and tries them again after 0.4 x 32 = 12.8 s; at
+    1 running, 120 with and 60 without: drafts.
     """
 
     PHASE = 8
-    EXPLORE = 8
+    EXPLORE_SHARE = 1 / 32
     EMA = 0.5
 
     def __init__(self) -> None:
@@ -104,16 +108,21 @@ class SpecPacer:
         if b.steps < self.PHASE:
             return
         if b.seconds > 0:
-            rate = b.tokens / b.seconds
-            old = b.rate.get(b.mode)
-            b.rate[b.mode] = rate if old is None else self.EMA * rate + (1 - self.EMA) * old
-        b.phases += 1
-        b.steps, b.tokens, b.seconds = 0, 0, 0.0
+            for avg, x in ((b.rate, b.tokens / b.seconds), (b.phase_s, b.seconds)):
+                old = avg.get(b.mode)
+                avg[b.mode] = x if old is None else self.EMA * x + (1 - self.EMA) * old
+        b.steps, b.tokens, phase_s, b.seconds = 0, 0, b.seconds, 0.0
         if len(b.rate) < 2:  # measure on first, then off
             b.mode = True not in b.rate
             return
         best = b.rate[True] >= b.rate[False]
-        b.mode = (not best) if b.phases % self.EXPLORE == 0 else best
+        if b.mode != best:  # the other mode was just tried
+            b.since_explore_s = 0.0
+            b.mode = best
+            return
+        b.since_explore_s += phase_s
+        if b.since_explore_s * self.EXPLORE_SHARE >= b.phase_s[not best]:
+            b.mode = not best
 
 
 class SpecDecoding:
