@@ -15,7 +15,8 @@ Prefix caching is off (the timed prompts repeat across draft settings).
   dummy weights: unrelated, so drafts are rarely accepted - what a useless draft costs), and
   n-gram on the same workload.
 - ``cheap``: the ``qwen3`` workload with cheap proposers: n-gram, suffix, and drafts made of
-  the target's first 2 or 7 of its 28 layers (``first_layers_copy``).
+  the target's first 2 or 7 of its 28 layers (``first_layers_copy``); n-gram and suffix also
+  with ``disable_when_slower`` (``*_paced``).
 
 Greedy bf16: speculation verifies k + 1 positions in one pass (other kernels than a decode
 step's), so a near tie may break differently; the agreement with the run without speculation
@@ -244,6 +245,9 @@ def cheap(args: argparse.Namespace) -> dict:
         "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3},
         "suffix": {"method": "suffix", "num_speculative_tokens": k},
     }
+    # the same, speculating only at the loads where the engine measured it faster
+    for name in ("ngram", "suffix"):
+        proposers[f"{name}_paced"] = {**proposers[name], "disable_when_slower": True}
     for layers in (2, 7):
         draft = first_layers_copy(path, f"/tmp/qwen3_first{layers}", layers)
         proposers[f"first{layers}_of_28"] = {"method": "draft_model", "model": draft,
