@@ -1,5 +1,5 @@
-"""``SpecPacer`` (``disable_when_slower``): speculation on or off per load level from measured
-output tokens per second, with a clock the test drives."""
+"""``SpecPacer`` (``disable_when_slower``): speculation on or off per load level from the
+measured step times of both modes and the measured acceptance, with a clock the test drives."""
 
 from __future__ import annotations
 
@@ -7,82 +7,101 @@ import pytest
 
 from pagedllm.core.sched.spec import SpecPacer
 
+P = SpecPacer.PHASE
+
 
 class _Loop:
-    """Steps through a pacer: each step at ``running`` requests takes ``seconds`` and emits
-    ``tokens(speculating)`` output tokens; returns the mode each step ran in."""
+    """Steps through a pacer: a step at ``running`` requests takes ``step_s[mode]`` and each
+    request accepts ``accepted`` drafts (sampled from the verification while speculating; from
+    shadow drafts while paused). Returns the mode of each step."""
 
     def __init__(self, pacer: SpecPacer) -> None:
         self.pacer, self.now, self.step = pacer, 0.0, 0
 
-    def run(self, n: int, running: int, seconds: float, tokens, prefill: bool = False) -> list:
+    def run(self, n: int, running: int, step_s: dict, accepted: int, prefill=False) -> list:
         modes = []
         for _ in range(n):
             mode = self.pacer.speculate(running)
             self.pacer.scheduled(self.step, self.now, running, mode, not prefill)
-            self.now += seconds
-            self.pacer.updated(self.step, self.now, tokens(mode))
+            self.now += step_s[mode]
+            for _ in range(running):
+                self.pacer.sample(accepted)
+            self.pacer.updated(self.step, self.now)
             self.step += 1
             modes.append(mode)
         return modes
 
 
-def test_each_load_runs_its_faster_mode_and_explores_the_other() -> None:
-    pacer = SpecPacer()
-    loop = _Loop(pacer)
-    p = SpecPacer.PHASE
-    # 32 running: steps take the same time in both modes, with drafts they emit fewer tokens
-    # (as on a compute-bound machine, where verifying rejected drafts costs the step time)
-    slow = {True: 24, False: 32}
-    modes = loop.run(2 * p, 32, 0.05, lambda m: slow[m])
-    assert modes == [True] * p + [False] * p  # both measured, on first
-    # then the faster mode, and the other once per 1 / EXPLORE_SHARE of its phase's time
-    # (equal phase times here: once every 33 phases)
-    period = round(1 / SpecPacer.EXPLORE_SHARE) + 1
-    modes = loop.run(2 * period * p, 32, 0.05, lambda m: slow[m])
-    phases = [modes[i] for i in range(0, len(modes), p)]
-    assert phases.count(True) == 2 and phases.count(False) == 2 * period - 2
-    # 1 running, another level: drafts pay there
-    fast = {True: 3, False: 1}
-    modes = loop.run((2 + period) * p, 1, 0.02, lambda m: fast[m])
-    phases = [modes[i] for i in range(0, len(modes), p)][2:]
-    assert phases.count(True) == period - 1 and phases.count(False) == 1
-    level32 = pacer.buckets[(32).bit_length()]
-    assert level32.rate[False] > level32.rate[True]  # untouched by level 1's steps
+def _phases(modes: list) -> list:
+    return [modes[i] for i in range(0, len(modes), P)]
 
 
-def test_a_much_slower_mode_is_tried_more_rarely() -> None:
-    """The other mode's tries are bounded by time: when its steps take 4x as long, it is
-    tried once in 4x as many phases of the faster mode."""
+def test_each_load_runs_the_mode_the_rule_picks() -> None:
+    """(1 + a) * t_off > t_on: at 32 running a = 0.5 does not pay for steps 1.6x as long; at
+    1 running a = 2 pays for steps 1.5x as long."""
     pacer = SpecPacer()
     loop = _Loop(pacer)
-    p = SpecPacer.PHASE
-    n = 200 * p
-    for mode_first in (True, False):  # both measured: on (slow steps), then off
-        assert pacer.speculate(32) is mode_first
-        loop.run(p, 32, 0.2 if mode_first else 0.05, lambda m: 32)
-    modes, t_on, t_all = [], 0.0, 0.0
-    for _ in range(n):
-        mode = pacer.speculate(32)
-        seconds = 0.2 if mode else 0.05
-        modes += loop.run(1, 32, seconds, lambda m: 32)
-        t_all += seconds
-        t_on += seconds if mode else 0.0
+    heavy = {True: 0.08, False: 0.05}
+    assert _phases(loop.run(2 * P, 32, heavy, 1)) == [True, False]  # both measured, on first
+    modes = loop.run(10 * P, 32, heavy, 1)  # a -> 1: 2 x 0.05 > 0.08, speculation pays
+    assert _phases(modes)[-1] is True
+    for _ in range(20 * 32):
+        pacer.sample(0)  # the content changes: nothing accepted any more
+    modes = loop.run(10 * P, 32, heavy, 0)
+    assert _phases(modes)[1:].count(True) == 0
+    light = {True: 0.03, False: 0.02}  # another level: its own step times
+    modes = loop.run(20 * P, 1, light, 2)
+    assert _phases(modes)[:2] == [True, False] and all(_phases(modes)[-5:])
+
+
+def test_the_other_mode_is_timed_again_within_a_small_share_of_the_time() -> None:
+    """Steps with drafts 4x as long and nothing accepted: the pacer stays off and measures a
+    speculating phase again only once per 1 / EXPLORE_SHARE of that phase's time."""
+    pacer = SpecPacer()
+    loop = _Loop(pacer)
+    step_s = {True: 0.2, False: 0.05}
+    loop.run(2 * P, 32, step_s, 0)
+    t_on = t_all = 0.0
+    for _ in range(400 * P):
+        mode = loop.run(1, 32, step_s, 0)[0]
+        t_all += step_s[mode]
+        t_on += step_s[mode] if mode else 0.0
     assert 0 < t_on / t_all <= 1.5 * SpecPacer.EXPLORE_SHARE
+
+
+def test_shadow_drafts_measure_the_acceptance_while_paused() -> None:
+    pacer = SpecPacer()
+    tokens = [1, 2, 3]
+    drafts = iter([[4, 5, 9], [], [7]])
+    propose = lambda: next(drafts)  # noqa: E731
+    pacer.shadow("r", tokens, False, propose)  # drafts [4, 5, 9] after 3 tokens
+    assert pacer.samples == 0
+    for t in (4, 5):
+        tokens.append(t)
+        pacer.shadow("r", tokens, False, propose)  # not enough tokens yet to check
+    assert pacer.samples == 0
+    tokens.append(6)  # 4, 5 accepted, 6 != 9; then the proposer has nothing (0 accepted)
+    pacer.shadow("r", tokens, False, propose)
+    assert pacer.samples == 2 and pacer.accepted == pytest.approx(1.0)
+    tokens.append(8)  # drafts [7] after 7 tokens; the request ends: 8 != 7
+    pacer.shadow("r", tokens, False, propose)
+    pacer.shadow("r", tokens + [8], True, propose)
+    assert pacer.samples == 3 and pacer.accepted == pytest.approx(2 / 3)
+    assert not pacer._shadow
 
 
 def test_prompt_steps_and_idle_time_are_not_measured() -> None:
     pacer = SpecPacer()
     loop = _Loop(pacer)
-    p = SpecPacer.PHASE
+    step_s = {True: 0.05, False: 0.05}
     # steps with prompt tokens do not advance a phase
-    assert loop.run(3 * p, 4, 0.05, lambda m: 4, prefill=True) == [True] * (3 * p)
-    assert not pacer.buckets[(4).bit_length()].rate
+    assert loop.run(3 * P, 4, step_s, 1, prefill=True) == [True] * (3 * P)
+    assert not pacer.buckets[(4).bit_length()].step_s
     # an idle engine between two steps: the second step's time starts at its scheduling
-    loop.run(p // 2, 4, 0.05, lambda m: 4)
+    loop.run(P // 2, 4, step_s, 1)
     loop.now += 100.0
-    loop.run(p - p // 2, 4, 0.05, lambda m: 4)
-    assert pacer.buckets[(4).bit_length()].rate[True] == pytest.approx(4 / 0.05)
+    loop.run(P - P // 2, 4, step_s, 1)
+    assert pacer.buckets[(4).bit_length()].step_s[True] == pytest.approx(0.05)
 
 
 def test_a_failed_step_does_not_grow_the_pacer() -> None:

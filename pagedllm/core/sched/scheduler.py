@@ -698,13 +698,15 @@ class Scheduler:
             if runner_output.logprobs is not None and idx is not None:
                 lp = runner_output.logprobs[idx]
                 logprobs = lp[: len(new_tokens)] if lp is not None else None
+            if (
+                self.spec is not None
+                and self.spec.pacer is not None
+                and scheduler_output.num_scheduled_tokens.get(rid) == 1 + len(drafts or ())
+            ):  # a decode (not a prompt's last chunk)
+                self.spec.observe(request, scheduler_output.spec_paused, bool(drafts))
             outputs.append(self._emit(request, new_tokens, logprobs, prompt_lp))
         if self.spec is not None and self.spec.pacer is not None:
-            self.spec.pacer.updated(
-                scheduler_output.step_id,
-                time.perf_counter(),
-                sum(len(o.new_token_ids) for o in outputs),
-            )
+            self.spec.pacer.updated(scheduler_output.step_id, time.perf_counter())
         if runner_output.draft_token_ids:
             assert self.spec is not None
             for rid, (num_tokens, drafts) in runner_output.draft_token_ids.items():

@@ -33,42 +33,52 @@ from pagedllm.spec_decode import SpeculativeConfig, make_proposer
 
 @dataclass
 class _Bucket:
-    """A load level's measurements: each mode's output tokens per second and seconds a phase
-    (exponential averages), and the time spent in the faster mode since the other was tried."""
+    """A load level's measurements: each mode's seconds a decode-only step (exponential
+    averages), the current phase, and the time in the chosen mode since the other ran."""
 
-    rate: dict[bool, float] = field(default_factory=dict)  # speculating -> tokens / s
-    phase_s: dict[bool, float] = field(default_factory=dict)  # speculating -> s a phase
+    step_s: dict[bool, float] = field(default_factory=dict)  # speculating -> s a step
     mode: bool = True  # the current phase's
     steps: int = 0  # steps of the current phase seen (the first is not counted)
-    tokens: int = 0
     seconds: float = 0.0
+    counted: int = 0
     since_explore_s: float = 0.0
 
 
 class SpecPacer:
     """Turns speculation off at the loads where it is slower (``disable_when_slower``).
 
-    Per load level (bucket: the number of running requests rounded down to a power of two)
-    it measures output tokens per second of decode-only steps in phases of ``PHASE`` steps,
-    each phase with speculation on or off, and keeps an exponential average per mode. A
-    level tries both modes first (on, then off), then runs the faster one, and tries the
-    other again (the acceptance and the load drift) once the time spent in the faster mode
-    since the last try is ``1 / EXPLORE_SHARE`` times the other mode's phase: at most ~3% of
-    the time goes to the slower mode, however much slower it is. A phase's first step is not
-    counted (the switch between synchronous and asynchronous steps), nor are steps with
-    prompt tokens (their cost is not the mode's), nor the engine's idle time.
+    A speculating step emits ``1 + a`` tokens per request (``a``: drafts accepted) and takes
+    ``t_on``; a plain step emits 1 and takes ``t_off``. Speculation pays at a load where
+    ``(1 + a) * t_off > t_on``. The pacer measures both sides:
 
-    Example: at 32 running, phases measured 900 tok/s with drafts (0.4 s a phase) and 1,150
-    without: that level runs without drafts and tries them again after 0.4 x 32 = 12.8 s; at
-    1 running, 120 with and 60 without: drafts.
+    - ``a``: an exponential average over drafting opportunities (one per request and step),
+      from the verifications while speculating and, while paused, from shadow drafts: the
+      proposer drafts as it would have, and the drafts are checked against the tokens the
+      model then emits (``shadow``; not for a draft model, whose drafts come from the runner).
+      The acceptance moves with the content, so this is measured all the time.
+    - ``t_on`` and ``t_off`` per load level (bucket: running requests rounded down to a
+      power of two): the wall time of decode-only steps from their scheduling to their update,
+      in phases of ``PHASE`` steps of one mode. A phase's first step is not counted (the switch
+      between synchronous and asynchronous steps), nor are steps with prompt tokens, nor the
+      engine's idle time. A level measures on, then off, then runs the mode the rule picks at
+      each phase's end, and measures the other mode's step again once the chosen one has run
+      ``1 / EXPLORE_SHARE`` times that mode's phase (at most ~3% of the time in it).
+
+    Example: at 32 running, t_on 80 ms and t_off 50 ms: speculation needs a > 0.6; at 1
+    running, 30 and 20 ms: a > 0.5.
     """
 
     PHASE = 8
     EXPLORE_SHARE = 1 / 32
-    EMA = 0.5
+    EMA = 0.5  # per phase, for step times
+    ACC_EMA = 1 / 32  # per drafting opportunity, for the acceptance
 
-    def __init__(self) -> None:
+    def __init__(self, shadow: bool = True) -> None:
         self.buckets: dict[int, _Bucket] = {}
+        self.accepted = 0.0  # a: drafts accepted per drafting opportunity (average)
+        self.samples = 0
+        self.shadow_drafts = shadow  # the proposer can draft on the host while paused
+        self._shadow: dict[str, tuple[int, list[int]]] = {}
         self._steps: dict[int, tuple[float, int, bool, bool]] = {}
         self._last_update: float | None = None
 
@@ -79,6 +89,39 @@ class SpecPacer:
         """Whether a step at this load proposes drafts (the current phase's mode)."""
         return self._bucket(num_running).mode
 
+    def sample(self, accepted: int) -> None:
+        """One drafting opportunity's outcome: ``accepted`` drafts (0 when there were none)."""
+        w = max(self.ACC_EMA, 1.0 / (self.samples + 1))  # a plain mean over the first ones
+        self.accepted += w * (accepted - self.accepted)
+        self.samples += 1
+
+    def shadow(self, req_id: str, tokens: list[int], finished: bool, propose) -> None:
+        """While paused, after a request's tokens grew: check its pending shadow drafts against
+        the tokens that followed them, once there are as many (or it finished), then draft
+        again with ``propose()`` (the drafts, [] for none) from its tokens now."""
+        pending = self._shadow.get(req_id)
+        if pending is not None:
+            n0, drafts = pending
+            have = tokens[n0 : n0 + len(drafts)]
+            if len(have) < len(drafts) and not finished:
+                return
+            a = 0
+            while a < len(have) and have[a] == drafts[a]:
+                a += 1
+            self.sample(a)
+            del self._shadow[req_id]
+        if finished:
+            return
+        drafts = propose()
+        if drafts:
+            self._shadow[req_id] = (len(tokens), list(drafts))
+        else:
+            self.sample(0)
+
+    def forget(self, req_id: str) -> None:
+        """The request ended or speculates again: its shadow drafts are dropped."""
+        self._shadow.pop(req_id, None)
+
     def scheduled(
         self, step_id: int, now: float, num_running: int, speculated: bool, decode_only: bool
     ) -> None:
@@ -87,8 +130,8 @@ class SpecPacer:
             self._steps.pop(next(iter(self._steps)))
         self._steps[step_id] = (now, num_running, speculated, decode_only)
 
-    def updated(self, step_id: int, now: float, num_tokens: int) -> None:
-        """The step's results reached the host at ``now`` with ``num_tokens`` output tokens.
+    def updated(self, step_id: int, now: float) -> None:
+        """The step's results reached the host at ``now``.
 
         Its time: from the later of the last update and its own scheduling (steps in flight
         overlap; after an idle engine the first step starts when it was scheduled) to now.
@@ -103,25 +146,26 @@ class SpecPacer:
             return
         b.steps += 1
         if b.steps > 1:  # the phase's first step carries the switch
-            b.tokens += num_tokens
             b.seconds += now - max(t_sched, last if last is not None else t_sched)
+            b.counted += 1
         if b.steps < self.PHASE:
             return
-        if b.seconds > 0:
-            for avg, x in ((b.rate, b.tokens / b.seconds), (b.phase_s, b.seconds)):
-                old = avg.get(b.mode)
-                avg[b.mode] = x if old is None else self.EMA * x + (1 - self.EMA) * old
-        b.steps, b.tokens, phase_s, b.seconds = 0, 0, b.seconds, 0.0
-        if len(b.rate) < 2:  # measure on first, then off
-            b.mode = True not in b.rate
+        mode, phase_s = b.mode, b.seconds
+        if b.counted:
+            x = b.seconds / b.counted
+            old = b.step_s.get(mode)
+            b.step_s[mode] = x if old is None else self.EMA * x + (1 - self.EMA) * old
+        b.steps, b.seconds, b.counted = 0, 0.0, 0
+        if len(b.step_s) < 2:  # measure on first, then off
+            b.mode = True not in b.step_s
             return
-        best = b.rate[True] >= b.rate[False]
-        if b.mode != best:  # the other mode was just tried
+        best = (1.0 + self.accepted) * b.step_s[False] > b.step_s[True]
+        if mode != best:  # the other mode was just measured again (or the rule changed)
             b.since_explore_s = 0.0
             b.mode = best
             return
         b.since_explore_s += phase_s
-        if b.since_explore_s * self.EXPLORE_SHARE >= b.phase_s[not best]:
+        if b.since_explore_s * self.EXPLORE_SHARE >= self.PHASE * b.step_s[not best]:
             b.mode = not best
 
 
@@ -138,7 +182,7 @@ class SpecDecoding:
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.disable_by_batch_size = config.disable_by_batch_size
-        self.pacer = SpecPacer() if config.disable_when_slower else None
+        self.pacer = SpecPacer(shadow=not self.uses_runner) if config.disable_when_slower else None
         self.num_drafts = 0  # steps in which a request verified drafts
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -200,12 +244,35 @@ class SpecDecoding:
         self.num_drafts += 1
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += a
+        if self.pacer is not None:
+            self.pacer.sample(a)
         for j in range(a):
             self.accepted_per_pos[j] += 1
         return a
 
+    def observe(self, request: Request, paused: bool, drafted: bool) -> None:
+        """After a request decoded in a step (``disable_when_slower``): a speculating step's
+        request without drafts counts as an opportunity with none accepted; a paused step's
+        request checks and renews its shadow drafts."""
+        pacer = self.pacer
+        if pacer is None:
+            return
+        if not paused:
+            pacer.forget(request.request_id)
+            if not drafted:
+                pacer.sample(0)
+        elif pacer.shadow_drafts and request.beam_group is None:
+            pacer.shadow(
+                request.request_id,
+                request.all_token_ids,
+                request.is_finished,
+                lambda: self.drafts_for(request, self.k + 1),
+            )
+
     def finish(self, request: Request) -> None:
         """The request ended: the proposer drops (or, suffix decoding, keeps) what it knew."""
+        if self.pacer is not None:
+            self.pacer.forget(request.request_id)
         self.proposer.finish(request.request_id, request.all_token_ids, request.num_prompt_tokens)
 
     def stats(self) -> dict[str, float | list[int]]:
