@@ -83,9 +83,9 @@ class SpeculativeConfig:
       propose no drafts (under load a step is no longer bound by reading the weights, and
       verifying drafts that get rejected only costs compute); the engine then runs
       asynchronous steps if it may. At least 2, as in vLLM.
-    - ``disable_when_slower`` (False; not in vLLM): measure output tokens per second with and
-      without drafts at each load level (running requests, by powers of two) and speculate
-      only where it is faster, trying the other mode now and then
+    - ``disable_when_slower`` (False; not in vLLM): time steps with and without drafts at
+      each load level (running requests, by powers of two), measure the acceptance all along
+      (shadow drafts while paused) and speculate only where that makes it faster
       (``pagedllm.core.sched.spec.SpecPacer``). The tokens are the same either way.
     - ``suffix_decoding_max_tree_depth`` (24): depth of the suffix trees; bounds the matched
       suffix plus the draft.
