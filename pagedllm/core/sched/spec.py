@@ -255,13 +255,13 @@ class SpecDecoding:
         request without drafts counts as an opportunity with none accepted; a paused step's
         request checks and renews its shadow drafts."""
         pacer = self.pacer
-        if pacer is None:
+        if pacer is None or request.beam_group is not None:  # beams never draft
             return
         if not paused:
             pacer.forget(request.request_id)
             if not drafted:
                 pacer.sample(0)
-        elif pacer.shadow_drafts and request.beam_group is None:
+        elif pacer.shadow_drafts:
             pacer.shadow(
                 request.request_id,
                 request.all_token_ids,
