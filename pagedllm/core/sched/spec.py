@@ -25,6 +25,7 @@ only the accepted tokens enter it at the update. Beam searches get no drafts.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pagedllm.core.request import Request
@@ -95,7 +96,13 @@ class SpecPacer:
         self.accepted += w * (accepted - self.accepted)
         self.samples += 1
 
-    def shadow(self, req_id: str, tokens: list[int], finished: bool, propose) -> None:
+    def shadow(
+        self,
+        req_id: str,
+        tokens: Sequence[int],
+        finished: bool,
+        propose: Callable[[], list[int]],
+    ) -> None:
         """While paused, after a request's tokens grew: check its pending shadow drafts against
         the tokens that followed them, once there are as many (or it finished), then draft
         again with ``propose()`` (the drafts, [] for none) from its tokens now."""
