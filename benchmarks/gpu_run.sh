@@ -119,12 +119,12 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     kvc-overhead) python benchmarks/gpu_suite.py bench-a --skip-peers --kvc-too --time-device \
         --out "$OUT" | grep -v "^ "; summary "$OUT"
       python benchmarks/gpu_suite.py bench-b --skip-peers --kvc-too --num-b ${KVC_NUM_B:-256} \
-        --warm-b 64 --out "$OUT" | grep -E "output_tokens_per_s|^wrote" | head -20 ;;
+        --warm-b 256 --warm-out 32 --out "$OUT" | grep -E "output_tokens_per_s|^wrote" | head -20 ;;
     kvc-tiles)  # the KV-Compress decode kernel's launch shapes inside the engine, off run twice
       python benchmarks/gpu_suite.py bench-a --skip-peers --time-device --repeat-off \
         --kvc-tiles ${KVC_TILES:-64:4:2,128:4:3} --out "$OUT" | grep -v "^ "; summary "$OUT"
       python benchmarks/gpu_suite.py bench-b --skip-peers --repeat-off --b-shapes 128x1024 \
-        --kvc-tiles ${KVC_TILES:-64:4:2,128:4:3} --num-b 256 --warm-b 64 --out "$OUT" \
+        --kvc-tiles ${KVC_TILES:-64:4:2,128:4:3} --num-b 256 --warm-b 256 --warm-out 32 --out "$OUT" \
         | grep -E "^wrote" ;;
     kvc-profile)  # Benchmark A, KV-Compress off vs on with no budget: device time by kernel
       python benchmarks/gpu_suite.py bench-a --skip-peers --kvc-too --time-device --profile \

@@ -413,10 +413,16 @@ def _bench_b_engine(args, result, shapes, prefix, kw, bw, flops) -> None:  # noq
         # warm-up: the same lengths on other token ids, enough requests to reach the full
         # batch, so the Triton specializations of these shapes compile before the clock starts
         # (Benchmark A's first timed variant lost ~40% to them before it had a warm-up)
+        # (with 64 warm-up requests for 256 timed ones, the first engine of a process ran at
+        # 16.5 ms of "device" time a step against 13.8 for later ones, likely compiling the full
+        # batch's mixed-step shapes inside its timed run - the step's events bracket the host's
+        # compile; not yet confirmed - so --warm-out lets the warm-up reach the full batch with
+        # short outputs)
         warm = [rng.integers(100, 128000, size=n_in).tolist() for _ in range(args.warm_b)]
         llm.generate([{"prompt_token_ids": p} for p in warm],
-                     SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True),
-                     use_tqdm=False)
+                     SamplingParams(temperature=0, max_tokens=min(n_out, args.warm_out or n_out),
+                                    ignore_eos=True),
+                     use_tqdm=False)  # fmt: skip
         llm.llm_engine.engine_core.scheduler.kv_cache_manager.reset_prefix_cache()
         rec = StepRecorder(llm)
         runner = llm.llm_engine.engine_core.model_runner
@@ -647,6 +653,8 @@ def main() -> None:
     p.add_argument("--num-b", type=int, default=1000)
     p.add_argument("--peer-b", type=int, default=64)
     p.add_argument("--warm-b", type=int, default=300, help="warm-up requests per B workload")
+    p.add_argument("--warm-out", type=int, default=0,
+                   help="bench-b: output tokens of each warm-up request (0: the workload's)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--peer-prompts", type=int, default=0)
