@@ -313,8 +313,14 @@ class HeadPagedCache:
                 )
                 shipped = self.ship(*index.values())
                 plan.tensors = {k: t.view(a.shape) for (k, a), t in zip(index.items(), shipped)}
-            scoring = bool(self.scored_np[plan.rows].any())  # else no score pass is built in
-            md.groups = self.layer_metadata(md, slots, positions, plan, rows_t, scoring)
+            md.groups = self.layer_metadata(
+                md, slots, positions, plan, rows_t, self.any_scored(plan.rows)
+            )
+
+    def any_scored(self, rows: np.ndarray) -> bool:
+        """Whether any of a step's table rows is scored; if none is, the step's kernels are
+        built without the score pass (``layer_metadata``'s ``scoring``)."""
+        return bool(self.scored_np[rows].any())
 
     def layer_metadata(
         self,

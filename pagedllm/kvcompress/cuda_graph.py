@@ -125,7 +125,7 @@ class KVCGraphRunner(CUDAGraphRunner):
             self.slots[b:bs].fill_(self.cache.spare_slot)
             self.rows[b:bs].fill_(self.cache.pad_row)
         plan: KVCStepPlan = md.plan["kvc"][3]
-        scoring = len(self.sets) == 1 or bool(self.cache.scored_np[plan.rows].any())
+        scoring = len(self.sets) == 1 or self.cache.any_scored(plan.rows)
         graphs, outputs = self.sets[scoring]
         self.replays[scoring] += 1
         graphs[bs, 1].replay()
