@@ -76,6 +76,9 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         --out "$OUT" ;;
     tests-kvc) python -m pytest -q -x -p no:cacheprovider tests/kernels/test_kvc_attention.py \
         tests/core/test_kvcompress.py tests/models/test_kvcompress.py ;;
+    tests-kvc-graphs)  # the KV-Compress decode graphs with and without the score pass
+      python -m pytest -q -x -p no:cacheprovider tests/models/test_kvcompress.py -k cuda_graphs \
+        tests/core/test_kvcompress.py ;;
     tests-kvc-par)  # the KV-Compress GPU tests in 7 processes (Triton compiles in parallel)
       P="python -m pytest -q -x -p no:cacheprovider"
       K=tests/kernels/test_kvc_attention.py
@@ -105,7 +108,8 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         -k "speculative or short_rows or cuda_graph" && \
       python -m pytest -q -x -p no:cacheprovider --durations=5 tests/models/test_spec_decode.py ;;
     spec-cheap)  # n-gram, suffix and first-layers drafts vs none, batch 1-256 (Qwen3-0.6B shape)
-      python benchmarks/spec_decode_gpu.py cheap --out "$OUT" | grep -v '"tokens"' ;;
+      python benchmarks/spec_decode_gpu.py cheap ${SPEC_PROPOSERS:+--proposers $SPEC_PROPOSERS} \
+        --out "$OUT" | grep -v '"tokens"' ;;
     spec-draft-8b)  # Llama-3.1-8B shape with a Llama-3.2-1B-shaped draft (dummy weights)
       python benchmarks/spec_decode_gpu.py llama8b --out "$OUT" ;;
     kvc-d-prefix)  # Benchmark D with a system prompt every prompt shares, prefix caching on/off
@@ -120,6 +124,10 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         --out "$OUT" | grep -v "^ "; summary "$OUT"
       python benchmarks/gpu_suite.py bench-b --skip-peers --kvc-too --num-b ${KVC_NUM_B:-256} \
         --warm-b 256 --warm-out 32 --out "$OUT" | grep -E "output_tokens_per_s|^wrote" | head -20 ;;
+    kvc-ab-a)  # KV-Compress off / on (never evicts) side by side, alternating timed runs
+      python benchmarks/kvc_overhead_ab.py a --rounds ${KVC_ROUNDS:-3} --out "$OUT" ;;
+    kvc-ab-b) python benchmarks/kvc_overhead_ab.py b --rounds ${KVC_ROUNDS:-2} \
+        --b-shapes ${KVC_SHAPES:-128x1024,1024x128} --out "$OUT" ;;
     kvc-tiles)  # the KV-Compress decode kernel's launch shapes inside the engine, off run twice
       python benchmarks/gpu_suite.py bench-a --skip-peers --time-device --repeat-off \
         --kvc-tiles ${KVC_TILES:-64:4:2,128:4:3} --out "$OUT" | grep -v "^ "; summary "$OUT"

@@ -249,9 +249,13 @@ def cheap(args: argparse.Namespace) -> dict:
     for name in ("ngram", "suffix"):
         proposers[f"{name}_paced"] = {**proposers[name], "disable_when_slower": True}
     for layers in (2, 7):
+        if args.proposers and f"first{layers}_of_28" not in args.proposers.split(","):
+            continue
         draft = first_layers_copy(path, f"/tmp/qwen3_first{layers}", layers)
         proposers[f"first{layers}_of_28"] = {"method": "draft_model", "model": draft,
                                               "num_speculative_tokens": k}  # fmt: skip
+    if args.proposers:
+        proposers = {n: proposers[n] for n in args.proposers.split(",")}
     rows: list[dict] = []
     result["proposers"] = rows
     _run_proposers(args, path, proposers, common, vocab, batches, base, result, rows)
@@ -348,6 +352,8 @@ def main() -> None:
     ap.add_argument("part", choices=["qwen3", "cheap", "llama8b", "profile"])
     ap.add_argument("--k", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--max-batch", type=int, default=256)
+    ap.add_argument("--proposers", default="",
+                    help="cheap: only these (comma-separated, e.g. suffix,suffix_paced)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     parts = {"qwen3": qwen3, "cheap": cheap, "llama8b": llama8b, "profile": profile}

@@ -90,6 +90,24 @@ def test_shadow_drafts_measure_the_acceptance_while_paused() -> None:
     assert not pacer._shadow
 
 
+def test_shadow_proposals_per_step_are_capped() -> None:
+    """At 256 running the host drafts for a few requests a step, not for every one; the
+    others keep their turn for a later step."""
+    pacer = SpecPacer()
+    calls = []
+    cap = SpecPacer.SHADOW_PER_STEP
+
+    def step(n: int) -> None:
+        pacer.scheduled(n, float(n), 256, False, True)
+        for i in range(256):
+            pacer.shadow(f"r{i}", [1, 2, 3 + n], False, lambda i=i: calls.append(i) or [9, 9])
+
+    step(0)
+    assert len(calls) == cap and len(pacer._shadow) == cap
+    step(1)  # the first ones wait for their tokens; the next ones get a turn
+    assert len(calls) == 2 * cap and calls[cap:] == list(range(cap, 2 * cap))
+
+
 def test_prompt_steps_and_idle_time_are_not_measured() -> None:
     pacer = SpecPacer()
     loop = _Loop(pacer)

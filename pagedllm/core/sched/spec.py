@@ -71,6 +71,7 @@ class SpecPacer:
 
     PHASE = 8
     EXPLORE_SHARE = 1 / 32
+    SHADOW_PER_STEP = 16  # shadow proposals a step at most (host time under load)
     EMA = 0.5  # per phase, for step times
     ACC_EMA = 1 / 32  # per drafting opportunity, for the acceptance
 
@@ -80,6 +81,7 @@ class SpecPacer:
         self.samples = 0
         self.shadow_drafts = shadow  # the proposer can draft on the host while paused
         self._shadow: dict[str, tuple[int, list[int]]] = {}
+        self._shadow_left = self.SHADOW_PER_STEP
         self._steps: dict[int, tuple[float, int, bool, bool]] = {}
         self._last_update: float | None = None
 
@@ -105,7 +107,10 @@ class SpecPacer:
     ) -> None:
         """While paused, after a request's tokens grew: check its pending shadow drafts against
         the tokens that followed them, once there are as many (or it finished), then draft
-        again with ``propose()`` (the drafts, [] for none) from its tokens now."""
+        again with ``propose()`` (the drafts, [] for none) from its tokens now - if the step
+        has shadow proposals left: at most ``SHADOW_PER_STEP`` a step, so that at 256 running
+        the host drafts for a few requests a step, not for all (the acceptance needs samples,
+        not every request's)."""
         pending = self._shadow.get(req_id)
         if pending is not None:
             n0, drafts = pending
@@ -117,8 +122,9 @@ class SpecPacer:
                 a += 1
             self.sample(a)
             del self._shadow[req_id]
-        if finished:
+        if finished or self._shadow_left <= 0:
             return
+        self._shadow_left -= 1
         drafts = propose()
         if drafts:
             self._shadow[req_id] = (len(tokens), list(drafts))
@@ -133,6 +139,7 @@ class SpecPacer:
         self, step_id: int, now: float, num_running: int, speculated: bool, decode_only: bool
     ) -> None:
         """A step was scheduled at ``now`` with this load and mode."""
+        self._shadow_left = self.SHADOW_PER_STEP
         if len(self._steps) > 64:  # steps that never came back (a failed step)
             self._steps.pop(next(iter(self._steps)))
         self._steps[step_id] = (now, num_running, speculated, decode_only)
