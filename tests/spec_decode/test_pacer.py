@@ -18,15 +18,29 @@ class _Loop:
     def __init__(self, pacer: SpecPacer) -> None:
         self.pacer, self.now, self.step = pacer, 0.0, 0
 
-    def run(self, n: int, running: int, step_s: dict, accepted: int, prefill=False) -> list:
+    def run(
+        self,
+        n: int,
+        running: int,
+        step_s: dict,
+        accepted: int,
+        prefill=False,
+        host_s=None,
+        idle_after=False,
+    ) -> list:
+        """``host_s[mode]``: host time between an update and the next step's scheduling
+        (output processing, drafting) that the step waits for; ``idle_after``: the last step's
+        update leaves the engine without requests."""
         modes = []
-        for _ in range(n):
+        for i in range(n):
             mode = self.pacer.speculate(running)
-            self.pacer.scheduled(self.step, self.now, running, mode, not prefill)
+            t_start = self.now
+            self.now += (host_s or {}).get(mode, 0.0)
+            self.pacer.scheduled(self.step, t_start, running, mode, not prefill)
             self.now += step_s[mode]
             for _ in range(running):
                 self.pacer.sample(accepted)
-            self.pacer.updated(self.step, self.now)
+            self.pacer.updated(self.step, self.now, not (idle_after and i == n - 1))
             self.step += 1
             modes.append(mode)
         return modes
@@ -116,10 +130,21 @@ def test_prompt_steps_and_idle_time_are_not_measured() -> None:
     assert loop.run(3 * P, 4, step_s, 1, prefill=True) == [True] * (3 * P)
     assert not pacer.buckets[(4).bit_length()].step_s
     # an idle engine between two steps: the second step's time starts at its scheduling
-    loop.run(P // 2, 4, step_s, 1)
+    loop.run(P // 2, 4, step_s, 1, idle_after=True)
     loop.now += 100.0
     loop.run(P - P // 2, 4, step_s, 1)
     assert pacer.buckets[(4).bit_length()].step_s[True] == pytest.approx(0.05)
+
+
+def test_the_host_work_before_a_step_counts() -> None:
+    """Drafting on the host before a synchronous step is part of its time: 1 ms on the device
+    and 9 ms of drafting make a 10 ms step, which 1 accepted draft does not pay for against 3
+    ms steps without drafts."""
+    pacer = SpecPacer()
+    loop = _Loop(pacer)
+    modes = loop.run(10 * P, 64, {True: 0.001, False: 0.003}, 1, host_s={True: 0.009})
+    assert pacer.buckets[(64).bit_length()].step_s[True] == pytest.approx(0.010)
+    assert _phases(modes)[2:].count(True) <= 1
 
 
 def test_a_failed_step_does_not_grow_the_pacer() -> None:

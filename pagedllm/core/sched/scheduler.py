@@ -270,6 +270,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step under the token budget (see THE RULE at the top of this file)."""
         self._now.value = self.clock()
+        t_start = time.perf_counter()  # the speculation pacer's step starts here after idle
         if self.policy.dynamic:
             self.waiting.resort()
         self._grammars_ready()
@@ -423,7 +424,7 @@ class Scheduler:
             decode_only = all(
                 n == 1 + len(spec_tokens.get(rid, ())) for rid, n in num_scheduled.items()
             )
-            self.spec.pacer.scheduled(step_id, time.perf_counter(), load, speculate, decode_only)
+            self.spec.pacer.scheduled(step_id, t_start, load, speculate, decode_only)
         self._kvc_pending += bool(kvc_compress)
         self.finished_req_ids = set()
         self._swap_out = []
@@ -706,7 +707,8 @@ class Scheduler:
                 self.spec.observe(request, scheduler_output.spec_paused, bool(drafts))
             outputs.append(self._emit(request, new_tokens, logprobs, prompt_lp))
         if self.spec is not None and self.spec.pacer is not None:
-            self.spec.pacer.updated(scheduler_output.step_id, time.perf_counter())
+            busy = self.has_unfinished_requests()
+            self.spec.pacer.updated(scheduler_output.step_id, time.perf_counter(), busy)
         if runner_output.draft_token_ids:
             assert self.spec is not None
             for rid, (num_tokens, drafts) in runner_output.draft_token_ids.items():

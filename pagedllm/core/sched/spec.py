@@ -58,12 +58,16 @@ class SpecPacer:
       model then emits (``shadow``; not for a draft model, whose drafts come from the runner).
       The acceptance moves with the content, so this is measured all the time.
     - ``t_on`` and ``t_off`` per load level (bucket: running requests rounded down to a
-      power of two): the wall time of decode-only steps from their scheduling to their update,
-      in phases of ``PHASE`` steps of one mode. A phase's first step is not counted (the switch
-      between synchronous and asynchronous steps), nor are steps with prompt tokens, nor the
-      engine's idle time. A level measures on, then off, then runs the mode the rule picks at
-      each phase's end, and measures the other mode's step again once the chosen one has run
-      ``1 / EXPLORE_SHARE`` times that mode's phase (at most ~3% of the time in it).
+      power of two): the wall time of decode-only steps from the previous step's update to
+      their own, in phases of ``PHASE`` steps of one mode - so a step's time holds all the
+      host work of the engine loop: the output processing, the scheduling and the drafting
+      before a synchronous step (a speculating one) as well as the overlapped ones of an
+      asynchronous step. A phase's first step is not counted (the switch between synchronous
+      and asynchronous steps), nor are steps with prompt tokens, nor the engine's idle time (a
+      step after an update that left no work starts at its own scheduling). A level measures
+      on, then off, then runs the mode the rule picks at each phase's end, and measures the
+      other mode's step again once the chosen one has run ``1 / EXPLORE_SHARE`` times that
+      mode's phase (at most ~3% of the time in it).
 
     Example: at 32 running, t_on 80 ms and t_off 50 ms: speculation needs a > 0.6; at 1
     running, 30 and 20 ms: a > 0.5.
@@ -71,7 +75,7 @@ class SpecPacer:
 
     PHASE = 8
     EXPLORE_SHARE = 1 / 32
-    SHADOW_PER_STEP = 16  # shadow proposals a step at most (host time under load)
+    SHADOW_PER_STEP = 4  # shadow proposals a step at most (host time under load)
     EMA = 0.5  # per phase, for step times
     ACC_EMA = 1 / 32  # per drafting opportunity, for the acceptance
 
@@ -81,9 +85,9 @@ class SpecPacer:
         self.samples = 0
         self.shadow_drafts = shadow  # the proposer can draft on the host while paused
         self._shadow: dict[str, tuple[int, list[int]]] = {}
-        self._shadow_left = self.SHADOW_PER_STEP
+        self.shadow_left = self.SHADOW_PER_STEP  # shadow proposals this step may still make
         self._steps: dict[int, tuple[float, int, bool, bool]] = {}
-        self._last_update: float | None = None
+        self._last_update: float | None = None  # None: the engine was idle since
 
     def _bucket(self, num_running: int) -> _Bucket:
         return self.buckets.setdefault(max(num_running, 1).bit_length(), _Bucket())
@@ -122,14 +126,19 @@ class SpecPacer:
                 a += 1
             self.sample(a)
             del self._shadow[req_id]
-        if finished or self._shadow_left <= 0:
+        if finished or self.shadow_left <= 0:
             return
-        self._shadow_left -= 1
+        self.shadow_left -= 1
         drafts = propose()
         if drafts:
             self._shadow[req_id] = (len(tokens), list(drafts))
         else:
             self.sample(0)
+
+    def shadow_due(self, req_id: str) -> bool:
+        """Whether ``shadow`` has work for the request this step: drafts to check, or a
+        proposal left (a cheap test for the many requests a step under load)."""
+        return self.shadow_left > 0 or req_id in self._shadow
 
     def forget(self, req_id: str) -> None:
         """The request ended or speculates again: its shadow drafts are dropped."""
@@ -138,20 +147,25 @@ class SpecPacer:
     def scheduled(
         self, step_id: int, now: float, num_running: int, speculated: bool, decode_only: bool
     ) -> None:
-        """A step was scheduled at ``now`` with this load and mode."""
-        self._shadow_left = self.SHADOW_PER_STEP
+        """A step was scheduled (``now``: when its scheduling began) with this load and mode."""
+        self.shadow_left = self.SHADOW_PER_STEP
         if len(self._steps) > 64:  # steps that never came back (a failed step)
             self._steps.pop(next(iter(self._steps)))
         self._steps[step_id] = (now, num_running, speculated, decode_only)
 
-    def updated(self, step_id: int, now: float) -> None:
-        """The step's results reached the host at ``now``.
+    def updated(self, step_id: int, now: float, busy: bool) -> None:
+        """The step's results reached the host at ``now``; ``busy``: requests are left.
 
-        Its time: from the later of the last update and its own scheduling (steps in flight
-        overlap; after an idle engine the first step starts when it was scheduled) to now.
+        Its time: from the last update to now (the engine loop's host work between two
+        updates belongs to the step after it, synchronous or not; asynchronous steps overlap,
+        and one update follows another by a step's time). After an update that left no work
+        (``busy`` False there), the next step's time starts at its scheduling instead.
+
+        Example: sync steps, update at 10.0, output processing and drafting until 10.004,
+        scheduled at 10.004 (t_sched: the start of scheduling, 10.001), updated at 10.012: 12 ms.
         """
         info = self._steps.pop(step_id, None)
-        last, self._last_update = self._last_update, now
+        last, self._last_update = self._last_update, now if busy else None
         if info is None:
             return
         t_sched, num_running, speculated, decode_only = info
@@ -160,7 +174,7 @@ class SpecPacer:
             return
         b.steps += 1
         if b.steps > 1:  # the phase's first step carries the switch
-            b.seconds += now - max(t_sched, last if last is not None else t_sched)
+            b.seconds += now - (last if last is not None else t_sched)
             b.counted += 1
         if b.steps < self.PHASE:
             return
@@ -275,7 +289,7 @@ class SpecDecoding:
             pacer.forget(request.request_id)
             if not drafted:
                 pacer.sample(0)
-        elif pacer.shadow_drafts:
+        elif pacer.shadow_drafts and pacer.shadow_due(request.request_id):
             pacer.shadow(
                 request.request_id,
                 request.all_token_ids,
