@@ -109,6 +109,7 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
       python -m pytest -q -x -p no:cacheprovider --durations=5 tests/models/test_spec_decode.py ;;
     spec-cheap)  # n-gram, suffix and first-layers drafts vs none, batch 1-256 (Qwen3-0.6B shape)
       python benchmarks/spec_decode_gpu.py cheap ${SPEC_PROPOSERS:+--proposers $SPEC_PROPOSERS} \
+        --repeats ${SPEC_REPEATS:-1} \
         --out "$OUT" | grep -v '"tokens"' ;;
     spec-draft-8b)  # Llama-3.1-8B shape with a Llama-3.2-1B-shaped draft (dummy weights)
       python benchmarks/spec_decode_gpu.py llama8b --out "$OUT" ;;

@@ -60,23 +60,30 @@ def _metrics(llm: LLM) -> dict:
     return {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
 
 
+REPEATS = 1  # timed runs per batch (--repeats), each on its own prompts
+
+
 def _timed(llm: LLM, batch: int, vocab: int, warm: bool = True) -> dict:
     """Warm-up on other prompts of the same shape (unless the engine ran this shape
-    already), then the timed run."""
+    already), then the timed runs (``REPEATS``, each on other prompts: suffix decoding
+    learns from earlier responses); their tokens and seconds summed."""
     sp = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     if warm:
         llm.generate(_workload(batch, vocab, seed=1000 + batch), sp, use_tqdm=False)
     before = _metrics(llm)
-    prompts = _workload(batch, vocab, seed=batch)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    torch.cuda.synchronize()
-    el = time.perf_counter() - t
+    el, outs, runs_s = 0.0, [], []
+    for i in range(REPEATS):
+        prompts = _workload(batch, vocab, seed=batch + 100_000 * i)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs += llm.generate(prompts, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        runs_s.append(time.perf_counter() - t)
+        el += runs_s[-1]
     after = _metrics(llm)
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     row = {"batch": batch, "elapsed_s": el, "output_tokens": produced,
-           "output_tokens_per_s": produced / el,
+           "output_tokens_per_s": produced / el, "runs_s": runs_s,
            "tokens": [list(o.outputs[0].token_ids) for o in outs]}  # fmt: skip
     name = "vllm:spec_decode_num_draft_tokens"
     if name in after:
@@ -135,7 +142,7 @@ def _qwen3_baseline(args: argparse.Namespace, benchmark: str) -> tuple:
                   gpu_memory_utilization=0.8, enable_prefix_caching=False)  # fmt: skip
     workload = {"model": "qwen3-0.6b shape, random weights, bf16", "prompt_len": PROMPT_LEN,
                 "output_len": OUTPUT_LEN, "greedy": True, "ignore_eos": True,
-                "batches": batches}  # fmt: skip
+                "batches": batches, "timed_runs_per_batch": REPEATS}  # fmt: skip
     result: dict = {**provenance(benchmark), "workload": workload}
     llm = LLM(path, **common)
     base = {b: _timed(llm, b, vocab) for b in batches}
@@ -352,10 +359,13 @@ def main() -> None:
     ap.add_argument("part", choices=["qwen3", "cheap", "llama8b", "profile"])
     ap.add_argument("--k", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--max-batch", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per batch")
     ap.add_argument("--proposers", default="",
                     help="cheap: only these (comma-separated, e.g. suffix,suffix_paced)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
+    global REPEATS
+    REPEATS = args.repeats
     parts = {"qwen3": qwen3, "cheap": cheap, "llama8b": llama8b, "profile": profile}
     result = parts[args.part](args)
     _save(args, result)
