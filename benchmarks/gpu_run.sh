@@ -111,6 +111,9 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
       python benchmarks/spec_decode_gpu.py cheap ${SPEC_PROPOSERS:+--proposers $SPEC_PROPOSERS} \
         --repeats ${SPEC_REPEATS:-1} \
         --out "$OUT" | grep -v '"tokens"' ;;
+    spec-paced)  # disable_when_slower: engines side by side, timed runs interleaved
+      python benchmarks/spec_decode_gpu.py paced --repeats ${SPEC_REPEATS:-3} \
+        ${SPEC_PROPOSERS:+--proposers $SPEC_PROPOSERS} --out "$OUT" | grep -v '"tokens"' ;;
     spec-draft-8b)  # Llama-3.1-8B shape with a Llama-3.2-1B-shaped draft (dummy weights)
       python benchmarks/spec_decode_gpu.py llama8b --out "$OUT" ;;
     kvc-d-prefix)  # Benchmark D with a system prompt every prompt shares, prefix caching on/off

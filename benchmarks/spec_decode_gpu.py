@@ -17,6 +17,12 @@ Prefix caching is off (the timed prompts repeat across draft settings).
 - ``cheap``: the ``qwen3`` workload with cheap proposers: n-gram, suffix, and drafts made of
   the target's first 2 or 7 of its 28 layers (``first_layers_copy``); n-gram and suffix also
   with ``disable_when_slower`` (``*_paced``).
+- ``paced``: speculation where it pays against drift between runs: the engine without
+  speculation and n-gram / suffix with and without ``disable_when_slower`` live side by side
+  (each its own KV cache of ``--kv-gib``), each warmed up on a batch, then ``--repeats``
+  rounds of one timed run per engine in a rotating order; each engine's ratio to the engine
+  without speculation over all rounds and per round, and each paced engine's levels
+  (``SpecPacer.summary``: ms a step in each mode, steps scheduled in each).
 
 Greedy bf16: speculation verifies k + 1 positions in one pass (other kernels than a decode
 step's), so a near tie may break differently; the agreement with the run without speculation
@@ -25,6 +31,7 @@ is recorded, not asserted (the fp32 equality tests are tests/models/test_spec_de
     python benchmarks/spec_decode_gpu.py qwen3 --out $OUT
     python benchmarks/spec_decode_gpu.py llama8b --out $OUT
     python benchmarks/spec_decode_gpu.py cheap --out $OUT
+    python benchmarks/spec_decode_gpu.py paced --repeats 3 --out $OUT
 """
 
 from __future__ import annotations
@@ -269,6 +276,63 @@ def cheap(args: argparse.Namespace) -> dict:
     return result
 
 
+def paced(args: argparse.Namespace) -> dict:
+    """Engines side by side, timed runs interleaved (see the module's docstring)."""
+    path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
+    vocab, k = 151936, 4
+    batches = [b for b in BATCHES if b <= args.max_batch]
+    common = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=max(batches),
+                  kv_cache_memory_bytes=int(args.kv_gib * 2**30),
+                  enable_prefix_caching=False)  # fmt: skip
+    configs: dict[str, dict | None] = {"off": None}
+    for name in (args.proposers or "ngram,ngram_paced,suffix,suffix_paced").split(","):
+        method = name.removesuffix("_paced")
+        spec = {"method": method, "num_speculative_tokens": k}
+        if method == "ngram":
+            spec["prompt_lookup_max"] = 3
+        if name.endswith("_paced"):
+            spec["disable_when_slower"] = True
+        configs[name] = spec
+    result: dict = {**provenance("spec-decode-paced"),
+                    "workload": {"model": "qwen3-0.6b shape, random weights, bf16",
+                                 "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
+                                 "greedy": True, "ignore_eos": True, "batches": batches,
+                                 "rounds": REPEATS, "configs": configs},
+                    "batches": {}}  # fmt: skip
+    engines = {n: LLM(path, speculative_config=c, **common) for n, c in configs.items()}
+    sp = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    names = list(engines)
+    for b in batches:
+        for llm in engines.values():
+            llm.generate(_workload(b, vocab, seed=1000 + b), sp, use_tqdm=False)
+        runs: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(REPEATS):
+            prompts = _workload(b, vocab, seed=b + 100_000 * r)
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for n in order:
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                outs = engines[n].generate(prompts, sp, use_tqdm=False)
+                torch.cuda.synchronize()
+                el = time.perf_counter() - t
+                runs[n].append(sum(len(o.outputs[0].token_ids) for o in outs) / el)
+        row: dict = {}
+        for n in names:
+            ratios = [x / y for x, y in zip(runs[n], runs["off"])]
+            row[n] = {"output_tokens_per_s": runs[n], "round_ratios": ratios,
+                      "ratio": float(np.mean(runs[n]) / np.mean(runs["off"]))}  # fmt: skip
+            spec = engines[n].llm_engine.engine_core.scheduler.spec
+            if spec is not None:
+                row[n]["spec_stats"] = spec.stats()
+                if spec.pacer is not None:
+                    row[n]["pacer"] = spec.pacer.summary()
+        result["batches"][b] = row
+        print(json.dumps({"batch": b, **{n: round(v["ratio"], 3) for n, v in row.items()}}),
+              flush=True)  # fmt: skip
+        _save(args, result)
+    return result
+
+
 def llama8b(args: argparse.Namespace) -> dict:
     target = os.path.join(CONFIGS, "llama-3.1-8b")
     draft = os.path.join(CONFIGS, "llama-3.2-1b")
@@ -356,7 +420,8 @@ def profile(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("part", choices=["qwen3", "cheap", "llama8b", "profile"])
+    ap.add_argument("part", choices=["qwen3", "cheap", "llama8b", "profile", "paced"])
+    ap.add_argument("--kv-gib", type=float, default=12.0, help="paced: each engine's KV cache")
     ap.add_argument("--k", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per batch")
@@ -366,7 +431,8 @@ def main() -> None:
     args = ap.parse_args()
     global REPEATS
     REPEATS = args.repeats
-    parts = {"qwen3": qwen3, "cheap": cheap, "llama8b": llama8b, "profile": profile}
+    parts = {"qwen3": qwen3, "cheap": cheap, "llama8b": llama8b, "profile": profile,
+             "paced": paced}  # fmt: skip
     result = parts[args.part](args)
     _save(args, result)
     print("wrote", args.out)

@@ -63,9 +63,24 @@ def test_each_load_runs_the_mode_the_rule_picks() -> None:
         pacer.sample(0)  # the content changes: nothing accepted any more
     modes = loop.run(10 * P, 32, heavy, 0)
     assert _phases(modes)[1:].count(True) == 0
-    light = {True: 0.03, False: 0.02}  # another level: its own step times
+    # another level: its own step times; it starts in the mode its measured neighbour picks
+    # (off at 32, with nothing accepted there), then measures the other one
+    light = {True: 0.03, False: 0.02}
     modes = loop.run(20 * P, 1, light, 2)
-    assert _phases(modes)[:2] == [True, False] and all(_phases(modes)[-5:])
+    assert _phases(modes)[:2] == [False, True] and all(_phases(modes)[-5:])
+
+
+def test_a_new_level_starts_in_its_nearest_measured_levels_mode() -> None:
+    """Speculation measured slower at 256 running: requests that finish one by one bring
+    the load through 128-255, 64-127, ...; those levels start off (their first phase is the
+    neighbour's mode, not a costly speculating one), down to where a level measured on."""
+    pacer = SpecPacer()
+    loop = _Loop(pacer)
+    loop.run(12 * P, 256, {True: 0.04, False: 0.006}, 1)  # off pays at 256
+    loop.run(12 * P, 1, {True: 0.002, False: 0.0016}, 2)  # on pays at 1
+    assert not pacer.speculate(200) and not pacer.speculate(64)
+    assert pacer.speculate(2)  # nearer to 1 than to 256
+    assert pacer.buckets[(200).bit_length()].scheduled[True] == 0
 
 
 def test_the_other_mode_is_timed_again_within_a_small_share_of_the_time() -> None:

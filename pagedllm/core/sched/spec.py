@@ -43,6 +43,7 @@ class _Bucket:
     seconds: float = 0.0
     counted: int = 0
     since_explore_s: float = 0.0
+    scheduled: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # steps
 
 
 class SpecPacer:
@@ -57,17 +58,18 @@ class SpecPacer:
       proposer drafts as it would have, and the drafts are checked against the tokens the
       model then emits (``shadow``; not for a draft model, whose drafts come from the runner).
       The acceptance moves with the content, so this is measured all the time.
-    - ``t_on`` and ``t_off`` per load level (bucket: running requests rounded down to a
-      power of two): the wall time of decode-only steps from the previous step's update to
-      their own, in phases of ``PHASE`` steps of one mode - so a step's time holds all the
-      host work of the engine loop: the output processing, the scheduling and the drafting
-      before a synchronous step (a speculating one) as well as the overlapped ones of an
-      asynchronous step. A phase's first step is not counted (the switch between synchronous
-      and asynchronous steps), nor are steps with prompt tokens, nor the engine's idle time (a
-      step after an update that left no work starts at its own scheduling). A level measures
-      on, then off, then runs the mode the rule picks at each phase's end, and measures the
-      other mode's step again once the chosen one has run ``1 / EXPLORE_SHARE`` times that
-      mode's phase (at most ~3% of the time in it).
+    - ``t_on`` and ``t_off`` per load level (bucket: running requests rounded down to a power of
+      two; a new level starts in the mode its nearest measured level picks): the wall time of
+      decode-only steps from the previous step's update to their own, in phases of ``PHASE``
+      steps of one mode - so a step's time holds all the host work of the engine loop: the
+      output processing, the scheduling and the drafting before a synchronous step (a
+      speculating one) as well as the overlapped ones of an asynchronous step. A phase's first
+      step is not counted (the switch between synchronous and asynchronous steps), nor are steps
+      with prompt tokens, nor the engine's idle time (a step after an update that left no work
+      starts at its own scheduling). A level measures its first mode, then the other, then runs
+      the mode the rule picks at each phase's end, and measures the other mode's step again once
+      the chosen one has run ``1 / EXPLORE_SHARE`` times that mode's phase (at most ~3% of the
+      time in it).
 
     Example: at 32 running, t_on 80 ms and t_off 50 ms: speculation needs a > 0.6; at 1
     running, 30 and 20 ms: a > 0.5.
@@ -90,7 +92,27 @@ class SpecPacer:
         self._last_update: float | None = None  # None: the engine was idle since
 
     def _bucket(self, num_running: int) -> _Bucket:
-        return self.buckets.setdefault(max(num_running, 1).bit_length(), _Bucket())
+        key = max(num_running, 1).bit_length()
+        b = self.buckets.get(key)
+        if b is None:
+            b = self.buckets[key] = _Bucket(mode=self._neighbour_choice(key))
+        return b
+
+    def _neighbour_choice(self, key: int) -> bool:
+        """A new load level starts in the mode the rule picks at the nearest level with both
+        modes measured (the larger load on a tie), on where there is none: its first phase
+        then costs little where the neighbour is right (the other mode is measured next).
+
+        Example: levels 256-511 measured off, 1 measured on: a first step at 128 running
+        starts off; at 2, on."""
+        measured = [k for k, b in self.buckets.items() if len(b.step_s) == 2]
+        if not measured:
+            return True
+        near = min(measured, key=lambda k: (abs(k - key), -k))
+        return self._pays(self.buckets[near])
+
+    def _pays(self, b: _Bucket) -> bool:
+        return (1.0 + self.accepted) * b.step_s[False] > b.step_s[True]
 
     def speculate(self, num_running: int) -> bool:
         """Whether a step at this load proposes drafts (the current phase's mode)."""
@@ -135,6 +157,23 @@ class SpecPacer:
         else:
             self.sample(0)
 
+    def summary(self) -> dict:
+        """Per load level (its lowest running count): ms a step in each mode, the mode now,
+        and the steps scheduled in each mode; and the measured acceptance."""
+        return {
+            "accepted_per_opportunity": self.accepted,
+            "levels": {
+                1 << (k - 1): {
+                    "on_ms": 1e3 * b.step_s[True] if True in b.step_s else None,
+                    "off_ms": 1e3 * b.step_s[False] if False in b.step_s else None,
+                    "speculating": b.mode,
+                    "steps_on": b.scheduled[True],
+                    "steps_off": b.scheduled[False],
+                }
+                for k, b in sorted(self.buckets.items())
+            },
+        }
+
     def shadow_due(self, req_id: str) -> bool:
         """Whether ``shadow`` has work for the request this step: drafts to check, or a
         proposal left (a cheap test for the many requests a step under load)."""
@@ -152,6 +191,7 @@ class SpecPacer:
         if len(self._steps) > 64:  # steps that never came back (a failed step)
             self._steps.pop(next(iter(self._steps)))
         self._steps[step_id] = (now, num_running, speculated, decode_only)
+        self._bucket(num_running).scheduled[speculated] += 1
 
     def updated(self, step_id: int, now: float, busy: bool) -> None:
         """The step's results reached the host at ``now``; ``busy``: requests are left.
@@ -187,7 +227,7 @@ class SpecPacer:
         if len(b.step_s) < 2:  # measure on first, then off
             b.mode = True not in b.step_s
             return
-        best = (1.0 + self.accepted) * b.step_s[False] > b.step_s[True]
+        best = self._pays(b)
         if mode != best:  # the other mode was just measured again (or the rule changed)
             b.since_explore_s = 0.0
             b.mode = best
