@@ -119,22 +119,22 @@ def test_shadow_drafts_measure_the_acceptance_while_paused() -> None:
     assert not pacer._shadow
 
 
-def test_shadow_proposals_per_step_are_capped() -> None:
-    """At 256 running the host drafts for a few requests a step, not for every one; the
-    others keep their turn for a later step."""
+def test_shadow_drafts_follow_a_few_requests_at_once() -> None:
+    """At 256 running the host drafts for SHADOWED requests, not for every one; when one
+    ends, another takes its place."""
     pacer = SpecPacer()
-    calls = []
-    cap = SpecPacer.SHADOW_PER_STEP
-
-    def step(n: int) -> None:
-        pacer.scheduled(n, float(n), 256, False, True)
+    n = SpecPacer.SHADOWED
+    calls: list[int] = []
+    toks = {i: [1, 2, 3] for i in range(256)}
+    for _ in range(3):  # tokens 4, 5, 6: the drafts [5, 6, 7, 8, 9] after 4 stay undecided
         for i in range(256):
-            pacer.shadow(f"r{i}", [1, 2, 3 + n], False, lambda i=i: calls.append(i) or [9, 9])
-
-    step(0)
-    assert len(calls) == cap and len(pacer._shadow) == cap
-    step(1)  # the first ones wait for their tokens; the next ones get a turn
-    assert len(calls) == 2 * cap and calls[cap:] == list(range(cap, 2 * cap))
+            toks[i].append(toks[i][-1] + 1)
+            pacer.shadow(f"r{i}", toks[i], False, lambda i=i: calls.append(i) or [5, 6, 7, 8, 9])
+    assert sorted(set(calls)) == list(range(n)) and len(calls) == n
+    pacer.shadow("r0", toks[0] + [0], True, lambda: [1])  # r0 ends: 5, 6 accepted, 0 != 7
+    assert pacer.samples == 1 and pacer.accepted == 2.0
+    pacer.shadow(f"r{n}", toks[n] + [0], False, lambda: calls.append(n) or [2])
+    assert calls[-1] == n
 
 
 def test_prompt_steps_and_idle_time_are_not_measured() -> None:

@@ -77,7 +77,7 @@ class SpecPacer:
 
     PHASE = 8
     EXPLORE_SHARE = 1 / 32
-    SHADOW_PER_STEP = 4  # shadow proposals a step at most (host time under load)
+    SHADOWED = 8  # requests followed by shadow drafts at once (host time under load)
     EMA = 0.5  # per phase, for step times
     ACC_EMA = 1 / 32  # per drafting opportunity, for the acceptance
 
@@ -86,8 +86,8 @@ class SpecPacer:
         self.accepted = 0.0  # a: drafts accepted per drafting opportunity (average)
         self.samples = 0
         self.shadow_drafts = shadow  # the proposer can draft on the host while paused
-        self._shadow: dict[str, tuple[int, list[int]]] = {}
-        self.shadow_left = self.SHADOW_PER_STEP  # shadow proposals this step may still make
+        # the requests followed while paused -> their pending shadow drafts (None: none)
+        self._shadow: dict[str, tuple[int, list[int]] | None] = {}
         self._steps: dict[int, tuple[float, int, bool, bool]] = {}
         self._last_update: float | None = None  # None: the engine was idle since
 
@@ -131,30 +131,41 @@ class SpecPacer:
         finished: bool,
         propose: Callable[[], list[int]],
     ) -> None:
-        """While paused, after a request's tokens grew: check its pending shadow drafts against
-        the tokens that followed them, once there are as many (or it finished), then draft
-        again with ``propose()`` (the drafts, [] for none) from its tokens now - if the step
-        has shadow proposals left: at most ``SHADOW_PER_STEP`` a step, so that at 256 running
-        the host drafts for a few requests a step, not for all (the acceptance needs samples,
-        not every request's)."""
-        pending = self._shadow.get(req_id)
+        """While paused, after a request's tokens grew: settle its pending shadow drafts once
+        the tokens that followed them decide them (a mismatch, all of them matched, or the
+        request finished), then draft again with ``propose()`` (the drafts, [] for none) from
+        its tokens now.
+
+        Only ``SHADOWED`` requests are followed at once (others are ignored until one of them
+        ends or speculation resumes): at 256 running the host drafts for a few requests a
+        step, not for all, and a followed request's proposer state stays a few tokens behind
+        (suffix decoding's tree of a request ingests its tokens at its next proposal). A
+        shadow settles after the tokens a verification would have given (the accepted drafts
+        and one more), so opportunities come as often as they would while speculating.
+
+        Example: drafts [4, 5, 9] after 3 tokens; tokens 4, 5 arrive: undecided; 6 arrives:
+        2 accepted."""
+        if req_id in self._shadow:
+            pending = self._shadow[req_id]
+        elif finished or len(self._shadow) >= self.SHADOWED:
+            return
+        else:
+            pending = None
         if pending is not None:
             n0, drafts = pending
             have = tokens[n0 : n0 + len(drafts)]
-            if len(have) < len(drafts) and not finished:
-                return
             a = 0
             while a < len(have) and have[a] == drafts[a]:
                 a += 1
+            if a == len(have) < len(drafts) and not finished:
+                return  # every token so far matched, more drafts to check
             self.sample(a)
-            del self._shadow[req_id]
-        if finished or self.shadow_left <= 0:
+        if finished:
+            self._shadow.pop(req_id, None)
             return
-        self.shadow_left -= 1
         drafts = propose()
-        if drafts:
-            self._shadow[req_id] = (len(tokens), list(drafts))
-        else:
+        self._shadow[req_id] = (len(tokens), list(drafts)) if drafts else None
+        if not drafts:
             self.sample(0)
 
     def summary(self) -> dict:
@@ -175,9 +186,9 @@ class SpecPacer:
         }
 
     def shadow_due(self, req_id: str) -> bool:
-        """Whether ``shadow`` has work for the request this step: drafts to check, or a
-        proposal left (a cheap test for the many requests a step under load)."""
-        return self.shadow_left > 0 or req_id in self._shadow
+        """Whether ``shadow`` has work for the request: it is followed, or there is room to
+        follow it (a cheap test for the many requests of a step under load)."""
+        return req_id in self._shadow or len(self._shadow) < self.SHADOWED
 
     def forget(self, req_id: str) -> None:
         """The request ended or speculates again: its shadow drafts are dropped."""
@@ -187,7 +198,6 @@ class SpecPacer:
         self, step_id: int, now: float, num_running: int, speculated: bool, decode_only: bool
     ) -> None:
         """A step was scheduled (``now``: when its scheduling began) with this load and mode."""
-        self.shadow_left = self.SHADOW_PER_STEP
         if len(self._steps) > 64:  # steps that never came back (a failed step)
             self._steps.pop(next(iter(self._steps)))
         self._steps[step_id] = (now, num_running, speculated, decode_only)
