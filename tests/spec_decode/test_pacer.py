@@ -17,6 +17,8 @@ class _Loop:
 
     def __init__(self, pacer: SpecPacer) -> None:
         self.pacer, self.now, self.step = pacer, 0.0, 0
+        self.last_mode: bool | None = None
+        self.time_in = {True: 0.0, False: 0.0}
 
     def run(
         self,
@@ -27,21 +29,29 @@ class _Loop:
         prefill=False,
         host_s=None,
         idle_after=False,
+        switch_on_s=0.0,
+        ended=False,
     ) -> list:
         """``host_s[mode]``: host time between an update and the next step's scheduling
         (output processing, drafting) that the step waits for; ``idle_after``: the last step's
-        update leaves the engine without requests."""
+        update leaves the engine without requests; ``switch_on_s``: extra time of the first
+        speculating step after a plain one (the proposer catching up); ``ended``: a request
+        ends in every step."""
         modes = []
         for i in range(n):
             mode = self.pacer.speculate(running)
             t_start = self.now
             self.now += (host_s or {}).get(mode, 0.0)
+            if mode and self.last_mode is False:
+                self.now += switch_on_s
             self.pacer.scheduled(self.step, t_start, running, mode, not prefill)
             self.now += step_s[mode]
             for _ in range(running):
                 self.pacer.sample(accepted)
-            self.pacer.updated(self.step, self.now, not (idle_after and i == n - 1))
+            self.pacer.updated(self.step, self.now, not (idle_after and i == n - 1), ended)
             self.step += 1
+            self.last_mode = mode
+            self.time_in[mode] += self.now - t_start
             modes.append(mode)
         return modes
 
@@ -162,8 +172,65 @@ def test_the_host_work_before_a_step_counts() -> None:
     assert _phases(modes)[2:].count(True) <= 1
 
 
+def test_exploring_costs_a_small_share_even_when_switching_on_is_dear() -> None:
+    """Each switch to speculation costs 1 s once (suffix decoding's trees catching up on the
+    paused stretch) besides 40 ms steps against 6 ms: speculation is re-timed rarely enough
+    that all its time, switches included, stays near EXPLORE_SHARE of the whole."""
+    pacer = SpecPacer()
+    loop = _Loop(pacer)
+    step_s = {True: 0.04, False: 0.006}
+    loop.run(4 * P, 256, step_s, 1, switch_on_s=1.0)
+    loop.time_in = {True: 0.0, False: 0.0}
+    loop.run(3000 * P, 256, step_s, 1, switch_on_s=1.0)
+    share = loop.time_in[True] / (loop.time_in[True] + loop.time_in[False])
+    assert 0 < share <= 1.5 * SpecPacer.EXPLORE_SHARE
+
+
+def test_steps_where_a_request_ends_are_not_measured() -> None:
+    """All requests of a batch run without drafts end in the same step, whose host work
+    (suffix decoding's global tree learning every output) would read as a slow plain step."""
+    pacer = SpecPacer()
+    loop = _Loop(pacer)
+    loop.run(P, 16, {True: 0.004, False: 0.002}, 1)  # on measured
+    loop.run(P - 1, 16, {True: 0.004, False: 0.002}, 1)
+    loop.run(5, 16, {True: 0.004, False: 0.5}, 1, ended=True)
+    loop.run(1, 16, {True: 0.004, False: 0.002}, 1)
+    assert pacer.buckets[(16).bit_length()].step_s[False] == pytest.approx(0.002)
+
+
 def test_a_failed_step_does_not_grow_the_pacer() -> None:
     pacer = SpecPacer()
     for i in range(1000):  # scheduled, never updated
         pacer.scheduled(i, float(i), 8, True, True)
     assert len(pacer._steps) <= 65
+
+
+def test_paused_suffix_decoding_learns_only_from_followed_requests() -> None:
+    """While paused, suffix decoding's global tree takes the outputs of the requests the
+    shadow drafts follow, not every request's (its host time per token at 256 running)."""
+    from types import SimpleNamespace
+
+    from pagedllm.core.sched.spec import SpecDecoding
+    from pagedllm.spec_decode import SpeculativeConfig
+
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=4, disable_when_slower=True)
+    spec = SpecDecoding(config, max_model_len=1000)
+    pacer = spec.pacer
+    prompt, output = [1, 2, 3], [50, 51, 52, 53, 54, 55]
+
+    def req(rid: str) -> SimpleNamespace:
+        return SimpleNamespace(request_id=rid, all_token_ids=prompt + output, num_prompt_tokens=3)
+
+    def drafts_after(rid: str) -> list[int]:  # a new request that has just produced 50, 51
+        return spec.proposer.propose(rid, [9, 9, 50, 51], 2, 4)
+
+    pacer.scheduled(0, 0.0, 256, False, True)  # a paused step
+    spec.finish(req("unfollowed"))
+    assert drafts_after("n1") == []
+    pacer.shadow("followed", prompt + output[:1], False, lambda: [7])
+    spec.finish(req("followed"))
+    assert drafts_after("n2") == [52, 53]  # 2 matched tokens: 2 drafts (max_spec_factor 1)
+    pacer.scheduled(1, 0.0, 256, True, True)  # speculating again: every output is learned
+    output[:] = [60, 61, 62, 63]
+    spec.finish(req("any"))
+    assert spec.proposer.propose("n3", [9, 60, 61], 1, 4) == [62, 63]

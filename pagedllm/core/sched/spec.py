@@ -42,6 +42,8 @@ class _Bucket:
     steps: int = 0  # steps of the current phase seen (the first is not counted)
     seconds: float = 0.0
     counted: int = 0
+    wall_s: float = 0.0  # the current phase's time, its first step included
+    phase_cost_s: dict[bool, float] = field(default_factory=dict)  # the last phase per mode
     since_explore_s: float = 0.0
     scheduled: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # steps
 
@@ -90,6 +92,7 @@ class SpecPacer:
         self._shadow: dict[str, tuple[int, list[int]] | None] = {}
         self._steps: dict[int, tuple[float, int, bool, bool]] = {}
         self._last_update: float | None = None  # None: the engine was idle since
+        self.paused_now = False  # the last scheduled step proposed nothing
 
     def _bucket(self, num_running: int) -> _Bucket:
         key = max(num_running, 1).bit_length()
@@ -185,6 +188,10 @@ class SpecPacer:
             },
         }
 
+    def follows(self, req_id: str) -> bool:
+        """Whether shadow drafts follow the request (its proposer state is current)."""
+        return req_id in self._shadow
+
     def shadow_due(self, req_id: str) -> bool:
         """Whether ``shadow`` has work for the request: it is followed, or there is room to
         follow it (a cheap test for the many requests of a step under load)."""
@@ -202,9 +209,13 @@ class SpecPacer:
             self._steps.pop(next(iter(self._steps)))
         self._steps[step_id] = (now, num_running, speculated, decode_only)
         self._bucket(num_running).scheduled[speculated] += 1
+        self.paused_now = not speculated
 
-    def updated(self, step_id: int, now: float, busy: bool) -> None:
-        """The step's results reached the host at ``now``; ``busy``: requests are left.
+    def updated(self, step_id: int, now: float, busy: bool, finished: bool = False) -> None:
+        """The step's results reached the host at ``now``; ``busy``: requests are left;
+        ``finished``: a request ended in it (the step is not measured: the host's work for an
+        ending request - suffix decoding adds its output to the global tree - does not depend
+        on the mode, and all requests of a batch run without drafts end in the same step).
 
         Its time: from the last update to now (the engine loop's host work between two
         updates belongs to the step after it, synchronous or not; asynchronous steps overlap,
@@ -220,20 +231,23 @@ class SpecPacer:
             return
         t_sched, num_running, speculated, decode_only = info
         b = self._bucket(num_running)
-        if not decode_only or speculated != b.mode:
+        if not decode_only or finished or speculated != b.mode:
             return
         b.steps += 1
+        step_s = now - (last if last is not None else t_sched)
+        b.wall_s += step_s
         if b.steps > 1:  # the phase's first step carries the switch
-            b.seconds += now - (last if last is not None else t_sched)
+            b.seconds += step_s
             b.counted += 1
         if b.steps < self.PHASE:
             return
         mode, phase_s = b.mode, b.seconds
+        b.phase_cost_s[mode] = b.wall_s
         if b.counted:
             x = b.seconds / b.counted
             old = b.step_s.get(mode)
             b.step_s[mode] = x if old is None else self.EMA * x + (1 - self.EMA) * old
-        b.steps, b.seconds, b.counted = 0, 0.0, 0
+        b.steps, b.seconds, b.counted, b.wall_s = 0, 0.0, 0, 0.0
         if len(b.step_s) < 2:  # measure on first, then off
             b.mode = True not in b.step_s
             return
@@ -243,7 +257,10 @@ class SpecPacer:
             b.mode = best
             return
         b.since_explore_s += phase_s
-        if b.since_explore_s * self.EXPLORE_SHARE >= self.PHASE * b.step_s[not best]:
+        # the other mode's last phase, its first step included: switching to speculation
+        # makes the proposer catch up on the tokens of the paused stretch (suffix decoding's
+        # trees), a cost that grows with the stretch
+        if b.since_explore_s * self.EXPLORE_SHARE >= b.phase_cost_s[not best]:
             b.mode = not best
 
 
@@ -348,10 +365,19 @@ class SpecDecoding:
             )
 
     def finish(self, request: Request) -> None:
-        """The request ended: the proposer drops (or, suffix decoding, keeps) what it knew."""
-        if self.pacer is not None:
-            self.pacer.forget(request.request_id)
-        self.proposer.finish(request.request_id, request.all_token_ids, request.num_prompt_tokens)
+        """The request ended: the proposer drops (or, suffix decoding, keeps) what it knew.
+
+        While the pacer has speculation paused, only the requests its shadow drafts follow
+        pass their output on (suffix decoding's global tree learns from those, not from every
+        request: its Python tree costs host time per output token, which at 256 running is a
+        share of a step's time); the others end as if they had no output."""
+        rid, tokens, n = request.request_id, request.all_token_ids, request.num_prompt_tokens
+        pacer = self.pacer
+        if pacer is not None:
+            if pacer.paused_now and not pacer.follows(rid):
+                tokens = tokens[:n]  # nothing to learn from
+            pacer.forget(rid)
+        self.proposer.finish(rid, tokens, n)
 
     def stats(self) -> dict[str, float | list[int]]:
         """Counters for metrics and the offline API's stats."""
