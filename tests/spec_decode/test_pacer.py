@@ -172,6 +172,22 @@ def test_the_host_work_before_a_step_counts() -> None:
     assert _phases(modes)[2:].count(True) <= 1
 
 
+def test_a_level_that_turns_out_to_pay_when_re_timed_stays_on() -> None:
+    """Off was better; the re-timing phase finds speculation paying now (the acceptance
+    rose): the level stays on instead of exploring off at once (the time counted towards
+    the next exploration starts again at each switch)."""
+    pacer = SpecPacer()
+    loop = _Loop(pacer)
+    heavy = {True: 0.04, False: 0.01}
+    loop.run(2 * P, 64, heavy, 0)  # on, then off measured; nothing accepted: off
+    b = pacer.buckets[(64).bit_length()]
+    b.since_explore_s = 100.0  # long in off: the next phase's end re-times on
+    assert loop.run(P, 64, heavy, 0)[-1] is False and b.mode is True
+    loop.run(P, 64, heavy, 4)  # the re-timing phase: 4 accepted, 5 x 10 ms > 40 ms
+    assert b.mode is True
+    assert all(loop.run(4 * P, 64, heavy, 4))
+
+
 def test_exploring_costs_a_small_share_even_when_switching_on_is_dear() -> None:
     """Each switch to speculation costs 1 s once (suffix decoding's trees catching up on the
     paused stretch) besides 40 ms steps against 6 ms: speculation is re-timed rarely enough

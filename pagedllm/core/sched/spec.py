@@ -262,6 +262,8 @@ class SpecPacer:
         # trees), a cost that grows with the stretch
         if b.since_explore_s * self.EXPLORE_SHARE >= b.phase_cost_s[not best]:
             b.mode = not best
+            b.since_explore_s = 0.0  # (else a rule that flips after the exploring phase
+            # would switch back at once, and the two modes alternate phase by phase)
 
 
 class SpecDecoding:
