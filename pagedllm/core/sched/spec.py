@@ -79,7 +79,7 @@ class SpecPacer:
 
     PHASE = 8
     EXPLORE_SHARE = 1 / 32
-    SHADOWED = 8  # requests followed by shadow drafts at once (host time under load)
+    SHADOWED = 2  # requests followed by shadow drafts at once (host time: ~1.5 proposals a step)
     EMA = 0.5  # per phase, for step times
     ACC_EMA = 1 / 32  # per drafting opportunity, for the acceptance
 
