@@ -22,7 +22,8 @@ Prefix caching is off (the timed prompts repeat across draft settings).
   (each its own KV cache of ``--kv-gib``), each warmed up on a batch, then ``--repeats``
   rounds of one timed run per engine in a rotating order; each engine's ratio to the engine
   without speculation over all rounds and per round, and each paced engine's levels
-  (``SpecPacer.summary``: ms a step in each mode, steps scheduled in each).
+  (``SpecPacer.summary``: ms a step in each mode, steps scheduled in each) and speculation
+  counters, both as they stand after the batch (cumulative over the batches before it).
 
 Greedy bf16: speculation verifies k + 1 positions in one pass (other kernels than a decode
 step's), so a near tie may break differently; the agreement with the run without speculation

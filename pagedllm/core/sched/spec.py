@@ -68,10 +68,10 @@ class SpecPacer:
       speculating one) as well as the overlapped ones of an asynchronous step. A phase's first
       step is not counted (the switch between synchronous and asynchronous steps), nor are steps
       with prompt tokens, nor the engine's idle time (a step after an update that left no work
-      starts at its own scheduling). A level measures its first mode, then the other, then runs
-      the mode the rule picks at each phase's end, and measures the other mode's step again once
-      the chosen one has run ``1 / EXPLORE_SHARE`` times that mode's phase (at most ~3% of the
-      time in it).
+      starts at its own scheduling), nor steps in which a request ends. A level measures its
+      first mode, then the other, then runs the mode the rule picks at each phase's end, and
+      measures the other mode again once the chosen one has run ``1 / EXPLORE_SHARE`` times
+      the other's last phase, its first step included (~3% of the time).
 
     Example: at 32 running, t_on 80 ms and t_off 50 ms: speculation needs a > 0.6; at 1
     running, 30 and 20 ms: a > 0.5.
@@ -222,8 +222,9 @@ class SpecPacer:
         and one update follows another by a step's time). After an update that left no work
         (``busy`` False there), the next step's time starts at its scheduling instead.
 
-        Example: sync steps, update at 10.0, output processing and drafting until 10.004,
-        scheduled at 10.004 (t_sched: the start of scheduling, 10.001), updated at 10.012: 12 ms.
+        Example, synchronous steps: an update at 10.000, output processing until 10.001,
+        scheduling and drafting until 10.004, the step's update at 10.012: 12 ms (timing from
+        the end of its scheduling would leave the drafting out: 8 ms).
         """
         info = self._steps.pop(step_id, None)
         last, self._last_update = self._last_update, now if busy else None
@@ -248,7 +249,7 @@ class SpecPacer:
             old = b.step_s.get(mode)
             b.step_s[mode] = x if old is None else self.EMA * x + (1 - self.EMA) * old
         b.steps, b.seconds, b.counted, b.wall_s = 0, 0.0, 0, 0.0
-        if len(b.step_s) < 2:  # measure on first, then off
+        if len(b.step_s) < 2:  # then the mode not measured yet
             b.mode = True not in b.step_s
             return
         best = self._pays(b)
