@@ -30,13 +30,13 @@ class _Loop:
         host_s=None,
         idle_after=False,
         switch_on_s=0.0,
-        ended=False,
+        finish_s=0.0,
     ) -> list:
         """``host_s[mode]``: host time between an update and the next step's scheduling
         (output processing, drafting) that the step waits for; ``idle_after``: the last step's
         update leaves the engine without requests; ``switch_on_s``: extra time of the first
-        speculating step after a plain one (the proposer catching up); ``ended``: a request
-        ends in every step."""
+        speculating step after a plain one (the proposer catching up); ``finish_s``: time in
+        each step the proposer spends on ending requests (reported as the engine does)."""
         modes = []
         for i in range(n):
             mode = self.pacer.speculate(running)
@@ -45,10 +45,11 @@ class _Loop:
             if mode and self.last_mode is False:
                 self.now += switch_on_s
             self.pacer.scheduled(self.step, t_start, running, mode, not prefill)
-            self.now += step_s[mode]
+            self.now += step_s[mode] + finish_s
+            self.pacer.not_timed_s += finish_s
             for _ in range(running):
                 self.pacer.sample(accepted)
-            self.pacer.updated(self.step, self.now, not (idle_after and i == n - 1), ended)
+            self.pacer.updated(self.step, self.now, not (idle_after and i == n - 1))
             self.step += 1
             self.last_mode = mode
             self.time_in[mode] += self.now - t_start
@@ -202,16 +203,34 @@ def test_exploring_costs_a_small_share_even_when_switching_on_is_dear() -> None:
     assert 0 < share <= 1.5 * SpecPacer.EXPLORE_SHARE
 
 
-def test_steps_where_a_request_ends_are_not_measured() -> None:
-    """All requests of a batch run without drafts end in the same step, whose host work
-    (suffix decoding's global tree learning every output) would read as a slow plain step."""
+def test_the_proposers_work_for_ending_requests_is_not_timed() -> None:
+    """All requests of a batch run without drafts end in the same step, whose host work for
+    them (suffix decoding's global tree learning every output) would read as a slow plain
+    step; under steady traffic requests end in most steps, which are still timed."""
     pacer = SpecPacer()
     loop = _Loop(pacer)
-    loop.run(P, 16, {True: 0.004, False: 0.002}, 1)  # on measured
-    loop.run(P - 1, 16, {True: 0.004, False: 0.002}, 1)
-    loop.run(5, 16, {True: 0.004, False: 0.5}, 1, ended=True)
-    loop.run(1, 16, {True: 0.004, False: 0.002}, 1)
+    step_s = {True: 0.004, False: 0.002}
+    loop.run(P, 16, step_s, 1)  # on measured
+    loop.run(P - 1, 16, step_s, 1)
+    loop.run(1, 16, step_s, 1, finish_s=0.5)  # the whole batch ends
     assert pacer.buckets[(16).bit_length()].step_s[False] == pytest.approx(0.002)
+    loop.run(20 * P, 64, step_s, 1, finish_s=0.0003)  # some request ends every step
+    assert pacer.buckets[(64).bit_length()].step_s == pytest.approx(step_s)
+
+
+def test_spec_decoding_reports_the_proposers_time_for_an_ending_request(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from pagedllm.core.sched import spec as spec_mod
+    from pagedllm.spec_decode import SpeculativeConfig
+
+    clock = [100.0]
+    monkeypatch.setattr(spec_mod.time, "perf_counter", lambda: clock[0])
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=4, disable_when_slower=True)
+    spec = spec_mod.SpecDecoding(config, max_model_len=1000)
+    monkeypatch.setattr(spec.proposer, "finish", lambda *a: clock.__setitem__(0, clock[0] + 0.25))
+    spec.finish(SimpleNamespace(request_id="r", all_token_ids=[1, 2, 3], num_prompt_tokens=2))
+    assert spec.pacer.not_timed_s == pytest.approx(0.25)
 
 
 def test_a_failed_step_does_not_grow_the_pacer() -> None:

@@ -708,8 +708,7 @@ class Scheduler:
             outputs.append(self._emit(request, new_tokens, logprobs, prompt_lp))
         if self.spec is not None and self.spec.pacer is not None:
             busy = self.has_unfinished_requests()
-            ended = any(o.finish_reason is not None for o in outputs)
-            self.spec.pacer.updated(scheduler_output.step_id, time.perf_counter(), busy, ended)
+            self.spec.pacer.updated(scheduler_output.step_id, time.perf_counter(), busy)
         if runner_output.draft_token_ids:
             assert self.spec is not None
             for rid, (num_tokens, drafts) in runner_output.draft_token_ids.items():
