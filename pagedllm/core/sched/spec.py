@@ -40,10 +40,9 @@ class _Bucket:
 
     step_s: dict[bool, float] = field(default_factory=dict)  # speculating -> s a step
     mode: bool = True  # the current phase's
-    steps: int = 0  # steps of the current phase seen (the first is not counted)
-    seconds: float = 0.0
-    counted: int = 0
+    steps: int = 0  # steps of the current phase seen
     wall_s: float = 0.0  # the current phase's time, its first step included
+    first_s: float = 0.0  # the time of its first step (not in the mode's step time)
     phase_cost_s: dict[bool, float] = field(default_factory=dict)  # the last phase per mode
     since_explore_s: float = 0.0
     scheduled: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # steps
@@ -241,18 +240,16 @@ class SpecPacer:
         b.steps += 1
         step_s = now - (last if last is not None else t_sched) - not_timed
         b.wall_s += step_s
-        if b.steps > 1:  # the phase's first step carries the switch
-            b.seconds += step_s
-            b.counted += 1
+        if b.steps == 1:  # the phase's first step carries the switch
+            b.first_s = step_s
         if b.steps < self.PHASE:
             return
-        mode, phase_s = b.mode, b.seconds
+        mode, phase_s = b.mode, b.wall_s - b.first_s  # the PHASE - 1 steps after the first
         b.phase_cost_s[mode] = b.wall_s
-        if b.counted:
-            x = b.seconds / b.counted
-            old = b.step_s.get(mode)
-            b.step_s[mode] = x if old is None else self.EMA * x + (1 - self.EMA) * old
-        b.steps, b.seconds, b.counted, b.wall_s = 0, 0.0, 0, 0.0
+        x = phase_s / (self.PHASE - 1)
+        old = b.step_s.get(mode)
+        b.step_s[mode] = x if old is None else self.EMA * x + (1 - self.EMA) * old
+        b.steps, b.wall_s = 0, 0.0
         if len(b.step_s) < 2:  # then the mode not measured yet
             b.mode = True not in b.step_s
             return
