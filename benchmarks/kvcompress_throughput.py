@@ -67,6 +67,7 @@ SUMMARY_KEYS = (
     "device_s_prefill_steps",
     "cuda_graphs",
     "enable_prefix_caching",
+    "enable_chunked_prefill",
     "prefix_cache_hit_rate",
 )
 
@@ -129,15 +130,21 @@ def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dic
     print(f"in {input_len} uncompressed: {base['output_tokens_per_s']:.0f} out tok/s, peak "
           f"seqs {base['concurrent_seqs_peak']}", flush=True)  # fmt: skip
     clean()
-    eager = [float(r) for r in a.eager_rates.split(",") if r and r != "none"]
-    no_cache = [float(r) for r in a.no_prefix_caching_rates.split(",") if r and r != "none"]
-    # prefix caching off first: a call cut short still has the comparison of the earlier call
-    todo = [(cr, False, False) for cr in no_cache] + [(cr, False, True) for cr in rates]
-    todo += [(cr, True, True) for cr in eager]
-    for cr, enforce_eager, caching in todo:
+
+    def parse(text: str) -> list[float]:
+        return [float(r) for r in text.split(",") if r and r != "none"]
+
+    # (cr, eager, prefix caching, chunked prefill); the variants first: a call cut short still
+    # has the comparison the earlier calls lacked
+    todo = [(cr, False, False, True) for cr in parse(a.no_prefix_caching_rates)]
+    todo += [(cr, False, True, False) for cr in parse(a.no_chunked_prefill_rates)]
+    todo += [(cr, False, True, True) for cr in rates]
+    todo += [(cr, True, True, True) for cr in parse(a.eager_rates)]
+    for cr, enforce_eager, caching, chunked in todo:
         m = max_cache_tokens(input_len, cr)
         name = f"kvc_cr{cr:g}" + ("_eager" if enforce_eager else "")
         name += "" if caching else "_no_prefix_caching"
+        name += "" if chunked else "_no_chunked_prefill"
         prof = None
         if a.profile_dir:
             os.makedirs(a.profile_dir, exist_ok=True)
@@ -145,7 +152,8 @@ def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dic
         r = _run_one(
             _args(a, input_len=input_len, enable_kvc=True, max_cache_tokens=m,
                   protected_window_size=a.protected_window_size, enforce_eager=enforce_eager,
-                  profile_host=prof, enable_prefix_caching=caching)
+                  profile_host=prof, enable_prefix_caching=caching,
+                  enable_chunked_prefill=chunked)
         )  # fmt: skip
         r["cr"], r["max_cache_tokens"] = cr, m
         r["speedup_output"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
@@ -170,12 +178,19 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=500)
     ap.add_argument("--max-model-len", type=int, default=19000)
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30)
+    ap.add_argument(
+        "--kv-cache-memory-bytes", type=int, default=4 << 30, help="0: uncapped (what the GPU has)"
+    )
     ap.add_argument("--rates", default="1,2,4,8,16,32,64")
     ap.add_argument("--eager-rates", default="", help="also run these rates without graphs")
     ap.add_argument("--prefix-len", type=int, default=0, help="a prefix every prompt shares")
     ap.add_argument(
         "--no-prefix-caching-rates", default="", help="also run these rates with prefix caching off"
+    )
+    ap.add_argument(
+        "--no-chunked-prefill-rates",
+        default="",
+        help="also run these rates with chunked prefill off",
     )
     ap.add_argument("--protected-window-size", type=int, default=32)
     ap.add_argument("--profile-dir", default="", help="cProfile each KVC run's host side")
@@ -200,7 +215,7 @@ def _plot(runs: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kvc = [r for k, r in runs.items() if k.startswith("kvc_") and not k.endswith("_eager")]
+    kvc = [r for k, r in runs.items() if k.startswith("kvc_") and "_" not in k[4:]]
     xs = [r["cr"] for r in kvc]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     a1.plot(xs, [r["output_tokens_per_s"] for r in kvc], marker="o", label="KV-Compress")

@@ -91,6 +91,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "GPU).",
     )
     p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Split long prompts across steps within the token budget (default on, as in the "
+        "engine); off, a prompt is prefilled in one step and the budget grows to "
+        "--max-model-len.",
+    )
+    p.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -289,6 +297,7 @@ def run(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
@@ -400,6 +409,7 @@ def run(args: argparse.Namespace) -> dict:
             "prefix_len": args.prefix_len,
         },
         "enable_prefix_caching": args.enable_prefix_caching,
+        "enable_chunked_prefill": args.enable_chunked_prefill,
         # prompt tokens the prefix cache gave (not computed) over those looked up
         "prefix_cache_hit_rate": (after["prefix_cache_hits"] - before["prefix_cache_hits"])
         / max(after["prefix_cache_queries"] - before["prefix_cache_queries"], 1),
