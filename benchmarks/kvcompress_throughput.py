@@ -60,6 +60,8 @@ SUMMARY_KEYS = (
     "startup_s",
     "steps",
     "host_syncs_per_step",
+    "triton_compiles_timed",
+    "triton_compile_s_timed",
     "device_ms_per_step_mean",
     "device_busy_fraction",
     "device_ms_per_decode_step",

@@ -346,10 +346,14 @@ def run(args: argparse.Namespace) -> dict:
         for n in out_lens
     ]
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    # warm-up on reversed prompts: nothing of the workload is in the prefix cache before it
+    # warm-up on reversed prompts: nothing of the workload is in the prefix cache before it.
+    # With the workload's KV-Compress budget, so that the eviction and the mixed steps' scored
+    # kernels are compiled here: Triton compiles on first use, and on a fresh machine those
+    # compiles (seconds each) fell inside the timed run (Benchmark D on an H200: 6.7 s of a
+    # 23 s run at cr 64).
     llm.generate(
         [{"prompt_token_ids": p[::-1]} for p in prompts[:4]],
-        [SamplingParams(max_tokens=4, ignore_eos=True)] * len(inputs[:4]),
+        [SamplingParams(max_tokens=4, ignore_eos=True, **kvc_params)] * len(inputs[:4]),
         use_tqdm=False,
     )
     rec = StepRecorder(llm)
@@ -364,7 +368,7 @@ def run(args: argparse.Namespace) -> dict:
         runner.time_device = True  # CUDA events around each step (and eviction)
         runner.device_times, runner.compress_events = [], []
     prof = cProfile.Profile() if getattr(args, "profile_host", None) else None
-    with count_host_syncs(device) as syncs:
+    with count_host_syncs(device) as syncs, time_triton_compiles() as compiles:
         t = time.perf_counter()
         if prof is not None:
             prof.enable()
@@ -444,6 +448,9 @@ def run(args: argparse.Namespace) -> dict:
         **_phase_split(rec.steps, device_times),
         "host_syncs": syncs.count,
         "host_sync_sources": dict(syncs.sources.most_common(12)),
+        # Triton kernels compiled inside the timed run (each a host stall; 0 once warmed up)
+        "triton_compiles_timed": compiles.count,
+        "triton_compile_s_timed": compiles.seconds,
         "host_syncs_per_step": (
             syncs.count / max(len(rec.steps), 1) if syncs.count is not None else None
         ),
@@ -552,6 +559,43 @@ class count_host_syncs:  # noqa: N801 (a context manager used like a function)
         if self.on:
             torch.cuda.set_sync_debug_mode("default")
             self._warnings.__exit__(*exc)
+
+
+class time_triton_compiles:  # noqa: N801 (a context manager used like a function)
+    """Counts the Triton kernels compiled (or loaded from Triton's disk cache) inside the block
+    and the seconds spent doing it: a kernel variant first met in a timed run stalls the host
+    for a compile. Wraps ``JITFunction._do_compile`` (Triton 3.3 on); ``count`` is None where
+    Triton or that method is missing."""
+
+    def __init__(self) -> None:
+        self.count: int | None = None
+        self.seconds = 0.0
+        try:
+            from triton.runtime.jit import JITFunction
+        except ImportError:
+            JITFunction = None  # noqa: N806
+        self._cls = JITFunction if hasattr(JITFunction, "_do_compile") else None
+
+    def __enter__(self) -> time_triton_compiles:
+        if self._cls is None:
+            return self
+        self.count = 0
+        original = self._original = self._cls._do_compile
+
+        def timed(fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            t = time.perf_counter()
+            try:
+                return original(fn, *args, **kwargs)
+            finally:
+                self.count += 1
+                self.seconds += time.perf_counter() - t
+
+        self._cls._do_compile = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._cls is not None:
+            self._cls._do_compile = self._original
 
 
 def _triton_version() -> str | None:
