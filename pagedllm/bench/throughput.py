@@ -451,6 +451,7 @@ def run(args: argparse.Namespace) -> dict:
         # Triton kernels compiled inside the timed run (each a host stall; 0 once warmed up)
         "triton_compiles_timed": compiles.count,
         "triton_compile_s_timed": compiles.seconds,
+        "triton_compiled_kernels_timed": dict(compiles.kernels.most_common(20)),
         "host_syncs_per_step": (
             syncs.count / max(len(rec.steps), 1) if syncs.count is not None else None
         ),
@@ -570,6 +571,7 @@ class time_triton_compiles:  # noqa: N801 (a context manager used like a functio
     def __init__(self) -> None:
         self.count: int | None = None
         self.seconds = 0.0
+        self.kernels: collections.Counter[str] = collections.Counter()  # name -> compiles
         try:
             from triton.runtime.jit import JITFunction
         except ImportError:
@@ -589,6 +591,7 @@ class time_triton_compiles:  # noqa: N801 (a context manager used like a functio
             finally:
                 self.count += 1
                 self.seconds += time.perf_counter() - t
+                self.kernels[getattr(fn, "__name__", None) or repr(fn)[:60]] += 1
 
         self._cls._do_compile = timed
         return self

@@ -22,6 +22,7 @@ Importing this module imports Triton; the runner imports it only on a GPU.
 from __future__ import annotations
 
 import torch
+import triton
 
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
@@ -32,7 +33,13 @@ from pagedllm.kvcompress.attention import (
     prefill_window_scores_batched,
     write_head_kv,
 )
-from pagedllm.ops.kvc_attention import kvc_decode_attention, kvc_paged_attention
+from pagedllm.kvcompress.cache import HeadPagedCache
+from pagedllm.ops.kvc_attention import (
+    kvc_decode_attention,
+    kvc_decode_num_splits,
+    kvc_paged_attention,
+)
+from pagedllm.ops.paged_attention import default_tile_config
 
 
 class KVCTritonBackend(AttentionBackend):
@@ -118,3 +125,50 @@ class KVCTritonBackend(AttentionBackend):
                 plan.window_max_len,
             )  # fmt: skip
         return out.view(t, hq * d)
+
+
+@torch.inference_mode()
+def warm_up_decode_kernels(
+    cache: HeadPagedCache, num_heads: int, dtype: torch.dtype, max_rows: int
+) -> int:
+    """Compile every variant of the decode kernels a step can meet, before the first request.
+
+    A step's decode rows pick a split count from their number (``kvc_decode_num_splits``: one
+    kernel variant per count, a constexpr), run with or without the score pass, and read their
+    query rows directly (decode-only steps) or through ``q_rows`` (a mixed step's decode rows).
+    CUDA graphs cover only decode-only steps; the rest compiled inside the first steps that met
+    them (on an H200, Benchmark D at cr 64: 19 compiles, 4.2 s, inside a 20 s timed run). Here
+    each variant runs once on rows that point at the pad row (length 0 in every head: nothing
+    is read or scored). ``num_heads``: the model's query heads. Returns the launches made.
+    Example (H200, 132 SMs, 8 KV heads, 32k keys): 1 row -> 32 splits, 2 -> 16, 3-4 -> 8,
+    5-8 -> 4, 9-16 -> 2, 17+ -> 1: six counts x (scored, unscored) x (direct, q_rows)."""
+    h, d, dev = cache.num_kv_heads, cache.head_dim, cache.device
+    tables, lens = cache.tables[:, :h], cache.lens[:, :h]  # [rows, H, W], [rows, H]
+    kinds = {(w or 0, bool(c)) for w, c in zip(cache.windows, cache.spec.compressible)}
+    tile_n = default_tile_config(max(16, triton.next_power_of_2(d)), decode=True).tile_n
+    launches = 0
+    for window, compressible in sorted(kinds):
+        if window and compressible:
+            continue  # by position, in torch (see forward)
+        max_len = tables.shape[2] * cache.block_size
+        if window:
+            max_len = min(max_len, window)
+        first_rows: dict[int, int] = {}  # split count -> the fewest rows that give it
+        for n in range(1, max_rows + 1):
+            s = kvc_decode_num_splits(n, h, max_len, dev, tile_n)
+            first_rows.setdefault(s, n)
+            if s == 1:
+                break
+        for n in first_rows.values():
+            query = torch.zeros((n, num_heads, d), dtype=dtype, device=dev)
+            row_ids = torch.full((n,), cache.pad_row, dtype=torch.int64, device=dev)
+            q_rows = torch.arange(n, device=dev)
+            for scores in (cache.scores, None) if compressible else (None,):
+                for rows in (None, q_rows):
+                    kvc_decode_attention(
+                        query, cache.kv, tables, lens, 1.0, scores=scores,
+                        sliding_window=window or None, row_ids=row_ids, scored=cache.scored,
+                        q_rows=rows, out=torch.empty_like(query),
+                    )  # fmt: skip
+                    launches += 1
+    return launches

@@ -408,7 +408,13 @@ def _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS: tl.constexpr):
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# The step's index tensors (table rows, query rows) are views at any offset of one shipped
+# buffer: no specialization on their alignment, or a mixed step's decode rows would meet new
+# kernel variants (a Triton compile each, seconds) long after the warm-up.
+_INDEX_PTRS = ["row_ids_ptr", "q_rows_ptr", "scored_ptr"]
+
+
+@triton.jit(do_not_specialize_on_alignment=_INDEX_PTRS)
 def _decode_kernel(
     out_ptr,  # [rows, num_heads, head_dim]
     q_ptr,  # [rows, num_heads, head_dim]
@@ -480,7 +486,7 @@ def _decode_kernel(
         )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["row_ids_ptr", "q_rows_ptr"])
 def _split_kernel(
     part_acc_ptr,  # [rows, num_heads, NUM_SPLITS, HEAD_PAD] fp32
     part_m_ptr,  # [rows, num_heads, NUM_SPLITS] fp32
@@ -542,7 +548,7 @@ def _split_kernel(
     tl.store(part_acc_ptr + prow[:, None] * HEAD_PAD + d[None, :], acc, mask=row_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["q_rows_ptr"])
 def _combine_kernel(
     out_ptr,  # [rows, num_heads, head_dim]
     glob_m_ptr,  # [rows, num_heads] fp32: the combined max (0 if no key), for the score pass
@@ -598,7 +604,7 @@ def _combine_kernel(
         tl.store(glob_l_ptr + base, denom)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=_INDEX_PTRS)
 def _split_score_kernel(
     scores_ptr,  # [num_blocks * block_size] fp32
     scored_ptr,  # [table rows] int32 (read with ROW_FLAGS)

@@ -30,7 +30,12 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# counts and index views vary step by step: no specialization on their values or alignment
+# (each new variant is a Triton compile, seconds, inside whatever step first meets it)
+@triton.jit(
+    do_not_specialize=["num_reqs", "num_entries"],
+    do_not_specialize_on_alignment=["rows_ptr", "n_ptr", "flat_ptr", "ids_ptr"],
+)
 def _advance_kernel(
     lens_ptr,  # [rows, LH] int64 in/out
     rows_ptr,  # [R] int64
@@ -61,7 +66,15 @@ def _advance_kernel(
         tl.store(tables_ptr + flat, ids, mask=mask)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize_on_alignment=[
+        "rows_ptr",
+        "n_ptr",
+        "req_idx_ptr",
+        "offsets_ptr",
+        "tok_pos_ptr",
+    ]
+)
 def _slots_kernel(
     tables_ptr,  # [rows, LH, max_blocks] int32
     lens_ptr,  # [rows, LH] int64, already advanced by the step's tokens

@@ -76,7 +76,13 @@ def _rope_heads(
     tl.store(dst + HALF, (x2 * cos + x1 * sin).to(a.dtype).to(out_ty), mask=mask & store)
 
 
-@triton.jit
+# the step's token count (num_slots) and its positions / slots (views of step buffers) vary:
+# no specialization on them (Triton compiles a variant for 1, for multiples of 16 and for the
+# rest, and per alignment; each compile stalls the step that first meets it)
+@triton.jit(
+    do_not_specialize=["num_slots"],
+    do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"],
+)
 def _rope_kernel(
     pos_ptr,  # [num_tokens] int64
     q_ptr,

@@ -63,7 +63,8 @@ class Executor(ABC):
 
     @abstractmethod
     def capture_cuda_graphs(self) -> None:
-        """Capture decode graphs on every worker (a no-op off GPUs or with enforce_eager)."""
+        """Capture decode graphs on every worker (a no-op off GPUs; with enforce_eager only
+        KV-Compress's kernel warm-up)."""
 
     @abstractmethod
     def initialize_swap_space(self) -> int:

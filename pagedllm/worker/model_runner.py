@@ -385,8 +385,20 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def capture_cuda_graphs(self) -> None:
-        """Capture decode graphs (GPU only, unless enforce_eager)."""
-        if self.device.type != "cuda" or self.config.device_config.enforce_eager:
+        """Capture decode graphs (GPU only, unless enforce_eager). KV-Compress first compiles
+        its decode kernels' variants (eagerly too): graphs cover only decode-only steps."""
+        if self.device.type != "cuda":
+            return
+        if self.kvc is not None and self.kvc.num_blocks:
+            from pagedllm.kvcompress.triton_backend import warm_up_decode_kernels
+
+            warm_up_decode_kernels(
+                self.kvc,
+                self.model.attention_layers()[0].num_heads,
+                self.model_config.torch_dtype,
+                self.input_batch.max_num_reqs,
+            )
+        if self.config.device_config.enforce_eager:
             return
         if self.kvc is not None:
             pairs = zip(self.kvc.windows, self.kvc.spec.compressible)

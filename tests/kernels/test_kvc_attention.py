@@ -677,3 +677,36 @@ def test_backend_matches_torch(
     assert torch.equal(got_kv, ref_kv)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got_scores, ref_scores, atol=1e-6, rtol=1e-5)
+
+
+def test_warm_up_decode_kernels_touches_nothing() -> None:
+    """The start-up warm-up runs each decode variant a step can meet (split count x score
+    pass x direct / q_rows rows) on the pad row: every launch returns, and no K, V, score or
+    length changes."""
+    from pagedllm.config import KVCompressConfig
+    from pagedllm.core.kv_cache.spec import HeadPagedSpec
+    from pagedllm.kvcompress.cache import HeadPagedCache
+    from pagedllm.kvcompress.triton_backend import warm_up_decode_kernels
+
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    # layer 0 full attention (compressible), layer 1 a 32-token window (keeps its KVs)
+    spec = HeadPagedSpec(16, 2, 64, dtype.itemsize, num_layers=2, compressible=(True, False))
+    cache = HeadPagedCache(
+        spec, KVCompressConfig(enabled=True), dtype, DEVICE, 8, 256, [None, 32]
+    )  # fmt: skip
+    cache.allocate(40)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=gen, device=DEVICE).to(dtype))
+    cache.scores.copy_(torch.rand(cache.scores.shape, generator=gen, device=DEVICE))
+    before = (cache.kv.clone(), cache.scores.clone(), cache.lens.clone())
+    launches = warm_up_decode_kernels(cache, num_heads=4, dtype=dtype, max_rows=8)
+    if not CUDA:
+        # the interpreter's 4 "SMs", 2 KV heads, tables of 17 blocks (272 keys, 5 tiles of
+        # 64): 1 row -> 2 programs -> 4 splits, 2 rows -> 4 programs -> 1. Full layer: 2
+        # counts x (scored, unscored) x (direct, q_rows) = 8; window layer (one 64-key tile
+        # -> 1 split, never scored): 2
+        assert launches == 10
+    assert launches >= 6
+    torch.testing.assert_close(cache.kv, before[0], rtol=0, atol=0)
+    torch.testing.assert_close(cache.scores, before[1], rtol=0, atol=0)
+    torch.testing.assert_close(cache.lens, before[2], rtol=0, atol=0)
