@@ -452,6 +452,7 @@ def run(args: argparse.Namespace) -> dict:
         "triton_compiles_timed": compiles.count,
         "triton_compile_s_timed": compiles.seconds,
         "triton_compiled_kernels_timed": dict(compiles.kernels.most_common(20)),
+        "triton_compile_keys_timed": compiles.keys,
         "host_syncs_per_step": (
             syncs.count / max(len(rec.steps), 1) if syncs.count is not None else None
         ),
@@ -572,6 +573,7 @@ class time_triton_compiles:  # noqa: N801 (a context manager used like a functio
         self.count: int | None = None
         self.seconds = 0.0
         self.kernels: collections.Counter[str] = collections.Counter()  # name -> compiles
+        self.keys: list[str] = []  # the first compiles' cache keys
         try:
             from triton.runtime.jit import JITFunction
         except ImportError:
@@ -592,6 +594,8 @@ class time_triton_compiles:  # noqa: N801 (a context manager used like a functio
                 self.count += 1
                 self.seconds += time.perf_counter() - t
                 self.kernels[getattr(fn, "__name__", None) or repr(fn)[:60]] += 1
+                if len(self.keys) < 8:  # what it specialized on (the reason it compiled)
+                    self.keys.append(str(args[0])[:400] if args else "")
 
         self._cls._do_compile = timed
         return self

@@ -269,7 +269,10 @@ def _attend_range(
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# num_reqs varies step by step: no specialization on it (Triton compiles one variant for 1,
+# one for multiples of 16, one for the rest; Benchmark D's uncompressed run met a new one
+# inside its timed run, 1.8 s)
+@triton.jit(do_not_specialize=["num_reqs"])
 def _unified_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     q_ptr,  # [num_tokens, num_heads, head_dim]
