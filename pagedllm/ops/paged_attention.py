@@ -272,7 +272,10 @@ def _attend_range(
 # num_reqs varies step by step: no specialization on it (Triton compiles one variant for 1,
 # one for multiples of 16, one for the rest; Benchmark D's uncompressed run met a new one
 # inside its timed run, 1.8 s)
-@triton.jit(do_not_specialize=["num_reqs"])
+@triton.jit(
+    do_not_specialize=["num_reqs"],
+    do_not_specialize_on_alignment=["qsl_ptr", "seq_lens_ptr", "bt_ptr"],
+)
 def _unified_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     q_ptr,  # [num_tokens, num_heads, head_dim]
