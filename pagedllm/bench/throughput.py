@@ -347,10 +347,10 @@ def run(args: argparse.Namespace) -> dict:
     ]
     inputs = [{"prompt_token_ids": p} for p in prompts]
     # warm-up on reversed prompts: nothing of the workload is in the prefix cache before it.
-    # With the workload's KV-Compress budget, so that the eviction and the mixed steps' scored
-    # kernels are compiled here: Triton compiles on first use, and on a fresh machine those
-    # compiles (seconds each) fell inside the timed run (Benchmark D on an H200: 6.7 s of a
-    # 23 s run at cr 64).
+    # With the workload's KV-Compress budget, so that the eviction runs once here. Triton
+    # compiles a kernel variant when a step first meets it (seconds, the step stalled):
+    # ``triton_compiles_timed`` below says whether any was left for the timed run (the
+    # engine compiles KV-Compress's decode variants at start-up, warm_up_decode_kernels).
     llm.generate(
         [{"prompt_token_ids": p[::-1]} for p in prompts[:4]],
         [SamplingParams(max_tokens=4, ignore_eos=True, **kvc_params)] * len(inputs[:4]),
