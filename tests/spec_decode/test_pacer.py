@@ -26,7 +26,8 @@ class _Loop:
         running: int,
         step_s: dict,
         accepted: int,
-        prefill=False,
+        prompt_tokens=0,
+        prompt_token_s=0.0,
         host_s=None,
         idle_after=False,
         switch_on_s=0.0,
@@ -36,7 +37,8 @@ class _Loop:
         (output processing, drafting) that the step waits for; ``idle_after``: the last step's
         update leaves the engine without requests; ``switch_on_s``: extra time of the first
         speculating step after a plain one (the proposer catching up); ``finish_s``: time in
-        each step the proposer spends on ending requests (reported as the engine does)."""
+        each step the proposer spends on ending requests (reported as the engine does);
+        ``prompt_tokens``: a prompt chunk in every step, costing ``prompt_token_s`` a token."""
         modes = []
         for i in range(n):
             mode = self.pacer.speculate(running)
@@ -44,8 +46,8 @@ class _Loop:
             self.now += (host_s or {}).get(mode, 0.0)
             if mode and self.last_mode is False:
                 self.now += switch_on_s
-            self.pacer.scheduled(self.step, t_start, running, mode, not prefill)
-            self.now += step_s[mode] + finish_s
+            self.pacer.scheduled(self.step, t_start, running, mode, prompt_tokens)
+            self.now += step_s[mode] + finish_s + prompt_tokens * prompt_token_s
             self.pacer.not_timed_s += finish_s
             for _ in range(running):
                 self.pacer.sample(accepted)
@@ -152,14 +154,36 @@ def test_prompt_steps_and_idle_time_are_not_measured() -> None:
     pacer = SpecPacer()
     loop = _Loop(pacer)
     step_s = {True: 0.05, False: 0.05}
-    # steps with prompt tokens do not advance a phase
-    assert loop.run(3 * P, 4, step_s, 1, prefill=True) == [True] * (3 * P)
+    # steps with prompt tokens do not advance a phase while a prompt token's cost is unknown
+    assert loop.run(3 * P, 4, step_s, 1, prompt_tokens=100) == [True] * (3 * P)
+    assert pacer.prompt_token_s is None
     assert not pacer.buckets[(4).bit_length()].step_s
     # an idle engine between two steps: the second step's time starts at its scheduling
     loop.run(P // 2, 4, step_s, 1, idle_after=True)
     loop.now += 100.0
     loop.run(P - P // 2, 4, step_s, 1)
     assert pacer.buckets[(4).bit_length()].step_s[True] == pytest.approx(0.05)
+
+
+def test_steps_with_prompt_tokens_count_less_their_cost() -> None:
+    """Under steady arrivals most steps carry a prompt chunk. A prompt token's cost is learned
+    from prompt steps at a level whose decode-only steps were timed; then such steps count
+    less that cost, and a level where every step has a prompt chunk still times both modes
+    and runs the one the rule picks (before, none of its phases ever completed)."""
+    pacer = SpecPacer()
+    loop = _Loop(pacer)
+    per_token = 1e-5
+    light = {True: 0.004, False: 0.003}
+    loop.run(4 * P, 16, light, 2)  # decode-only steps: on pays at 16 (3 x 3 ms > 4 ms)
+    loop.run(4 * P, 16, light, 2, prompt_tokens=500, prompt_token_s=per_token)
+    assert pacer.prompt_token_s == pytest.approx(per_token)
+    # every step at 256 running has a 2,000-token chunk (20 ms); speculating 30 ms a step
+    # against 6 ms, 1 draft accepted: off (2 x 6 < 30). Timed with the chunks, 2 x 26 > 50
+    # would keep it on
+    heavy = {True: 0.03, False: 0.006}
+    modes = loop.run(12 * P, 256, heavy, 1, prompt_tokens=2000, prompt_token_s=per_token)
+    assert pacer.buckets[(256).bit_length()].step_s == pytest.approx(heavy)
+    assert _phases(modes)[2:].count(True) <= 1
 
 
 def test_the_host_work_before_a_step_counts() -> None:
@@ -236,7 +260,7 @@ def test_spec_decoding_reports_the_proposers_time_for_an_ending_request(monkeypa
 def test_a_failed_step_does_not_grow_the_pacer() -> None:
     pacer = SpecPacer()
     for i in range(1000):  # scheduled, never updated
-        pacer.scheduled(i, float(i), 8, True, True)
+        pacer.scheduled(i, float(i), 8, True, 0)
     assert len(pacer._steps) <= 65
 
 
@@ -259,13 +283,13 @@ def test_paused_suffix_decoding_learns_only_from_followed_requests() -> None:
     def drafts_after(rid: str) -> list[int]:  # a new request that has just produced 50, 51
         return spec.proposer.propose(rid, [9, 9, 50, 51], 2, 4)
 
-    pacer.scheduled(0, 0.0, 256, False, True)  # a paused step
+    pacer.scheduled(0, 0.0, 256, False, 0)  # a paused step
     spec.finish(req("unfollowed"))
     assert drafts_after("n1") == []
     pacer.shadow("followed", prompt + output[:1], False, lambda: [7])
     spec.finish(req("followed"))
     assert drafts_after("n2") == [52, 53]  # 2 matched tokens: 2 drafts (max_spec_factor 1)
-    pacer.scheduled(1, 0.0, 256, True, True)  # speculating again: every output is learned
+    pacer.scheduled(1, 0.0, 256, True, 0)  # speculating again: every output is learned
     output[:] = [60, 61, 62, 63]
     spec.finish(req("any"))
     assert spec.proposer.propose("n3", [9, 60, 61], 1, 4) == [62, 63]

@@ -421,10 +421,12 @@ class Scheduler:
             spec_paused=self.spec is not None and not speculate,
         )
         if self.spec is not None and self.spec.pacer is not None:
-            decode_only = all(
-                n == 1 + len(spec_tokens.get(rid, ())) for rid, n in num_scheduled.items()
+            # the step's prompt tokens: the rows longer than a decode row (its token and its
+            # drafts) are prompt chunks (or a preempted request's recompute)
+            prompt_tokens = sum(
+                n for rid, n in num_scheduled.items() if n > 1 + len(spec_tokens.get(rid, ()))
             )
-            self.spec.pacer.scheduled(step_id, t_start, load, speculate, decode_only)
+            self.spec.pacer.scheduled(step_id, t_start, load, speculate, prompt_tokens)
         self._kvc_pending += bool(kvc_compress)
         self.finished_req_ids = set()
         self._swap_out = []

@@ -39,6 +39,9 @@ class _Bucket:
     averages), the current phase, and the time in the chosen mode since the other ran."""
 
     step_s: dict[bool, float] = field(default_factory=dict)  # speculating -> s a step
+    # decode-only steps alone (an average over steps): what a prompt step's extra time is
+    # measured against (not step_s, which prompt steps feed once their cost is known)
+    decode_s: dict[bool, float] = field(default_factory=dict)
     mode: bool = True  # the current phase's
     steps: int = 0  # steps of the current phase seen
     wall_s: float = 0.0  # the current phase's time, its first step included
@@ -62,16 +65,22 @@ class SpecPacer:
       The acceptance moves with the content, so this is measured all the time.
     - ``t_on`` and ``t_off`` per load level (bucket: running requests rounded down to a power of
       two; a new level starts in the mode its nearest measured level picks): the wall time of
-      decode-only steps from the previous step's update to their own, in phases of ``PHASE``
+      steps from the previous step's update to their own, in phases of ``PHASE``
       steps of one mode - so a step's time holds all the host work of the engine loop: the
       output processing, the scheduling and the drafting before a synchronous step (a
       speculating one) as well as the overlapped ones of an asynchronous step. A phase's first
-      step is not counted (the switch between synchronous and asynchronous steps), nor are steps
-      with prompt tokens, nor the engine's idle time (a step after an update that left no work
-      starts at its own scheduling), nor the proposer's work for ending requests. A level
-      measures its first mode, then the other, then runs the mode the rule picks at each phase's
-      end, and measures the other mode again once the chosen one has run ``1 / EXPLORE_SHARE``
-      times the other's last phase, its first step included (~3% of the time).
+      step is not counted (the switch between synchronous and asynchronous steps), nor the
+      engine's idle time (a step after an update that left no work starts at its own
+      scheduling), nor the proposer's work for ending requests. A step with prompt tokens
+      counts less their cost: ``prompt_token_s`` seconds each, learned from such steps at a
+      level and mode whose decode-only steps have been timed (the ratio of the average extra
+      time over those to the average prompt tokens; one figure for every level, as a prompt
+      token's cost does not depend on the mode); until one is learned they are not counted.
+      So phases complete under steady arrivals too, where most steps carry a prompt chunk.
+      A level measures its first mode, then the other, then runs the mode the rule picks at
+      each phase's end, and measures the other mode again once the chosen one has run
+      ``1 / EXPLORE_SHARE`` times the other's last phase, its first step included (~3% of the
+      time).
 
     Example: at 32 running, t_on 80 ms and t_off 50 ms: speculation needs a > 0.6; at 1
     running, 30 and 20 ms: a > 0.5.
@@ -82,6 +91,7 @@ class SpecPacer:
     SHADOWED = 2  # requests followed by shadow drafts at once (host time: ~1.5 proposals a step)
     EMA = 0.5  # per phase, for step times
     ACC_EMA = 1 / 32  # per drafting opportunity, for the acceptance
+    PROMPT_EMA = 1 / 16  # per step with prompt tokens, for a prompt token's cost
 
     def __init__(self, shadow: bool = True) -> None:
         self.buckets: dict[int, _Bucket] = {}
@@ -94,6 +104,10 @@ class SpecPacer:
         self._last_update: float | None = None  # None: the engine was idle since
         self.paused_now = False  # the last scheduled step proposed nothing
         self.not_timed_s = 0.0  # host time since the last update that no step is charged
+        # a prompt token's cost: averages of a prompt step's time beyond its level and mode's
+        # decode-only step and of its prompt tokens (prompt_token_s = their ratio)
+        self._prompt_extra_s = 0.0
+        self._prompt_tokens = 0.0
 
     def _bucket(self, num_running: int) -> _Bucket:
         key = max(num_running, 1).bit_length()
@@ -202,13 +216,19 @@ class SpecPacer:
         """The request ended or speculates again: its shadow drafts are dropped."""
         self._shadow.pop(req_id, None)
 
+    @property
+    def prompt_token_s(self) -> float | None:
+        """Seconds a prompt token adds to a step (None until learned)."""
+        return self._prompt_extra_s / self._prompt_tokens if self._prompt_tokens else None
+
     def scheduled(
-        self, step_id: int, now: float, num_running: int, speculated: bool, decode_only: bool
+        self, step_id: int, now: float, num_running: int, speculated: bool, prompt_tokens: int
     ) -> None:
-        """A step was scheduled (``now``: when its scheduling began) with this load and mode."""
+        """A step was scheduled (``now``: when its scheduling began) with this load and mode;
+        ``prompt_tokens``: its tokens other than the decode rows' (their token and drafts)."""
         if len(self._steps) > 64:  # steps that never came back (a failed step)
             self._steps.pop(next(iter(self._steps)))
-        self._steps[step_id] = (now, num_running, speculated, decode_only)
+        self._steps[step_id] = (now, num_running, speculated, prompt_tokens)
         self._bucket(num_running).scheduled[speculated] += 1
         self.paused_now = not speculated
 
@@ -233,12 +253,26 @@ class SpecPacer:
         not_timed, self.not_timed_s = self.not_timed_s, 0.0
         if info is None:
             return
-        t_sched, num_running, speculated, decode_only = info
+        t_sched, num_running, speculated, prompt_tokens = info
         b = self._bucket(num_running)
-        if not decode_only or speculated != b.mode:
+        if speculated != b.mode:
             return
-        b.steps += 1
         step_s = now - (last if last is not None else t_sched) - not_timed
+        if not prompt_tokens:
+            if b.steps:  # (a phase's first step carries the switch)
+                old = b.decode_s.get(speculated)
+                b.decode_s[speculated] = step_s if old is None else old + 0.25 * (step_s - old)
+        else:
+            cost = self.prompt_token_s
+            known = b.decode_s.get(speculated)
+            if known is not None:  # learn what a prompt token costs
+                w = self.PROMPT_EMA
+                self._prompt_extra_s += w * (max(step_s - known, 0.0) - self._prompt_extra_s)
+                self._prompt_tokens += w * (prompt_tokens - self._prompt_tokens)
+            if cost is None:
+                return
+            step_s = max(step_s - cost * prompt_tokens, 0.0)
+        b.steps += 1
         b.wall_s += step_s
         if b.steps == 1:  # the phase's first step carries the switch
             b.first_s = step_s
