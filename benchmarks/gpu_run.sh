@@ -120,6 +120,13 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
       python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-256} \
         --prefix-len ${KVC_PREFIX:-1000} --rates "${KVC_RATES-64}" \
         --no-prefix-caching-rates "${KVC_NOCACHE-64}" --out "$OUT" | grep -v "^ " ;;
+    kvc-d-goal4)  # cr 64 with CUDA graphs + chunked prefill, chunked prefill off, eager
+      python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-64} \
+        --rates ${KVC_RATES:-64} --eager-rates ${KVC_EAGER:-64} \
+        --no-chunked-prefill-rates ${KVC_NOCHUNK:-64} --out "$OUT" | grep "^in " ;;
+    kvc-d-uncapped)  # the paper's 256 prompts with the whole GPU's memory for the KV cache
+      python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-256} \
+        --rates ${KVC_RATES:-64,8} --kv-cache-memory-bytes 0 --out "$OUT" | grep "^in " ;;
     kvc-d-sweep) python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-64} \
         --output-len ${KVC_OUT:-500} --input-lens ${KVC_LENS:-500,2000,14000} --rates 8,64 \
         --max-num-seqs ${KVC_SEQS:-256} \
