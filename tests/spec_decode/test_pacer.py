@@ -175,7 +175,13 @@ def test_steps_with_prompt_tokens_count_less_their_cost() -> None:
     per_token = 1e-5
     light = {True: 0.004, False: 0.003}
     loop.run(4 * P, 16, light, 2)  # decode-only steps: on pays at 16 (3 x 3 ms > 4 ms)
-    loop.run(4 * P, 16, light, 2, prompt_tokens=500, prompt_token_s=per_token)
+    # with a re-timing of off among them, and a 1 s switch back on (suffix decoding catching
+    # up), which must not read as prompt-token cost
+    pacer.buckets[(16).bit_length()].since_explore_s = 100.0
+    modes = loop.run(
+        4 * P, 16, light, 2, prompt_tokens=500, prompt_token_s=per_token, switch_on_s=1.0
+    )
+    assert False in modes and modes[-1] is True
     assert pacer.prompt_token_s == pytest.approx(per_token)
     # every step at 256 running has a 2,000-token chunk (20 ms); speculating 30 ms a step
     # against 6 ms, 1 draft accepted: off (2 x 6 < 30). Timed with the chunks, 2 x 26 > 50

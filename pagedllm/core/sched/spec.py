@@ -35,14 +35,16 @@ from pagedllm.spec_decode import SpeculativeConfig, make_proposer
 
 @dataclass
 class _Bucket:
-    """A load level's measurements: each mode's seconds a decode-only step (exponential
-    averages), the current phase, and the time in the chosen mode since the other ran."""
+    """A load level's measurements: each mode's seconds a step, less any prompt chunk's cost
+    (exponential averages), the current phase, and the time in the chosen mode since the
+    other ran."""
 
     step_s: dict[bool, float] = field(default_factory=dict)  # speculating -> s a step
     # decode-only steps alone (an average over steps): what a prompt step's extra time is
     # measured against (not step_s, which prompt steps feed once their cost is known)
     decode_s: dict[bool, float] = field(default_factory=dict)
     mode: bool = True  # the current phase's
+    switched: bool = True  # the next step of this mode is the first since a switch
     steps: int = 0  # steps of the current phase seen
     wall_s: float = 0.0  # the current phase's time, its first step included
     first_s: float = 0.0  # the time of its first step (not in the mode's step time)
@@ -104,6 +106,7 @@ class SpecPacer:
         self._last_update: float | None = None  # None: the engine was idle since
         self.paused_now = False  # the last scheduled step proposed nothing
         self.not_timed_s = 0.0  # host time since the last update that no step is charged
+        self._last_mode: bool | None = None  # the mode of the last step that came back
         # a prompt token's cost: averages of a prompt step's time beyond its level and mode's
         # decode-only step and of its prompt tokens (prompt_token_s = their ratio)
         self._prompt_extra_s = 0.0
@@ -188,9 +191,12 @@ class SpecPacer:
 
     def summary(self) -> dict:
         """Per load level (its lowest running count): ms a step in each mode, the mode now,
-        and the steps scheduled in each mode; and the measured acceptance."""
+        and the steps scheduled in each mode; the measured acceptance, and the learned cost of
+        a prompt token."""
+        cost = self.prompt_token_s
         return {
             "accepted_per_opportunity": self.accepted,
+            "prompt_token_ms": None if cost is None else 1e3 * cost,
             "levels": {
                 1 << (k - 1): {
                     "on_ms": 1e3 * b.step_s[True] if True in b.step_s else None,
@@ -255,17 +261,23 @@ class SpecPacer:
             return
         t_sched, num_running, speculated, prompt_tokens = info
         b = self._bucket(num_running)
+        previous, self._last_mode = self._last_mode, speculated
         if speculated != b.mode:
             return
         step_s = now - (last if last is not None else t_sched) - not_timed
+        # the first step after a switch carries it (suffix decoding catching up: up to ~1 s),
+        # whether the level switched or the load came from a level in the other mode: no
+        # sample for the decode-only average nor for a prompt token's cost
+        settled = not b.switched and previous == speculated
+        b.switched = False
         if not prompt_tokens:
-            if b.steps:  # (a phase's first step carries the switch)
+            if settled:
                 old = b.decode_s.get(speculated)
                 b.decode_s[speculated] = step_s if old is None else old + 0.25 * (step_s - old)
         else:
             cost = self.prompt_token_s
             known = b.decode_s.get(speculated)
-            if known is not None:  # learn what a prompt token costs
+            if known is not None and settled:  # learn what a prompt token costs
                 w = self.PROMPT_EMA
                 self._prompt_extra_s += w * (max(step_s - known, 0.0) - self._prompt_extra_s)
                 self._prompt_tokens += w * (prompt_tokens - self._prompt_tokens)
@@ -286,11 +298,13 @@ class SpecPacer:
         b.steps, b.wall_s = 0, 0.0
         if len(b.step_s) < 2:  # then the mode not measured yet
             b.mode = True not in b.step_s
+            b.switched = True
             return
         best = self._pays(b)
         if mode != best:  # the other mode was just measured again (or the rule changed)
             b.since_explore_s = 0.0
             b.mode = best
+            b.switched = True
             return
         b.since_explore_s += phase_s
         # the other mode's last phase, its first step included: switching to speculation
@@ -298,6 +312,7 @@ class SpecPacer:
         # trees), a cost that grows with the stretch
         if b.since_explore_s * self.EXPLORE_SHARE >= b.phase_cost_s[not best]:
             b.mode = not best
+            b.switched = True
             b.since_explore_s = 0.0  # (else a rule that flips after the exploring phase
             # would switch back at once, and the two modes alternate phase by phase)
 
