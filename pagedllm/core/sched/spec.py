@@ -44,7 +44,6 @@ class _Bucket:
     # measured against (not step_s, which prompt steps feed once their cost is known)
     decode_s: dict[bool, float] = field(default_factory=dict)
     mode: bool = True  # the current phase's
-    switched: bool = True  # the next step of this mode is the first since a switch
     steps: int = 0  # steps of the current phase seen
     wall_s: float = 0.0  # the current phase's time, its first step included
     first_s: float = 0.0  # the time of its first step (not in the mode's step time)
@@ -94,6 +93,7 @@ class SpecPacer:
     EMA = 0.5  # per phase, for step times
     ACC_EMA = 1 / 32  # per drafting opportunity, for the acceptance
     PROMPT_EMA = 1 / 16  # per step with prompt tokens, for a prompt token's cost
+    DECODE_EMA = 1 / 4  # per decode-only step, for the average a prompt step is set against
 
     def __init__(self, shadow: bool = True) -> None:
         self.buckets: dict[int, _Bucket] = {}
@@ -102,7 +102,8 @@ class SpecPacer:
         self.shadow_drafts = shadow  # the proposer can draft on the host while paused
         # the requests followed while paused -> their pending shadow drafts (None: none)
         self._shadow: dict[str, tuple[int, list[int]] | None] = {}
-        self._steps: dict[int, tuple[float, int, bool, bool]] = {}
+        # step id -> (its scheduling's start, running requests, speculated, prompt tokens)
+        self._steps: dict[int, tuple[float, int, bool, int]] = {}
         self._last_update: float | None = None  # None: the engine was idle since
         self.paused_now = False  # the last scheduled step proposed nothing
         self.not_timed_s = 0.0  # host time since the last update that no step is charged
@@ -268,12 +269,13 @@ class SpecPacer:
         # the first step after a switch carries it (suffix decoding catching up: up to ~1 s),
         # whether the level switched or the load came from a level in the other mode: no
         # sample for the decode-only average nor for a prompt token's cost
-        settled = not b.switched and previous == speculated
-        b.switched = False
+        settled = previous == speculated
         if not prompt_tokens:
             if settled:
                 old = b.decode_s.get(speculated)
-                b.decode_s[speculated] = step_s if old is None else old + 0.25 * (step_s - old)
+                b.decode_s[speculated] = (
+                    step_s if old is None else old + self.DECODE_EMA * (step_s - old)
+                )
         else:
             cost = self.prompt_token_s
             known = b.decode_s.get(speculated)
@@ -298,13 +300,11 @@ class SpecPacer:
         b.steps, b.wall_s = 0, 0.0
         if len(b.step_s) < 2:  # then the mode not measured yet
             b.mode = True not in b.step_s
-            b.switched = True
             return
         best = self._pays(b)
         if mode != best:  # the other mode was just measured again (or the rule changed)
             b.since_explore_s = 0.0
             b.mode = best
-            b.switched = True
             return
         b.since_explore_s += phase_s
         # the other mode's last phase, its first step included: switching to speculation
@@ -312,7 +312,6 @@ class SpecPacer:
         # trees), a cost that grows with the stretch
         if b.since_explore_s * self.EXPLORE_SHARE >= b.phase_cost_s[not best]:
             b.mode = not best
-            b.switched = True
             b.since_explore_s = 0.0  # (else a rule that flips after the exploring phase
             # would switch back at once, and the two modes alternate phase by phase)
 
