@@ -22,7 +22,6 @@ Importing this module imports Triton; the runner imports it only on a GPU.
 from __future__ import annotations
 
 import torch
-import triton
 
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
@@ -36,10 +35,9 @@ from pagedllm.kvcompress.attention import (
 from pagedllm.kvcompress.cache import HeadPagedCache
 from pagedllm.ops.kvc_attention import (
     kvc_decode_attention,
-    kvc_decode_num_splits,
+    kvc_decode_auto_splits,
     kvc_paged_attention,
 )
-from pagedllm.ops.paged_attention import default_tile_config
 
 
 class KVCTritonBackend(AttentionBackend):
@@ -145,17 +143,13 @@ def warm_up_decode_kernels(
     h, d, dev = cache.num_kv_heads, cache.head_dim, cache.device
     tables, lens = cache.tables[:, :h], cache.lens[:, :h]  # [rows, H, W], [rows, H]
     kinds = {(w or 0, bool(c)) for w, c in zip(cache.windows, cache.spec.compressible)}
-    tile_n = default_tile_config(max(16, triton.next_power_of_2(d)), decode=True).tile_n
     launches = 0
     for window, compressible in sorted(kinds):
         if window and compressible:
             continue  # by position, in torch (see forward)
-        max_len = tables.shape[2] * cache.block_size
-        if window:
-            max_len = min(max_len, window)
         first_rows: dict[int, int] = {}  # split count -> the fewest rows that give it
         for n in range(1, max_rows + 1):
-            s = kvc_decode_num_splits(n, h, max_len, dev, tile_n)
+            s = kvc_decode_auto_splits(n, tables, cache.block_size, window, d, dev)
             first_rows.setdefault(s, n)
             if s == 1:
                 break

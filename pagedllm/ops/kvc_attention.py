@@ -60,6 +60,7 @@ from pagedllm.ops.paged_attention import _attend_range as _paged_attend_range
 
 __all__ = [
     "kvc_decode_attention",
+    "kvc_decode_auto_splits",
     "kvc_decode_num_splits",
     "kvc_paged_attention",
 ]
@@ -733,6 +734,26 @@ def kvc_decode_num_splits(
     return 1 << (splits.bit_length() - 1)  # round down to a power of two
 
 
+def kvc_decode_auto_splits(
+    num_rows: int,
+    block_tables: torch.Tensor,  # [rows, num_kv_heads, max_blocks]
+    block_size: int,
+    window: int,  # 0 = no sliding window
+    head_dim: int,
+    device: torch.device,
+    tile_n: int | None = None,  # the split path's key tile (default: its default shape's)
+) -> int:
+    """The split count :func:`kvc_decode_attention` picks for ``num_rows`` rows when not
+    given one: :func:`kvc_decode_num_splits` over the tables' capacity (``max_blocks *
+    block_size`` keys, or the window if smaller)."""
+    max_len = block_tables.shape[2] * block_size
+    if window:
+        max_len = min(max_len, window)
+    if tile_n is None:
+        tile_n = default_tile_config(max(16, triton.next_power_of_2(head_dim)), True).tile_n
+    return kvc_decode_num_splits(num_rows, block_tables.shape[1], max_len, device, tile_n)
+
+
 def kvc_decode_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, head_dim]
@@ -809,11 +830,8 @@ def kvc_decode_attention(
     cfg = tile_config or default_tile_config(head_pad, decode=True)
     block_m = max(16, triton.next_power_of_2(g))
     if num_splits is None:
-        max_len = block_tables.shape[2] * block_size
-        if window:
-            max_len = min(max_len, window)
-        num_splits = kvc_decode_num_splits(
-            num_rows, num_kv_heads, max_len, query.device, cfg.tile_n
+        num_splits = kvc_decode_auto_splits(
+            num_rows, block_tables, block_size, window, head_dim, query.device, cfg.tile_n
         )
     assert num_splits >= 1
     if tile_config is None and num_splits == 1:
