@@ -71,6 +71,15 @@ def _metrics(llm: LLM) -> dict:
 REPEATS = 1  # timed runs per batch (--repeats), each on its own prompts
 
 
+def _generate_timed(llm: LLM, prompts: list, sp: SamplingParams) -> tuple[list, float]:
+    """The outputs of one generate call and its seconds, the device drained on both sides."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    return outs, time.perf_counter() - t
+
+
 def _timed(llm: LLM, batch: int, vocab: int, warm: bool = True) -> dict:
     """Warm-up on other prompts of the same shape (unless the engine ran this shape
     already), then the timed runs (``REPEATS``, each on other prompts: suffix decoding
@@ -82,12 +91,10 @@ def _timed(llm: LLM, batch: int, vocab: int, warm: bool = True) -> dict:
     el, outs, runs_s = 0.0, [], []
     for i in range(REPEATS):
         prompts = _workload(batch, vocab, seed=batch + 100_000 * i)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        outs += llm.generate(prompts, sp, use_tqdm=False)
-        torch.cuda.synchronize()
-        runs_s.append(time.perf_counter() - t)
-        el += runs_s[-1]
+        run_outs, run_s = _generate_timed(llm, prompts, sp)
+        outs += run_outs
+        runs_s.append(run_s)
+        el += run_s
     after = _metrics(llm)
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     row = {"batch": batch, "elapsed_s": el, "output_tokens": produced,
@@ -311,11 +318,7 @@ def paced(args: argparse.Namespace) -> dict:
             prompts = _workload(b, vocab, seed=b + 100_000 * r)
             order = names[r % len(names) :] + names[: r % len(names)]
             for n in order:
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                outs = engines[n].generate(prompts, sp, use_tqdm=False)
-                torch.cuda.synchronize()
-                el = time.perf_counter() - t
+                outs, el = _generate_timed(engines[n], prompts, sp)
                 runs[n].append(sum(len(o.outputs[0].token_ids) for o in outs) / el)
         row: dict = {}
         for n in names:
@@ -391,11 +394,7 @@ def profile(args: argparse.Namespace) -> dict:
             return _orig(*a, **kw)
 
         core.step = counted
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.generate(_workload(1, 151936, 6), sp, use_tqdm=False)
-        torch.cuda.synchronize()
-        el = time.perf_counter() - t
+        _, el = _generate_timed(llm, _workload(1, 151936, 6), sp)
         core.step = orig_step
         res[f"{name}_generate_s"] = el
         res[f"{name}_steps"] = len(steps)
