@@ -173,10 +173,13 @@ class EngineCore:
         If it raises, the caller must call ``step_failed`` before anything else.
 
         ``after_launch`` (async scheduling): called once, after this iteration's step is
-        queued on the device and before the wait for the previous step's tokens: the caller's
-        own work that may overlap the device (``LLMEngine``'s deferred output processing).
-        Not called when nothing was launched, nor for a step with structured requests (the
-        caller then does that work itself, after the step).
+        queued on the device and before the wait for the previous step's tokens (a
+        synchronous step: for its own tokens): the caller's own work that may overlap the
+        device (``LLMEngine``'s deferred output processing). Not called when nothing was
+        launched, nor for a step with structured requests (the caller then does that work
+        itself, after the step). Synchronous steps (speculation, penalties, n > 1 while they
+        live) overlap it too: what it finishes (a stop string) may be in the launched step,
+        whose token for it is then dropped, as under async scheduling.
 
         Synchronous: schedule step N, run it, wait for its tokens, update. With
         ``async_scheduling``: schedule and launch step N, then wait for step N-1 (finished on
@@ -200,7 +203,7 @@ class EngineCore:
         if self.async_scheduling and not self.scheduler.needs_sync:
             outputs = self._step_async(after_launch)
         else:
-            outputs = self._step_sync()
+            outputs = self._step_sync(after_launch)
         self.consecutive_failures = 0
         return outputs
 
@@ -242,14 +245,19 @@ class EngineCore:
                 message = f"the engine is dead: it could not recover from {error!r}"
         return StepFailure(ids, message, dead)
 
-    def _step_sync(self) -> list[EngineCoreOutput]:
+    def _step_sync(self, after_launch: Callable[[], None] | None) -> list[EngineCoreOutput]:
         outputs = self._resolve_pending()
         if not self.scheduler.has_unfinished_requests():
             return outputs
         scheduler_output = self.scheduler.schedule()
         executor = self.executor
         if not scheduler_output.structured_requests:
-            runner_output = executor.execute_model(scheduler_output)
+            if after_launch is None:
+                runner_output = executor.execute_model(scheduler_output)
+            else:  # the caller's work runs while the device computes the step
+                launched = executor.launch_step(scheduler_output)
+                after_launch()
+                runner_output = executor.resolve(launched)
         else:  # the grammar step's collect queues the sampling with its bitmask
             step = executor.launch_forward(scheduler_output)
             self._submit_grammars(step, scheduler_output.structured_requests)

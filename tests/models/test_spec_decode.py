@@ -186,6 +186,41 @@ def test_stop_string_ends_where_it_would(tiny_models) -> None:
         assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
 
 
+def test_output_processing_overlaps_speculating_steps(tiny_models) -> None:
+    """With async scheduling, a speculating (synchronous) step detokenizes the last step's
+    outputs while the device computes it, as asynchronous steps do: stop strings then end
+    the outputs at the same text, and the request a stop string ends in flight loses only
+    the extra step's tokens (its blocks are freed once)."""
+    path = tiny_models("llama")
+    prompts = _prompts(4, seed=3)
+    base = _engine(path)
+    ref = base.generate(prompts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    stops = [o.outputs[0].text[12:15] or "zz" for o in ref]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, stop=[s], ignore_eos=True) for s in stops
+    ]
+    want = base.generate(prompts, params, use_tqdm=False)
+    llm = _engine(path, speculative_config=NGRAM, async_scheduling=True)
+    engine = llm.llm_engine
+    runner = engine.engine_core.model_runner
+    in_flight: list[bool] = []  # per output processing: a step on the device meanwhile
+    process = engine._process
+
+    def spy(core_outputs: list) -> list:
+        if core_outputs:
+            in_flight.append(runner._unresolved is not None)
+        return process(core_outputs)
+
+    engine._process = spy
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].text == w.outputs[0].text
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+    assert _spec_stats(llm)["vllm:spec_decode_num_draft_tokens"].value > 0  # it speculated
+    assert sum(in_flight) >= len(in_flight) // 2  # most outputs were processed in flight
+    engine.engine_core.check_integrity()
+
+
 @pytest.mark.parametrize("grammar_process", [False, True], ids=["in-loop", "worker"])
 def test_structured_requests_speculate(tiny_models, draft_of, grammar_process: bool) -> None:  # noqa: ANN001
     """Requests with a grammar verify drafts too (a bitmask row per position): their outputs
