@@ -111,6 +111,39 @@ def test_the_other_mode_is_timed_again_within_a_small_share_of_the_time() -> Non
     assert 0 < t_on / t_all <= 1.5 * SpecPacer.EXPLORE_SHARE
 
 
+def test_re_timings_that_confirm_the_choice_come_ever_more_rarely() -> None:
+    """Under a steady load where speculation keeps losing, each re-timing that confirms
+    "off" doubles the time to the next one, up to MAX_BACKOFF: the speculating share falls
+    to ~EXPLORE_SHARE / MAX_BACKOFF. A re-timing that finds speculation paying (the
+    acceptance rose) keeps it on and starts the intervals over."""
+    pacer = SpecPacer()
+    loop = _Loop(pacer)
+    step_s = {True: 0.2, False: 0.05}
+    loop.run(2 * P, 32, step_s, 0)
+    b = pacer.buckets[(32).bit_length()]
+    starts = []  # the step at which each re-timing phase began
+    for i in range(6000 * P):
+        mode = loop.run(1, 32, step_s, 0)[0]
+        if mode and (not starts or starts[-1] < i - P):
+            starts.append(i)
+    # the first re-timing came after the base interval, the next after 2x, 4x, 8x, 8x it
+    gaps = [b2 - b1 for b1, b2 in zip(starts, starts[1:])]
+    assert len(gaps) >= 4
+    assert gaps[1] == pytest.approx(2 * gaps[0], rel=0.05)
+    assert gaps[2] == pytest.approx(4 * gaps[0], rel=0.05)
+    assert gaps[3] == pytest.approx(gaps[2], rel=0.05)  # capped: MAX_BACKOFF
+    assert b.backoff == SpecPacer.MAX_BACKOFF
+    loop.time_in = {True: 0.0, False: 0.0}
+    loop.run(2 * gaps[-1], 32, step_s, 0)
+    share = loop.time_in[True] / (loop.time_in[True] + loop.time_in[False])
+    assert 0 < share <= 1.5 * SpecPacer.EXPLORE_SHARE / SpecPacer.MAX_BACKOFF
+    # the acceptance rises: the next re-timing finds 1 + 4 accepted x 50 ms > 200 ms
+    while not loop.run(1, 32, step_s, 4)[0]:
+        pass
+    loop.run(P, 32, step_s, 4)
+    assert b.mode is True and b.backoff == 1
+
+
 def test_shadow_drafts_measure_the_acceptance_while_paused() -> None:
     pacer = SpecPacer()
     tokens = [1, 2, 3]

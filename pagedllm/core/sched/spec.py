@@ -49,6 +49,10 @@ class _Bucket:
     first_s: float = 0.0  # the time of its first step (not in the mode's step time)
     phase_cost_s: dict[bool, float] = field(default_factory=dict)  # the last phase per mode
     since_explore_s: float = 0.0
+    # the current phase re-times the mode not chosen; each re-timing that confirms the
+    # choice doubles the time to the next one (up to SpecPacer.MAX_BACKOFF times)
+    exploring: bool = False
+    backoff: int = 1
     scheduled: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # steps
 
 
@@ -80,8 +84,11 @@ class SpecPacer:
       So phases complete under steady arrivals too, where most steps carry a prompt chunk.
       A level measures its first mode, then the other, then runs the mode the rule picks at
       each phase's end, and measures the other mode again once the chosen one has run
-      ``1 / EXPLORE_SHARE`` times the other's last phase, its first step included (~3% of the
-      time).
+      ``backoff / EXPLORE_SHARE`` times the other's last phase, its first step included (~3%
+      of the time at first). Each re-timing that confirms the choice doubles ``backoff``, up
+      to ``MAX_BACKOFF`` (~0.4%: under a steady load a losing mode costs little for long); a
+      re-timing that changes the choice, or a change of the rule's answer at the end of a
+      phase of the chosen mode (the acceptance moved), sets it back to 1.
 
     Example: at 32 running, t_on 80 ms and t_off 50 ms: speculation needs a > 0.6; at 1
     running, 30 and 20 ms: a > 0.5.
@@ -89,6 +96,7 @@ class SpecPacer:
 
     PHASE = 8
     EXPLORE_SHARE = 1 / 32
+    MAX_BACKOFF = 8
     SHADOWED = 2  # requests followed by shadow drafts at once (host time: ~1.5 proposals a step)
     EMA = 0.5  # per phase, for step times
     ACC_EMA = 1 / 32  # per drafting opportunity, for the acceptance
@@ -205,6 +213,7 @@ class SpecPacer:
                     "speculating": b.mode,
                     "steps_on": b.scheduled[True],
                     "steps_off": b.scheduled[False],
+                    "retime_backoff": b.backoff,
                 }
                 for k, b in sorted(self.buckets.items())
             },
@@ -302,6 +311,11 @@ class SpecPacer:
             b.mode = True not in b.step_s
             return
         best = self._pays(b)
+        if b.exploring:  # a re-timing phase of the mode not chosen ended
+            b.exploring = False
+            b.backoff = min(2 * b.backoff, self.MAX_BACKOFF) if mode != best else 1
+        elif mode != best:  # the first choice, or the rule's answer moved with the acceptance
+            b.backoff = 1
         if mode != best:  # the other mode was just measured again (or the rule changed)
             b.since_explore_s = 0.0
             b.mode = best
@@ -310,8 +324,9 @@ class SpecPacer:
         # the other mode's last phase, its first step included: switching to speculation
         # makes the proposer catch up on the tokens of the paused stretch (suffix decoding's
         # trees), a cost that grows with the stretch
-        if b.since_explore_s * self.EXPLORE_SHARE >= b.phase_cost_s[not best]:
+        if b.since_explore_s * self.EXPLORE_SHARE >= b.phase_cost_s[not best] * b.backoff:
             b.mode = not best
+            b.exploring = True
             b.since_explore_s = 0.0  # (else a rule that flips after the exploring phase
             # would switch back at once, and the two modes alternate phase by phase)
 
