@@ -144,6 +144,35 @@ def test_re_timings_that_confirm_the_choice_come_ever_more_rarely() -> None:
     assert b.mode is True and b.backoff == 1
 
 
+def test_speculation_that_cannot_pay_even_fully_accepted_is_rarely_re_timed() -> None:
+    """k = 4: speculating steps more than 5x a plain one cannot pay whatever is accepted.
+    Such a level re-times at the longest interval from its first choice on, and a new level
+    above it starts off and takes that ratio for its speculating steps instead of timing
+    them (suffix decoding's first step after a pause is dear); the first re-timing there
+    measures it, after MAX_BACKOFF / EXPLORE_SHARE times its estimated phase."""
+    pacer = SpecPacer(max_accepted=4)
+    loop = _Loop(pacer)
+    loop.run(2 * P, 64, {True: 0.03, False: 0.005}, 1)  # on 6x off: hopeless
+    b64 = pacer.buckets[(64).bit_length()]
+    assert b64.mode is False and b64.backoff == SpecPacer.MAX_BACKOFF
+    heavy = {True: 0.08, False: 0.01}
+    assert loop.run(4 * P, 256, heavy, 1).count(True) == 0  # never timed on
+    b = pacer.buckets[(256).bit_length()]
+    assert b.step_s[True] == pytest.approx(0.06)  # 10 ms x 6
+    assert b.backoff == SpecPacer.MAX_BACKOFF and b.scheduled[True] == 0
+    # 8 x 32 x its estimated on-phase (8 x 60 ms): 123 s counted of off phases (7 of their 8
+    # steps of 10 ms count): ~14,000 steps
+    modes = loop.run(16_000, 256, heavy, 1)
+    first = modes.index(True)
+    assert 13_000 < first < 15_000
+    assert b.step_s[True] == pytest.approx(0.08, rel=0.2)  # now measured
+    # a pacer that does not know k times speculation at 256 at once
+    other = SpecPacer()
+    loop2 = _Loop(other)
+    loop2.run(2 * P, 64, {True: 0.03, False: 0.005}, 1)
+    assert loop2.run(4 * P, 256, heavy, 1).count(True) == P
+
+
 def test_shadow_drafts_measure_the_acceptance_while_paused() -> None:
     pacer = SpecPacer()
     tokens = [1, 2, 3]

@@ -88,7 +88,12 @@ class SpecPacer:
       of the time at first). Each re-timing that confirms the choice doubles ``backoff``, up
       to ``MAX_BACKOFF`` (~0.4%: under a steady load a losing mode costs little for long); a
       re-timing that changes the choice, or a change of the rule's answer at the end of a
-      phase of the chosen mode (the acceptance moved), sets it back to 1.
+      phase of the chosen mode (the acceptance moved), sets it back to 1. A level where
+      speculation could not pay even if every draft were accepted (``(1 + k) t_off < t_on``,
+      "hopeless") is re-timed only at the longest interval, and so is a level above one:
+      after its first phase off it does not time speculation (it takes the hopeless level's
+      ratio of the two modes) until a re-timing at that interval - suffix decoding's first
+      speculating step after a paused stretch costs tens of ms per 100 requests.
 
     Example: at 32 running, t_on 80 ms and t_off 50 ms: speculation needs a > 0.6; at 1
     running, 30 and 20 ms: a > 0.5.
@@ -103,8 +108,10 @@ class SpecPacer:
     PROMPT_EMA = 1 / 16  # per step with prompt tokens, for a prompt token's cost
     DECODE_EMA = 1 / 4  # per decode-only step, for the average a prompt step is set against
 
-    def __init__(self, shadow: bool = True) -> None:
+    def __init__(self, shadow: bool = True, max_accepted: int | None = None) -> None:
         self.buckets: dict[int, _Bucket] = {}
+        # k: the most drafts a step can accept (None: no level is taken as hopeless)
+        self.max_accepted = max_accepted
         self.accepted = 0.0  # a: drafts accepted per drafting opportunity (average)
         self.samples = 0
         self.shadow_drafts = shadow  # the proposer can draft on the host while paused
@@ -143,6 +150,23 @@ class SpecPacer:
 
     def _pays(self, b: _Bucket) -> bool:
         return (1.0 + self.accepted) * b.step_s[False] > b.step_s[True]
+
+    def _hopeless(self, b: _Bucket) -> bool:
+        """Whether speculation could not pay at this level even if every draft were
+        accepted: ``(1 + k) * t_off < t_on``."""
+        k = self.max_accepted
+        return k is not None and len(b.step_s) == 2 and (1 + k) * b.step_s[False] < b.step_s[True]
+
+    def _hopeless_below(self, key: int) -> _Bucket | None:
+        """The nearest lower measured level, if speculation is hopeless there: then it is at
+        this load too (a speculating step's cost relative to a plain one grows with the load:
+        the verification's k + 1 tokens a request move from riding on the weights' read
+        towards the compute's bound, and the proposers' host work grows with the requests)."""
+        lower = [k for k, b in self.buckets.items() if k < key and len(b.step_s) == 2]
+        if not lower:
+            return None
+        b = self.buckets[max(lower)]
+        return b if self._hopeless(b) else None
 
     def speculate(self, num_running: int) -> bool:
         """Whether a step at this load proposes drafts (the current phase's mode)."""
@@ -307,15 +331,25 @@ class SpecPacer:
         old = b.step_s.get(mode)
         b.step_s[mode] = x if old is None else self.EMA * x + (1 - self.EMA) * old
         b.steps, b.wall_s = 0, 0.0
-        if len(b.step_s) < 2:  # then the mode not measured yet
-            b.mode = True not in b.step_s
-            return
+        if len(b.step_s) < 2:  # then the mode not measured yet, unless hopeless below
+            below = None if mode else self._hopeless_below(max(num_running, 1).bit_length())
+            if below is None:
+                b.mode = True not in b.step_s
+                return
+            # speculating is taken to cost what it costs below, relative to a plain step
+            # (at least), and is first timed as a re-timing at the longest interval
+            # Example: hopeless at 64 (30 ms against 4); off at 256 measured 6 ms -> on 45 ms
+            scale = b.step_s[False] / below.step_s[False]
+            b.step_s[True] = below.step_s[True] * scale
+            b.phase_cost_s[True] = below.phase_cost_s[True] * scale
         best = self._pays(b)
         if b.exploring:  # a re-timing phase of the mode not chosen ended
             b.exploring = False
             b.backoff = min(2 * b.backoff, self.MAX_BACKOFF) if mode != best else 1
         elif mode != best:  # the first choice, or the rule's answer moved with the acceptance
             b.backoff = 1
+        if self._hopeless(b):  # re-timed only at the longest interval
+            b.backoff = self.MAX_BACKOFF
         if mode != best:  # the other mode was just measured again (or the rule changed)
             b.since_explore_s = 0.0
             b.mode = best
@@ -344,7 +378,11 @@ class SpecDecoding:
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.disable_by_batch_size = config.disable_by_batch_size
-        self.pacer = SpecPacer(shadow=not self.uses_runner) if config.disable_when_slower else None
+        self.pacer = (
+            SpecPacer(shadow=not self.uses_runner, max_accepted=self.k)
+            if config.disable_when_slower
+            else None
+        )
         self.num_drafts = 0  # steps in which a request verified drafts
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
