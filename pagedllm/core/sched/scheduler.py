@@ -304,7 +304,11 @@ class Scheduler:
                 drafts = self.spec.drafts_for(request, budget)
                 num_new += len(drafts)  # verified in this step's forward pass
             # a draft model proposes after this step: slots for its drafts' KVs
-            look = self._draft_lookahead(request, num_new - len(drafts), len(drafts), speculate)
+            look = (
+                self._draft_lookahead(request, num_new - len(drafts), len(drafts), speculate)
+                if speculate
+                else 0
+            )
             new_blocks = None
             gang_preempted = False
             while True:
@@ -422,10 +426,14 @@ class Scheduler:
         )
         if self.spec is not None and self.spec.pacer is not None:
             # the step's prompt tokens: the rows longer than a decode row (its token and its
-            # drafts) are prompt chunks (or a preempted request's recompute)
-            prompt_tokens = sum(
-                n for rid, n in num_scheduled.items() if n > 1 + len(spec_tokens.get(rid, ()))
-            )
+            # drafts) are prompt chunks (or a preempted request's recompute); none where the
+            # step is as long as its decode rows (no Python pass over 256 rows then)
+            prompt_tokens = 0
+            decode_len = len(num_scheduled) + sum(map(len, out.scheduled_spec_tokens.values()))
+            if out.total_num_scheduled_tokens != decode_len:
+                prompt_tokens = sum(
+                    n for rid, n in num_scheduled.items() if n > 1 + len(spec_tokens.get(rid, ()))
+                )
             self.spec.pacer.scheduled(step_id, t_start, load, speculate, prompt_tokens)
         self._kvc_pending += bool(kvc_compress)
         self.finished_req_ids = set()
@@ -657,6 +665,13 @@ class Scheduler:
                     self.kv_cache_manager.apply_compaction(request, lens)
         sampled = dict(zip(runner_output.req_ids, range(len(runner_output.req_ids))))
         spec_tokens = scheduler_output.scheduled_spec_tokens
+        # the speculation pacer looks at each decoding request while speculating; paused,
+        # only at those its shadow drafts follow (or while it has room for more): a step of
+        # 256 requests then makes a few calls, not 256
+        pacer = self.spec.pacer if self.spec is not None else None
+        paused = scheduler_output.spec_paused
+        followed = pacer.followed if pacer is not None else {}
+        room = pacer is not None and pacer.shadow_drafts and pacer.has_room()
         for request in self._in_flight.pop(scheduler_output.step_id):
             if request.is_finished:
                 continue  # aborted (or finished by a stop string) while the step ran
@@ -702,11 +717,11 @@ class Scheduler:
                 lp = runner_output.logprobs[idx]
                 logprobs = lp[: len(new_tokens)] if lp is not None else None
             if (
-                self.spec is not None
-                and self.spec.pacer is not None
+                pacer is not None
+                and (not paused or room or rid in followed)
                 and scheduler_output.num_scheduled_tokens.get(rid) == 1 + len(drafts or ())
             ):  # a decode (not a prompt's last chunk)
-                self.spec.observe(request, scheduler_output.spec_paused, bool(drafts))
+                self.spec.observe(request, paused, bool(drafts))
             outputs.append(self._emit(request, new_tokens, logprobs, prompt_lp))
         if self.spec is not None and self.spec.pacer is not None:
             busy = self.has_unfinished_requests()

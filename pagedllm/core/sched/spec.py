@@ -248,6 +248,15 @@ class SpecPacer:
             },
         }
 
+    @property
+    def followed(self) -> dict:
+        """The requests shadow drafts follow (a live mapping: ``in`` tests membership)."""
+        return self._shadow
+
+    def has_room(self) -> bool:
+        """Whether shadow drafts can follow another request."""
+        return len(self._shadow) < self.SHADOWED
+
     def follows(self, req_id: str) -> bool:
         """Whether shadow drafts follow the request (its proposer state is current)."""
         return req_id in self._shadow
