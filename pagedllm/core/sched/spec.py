@@ -61,11 +61,7 @@ class SpecPacer:
 
     A speculating step emits ``1 + a`` tokens per request (``a``: drafts accepted) and takes
     ``t_on``; a plain step emits 1 and takes ``t_off``. Speculation pays at a load where
-    ``(1 + a) * t_off > t_on``; the pacer speculates where it pays by ``PAY_MARGIN`` (10%):
-    near the edge it runs plain steps, which cost no host work for drafts and no switches (a
-    switch to speculation has suffix decoding catch up on the paused stretch; at the edge the
-    level would flip with the acceptance's moves, each flip costing that). It measures both
-    sides:
+    ``(1 + a) * t_off > t_on``. The pacer measures both sides:
 
     - ``a``: an exponential average over drafting opportunities (one per request and step),
       from the verifications while speculating and, while paused, from shadow drafts: the
@@ -99,14 +95,13 @@ class SpecPacer:
       ratio of the two modes) until a re-timing at that interval - suffix decoding's first
       speculating step after a paused stretch costs tens of ms per 100 requests.
 
-    Example: at 32 running, t_on 80 ms and t_off 50 ms: speculation needs a > 0.76 (0.6
-    without the margin); at 1 running, 30 and 20 ms: a > 0.65.
+    Example: at 32 running, t_on 80 ms and t_off 50 ms: speculation needs a > 0.6; at 1
+    running, 30 and 20 ms: a > 0.5.
     """
 
     PHASE = 8
     EXPLORE_SHARE = 1 / 32
     MAX_BACKOFF = 8
-    PAY_MARGIN = 1.1
     SHADOWED = 2  # requests followed by shadow drafts at once (host time: ~1.5 proposals a step)
     EMA = 0.5  # per phase, for step times
     ACC_EMA = 1 / 32  # per drafting opportunity, for the acceptance
@@ -154,7 +149,7 @@ class SpecPacer:
         return self._pays(self.buckets[near])
 
     def _pays(self, b: _Bucket) -> bool:
-        return (1.0 + self.accepted) * b.step_s[False] > self.PAY_MARGIN * b.step_s[True]
+        return (1.0 + self.accepted) * b.step_s[False] > b.step_s[True]
 
     def _hopeless(self, b: _Bucket) -> bool:
         """Whether speculation could not pay at this level even if every draft were
