@@ -265,20 +265,32 @@ def test_the_host_work_before_a_step_counts() -> None:
     assert _phases(modes)[2:].count(True) <= 1
 
 
-def test_a_level_that_turns_out_to_pay_when_re_timed_stays_on() -> None:
-    """Off was better; the re-timing phase finds speculation paying now (the acceptance
-    rose): the level stays on instead of exploring off at once (the time counted towards
-    the next exploration starts again at each switch)."""
+def test_a_level_where_speculation_comes_to_pay_turns_on_and_stays_on() -> None:
+    """Off was better; then the acceptance rises (shadow drafts see it while paused): the
+    level turns speculation on and keeps it instead of exploring off at once (the time
+    counted towards the next exploration starts again at each switch)."""
     pacer = SpecPacer()
     loop = _Loop(pacer)
     heavy = {True: 0.04, False: 0.01}
     loop.run(2 * P, 64, heavy, 0)  # on, then off measured; nothing accepted: off
     b = pacer.buckets[(64).bit_length()]
-    b.since_explore_s = 100.0  # long in off: the next phase's end re-times on
-    assert loop.run(P, 64, heavy, 0)[-1] is False and b.mode is True
-    loop.run(P, 64, heavy, 4)  # the re-timing phase: 4 accepted, 5 x 10 ms > 40 ms
-    assert b.mode is True
+    b.since_explore_s = 100.0  # long in off: a re-timing is due
+    modes = loop.run(6 * P, 64, heavy, 4)  # 4 accepted: 5 x 10 ms > 40 ms
+    assert b.mode is True and all(_phases(modes)[-3:])
     assert all(loop.run(4 * P, 64, heavy, 4))
+
+
+def test_the_acceptance_is_averaged_over_steps_not_opportunities() -> None:
+    """256 requests a step, alternating steps of all drafts accepted and none: the average
+    stays near the middle instead of following the last step (each step's mean is one
+    sample of the average)."""
+    pacer = SpecPacer()
+    loop = _Loop(pacer)
+    seen = []
+    for i in range(64):
+        loop.run(1, 256, {True: 0.02, False: 0.01}, 4 if i % 2 else 0)
+        seen.append(pacer.accepted)
+    assert all(1.4 < a < 2.6 for a in seen[32:])
 
 
 def test_exploring_costs_a_small_share_even_when_switching_on_is_dear() -> None:

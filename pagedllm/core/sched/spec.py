@@ -63,7 +63,8 @@ class SpecPacer:
     ``t_on``; a plain step emits 1 and takes ``t_off``. Speculation pays at a load where
     ``(1 + a) * t_off > t_on``. The pacer measures both sides:
 
-    - ``a``: an exponential average over drafting opportunities (one per request and step),
+    - ``a``: drafts accepted per drafting opportunity (one per request and step), an
+      exponential average over steps of each step's mean,
       from the verifications while speculating and, while paused, from shadow drafts: the
       proposer drafts as it would have, and the drafts are checked against the tokens the
       model then emits (``shadow``; not for a draft model, whose drafts come from the runner).
@@ -104,7 +105,7 @@ class SpecPacer:
     MAX_BACKOFF = 8
     SHADOWED = 2  # requests followed by shadow drafts at once (host time: ~1.5 proposals a step)
     EMA = 0.5  # per phase, for step times
-    ACC_EMA = 1 / 32  # per drafting opportunity, for the acceptance
+    ACC_EMA = 1 / 16  # per step (its opportunities' mean), for the acceptance: ~2 phases
     PROMPT_EMA = 1 / 16  # per step with prompt tokens, for a prompt token's cost
     DECODE_EMA = 1 / 4  # per decode-only step, for the average a prompt step is set against
 
@@ -112,8 +113,13 @@ class SpecPacer:
         self.buckets: dict[int, _Bucket] = {}
         # k: the most drafts a step can accept (None: no level is taken as hopeless)
         self.max_accepted = max_accepted
-        self.accepted = 0.0  # a: drafts accepted per drafting opportunity (average)
-        self.samples = 0
+        self.samples = 0  # drafting opportunities seen
+        # a: drafts accepted per drafting opportunity, an average over steps; the current
+        # step's opportunities are summed until its update folds them in
+        self._acc = 0.0
+        self._folds = 0
+        self._pending_sum = 0.0
+        self._pending_n = 0
         self.shadow_drafts = shadow  # the proposer can draft on the host while paused
         # the requests followed while paused -> their pending shadow drafts (None: none)
         self._shadow: dict[str, tuple[int, list[int]] | None] = {}
@@ -172,11 +178,29 @@ class SpecPacer:
         """Whether a step at this load proposes drafts (the current phase's mode)."""
         return self._bucket(num_running).mode
 
+    @property
+    def accepted(self) -> float:
+        """a: drafts accepted per drafting opportunity, an exponential average over steps of
+        each step's mean (the opportunities since the last update count as one step). Per
+        step, not per opportunity: at 16 running a weight of 1 / 32 per opportunity made
+        this the last two steps' acceptance, and the rule flipped with each step's luck."""
+        if not self._pending_n:
+            return self._acc
+        w = max(self.ACC_EMA, 1.0 / (self._folds + 1))  # a plain mean over the first steps
+        return self._acc + w * (self._pending_sum / self._pending_n - self._acc)
+
     def sample(self, accepted: int) -> None:
         """One drafting opportunity's outcome: ``accepted`` drafts (0 when there were none)."""
-        w = max(self.ACC_EMA, 1.0 / (self.samples + 1))  # a plain mean over the first ones
-        self.accepted += w * (accepted - self.accepted)
+        self._pending_sum += accepted
+        self._pending_n += 1
         self.samples += 1
+
+    def _fold(self) -> None:
+        """The opportunities since the last update become one step of the average."""
+        if self._pending_n:
+            self._acc = self.accepted
+            self._folds += 1
+            self._pending_sum, self._pending_n = 0.0, 0
 
     def shadow(
         self,
@@ -297,6 +321,7 @@ class SpecPacer:
         scheduling and drafting until 10.004, the step's update at 10.012: 12 ms (timing from
         the end of its scheduling would leave the drafting out: 8 ms).
         """
+        self._fold()
         info = self._steps.pop(step_id, None)
         last, self._last_update = self._last_update, now if busy else None
         not_timed, self.not_timed_s = self.not_timed_s, 0.0
