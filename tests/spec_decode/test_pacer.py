@@ -77,10 +77,11 @@ def test_each_load_runs_the_mode_the_rule_picks() -> None:
     modes = loop.run(10 * P, 32, heavy, 0)
     assert _phases(modes)[1:].count(True) == 0
     # another level: its own step times; it starts in the mode its measured neighbour picks
-    # (off at 32, with nothing accepted there), then measures the other one
+    # (off at 32, with nothing accepted there), then measures the other one (the first step
+    # after the load fell from 32 to 1 is not timed: its phase has P more)
     light = {True: 0.03, False: 0.02}
     modes = loop.run(20 * P, 1, light, 2)
-    assert _phases(modes)[:2] == [False, True] and all(_phases(modes)[-5:])
+    assert not any(modes[: P + 1]) and modes[P + 1] and all(_phases(modes)[-5:])
 
 
 def test_a_new_level_starts_in_its_nearest_measured_levels_mode() -> None:
@@ -263,6 +264,33 @@ def test_the_host_work_before_a_step_counts() -> None:
     modes = loop.run(10 * P, 64, {True: 0.001, False: 0.003}, 1, host_s={True: 0.009})
     assert pacer.buckets[(64).bit_length()].step_s[True] == pytest.approx(0.010)
     assert _phases(modes)[2:].count(True) <= 1
+
+
+def test_a_level_the_load_only_jumps_through_is_not_timed_and_follows_its_neighbour() -> None:
+    """Offline batches: every request arrives at once, so each batch's second step runs at
+    ~160 of its 256 requests with the rest's prompt chunks, and all end together. That level
+    is made before any is measured (its guess: speculate); its steps come right after a jump
+    of the load and are not timed (their prompt chunks' cost would swamp the decode rows'), so
+    it never measures itself: once 256 is measured off, it follows that level, and its steps
+    stop speculating."""
+    pacer = SpecPacer()
+    loop = _Loop(pacer)
+    mid = {True: 0.05, False: 0.03}
+    full = {True: 0.04, False: 0.004}
+    cost = 2e-5  # s a prompt token
+    batch = [(1, 160, mid, 1, 1000, cost), (3 * P, 256, full, 1)]
+    loop.run(*batch[0])  # the first batch: level 160 made before any level is measured
+    loop.run(*batch[1], idle_after=True)
+    # 256 running under steady arrivals: a prompt token's cost is learned
+    loop.run(4 * P, 256, full, 1, prompt_tokens=50, prompt_token_s=cost, idle_after=True)
+    assert pacer.prompt_token_s == pytest.approx(cost)
+    for _ in range(12):  # more batches: one step at 160 running after the idle end, then 256
+        loop.run(*batch[0])
+        loop.run(*batch[1], idle_after=True)
+    b160 = pacer.buckets[(160).bit_length()]
+    assert not b160.step_s and not b160.decode_s  # never timed
+    assert b160.scheduled[True] == 1  # the first batch's guess only
+    assert not pacer.speculate(160)
 
 
 def test_a_level_where_speculation_comes_to_pay_turns_on_and_stays_on() -> None:

@@ -129,6 +129,7 @@ class SpecPacer:
         self.paused_now = False  # the last scheduled step proposed nothing
         self.not_timed_s = 0.0  # host time since the last update that no step is charged
         self._last_mode: bool | None = None  # the mode of the last step that came back
+        self._last_load: int | None = None  # and its running requests
         # a prompt token's cost: averages of a prompt step's time beyond its level and mode's
         # decode-only step and of its prompt tokens (prompt_token_s = their ratio)
         self._prompt_extra_s = 0.0
@@ -175,8 +176,14 @@ class SpecPacer:
         return b if self._hopeless(b) else None
 
     def speculate(self, num_running: int) -> bool:
-        """Whether a step at this load proposes drafts (the current phase's mode)."""
-        return self._bucket(num_running).mode
+        """Whether a step at this load proposes drafts (the current phase's mode). A level
+        with nothing timed yet, no phase begun, follows its nearest measured level as that
+        one's choice changes (a level the load only passes through - the step where a whole
+        batch arrives at once - is never timed, and would keep the guess it was made with)."""
+        b = self._bucket(num_running)
+        if not b.step_s and b.steps == 0:
+            b.mode = self._neighbour_choice(max(num_running, 1).bit_length())
+        return b.mode
 
     @property
     def accepted(self) -> float:
@@ -330,7 +337,13 @@ class SpecPacer:
         t_sched, num_running, speculated, prompt_tokens = info
         b = self._bucket(num_running)
         previous, self._last_mode = self._last_mode, speculated
+        last_load, self._last_load = self._last_load, num_running
         if speculated != b.mode:
+            return
+        if last_load is not None and abs(num_running - last_load) > max(8, num_running // 2):
+            # the load jumped (a batch arrived at once, or left): such a step mostly carries
+            # prompt chunks, whose learned cost is one linear figure - 5% off on a 1,000-token
+            # chunk is more than the decode rows' time - and it says little about the level
             return
         step_s = now - (last if last is not None else t_sched) - not_timed
         # the first step after a switch carries it (suffix decoding catching up: up to ~1 s),
