@@ -32,13 +32,15 @@ class _Loop:
         idle_after=False,
         switch_on_s=0.0,
         finish_s=0.0,
+        arrivals=0,
     ) -> list:
         """``host_s[mode]``: host time between an update and the next step's scheduling
         (output processing, drafting) that the step waits for; ``idle_after``: the last step's
         update leaves the engine without requests; ``switch_on_s``: extra time of the first
         speculating step after a plain one (the proposer catching up); ``finish_s``: time in
         each step the proposer spends on ending requests (reported as the engine does);
-        ``prompt_tokens``: a prompt chunk in every step, costing ``prompt_token_s`` a token."""
+        ``prompt_tokens``: a prompt chunk in every step, costing ``prompt_token_s`` a token;
+        ``arrivals``: the requests each step admits."""
         modes = []
         for i in range(n):
             mode = self.pacer.speculate(running)
@@ -46,7 +48,7 @@ class _Loop:
             self.now += (host_s or {}).get(mode, 0.0)
             if mode and self.last_mode is False:
                 self.now += switch_on_s
-            self.pacer.scheduled(self.step, t_start, running, mode, prompt_tokens)
+            self.pacer.scheduled(self.step, t_start, running, mode, prompt_tokens, arrivals)
             self.now += step_s[mode] + finish_s + prompt_tokens * prompt_token_s
             self.pacer.not_timed_s += finish_s
             for _ in range(running):
@@ -77,11 +79,10 @@ def test_each_load_runs_the_mode_the_rule_picks() -> None:
     modes = loop.run(10 * P, 32, heavy, 0)
     assert _phases(modes)[1:].count(True) == 0
     # another level: its own step times; it starts in the mode its measured neighbour picks
-    # (off at 32, with nothing accepted there), then measures the other one (the first step
-    # after the load fell from 32 to 1 is not timed: its phase has P more)
+    # (off at 32, with nothing accepted there), then measures the other one
     light = {True: 0.03, False: 0.02}
     modes = loop.run(20 * P, 1, light, 2)
-    assert not any(modes[: P + 1]) and modes[P + 1] and all(_phases(modes)[-5:])
+    assert _phases(modes)[:2] == [False, True] and all(_phases(modes)[-5:])
 
 
 def test_a_new_level_starts_in_its_nearest_measured_levels_mode() -> None:
@@ -266,27 +267,28 @@ def test_the_host_work_before_a_step_counts() -> None:
     assert _phases(modes)[2:].count(True) <= 1
 
 
-def test_a_level_the_load_only_jumps_through_is_not_timed_and_follows_its_neighbour() -> None:
-    """Offline batches: every request arrives at once, so each batch's second step runs at
-    ~160 of its 256 requests with the rest's prompt chunks, and all end together. That level
-    is made before any is measured (its guess: speculate); its steps come right after a jump
-    of the load and are not timed (their prompt chunks' cost would swamp the decode rows'), so
-    it never measures itself: once 256 is measured off, it follows that level, and its steps
-    stop speculating."""
+def test_a_level_the_load_only_passes_through_is_not_timed_and_follows_its_neighbour() -> None:
+    """Offline batches: every request arrives at once, so a batch's second step runs at ~160
+    of its 256 requests and admits the other 96, and all end together. That level is made
+    before any is measured (its guess: speculate); its steps admit a burst of requests and
+    are not timed (admitting requests costs host work the prompt tokens' learned cost does
+    not hold), so it never measures itself: once 256 is measured off, it follows that level,
+    and its steps stop speculating."""
     pacer = SpecPacer()
     loop = _Loop(pacer)
     mid = {True: 0.05, False: 0.03}
     full = {True: 0.04, False: 0.004}
     cost = 2e-5  # s a prompt token
-    batch = [(1, 160, mid, 1, 1000, cost), (3 * P, 256, full, 1)]
-    loop.run(*batch[0])  # the first batch: level 160 made before any level is measured
-    loop.run(*batch[1], idle_after=True)
-    # 256 running under steady arrivals: a prompt token's cost is learned
-    loop.run(4 * P, 256, full, 1, prompt_tokens=50, prompt_token_s=cost, idle_after=True)
+    ramp = dict(prompt_tokens=1000, prompt_token_s=cost, arrivals=96)
+    loop.run(1, 160, mid, 1, **ramp)  # the first batch: level 160 made before any is measured
+    loop.run(3 * P, 256, full, 1, idle_after=True)
+    # 256 running under steady arrivals (one a step): a prompt token's cost is learned
+    steady = dict(prompt_tokens=50, prompt_token_s=cost, arrivals=1)
+    loop.run(4 * P, 256, full, 1, idle_after=True, **steady)
     assert pacer.prompt_token_s == pytest.approx(cost)
     for _ in range(12):  # more batches: one step at 160 running after the idle end, then 256
-        loop.run(*batch[0])
-        loop.run(*batch[1], idle_after=True)
+        loop.run(1, 160, mid, 1, **ramp)
+        loop.run(3 * P, 256, full, 1, idle_after=True)
     b160 = pacer.buckets[(160).bit_length()]
     assert not b160.step_s and not b160.decode_s  # never timed
     assert b160.scheduled[True] == 1  # the first batch's guess only
@@ -401,3 +403,21 @@ def test_paused_suffix_decoding_learns_only_from_followed_requests() -> None:
     output[:] = [60, 61, 62, 63]
     spec.finish(req("any"))
     assert spec.proposer.propose("n3", [9, 60, 61], 1, 4) == [62, 63]
+
+
+def test_the_pacer_pauses_while_a_burst_of_requests_waits() -> None:
+    """More than max(2, running / 16) waiting requests (an offline batch being admitted, or
+    an engine over capacity) pause speculation at any level; fewer leave it to the pacer's
+    rule; without ``disable_when_slower`` a queue changes nothing."""
+    from pagedllm.core.sched.spec import SpecDecoding
+    from pagedllm.spec_decode import SpeculativeConfig
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    paced = SpecDecoding(
+        SpeculativeConfig.from_dict({**ngram, "disable_when_slower": True}), max_model_len=1000
+    )
+    assert not paced.paused(4, 2)  # a new level, nothing measured: speculate
+    assert paced.paused(4, 3)
+    assert not paced.paused(64, 4) and paced.paused(64, 5)
+    plain = SpecDecoding(SpeculativeConfig.from_dict(ngram), max_model_len=1000)
+    assert not plain.paused(64, 500)

@@ -192,7 +192,9 @@ class Scheduler:
         return (
             bool(self._sync_ids)
             or self._kvc_pending > 0
-            or (self.spec is not None and not self.spec.paused(len(self.running)))
+            or (
+                self.spec is not None and not self.spec.paused(len(self.running), len(self.waiting))
+            )
         )
 
     def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None:
@@ -285,7 +287,7 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}  # speculative decoding: each request's drafts
         draft_requests: dict[str, int] = {}  # a draft model drafts after the step for these
         load = len(self.running)  # the load speculation is decided at (and measured by)
-        speculate = self.spec is not None and not self.spec.paused(load)
+        speculate = self.spec is not None and not self.spec.paused(load, len(self.waiting))
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -434,7 +436,9 @@ class Scheduler:
                 prompt_tokens = sum(
                     n for rid, n in num_scheduled.items() if n > 1 + len(spec_tokens.get(rid, ()))
                 )
-            self.spec.pacer.scheduled(step_id, t_start, load, speculate, prompt_tokens)
+            self.spec.pacer.scheduled(
+                step_id, t_start, load, speculate, prompt_tokens, arrivals=len(new_reqs)
+            )
         self._kvc_pending += bool(kvc_compress)
         self.finished_req_ids = set()
         self._swap_out = []

@@ -25,6 +25,7 @@ only the accepted tokens enter it at the update. Beam searches get no drafts.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ class _Bucket:
     steps: int = 0  # steps of the current phase seen
     wall_s: float = 0.0  # the current phase's time, its first step included
     first_s: float = 0.0  # the time of its first step (not in the mode's step time)
+    times: list[float] = field(default_factory=list)  # its steps after the first
     phase_cost_s: dict[bool, float] = field(default_factory=dict)  # the last phase per mode
     since_explore_s: float = 0.0
     # the current phase re-times the mode not chosen; each re-timing that confirms the
@@ -72,8 +74,9 @@ class SpecPacer:
     - ``t_on`` and ``t_off`` per load level (bucket: running requests rounded down to a power of
       two; a new level starts in the mode its nearest measured level picks): the wall time of
       steps from the previous step's update to their own, in phases of ``PHASE``
-      steps of one mode - so a step's time holds all the host work of the engine loop: the
-      output processing, the scheduling and the drafting before a synchronous step (a
+      steps of one mode (a phase gives the median of its steps, an exponential average
+      over phases the mode's time) - so a step's time holds all the host work of the engine
+      loop: the output processing, the scheduling and the drafting before a synchronous step (a
       speculating one) as well as the overlapped ones of an asynchronous step. A phase's first
       step is not counted (the switch between synchronous and asynchronous steps), nor the
       engine's idle time (a step after an update that left no work starts at its own
@@ -123,13 +126,13 @@ class SpecPacer:
         self.shadow_drafts = shadow  # the proposer can draft on the host while paused
         # the requests followed while paused -> their pending shadow drafts (None: none)
         self._shadow: dict[str, tuple[int, list[int]] | None] = {}
-        # step id -> (its scheduling's start, running requests, speculated, prompt tokens)
-        self._steps: dict[int, tuple[float, int, bool, int]] = {}
+        # step id -> (its scheduling's start, running requests, speculated, prompt tokens,
+        # a burst of arrivals: not timed)
+        self._steps: dict[int, tuple[float, int, bool, int, bool]] = {}
         self._last_update: float | None = None  # None: the engine was idle since
         self.paused_now = False  # the last scheduled step proposed nothing
         self.not_timed_s = 0.0  # host time since the last update that no step is charged
         self._last_mode: bool | None = None  # the mode of the last step that came back
-        self._last_load: int | None = None  # and its running requests
         # a prompt token's cost: averages of a prompt step's time beyond its level and mode's
         # decode-only step and of its prompt tokens (prompt_token_s = their ratio)
         self._prompt_extra_s = 0.0
@@ -178,7 +181,7 @@ class SpecPacer:
     def speculate(self, num_running: int) -> bool:
         """Whether a step at this load proposes drafts (the current phase's mode). A level
         with nothing timed yet, no phase begun, follows its nearest measured level as that
-        one's choice changes (a level the load only passes through - the step where a whole
+        one's choice changes (a level the load only passes through - the steps where a whole
         batch arrives at once - is never timed, and would keep the guess it was made with)."""
         b = self._bucket(num_running)
         if not b.step_s and b.steps == 0:
@@ -302,13 +305,26 @@ class SpecPacer:
         return self._prompt_extra_s / self._prompt_tokens if self._prompt_tokens else None
 
     def scheduled(
-        self, step_id: int, now: float, num_running: int, speculated: bool, prompt_tokens: int
+        self,
+        step_id: int,
+        now: float,
+        num_running: int,
+        speculated: bool,
+        prompt_tokens: int,
+        arrivals: int = 0,
     ) -> None:
         """A step was scheduled (``now``: when its scheduling began) with this load and mode;
-        ``prompt_tokens``: its tokens other than the decode rows' (their token and drafts)."""
+        ``prompt_tokens``: its tokens other than the decode rows' (their token and drafts);
+        ``arrivals``: the requests it admits. A step that admits a burst (more than
+        ``max(2, num_running // 16)``: a whole offline batch arriving at once) is not timed:
+        admitting a request costs host work of its own, which the learned cost per prompt
+        token does not hold (on this CPU a ramp step of 57 new requests and 1,900 prompt
+        tokens took 18 ms where its level's plain step took 4 and the tokens' learned cost
+        was 2), and such steps come in a row through levels the load then leaves."""
         if len(self._steps) > 64:  # steps that never came back (a failed step)
             self._steps.pop(next(iter(self._steps)))
-        self._steps[step_id] = (now, num_running, speculated, prompt_tokens)
+        burst = arrivals > max(2, num_running // 16)
+        self._steps[step_id] = (now, num_running, speculated, prompt_tokens, burst)
         self._bucket(num_running).scheduled[speculated] += 1
         self.paused_now = not speculated
 
@@ -334,16 +350,10 @@ class SpecPacer:
         not_timed, self.not_timed_s = self.not_timed_s, 0.0
         if info is None:
             return
-        t_sched, num_running, speculated, prompt_tokens = info
+        t_sched, num_running, speculated, prompt_tokens, burst = info
         b = self._bucket(num_running)
         previous, self._last_mode = self._last_mode, speculated
-        last_load, self._last_load = self._last_load, num_running
-        if speculated != b.mode:
-            return
-        if last_load is not None and abs(num_running - last_load) > max(8, num_running // 2):
-            # the load jumped (a batch arrived at once, or left): such a step mostly carries
-            # prompt chunks, whose learned cost is one linear figure - 5% off on a 1,000-token
-            # chunk is more than the decode rows' time - and it says little about the level
+        if speculated != b.mode or burst:
             return
         step_s = now - (last if last is not None else t_sched) - not_timed
         # the first step after a switch carries it (suffix decoding catching up: up to ~1 s),
@@ -370,14 +380,19 @@ class SpecPacer:
         b.wall_s += step_s
         if b.steps == 1:  # the phase's first step carries the switch
             b.first_s = step_s
+        else:
+            b.times.append(step_s)
         if b.steps < self.PHASE:
             return
         mode, phase_s = b.mode, b.wall_s - b.first_s  # the PHASE - 1 steps after the first
         b.phase_cost_s[mode] = b.wall_s
-        x = phase_s / (self.PHASE - 1)
+        # the median of the PHASE - 1 steps: one stall (a garbage collection of the whole
+        # heap: 0.2 s on this CPU among 4 ms steps) would move a phase's mean 7x and make the
+        # rule speculate at 256 running; a mode's cost is in every one of its steps
+        x = statistics.median(b.times)
         old = b.step_s.get(mode)
         b.step_s[mode] = x if old is None else self.EMA * x + (1 - self.EMA) * old
-        b.steps, b.wall_s = 0, 0.0
+        b.steps, b.wall_s, b.times = 0, 0.0, []
         if len(b.step_s) < 2:  # then the mode not measured yet, unless hopeless below
             below = None if mode else self._hopeless_below(max(num_running, 1).bit_length())
             if below is None:
@@ -435,13 +450,20 @@ class SpecDecoding:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k  # drafts accepted at position j
 
-    def paused(self, num_running: int) -> bool:
+    def paused(self, num_running: int, num_waiting: int = 0) -> bool:
         """Whether steps propose nothing at this load (``disable_by_batch_size``, or the
-        pacer's measurements with ``disable_when_slower``)."""
+        pacer's measurements with ``disable_when_slower``). The pacer also pauses while more
+        than ``max(2, num_running // 16)`` requests wait: a burst is being admitted (an
+        offline batch: its steps pass through levels that are never timed, see
+        ``SpecPacer.scheduled``), or the engine is over capacity, where draft tokens would
+        take token budget and KV slots from the requests waiting for their first."""
         limit = self.disable_by_batch_size
         if limit is not None and num_running >= limit:
             return True
-        return self.pacer is not None and not self.pacer.speculate(num_running)
+        pacer = self.pacer
+        if pacer is None:
+            return False
+        return num_waiting > max(2, num_running // 16) or not pacer.speculate(num_running)
 
     def drafts_for(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a request about to decode one token (its last known token is on
