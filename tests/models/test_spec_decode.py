@@ -168,18 +168,24 @@ def test_speculation_pauses_under_load(tiny_models) -> None:
     assert 0 < drafted[2] < drafted[100]
 
 
+def _stop_string_case(path: str, n: int, seed: int, at: int) -> tuple[list, list, list]:
+    """Prompts, params with a stop string cut from each greedy output at ``at`` (3
+    characters), and the outputs without speculation."""
+    prompts = _prompts(n, seed=seed)
+    base = _engine(path)
+    ref = base.generate(prompts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    stops = [o.outputs[0].text[at : at + 3] or "zz" for o in ref]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, stop=[s], ignore_eos=True) for s in stops
+    ]
+    return prompts, params, base.generate(prompts, params, use_tqdm=False)
+
+
 def test_stop_string_ends_where_it_would(tiny_models) -> None:
     """A stop string found in a step that accepted several tokens ends the output at the
     same text as without speculation."""
     path = tiny_models("llama")
-    prompts = _prompts(3, seed=2)
-    base = _engine(path)
-    ref = base.generate(prompts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
-    stops = [o.outputs[0].text[10:13] or "zz" for o in ref]
-    params = [
-        SamplingParams(temperature=0, max_tokens=40, stop=[s], ignore_eos=True) for s in stops
-    ]
-    want = base.generate(prompts, params, use_tqdm=False)
+    prompts, params, want = _stop_string_case(path, 3, seed=2, at=10)
     got = _engine(path, speculative_config=NGRAM).generate(prompts, params, use_tqdm=False)
     for w, g in zip(want, got):
         assert g.outputs[0].text == w.outputs[0].text
@@ -192,14 +198,7 @@ def test_output_processing_overlaps_speculating_steps(tiny_models) -> None:
     the outputs at the same text, and the request a stop string ends in flight loses only
     the extra step's tokens (its blocks are freed once)."""
     path = tiny_models("llama")
-    prompts = _prompts(4, seed=3)
-    base = _engine(path)
-    ref = base.generate(prompts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
-    stops = [o.outputs[0].text[12:15] or "zz" for o in ref]
-    params = [
-        SamplingParams(temperature=0, max_tokens=40, stop=[s], ignore_eos=True) for s in stops
-    ]
-    want = base.generate(prompts, params, use_tqdm=False)
+    prompts, params, want = _stop_string_case(path, 4, seed=3, at=12)
     llm = _engine(path, speculative_config=NGRAM, async_scheduling=True)
     engine = llm.llm_engine
     runner = engine.engine_core.model_runner
