@@ -220,3 +220,31 @@ def test_many_requests_integrity_every_step():
         assert len(s.running) <= 8
     assert not s.has_unfinished_requests()
     assert s.kv_cache_manager.num_free_blocks() == 24
+
+
+def test_paced_speculation_pauses_for_a_burst_not_for_a_queue_behind_full_seats() -> None:
+    """``disable_when_slower``: requests that free seats could take now pause speculation
+    while there are more than max(2, running / 16) of them (a batch being admitted); a queue
+    behind max_num_seqs does not (speculating frees the seats sooner)."""
+    from pagedllm.spec_decode import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_speculative_tokens": 2, "disable_when_slower": True}
+    )
+
+    def sched(max_seqs: int) -> Scheduler:
+        s = Scheduler(
+            SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=max_seqs,
+                            max_model_len=4096),
+            CacheConfig(block_size=16), 1000, 0, spec_config=spec,
+        )  # fmt: skip
+        for i in range(4):
+            s.add_request(make_req(f"r{i}", 8))
+        return s
+
+    free = sched(max_seqs=8)  # 8 seats: the 4 are a burst to admit
+    assert free._admittable() == 4 and free.schedule().spec_paused
+    full = sched(max_seqs=1)  # 1 seat: the first request takes it, 3 queue behind it
+    assert not full.schedule().spec_paused  # 1 to admit: no burst
+    assert full._admittable() == 0 and len(full.waiting) == 3
+    assert not full.schedule().spec_paused

@@ -193,9 +193,18 @@ class Scheduler:
             bool(self._sync_ids)
             or self._kvc_pending > 0
             or (
-                self.spec is not None and not self.spec.paused(len(self.running), len(self.waiting))
+                self.spec is not None
+                and not self.spec.paused(len(self.running), self._admittable())
             )
         )
+
+    def _admittable(self) -> int:
+        """Waiting requests that a free seat could take now (``max_num_seqs`` bounds them):
+        the speculation pacer pauses while a burst of them is being admitted. A queue behind
+        full seats does not count: speculating frees the seats sooner.
+
+        Example: max_num_seqs 16, 12 running, 9 waiting -> 4."""
+        return min(len(self.waiting), max(self.config.max_num_seqs - len(self.running), 0))
 
     def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None:
         """End requests from outside the loop (abort, or a stop string found by the
@@ -287,7 +296,7 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}  # speculative decoding: each request's drafts
         draft_requests: dict[str, int] = {}  # a draft model drafts after the step for these
         load = len(self.running)  # the load speculation is decided at (and measured by)
-        speculate = self.spec is not None and not self.spec.paused(load, len(self.waiting))
+        speculate = self.spec is not None and not self.spec.paused(load, self._admittable())
 
         i = 0
         while i < len(self.running) and budget > 0:

@@ -453,10 +453,11 @@ class SpecDecoding:
     def paused(self, num_running: int, num_waiting: int = 0) -> bool:
         """Whether steps propose nothing at this load (``disable_by_batch_size``, or the
         pacer's measurements with ``disable_when_slower``). The pacer also pauses while more
-        than ``max(2, num_running // 16)`` requests wait: a burst is being admitted (an
-        offline batch: its steps pass through levels that are never timed, see
-        ``SpecPacer.scheduled``), or the engine is over capacity, where draft tokens would
-        take token budget and KV slots from the requests waiting for their first."""
+        than ``max(2, num_running // 16)`` requests wait for a free seat (``num_waiting``: a
+        burst is being admitted - an offline batch, whose steps pass through levels that are
+        never timed, see ``SpecPacer.scheduled`` - or KV memory holds them back, where draft
+        tokens would take token budget and slots from the requests waiting for their
+        first)."""
         limit = self.disable_by_batch_size
         if limit is not None and num_running >= limit:
             return True
