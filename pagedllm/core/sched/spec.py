@@ -46,7 +46,6 @@ class _Bucket:
     decode_s: dict[bool, float] = field(default_factory=dict)
     mode: bool = True  # the current phase's
     steps: int = 0  # steps of the current phase seen
-    wall_s: float = 0.0  # the current phase's time, its first step included
     first_s: float = 0.0  # the time of its first step (not in the mode's step time)
     times: list[float] = field(default_factory=list)  # its steps after the first
     phase_cost_s: dict[bool, float] = field(default_factory=dict)  # the last phase per mode
@@ -377,22 +376,21 @@ class SpecPacer:
                 return
             step_s = max(step_s - cost * prompt_tokens, 0.0)
         b.steps += 1
-        b.wall_s += step_s
         if b.steps == 1:  # the phase's first step carries the switch
             b.first_s = step_s
         else:
             b.times.append(step_s)
         if b.steps < self.PHASE:
             return
-        mode, phase_s = b.mode, b.wall_s - b.first_s  # the PHASE - 1 steps after the first
-        b.phase_cost_s[mode] = b.wall_s
+        mode, phase_s = b.mode, sum(b.times)  # the PHASE - 1 steps after the first
+        b.phase_cost_s[mode] = b.first_s + phase_s
         # the median of the PHASE - 1 steps: one stall (a garbage collection of the whole
         # heap: 0.2 s on this CPU among 4 ms steps) would move a phase's mean 7x and make the
         # rule speculate at 256 running; a mode's cost is in every one of its steps
         x = statistics.median(b.times)
         old = b.step_s.get(mode)
         b.step_s[mode] = x if old is None else self.EMA * x + (1 - self.EMA) * old
-        b.steps, b.wall_s, b.times = 0, 0.0, []
+        b.steps, b.times = 0, []
         if len(b.step_s) < 2:  # then the mode not measured yet, unless hopeless below
             below = None if mode else self._hopeless_below(max(num_running, 1).bit_length())
             if below is None:
