@@ -289,6 +289,8 @@ def paced(args: argparse.Namespace) -> dict:
     path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
     vocab, k = 151936, 4
     batches = [b for b in BATCHES if b <= args.max_batch]
+    if args.batches:
+        batches = [int(x) for x in args.batches.split(",")]
     common = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=max(batches),
                   kv_cache_memory_bytes=int(args.kv_gib * 2**30),
                   enable_prefix_caching=False)  # fmt: skip
@@ -310,16 +312,41 @@ def paced(args: argparse.Namespace) -> dict:
     engines = {n: LLM(path, speculative_config=c, **common) for n, c in configs.items()}
     sp = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     names = list(engines)
+    # --trace: each timed run's garbage collections (generation, ms), the pacer's steps
+    gcs: list[list] = []
+    gc_start: list[float] = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gcs.append([info["generation"], 1e3 * (time.perf_counter() - gc_start[0])])
+
+    if args.trace:
+        gc.callbacks.append(on_gc)
     for b in batches:
         for llm in engines.values():
             llm.generate(_workload(b, vocab, seed=1000 + b), sp, use_tqdm=False)
         runs: dict[str, list[float]] = {n: [] for n in names}
+        traces: dict[str, list[dict]] = {n: [] for n in names}
         for r in range(REPEATS):
             prompts = _workload(b, vocab, seed=b + 100_000 * r)
             order = names[r % len(names) :] + names[: r % len(names)]
             for n in order:
+                spec = engines[n].llm_engine.engine_core.scheduler.spec
+                pacer = spec.pacer if spec is not None else None
+                if args.trace and pacer is not None:
+                    pacer.trace, finish0 = [], pacer.not_timed_total_s
+                gcs.clear()
                 outs, el = _generate_timed(engines[n], prompts, sp)
                 runs[n].append(sum(len(o.outputs[0].token_ids) for o in outs) / el)
+                if args.trace:
+                    t = {"s": el, "gc_ms": [[g, round(ms, 2)] for g, ms in gcs if ms > 1]}
+                    if pacer is not None:
+                        t["finish_s"] = pacer.not_timed_total_s - finish0
+                        t["steps"] = [list(x) for x in pacer.trace]
+                        pacer.trace = None
+                    traces[n].append(t)
         row: dict = {}
         for n in names:
             ratios = [x / y for x, y in zip(runs[n], runs["off"])]
@@ -332,6 +359,8 @@ def paced(args: argparse.Namespace) -> dict:
                       "ratio_median": float(np.median(ratios)),
                       "round_ratio_mean_90ci": [float(np.quantile(boot, 0.05)),
                                                 float(np.quantile(boot, 0.95))]}  # fmt: skip
+            if args.trace:
+                row[n]["rounds"] = traces[n]
             spec = engines[n].llm_engine.engine_core.scheduler.spec
             if spec is not None:
                 row[n]["spec_stats"] = spec.stats()
@@ -434,6 +463,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per batch")
     ap.add_argument("--proposers", default="",
                     help="cheap: only these (comma-separated, e.g. suffix,suffix_paced)")
+    ap.add_argument("--batches", default="", help="paced: only these batches (e.g. 16,256)")
+    ap.add_argument("--trace", action="store_true",
+                    help="paced: record each timed run's pacer steps and garbage collections")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     global REPEATS

@@ -81,6 +81,7 @@ def test_each_load_runs_the_mode_the_rule_picks() -> None:
     # another level: its own step times; it starts in the mode its measured neighbour picks
     # (off at 32, with nothing accepted there), then measures the other one
     light = {True: 0.03, False: 0.02}
+    assert loop.run(1, 1, light, 2) == [False]  # the step the load moves in: not timed
     modes = loop.run(20 * P, 1, light, 2)
     assert _phases(modes)[:2] == [False, True] and all(_phases(modes)[-5:])
 
@@ -175,6 +176,64 @@ def test_speculation_that_cannot_pay_even_fully_accepted_is_rarely_re_timed() ->
     assert loop2.run(4 * P, 256, heavy, 1).count(True) == P
 
 
+def test_a_level_below_a_hopeless_one_does_not_time_speculation_at_first() -> None:
+    """At 256 speculation is hopeless, at 1 it pays; the load then settles at 200 (a level
+    between): it starts off (the nearer measured level's choice), and after its first phase
+    takes 256's ratio of the two modes instead of timing speculation - the H200 timed it
+    at 254 running, where suffix decoding's first speculating step cost 350 ms."""
+    pacer = SpecPacer(max_accepted=4)
+    loop = _Loop(pacer)
+    loop.run(4 * P, 1, {True: 0.002, False: 0.0016}, 2)  # pays at 1
+    loop.run(4 * P, 256, {True: 0.04, False: 0.005}, 1)  # 8x: hopeless at 256
+    mid = {True: 0.3, False: 0.004}
+    loop.run(1, 200, mid, 1)  # the step the load moves in: not timed
+    assert loop.run(6 * P, 200, mid, 1).count(True) == 0
+    b = pacer.buckets[(200).bit_length()]
+    assert b.step_s[True] == pytest.approx(0.032)  # 4 ms x 8
+    assert b.backoff == SpecPacer.MAX_BACKOFF
+
+
+@pytest.mark.parametrize("switch_on_s", [0.3, 0.01])
+def test_a_rise_of_the_acceptance_switches_on_only_where_the_switch_pays(switch_on_s) -> None:
+    """Off was chosen at 256 (on 14 ms, off 4 ms, 1 accepted); the acceptance rises to 3:
+    (1 + 3) x 4 > 14 ms, so speculating steps would pay 2 ms each, but suffix decoding's
+    first speculating step after a pause catches up on every request's tokens (0.3 s here,
+    measured as that step's excess the last time): the level stays off. Where the switch is
+    cheap (10 ms) it turns speculation on."""
+    pacer = SpecPacer(max_accepted=4)
+    loop = _Loop(pacer)
+    loop.run(2 * P, 1, {True: 0.004, False: 0.002}, 0)  # off at 1: a new level starts off
+    full = {True: 0.014, False: 0.004}
+    loop.run(1, 256, full, 1)  # the step the load moves in: not timed
+    modes = loop.run(4 * P, 256, full, 1, switch_on_s=switch_on_s)
+    assert _phases(modes) == [False, True, False, False]
+    b = pacer.buckets[(256).bit_length()]
+    assert b.switch_s == pytest.approx(switch_on_s)
+    for _ in range(20):
+        pacer.sample(3)
+        pacer.updated(-1, loop.now, True)  # (an unknown step: folds the acceptance only)
+    modes = loop.run(20 * P, 256, full, 3, switch_on_s=switch_on_s)
+    assert any(modes) == (switch_on_s < 0.064)  # 2 ms x SWITCH_STEPS
+
+
+def test_a_re_timing_cut_short_by_the_batchs_end_is_given_up() -> None:
+    """A re-timing of speculation began two steps before the batch ended. The next batch
+    does not go on with it (its first step is the only speculating one): on a fresh batch
+    suffix decoding's speculating steps are the cheapest, and would be timed as the level's."""
+    pacer = SpecPacer()
+    loop = _Loop(pacer)
+    heavy = {True: 0.03, False: 0.01}
+    modes = loop.run(2 * P, 16, heavy, 0)  # on, then off: off chosen
+    modes = []
+    while not modes or not modes[-1]:
+        modes += loop.run(1, 16, heavy, 0)  # until the re-timing of speculation begins
+    loop.run(1, 16, heavy, 0, idle_after=True)
+    b = pacer.buckets[(16).bit_length()]
+    assert b.exploring and b.steps == 2
+    modes = loop.run(3 * P, 16, heavy, 0)
+    assert modes[0] and not any(modes[1:]) and not b.exploring
+
+
 def test_shadow_drafts_measure_the_acceptance_while_paused() -> None:
     pacer = SpecPacer()
     tokens = [1, 2, 3]
@@ -222,11 +281,16 @@ def test_prompt_steps_and_idle_time_are_not_measured() -> None:
     assert loop.run(3 * P, 4, step_s, 1, prompt_tokens=100) == [True] * (3 * P)
     assert pacer.prompt_token_s is None
     assert not pacer.buckets[(4).bit_length()].step_s
-    # an idle engine between two steps: the second step's time starts at its scheduling
+    # an idle engine between two steps: the second step's time starts at its scheduling, and
+    # a phase is steps of one stretch (the half phase before the pause starts over)
     loop.run(P // 2, 4, step_s, 1, idle_after=True)
     loop.now += 100.0
     loop.run(P - P // 2, 4, step_s, 1)
-    assert pacer.buckets[(4).bit_length()].step_s[True] == pytest.approx(0.05)
+    b = pacer.buckets[(4).bit_length()]
+    assert not b.step_s and b.steps == P - P // 2
+    loop.run(P // 2, 4, step_s, 1)
+    assert b.step_s[True] == pytest.approx(0.05)
+    assert b.phase_cost_s[True] == pytest.approx(P * 0.05)  # its first step: not the pause
 
 
 def test_steps_with_prompt_tokens_count_less_their_cost() -> None:
@@ -293,6 +357,27 @@ def test_a_level_the_load_only_passes_through_is_not_timed_and_follows_its_neigh
     assert not b160.step_s and not b160.decode_s  # never timed
     assert b160.scheduled[True] == 1  # the first batch's guess only
     assert not pacer.speculate(160)
+
+
+def test_the_tail_of_a_batch_that_ends_together_is_not_timed() -> None:
+    """Requests admitted in one step end in one: an offline batch of 256 ends 256 -> 192 ->
+    129 -> 66 running, a step at each. Those levels are never timed (their steps come after
+    a jump of the load) and follow the measured level, off: timed, each got its steps and a
+    phase from the tails, and went on to time speculation there, where suffix decoding's
+    first speculating step catches up on hundreds of requests (0.3 s here)."""
+    pacer = SpecPacer(max_accepted=4)
+    loop = _Loop(pacer)
+    full = {True: 0.04, False: 0.004}
+    tail = {True: 0.3, False: 0.003}
+    for _ in range(8):
+        loop.run(4 * P, 256, full, 1)
+        for n in (192, 129, 66):
+            loop.run(1, n, tail, 1)
+        loop.run(1, 3, tail, 1, idle_after=True)
+    for n in (192, 66, 3):
+        b = pacer.buckets[n.bit_length()]
+        assert not b.step_s and b.steps == 0 and b.scheduled[True] == 0
+    assert not pacer.speculate(150)
 
 
 def test_a_level_where_speculation_comes_to_pay_turns_on_and_stays_on() -> None:

@@ -50,6 +50,8 @@ class _Bucket:
     times: list[float] = field(default_factory=list)  # its steps after the first
     phase_cost_s: dict[bool, float] = field(default_factory=dict)  # the last phase per mode
     since_explore_s: float = 0.0
+    epoch: int = 0  # SpecPacer._epoch at the current phase's last step
+    switch_s: float = 0.0  # the last speculating phase's first step beyond the phase's median
     # the current phase re-times the mode not chosen; each re-timing that confirms the
     # choice doubles the time to the next one (up to SpecPacer.MAX_BACKOFF times)
     exploring: bool = False
@@ -93,16 +95,19 @@ class SpecPacer:
       re-timing that changes the choice, or a change of the rule's answer at the end of a
       phase of the chosen mode (the acceptance moved), sets it back to 1. A level where
       speculation could not pay even if every draft were accepted (``(1 + k) t_off < t_on``,
-      "hopeless") is re-timed only at the longest interval, and so is a level above one:
-      after its first phase off it does not time speculation (it takes the hopeless level's
-      ratio of the two modes) until a re-timing at that interval - suffix decoding's first
-      speculating step after a paused stretch costs tens of ms per 100 requests.
+      "hopeless") is re-timed only at the longest interval, and so is a level next to one
+      (the nearest measured level below, else above): after its first phase off it does not
+      time speculation (it takes the hopeless level's ratio of the two modes) until a
+      re-timing at that interval - suffix decoding's first speculating step after a paused
+      stretch costs tens of ms per 100 requests (350 ms at 254 on the H200, at 128-255
+      running next to a hopeless 256).
 
     Example: at 32 running, t_on 80 ms and t_off 50 ms: speculation needs a > 0.6; at 1
     running, 30 and 20 ms: a > 0.5.
     """
 
     PHASE = 8
+    SWITCH_STEPS = 4 * PHASE  # the steps a switch to speculation has to pay for itself
     EXPLORE_SHARE = 1 / 32
     MAX_BACKOFF = 8
     SHADOWED = 2  # requests followed by shadow drafts at once (host time: ~1.5 proposals a step)
@@ -126,8 +131,13 @@ class SpecPacer:
         # the requests followed while paused -> their pending shadow drafts (None: none)
         self._shadow: dict[str, tuple[int, list[int]] | None] = {}
         # step id -> (its scheduling's start, running requests, speculated, prompt tokens,
-        # a burst of arrivals: not timed)
-        self._steps: dict[int, tuple[float, int, bool, int, bool]] = {}
+        # a burst of arrivals: not timed, the load moved in one go: not timed, and it ends
+        # the phases in progress)
+        self._steps: dict[int, tuple[float, int, bool, int, bool, bool]] = {}
+        self._last_running: int | None = None  # the last scheduled step's load
+        # bumped when the engine goes idle or the load moves in one go: a phase is steps of
+        # one epoch (a partial phase left by an earlier stretch at its level starts over)
+        self._epoch = 0
         self._last_update: float | None = None  # None: the engine was idle since
         self.paused_now = False  # the last scheduled step proposed nothing
         self.not_timed_s = 0.0  # host time since the last update that no step is charged
@@ -136,6 +146,11 @@ class SpecPacer:
         # decode-only step and of its prompt tokens (prompt_token_s = their ratio)
         self._prompt_extra_s = 0.0
         self._prompt_tokens = 0.0
+        self.not_timed_total_s = 0.0  # the proposer's work for ending requests, all told
+        # benchmarks set a list: each update appends (running, speculated, its time or None
+        # where not counted, prompt tokens), each phase's end ("phase", running, mode, median
+        # s, the mode chosen)
+        self.trace: list[tuple] | None = None
 
     def _bucket(self, num_running: int) -> _Bucket:
         key = max(num_running, 1).bit_length()
@@ -166,16 +181,25 @@ class SpecPacer:
         k = self.max_accepted
         return k is not None and len(b.step_s) == 2 and (1 + k) * b.step_s[False] < b.step_s[True]
 
-    def _hopeless_below(self, key: int) -> _Bucket | None:
-        """The nearest lower measured level, if speculation is hopeless there: then it is at
-        this load too (a speculating step's cost relative to a plain one grows with the load:
-        the verification's k + 1 tokens a request move from riding on the weights' read
-        towards the compute's bound, and the proposers' host work grows with the requests)."""
-        lower = [k for k, b in self.buckets.items() if k < key and len(b.step_s) == 2]
-        if not lower:
-            return None
-        b = self.buckets[max(lower)]
-        return b if self._hopeless(b) else None
+    def _hopeless_near(self, key: int) -> _Bucket | None:
+        """The nearest measured level below, else above, where speculation is hopeless, if
+        one is: then it is taken to be at this load too. Below, because a speculating step's
+        cost relative to a plain one grows with the load (the verification's k + 1 tokens a
+        request move from riding on the weights' read towards the compute's bound, and the
+        proposers' host work grows with the requests); above, because timing it there costs
+        more than it can win: a level next to a hopeless one sees the load a few requests
+        away from it (255 next to 256), and a suffix decoding that speculates there first
+        catches up on every request's tokens of the paused stretch.
+
+        Example: levels 4 (speculation pays) and 256 (hopeless) measured: for 128, 256 (4,
+        below, is not hopeless); for 2, none (4, above, is not)."""
+        measured = [k for k, b in self.buckets.items() if k != key and len(b.step_s) == 2]
+        below = max((k for k in measured if k < key), default=None)
+        above = min((k for k in measured if k > key), default=None)
+        for k in (below, above):
+            if k is not None and self._hopeless(self.buckets[k]):
+                return self.buckets[k]
+        return None
 
     def speculate(self, num_running: int) -> bool:
         """Whether a step at this load proposes drafts (the current phase's mode). A level
@@ -183,9 +207,37 @@ class SpecPacer:
         one's choice changes (a level the load only passes through - the steps where a whole
         batch arrives at once - is never timed, and would keep the guess it was made with)."""
         b = self._bucket(num_running)
+        key = max(num_running, 1).bit_length()
         if not b.step_s and b.steps == 0:
-            b.mode = self._neighbour_choice(max(num_running, 1).bit_length())
+            b.mode = self._neighbour_choice(key)
+        elif b.mode and True not in b.step_s and b.steps == 0 and self._assume_hopeless(b, key):
+            b.mode = False  # a hopeless level came to be measured next to it since
         return b.mode
+
+    def _assume_hopeless(self, b: _Bucket, key: int) -> bool:
+        """For a level with only plain steps timed: if a level next to it is hopeless
+        (``_hopeless_near``), speculating here is taken to cost what it costs there, relative
+        to a plain step, and is first timed as a re-timing at the longest interval.
+
+        Example: hopeless at 64 (30 ms against 4); off at 256 measured 6 ms -> on 45 ms."""
+        near = self._hopeless_near(key)
+        if near is None:
+            return False
+        scale = b.step_s[False] / near.step_s[False]
+        b.step_s[True] = near.step_s[True] * scale
+        b.phase_cost_s[True] = near.phase_cost_s[True] * scale
+        b.backoff = self.MAX_BACKOFF
+        return True
+
+    def _switch_pays(self, b: _Bucket) -> bool:
+        """Whether switching a level from plain steps to speculation wins back, within
+        ``SWITCH_STEPS`` speculating steps, what its first speculating step cost beyond the
+        others the last time (``switch_s``: suffix decoding's catch-up on the tokens of the
+        paused stretch, 0.3 s at 256 running on the H200, where a speculating step won at most
+        2 ms). Asked when the acceptance moved the rule's answer to speculation, not after a
+        re-timing of plain steps (a short pause: little to catch up on)."""
+        gain_s = (1.0 + self.accepted) * b.step_s[False] - b.step_s[True]
+        return gain_s * self.SWITCH_STEPS >= b.switch_s
 
     @property
     def accepted(self) -> float:
@@ -319,11 +371,23 @@ class SpecPacer:
         admitting a request costs host work of its own, which the learned cost per prompt
         token does not hold (on this CPU a ramp step of 57 new requests and 1,900 prompt
         tokens took 18 ms where its level's plain step took 4 and the tokens' learned cost
-        was 2), and such steps come in a row through levels the load then leaves."""
+        was 2), and such steps come in a row through levels the load then leaves.
+
+        Nor is a step whose load moved in one go from the last step's (by more than
+        ``max(4, last // 8)`` requests): a batch that ends together leaves 256 -> 192 -> 129
+        -> 66 running, one step at each, as requests admitted in one step end in one; such a
+        step also ends the phases in progress (the next steps at a level are another stretch
+        of it). A level the load only passes through is then never timed and follows its
+        neighbour (``speculate``); timed, it got a step or two a batch and a phase, in the
+        mode it was guessed, built of ramps and tails: at 128 running the H200 ran n-gram's
+        ramp step speculating (25 ms) and suffix decoding's tail (350 ms, the catch-up of 250
+        requests' trees), every batch."""
         if len(self._steps) > 64:  # steps that never came back (a failed step)
             self._steps.pop(next(iter(self._steps)))
         burst = arrivals > max(2, num_running // 16)
-        self._steps[step_id] = (now, num_running, speculated, prompt_tokens, burst)
+        last, self._last_running = self._last_running, num_running
+        moved = last is not None and abs(num_running - last) > max(4, last // 8)
+        self._steps[step_id] = (now, num_running, speculated, prompt_tokens, burst, moved)
         self._bucket(num_running).scheduled[speculated] += 1
         self.paused_now = not speculated
 
@@ -345,16 +409,24 @@ class SpecPacer:
         """
         self._fold()
         info = self._steps.pop(step_id, None)
+        if self._last_update is None:  # the engine was idle: another stretch begins
+            self._epoch += 1
         last, self._last_update = self._last_update, now if busy else None
         not_timed, self.not_timed_s = self.not_timed_s, 0.0
+        self.not_timed_total_s += not_timed
         if info is None:
             return
-        t_sched, num_running, speculated, prompt_tokens, burst = info
+        t_sched, num_running, speculated, prompt_tokens, burst, moved = info
+        if moved:
+            self._epoch += 1
         b = self._bucket(num_running)
         previous, self._last_mode = self._last_mode, speculated
-        if speculated != b.mode or burst:
-            return
         step_s = now - (last if last is not None else t_sched) - not_timed
+        counted = speculated == b.mode and not burst and not moved
+        if self.trace is not None:
+            self.trace.append((num_running, speculated, step_s if counted else None, prompt_tokens))
+        if not counted:
+            return
         # the first step after a switch carries it (suffix decoding catching up: up to ~1 s),
         # whether the level switched or the load came from a level in the other mode: no
         # sample for the decode-only average nor for a prompt token's cost
@@ -375,6 +447,13 @@ class SpecPacer:
             if cost is None:
                 return
             step_s = max(step_s - cost * prompt_tokens, 0.0)
+        if b.epoch != self._epoch:  # a partial phase of an earlier stretch starts over
+            b.epoch, b.steps, b.times = self._epoch, 0, []
+            if b.exploring:  # a re-timing cut short is given up until the next interval
+                # (carried into the next stretch, it would time suffix decoding on a fresh
+                # batch, whose speculating steps are the cheapest)
+                b.exploring, b.mode, b.since_explore_s = False, not b.mode, 0.0
+                return
         b.steps += 1
         if b.steps == 1:  # the phase's first step carries the switch
             b.first_s = step_s
@@ -391,23 +470,24 @@ class SpecPacer:
         old = b.step_s.get(mode)
         b.step_s[mode] = x if old is None else self.EMA * x + (1 - self.EMA) * old
         b.steps, b.times = 0, []
-        if len(b.step_s) < 2:  # then the mode not measured yet, unless hopeless below
-            below = None if mode else self._hopeless_below(max(num_running, 1).bit_length())
-            if below is None:
+        if mode:
+            b.switch_s = max(b.first_s - x, 0.0)
+        if self.trace is not None:
+            self.trace.append(("phase", num_running, mode, x, self.accepted))
+        key = max(num_running, 1).bit_length()
+        if len(b.step_s) < 2:  # then the mode not measured yet, unless hopeless nearby
+            if mode or not self._assume_hopeless(b, key):
                 b.mode = True not in b.step_s
                 return
-            # speculating is taken to cost what it costs below, relative to a plain step
-            # (at least), and is first timed as a re-timing at the longest interval
-            # Example: hopeless at 64 (30 ms against 4); off at 256 measured 6 ms -> on 45 ms
-            scale = b.step_s[False] / below.step_s[False]
-            b.step_s[True] = below.step_s[True] * scale
-            b.phase_cost_s[True] = below.phase_cost_s[True] * scale
         best = self._pays(b)
         if b.exploring:  # a re-timing phase of the mode not chosen ended
             b.exploring = False
             b.backoff = min(2 * b.backoff, self.MAX_BACKOFF) if mode != best else 1
         elif mode != best:  # the first choice, or the rule's answer moved with the acceptance
-            b.backoff = 1
+            if best and not self._switch_pays(b):
+                best = False
+            else:
+                b.backoff = 1
         if self._hopeless(b):  # re-timed only at the longest interval
             b.backoff = self.MAX_BACKOFF
         if mode != best:  # the other mode was just measured again (or the rule changed)
