@@ -52,6 +52,7 @@ class _Bucket:
     since_explore_s: float = 0.0
     epoch: int = 0  # SpecPacer._epoch at the current phase's last step
     switch_s: float = 0.0  # the last speculating phase's first step beyond the phase's median
+    decided: bool = False  # the rule chose a mode here once (both measured)
     # the current phase re-times the mode not chosen; each re-timing that confirms the
     # choice doubles the time to the next one (up to SpecPacer.MAX_BACKOFF times)
     exploring: bool = False
@@ -108,6 +109,7 @@ class SpecPacer:
 
     PHASE = 8
     SWITCH_STEPS = 4 * PHASE  # the steps a switch to speculation has to pay for itself
+    MARGIN = 0.05  # the other mode wins against a level's chosen one by this share
     EXPLORE_SHARE = 1 / 32
     MAX_BACKOFF = 8
     SHADOWED = 2  # requests followed by shadow drafts at once (host time: ~1.5 proposals a step)
@@ -172,8 +174,18 @@ class SpecPacer:
         near = min(measured, key=lambda k: (abs(k - key), -k))
         return self._pays(self.buckets[near])
 
-    def _pays(self, b: _Bucket) -> bool:
-        return (1.0 + self.accepted) * b.step_s[False] > b.step_s[True]
+    def _pays(self, b: _Bucket, chosen: bool | None = None) -> bool:
+        """The rule, ``(1 + a) * t_off > t_on``; against a level's ``chosen`` mode the other
+        has to win by ``MARGIN`` (a level near the edge keeps its mode instead of switching
+        with each phase's noise: a switch costs steps of its own - the first plain step
+        after speculating ones, the first speculating one after plain ones - that the rule
+        does not see: at 16 running on the H200, with t_on 2.8 and t_off 1.5 ms and the
+        acceptance moving 0.75-0.93 about the edge's 0.87, n-gram switched every 2-3 phases
+        and ran at 0.94x)."""
+        ratio = (1.0 + self.accepted) * b.step_s[False] / b.step_s[True]
+        if chosen is None:
+            return ratio > 1.0
+        return ratio > 1.0 - self.MARGIN if chosen else ratio > 1.0 + self.MARGIN
 
     def _hopeless(self, b: _Bucket) -> bool:
         """Whether speculation could not pay at this level even if every draft were
@@ -203,16 +215,56 @@ class SpecPacer:
 
     def speculate(self, num_running: int) -> bool:
         """Whether a step at this load proposes drafts (the current phase's mode). A level
-        with nothing timed yet, no phase begun, follows its nearest measured level as that
-        one's choice changes (a level the load only passes through - the steps where a whole
-        batch arrives at once - is never timed, and would keep the guess it was made with)."""
+        with nothing timed yet and no phase in progress (one begun in an earlier stretch is
+        dropped at the next step) follows its nearest measured level as that one's choice
+        changes (a level the load only passes through - the steps where a whole batch
+        arrives at once - is never timed, and would keep the guess it was made with; one
+        that gets a single step at each batch's end kept the guess of the first batch).
+        A measured level applies the rule again at each phase's start with the acceptance of
+        now (a level the load visits a step at a time - 255 running at the end of each batch
+        of 256 - completes no phase, and kept a choice made batches before)."""
         b = self._bucket(num_running)
         key = max(num_running, 1).bit_length()
-        if not b.step_s and b.steps == 0:
+        # the level's first step since the load came back: another stretch began since its
+        # last step, or begins with this one (the engine was idle, or the load jumps)
+        last = self._last_running
+        stretch = (
+            b.epoch != self._epoch
+            or self._last_update is None
+            or (last is not None and self._moved(last, num_running))
+        )
+        start = b.steps == 0 or stretch  # no phase in progress
+        if not b.step_s and start:
             b.mode = self._neighbour_choice(key)
-        elif b.mode and True not in b.step_s and b.steps == 0 and self._assume_hopeless(b, key):
-            b.mode = False  # a hopeless level came to be measured next to it since
+        elif len(b.step_s) == 1 and stretch:
+            # a level with one mode timed begins a stretch in that mode, and times the other
+            # after a phase of it: one visited a step at a time (255 running at the end of
+            # each batch of 256) waited in the mode to time next, batch after batch, and with
+            # suffix decoding speculating there cost 0.3 s a step (the trees' catch-up)
+            if list(b.step_s) == [False] and self._assume_hopeless(b, key):
+                b.mode = False  # or it takes the ratio of a hopeless level next to it
+            else:
+                b.mode = next(iter(b.step_s))
+        elif len(b.step_s) == 2 and start and not b.exploring:
+            best = self._choose(b, b.mode)
+            if best != b.mode:
+                b.mode, b.since_explore_s = best, 0.0
+                b.backoff = self.MAX_BACKOFF if self._hopeless(b) else 1
         return b.mode
+
+    @staticmethod
+    def _moved(last: int, num_running: int) -> bool:
+        """Whether the load jumped between two steps (see ``scheduled``)."""
+        return abs(num_running - last) > max(4, last // 8)
+
+    def _choose(self, b: _Bucket, chosen: bool | None) -> bool:
+        """The rule's mode for a level whose ``chosen`` mode ran (None: none yet): the other
+        wins by ``MARGIN``, and a switch to speculation must pay for itself
+        (``_switch_pays``)."""
+        best = self._pays(b, chosen)
+        if best and chosen is False and not self._switch_pays(b):
+            return False
+        return best
 
     def _assume_hopeless(self, b: _Bucket, key: int) -> bool:
         """For a level with only plain steps timed: if a level next to it is hopeless
@@ -386,7 +438,7 @@ class SpecPacer:
             self._steps.pop(next(iter(self._steps)))
         burst = arrivals > max(2, num_running // 16)
         last, self._last_running = self._last_running, num_running
-        moved = last is not None and abs(num_running - last) > max(4, last // 8)
+        moved = last is not None and self._moved(last, num_running)
         self._steps[step_id] = (now, num_running, speculated, prompt_tokens, burst, moved)
         self._bucket(num_running).scheduled[speculated] += 1
         self.paused_now = not speculated
@@ -471,7 +523,9 @@ class SpecPacer:
         b.step_s[mode] = x if old is None else self.EMA * x + (1 - self.EMA) * old
         b.steps, b.times = 0, []
         if mode:
-            b.switch_s = max(b.first_s - x, 0.0)
+            # the largest of the recent ones, halved at each speculating phase: a switch
+            # whose catch-up fell in a step not timed (the ramp of a batch) measures ~0
+            b.switch_s = max(b.first_s - x, b.switch_s / 2)
         if self.trace is not None:
             self.trace.append(("phase", num_running, mode, x, self.accepted))
         key = max(num_running, 1).bit_length()
@@ -479,7 +533,10 @@ class SpecPacer:
             if mode or not self._assume_hopeless(b, key):
                 b.mode = True not in b.step_s
                 return
-        best = self._pays(b)
+        # the mode chosen before this phase (a re-timing times the other one)
+        chosen = (not mode if b.exploring else mode) if b.decided else None
+        best = self._pays(b, chosen)
+        b.decided = True
         if b.exploring:  # a re-timing phase of the mode not chosen ended
             b.exploring = False
             b.backoff = min(2 * b.backoff, self.MAX_BACKOFF) if mode != best else 1
