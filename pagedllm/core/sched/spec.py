@@ -151,7 +151,7 @@ class SpecPacer:
         self.not_timed_total_s = 0.0  # the proposer's work for ending requests, all told
         # benchmarks set a list: each update appends (running, speculated, its time or None
         # where not counted, prompt tokens), each phase's end ("phase", running, mode, median
-        # s, the mode chosen)
+        # s, the acceptance then)
         self.trace: list[tuple] | None = None
 
     def _bucket(self, num_running: int) -> _Bucket:
@@ -233,6 +233,12 @@ class SpecPacer:
             or self._last_update is None
             or (last is not None and self._moved(last, num_running))
         )
+        if stretch and b.exploring and b.steps:
+            # a re-timing cut short is given up until the next interval (carried into the
+            # next stretch, it would time suffix decoding on a fresh batch, whose speculating
+            # steps are the cheapest, after a catch-up of every request's tokens)
+            b.exploring, b.mode, b.since_explore_s = False, not b.mode, 0.0
+            b.steps, b.times = 0, []
         start = b.steps == 0 or stretch  # no phase in progress
         if not b.step_s and start:
             b.mode = self._neighbour_choice(key)
@@ -501,9 +507,7 @@ class SpecPacer:
             step_s = max(step_s - cost * prompt_tokens, 0.0)
         if b.epoch != self._epoch:  # a partial phase of an earlier stretch starts over
             b.epoch, b.steps, b.times = self._epoch, 0, []
-            if b.exploring:  # a re-timing cut short is given up until the next interval
-                # (carried into the next stretch, it would time suffix decoding on a fresh
-                # batch, whose speculating steps are the cheapest)
+            if b.exploring:  # a re-timing cut short (``speculate`` gives it up first)
                 b.exploring, b.mode, b.since_explore_s = False, not b.mode, 0.0
                 return
         b.steps += 1
