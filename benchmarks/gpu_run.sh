@@ -112,7 +112,7 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         --repeats ${SPEC_REPEATS:-1} \
         --out "$OUT" | grep -v '"tokens"' ;;
     spec-paced)  # disable_when_slower: engines side by side, timed runs interleaved
-      python benchmarks/spec_decode_gpu.py paced --repeats ${SPEC_REPEATS:-3} \
+      python benchmarks/spec_decode_gpu.py paced --repeats ${SPEC_REPEATS:-3} --trace \
         ${SPEC_PROPOSERS:+--proposers $SPEC_PROPOSERS} --out "$OUT" | grep -v '"tokens"' ;;
     spec-draft-8b)  # Llama-3.1-8B shape with a Llama-3.2-1B-shaped draft (dummy weights)
       python benchmarks/spec_decode_gpu.py llama8b --out "$OUT" ;;

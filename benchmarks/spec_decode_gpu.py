@@ -24,6 +24,9 @@ Prefix caching is off (the timed prompts repeat across draft settings).
   without speculation over all rounds and per round, and each paced engine's levels
   (``SpecPacer.summary``: ms a step in each mode, steps scheduled in each) and speculation
   counters, both as they stand after the batch (cumulative over the batches before it).
+  ``--trace`` adds each timed run's garbage collections over 1 ms, the proposer's time for
+  ending requests and the pacer's steps in each mode with their medians; ``--trace-steps``
+  every step (load, mode, its time or None where not timed, prompt tokens) and phase.
 
 Greedy bf16: speculation verifies k + 1 positions in one pass (other kernels than a decode
 step's), so a near tie may break differently; the agreement with the run without speculation
@@ -56,6 +59,21 @@ from pagedllm import LLM, SamplingParams  # noqa: E402
 PROMPT_LEN, OUTPUT_LEN = 128, 192
 BATCHES = (1, 16, 64, 256)
 NOISE = (0.0, 0.05, 0.15, 0.4, 1.0)  # relative weight noise of the draft
+
+
+def _trace_summary(trace: list[tuple], keep_steps: bool) -> dict:
+    """A timed run's pacer trace (``SpecPacer.trace``): its steps scheduled speculating and
+    plain, the medians of the timed ones (ms), and with ``keep_steps`` every step and phase
+    (~1 MB a config at 10 rounds of 4 batches)."""
+    steps = [s for s in trace if s[0] != "phase"]
+    out: dict = {}
+    for mode, name in ((True, "on"), (False, "off")):
+        timed = [s[2] for s in steps if s[1] is mode and s[2] is not None]
+        out[f"steps_{name}"] = sum(1 for s in steps if s[1] is mode)
+        out[f"{name}_step_ms_median"] = round(1e3 * float(np.median(timed)), 3) if timed else None
+    if keep_steps:
+        out["steps"] = [list(x) for x in trace]
+    return out
 
 
 def _workload(batch: int, vocab: int, seed: int) -> list[dict]:
@@ -344,7 +362,7 @@ def paced(args: argparse.Namespace) -> dict:
                     t = {"s": el, "gc_ms": [[g, round(ms, 2)] for g, ms in gcs if ms > 1]}
                     if pacer is not None:
                         t["finish_s"] = pacer.not_timed_total_s - finish0
-                        t["steps"] = [list(x) for x in pacer.trace]
+                        t.update(_trace_summary(pacer.trace, args.trace_steps))
                         pacer.trace = None
                     traces[n].append(t)
         row: dict = {}
@@ -465,7 +483,10 @@ def main() -> None:
                     help="cheap: only these (comma-separated, e.g. suffix,suffix_paced)")
     ap.add_argument("--batches", default="", help="paced: only these batches (e.g. 16,256)")
     ap.add_argument("--trace", action="store_true",
-                    help="paced: record each timed run's pacer steps and garbage collections")
+                    help="paced: per timed run, its garbage collections, the proposer's time "
+                         "for ending requests and the pacer's steps in each mode")
+    ap.add_argument("--trace-steps", action="store_true",
+                    help="paced, with --trace: every step and phase of the pacer too")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     global REPEATS
