@@ -223,8 +223,8 @@ def test_a_re_timing_cut_short_by_the_batchs_end_is_given_up() -> None:
     pacer = SpecPacer()
     loop = _Loop(pacer)
     heavy = {True: 0.03, False: 0.01}
-    modes = loop.run(2 * P, 16, heavy, 0)  # on, then off: off chosen
-    modes = []
+    loop.run(2 * P, 16, heavy, 0)  # on, then off: off chosen
+    modes: list = []
     while not modes or not modes[-1]:
         modes += loop.run(1, 16, heavy, 0)  # until the re-timing of speculation begins
     loop.run(1, 16, heavy, 0, idle_after=True)
