@@ -465,6 +465,16 @@ def test_a_level_at_the_edge_keeps_its_mode() -> None:
     assert switches <= 6  # the first choice and re-timings (without the margin: 21)
 
 
+def test_a_mode_timed_at_zero_seconds_is_compared_without_dividing_by_it() -> None:
+    """A step counts 0 s where its prompt chunk's learned cost exceeds its time; a phase of
+    such speculating steps gives t_on = 0, and the rule still answers (speculate: it costs
+    nothing), with its margin against the chosen mode too."""
+    pacer = SpecPacer()
+    loop = _Loop(pacer)
+    modes = loop.run(4 * P, 4, {True: 0.0, False: 0.002}, 0)
+    assert pacer.buckets[(4).bit_length()].step_s[True] == 0.0 and modes[-1] is True
+
+
 def test_the_acceptance_is_averaged_over_steps_not_opportunities() -> None:
     """256 requests a step, alternating steps of all drafts accepted and none: the average
     stays near the middle instead of following the last step (each step's mean is one

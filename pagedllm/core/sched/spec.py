@@ -188,10 +188,10 @@ class SpecPacer:
         does not see: at 16 running on the H200, with t_on 2.8 and t_off 1.5 ms and the
         acceptance moving 0.75-0.93 about the edge's 0.87, n-gram switched every 2-3 phases
         and ran at 0.94x)."""
-        ratio = (1.0 + self.accepted) * b.step_s[False] / b.step_s[True]
+        gain = (1.0 + self.accepted) * b.step_s[False]  # (no division: a time may be 0)
         if chosen is None:
-            return ratio > 1.0
-        return ratio > 1.0 - self.MARGIN if chosen else ratio > 1.0 + self.MARGIN
+            return gain > b.step_s[True]
+        return gain > (1.0 - self.MARGIN if chosen else 1.0 + self.MARGIN) * b.step_s[True]
 
     def _hopeless(self, b: _Bucket) -> bool:
         """Whether speculation could not pay at this level even if every draft were
