@@ -473,6 +473,14 @@ def test_a_mode_timed_at_zero_seconds_is_compared_without_dividing_by_it() -> No
     loop = _Loop(pacer)
     modes = loop.run(4 * P, 4, {True: 0.0, False: 0.002}, 0)
     assert pacer.buckets[(4).bit_length()].step_s[True] == 0.0 and modes[-1] is True
+    # plain steps at 0 s where speculation is hopeless (any t_on > 0): a level next to it
+    # cannot take its ratio, and times speculation itself
+    other = SpecPacer(max_accepted=4)
+    loop = _Loop(other)
+    loop.run(4 * P, 256, {True: 0.01, False: 0.0}, 0)
+    loop.run(1, 100, {True: 0.01, False: 0.002}, 0)  # the load moves in: not timed
+    modes = loop.run(3 * P, 100, {True: 0.01, False: 0.002}, 0)
+    assert modes.count(True) == P  # its second phase
 
 
 def test_the_acceptance_is_averaged_over_steps_not_opportunities() -> None:

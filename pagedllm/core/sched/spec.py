@@ -285,7 +285,7 @@ class SpecPacer:
 
         Example: hopeless at 64 (30 ms against 4); off at 256 measured 6 ms -> on 45 ms."""
         near = self._hopeless_near(key)
-        if near is None:
+        if near is None or near.step_s[False] <= 0.0:  # (no ratio to take from 0 s)
             return False
         scale = b.step_s[False] / near.step_s[False]
         b.step_s[True] = near.step_s[True] * scale
