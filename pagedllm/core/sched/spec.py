@@ -51,7 +51,8 @@ class _Bucket:
     phase_cost_s: dict[bool, float] = field(default_factory=dict)  # the last phase per mode
     since_explore_s: float = 0.0
     epoch: int = 0  # SpecPacer._epoch at the current phase's last step
-    switch_s: float = 0.0  # the last speculating phase's first step beyond the phase's median
+    # a speculating phase's first step beyond the phase's median: the largest recent one
+    switch_s: float = 0.0
     decided: bool = False  # the rule chose a mode here once (both measured)
     # the current phase re-times the mode not chosen; each re-timing that confirms the
     # choice doubles the time to the next one (up to SpecPacer.MAX_BACKOFF times)
@@ -295,11 +296,12 @@ class SpecPacer:
 
     def _switch_pays(self, b: _Bucket) -> bool:
         """Whether switching a level from plain steps to speculation wins back, within
-        ``SWITCH_STEPS`` speculating steps, what its first speculating step cost beyond the
-        others the last time (``switch_s``: suffix decoding's catch-up on the tokens of the
-        paused stretch, 0.3 s at 256 running on the H200, where a speculating step won at most
-        2 ms). Asked when the acceptance moved the rule's answer to speculation, not after a
-        re-timing of plain steps (a short pause: little to catch up on)."""
+        ``SWITCH_STEPS`` speculating steps, what a first speculating step cost beyond the
+        others lately (``switch_s``, the largest recent one: suffix decoding's catch-up on
+        the tokens of the paused stretch, 0.3 s at 256 running on the H200, where a
+        speculating step won at most 2 ms). Asked when the acceptance moved the rule's answer
+        to speculation, not after a re-timing of plain steps (a short pause: little to catch
+        up on)."""
         gain_s = (1.0 + self.accepted) * b.step_s[False] - b.step_s[True]
         return gain_s * self.SWITCH_STEPS >= b.switch_s
 
