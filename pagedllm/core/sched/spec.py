@@ -259,7 +259,7 @@ class SpecPacer:
             else:
                 b.mode = next(iter(b.step_s))
         elif len(b.step_s) == 2 and start and not b.exploring:
-            best = self._choose(b, b.mode)
+            best = self._choose(b, b.mode, b.mode)
             if best != b.mode:
                 b.mode, b.since_explore_s = best, 0.0
                 b.backoff = self.MAX_BACKOFF if self._hopeless(b) else 1
@@ -270,12 +270,12 @@ class SpecPacer:
         """Whether the load jumped between two steps (see ``scheduled``)."""
         return abs(num_running - last) > max(4, last // 8)
 
-    def _choose(self, b: _Bucket, chosen: bool | None) -> bool:
-        """The rule's mode for a level whose ``chosen`` mode ran (None: none yet): the other
-        wins by ``MARGIN``, and a switch to speculation must pay for itself
-        (``_switch_pays``)."""
+    def _choose(self, b: _Bucket, mode: bool, chosen: bool | None) -> bool:
+        """The rule's mode for a level running ``mode`` whose ``chosen`` one (None: none yet)
+        the other has to beat by ``MARGIN``; from plain steps, a switch to speculation must
+        also pay for itself (``_switch_pays``)."""
         best = self._pays(b, chosen)
-        if best and chosen is False and not self._switch_pays(b):
+        if best and not mode and not self._switch_pays(b):
             return False
         return best
 
@@ -549,15 +549,14 @@ class SpecPacer:
                 return
         # the mode chosen before this phase (a re-timing times the other one)
         chosen = (not mode if b.exploring else mode) if b.decided else None
-        best = self._pays(b, chosen)
         b.decided = True
         if b.exploring:  # a re-timing phase of the mode not chosen ended
+            best = self._pays(b, chosen)
             b.exploring = False
             b.backoff = min(2 * b.backoff, self.MAX_BACKOFF) if mode != best else 1
-        elif mode != best:  # the first choice, or the rule's answer moved with the acceptance
-            if best and not self._switch_pays(b):
-                best = False
-            else:
+        else:  # the first choice, or the rule's answer moved with the acceptance
+            best = self._choose(b, mode, chosen)
+            if mode != best:
                 b.backoff = 1
         if self._hopeless(b):  # re-timed only at the longest interval
             b.backoff = self.MAX_BACKOFF
