@@ -99,6 +99,14 @@ class Request:
         # Tokens sampled by steps already launched whose ids have not reached the host yet
         # (0 or 1, 2 under async scheduling): the scheduler counts them as known tokens.
         self.num_output_placeholders = 0
+        # Drafts made on the device (ngram_gpu) under async scheduling: the drafts of steps
+        # launched and not yet resolved, counted in num_computed_tokens as if all accepted
+        # (the update takes the rejected ones back off)
+        self.num_unverified = 0
+        # The first step whose drafts were made on the device (None: none yet, or since the
+        # runner last took the request in): from it on the runner leaves every new token of
+        # the request to the scheduler (CachedRequestData.append_token_ids)
+        self.device_drafts_since: int | None = None
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 = not yet
         self.num_preemptions = 0
         self.swapped = False  # preempted by swap: its KV waits in host memory

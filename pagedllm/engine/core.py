@@ -73,6 +73,7 @@ class EngineCore:
         )
         self.num_blocks = num_blocks
         self.num_steps = 0  # step() calls so far (the metrics' engine steps)
+        self.num_async_steps = 0  # of which asynchronous (async_scheduling, nothing forcing sync)
         # failed steps since the last one that completed (see step_failed)
         self.consecutive_failures = 0
         self.max_consecutive_failures = MAX_CONSECUTIVE_STEP_FAILURES
@@ -201,6 +202,7 @@ class EngineCore:
         """
         self.num_steps += 1
         if self.async_scheduling and not self.scheduler.needs_sync:
+            self.num_async_steps += 1
             outputs = self._step_async(after_launch)
         else:
             outputs = self._step_sync(after_launch)
@@ -331,6 +333,7 @@ class EngineCore:
         stats["num_free_blocks"] = kv.num_free_blocks()
         stats["num_blocks"] = kv.num_blocks
         stats["num_steps"] = self.num_steps
+        stats["num_async_steps"] = self.num_async_steps
         return stats
 
     def request_ids(self) -> list[str]:

@@ -13,7 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "suffix", "draft_model")
+METHODS = ("ngram", "ngram_gpu", "suffix", "draft_model")
+# the methods that look up n-grams (prompt_lookup_min / _max): on the host, or on the device
+NGRAM_METHODS = ("ngram", "ngram_gpu")
 # the most draft tokens one step verifies (the engine sizes its lookahead slots and its CUDA
 # graphs of multi-token rows by it)
 MAX_NUM_SPECULATIVE_TOKENS = 16
@@ -67,17 +69,20 @@ class SpeculativeConfig:
     Build it with :meth:`from_dict`; ``__post_init__`` checks a config built directly but fills
     nothing in.
 
-    - ``method``: ``"ngram"`` (prompt lookup), ``"suffix"`` (suffix decoding, as Arctic Inference
-      and vLLM), or ``"draft_model"`` (a smaller model with the same tokenizer). As in vLLM, a
-      dict with a ``model`` and no ``method`` means ``"draft_model"``.
+    - ``method``: ``"ngram"`` (prompt lookup), ``"ngram_gpu"`` (the same lookup on the device,
+      as vLLM's: drafts never go through the host, so the engine keeps asynchronous steps
+      while speculating; see ``pagedllm/spec_decode/ngram_gpu.py``), ``"suffix"`` (suffix
+      decoding, as Arctic Inference and vLLM), or ``"draft_model"`` (a smaller model with the
+      same tokenizer). As in vLLM, a dict with a ``model`` and no ``method`` means
+      ``"draft_model"``.
     - ``num_speculative_tokens`` (k): the most draft tokens per request per step, 1 to
-      ``MAX_NUM_SPECULATIVE_TOKENS``. Required for ngram and draft_model. For suffix it is only
-      a cap (the proposer picks each draft's length) and defaults, as in vLLM, to
+      ``MAX_NUM_SPECULATIVE_TOKENS``. Required for ngram, ngram_gpu and draft_model. For suffix
+      it is only a cap (the proposer picks each draft's length) and defaults, as in vLLM, to
       ``suffix_decoding_max_tree_depth`` -- clipped to ``MAX_NUM_SPECULATIVE_TOKENS`` here, since
       vLLM's default depth (24) is above the engine's limit.
-    - ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram only): the n-gram sizes tried, largest
-      first. vLLM's defaults: both 5 when neither is given; when only one is given the other
-      takes its value.
+    - ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram and ngram_gpu): the n-gram sizes
+      tried, largest first. vLLM's defaults: both 5 when neither is given; when only one is
+      given the other takes its value.
     - ``model`` (draft_model only, required): the draft model's path or name.
     - ``disable_by_batch_size`` (None: never): while at least this many requests run, steps
       propose no drafts (under load a step is no longer bound by reading the weights, and
@@ -130,7 +135,7 @@ class SpeculativeConfig:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 2)
         if not isinstance(self.disable_when_slower, bool):
             raise _error("disable_when_slower", "must be true or false", self.disable_when_slower)
-        if self.method == "ngram":
+        if self.method in NGRAM_METHODS:
             lo = _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
             hi = _check_int("prompt_lookup_max", self.prompt_lookup_max, 1)
             if lo > hi:
@@ -140,7 +145,8 @@ class SpeculativeConfig:
                 if getattr(self, name) is not None:
                     raise _error(
                         name,
-                        f"only applies to method 'ngram' (method is {self.method!r})",
+                        f"only applies to methods 'ngram' and 'ngram_gpu' (method is "
+                        f"{self.method!r})",
                         getattr(self, name),
                     )
         _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1)
@@ -157,9 +163,9 @@ class SpeculativeConfig:
         """The config for ``d`` (vLLM's keys), with vLLM's defaults filled in.
 
         Raises ``ValueError`` naming the field for an unknown key, a value of the wrong type or
-        out of range, a method other than ngram/suffix/draft_model, a missing
-        ``num_speculative_tokens`` (ngram, draft_model) or ``model`` (draft_model), a key that
-        belongs to another method, or ``prompt_lookup_min > prompt_lookup_max``.
+        out of range, a method other than ngram/ngram_gpu/suffix/draft_model, a missing
+        ``num_speculative_tokens`` (ngram, ngram_gpu, draft_model) or ``model`` (draft_model), a
+        key that belongs to another method, or ``prompt_lookup_min > prompt_lookup_max``.
         """
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a JSON object (dict), got {d!r}.")
@@ -183,7 +189,7 @@ class SpeculativeConfig:
                     raise _error(
                         name, f"only applies to method 'suffix' (method is {method!r})", kw[name]
                     )
-        if method == "ngram":
+        if method in NGRAM_METHODS:
             lo, hi = kw.get("prompt_lookup_min"), kw.get("prompt_lookup_max")
             for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
                 if value is not None:  # checked before one fills the other
@@ -230,7 +236,7 @@ class SpeculativeConfig:
             out["disable_when_slower"] = True
         if self.method == "draft_model":
             out["model"] = self.model
-        elif self.method == "ngram":
+        elif self.method in NGRAM_METHODS:
             out["prompt_lookup_min"] = self.prompt_lookup_min
             out["prompt_lookup_max"] = self.prompt_lookup_max
         else:

@@ -98,7 +98,7 @@ class NgramProposer:
     """
 
     def __init__(self, config: SpeculativeConfig) -> None:
-        if config.method != "ngram":
+        if config.method not in ("ngram", "ngram_gpu"):
             raise ValueError(f"NgramProposer needs method 'ngram', got {config.method!r}.")
         self.min_n = int(config.prompt_lookup_min)  # type: ignore[arg-type]
         self.max_n = int(config.prompt_lookup_max)  # type: ignore[arg-type]

@@ -44,10 +44,12 @@ class Proposer(Protocol):
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The host-side proposer for ``config.method``: ``NgramProposer`` for "ngram",
+    """The host-side proposer for ``config.method``: ``NgramProposer`` for "ngram" (and for
+    "ngram_gpu", whose drafts come from the device: the host one serves the pacer's shadow
+    drafts),
     ``SuffixProposer`` for "suffix", ``DraftModelProposals`` for "draft_model" (the model
     runner runs the draft model after each step; this keeps its drafts for the next one)."""
-    if config.method == "ngram":
+    if config.method in ("ngram", "ngram_gpu"):  # ngram_gpu: the pacer's shadow drafts
         from pagedllm.spec_decode.ngram import NgramProposer
 
         return NgramProposer(config)

@@ -28,6 +28,7 @@ from pagedllm.kvcompress.evict import move_bound
 from pagedllm.model.loader import build_model
 from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
+from pagedllm.worker.device_drafts import DeviceDrafts
 from pagedllm.worker.drafter import Drafter
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.inputs import InputPreparer, StepInputs
@@ -59,7 +60,12 @@ class LaunchedStep:
     sample_epochs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     sample_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     appended: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
-    sampled: torch.Tensor | None = None  # [num_sampling_rows] on the device (first samples)
+    # [S] rows whose next input is their token in ``sampled`` (the appended ones, and rows
+    # whose samples the scheduler appends: drafts made on the device)
+    feeds: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    # [num_sampling_rows] on the device: each row's newest token (its first sample; with
+    # drafts made on the device, the sample after its accepted drafts)
+    sampled: torch.Tensor | None = None
     want_logprobs: bool = False
     # sampled ids [P] (+ logprob ids, logprobs, ranks), then the forks' ids [F] (+ theirs), on
     # the host once ``event`` has completed
@@ -79,6 +85,11 @@ class LaunchedStep:
     # a draft model: (SchedulerOutput.draft_requests, .scheduled_spec_tokens, [num_reqs] the
     # tokens computed after the step) of a step whose samples it drafts after
     drafting: Any = None
+    # drafts made on the device: (the step's sequence lengths on the device [num_reqs], their
+    # host bound [num_reqs], the drafts verified [D, k], their valid mask [D, k], the sampling
+    # rows [D] (indices into sample_idx) that verify them), and the drafts on the host after
+    # the copy: (indices into sample_idx, drafts, valid)
+    device_drafts: Any = None
 
     @classmethod
     def nothing(cls) -> LaunchedStep:
@@ -141,6 +152,18 @@ class ModelRunner:
             )
         self.kv_layout.bind(self._attention_layers())
         self.sampler = Sampler()
+        spec = config.speculative_config
+        # ngram_gpu: the lookup, its token histories and the verification on the device
+        self.device_drafts: DeviceDrafts | None = None
+        if spec is not None and spec.method == "ngram_gpu":
+            self.device_drafts = DeviceDrafts(
+                config.scheduler_config.max_num_seqs,
+                self.max_model_len,
+                spec.num_speculative_tokens,
+                int(spec.prompt_lookup_min),  # type: ignore[arg-type]
+                int(spec.prompt_lookup_max),  # type: ignore[arg-type]
+                self.device,
+            )
         self.input_batch = InputBatch(
             config.scheduler_config.max_num_seqs,
             self.max_model_len,
@@ -448,9 +471,12 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             ib.remove_request(rid)
         kvc = self.kvc
+        dd = self.device_drafts
         for new in so.scheduled_new_reqs:
             if kvc is None:
-                ib.add_request(new)
+                row = ib.add_request(new)
+                if dd is not None:
+                    dd.add_row(row, ib.token_ids[row, : ib.num_tokens[row]])
                 continue
             head = new.block_ids[0] if new.block_ids else None
             if new.sampling_params.kvc_compress_at is not None:
@@ -521,10 +547,15 @@ class ModelRunner:
             (ib.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
         )
         n_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        dd = self.device_drafts
+        delta = None
+        if dd is not None:
+            delta = self._device_draft_rows(so, rows)
         seq_lens = ib.num_computed_tokens[rows] + n_sched
         cu = np.cumsum(n_sched)
         # the rows that sample and their logits' token indices (see worker/sample_plan.py)
-        plan = plan_samples(ib, so.scheduled_spec_tokens, req_ids, rows, seq_lens, cu)
+        always = dd.sched_appends[rows] if dd is not None else None
+        plan = plan_samples(ib, so.scheduled_spec_tokens, req_ids, rows, seq_lens, cu, always)
         sample_idx, logits_idx = plan.sample_idx, plan.logits_idx
         dst, src = self._inputs_from_last_step(rows, cu - n_sched)
         inputs = self.inputs.prepare(rows, n_sched, (logits_idx, dst, src))
@@ -543,6 +574,9 @@ class ModelRunner:
             prev = self._unresolved
             assert prev is not None and prev.sampled is not None
             inputs.input_ids[dst_t.long()] = prev.sampled[src_t.long()].to(inputs.input_ids.dtype)
+        dd_state = None
+        if dd is not None:
+            dd_state = self._device_draft_inputs(so, inputs, rows, n_sched, cu, plan, delta)
         timing = self._timing_start()
         hidden = self._forward(inputs)  # [num_tokens, hidden]
         if self.drafter is not None and not so.spec_paused:
@@ -552,6 +586,8 @@ class ModelRunner:
         prompt_lp = self._prompt_logprobs(req_ids, rows, hidden, qsl, seq_lens)
         step = LaunchedStep(req_ids=req_ids, prompt_logprobs=prompt_lp)
         step.rows, step.plan, step.timing = rows, plan, timing
+        if dd_state is not None:
+            step.device_drafts = (inputs.metadata.seq_lens, seq_lens, *dd_state, so.spec_paused)
         if so.draft_requests:
             step.drafting = (so.draft_requests, so.scheduled_spec_tokens, seq_lens)
         if so.structured_batch_idx:
@@ -613,9 +649,17 @@ class ModelRunner:
             step.sample_epochs = ib.epoch[sample_rows]
             step.sample_pos = ib.num_tokens[sample_rows]
             step.appended = ~ib.external[sample_rows]  # beam search: the scheduler appends
+            step.feeds = step.appended
+            dd = self.device_drafts
+            if dd is not None:  # drafts made on the device: the scheduler appends
+                step.feeds = step.appended | dd.sched_appends[sample_rows]
+                step.appended = step.appended & ~dd.sched_appends[sample_rows]
             ib.num_tokens[sample_rows[step.appended]] += 1
             first = plan.first
-            if first is None:
+            extra: list[torch.Tensor] = []
+            if dd is not None:
+                step.sampled, extra = self._verify_device_drafts(step, out.sampled)
+            elif first is None:
                 step.sampled = out.sampled
             else:  # a row with drafts commits its first sample (see worker/sample_plan.py)
                 step.sampled = out.sampled[torch.from_numpy(first).to(self.device)]
@@ -628,7 +672,10 @@ class ModelRunner:
                 results.append(out.forks.sampled)
                 if step.want_logprobs:
                     results += out.forks.logprob_tensors()
-            step.host, step.event = self._to_host(results)
+            step.host, step.event = self._to_host(results + extra)
+            if extra:  # the verified drafts: the last two results
+                step.host, dd_host = step.host[: len(results)], step.host[len(results) :]
+                step.device_drafts = (step.device_drafts[4], *dd_host)
         step.timing = self._timing_end(step.timing)
         self._unresolved = step
 
@@ -669,6 +716,12 @@ class ModelRunner:
         drafts = {}
         if step.drafting is not None and step.host:
             drafts = self._propose_drafts(step, sampled_lists)
+        device_draft_tokens: dict[str, list[int]] = {}
+        if step.device_drafts is not None and step.host and len(step.device_drafts) == 3:
+            idx, found, valid = step.device_drafts  # [D] sampling rows, [D, k], [D, k]
+            batch = step.plan.sample_idx[idx]
+            for i, d, v in zip(batch.tolist(), found.tolist(), valid.tolist()):
+                device_draft_tokens[step.req_ids[i]] = [t for t, ok in zip(d, v) if ok]
         kvc_lens = {}
         if step.kvc_lens is not None:
             ids, lens, done = step.kvc_lens
@@ -685,6 +738,7 @@ class ModelRunner:
             forked_logprobs=forked[1],
             structured_tokens=structured_tokens,
             draft_token_ids=drafts,
+            device_draft_tokens=device_draft_tokens,
         )
 
     def _mirror(self, so: SchedulerOutput, rows: np.ndarray, n_sched: np.ndarray,
@@ -835,16 +889,94 @@ class ModelRunner:
         if prev is None or prev.sampled is None:
             return empty, empty
         ib = self.input_batch
-        live = prev.appended & (ib.epoch[prev.sample_rows] == prev.sample_epochs)
+        live = prev.feeds & (ib.epoch[prev.sample_rows] == prev.sample_epochs)
         src_of_row = np.full(ib.max_num_reqs, -1, dtype=np.int64)
         src_of_row[prev.sample_rows[live]] = np.nonzero(live)[0]
         src = src_of_row[rows]
         has = src >= 0
-        # such a row computes exactly the position the previous step sampled
-        assert np.array_equal(ib.num_computed_tokens[rows[has]], prev.sample_pos[src[has]]), (
-            "a row reads a token from the last step at the wrong position"
-        )
+        # such a row computes exactly the position the previous step sampled (a row with
+        # drafts made on the device: the runner's host counts lag; the device knows)
+        counted = has.copy()
+        counted[has] = prev.appended[src[has]]
+        assert np.array_equal(
+            ib.num_computed_tokens[rows[counted]], prev.sample_pos[src[counted]]
+        ), "a row reads a token from the last step at the wrong position"
         return first_token[has], src[has]
+
+    def _device_draft_rows(self, so: SchedulerOutput, rows: np.ndarray) -> torch.Tensor | None:
+        """Drafts made on the device, before the step's inputs: mark the rows that verify
+        them (the scheduler appends their samples from now on) and find what the host
+        over-counts for rows whose last step is unresolved (``DeviceDrafts.delta``). Returns it
+        on the device for ``DeviceDrafts.correct``; on a CPU (the last step is done) the host's
+        computed counts are corrected here instead and None is returned."""
+        dd, ib = self.device_drafts, self.input_batch
+        assert dd is not None
+        for rid in so.scheduled_spec_tokens:
+            dd.sched_appends[ib.req_id_to_row[rid]] = True
+        unverified = so.spec_unverified
+        if not unverified:
+            return None
+        unv = np.fromiter(
+            (unverified.get(r, 0) for r in so.num_scheduled_tokens), dtype=np.int64, count=len(rows)
+        )
+        both = torch.from_numpy(np.concatenate([rows, unv])).to(self.device, non_blocking=True)
+        delta = dd.delta(both[: len(rows)], both[len(rows) :])  # [num_reqs]
+        if self.device.type != "cuda":
+            ib.num_computed_tokens[rows] -= delta.numpy()
+            return None
+        return delta
+
+    def _device_draft_inputs(
+        self,
+        so: SchedulerOutput,
+        inputs: StepInputs,
+        rows: np.ndarray,
+        n_sched: np.ndarray,
+        cu: np.ndarray,
+        plan: SamplePlan,
+        delta: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, np.ndarray]:
+        """Correct the positions (``delta``), then put the device drafts of the rows that
+        verify them into the input ids; returns what ``DeviceDrafts.verify`` needs: the
+        drafts and valid mask verified ([D, k], None without drafts) and their rows' indices
+        into ``plan.sample_idx``."""
+        dd = self.device_drafts
+        assert dd is not None
+        if delta is not None:
+            dd.correct(inputs.positions, inputs.metadata, n_sched, delta)
+        spec = so.scheduled_spec_tokens
+        if not spec:
+            return None, None, np.zeros(0, dtype=np.int64)
+        names = list(so.num_scheduled_tokens)
+        batch = np.fromiter(
+            (i for i, r in enumerate(names) if r in spec), dtype=np.int64, count=len(spec)
+        )
+        ks = np.fromiter((len(spec[names[i]]) for i in batch), dtype=np.int64, count=len(batch))
+        drafts, valid = dd.draft_inputs(inputs.input_ids, rows[batch], (cu - n_sched)[batch], ks)
+        return drafts, valid, np.searchsorted(plan.sample_idx, batch)
+
+    def _verify_device_drafts(
+        self, step: LaunchedStep, samples: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``DeviceDrafts.verify`` for a step's samples ([P]); returns each sampling row's
+        newest token [S] and the verified drafts and mask to copy to the host (none without
+        drafts)."""
+        dd = self.device_drafts
+        assert dd is not None
+        seq_t, seq_np, drafts, valid, draft_idx, paused = step.device_drafts
+        plan = step.plan
+        num = len(plan.sample_idx)
+        first = plan.first if plan.first is not None else np.arange(num)
+        ks = plan.num_samples - 1 if plan.num_samples is not None else np.zeros(num, np.int64)
+        host = np.concatenate([step.sample_rows, first, ks, plan.sample_idx, draft_idx])
+        t = torch.from_numpy(host.astype(np.int64)).to(self.device, non_blocking=True)
+        rows_t, first_t, ks_t = t[:num], t[num : 2 * num], t[2 * num : 3 * num]
+        seq = seq_t[t[3 * num : 4 * num]]
+        width = int(seq_np[plan.sample_idx].max()) + 1
+        bonus = dd.verify(
+            samples, rows_t, first_t, ks_t, seq, drafts, valid, t[4 * num :], width, not paused
+        )
+        return bonus, ([drafts, valid] if drafts is not None else [])
 
     def _to_host(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         """Start copying sampled results to (pinned) host memory; the event marks the end."""

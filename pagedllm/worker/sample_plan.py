@@ -109,17 +109,23 @@ def plan_samples(
     rows: np.ndarray,
     seq_lens: np.ndarray,
     cu: np.ndarray,
+    always: np.ndarray | None = None,
 ) -> SamplePlan:
     """The step's sampling rows and logits positions (``rows``, ``seq_lens``: [num_reqs]
     InputBatch rows and lengths after the step; ``cu``: cumulative scheduled tokens).
 
     Rows that reach the end of their known tokens (and drafts) sample; a prefill chunk that
     stops short of the prompt's end samples nothing. Writes each row's drafts into its token
-    ids after the known tokens (inputs only: ``num_tokens`` does not count them)."""
+    ids after the known tokens (inputs only: ``num_tokens`` does not count them). ``always``
+    ([num_reqs] or None): rows that sample whatever their host counts say (drafts made on the
+    device: the scheduler appends their tokens, so the runner's counts lag behind)."""
     if not spec_tokens:
         # the logits come from each row's last token: e.g. n_sched [3, 1, 2], all sampling
         # -> cu [3, 4, 6] -> flat token indices [2, 3, 5]
-        sample_idx = np.nonzero(seq_lens == ib.num_tokens[rows])[0]
+        samples = seq_lens == ib.num_tokens[rows]
+        if always is not None:
+            samples |= always
+        sample_idx = np.nonzero(samples)[0]
         return SamplePlan(sample_idx, cu[sample_idx] - 1)
     num_spec = np.zeros(len(rows), dtype=np.int64)  # [num_reqs] drafts per row
     batch_of_row = np.full(ib.max_num_reqs, -1, dtype=np.int64)
@@ -134,7 +140,10 @@ def plan_samples(
         assert n + len(draft) <= ib.max_model_len, "drafts past max_model_len"
         ib.token_ids[row, n : n + len(draft)] = draft
         num_spec[i] = len(draft)
-    sample_idx = np.nonzero(seq_lens == ib.num_tokens[rows] + num_spec)[0]
+    samples = seq_lens == ib.num_tokens[rows] + num_spec
+    if always is not None:
+        samples |= always
+    sample_idx = np.nonzero(samples)[0]
     counts = num_spec[sample_idx] + 1  # [S]
     # A row's samples read its last 1 + k tokens. Example: n_sched [4, 1, 3] (cu [4, 5, 8]),
     # all sampling, drafts [2, 0, 2] -> counts [3, 1, 3]; starts cu - counts = [1, 4, 5]

@@ -1,8 +1,9 @@
 """Speculative decoding end to end on tiny random models (fp32; the CPU here, CUDA where
 there is a GPU): the tokens and the sampling distribution are those without it (issue 19).
 
-- Greedy: identical outputs with and without speculation, n-gram, suffix and draft-model
-  proposers, every architecture, and with chunked prefill, prefix caching, preemption, n > 1,
+- Greedy: identical outputs with and without speculation, n-gram (on the host, and on the
+  device with async scheduling: ngram_gpu), suffix and draft-model proposers, every
+  architecture, and with chunked prefill, prefix caching, preemption, n > 1,
   priorities, async scheduling asked for, structured requests in the batch, stop strings,
   logprobs. The draft models are the target with noise added to its weights (they agree on
   many greedy tokens, not all), or another architecture with other KV shapes.
@@ -22,6 +23,8 @@ from pagedllm import LLM, SamplingParams
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# the same lookup on the device, with async scheduling (what it is for: every step async)
+NGRAM_GPU = {"method": "ngram_gpu", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
 DRAFT_NOISE = 0.005  # a draft model's weights: the target's + N(0, this); theirs are ~0.08
 
@@ -77,9 +80,13 @@ def test_greedy_outputs_equal_every_arch(tiny_models, draft_of, arch: str) -> No
     prompts = _prompts()
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = _tokens(_engine(path), prompts, sp)
-    for spec in (NGRAM, SUFFIX, draft_of(arch)):
-        llm = _engine(path, speculative_config=spec)
+    for spec in (NGRAM, SUFFIX, draft_of(arch), NGRAM_GPU):
+        kw = {"async_scheduling": True} if spec is NGRAM_GPU else {}
+        llm = _engine(path, speculative_config=spec, **kw)
         assert _tokens(llm, prompts, sp) == want, spec["method"]
+        if spec is NGRAM_GPU:  # drafts never went through the host: every step async
+            core = llm.llm_engine.engine_core
+            assert core.num_async_steps == core.num_steps > 0
         m = _spec_stats(llm)
         # the repeated phrases make drafts that are accepted: speculation really ran
         assert m["vllm:spec_decode_num_drafts"].value > 0
@@ -110,13 +117,16 @@ def test_greedy_outputs_equal_with_engine_features(tiny_models, draft_of, engine
     priority = list(range(len(prompts)))[::-1]
     kw = {"priority": priority} if engine_kw.get("scheduling_policy") == "priority" else {}
     want = _tokens(_engine(path, **engine_kw), prompts, sp, **kw)
-    for spec in (NGRAM, SUFFIX, draft_of("llama")):
-        llm = _engine(path, speculative_config=spec, **engine_kw)
+    for spec in (NGRAM, SUFFIX, draft_of("llama"), NGRAM_GPU):
+        # ngram_gpu with async scheduling: its steps are planned before the last step's
+        # drafts are verified (preempted, chunked, cached meanwhile)
+        more = {"async_scheduling": True} if spec is NGRAM_GPU else {}
+        llm = _engine(path, speculative_config=spec, **{**engine_kw, **more})
         assert _tokens(llm, prompts, sp, **kw) == want, spec["method"]
         assert _spec_stats(llm)["vllm:spec_decode_num_accepted_tokens"].value > 0
-    if "num_gpu_blocks_override" in engine_kw:
         core = llm.llm_engine.engine_core
-        assert core.scheduler.num_preemptions > 0, "the case meant to preempt did not"
+        if "num_gpu_blocks_override" in engine_kw:
+            assert core.scheduler.num_preemptions > 0, "the case meant to preempt did not"
         core.check_integrity()
 
 
@@ -135,8 +145,11 @@ def test_greedy_parallel_sampling_logprobs_and_limits(tiny_models, draft_of) -> 
         SamplingParams(temperature=0, max_tokens=9, min_tokens=9),
     ]
     want = base.generate(prompts, params, use_tqdm=False)
-    for spec in (NGRAM, SUFFIX, draft_of("qwen2")):
-        got = _engine(path, speculative_config=spec).generate(prompts, params, use_tqdm=False)
+    for spec in (NGRAM, SUFFIX, draft_of("qwen2"), NGRAM_GPU):
+        # (ngram_gpu: the seeded forks and min_tokens draft nothing until they may)
+        kw = {"async_scheduling": True} if spec is NGRAM_GPU else {}
+        llm = _engine(path, speculative_config=spec, **kw)
+        got = llm.generate(prompts, params, use_tqdm=False)
         for w, g in zip(want, got):
             assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
             assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in w.outputs]
@@ -272,6 +285,43 @@ def test_structured_requests_speculate(tiny_models, draft_of, grammar_process: b
         assert m[f"vllm:spec_decode_num_{key}"].value > 0, spec["method"]
 
 
+def test_ngram_gpu_beside_structured_requests(tiny_models) -> None:
+    """ngram_gpu with async scheduling and structured requests in the batch: those draft
+    nothing (their bitmask covers each position; the host does not know the device's
+    drafts), the others verify device drafts in the same steps; every output is the one
+    without speculation and the structured ones follow their grammars."""
+    pytest.importorskip("xgrammar")
+    import json
+
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    path = tiny_models("llama")
+    prompts = _prompts(4, seed=6)
+    schema = {
+        "type": "array",
+        "items": {"type": "string", "enum": ["hello world", "good night"]},
+        "minItems": 3,
+        "maxItems": 3,
+    }
+    structured = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    params = [
+        SamplingParams(temperature=0, max_tokens=120, structured_outputs=structured),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(
+            temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex="(ab)+")
+        ),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+    ]
+    want = _engine(path, async_scheduling=True).generate(prompts, params, use_tqdm=False)
+    llm = _engine(path, speculative_config=NGRAM_GPU, async_scheduling=True)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert len(json.loads(got[0].outputs[0].text)) == 3
+    assert _spec_stats(llm)["vllm:spec_decode_num_accepted_tokens"].value > 0
+    core = llm.llm_engine.engine_core
+    assert core.num_async_steps == core.num_steps
+
+
 def test_seeded_sampling_is_reproduced_exactly(tiny_models, draft_of) -> None:  # noqa: ANN001
     """Temperature 1, top-p 0.9, a seed per request: the same tokens with speculation, since
     each output position draws the same noise and the same target distribution."""
@@ -284,6 +334,10 @@ def test_seeded_sampling_is_reproduced_exactly(tiny_models, draft_of) -> None:  
     want = _tokens(_engine(path), prompts, params)
     for spec in (NGRAM, SUFFIX, draft_of("qwen3")):
         assert _tokens(_engine(path, speculative_config=spec), prompts, params) == want
+    # ngram_gpu drafts nothing for a seeded request (its noise is drawn by output position,
+    # which the host does not know under async scheduling): the same tokens, async steps
+    llm = _engine(path, speculative_config=NGRAM_GPU, async_scheduling=True)
+    assert _tokens(llm, prompts, params) == want
 
 
 class _FixedProposer:
@@ -335,12 +389,29 @@ def _chi_square_two_sample(a: list[tuple], b: list[tuple], bins: int = 10) -> fl
 CHI2_9_999 = 27.877
 
 
-def test_sampling_distribution_is_preserved(tiny_models, tmp_path) -> None:
+def _fixed_device_drafts(tokens: list[int]):  # noqa: ANN202
+    """A stand-in for the device lookup (``ngram_propose_rows``) drafting ``tokens`` for every
+    row."""
+
+    def lookup(hist, lens, min_n, max_n, k):  # noqa: ANN001, ANN202
+        import torch
+
+        row = (tokens + [0] * k)[:k]
+        drafts = torch.tensor([row] * hist.shape[0], dtype=hist.dtype, device=hist.device)
+        num = torch.full((hist.shape[0],), min(k, len(tokens)), device=hist.device)
+        return drafts, num
+
+    return lookup
+
+
+def test_sampling_distribution_is_preserved(tiny_models, tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """10,000 unseeded requests at temperature 1 / top-p 0.9, 3 output tokens each, with and
     without speculation: the outputs' frequencies agree (chi-square, 9 df, alpha 0.001; the
     engine seeds are fixed, so the test is deterministic). Proposers: n-gram, suffix, a draft
     model (the target with noise on its weights), a fixed draft of the likeliest continuation,
-    and a fixed draft of unlikely tokens."""
+    and a fixed draft of unlikely tokens - each fixed draft also made on the device and
+    verified there (ngram_gpu's path, async steps)."""
+    from pagedllm.worker import device_drafts
     from tests.models.tiny import make_perturbed_copy
 
     path = _peaky_model(tiny_models("llama"), str(tmp_path / "peaky"))
@@ -366,9 +437,16 @@ def test_sampling_distribution_is_preserved(tiny_models, tmp_path) -> None:
         ("draft", {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}, None),
         ("likely", NGRAM, likely),
         ("bad", NGRAM, [3, 4, 5]),
+        # drafts made on the device and verified there, async steps (the lookup replaced by
+        # the same fixed drafts: this prompt's outputs rarely repeat it)
+        ("gpu_likely", NGRAM_GPU, likely),
+        ("gpu_bad", NGRAM_GPU, [3, 4, 5]),
     ):
-        llm = _engine(path, seed=2, speculative_config=spec, **kw)
-        if fixed is not None:
+        more = {"async_scheduling": True} if spec is NGRAM_GPU else {}
+        llm = _engine(path, seed=2, speculative_config=spec, **kw, **more)
+        if fixed is not None and spec is NGRAM_GPU:
+            monkeypatch.setattr(device_drafts, "ngram_propose_rows", _fixed_device_drafts(fixed))
+        elif fixed is not None:
             llm.llm_engine.engine_core.scheduler.spec.proposer = _FixedProposer(fixed)
         got = sample(llm)
         m = _spec_stats(llm)
@@ -381,6 +459,8 @@ def test_sampling_distribution_is_preserved(tiny_models, tmp_path) -> None:
     assert counts["likely"][0] >= n and counts["likely"][1] > 0.1 * n
     assert counts["bad"][0] >= n and counts["bad"][1] < 0.01 * n
     assert counts["draft"][0] >= n and counts["draft"][1] > 0.1 * n  # drafts after token 1
+    assert counts["gpu_likely"][0] >= n and counts["gpu_likely"][1] > 0.1 * n
+    assert counts["gpu_bad"][0] >= n and counts["gpu_bad"][1] < 0.01 * n
     # and the test can tell: the same statistic between two different prompts' outputs
     other = [{"prompt_token_ids": [8, 21, 99, 8, 21, 99, 8, 22]}]
     other_outs = _engine(path, seed=3, **kw).generate(other * 2000, sp, use_tqdm=False)

@@ -103,6 +103,15 @@ class SchedulerOutput:
     # or verified, and a draft model skips its run over the step (it catches up on the
     # skipped positions once speculation resumes: worker/drafter.py).
     spec_paused: bool = False
+    # Drafts made on the device (speculative_config method "ngram_gpu"): the lists in
+    # scheduled_spec_tokens are placeholders (their length is what counts; the runner reads
+    # the tokens from its device drafts, worker/device_drafts.py). Under async scheduling a
+    # request's step is planned before its last step's samples are known: the scheduler then
+    # counts that step's drafts as accepted. ``spec_unverified``: such a request -> the drafts
+    # of its unresolved last step counted in its num_computed_tokens; the runner takes the
+    # rejected ones back off its positions on the device.
+    device_drafts: bool = False
+    spec_unverified: dict[str, int] = field(default_factory=dict)
     # KV-Compress: the requests to evict from after this step's forward pass (its attention
     # scores count); the new per-head lengths come back in ModelRunnerOutput.kvc_lens.
     kvc_compress: list[KVCEviction] = field(default_factory=list)
@@ -183,6 +192,10 @@ class ModelRunnerOutput:
     # A draft model: request -> (the known tokens the drafts follow, the drafts), for the
     # requests of SchedulerOutput.draft_requests (see pagedllm/spec_decode/draft_model.py).
     draft_token_ids: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    # Drafts made on the device (SchedulerOutput.device_drafts): request -> the drafts its row
+    # verified this step (a lookup that found nothing verifies none: []). The scheduler counts
+    # the accepted ones from these; its scheduled_spec_tokens hold placeholders.
+    device_draft_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -186,14 +186,15 @@ class Scheduler:
     @property
     def needs_sync(self) -> bool:
         """Whether some live request needs synchronous steps (no async scheduling), an
-        eviction's new lengths are still to come back, or speculative decoding is on and not
-        paused by the load (a draft follows the last sampled token, which must be on the
-        host)."""
+        eviction's new lengths are still to come back, or speculative decoding with drafts
+        made on the host is on and not paused by the load (a draft follows the last sampled
+        token, which must be on the host; ngram_gpu drafts on the device)."""
         return (
             bool(self._sync_ids)
             or self._kvc_pending > 0
             or (
                 self.spec is not None
+                and not self.spec.device
                 and not self.spec.paused(len(self.running), self._admittable())
             )
         )
@@ -295,14 +296,20 @@ class Scheduler:
         kvc_room: dict[str, int] = {}  # KV-Compress: requests to evict from for room
         spec_tokens: dict[str, list[int]] = {}  # speculative decoding: each request's drafts
         draft_requests: dict[str, int] = {}  # a draft model drafts after the step for these
+        unverified: dict[str, int] = {}  # ngram_gpu: drafts of unresolved steps counted
         load = len(self.running)  # the load speculation is decided at (and measured by)
         speculate = self.spec is not None and not self.spec.paused(load, self._admittable())
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            # (unverified drafts are counted in num_computed_tokens as if accepted: the step
+            # after a step with k of them computes 1 new token - the one it samples - and
+            # its own drafts; see the end of schedule())
             num_new = min(
-                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                request.num_tokens
+                + request.num_output_placeholders
+                - (request.num_computed_tokens - request.num_unverified),
                 budget,
             )
             num_new = self._kvc_cut(request, num_new)
@@ -310,7 +317,11 @@ class Scheduler:
                 i += 1
                 continue
             drafts: list[int] = []
-            if speculate and num_new == 1 and request.num_output_placeholders == 0:
+            if (
+                speculate
+                and num_new == 1
+                and (request.num_output_placeholders == 0 or self.spec.device)  # type: ignore[union-attr]
+            ):
                 assert self.spec is not None
                 drafts = self.spec.drafts_for(request, budget)
                 num_new += len(drafts)  # verified in this step's forward pass
@@ -349,6 +360,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             num_scheduled[request.request_id] = num_new
+            if request.num_unverified:
+                unverified[request.request_id] = request.num_unverified
             if drafts:
                 spec_tokens[request.request_id] = drafts
             if look:
@@ -434,6 +447,8 @@ class Scheduler:
             scheduled_spec_tokens={r: d for r, d in spec_tokens.items() if r in num_scheduled},
             draft_requests={r: k for r, k in draft_requests.items() if r in num_scheduled},
             spec_paused=self.spec is not None and not speculate,
+            device_drafts=self.spec is not None and self.spec.device,
+            spec_unverified=unverified,
         )
         if self.spec is not None and self.spec.pacer is not None:
             # the step's prompt tokens: the rows longer than a decode row (its token and its
@@ -459,13 +474,23 @@ class Scheduler:
         # 11 computed = 10 + 1 -> a second placeholder, for the token at position 11.
         # With k drafts, 1 + k tokens are scheduled and the request samples (one placeholder):
         # e.g. 10 known tokens, 9 computed, 3 drafts -> 13 computed = 10 + 0 + 3.
+        # ngram_gpu under async scheduling: the drafts count as unverified until the update
+        # (as if all accepted); the next step is planned from there. Example: 10 known, 9
+        # computed, 3 drafts -> 13 computed, 3 unverified, 1 placeholder; the next step
+        # (before this one's samples are back): 10 + 1 - (13 - 3) = 1 new token and 3 drafts
+        # -> 17 computed, 6 unverified, 2 placeholders. The update of the first step with 1
+        # draft accepted: 12 known (2 new), 15 computed, 3 unverified, 1 placeholder.
         spec = out.scheduled_spec_tokens
+        device = out.device_drafts
         for rid, n in num_scheduled.items():
             request = self.requests[rid]
             request.num_computed_tokens += n
-            drafted = len(spec[rid]) if rid in spec else 0
+            if rid in spec:
+                request.num_unverified += len(spec[rid])
+                if device and request.device_drafts_since is None:
+                    request.device_drafts_since = step_id
             if (
-                request.num_computed_tokens - drafted
+                request.num_computed_tokens - request.num_unverified
                 == request.num_tokens + request.num_output_placeholders
             ):
                 request.num_output_placeholders += 1
@@ -624,6 +649,9 @@ class Scheduler:
             self.kv_cache_manager.free(request)
             request.num_computed_tokens = 0
             request.kvc_compressed_at = -1  # its KVs are computed again, uncompressed
+        if not request.swapped:  # (swapped, its unverified drafts stay counted until the update)
+            request.num_unverified = 0
+        request.device_drafts_since = None  # the runner drops its row
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -699,9 +727,18 @@ class Scheduler:
                 # a = drafts accepted: K/V stay valid up to the last one; the new tokens are
                 # samples 0..a. Example: 10 known tokens, drafts [5, 9, 2] (13 computed),
                 # samples [5, 9, 7, 4] -> a = 2, new tokens [5, 9, 7], 12 computed.
-                a = self.spec.accept(drafts, token_ids)
+                # Drafts made on the device: the scheduled ones are placeholders; the row
+                # verified those the lookup found (fewer when it found fewer).
+                verified = (
+                    runner_output.device_draft_tokens.get(rid, [])
+                    if scheduler_output.device_drafts
+                    else drafts
+                )
+                a = self.spec.accept(verified, token_ids)
                 token_ids = token_ids[: a + 1]
-                request.num_computed_tokens -= len(drafts) - a
+                if request.num_unverified >= len(drafts):  # (0: preempted meanwhile, recompute)
+                    request.num_unverified -= len(drafts)
+                    request.num_computed_tokens -= len(drafts) - a
             prompt_lp = runner_output.prompt_logprobs.get(rid)
             if not token_ids and prompt_lp is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
@@ -722,7 +759,12 @@ class Scheduler:
                     request, tok
                 ):
                     break
-            if len(new_tokens) > 1 and not request.is_finished:
+            since = request.device_drafts_since
+            if since is not None and scheduler_output.step_id >= since:
+                # drafts made on the device: the runner holds none of its samples on the host
+                # (under async scheduling it does not know where they go when it samples)
+                request.pending_runner_tokens.extend(new_tokens)
+            elif len(new_tokens) > 1 and not request.is_finished:
                 # the runner holds sample 0; it learns the accepted ones at the next step
                 request.pending_runner_tokens.extend(new_tokens[1:])
             logprobs = None

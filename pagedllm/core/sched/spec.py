@@ -585,6 +585,9 @@ class SpecDecoding:
         # a draft model runs in the model runner after each step: it needs lookahead slots
         # for the KVs of its own drafts, and its proposals come back with the step's output
         self.uses_runner = config.method == "draft_model"
+        # ngram_gpu: the runner drafts on the device; the scheduler plans placeholders
+        # (``drafts_for``) and may plan a request's next step before its drafts are verified
+        self.device = config.method == "ngram_gpu"
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.disable_by_batch_size = config.disable_by_batch_size
@@ -618,6 +621,12 @@ class SpecDecoding:
         """Draft tokens for a request about to decode one token (its last known token is on
         the host), within the step's remaining token ``budget`` and so that the request's
         ``max_tokens`` and ``max_model_len`` are never passed; [] for none."""
+        if self.device:
+            return self._device_placeholders(request, budget)
+        return self._host_drafts(request, budget)
+
+    def _host_drafts(self, request: Request, budget: int) -> list[int]:
+        """The host proposer's drafts (``drafts_for``; the pacer's shadow drafts)."""
         if request.beam_group is not None:
             return []
         # Example: max_tokens 10, 7 output tokens -> at most 3 new tokens: the sample after
@@ -632,6 +641,36 @@ class SpecDecoding:
             return []
         tokens = request.all_token_ids
         return self.proposer.propose(request.request_id, tokens, request.num_prompt_tokens, k)
+
+    def _device_placeholders(self, request: Request, budget: int) -> list[int]:
+        """ngram_gpu: k placeholders (-1) for the drafts the runner reads from its device
+        lookup, or [] for a request whose sampling needs its drafts or positions on the host.
+
+        Under async scheduling the host does not know the request's newest tokens (nor how
+        many there are) when it plans the step, so only a request whose sampling depends on
+        neither drafts: no penalties or multi-token bad words (they read the drafts as
+        output), no seed (seeded samples are drawn by output position), no grammar (its
+        bitmask covers each draft), no min_tokens still to reach (EOS is masked by output
+        position), no beams or parallel sequences. The positions are bounded as if every
+        unverified draft were accepted (``num_computed_tokens`` counts them): e.g. max_model_len
+        100, 90 computed -> at most 9 (the last draft at position 99)."""
+        p = request.sampling_params
+        if (
+            request.beam_group is not None
+            or request.parent_id is not None
+            or request.needs_host_tokens
+            or request.grammar_key is not None
+            or p.seed is not None
+            or request.num_output_tokens < p.min_tokens
+        ):
+            return []
+        k = min(
+            self.k,
+            budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - 1 - request.num_computed_tokens,
+        )
+        return [-1] * k if k >= 1 else []
 
     def lookahead(self, request: Request, num_computed_after: int) -> int:
         """Lookahead slots for a request whose step ends with a sample, so that the draft
@@ -659,9 +698,10 @@ class SpecDecoding:
         a = 0
         while a < len(drafts) and a < len(samples) and samples[a] == drafts[a]:
             a += 1
-        self.num_drafts += 1
-        self.num_draft_tokens += len(drafts)
-        self.num_accepted_tokens += a
+        if drafts:  # (a device lookup that found nothing verified no draft: not counted)
+            self.num_drafts += 1
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += a
         if self.pacer is not None:
             self.pacer.sample(a)
         for j in range(a):
@@ -684,7 +724,7 @@ class SpecDecoding:
                 request.request_id,
                 request.all_token_ids,
                 request.is_finished,
-                lambda: self.drafts_for(request, self.k + 1),
+                lambda: self._host_drafts(request, self.k + 1),
             )
 
     def finish(self, request: Request) -> None:

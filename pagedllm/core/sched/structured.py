@@ -123,7 +123,11 @@ class GrammarBook:
         """Give the step's sampled tokens of structured requests to ``Grammars`` now, before
         the update (which then does not): see ``Scheduler.send_grammar_tokens``."""
         tokens = runner_output.structured_tokens
-        if runner_output.forked_token_ids or tokens is None or so.scheduled_spec_tokens:
+        if (
+            runner_output.forked_token_ids
+            or tokens is None
+            or any(isinstance(key, SpecFill) for key in so.structured_requests)
+        ):
             return  # the update orders the forks and the tokens (and accepts drafts)
         assert self.grammars is not None
         # (a key whose request ended meanwhile was dropped first: Grammars skips it)
