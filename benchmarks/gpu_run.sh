@@ -114,6 +114,16 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     spec-paced)  # disable_when_slower: engines side by side, timed runs interleaved
       python benchmarks/spec_decode_gpu.py paced --repeats ${SPEC_REPEATS:-3} --trace \
         ${SPEC_PROPOSERS:+--proposers $SPEC_PROPOSERS} --out "$OUT" | grep -v '"tokens"' ;;
+    tests-ngram-gpu)  # ngram_gpu on CUDA: the device lookup, correction and verification,
+      # then greedy equality with async steps (chunked, prefix, preemption, structured, limits)
+      python -m pytest -q -x -p no:cacheprovider --durations=8 tests/spec_decode/test_ngram_gpu.py \
+        tests/models/test_spec_decode.py -k "test_ngram_gpu or lookup or correction or \
+        verification or delta or every_arch and qwen3 or engine_features or beside_structured \
+        or limits or seeded or distribution" ;;
+    spec-ngram-gpu)  # ngram_gpu (async) against ngram (sync steps), suffix and no speculation
+      python benchmarks/spec_decode_gpu.py paced --repeats ${SPEC_REPEATS:-5} \
+        --proposers ${SPEC_PROPOSERS:-ngram,ngram_gpu,suffix,ngram_gpu_paced} \
+        --batches ${SPEC_BATCHES:-1,16,64,256} --out "$OUT" | grep -v '"tokens"' ;;
     spec-draft-8b)  # Llama-3.1-8B shape with a Llama-3.2-1B-shaped draft (dummy weights)
       python benchmarks/spec_decode_gpu.py llama8b --out "$OUT" ;;
     kvc-d-prefix)  # Benchmark D with a system prompt every prompt shares, prefix caching on/off

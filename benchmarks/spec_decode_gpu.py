@@ -14,7 +14,8 @@ Prefix caching is off (the timed prompts repeat across draft settings).
 - ``llama8b``: the Llama-3.1-8B shape with a Llama-3.2-1B-shaped draft (same vocabulary;
   dummy weights: unrelated, so drafts are rarely accepted - what a useless draft costs), and
   n-gram on the same workload.
-- ``cheap``: the ``qwen3`` workload with cheap proposers: n-gram, suffix, and drafts made of
+- ``cheap``: the ``qwen3`` workload with cheap proposers: n-gram (on the host, and on the
+  device: ngram_gpu, whose speculating steps stay asynchronous), suffix, and drafts made of
   the target's first 2 or 7 of its 28 layers (``first_layers_copy``); n-gram and suffix also
   with ``disable_when_slower`` (``*_paced``).
 - ``paced``: speculation where it pays against drift between runs: the engine without
@@ -283,10 +284,12 @@ def cheap(args: argparse.Namespace) -> dict:
     k = 4
     proposers = {
         "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3},
+        # the same lookup on the device: speculating steps stay asynchronous
+        "ngram_gpu": {"method": "ngram_gpu", "num_speculative_tokens": k, "prompt_lookup_max": 3},
         "suffix": {"method": "suffix", "num_speculative_tokens": k},
     }
     # the same, speculating only at the loads where the engine measured it faster
-    for name in ("ngram", "suffix"):
+    for name in ("ngram", "ngram_gpu", "suffix"):
         proposers[f"{name}_paced"] = {**proposers[name], "disable_when_slower": True}
     for layers in (2, 7):
         if args.proposers and f"first{layers}_of_28" not in args.proposers.split(","):
@@ -316,7 +319,7 @@ def paced(args: argparse.Namespace) -> dict:
     for name in (args.proposers or "ngram,ngram_paced,suffix,suffix_paced").split(","):
         method = name.removesuffix("_paced")
         spec = {"method": method, "num_speculative_tokens": k}
-        if method == "ngram":
+        if method in ("ngram", "ngram_gpu"):
             spec["prompt_lookup_max"] = 3
         if name.endswith("_paced"):
             spec["disable_when_slower"] = True

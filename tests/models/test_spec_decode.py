@@ -134,7 +134,7 @@ def test_greedy_parallel_sampling_logprobs_and_limits(tiny_models, draft_of) -> 
     """n > 1 (seeded forks), logprobs of every token, max_tokens and min_tokens, and a stop
     token id: exactly as without speculation."""
     path = tiny_models("qwen2")
-    prompts = _prompts(4, seed=1)
+    prompts = _prompts(5, seed=1)
     base = _engine(path)
     ref = base.generate(prompts, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
     stop_id = ref[1].outputs[0].token_ids[12]  # a token the greedy output meets
@@ -143,6 +143,8 @@ def test_greedy_parallel_sampling_logprobs_and_limits(tiny_models, draft_of) -> 
         SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id]),
         SamplingParams(temperature=0.8, n=3, seed=11, max_tokens=17, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=9, min_tokens=9),
+        # penalties read the drafts as output (ngram_gpu: none for it; the others' beside it)
+        SamplingParams(temperature=0, max_tokens=20, presence_penalty=0.5, ignore_eos=True),
     ]
     want = base.generate(prompts, params, use_tqdm=False)
     for spec in (NGRAM, SUFFIX, draft_of("qwen2"), NGRAM_GPU):

@@ -643,7 +643,7 @@ class SpecDecoding:
         return self.proposer.propose(request.request_id, tokens, request.num_prompt_tokens, k)
 
     def _device_placeholders(self, request: Request, budget: int) -> list[int]:
-        """ngram_gpu: k placeholders (-1) for the drafts the runner reads from its device
+        """ngram_gpu: k placeholders (0) for the drafts the runner reads from its device
         lookup, or [] for a request whose sampling needs its drafts or positions on the host.
 
         Under async scheduling the host does not know the request's newest tokens (nor how
@@ -670,7 +670,7 @@ class SpecDecoding:
             request.max_tokens - request.num_output_tokens - 1,
             self.max_model_len - 1 - request.num_computed_tokens,
         )
-        return [-1] * k if k >= 1 else []
+        return [0] * k if k >= 1 else []
 
     def lookahead(self, request: Request, num_computed_after: int) -> int:
         """Lookahead slots for a request whose step ends with a sample, so that the draft
