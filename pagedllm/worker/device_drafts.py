@@ -59,15 +59,59 @@ class DeviceDrafts:
         self.accepted = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
         self.sched_appends = np.zeros(max_num_reqs, dtype=bool)
         self._arange = torch.arange(k + 1, device=device)
+        # Host-to-device copies of a step's small index arrays go through pinned buffers: a
+        # copy from pageable memory waits for the work queued before it - under async
+        # scheduling, the last step - and the steps would run one at a time. A ring of them,
+        # each reused after the copy out of it has completed (long done by then).
+        self._pinned: list[torch.Tensor] = []
+        self._copied: list[torch.cuda.Event | None] = []
+        self._turn = 0
+        if device.type == "cuda":
+            cap = max(self.width, max_num_reqs * (3 * k + 5)) + 16
+            self._pinned = [torch.empty(cap, dtype=torch.int64, pin_memory=True) for _ in range(16)]
+            self._copied = [None] * len(self._pinned)
 
-    def add_row(self, row: int, tokens: np.ndarray) -> None:
-        """A (new or resumed) request took ``row``: its known tokens, no drafts."""
-        n = int(tokens.shape[0])
-        self.hist[row, :n].copy_(torch.from_numpy(tokens.astype(np.int32)), non_blocking=True)
-        self.lens[row] = n
-        self.num_valid[row] = 0
-        self.accepted[row] = 0
-        self.sched_appends[row] = False
+    def ship(self, host: np.ndarray) -> torch.Tensor:
+        """``host`` (a 1-D int array) as an int64 tensor on the device, copied without
+        waiting for the device (through a pinned buffer on a GPU; the array itself on a
+        CPU)."""
+        if not self._pinned:
+            return torch.from_numpy(np.ascontiguousarray(host, dtype=np.int64))
+        turn = self._turn
+        self._turn = (turn + 1) % len(self._pinned)
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()
+        n = int(host.shape[0])
+        if n > self._pinned[turn].shape[0]:  # (new prompts longer than the buffer: rare)
+            self._pinned[turn] = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
+        buf = self._pinned[turn]
+        buf.numpy()[:n] = host
+        out = buf[:n].to(self.device, non_blocking=True)
+        event = self._copied[turn] = torch.cuda.Event()
+        event.record()
+        return out
+
+    def add_rows(self, rows: list[int], tokens: list[np.ndarray]) -> None:
+        """(New or resumed) requests took ``rows``: their known tokens, no drafts; one copy
+        for them all.
+
+        Example: rows [4, 1] with 3 and 2 tokens -> one array of 5 tokens, lengths [3, 2];
+        entry i goes to row [4, 4, 4, 1, 1][i] at column [0, 1, 2, 0, 1][i]."""
+        lens = np.fromiter((t.shape[0] for t in tokens), dtype=np.int64, count=len(tokens))
+        total = int(lens.sum())
+        t = self.ship(np.concatenate([np.asarray(rows, dtype=np.int64), lens, *tokens]))
+        num = len(rows)
+        rows_t, lens_t, flat = t[:num], t[num : 2 * num], t[2 * num :]
+        which = torch.repeat_interleave(
+            torch.arange(num, device=self.device), lens_t, output_size=total
+        )  # [total] the entry of each token
+        starts = torch.cumsum(lens_t, 0) - lens_t
+        cols = torch.arange(total, device=self.device) - starts[which]
+        self.hist[rows_t[which], cols] = flat.to(self.hist.dtype)
+        self.lens[rows_t] = lens_t
+        self.num_valid[rows_t] = 0
+        self.accepted[rows_t] = 0
+        self.sched_appends[rows] = False
 
     def delta(self, rows: torch.Tensor, unverified: torch.Tensor) -> torch.Tensor:
         """[R] positions the host over-counts for each row of a step: the rejected drafts of
@@ -86,7 +130,7 @@ class DeviceDrafts:
         ([num_tokens], in place), its sequence lengths and its slots (every KV-cache group's,
         from the tables by position) on the device: no host sync."""
         total = int(n_sched.sum())
-        counts = torch.from_numpy(n_sched).to(self.device, non_blocking=True)
+        counts = self.ship(n_sched)
         req = torch.repeat_interleave(
             torch.arange(len(n_sched), device=self.device), counts, output_size=total
         )  # [num_tokens] the request of each token
@@ -109,13 +153,12 @@ class DeviceDrafts:
 
         Example: k 4, rows [3, 5] with first tokens at [0, 5] and ks [2, 4] -> row 3's drafts 0
         and 1 at 1 and 2, row 5's drafts 0..3 at 6..9."""
-        k, dev = self.k, self.device
+        k = self.k
         num = int(ks.sum())
         starts = np.repeat(np.cumsum(ks) - ks, ks)
         cols = np.arange(num) - starts  # [num] the draft of each entry within its row
         dst = np.repeat(first + 1, ks) + cols
-        host = np.concatenate([rows, ks, np.repeat(rows, ks), cols, dst]).astype(np.int64)
-        t = torch.from_numpy(host).to(dev, non_blocking=True)
+        t = self.ship(np.concatenate([rows, ks, np.repeat(rows, ks), cols, dst]))
         d = len(rows)
         rows_t, ks_t = t[:d], t[d : 2 * d]
         rep_rows, rep_cols, dst_t = t[2 * d : 2 * d + num], t[2 * d + num : -num], t[-num:]

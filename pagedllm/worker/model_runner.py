@@ -472,17 +472,18 @@ class ModelRunner:
             ib.remove_request(rid)
         kvc = self.kvc
         dd = self.device_drafts
+        dd_rows: list[int] = []
         for new in so.scheduled_new_reqs:
             if kvc is None:
-                row = ib.add_request(new)
-                if dd is not None:
-                    dd.add_row(row, ib.token_ids[row, : ib.num_tokens[row]])
+                dd_rows.append(ib.add_request(new))
                 continue
             head = new.block_ids[0] if new.block_ids else None
             if new.sampling_params.kvc_compress_at is not None:
                 self._kvc_measured = True
             row = ib.add_request(replace(new, block_ids=()))
             kvc.set_row(row, head, self._kvc_scored(new.sampling_params))
+        if dd is not None and dd_rows:
+            dd.add_rows(dd_rows, [ib.token_ids[r, : ib.num_tokens[r]] for r in dd_rows])
         entry_rows: list[int] = []  # KV-Compress: every row's new table entries, one scatter
         entries: list = []
         for req_id, new_block_ids, num_computed, replaced, append in so.cached_rows():
@@ -919,7 +920,7 @@ class ModelRunner:
         unv = np.fromiter(
             (unverified.get(r, 0) for r in so.num_scheduled_tokens), dtype=np.int64, count=len(rows)
         )
-        both = torch.from_numpy(np.concatenate([rows, unv])).to(self.device, non_blocking=True)
+        both = dd.ship(np.concatenate([rows, unv]))
         delta = dd.delta(both[: len(rows)], both[len(rows) :])  # [num_reqs]
         if self.device.type != "cuda":
             ib.num_computed_tokens[rows] -= delta.numpy()
@@ -968,8 +969,7 @@ class ModelRunner:
         num = len(plan.sample_idx)
         first = plan.first if plan.first is not None else np.arange(num)
         ks = plan.num_samples - 1 if plan.num_samples is not None else np.zeros(num, np.int64)
-        host = np.concatenate([step.sample_rows, first, ks, plan.sample_idx, draft_idx])
-        t = torch.from_numpy(host.astype(np.int64)).to(self.device, non_blocking=True)
+        t = dd.ship(np.concatenate([step.sample_rows, first, ks, plan.sample_idx, draft_idx]))
         rows_t, first_t, ks_t = t[:num], t[num : 2 * num], t[2 * num : 3 * num]
         seq = seq_t[t[3 * num : 4 * num]]
         width = int(seq_np[plan.sample_idx].max()) + 1

@@ -118,8 +118,7 @@ def test_one_verification_step() -> None:
     k = 2
     dd = DeviceDrafts(4, 64, k, 1, 2, DEVICE)
     row2 = np.array([7, 5, 8, 1, 7, 5, 6, 2, 7, 9], dtype=np.int64)  # 10 known, last 9
-    dd.add_row(2, row2)
-    dd.add_row(0, np.array([4, 4, 4], dtype=np.int64))
+    dd.add_rows([2, 0], [row2, np.array([4, 4, 4], dtype=np.int64)])
     dd.drafts[2] = torch.tensor([5, 8], dtype=torch.int32)
     dd.num_valid[2] = 2
     # the step: row 0 (prompt's last chunk, 1 sample), row 2 (9 at position 9, drafts at 10, 11)
