@@ -117,9 +117,11 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     tests-ngram-gpu)  # ngram_gpu on CUDA: the device lookup, correction and verification,
       # then greedy equality with async steps (chunked, prefix, preemption, structured, limits)
       python -m pytest -q -x -p no:cacheprovider --durations=8 tests/spec_decode/test_ngram_gpu.py \
+        tests/kernels/test_spec_drafts.py \
         tests/models/test_spec_decode.py -k "test_ngram_gpu or lookup or correction or \
         verification or delta or every_arch and qwen3 or engine_features or beside_structured \
         or limits or seeded or distribution" ;;
+    ngram-gpu-micro) python benchmarks/ngram_gpu_micro.py --torch --out "$OUT" ;;
     spec-ngram-gpu)  # ngram_gpu (async) against ngram (sync steps), suffix and no speculation
       python benchmarks/spec_decode_gpu.py paced --repeats ${SPEC_REPEATS:-5} \
         --proposers ${SPEC_PROPOSERS:-ngram,ngram_gpu,suffix,ngram_gpu_paced} \

@@ -2,6 +2,7 @@
 ``DeviceDrafts``' correction, draft inputs and verification (with the lookup) for a decode
 step of B rows verifying k drafts, and the device time they take, at B = 1, 16, 64, 256.
 
+``--torch``: the PyTorch path (the CPU's) instead of the Triton kernels, on the GPU.
 The host time is what an asynchronous step adds to the engine loop (at batch 1 the loop and
 the device take ~1.5 ms each); the device time is what the step adds on the GPU.
 
@@ -26,9 +27,10 @@ from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
 from pagedllm.worker.device_drafts import DeviceDrafts  # noqa: E402
 
 
-def one_case(batch: int, k: int, ctx: int, iters: int) -> dict:
+def one_case(batch: int, k: int, ctx: int, iters: int, use_torch: bool) -> dict:
     dev = torch.device("cuda")
     dd = DeviceDrafts(batch, 1024, k, 3, 3, dev)
+    dd.use_triton = not use_torch
     rng = np.random.default_rng(0)
     for r in range(batch):
         dd.add_rows([r], [rng.integers(0, 50, ctx)])
@@ -41,13 +43,15 @@ def one_case(batch: int, k: int, ctx: int, iters: int) -> dict:
     samples = torch.randint(0, 50, (total,), device=dev)
     first = np.arange(batch) * (1 + k)
     ks = np.full(batch, k)
+    unv = np.full(batch, k)  # every row's last step unresolved: the correction runs
+    qsl = torch.arange(0, total + 1, 1 + k, dtype=torch.int32, device=dev)
 
     def step() -> None:
         positions = torch.from_numpy(pos_host.astype(np.int32)).to(dev, non_blocking=True)
         md = AttentionMetadata(
             num_reqs=batch,
             num_actual_tokens=total,
-            query_start_loc=torch.zeros(batch + 1, dtype=torch.int32, device=dev),
+            query_start_loc=qsl,
             seq_lens=torch.full((batch,), ctx + 1 + k, dtype=torch.int32, device=dev),
             slot_mapping=torch.zeros(total, dtype=torch.int64, device=dev),
             block_tables=bt,
@@ -57,15 +61,9 @@ def one_case(batch: int, k: int, ctx: int, iters: int) -> dict:
         )
         input_ids = torch.zeros(total, dtype=torch.int32, device=dev)
         t0 = time.perf_counter()
-        both = dd.ship(np.concatenate([rows, np.full(batch, k)]))
-        delta = dd.delta(both[:batch], both[batch:])
-        dd.correct(positions, md, n_sched, delta)
-        drafts, valid = dd.draft_inputs(input_ids, rows, first, ks)
+        used, valid = dd.prepare(input_ids, positions, md, n_sched, rows, unv, ks)
         t1 = time.perf_counter()
-        t = dd.ship(np.concatenate([rows, first, ks, rows, rows]))
-        seq = md.seq_lens[t[3 * batch : 4 * batch]]
-        dd.verify(samples, t[:batch], t[batch : 2 * batch], t[2 * batch : 3 * batch], seq,
-                  drafts, valid, t[4 * batch :], ctx + k + 2)  # fmt: skip
+        dd.verify(samples, rows, first, ks, rows, md.seq_lens, used, valid, ctx + k + 2)
         t2 = time.perf_counter()
         host[0] += t1 - t0
         host[1] += t2 - t1
@@ -82,6 +80,7 @@ def one_case(batch: int, k: int, ctx: int, iters: int) -> dict:
     end.record()
     end.synchronize()
     return {
+        "path": "torch" if use_torch else "triton",
         "batch": batch,
         "k": k,
         "context": ctx,
@@ -95,8 +94,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--torch", action="store_true", help="also time the PyTorch path")
     a = ap.parse_args()
-    rows = [one_case(b, 4, 320, a.iters) for b in (1, 16, 64, 256)]
+    paths = [False, True] if a.torch else [False]
+    rows = [one_case(b, 4, 320, a.iters, t) for t in paths for b in (1, 16, 64, 256)]
     for r in rows:
         print(json.dumps(r), flush=True)
     os.makedirs(a.out, exist_ok=True)

@@ -59,6 +59,8 @@ class DeviceDrafts:
         self.accepted = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
         self.sched_appends = np.zeros(max_num_reqs, dtype=bool)
         self._arange = torch.arange(k + 1, device=device)
+        # the Triton kernels on a GPU (pagedllm/ops/spec_drafts.py); PyTorch ops on a CPU
+        self.use_triton = device.type == "cuda"
         # Host-to-device copies of a step's small index arrays go through pinned buffers: a
         # copy from pageable memory waits for the work queued before it - under async
         # scheduling, the last step - and the steps would run one at a time. A ring of them,
@@ -119,105 +121,132 @@ class DeviceDrafts:
         last step is resolved). Example: 4 unverified, 1 accepted -> 3."""
         return torch.where(unverified > 0, unverified - self.accepted[rows], 0)
 
-    def correct(
+    def prepare(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        md: AttentionMetadata,
+        n_sched: np.ndarray,
+        rows: np.ndarray,
+        unverified: np.ndarray,
+        ks: np.ndarray,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Before a step's forward pass: correct the positions, lengths and slots of its rows
+        whose last step is unresolved (``unverified`` [R]: that step's drafts, 0 otherwise; a
+        row with some is a decode row) and write the drafts of the rows verifying ``ks`` [R]
+        of them into ``input_ids`` after their first token. Returns what the step verifies:
+        ``(drafts [R, k] int32, valid [R, k])`` (valid: a lookup's draft among the row's first
+        ks). ``rows`` [R]: the InputBatch rows; ``n_sched`` [R]: tokens per row."""
+        k = self.k
+        assert not (unverified > 0).any() or n_sched[unverified > 0].max() <= k + 1
+        meta = self.ship(np.concatenate([rows, unverified, ks]))
+        slots, tables = md.plan.get("all_groups", (md.slot_mapping[None], md.block_tables[None]))
+        if self.use_triton:
+            from pagedllm.ops import spec_drafts
+
+            return spec_drafts.prepare(
+                input_ids, positions, md.seq_lens, md.query_start_loc, slots, tables, meta,
+                self.accepted, self.drafts, self.num_valid, md.block_size,
+            )  # fmt: skip
+        num = len(rows)
+        rows_t, unv_t, ks_t = meta[:num], meta[num : 2 * num], meta[2 * num :]
+        if (unverified > 0).any():
+            self._correct(positions, md, n_sched, self.delta(rows_t, unv_t), slots, tables)
+        drafts = self.drafts[rows_t]  # [R, k] (a copy: the next lookup overwrites the rows)
+        ar = self._arange[:k]
+        used = ar[None, :] < ks_t[:, None]  # [R, k]
+        valid = used & (ar[None, :] < self.num_valid[rows_t][:, None])
+        # Example: k 4, rows with first tokens at [0, 5] and ks [2, 4] -> drafts at 1, 2 and
+        # at 6..9
+        first = torch.from_numpy(np.cumsum(n_sched) - n_sched).to(input_ids.device)
+        dst = (first[:, None] + 1 + ar[None, :])[used]
+        input_ids[dst] = drafts[used].to(input_ids.dtype)
+        return drafts, valid
+
+    def _correct(
         self,
         positions: torch.Tensor,
         md: AttentionMetadata,
         n_sched: np.ndarray,
         delta: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
     ) -> None:
-        """Take ``delta`` ([num_reqs] per request of the step) off its tokens' positions
-        ([num_tokens], in place), its sequence lengths and its slots (every KV-cache group's,
-        from the tables by position) on the device: no host sync."""
+        """Take ``delta`` ([R] per request of the step) off its tokens' positions ([T], in
+        place), its sequence lengths and its ``slots`` ([G, T], from ``tables`` [G, R, blocks]
+        by position)."""
         total = int(n_sched.sum())
-        counts = self.ship(n_sched)
         req = torch.repeat_interleave(
-            torch.arange(len(n_sched), device=self.device), counts, output_size=total
-        )  # [num_tokens] the request of each token
-        pos = positions[:total].to(torch.int64) - delta[req]  # [num_tokens]
+            torch.arange(len(n_sched), device=self.device),
+            torch.from_numpy(n_sched).to(self.device),
+            output_size=total,
+        )  # [T] the request of each token
+        pos = positions[:total].to(torch.int64) - delta[req]  # [T]
         positions[:total] = pos.to(positions.dtype)
         md.seq_lens.sub_(delta.to(md.seq_lens.dtype))
-        slots, tables = md.plan.get("all_groups", (md.slot_mapping[None], md.block_tables[None]))
         bs = md.block_size
         # Example: bs 16, table [7, 3], position 20 -> 3 * 16 + 4 = 52
-        blocks = tables[:, req, pos // bs].to(torch.int64)  # [G, num_tokens]
+        blocks = tables[:, req, pos // bs].to(torch.int64)  # [G, T]
         slots[:, :total] = (blocks * bs + pos % bs).to(slots.dtype)
-
-    def draft_inputs(
-        self, input_ids: torch.Tensor, rows: np.ndarray, first: np.ndarray, ks: np.ndarray
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the drafts of ``rows`` ([D] rows verifying ``ks`` [D] drafts; the row's first
-        token at flat index ``first`` [D]) into ``input_ids`` after their first token; returns
-        the snapshot verified: ``(drafts [D, k], valid [D, k])`` (valid: the lookup's drafts
-        among the first ks).
-
-        Example: k 4, rows [3, 5] with first tokens at [0, 5] and ks [2, 4] -> row 3's drafts 0
-        and 1 at 1 and 2, row 5's drafts 0..3 at 6..9."""
-        k = self.k
-        num = int(ks.sum())
-        starts = np.repeat(np.cumsum(ks) - ks, ks)
-        cols = np.arange(num) - starts  # [num] the draft of each entry within its row
-        dst = np.repeat(first + 1, ks) + cols
-        t = self.ship(np.concatenate([rows, ks, np.repeat(rows, ks), cols, dst]))
-        d = len(rows)
-        rows_t, ks_t = t[:d], t[d : 2 * d]
-        rep_rows, rep_cols, dst_t = t[2 * d : 2 * d + num], t[2 * d + num : -num], t[-num:]
-        input_ids[dst_t] = self.drafts[rep_rows, rep_cols].to(input_ids.dtype)
-        drafts = self.drafts[rows_t]  # [D, k] (a copy: the next lookup overwrites the rows)
-        ar = self._arange[:k]
-        valid = (ar[None, :] < ks_t[:, None]) & (ar[None, :] < self.num_valid[rows_t][:, None])
-        return drafts, valid
 
     def verify(
         self,
         samples: torch.Tensor,
-        rows: torch.Tensor,
-        first: torch.Tensor,
-        ks: torch.Tensor,
+        rows: np.ndarray,
+        first: np.ndarray,
+        ks: np.ndarray,
+        batch_idx: np.ndarray,
         seq_lens: torch.Tensor,
-        drafts: torch.Tensor | None,
-        valid: torch.Tensor | None,
-        draft_idx: torch.Tensor | None,
+        used: torch.Tensor,
+        valid: torch.Tensor,
         width: int,
         lookup: bool = True,
     ) -> torch.Tensor:
-        """Accept drafts, record the samples and look up the next drafts; returns [S] each
-        sampling row's bonus token (its next input).
+        """After a step's sampling: accept drafts, record the samples and look up the next
+        drafts; returns [S] each sampling row's bonus token (its next input).
 
-        ``samples``: [P] the step's samples; per sampling row (``rows`` [S]): its first sample
-        ``first`` [S], its drafts ``ks`` [S] (0 without), its length after the step
-        ``seq_lens`` [S] (corrected: on the device); ``drafts`` / ``valid`` [D, k] what the rows
-        at ``draft_idx`` [D] (indices into the S rows) verified (None: no row had drafts).
-        ``width``: a bound on every row's length after the step (the lookup reads that far).
-        ``lookup`` False (speculation paused): the history only, no new drafts.
+        ``samples``: [P] the step's samples; per sampling row: its InputBatch row ``rows``
+        [S], its first sample ``first`` [S], its drafts ``ks`` [S] (0 without), its index in
+        the step ``batch_idx`` [S]; ``seq_lens`` [R] the step's lengths (corrected: on the
+        device); ``used`` / ``valid`` [R, k] what ``prepare`` returned. ``width``: a bound on
+        every row's length after the step (the lookup reads that far). ``lookup`` False
+        (speculation paused): the history only, no new drafts.
 
-        Example: k 2, a row at P = 9 (seq_len 12 = 9 + 1 + 2), drafts [5, 8], samples [5, 6,
+        Example: k 2, a row at P = 9 (length 12 = 9 + 1 + 2), drafts [5, 8], samples [5, 6,
         3] -> a = 1, the history gets 5 at 10 and 6 at 11 (3 at 12, past the new length 12),
         bonus 6."""
+        samples = samples.to(torch.int64)
+        meta = self.ship(np.concatenate([rows, first, ks, batch_idx]))
+        width = min(width, self.width)
+        if self.use_triton:
+            from pagedllm.ops import spec_drafts
+
+            return spec_drafts.verify(
+                samples, meta, seq_lens, used, valid, self.hist, self.lens, self.accepted,
+                self.drafts, self.num_valid, width, self.min_n, self.max_n, lookup,
+            )  # fmt: skip
         k = self.k
-        num = rows.shape[0]
+        num = len(rows)
+        rows_t, first_t, ks_t, bi = (meta[j * num : (j + 1) * num] for j in range(4))
+        seq = seq_lens[bi].to(torch.int64)  # [S]
         cols = self._arange  # [k + 1]
-        inb = cols[None, :] <= ks[:, None]  # [S, k + 1] the row's samples
-        idx = torch.clamp(first[:, None] + cols[None, :], max=samples.shape[0] - 1)
+        inb = cols[None, :] <= ks_t[:, None]  # [S, k + 1] the row's samples
+        idx = torch.clamp(first_t[:, None] + cols[None, :], max=samples.shape[0] - 1)
         tok = samples[idx]  # [S, k + 1]
-        a = torch.zeros(num, dtype=torch.int64, device=self.device)
-        if drafts is not None and drafts.shape[0] > 0:
-            assert valid is not None and draft_idx is not None
-            eq = (tok[draft_idx, :k] == drafts.to(tok.dtype)) & valid  # [D, k]
-            a[draft_idx] = torch.cumprod(eq.to(torch.int64), dim=1).sum(dim=1)
+        eq = (tok[:, :k] == used[bi].to(tok.dtype)) & valid[bi].bool()  # [S, k]
+        eq &= cols[None, :k] < ks_t[:, None]
+        a = torch.cumprod(eq.to(torch.int64), dim=1).sum(dim=1)  # [S]
         bonus = tok.gather(1, a[:, None])[:, 0]  # [S]
-        # sample i at position seq_len - ks + i (the row's first sample at seq_len - ks)
-        pos = seq_lens.to(torch.int64)[:, None] - ks[:, None] + cols[None, :]  # [S, k + 1]
+        # sample j at position seq - ks + j (the row's first sample at seq - ks)
+        pos = seq[:, None] - ks_t[:, None] + cols[None, :]  # [S, k + 1]
         pos = torch.where(inb, pos, self.dump)
-        self.hist[rows[:, None].expand(-1, k + 1), pos] = tok.to(self.hist.dtype)
-        self.lens[rows] = seq_lens.to(torch.int64) - ks + a + 1
-        self.accepted[rows] = a
-        if not lookup:
-            return bonus
-        w = min(width, self.width)
-        found, num_valid = ngram_propose_rows(
-            self.hist[rows, :w], self.lens[rows], self.min_n, self.max_n, k
-        )
-        self.drafts[rows] = found
-        self.num_valid[rows] = num_valid
+        self.hist[rows_t[:, None].expand(-1, k + 1), pos] = tok.to(self.hist.dtype)
+        self.lens[rows_t] = seq - ks_t + a + 1
+        self.accepted[rows_t] = a
+        if lookup:
+            found, num_valid = ngram_propose_rows(
+                self.hist[rows_t, :width], self.lens[rows_t], self.min_n, self.max_n, k
+            )
+            self.drafts[rows_t] = found
+            self.num_valid[rows_t] = num_valid
         return bonus

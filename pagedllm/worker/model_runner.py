@@ -86,9 +86,9 @@ class LaunchedStep:
     # tokens computed after the step) of a step whose samples it drafts after
     drafting: Any = None
     # drafts made on the device: (the step's sequence lengths on the device [num_reqs], their
-    # host bound [num_reqs], the drafts verified [D, k], their valid mask [D, k], the sampling
-    # rows [D] (indices into sample_idx) that verify them), and the drafts on the host after
-    # the copy: (indices into sample_idx, drafts, valid)
+    # host bound [num_reqs], the drafts verified [num_reqs, k], their valid mask [num_reqs,
+    # k], the drafts each row verifies [num_reqs], paused), then after the copy to the host:
+    # (drafts per row, drafts, valid)
     device_drafts: Any = None
 
     @classmethod
@@ -549,9 +549,9 @@ class ModelRunner:
         )
         n_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         dd = self.device_drafts
-        delta = None
+        unverified = None
         if dd is not None:
-            delta = self._device_draft_rows(so, rows)
+            unverified = self._device_draft_rows(so, rows)
         seq_lens = ib.num_computed_tokens[rows] + n_sched
         cu = np.cumsum(n_sched)
         # the rows that sample and their logits' token indices (see worker/sample_plan.py)
@@ -577,7 +577,8 @@ class ModelRunner:
             inputs.input_ids[dst_t.long()] = prev.sampled[src_t.long()].to(inputs.input_ids.dtype)
         dd_state = None
         if dd is not None:
-            dd_state = self._device_draft_inputs(so, inputs, rows, n_sched, cu, plan, delta)
+            assert unverified is not None
+            dd_state = self._device_draft_inputs(so, inputs, rows, n_sched, unverified)
         timing = self._timing_start()
         hidden = self._forward(inputs)  # [num_tokens, hidden]
         if self.drafter is not None and not so.spec_paused:
@@ -676,7 +677,7 @@ class ModelRunner:
             step.host, step.event = self._to_host(results + extra)
             if extra:  # the verified drafts: the last two results
                 step.host, dd_host = step.host[: len(results)], step.host[len(results) :]
-                step.device_drafts = (step.device_drafts[4], *dd_host)
+                step.device_drafts = (step.device_drafts[4], *dd_host)  # (ks, used, valid)
         step.timing = self._timing_end(step.timing)
         self._unresolved = step
 
@@ -719,9 +720,9 @@ class ModelRunner:
             drafts = self._propose_drafts(step, sampled_lists)
         device_draft_tokens: dict[str, list[int]] = {}
         if step.device_drafts is not None and step.host and len(step.device_drafts) == 3:
-            idx, found, valid = step.device_drafts  # [D] sampling rows, [D, k], [D, k]
-            batch = step.plan.sample_idx[idx]
-            for i, d, v in zip(batch.tolist(), found.tolist(), valid.tolist()):
+            ks, found, valid = step.device_drafts  # [num_reqs], [num_reqs, k] twice
+            batch = np.flatnonzero(ks)
+            for i, d, v in zip(batch.tolist(), found[batch].tolist(), valid[batch].tolist()):
                 device_draft_tokens[step.req_ids[i]] = [t for t, ok in zip(d, v) if ok]
         kvc_lens = {}
         if step.kvc_lens is not None:
@@ -904,28 +905,29 @@ class ModelRunner:
         ), "a row reads a token from the last step at the wrong position"
         return first_token[has], src[has]
 
-    def _device_draft_rows(self, so: SchedulerOutput, rows: np.ndarray) -> torch.Tensor | None:
+    def _device_draft_rows(self, so: SchedulerOutput, rows: np.ndarray) -> np.ndarray:
         """Drafts made on the device, before the step's inputs: mark the rows that verify
-        them (the scheduler appends their samples from now on) and find what the host
-        over-counts for rows whose last step is unresolved (``DeviceDrafts.delta``). Returns it
-        on the device for ``DeviceDrafts.correct``; on a CPU (the last step is done) the host's
-        computed counts are corrected here instead and None is returned."""
+        them (the scheduler appends their samples from now on) and return each row's
+        unverified drafts ([num_reqs]: those of its unresolved last step, counted by the host
+        as accepted; ``DeviceDrafts.prepare`` corrects them on the device). On a CPU (the last
+        step is done when it returns) the host's computed counts are corrected here instead,
+        and zeros returned."""
         dd, ib = self.device_drafts, self.input_batch
         assert dd is not None
         for rid in so.scheduled_spec_tokens:
             dd.sched_appends[ib.req_id_to_row[rid]] = True
         unverified = so.spec_unverified
+        num = len(rows)
         if not unverified:
-            return None
+            return np.zeros(num, dtype=np.int64)
         unv = np.fromiter(
-            (unverified.get(r, 0) for r in so.num_scheduled_tokens), dtype=np.int64, count=len(rows)
+            (unverified.get(r, 0) for r in so.num_scheduled_tokens), dtype=np.int64, count=num
         )
-        both = dd.ship(np.concatenate([rows, unv]))
-        delta = dd.delta(both[: len(rows)], both[len(rows) :])  # [num_reqs]
-        if self.device.type != "cuda":
-            ib.num_computed_tokens[rows] -= delta.numpy()
-            return None
-        return delta
+        if self.device.type == "cuda":
+            return unv
+        delta = dd.delta(torch.from_numpy(rows), torch.from_numpy(unv))  # [num_reqs]
+        ib.num_computed_tokens[rows] -= delta.numpy()
+        return np.zeros(num, dtype=np.int64)
 
     def _device_draft_inputs(
         self,
@@ -933,50 +935,38 @@ class ModelRunner:
         inputs: StepInputs,
         rows: np.ndarray,
         n_sched: np.ndarray,
-        cu: np.ndarray,
-        plan: SamplePlan,
-        delta: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, np.ndarray]:
-        """Correct the positions (``delta``), then put the device drafts of the rows that
-        verify them into the input ids; returns what ``DeviceDrafts.verify`` needs: the
-        drafts and valid mask verified ([D, k], None without drafts) and their rows' indices
-        into ``plan.sample_idx``."""
+        unverified: np.ndarray,
+    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """``DeviceDrafts.prepare`` for the step; returns the drafts and valid mask it
+        verifies ([num_reqs, k]) and the drafts each row verifies ([num_reqs], 0 without)."""
         dd = self.device_drafts
         assert dd is not None
-        if delta is not None:
-            dd.correct(inputs.positions, inputs.metadata, n_sched, delta)
         spec = so.scheduled_spec_tokens
-        if not spec:
-            return None, None, np.zeros(0, dtype=np.int64)
-        names = list(so.num_scheduled_tokens)
-        batch = np.fromiter(
-            (i for i, r in enumerate(names) if r in spec), dtype=np.int64, count=len(spec)
+        ks = np.fromiter(
+            (len(spec.get(r, ())) for r in so.num_scheduled_tokens), dtype=np.int64, count=len(rows)
         )
-        ks = np.fromiter((len(spec[names[i]]) for i in batch), dtype=np.int64, count=len(batch))
-        drafts, valid = dd.draft_inputs(inputs.input_ids, rows[batch], (cu - n_sched)[batch], ks)
-        return drafts, valid, np.searchsorted(plan.sample_idx, batch)
+        used, valid = dd.prepare(
+            inputs.input_ids, inputs.positions, inputs.metadata, n_sched, rows, unverified, ks
+        )
+        return used, valid, ks
 
     def _verify_device_drafts(
         self, step: LaunchedStep, samples: torch.Tensor
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``DeviceDrafts.verify`` for a step's samples ([P]); returns each sampling row's
-        newest token [S] and the verified drafts and mask to copy to the host (none without
-        drafts)."""
+        newest token [S] and the verified drafts and mask to copy to the host (none when no
+        row had drafts)."""
         dd = self.device_drafts
         assert dd is not None
-        seq_t, seq_np, drafts, valid, draft_idx, paused = step.device_drafts
+        seq_t, seq_np, used, valid, ks, paused = step.device_drafts
         plan = step.plan
-        num = len(plan.sample_idx)
-        first = plan.first if plan.first is not None else np.arange(num)
-        ks = plan.num_samples - 1 if plan.num_samples is not None else np.zeros(num, np.int64)
-        t = dd.ship(np.concatenate([step.sample_rows, first, ks, plan.sample_idx, draft_idx]))
-        rows_t, first_t, ks_t = t[:num], t[num : 2 * num], t[2 * num : 3 * num]
-        seq = seq_t[t[3 * num : 4 * num]]
-        width = int(seq_np[plan.sample_idx].max()) + 1
+        idx = plan.sample_idx
+        first = plan.first if plan.first is not None else np.arange(len(idx))
+        width = int(seq_np[idx].max()) + 1
         bonus = dd.verify(
-            samples, rows_t, first_t, ks_t, seq, drafts, valid, t[4 * num :], width, not paused
+            samples, step.sample_rows, first, ks[idx], idx, seq_t, used, valid, width, not paused
         )
-        return bonus, ([drafts, valid] if drafts is not None else [])
+        return bonus, ([used, valid] if ks.any() else [])
 
     def _to_host(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         """Start copying sampled results to (pinned) host memory; the event marks the end."""

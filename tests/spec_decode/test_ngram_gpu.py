@@ -53,38 +53,35 @@ def test_lookup_docstring_example() -> None:
     assert drafts.tolist() == [[4, 9]] and num_valid.tolist() == [2]
 
 
-@pytest.mark.parametrize("groups", [1, 2])
-def test_correction_gives_the_true_positions_slots_and_lengths(groups: int) -> None:
+def _correction_case(groups: int, device: torch.device) -> dict:
     """Three requests of an async step planned as if their last drafts were all accepted: a
     decode row that verified 4 drafts and kept 1 (3 over-counted), one whose last step is
-    resolved (0), a verify row that kept 0 of 2 (2). After ``correct``: positions, lengths
-    and slots (each group's table) equal the host's arrays built from the true positions."""
+    resolved (0), a verify row that kept 0 of 2 (2); the host's arrays for the planned and
+    for the true positions."""
     bs, max_blocks = 4, 6
     rng = np.random.default_rng(0)
     tables = rng.permutation(200)[: groups * 3 * max_blocks].reshape(groups, 3, max_blocks)
     tables = tables.astype(np.int32)
     n_sched = np.array([5, 1, 3])  # 1 + 4 drafts, a plain decode, 1 + 2 drafts
     true_start = np.array([9, 13, 6])  # positions of each row's first token
+    unverified = np.array([4, 0, 2])
+    accepted = np.array([1, 3, 0])  # (row 1's last verification is resolved: not read)
     delta = np.array([3, 0, 2])
-    host_start = true_start + delta
 
     def arrays(start: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         req = np.repeat(np.arange(3), n_sched)
-        pos = (
-            start[req] + np.arange(n_sched.sum()) - np.repeat(np.cumsum(n_sched) - n_sched, n_sched)
-        )
+        cu = np.cumsum(n_sched) - n_sched
+        pos = start[req] + np.arange(n_sched.sum()) - np.repeat(cu, n_sched)
         return pos, start + n_sched, slot_mapping(tables, req, pos, bs)  # [T], [R], [G, T]
 
-    pos_h, lens_h, slots_h = arrays(host_start)
-    pos_t, lens_t, slots_t = arrays(true_start)
-    positions = torch.from_numpy(pos_h.astype(np.int32)).to(DEVICE)
-    slots = torch.from_numpy(slots_h).to(DEVICE)
-    bt = torch.from_numpy(tables).to(DEVICE)
+    pos_h, lens_h, slots_h = arrays(true_start + delta)
+    slots = torch.from_numpy(slots_h).to(device)
+    bt = torch.from_numpy(tables).to(device)
     md = AttentionMetadata(
         num_reqs=3,
         num_actual_tokens=int(n_sched.sum()),
-        query_start_loc=torch.zeros(4, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.from_numpy(lens_h.astype(np.int32)).to(DEVICE),
+        query_start_loc=torch.tensor([0, 5, 6, 9], dtype=torch.int32, device=device),
+        seq_lens=torch.from_numpy(lens_h.astype(np.int32)).to(device),
         slot_mapping=slots[0],
         block_tables=bt[0],
         max_query_len=5,
@@ -93,13 +90,48 @@ def test_correction_gives_the_true_positions_slots_and_lengths(groups: int) -> N
     )
     if groups > 1:
         md.set_groups(slots, bt)
+    return {
+        "md": md,
+        "slots": slots,
+        "positions": torch.from_numpy(pos_h.astype(np.int32)).to(device),
+        "n_sched": n_sched,
+        "unverified": unverified,
+        "accepted": accepted,
+        "want": arrays(true_start),
+    }
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_correction_gives_the_true_positions_slots_and_lengths(groups: int) -> None:
+    """After ``prepare``: positions, lengths and slots (each group's table) equal the host's
+    arrays built from the true positions; the drafts of the rows that verify them are in the
+    input ids after their first token, and returned with their valid mask."""
+    c = _correction_case(groups, DEVICE)
     dd = DeviceDrafts(4, 64, 4, 1, 3, DEVICE)
-    dd.correct(positions, md, n_sched, torch.from_numpy(delta).to(DEVICE))
-    assert positions.cpu().tolist() == pos_t.tolist()
-    assert md.seq_lens.cpu().tolist() == lens_t.tolist()
-    assert slots.cpu().tolist() == slots_t.tolist()
+    rows = np.array([2, 0, 3])
+    dd.accepted[torch.from_numpy(rows).to(DEVICE)] = torch.from_numpy(c["accepted"]).to(DEVICE)
+    dd.drafts[2] = torch.tensor([11, 12, 13, 14], dtype=torch.int32)
+    dd.num_valid[2] = 3  # the lookup found 3
+    dd.drafts[3] = torch.tensor([21, 22, 23, 24], dtype=torch.int32)
+    dd.num_valid[3] = 4
+    input_ids = torch.arange(100, 109, dtype=torch.int32, device=DEVICE)
+    ks = np.array([4, 0, 2])
+    used, valid = dd.prepare(
+        input_ids, c["positions"], c["md"], c["n_sched"], rows, c["unverified"], ks
+    )
+    pos_t, lens_t, slots_t = c["want"]
+    assert c["positions"].cpu().tolist() == pos_t.tolist()
+    assert c["md"].seq_lens.cpu().tolist() == lens_t.tolist()
+    assert c["slots"].cpu().tolist() == slots_t.tolist()
     if groups > 1:
-        assert md.groups[1].slot_mapping.cpu().tolist() == slots_t[1].tolist()
+        assert c["md"].groups[1].slot_mapping.cpu().tolist() == slots_t[1].tolist()
+    assert input_ids.cpu().tolist() == [100, 11, 12, 13, 14, 105, 106, 21, 22]
+    assert used[0].cpu().tolist() == [11, 12, 13, 14] and used[2, :2].cpu().tolist() == [21, 22]
+    assert valid.bool().cpu().tolist() == [
+        [True, True, True, False],  # ks 4, the lookup's 3
+        [False] * 4,
+        [True, True, False, False],  # ks 2
+    ]
 
 
 def test_delta_is_the_rejected_drafts_of_unresolved_steps() -> None:
@@ -114,28 +146,25 @@ def test_one_verification_step() -> None:
     """Row 2 verifies drafts [5, 8] made by the lookup; its samples [5, 6, 3] accept 1 draft:
     the bonus is 6, the history gains 5 and 6 (not 3), its length is 12, and its next drafts
     are the lookup over the new history. Row 0 ends a prompt (no drafts): its sample joins
-    its history. Both rows' drafts are written into the next inputs where they belong."""
+    its history."""
     k = 2
     dd = DeviceDrafts(4, 64, k, 1, 2, DEVICE)
     row2 = np.array([7, 5, 8, 1, 7, 5, 6, 2, 7, 9], dtype=np.int64)  # 10 known, last 9
     dd.add_rows([2, 0], [row2, np.array([4, 4, 4], dtype=np.int64)])
-    dd.drafts[2] = torch.tensor([5, 8], dtype=torch.int32)
-    dd.num_valid[2] = 2
-    # the step: row 0 (prompt's last chunk, 1 sample), row 2 (9 at position 9, drafts at 10, 11)
-    input_ids = torch.tensor([4, 9, 0, 0], dtype=torch.int32, device=DEVICE)
-    drafts, valid = dd.draft_inputs(input_ids, np.array([2]), np.array([1]), np.array([2]))
-    assert input_ids.cpu().tolist() == [4, 9, 5, 8]
-    assert valid.cpu().tolist() == [[True, True]]
+    # the step: row 0 (a prompt's last token, 1 sample), row 2 (9 at 9, drafts at 10, 11)
+    used = torch.tensor([[0, 0], [5, 8]], dtype=torch.int32, device=DEVICE)
+    valid = torch.tensor([[False, False], [True, True]], device=DEVICE)
     samples = torch.tensor([4, 5, 6, 3], device=DEVICE)  # row 0: [4]; row 2: [5, 6, 3]
+    seq_lens = torch.tensor([3, 12], dtype=torch.int32, device=DEVICE)
     bonus = dd.verify(
         samples,
-        rows=torch.tensor([0, 2], device=DEVICE),
-        first=torch.tensor([0, 1], device=DEVICE),
-        ks=torch.tensor([0, 2], device=DEVICE),
-        seq_lens=torch.tensor([3, 12], device=DEVICE),
-        drafts=drafts,
+        rows=np.array([0, 2]),
+        first=np.array([0, 1]),
+        ks=np.array([0, 2]),
+        batch_idx=np.array([0, 1]),
+        seq_lens=seq_lens,
+        used=used,
         valid=valid,
-        draft_idx=torch.tensor([1], device=DEVICE),
         width=13,
     )
     assert bonus.cpu().tolist() == [4, 6]
