@@ -102,7 +102,9 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     spec-draft)  # a draft model: tok/s vs acceptance, batch 1-256, k 2 and 4 (Qwen3-0.6B shape)
       python benchmarks/spec_decode_gpu.py qwen3 --out "$OUT" | grep -v '"tokens"' ;;
     spec-profile)  # batch 1: ms per step and a host profile, with / without a draft model
-      python benchmarks/spec_decode_gpu.py profile --out "$OUT" | grep -v '"tokens"' ;;
+      # (SPEC_PROPOSERS=plain,ngram,ngram_gpu: those on the saved random weights instead)
+      python benchmarks/spec_decode_gpu.py profile ${SPEC_PROPOSERS:+--proposers $SPEC_PROPOSERS} \
+        --out "$OUT" | grep -v '"tokens"' ;;
     tests-spec-graphs)  # the multi-token-row graphs: kernel tests, then speculation end to end
       python -m pytest -q -x -p no:cacheprovider tests/kernels/test_paged_attention.py \
         -k "speculative or short_rows or cuda_graph" && \

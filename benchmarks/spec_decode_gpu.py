@@ -436,8 +436,17 @@ def profile(args: argparse.Namespace) -> dict:
     sp = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     res: dict = {**provenance("spec-decode-profile")}
     draft = {"method": "draft_model", "model": shape, "num_speculative_tokens": 4}
-    for name, spec, eager in (("plain", None, False), ("draft_k4", draft, False),
-                              ("draft_k4_eager", draft, True)):  # fmt: skip
+    configs = [("plain", None, False), ("draft_k4", draft, False), ("draft_k4_eager", draft, True)]
+    if args.proposers:  # cheap proposers on the saved random weights (their outputs repeat)
+        shape = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
+        common.pop("load_format")
+        configs = []
+        for name in args.proposers.split(","):
+            spec = None if name == "plain" else {"method": name, "num_speculative_tokens": 4}
+            if name in ("ngram", "ngram_gpu"):
+                spec["prompt_lookup_max"] = 3  # type: ignore[index]
+            configs.append((name, spec, False))
+    for name, spec, eager in configs:
         t = time.perf_counter()
         llm = LLM(shape, speculative_config=spec, enforce_eager=eager, **common)
         res[f"{name}_startup_s"] = time.perf_counter() - t
@@ -450,9 +459,24 @@ def profile(args: argparse.Namespace) -> dict:
             _steps.append(1)
             return _orig(*a, **kw)
 
+        # the time each step waits for the device (the executor's resolve): near 0 where the
+        # host bounds the step, most of it where the device does
+        waits: list[float] = []
+        orig_resolve = core.executor.resolve
+
+        def timed_resolve(step, _orig=orig_resolve, _waits=waits):  # noqa: ANN001, ANN202
+            t0 = time.perf_counter()
+            out = _orig(step)
+            _waits.append(time.perf_counter() - t0)
+            return out
+
         core.step = counted
+        core.executor.resolve = timed_resolve
         _, el = _generate_timed(llm, _workload(1, 151936, 6), sp)
         core.step = orig_step
+        core.executor.resolve = orig_resolve
+        res[f"{name}_resolve_wait_ms_per_step"] = 1e3 * sum(waits) / max(1, len(steps))
+        res[f"{name}_async_steps"] = core.num_async_steps
         res[f"{name}_generate_s"] = el
         res[f"{name}_steps"] = len(steps)
         res[f"{name}_ms_per_step"] = 1e3 * el / max(1, len(steps))
@@ -469,7 +493,7 @@ def profile(args: argparse.Namespace) -> dict:
             text = buf.getvalue()
             res[f"{name}_profile_{key}"] = text[:8000]
             print(text[:5000], flush=True)
-        del llm, core, orig_step, counted  # before the next engine sizes its KV cache
+        del llm, core, orig_step, counted, orig_resolve  # before the next engine's KV cache
         gc.collect()
         torch.cuda.empty_cache()
     return res

@@ -392,18 +392,24 @@ CHI2_9_999 = 27.877
 
 
 def _fixed_device_drafts(tokens: list[int]):  # noqa: ANN202
-    """A stand-in for the device lookup (``ngram_propose_rows``) drafting ``tokens`` for every
-    row."""
+    """A stand-in for ``DeviceDrafts.verify`` that verifies as it does (on the GPU, the
+    Triton kernel) and then, in place of the lookup, gives every row ``tokens`` as drafts."""
+    import torch
 
-    def lookup(hist, lens, min_n, max_n, k):  # noqa: ANN001, ANN202
-        import torch
+    from pagedllm.worker.device_drafts import DeviceDrafts
 
-        row = (tokens + [0] * k)[:k]
-        drafts = torch.tensor([row] * hist.shape[0], dtype=hist.dtype, device=hist.device)
-        num = torch.full((hist.shape[0],), min(k, len(tokens)), device=hist.device)
-        return drafts, num
+    verify = DeviceDrafts.verify
 
-    return lookup
+    def fixed(self, samples, rows, first, ks, batch_idx, seq_lens, used, valid, width,  # noqa: ANN001, ANN202
+              lookup=True):  # noqa: ANN001  # fmt: skip
+        bonus = verify(self, samples, rows, first, ks, batch_idx, seq_lens, used, valid, width,
+                       False)  # fmt: skip
+        row = (tokens + [0] * self.k)[: self.k]
+        self.drafts[:] = torch.tensor(row, dtype=self.drafts.dtype, device=self.drafts.device)
+        self.num_valid[:] = min(self.k, len(tokens))
+        return bonus
+
+    return fixed
 
 
 def test_sampling_distribution_is_preserved(tiny_models, tmp_path, monkeypatch) -> None:  # noqa: ANN001
@@ -413,7 +419,7 @@ def test_sampling_distribution_is_preserved(tiny_models, tmp_path, monkeypatch) 
     model (the target with noise on its weights), a fixed draft of the likeliest continuation,
     and a fixed draft of unlikely tokens - each fixed draft also made on the device and
     verified there (ngram_gpu's path, async steps)."""
-    from pagedllm.worker import device_drafts
+    from pagedllm.worker.device_drafts import DeviceDrafts
     from tests.models.tiny import make_perturbed_copy
 
     path = _peaky_model(tiny_models("llama"), str(tmp_path / "peaky"))
@@ -447,7 +453,7 @@ def test_sampling_distribution_is_preserved(tiny_models, tmp_path, monkeypatch) 
         more = {"async_scheduling": True} if spec is NGRAM_GPU else {}
         llm = _engine(path, seed=2, speculative_config=spec, **kw, **more)
         if fixed is not None and spec is NGRAM_GPU:
-            monkeypatch.setattr(device_drafts, "ngram_propose_rows", _fixed_device_drafts(fixed))
+            monkeypatch.setattr(DeviceDrafts, "verify", _fixed_device_drafts(fixed))
         elif fixed is not None:
             llm.llm_engine.engine_core.scheduler.spec.proposer = _FixedProposer(fixed)
         got = sample(llm)
