@@ -12,8 +12,9 @@ step at batch 1.
 - ``verify``: one program per sampling row. The drafts accepted ``a`` (the first draft unequal
   to the sample before it, or ``ks``), the bonus sample ``a``, the samples into the history,
   the new length and, unless paused, the n-gram lookup over the new history: the largest
-  ``n <= MAX_N`` whose last n tokens occur earlier, its most recent occurrence, the up to K
-  tokens after it (``spec_decode/ngram_gpu.py``'s rule, scanned in blocks of the history).
+  ``n <= MAX_N`` whose last n tokens occur earlier, its most recent occurrence, the K tokens
+  after it, repeating with the match's period where they reach the end
+  (``spec_decode/ngram_gpu.py``'s rule, scanned in blocks of the history).
 
 The PyTorch versions in ``DeviceDrafts`` are the reference (and the CPU's path). No host sync,
 no data-dependent Python branch.
@@ -152,8 +153,10 @@ def _verify_kernel(
             best_e = tl.where(upd, be, best_e)
             best_len = tl.where(upd, bmax, best_len)
         ok = best_len >= min_n
-        idx = best_e + 1 + offs
-        dv = ok & (idx < length) & (offs < K)
+        # draft j at best_e + 1 + j % period (the match's period: repeating past the end)
+        period = tl.maximum(last - best_e, 1)
+        idx = best_e + 1 + offs % period
+        dv = ok & (offs < K)
         dr = tl.load(hrow + idx, mask=dv, other=0)
         tl.store(drafts_ptr + row * K + offs, dr, mask=offs < K)
         tl.store(nvalid_ptr + row, tl.sum(dv.to(tl.int64), axis=0))

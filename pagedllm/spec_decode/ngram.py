@@ -2,8 +2,13 @@
 its last n tokens.
 
 For n from ``prompt_lookup_max`` down to ``prompt_lookup_min``: if the last n tokens occur
-earlier in the request's tokens (prompt and output so far), the draft is the up to k tokens that
-followed the most recent earlier occurrence; the first (largest) n that matches wins. Each
+earlier in the request's tokens (prompt and output so far), the draft is the k tokens that
+followed the most recent earlier occurrence; the first (largest) n that matches wins. Where
+those run into the end of the tokens (the occurrence is fewer than k tokens back: a period
+shorter than k), the draft goes on copying its own start, as the text would if it kept
+repeating - vLLM's prompt lookup stops there instead (e.g. ``[1, 1, 1]`` drafts ``[1]`` there,
+``[1, 1, 1, 1]`` here with k 4): loops of a few tokens, as in lists, tables and degenerate
+outputs, then verify k drafts a step. Each
 request keeps its tokens in a numpy buffer grown by the tokens that arrived since the last
 call; one lookup is a vectorized scan for the last token plus a check of the n - 1 before it at
 those places (no Python loop over the context).
@@ -20,11 +25,14 @@ from pagedllm.spec_decode.proposer import check_k
 
 
 def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
-    """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest
-    suffix of ``tokens`` of n tokens, ``min_n <= n <= max_n``; ``[]`` when none occurs.
+    """The ``k`` tokens that followed the most recent earlier occurrence of the longest suffix
+    of ``tokens`` of n tokens, ``min_n <= n <= max_n``; ``[]`` when none occurs.
 
     ``tokens``: ``[num_tokens]`` int array (prompt + output so far). The earlier occurrence may
-    overlap the suffix itself (periodic text); the draft stops at the end of ``tokens``.
+    overlap the suffix itself (periodic text); where the draft reaches the end of ``tokens`` it
+    repeats with the period P = (the last position) - (the occurrence's end): draft i is
+    ``tokens[end + 1 + i % P]``. Example: [5, 6, 7, 5, 6], n = 2: the occurrence ends at 1,
+    P = 3 -> k 5 drafts [7, 5, 6, 7, 5].
 
     Example (min_n=2, max_n=3, k=2), tokens = [1, 2, 3, 4, 9, 2, 3, 8, 1, 2, 3]:
     the last token 3 occurs earlier where it ends at e = [2, 6]. Matching backwards from there
@@ -51,7 +59,7 @@ def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[in
     if n < min_n:
         return []
     end = int(ends[np.flatnonzero(match_len == n)[-1]])  # the most recent of the longest
-    return tokens[end + 1 : end + 1 + k].tolist()
+    return tokens[end + 1 + np.arange(k) % (last - end)].tolist()
 
 
 class _TokenBuffer:
@@ -108,8 +116,9 @@ class NgramProposer:
     def propose(
         self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int, k: int
     ) -> list[int]:
-        """Up to ``k`` tokens that followed the most recent earlier copy of the longest suffix
-        of ``token_ids`` (``prompt_lookup_min`` to ``prompt_lookup_max`` tokens); ``[]`` if none."""
+        """The ``k`` tokens that followed the most recent earlier copy of the longest suffix of
+        ``token_ids`` (``prompt_lookup_min`` to ``prompt_lookup_max`` tokens; repeating where
+        they reach the end, see ``ngram_propose``); ``[]`` if none."""
         k = check_k(k)
         buf = self._buffers.get(req_id)
         if buf is None:

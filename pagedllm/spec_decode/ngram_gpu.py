@@ -4,9 +4,10 @@ samples to the next step's inputs without passing through the host (the engine k
 asynchronous steps while speculating; ``worker/device_drafts.py`` holds the histories).
 
 The rule is ``ngram_propose``'s, row by row: for the largest n in [min_n, max_n] whose last n
-tokens occur earlier in the row, the draft is the up to k tokens that followed the most recent
-such occurrence (it may overlap the suffix; it stops at the row's end). No Python loop over the
-rows or the context: the work is ``[rows, width]`` comparisons, once per n.
+tokens occur earlier in the row, the draft is the k tokens that followed the most recent such
+occurrence (it may overlap the suffix; at the row's end it repeats with the match's period).
+No Python loop over the rows or the context: the work is ``[rows, width]`` comparisons, once
+per n.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ def ngram_propose_rows(
 
     ``hist``: ``[R, W]`` int token histories; row r's tokens are ``hist[r, :lens[r]]`` (``W``
     at least the longest; what lies past a row's length is never read). ``lens``: ``[R]``
-    int64, at least 1. Returns ``drafts`` ``[R, k]`` (same dtype as ``hist``; 0 past a row's
-    valid drafts) and ``num_valid`` ``[R]`` int64: row r's draft is ``drafts[r, :num_valid[r]]``,
-    what ``ngram_propose(hist[r, :lens[r]], min_n, max_n, k)`` returns.
+    int64, at least 1. Returns ``drafts`` ``[R, k]`` (same dtype as ``hist``; 0 for a row
+    without a match) and ``num_valid`` ``[R]`` int64 (k or 0): row r's draft is
+    ``drafts[r, :num_valid[r]]``, what ``ngram_propose(hist[r, :lens[r]], min_n, max_n, k)``
+    returns.
 
     Example (min_n 2, max_n 3, k 2), a row [1, 2, 3, 4, 9, 2, 3, 8, 1, 2, 3] (len 11): the last
     token (3, at 10) occurs at e = 2 and 6; matching backwards, e = 2 matches 3 tokens, e = 6
@@ -53,8 +55,10 @@ def ngram_propose_rows(
     ok = (n >= min_n) & (n >= 1)  # [R]
     # the most recent end among the longest: e.g. match_len [3, 0, 2, 3] -> n 3 -> e = 3
     best = torch.where(match_len == n[:, None], cols[None, :], -1).max(dim=1).values  # [R]
-    idx = best[:, None] + 1 + torch.arange(k, device=device)[None, :]  # [R, k]
-    valid = ok[:, None] & (idx < lens[:, None])  # [R, k] (a prefix of each row)
+    # draft i at best + 1 + i % period: e.g. last 4, best 1 (period 3), k 5 -> 2, 3, 4, 2, 3
+    period = torch.clamp(last - best, min=1)  # [R]
+    idx = best[:, None] + 1 + torch.arange(k, device=device)[None, :] % period[:, None]
+    valid = ok[:, None].expand(-1, k)  # [R, k]
     drafts = torch.gather(hist, 1, torch.clamp(idx, 0, width - 1))
     drafts = torch.where(valid, drafts, torch.zeros_like(drafts))
     return drafts, valid.sum(dim=1)

@@ -25,7 +25,8 @@ def _proposer(k: int = 4, lo: int | None = None, hi: int | None = None) -> Ngram
 
 
 def _reference(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
-    """The rule written plainly: largest n first, most recent earlier occurrence."""
+    """The rule written plainly: largest n first, most recent earlier occurrence, the draft
+    copying on past the end (each token after the end is the one a period before it)."""
     n_tok = len(tokens)
     for n in range(hi, lo - 1, -1):
         if n >= n_tok:
@@ -33,7 +34,10 @@ def _reference(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
         suffix = tokens[n_tok - n :]
         for start in range(n_tok - n - 1, -1, -1):  # most recent first, before the suffix
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+                text = list(tokens)
+                for i in range(k):
+                    text.append(text[start + n + i])
+                return text[n_tok : n_tok + k]
     return []
 
 
@@ -60,12 +64,12 @@ def test_k_caps_the_draft_and_k_zero_gives_nothing() -> None:
         p.propose("r", text, 12, -1)
 
 
-def test_draft_stops_at_the_end_of_the_tokens() -> None:
-    # the earlier [5, 6] is followed by only 3 tokens
+def test_draft_repeats_its_period_past_the_end_of_the_tokens() -> None:
+    # the earlier [5, 6] is followed by only 3 tokens: the text's period is 3
     p = _proposer(k=5, lo=2, hi=2)
-    assert p.propose("r", [5, 6, 7, 5, 6], 5, 5) == [7, 5, 6]
-    # periodic text: the earlier occurrence overlaps the suffix
-    assert p.propose("r2", [1, 1, 1, 1], 4, 5) == [1]
+    assert p.propose("r", [5, 6, 7, 5, 6], 5, 5) == [7, 5, 6, 7, 5]
+    # periodic text: the earlier occurrence overlaps the suffix (period 1)
+    assert p.propose("r2", [1, 1, 1, 1], 4, 5) == [1, 1, 1, 1, 1]
 
 
 def test_min_n_is_respected() -> None:
@@ -130,7 +134,7 @@ def test_numpy_and_list_inputs_agree_and_state_restarts_on_rewrite() -> None:
     rewritten = [4, 5, 6, 7, 9, 9, 9, 9, 5]
     assert p.propose("a", rewritten, 6, 3) == _reference(rewritten, 1, 3, 3)
     shorter = [1, 2, 1]
-    assert p.propose("a", shorter, 2, 3) == [2, 1]
+    assert p.propose("a", shorter, 2, 3) == [2, 1, 2]  # period 2
     with pytest.raises(ValueError, match="token_ids"):
         p.propose("bad", [1, "x"], 2, 3)  # type: ignore[list-item]
     assert p.num_requests == 2  # nothing kept for the bad request
