@@ -137,6 +137,8 @@ CONFIGS = {
 # the same proposers, speculating only at the loads where the engine measured it faster
 CONFIGS["ngram_paced"] = {**CONFIGS["ngram"], "disable_when_slower": True}
 CONFIGS["suffix_paced"] = {**CONFIGS["suffix"], "disable_when_slower": True}
+# the n-gram lookup in the runner (PyTorch ops on a CPU), with async scheduling asked for
+CONFIGS["ngram_gpu"] = {**CONFIGS["ngram"], "method": "ngram_gpu"}
 DEFAULT_CONFIGS = "off,ngram,suffix"
 
 
@@ -163,6 +165,8 @@ def run(args: argparse.Namespace) -> dict:
     for name in names:
         spec = CONFIGS[name]
         kw = {"speculative_config": spec} if spec else {}
+        if name == "ngram_gpu":
+            kw["async_scheduling"] = True
         results[name] = {"speculative_config": spec}
         for workload, prompts in (("grounded", GROUNDED), ("open", OPEN), ("json", GROUNDED)):
             so = StructuredOutputsParams(json=SCHEMA) if workload == "json" else None
