@@ -5,17 +5,22 @@ speculating).
 
 The path of a row's tokens, step S verifying k drafts at positions P..P+k:
 
-- ``draft_inputs`` (prepare of S): the drafts the lookup made after S - 1 go into the input
-  ids at P+1..P+k; a snapshot of them is what S verifies (the lookup after S overwrites them).
+- ``prepare`` (before S's forward pass): the drafts the lookup made after S - 1 go into the
+  input ids at P+1..P+k; a snapshot of them is what S verifies (the lookup after S
+  overwrites them).
 - ``verify`` (after S's sampling): sample i predicts position P+i+1; ``a`` = the drafts equal
   to the samples before them (greedy: the argmax; random: an independent sample per position,
   which is rejection sampling for a one-token draft distribution); the bonus - sample ``a`` -
   is the next step's first input. The samples go into the history, the row's length becomes
   P+a+2, and the lookup (``spec_decode/ngram_gpu.py``) makes the drafts for S + 1.
 - Under async scheduling S + 1 is planned before S's samples reach the host: the scheduler
-  counts S's k drafts as accepted (``SchedulerOutput.spec_unverified``), and ``correct`` takes
-  the k - a rejected ones back off S + 1's positions, slots and lengths on the device (on a CPU,
-  where the step is done when it returns, the runner corrects its host arrays instead).
+  counts S's k drafts as accepted (``SchedulerOutput.spec_unverified``), and ``prepare`` of
+  S + 1 takes the k - a rejected ones back off its positions, slots and lengths on the device
+  (on a CPU, where the step is done when it returns, the runner corrects its host arrays
+  instead).
+
+On a GPU both are one Triton launch each (``ops/spec_drafts.py``); the PyTorch ops here are
+the CPU's path and the kernels' reference.
 
 Rows whose requests never draft still keep their history current (they may draft later).
 """
