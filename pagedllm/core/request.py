@@ -107,6 +107,10 @@ class Request:
         # runner last took the request in): from it on the runner leaves every new token of
         # the request to the scheduler (CachedRequestData.append_token_ids)
         self.device_drafts_since: int | None = None
+        # The drafts the device lookup found after the request's last resolved step (None:
+        # none resolved yet): its next steps plan that many placeholders (a step behind under
+        # async scheduling: the lookups after consecutive steps mostly agree)
+        self.device_drafts_found: int | None = None
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 = not yet
         self.num_preemptions = 0
         self.swapped = False  # preempted by swap: its KV waits in host memory

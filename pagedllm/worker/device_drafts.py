@@ -206,9 +206,11 @@ class DeviceDrafts:
         valid: torch.Tensor,
         width: int,
         lookup: bool = True,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """After a step's sampling: accept drafts, record the samples and look up the next
-        drafts; returns [S] each sampling row's bonus token (its next input).
+        drafts; returns [S] each sampling row's bonus token (its next input) and [S] the
+        drafts its new lookup found (the scheduler plans that many next time: a row whose
+        lookup finds nothing verifies no placeholders).
 
         ``samples``: [P] the step's samples; per sampling row: its InputBatch row ``rows``
         [S], its first sample ``first`` [S], its drafts ``ks`` [S] (0 without), its index in
@@ -223,15 +225,16 @@ class DeviceDrafts:
         samples = samples.to(torch.int64)
         meta = self.ship(np.concatenate([rows, first, ks, batch_idx]))
         width = min(width, self.width)
+        num = len(rows)
         if self.use_triton:
             from pagedllm.ops import spec_drafts
 
-            return spec_drafts.verify(
+            bonus = spec_drafts.verify(
                 samples, meta, seq_lens, used, valid, self.hist, self.lens, self.accepted,
                 self.drafts, self.num_valid, width, self.min_n, self.max_n, lookup,
             )  # fmt: skip
+            return bonus, self.num_valid[meta[:num]]
         k = self.k
-        num = len(rows)
         rows_t, first_t, ks_t, bi = (meta[j * num : (j + 1) * num] for j in range(4))
         seq = seq_lens[bi].to(torch.int64)  # [S]
         cols = self._arange  # [k + 1]
@@ -254,4 +257,4 @@ class DeviceDrafts:
             )
             self.drafts[rows_t] = found
             self.num_valid[rows_t] = num_valid
-        return bonus
+        return bonus, self.num_valid[rows_t]

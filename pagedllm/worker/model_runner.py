@@ -88,7 +88,7 @@ class LaunchedStep:
     # drafts made on the device: (the step's sequence lengths on the device [num_reqs], their
     # host bound [num_reqs], the drafts verified [num_reqs, k], their valid mask [num_reqs,
     # k], the drafts each row verifies [num_reqs], paused), then after the copy to the host:
-    # (drafts per row, drafts, valid)
+    # (drafts per row, each sampling row's new lookup's count, drafts, valid)
     device_drafts: Any = None
 
     @classmethod
@@ -675,9 +675,11 @@ class ModelRunner:
                 if step.want_logprobs:
                     results += out.forks.logprob_tensors()
             step.host, step.event = self._to_host(results + extra)
-            if extra:  # the verified drafts: the last two results
+            if extra:  # the lookups' counts, then the verified drafts (if any)
                 step.host, dd_host = step.host[: len(results)], step.host[len(results) :]
-                step.device_drafts = (step.device_drafts[4], *dd_host)  # (ks, used, valid)
+                found = dd_host[0]
+                used, valid = dd_host[1:] if len(dd_host) == 3 else (None, None)
+                step.device_drafts = (step.device_drafts[4], found, used, valid)
         step.timing = self._timing_end(step.timing)
         self._unresolved = step
 
@@ -719,11 +721,17 @@ class ModelRunner:
         if step.drafting is not None and step.host:
             drafts = self._propose_drafts(step, sampled_lists)
         device_draft_tokens: dict[str, list[int]] = {}
-        if step.device_drafts is not None and step.host and len(step.device_drafts) == 3:
-            ks, found, valid = step.device_drafts  # [num_reqs], [num_reqs, k] twice
-            batch = np.flatnonzero(ks)
-            for i, d, v in zip(batch.tolist(), found[batch].tolist(), valid[batch].tolist()):
-                device_draft_tokens[step.req_ids[i]] = [t for t, ok in zip(d, v) if ok]
+        device_draft_found: dict[str, int] = {}
+        if step.device_drafts is not None and step.host and len(step.device_drafts) == 4:
+            # [num_reqs] drafts verified, [S] found next, [num_reqs, k] drafts and valid mask
+            ks, found, used, valid = step.device_drafts
+            ids = step.req_ids
+            for i, n in zip(step.plan.sample_idx.tolist(), found.tolist()):
+                device_draft_found[ids[i]] = n
+            if used is not None:
+                batch = np.flatnonzero(ks)
+                for i, d, v in zip(batch.tolist(), used[batch].tolist(), valid[batch].tolist()):
+                    device_draft_tokens[ids[i]] = [t for t, ok in zip(d, v) if ok]
         kvc_lens = {}
         if step.kvc_lens is not None:
             ids, lens, done = step.kvc_lens
@@ -741,6 +749,7 @@ class ModelRunner:
             structured_tokens=structured_tokens,
             draft_token_ids=drafts,
             device_draft_tokens=device_draft_tokens,
+            device_draft_found=device_draft_found,
         )
 
     def _mirror(self, so: SchedulerOutput, rows: np.ndarray, n_sched: np.ndarray,
@@ -954,8 +963,8 @@ class ModelRunner:
         self, step: LaunchedStep, samples: torch.Tensor
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``DeviceDrafts.verify`` for a step's samples ([P]); returns each sampling row's
-        newest token [S] and the verified drafts and mask to copy to the host (none when no
-        row had drafts)."""
+        newest token [S] and what to copy to the host: the drafts each row's new lookup found
+        [S], then the verified drafts and mask (not when no row had drafts)."""
         dd = self.device_drafts
         assert dd is not None
         seq_t, seq_np, used, valid, ks, paused = step.device_drafts
@@ -963,10 +972,10 @@ class ModelRunner:
         idx = plan.sample_idx
         first = plan.first if plan.first is not None else np.arange(len(idx))
         width = int(seq_np[idx].max()) + 1
-        bonus = dd.verify(
+        bonus, found = dd.verify(
             samples, step.sample_rows, first, ks[idx], idx, seq_t, used, valid, width, not paused
         )
-        return bonus, ([used, valid] if ks.any() else [])
+        return bonus, [found] + ([used, valid] if ks.any() else [])
 
     def _to_host(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         """Start copying sampled results to (pinned) host memory; the event marks the end."""

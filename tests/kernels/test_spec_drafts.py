@@ -99,7 +99,7 @@ def _run(dd: DeviceDrafts, step: dict, rng_seed: int, lookup: bool) -> dict:
     first = np.cumsum(ks + 1) - (ks + 1)
     seq = step["md"].seq_lens
     width = int(seq.max()) + 2
-    bonus = dd.verify(samples_t, step["rows"], first, ks, np.arange(5), seq, used, valid,
+    bonus, found = dd.verify(samples_t, step["rows"], first, ks, np.arange(5), seq, used, valid,
                       width, lookup)  # fmt: skip
     ar = np.arange(dd.k)
     return {
@@ -110,6 +110,7 @@ def _run(dd: DeviceDrafts, step: dict, rng_seed: int, lookup: bool) -> dict:
         "used": torch.where(torch.from_numpy(ar[None, :] < ks[:, None]), used.cpu(), 0),
         "valid": valid.bool().cpu(),
         "bonus": bonus.cpu(),
+        "found": found.cpu(),
         "hist": dd.hist[:, : dd.dump].cpu(),
         "lens": dd.lens.cpu(),
         "accepted": dd.accepted.cpu(),

@@ -402,12 +402,12 @@ def _fixed_device_drafts(tokens: list[int]):  # noqa: ANN202
 
     def fixed(self, samples, rows, first, ks, batch_idx, seq_lens, used, valid, width,  # noqa: ANN001, ANN202
               lookup=True):  # noqa: ANN001  # fmt: skip
-        bonus = verify(self, samples, rows, first, ks, batch_idx, seq_lens, used, valid, width,
-                       False)  # fmt: skip
+        bonus, found = verify(self, samples, rows, first, ks, batch_idx, seq_lens, used, valid,
+                              width, False)  # fmt: skip
         row = (tokens + [0] * self.k)[: self.k]
         self.drafts[:] = torch.tensor(row, dtype=self.drafts.dtype, device=self.drafts.device)
         self.num_valid[:] = min(self.k, len(tokens))
-        return bonus
+        return bonus, torch.full_like(found, min(self.k, len(tokens)))
 
     return fixed
 

@@ -156,7 +156,7 @@ def test_one_verification_step() -> None:
     valid = torch.tensor([[False, False], [True, True]], device=DEVICE)
     samples = torch.tensor([4, 5, 6, 3], device=DEVICE)  # row 0: [4]; row 2: [5, 6, 3]
     seq_lens = torch.tensor([3, 12], dtype=torch.int32, device=DEVICE)
-    bonus = dd.verify(
+    bonus, found = dd.verify(
         samples,
         rows=np.array([0, 2]),
         first=np.array([0, 1]),
@@ -168,6 +168,7 @@ def test_one_verification_step() -> None:
         width=13,
     )
     assert bonus.cpu().tolist() == [4, 6]
+    assert found.cpu().tolist() == dd.num_valid[[0, 2]].cpu().tolist()  # the next lookups
     assert dd.accepted[[0, 2]].cpu().tolist() == [0, 1]
     assert dd.lens[[0, 2]].cpu().tolist() == [4, 12]
     new2 = np.concatenate([row2, [5, 6]])

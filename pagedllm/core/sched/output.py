@@ -196,6 +196,9 @@ class ModelRunnerOutput:
     # verified this step (a lookup that found nothing verifies none: []). The scheduler counts
     # the accepted ones from these; its scheduled_spec_tokens hold placeholders.
     device_draft_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # ... and request -> the drafts the lookup after this step found (what its next step
+    # would verify; the scheduler plans as many placeholders next time, none if it found none)
+    device_draft_found: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

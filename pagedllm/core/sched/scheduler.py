@@ -781,6 +781,10 @@ class Scheduler:
         if self.spec is not None and self.spec.pacer is not None:
             busy = self.has_unfinished_requests()
             self.spec.pacer.updated(scheduler_output.step_id, time.perf_counter(), busy)
+        for rid, n in runner_output.device_draft_found.items():
+            request = self.requests.get(rid)
+            if request is not None:
+                request.device_drafts_found = n
         if runner_output.draft_token_ids:
             assert self.spec is not None
             for rid, (num_tokens, drafts) in runner_output.draft_token_ids.items():

@@ -653,7 +653,9 @@ class SpecDecoding:
         bitmask covers each draft), no min_tokens still to reach (EOS is masked by output
         position), no beams or parallel sequences. The positions are bounded as if every
         unverified draft were accepted (``num_computed_tokens`` counts them): e.g. max_model_len
-        100, 90 computed -> at most 9 (the last draft at position 99)."""
+        100, 90 computed -> at most 9 (the last draft at position 99). As many as the lookup
+        after the request's last resolved step found (a row without a match verifies no
+        placeholders: under load they cost compute for nothing); k before any."""
         p = request.sampling_params
         if (
             request.beam_group is not None
@@ -664,8 +666,9 @@ class SpecDecoding:
             or request.num_output_tokens < p.min_tokens
         ):
             return []
+        found = request.device_drafts_found
         k = min(
-            self.k,
+            self.k if found is None else found,
             budget - 1,
             request.max_tokens - request.num_output_tokens - 1,
             self.max_model_len - 1 - request.num_computed_tokens,
