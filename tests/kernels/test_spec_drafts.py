@@ -15,9 +15,9 @@ from tests.kernels.triton_setup import DEVICE
 
 # isort: split
 
-from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kv_layout import slot_mapping
 from pagedllm.worker.device_drafts import DeviceDrafts
+from tests.spec_decode.test_ngram_gpu import step_metadata
 
 
 def _state(rng: np.random.Generator, k: int, min_n: int, max_n: int) -> DeviceDrafts:
@@ -54,21 +54,7 @@ def _step(rng: np.random.Generator, dd: DeviceDrafts, groups: int) -> dict:
     cu = np.cumsum(n_sched) - n_sched
     pos = start[req] + np.arange(n_sched.sum()) - np.repeat(cu, n_sched)
     slots = torch.from_numpy(slot_mapping(tables.astype(np.int32), req, pos, bs)).to(DEVICE)
-    bt = torch.from_numpy(tables.astype(np.int32)).to(DEVICE)
-    qsl = np.concatenate([[0], np.cumsum(n_sched)]).astype(np.int32)
-    md = AttentionMetadata(
-        num_reqs=5,
-        num_actual_tokens=int(n_sched.sum()),
-        query_start_loc=torch.from_numpy(qsl).to(DEVICE),
-        seq_lens=torch.from_numpy((start + n_sched).astype(np.int32)).to(DEVICE),
-        slot_mapping=slots[0],
-        block_tables=bt[0],
-        max_query_len=int(n_sched.max()),
-        max_seq_len=int((start + n_sched).max()),
-        block_size=bs,
-    )
-    if groups > 1:
-        md.set_groups(slots, bt)
+    md = step_metadata(slots, tables, n_sched, start + n_sched, bs, DEVICE)
     return {
         "md": md,
         "slots": slots,

@@ -235,6 +235,16 @@ def test_output_processing_overlaps_speculating_steps(tiny_models) -> None:
     engine.engine_core.check_integrity()
 
 
+def _phrases_schema(n: int) -> dict:
+    """A JSON array of exactly ``n`` of two phrases: outputs that repeat, drafts that hit."""
+    return {
+        "type": "array",
+        "items": {"type": "string", "enum": ["hello world", "good night"]},
+        "minItems": n,
+        "maxItems": n,
+    }
+
+
 @pytest.mark.parametrize("grammar_process", [False, True], ids=["in-loop", "worker"])
 def test_structured_requests_speculate(tiny_models, draft_of, grammar_process: bool) -> None:  # noqa: ANN001
     """Requests with a grammar verify drafts too (a bitmask row per position): their outputs
@@ -247,12 +257,7 @@ def test_structured_requests_speculate(tiny_models, draft_of, grammar_process: b
 
     path = tiny_models("llama")
     prompts = _prompts(3, seed=3)
-    repeat = {
-        "type": "array",
-        "items": {"type": "string", "enum": ["hello world", "good night"]},
-        "minItems": 4,
-        "maxItems": 4,
-    }
+    repeat = _phrases_schema(4)
     params = [
         SamplingParams(
             temperature=0,
@@ -299,13 +304,7 @@ def test_ngram_gpu_beside_structured_requests(tiny_models) -> None:
 
     path = tiny_models("llama")
     prompts = _prompts(4, seed=6)
-    schema = {
-        "type": "array",
-        "items": {"type": "string", "enum": ["hello world", "good night"]},
-        "minItems": 3,
-        "maxItems": 3,
-    }
-    structured = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    structured = StructuredOutputsParams(json=_phrases_schema(3), disable_any_whitespace=True)
     params = [
         SamplingParams(temperature=0, max_tokens=120, structured_outputs=structured),
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),

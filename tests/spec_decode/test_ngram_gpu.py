@@ -53,6 +53,34 @@ def test_lookup_docstring_example() -> None:
     assert drafts.tolist() == [[4, 9]] and num_valid.tolist() == [2]
 
 
+def step_metadata(
+    slots: torch.Tensor,
+    tables: np.ndarray,
+    n_sched: np.ndarray,
+    seq_lens: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """A step's attention metadata from its slots [G, T], tables [G, R, blocks], tokens per
+    row and lengths (every KV group's, as the runner's InputPreparer gives them)."""
+    bt = torch.from_numpy(tables.astype(np.int32)).to(device)
+    qsl = np.concatenate([[0], np.cumsum(n_sched)]).astype(np.int32)
+    md = AttentionMetadata(
+        num_reqs=len(n_sched),
+        num_actual_tokens=int(n_sched.sum()),
+        query_start_loc=torch.from_numpy(qsl).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        slot_mapping=slots[0],
+        block_tables=bt[0],
+        max_query_len=int(n_sched.max()),
+        max_seq_len=int(seq_lens.max()),
+        block_size=block_size,
+    )
+    if slots.shape[0] > 1:
+        md.set_groups(slots, bt)
+    return md
+
+
 def _correction_case(groups: int, device: torch.device) -> dict:
     """Three requests of an async step planned as if their last drafts were all accepted: a
     decode row that verified 4 drafts and kept 1 (3 over-counted), one whose last step is
@@ -76,20 +104,7 @@ def _correction_case(groups: int, device: torch.device) -> dict:
 
     pos_h, lens_h, slots_h = arrays(true_start + delta)
     slots = torch.from_numpy(slots_h).to(device)
-    bt = torch.from_numpy(tables).to(device)
-    md = AttentionMetadata(
-        num_reqs=3,
-        num_actual_tokens=int(n_sched.sum()),
-        query_start_loc=torch.tensor([0, 5, 6, 9], dtype=torch.int32, device=device),
-        seq_lens=torch.from_numpy(lens_h.astype(np.int32)).to(device),
-        slot_mapping=slots[0],
-        block_tables=bt[0],
-        max_query_len=5,
-        max_seq_len=int(lens_h.max()),
-        block_size=bs,
-    )
-    if groups > 1:
-        md.set_groups(slots, bt)
+    md = step_metadata(slots, tables, n_sched, lens_h, bs, device)
     return {
         "md": md,
         "slots": slots,
