@@ -121,7 +121,8 @@ _HELP = {
     "whitespace at all, for requests that do not set disable_any_whitespace (the same as "
     "--structured-outputs-max-whitespace 0).",
     "speculative_config": "Speculative decoding, as vLLM's JSON: "
-    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (prompt lookup) '
+    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (prompt lookup), '
+    '"ngram_gpu" (the same lookup on the device: steps stay asynchronous) '
     'or \'{"method": "suffix"}\' (suffix decoding); greedy outputs and sampling distributions '
     "are those without it (default: off).",
 }

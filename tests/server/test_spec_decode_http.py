@@ -77,6 +77,23 @@ def test_draft_model_server_same_replies(server: LiveServer, tmp_path: Path) -> 
     assert accepted > 0
 
 
+def test_ngram_gpu_server_same_replies(server: LiveServer, tmp_path: Path) -> None:
+    """``--speculative-config '{"method": "ngram_gpu", ...}' --async-scheduling``: the lookup
+    in the runner, the engine's steps asynchronous while drafting; the default server's greedy
+    reply, drafts accepted."""
+    spec = json.dumps({**SPEC, "method": "ngram_gpu"})
+    args = ("--speculative-config", spec, "--async-scheduling")
+    with live_server(tmp_path / "ngram_gpu.log", args) as srv:
+        got = _chat(srv)
+        srv.wait_idle()
+        accepted = srv.metric("vllm:spec_decode_num_accepted_tokens_total")
+    want = _chat(server)
+    assert got.status_code == want.status_code == 200, got.text
+    text = want.json()["choices"][0]["message"]["content"]
+    assert got.json()["choices"][0]["message"]["content"] == text
+    assert accepted > 0
+
+
 def test_bad_config_fails_at_start() -> None:
     bad = json.dumps({"method": "ngram", "num_speculative_tokens": 0})
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--device", "cpu",
