@@ -60,13 +60,10 @@ def test_same_replies_and_metrics(server: LiveServer, spec_server: LiveServer) -
     assert 0 < first <= drafts
 
 
-def test_draft_model_server_same_replies(server: LiveServer, tmp_path: Path) -> None:
-    """``--speculative-config '{"model": ...}'``: the default model drafting for itself (the
-    packaged GGUF) gives the default server's greedy reply, and its drafts are accepted."""
-    from pagedllm.model.packaged import smollm2_gguf_path
-
-    spec = json.dumps({"model": str(smollm2_gguf_path()), "num_speculative_tokens": 3})
-    with live_server(tmp_path / "draft.log", ("--speculative-config", spec)) as srv:
+def _same_reply_with_drafts(server: LiveServer, log: Path, args: tuple[str, ...]) -> None:
+    """A server started with ``args`` gives the default ``server``'s greedy reply, and its
+    drafts are accepted."""
+    with live_server(log, args) as srv:
         got = _chat(srv)
         srv.wait_idle()
         accepted = srv.metric("vllm:spec_decode_num_accepted_tokens_total")
@@ -75,6 +72,15 @@ def test_draft_model_server_same_replies(server: LiveServer, tmp_path: Path) -> 
     text = want.json()["choices"][0]["message"]["content"]
     assert got.json()["choices"][0]["message"]["content"] == text
     assert accepted > 0
+
+
+def test_draft_model_server_same_replies(server: LiveServer, tmp_path: Path) -> None:
+    """``--speculative-config '{"model": ...}'``: the default model drafting for itself (the
+    packaged GGUF) gives the default server's greedy reply, and its drafts are accepted."""
+    from pagedllm.model.packaged import smollm2_gguf_path
+
+    spec = json.dumps({"model": str(smollm2_gguf_path()), "num_speculative_tokens": 3})
+    _same_reply_with_drafts(server, tmp_path / "draft.log", ("--speculative-config", spec))
 
 
 def test_ngram_gpu_server_same_replies(server: LiveServer, tmp_path: Path) -> None:
@@ -83,15 +89,7 @@ def test_ngram_gpu_server_same_replies(server: LiveServer, tmp_path: Path) -> No
     reply, drafts accepted."""
     spec = json.dumps({**SPEC, "method": "ngram_gpu"})
     args = ("--speculative-config", spec, "--async-scheduling")
-    with live_server(tmp_path / "ngram_gpu.log", args) as srv:
-        got = _chat(srv)
-        srv.wait_idle()
-        accepted = srv.metric("vllm:spec_decode_num_accepted_tokens_total")
-    want = _chat(server)
-    assert got.status_code == want.status_code == 200, got.text
-    text = want.json()["choices"][0]["message"]["content"]
-    assert got.json()["choices"][0]["message"]["content"] == text
-    assert accepted > 0
+    _same_reply_with_drafts(server, tmp_path / "ngram_gpu.log", args)
 
 
 def test_bad_config_fails_at_start() -> None:
