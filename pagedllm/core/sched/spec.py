@@ -241,11 +241,7 @@ class SpecPacer:
             or (last is not None and self._moved(last, num_running))
         )
         if stretch and b.exploring and b.steps:
-            # a re-timing cut short is given up until the next interval (carried into the
-            # next stretch, it would time suffix decoding on a fresh batch, whose speculating
-            # steps are the cheapest, after a catch-up of every request's tokens)
-            b.exploring, b.mode, b.since_explore_s = False, not b.mode, 0.0
-            b.steps, b.times = 0, []
+            self._give_up_retiming(b)
         start = b.steps == 0 or stretch  # no phase in progress
         if not b.step_s and start:
             b.mode = self._neighbour_choice(key)
@@ -264,6 +260,15 @@ class SpecPacer:
                 b.mode, b.since_explore_s = best, 0.0
                 b.backoff = self.MAX_BACKOFF if self._hopeless(b) else 1
         return b.mode
+
+    @staticmethod
+    def _give_up_retiming(b: _Bucket) -> None:
+        """A re-timing cut short by the end of a stretch is given up until the next interval:
+        the level goes back to its chosen mode and drops the partial phase (carried into the
+        next stretch, it would time suffix decoding on a fresh batch, whose speculating steps
+        are the cheapest, after a catch-up of every request's tokens)."""
+        b.exploring, b.mode, b.since_explore_s = False, not b.mode, 0.0
+        b.steps, b.times = 0, []
 
     @staticmethod
     def _moved(last: int, num_running: int) -> bool:
@@ -518,7 +523,7 @@ class SpecPacer:
         if b.epoch != self._epoch:  # a partial phase of an earlier stretch starts over
             b.epoch, b.steps, b.times = self._epoch, 0, []
             if b.exploring:  # a re-timing cut short (``speculate`` gives it up first)
-                b.exploring, b.mode, b.since_explore_s = False, not b.mode, 0.0
+                self._give_up_retiming(b)
                 return
         b.steps += 1
         if b.steps == 1:  # the phase's first step carries the switch
