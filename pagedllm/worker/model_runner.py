@@ -951,9 +951,11 @@ class ModelRunner:
         dd = self.device_drafts
         assert dd is not None
         spec = so.scheduled_spec_tokens
-        ks = np.fromiter(
-            (len(spec.get(r, ())) for r in so.num_scheduled_tokens), dtype=np.int64, count=len(rows)
-        )
+        ks = np.zeros(len(rows), dtype=np.int64)
+        if spec:  # (no pass over the batch while nothing drafts)
+            ks = np.fromiter(
+                (len(spec.get(r, ())) for r in so.num_scheduled_tokens), np.int64, len(rows)
+            )
         used, valid = dd.prepare(
             inputs.input_ids, inputs.positions, inputs.metadata, n_sched, rows, unverified, ks
         )
