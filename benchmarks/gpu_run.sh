@@ -143,7 +143,7 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
       python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-256} \
         --input-len ${KVC_LEN:-500} --rates ${KVC_RATES:-64} --profile-dir "$OUT/profiles" \
         --out "$OUT" | grep "^in "
-      for f in "$OUT"/profiles/*.txt; do echo "== $f"; head -75 "$f" | tail -66; done ;;
+      for f in "$OUT"/profiles/*.txt; do echo "== $f"; head -40 "$f" | tail -32; done ;;
     kvc-d-uncapped)  # the paper's 256 prompts with the whole GPU's memory for the KV cache
       python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-256} \
         --rates ${KVC_RATES:-64,8} --kv-cache-memory-bytes 0 --out "$OUT" | grep "^in " ;;
