@@ -172,6 +172,83 @@ def test_cuda_graphs_without_the_score_pass_when_no_row_is_scored(tiny_models):
     assert replays[True] > 0 and replays[False] > 0
 
 
+def _step_all(llm, params, prompts, on_step=None):
+    """Every prompt through ``core.step()`` one step at a time, the integrity checks after
+    each; returns each request's tokens."""
+    core = llm.llm_engine.engine_core
+    for i, p in enumerate(prompts):
+        llm.llm_engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+        core.check_integrity()
+        if on_step is not None:
+            on_step(core)
+    return [tokens[str(i)] for i in range(len(prompts))]
+
+
+def test_async_evictions_equal_sync(tiny_models):
+    """Evictions do not force synchronous steps: under async scheduling the step after an
+    eviction is planned before its new lengths come back (on the old ones), and the tokens
+    equal the synchronous engine's, which applies each eviction first - continual compression
+    of every request every step, so that each step's plan meets the last one's evictions."""
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, max_cache_tokens=16,
+        protected_window_size=4,
+    )  # fmt: skip
+    results, cores = [], []
+    for async_scheduling in (False, True):
+        llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True,
+                  async_scheduling=async_scheduling)  # fmt: skip
+        results.append(_step_all(llm, sp, _prompts()))
+        cores.append(llm.llm_engine.engine_core)
+    assert results[0] == results[1]
+    sync, asyn = cores
+    kv_sync, kv_async = (c.scheduler.kv_cache_manager for c in cores)
+    assert kv_sync.num_compressions == kv_async.num_compressions > len(_prompts())
+    assert kv_sync.num_evicted_kvs == kv_async.num_evicted_kvs
+    assert sync.num_async_steps == 0
+    assert asyn.num_async_steps == asyn.num_steps > 0
+
+
+def test_async_evictions_under_memory_pressure(tiny_models):
+    """A cache too small for every request: evictions make room while steps stay
+    asynchronous. Each eviction's lengths come back after the next step was planned (its
+    tokens are added to them), the integrity checks pass after every step, every request
+    completes, and fewer are preempted than without budgets."""
+    prompts = _prompts() + [[t + 1 for t in p] for p in _prompts()]  # (no prefix shared)
+    kw = dict(block_size=8, num_gpu_blocks_override=120, async_scheduling=True)
+    late = []  # tokens allocated after an eviction's step when its lengths came back
+
+    def run(budget):
+        llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True,
+                  **kw)  # fmt: skip
+        kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+        apply = kv.apply_compaction
+
+        def recording(request, lens, computed=None):
+            late.append(kv.states[request.request_id].num_tokens - computed)
+            return apply(request, lens, computed)
+
+        kv.apply_compaction = recording
+        sp = SamplingParams(
+            temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, max_cache_tokens=budget,
+            protected_window_size=4, compress_once=True,
+        )  # fmt: skip
+        return llm.llm_engine.engine_core, _step_all(llm, sp, prompts)
+
+    full, _ = run(256)
+    core, tokens = run(16)
+    assert all(len(t) == MAX_NEW for t in tokens)
+    assert core.num_async_steps == core.num_steps
+    assert core.scheduler.kv_cache_manager.num_compressions > sum(len(p) > 16 for p in prompts)
+    assert max(late) >= 1  # the next step's token was allocated before the lengths came back
+    assert 0 < full.scheduler.num_preemptions
+    assert core.scheduler.num_preemptions < full.scheduler.num_preemptions
+    assert core.scheduler.kv_cache_manager.is_idle_clean()
+
+
 def test_no_eviction_for_room_that_cannot_make_it(tiny_models):
     """Memory short, budgets just below the prompts: evicting a few KVs each step would not
     give a stalled request its blocks, so the scheduler preempts instead of evicting again and

@@ -687,13 +687,22 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         return copies
 
     # ------------------------------------------------------------------ eviction
-    def apply_compaction(self, request: Request, lens: np.ndarray) -> int:
-        """The runner evicted KVs: ``lens`` [LH] are the computed KVs left per head. Give back
-        the blocks past them; returns the number of blocks freed."""
+    def apply_compaction(
+        self, request: Request, lens: np.ndarray, computed: int | None = None
+    ) -> int:
+        """The runner evicted KVs: ``lens`` [LH] are the KVs left per head of the request's
+        first ``computed`` tokens (default: its computed tokens now). Tokens allocated after
+        those (a step scheduled before the lengths came back) add one KV to every head. Give
+        back the blocks past the new lengths; returns the number of blocks freed.
+
+        Example: bs 4, an eviction after token 20 leaves a head 6 KVs; the next step (token
+        21) was scheduled meanwhile -> that head holds 7 KVs in 2 blocks; its others go."""
         state = self.states.get(request.request_id)
         if state is None:
             return 0
-        uncomputed = state.num_tokens - request.num_computed_tokens
+        if computed is None:
+            computed = request.num_computed_tokens
+        uncomputed = state.num_tokens - computed
         before = int(state.lens[self.compressible].sum())
         new_lens = lens.astype(np.int64) + uncomputed
         keep = -(-new_lens // self.block_size)

@@ -22,6 +22,9 @@ class KVCEviction:
     max_head_len: int  # the longest head (any layer) after the step
     held: int  # KVs in its compressible heads after the step
     keep_below: int = 0  # positions < this are never evicted (its shared cached prefix)
+    # tokens whose KVs exist once the step is done (the lengths that come back count them;
+    # under async scheduling the next step's tokens are allocated before they come back)
+    computed: int = 0
     # before the eviction: table entries (a HeadBlocks) that move to copies of the blocks
     # ``copy_src`` (cached prompt blocks that stay cached), or None
     copy_to: Any = None

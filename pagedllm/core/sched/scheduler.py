@@ -77,9 +77,9 @@ class Scheduler:
         self.kvc = kvc_config if kvc_config is not None and kvc_config.enabled else None
         if self.kvc is not None and (kv_groups is None or kv_groups.head_paged is None):
             raise ValueError("KV-Compress needs the model runner's per-head KV-cache groups.")
-        # steps scheduled with evictions whose new lengths have not come back yet: the next
-        # schedule() must see them (the engine runs synchronous steps meanwhile)
-        self._kvc_pending = 0
+        # request -> its evictions whose new lengths have not come back yet (async scheduling
+        # plans the next step meanwhile, on the old lengths: see ``_kvc_plan``)
+        self._kvc_inflight: dict[str, int] = {}
         # KV-Compress: the requests with a budget (or a measured prefix): without any, a step
         # plans no eviction unless memory is short (no per-request pass over the batch)
         self._kvc_budgeted: set[str] = set()
@@ -185,13 +185,12 @@ class Scheduler:
 
     @property
     def needs_sync(self) -> bool:
-        """Whether some live request needs synchronous steps (no async scheduling), an
-        eviction's new lengths are still to come back, or speculative decoding with drafts
-        made on the host is on and not paused by the load (a draft follows the last sampled
-        token, which must be on the host; ngram_gpu drafts on the device)."""
+        """Whether some live request needs synchronous steps (no async scheduling), or
+        speculative decoding with drafts made on the host is on and not paused by the load (a
+        draft follows the last sampled token, which must be on the host; ngram_gpu drafts on
+        the device). KV-Compress evictions do not: their lengths come back a step later."""
         return (
             bool(self._sync_ids)
-            or self._kvc_pending > 0
             or (
                 self.spec is not None
                 and not self.spec.device
@@ -234,6 +233,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
         self._kvc_budgeted.discard(request.request_id)
+        self._kvc_inflight.pop(request.request_id, None)
         self._sync_ids.discard(request.request_id)
         self.groups.finished(request)
         if request.request_id in self._runner_has:
@@ -263,7 +263,7 @@ class Scheduler:
         self._in_flight.clear()
         self._swap_out = []
         self.kv_cache_manager.take_pending_copies()
-        self._kvc_pending = 0
+        self._kvc_inflight.clear()
         self._runner_has.clear()
         self.finished_req_ids = set()
         if not self.kv_cache_manager.reset_prefix_cache():
@@ -294,6 +294,7 @@ class Scheduler:
         preempted = self._preempt_for_priority(budget)
         running_preempted = False
         kvc_room: dict[str, int] = {}  # KV-Compress: requests to evict from for room
+        kvc_short = False  # memory is short and those evictions make room: requests wait
         spec_tokens: dict[str, list[int]] = {}  # speculative decoding: each request's drafts
         draft_requests: dict[str, int] = {}  # a draft model drafts after the step for these
         unverified: dict[str, int] = {}  # ngram_gpu: drafts of unresolved steps counted
@@ -332,7 +333,7 @@ class Scheduler:
                 else 0
             )
             new_blocks = None
-            gang_preempted = False
+            gang_preempted = waits = False
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request, num_new, num_lookahead_tokens=look
@@ -343,12 +344,17 @@ class Scheduler:
                     num_new -= len(drafts)
                     drafts, look = [], 0
                     continue
+                if kvc_short:
+                    waits = True  # for the blocks this step's evictions free
+                    break
                 if self.kvc is not None and not running_preempted:
                     # evict from running requests over their budget, rather than preempt; this
-                    # request waits for the blocks that frees (next step)
+                    # request waits for the blocks that frees (next step), the others that
+                    # need no new block run
                     short = self.kv_cache_manager.blocks_short(request, num_new)
                     if self._kvc_make_room(kvc_room, num_scheduled, short):
                         running_preempted = True  # no admissions while memory is short
+                        kvc_short = waits = True
                         break
                 victim = self.running.pop_back()  # ranked last; never one already scheduled
                 gang = self._preempt_group(victim, num_scheduled, new_reqs, cached_reqs)
@@ -358,6 +364,9 @@ class Scheduler:
                 if request.request_id in gang:
                     break
             if new_blocks is None:
+                if waits:
+                    i += 1
+                    continue
                 break
             num_scheduled[request.request_id] = num_new
             if request.num_unverified:
@@ -463,7 +472,6 @@ class Scheduler:
             self.spec.pacer.scheduled(
                 step_id, t_start, load, speculate, prompt_tokens, arrivals=len(new_reqs)
             )
-        self._kvc_pending += bool(kvc_compress)
         self.finished_req_ids = set()
         self._swap_out = []
         # Advance progress now: the runner computes exactly what was scheduled. A request
@@ -640,7 +648,10 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Preempt a running request: swap its blocks to host memory when swapping is the mode
         and there is room, else recompute (free the blocks and forget progress)."""
-        pairs = self.kv_cache_manager.swap_out(request) if self.use_swap else None
+        # (a request whose eviction is still on the device is recomputed: its blocks on the
+        # host would be the ones from before the eviction)
+        swap = self.use_swap and request.request_id not in self._kvc_inflight
+        pairs = self.kv_cache_manager.swap_out(request) if swap else None
         if pairs is not None:
             self._swap_out.extend(pairs)
             request.swapped = True
@@ -649,6 +660,7 @@ class Scheduler:
             self.kv_cache_manager.free(request)
             request.num_computed_tokens = 0
             request.kvc_compressed_at = -1  # its KVs are computed again, uncompressed
+            self._kvc_inflight.pop(request.request_id, None)
         if not request.swapped:  # (swapped, its unverified drafts stay counted until the update)
             request.num_unverified = 0
         request.device_drafts_since = None  # the runner drops its row
@@ -698,12 +710,16 @@ class Scheduler:
             for r in self.failed
         ]
         self.failed = []
-        if scheduler_output.kvc_compress:
-            self._kvc_pending -= 1
-            for rid, lens in runner_output.kvc_lens.items():
-                request = self.requests.get(rid)
-                if request is not None and not request.is_finished:
-                    self.kv_cache_manager.apply_compaction(request, lens)
+        inflight = self._kvc_inflight
+        for e in scheduler_output.kvc_compress:
+            # (a request preempted or finished since has forgotten the eviction)
+            if e.req_id in inflight:
+                inflight[e.req_id] -= 1
+                if not inflight[e.req_id]:
+                    del inflight[e.req_id]
+                request = self.requests[e.req_id]
+                lens = runner_output.kvc_lens[e.req_id]
+                self.kv_cache_manager.apply_compaction(request, lens, e.computed)
         sampled = dict(zip(runner_output.req_ids, range(len(runner_output.req_ids))))
         spec_tokens = scheduler_output.scheduled_spec_tokens
         # the speculation pacer looks at each decoding request while speculating; paused,
@@ -902,23 +918,39 @@ class Scheduler:
     def _kvc_make_room(
         self, room: dict[str, int], num_scheduled: dict[str, int], short: int
     ) -> bool:
-        """Memory is short by ``short`` blocks: mark the running requests over their budget
-        that grew since their last eviction (least recently compressed first) for eviction
-        after this step. False, marking none, when even evicting all of them down to their
-        budgets could not free ``short`` blocks (then the scheduler preempts: evicting a few
-        KVs each step for a request that still would not fit only stalls it).
+        """Memory is short by ``short`` blocks: mark running requests over their budget that
+        grew since their last eviction for eviction after this step - those grown by at least
+        a block's tokens (every one of them, most grown first), and the others only when those
+        cannot free ``short`` blocks. False, marking none, when even evicting all of them down
+        to their budgets could not free ``short`` blocks (then the scheduler preempts:
+        evicting a few KVs each step for a request that still would not fit only stalls it).
+
+        Why a block's growth: each eviction costs host and device work per request, and a
+        request grown by g tokens frees about g / bs blocks a head. Evicting every request
+        grown by a token or two, step after step, took ~7 ms of host time a step at 226
+        running (H200, 8B shape, input 500, budget 128) to free a block a head here and there.
+        A request whose eviction is still on the device is skipped (its lengths on the host
+        are the old ones until it comes back).
 
         Freed blocks, at least: a request ``e`` KVs over its budget frees ``ceil(e / bs)``
-        blocks, as each evicted chunk frees one block and holds at most bs KVs."""
+        blocks, as each evicted chunk frees one block and holds at most bs KVs.
+        Example: bs 16, growth 40, 3 and 20 tokens -> the first and third are marked; the
+        second too only if those two free fewer than ``short`` blocks."""
         bs = self.kv_cache_manager.block_size
+        grown: list[tuple[int, Request, int]] = []  # (growth, request, tokens after the step)
+        for r in self.running:
+            rid = r.request_id
+            if rid in room or rid not in self._runner_has or rid in self._kvc_inflight:
+                continue
+            after = r.num_computed_tokens + num_scheduled.get(rid, 0)
+            if after > r.kvc_compressed_at:  # (an eviction at its length freed what it could)
+                grown.append((after - r.kvc_compressed_at, r, after))
+        grown.sort(key=lambda g: -g[0])
         chosen: dict[str, int] = {}
         freeable = 0
-        for r in sorted(self.running, key=lambda r: r.kvc_compressed_at):
-            if r.request_id in room or r.request_id not in self._runner_has:
-                continue
-            after = r.num_computed_tokens + num_scheduled.get(r.request_id, 0)
-            if after <= r.kvc_compressed_at:
-                continue  # an eviction at this length freed what it could
+        for growth, r, after in grown:
+            if growth < bs and freeable >= short:
+                break
             budget = self._kvc_over(r, after)
             if budget is not None:
                 chosen[r.request_id] = budget
@@ -933,7 +965,16 @@ class Scheduler:
         """The evictions after this step: a request whose prompt is done this step (it
         samples for the first time since its KVs were computed), one due for continual
         compression (``compress_once`` off: every ``compression_interval`` decode steps), and
-        those ``_kvc_make_room`` chose; each only when it holds more KVs than its budget."""
+        those ``_kvc_make_room`` chose; each only when it holds more KVs than its budget.
+
+        Under async scheduling a step is planned before the last step's evictions come back:
+        the evicted requests' lengths, blocks and held KVs on the host are then the old ones,
+        which bound the new ones (a head only loses KVs). That is safe: the blocks a request
+        held before an eviction (all of which it keeps until the lengths come back) hold every
+        KV the device keeps, the next step's slots come from the device's own lengths, and an
+        eviction planned meanwhile gets bounds (sort width, moves) at least the true ones.
+        ``apply_compaction`` then adds the tokens allocated since the eviction to its
+        lengths."""
         assert self.kvc is not None
         plan: list[KVCEviction] = []
         if not room and not self._kvc_budgeted:
@@ -995,8 +1036,10 @@ class Scheduler:
                     keep_below=prefix,
                     copy_to=copy_to,
                     copy_src=copy_src,
+                    computed=after,
                 )
             )
+            self._kvc_inflight[rid] = self._kvc_inflight.get(rid, 0) + 1
         return plan
 
     # --------------------------------------------------------------------------- stats
