@@ -189,13 +189,10 @@ class Scheduler:
         speculative decoding with drafts made on the host is on and not paused by the load (a
         draft follows the last sampled token, which must be on the host; ngram_gpu drafts on
         the device). KV-Compress evictions do not: their lengths come back a step later."""
-        return (
-            bool(self._sync_ids)
-            or (
-                self.spec is not None
-                and not self.spec.device
-                and not self.spec.paused(len(self.running), self._admittable())
-            )
+        return bool(self._sync_ids) or (
+            self.spec is not None
+            and not self.spec.device
+            and not self.spec.paused(len(self.running), self._admittable())
         )
 
     def _admittable(self) -> int:
