@@ -77,7 +77,7 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     tests-kvc) python -m pytest -q -x -p no:cacheprovider tests/kernels/test_kvc_attention.py \
         tests/core/test_kvcompress.py tests/models/test_kvcompress.py ;;
     tests-kvc-graphs)  # the KV-Compress decode graphs with and without the score pass
-      python -m pytest -q -x -p no:cacheprovider tests/models/test_kvcompress.py -k cuda_graphs \
+      python -m pytest -q -x -p no:cacheprovider tests/models/test_kvcompress.py -k "cuda_graphs or async" \
         tests/core/test_kvcompress.py ;;
     tests-kvc-par)  # the KV-Compress GPU tests in 7 processes (Triton compiles in parallel)
       P="python -m pytest -q -x -p no:cacheprovider"
@@ -148,7 +148,7 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
       python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-256} \
         --rates ${KVC_RATES:-64,8} --kv-cache-memory-bytes 0 --out "$OUT" | grep "^in " ;;
     kvc-d-sweep) python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-64} \
-        --output-len ${KVC_OUT:-500} --input-lens ${KVC_LENS:-500,2000,14000} --rates 8,64 \
+        --output-len ${KVC_OUT:-500} --input-lens ${KVC_LENS:-500,2000,14000} --rates ${KVC_RATES:-8,64} \
         --max-num-seqs ${KVC_SEQS:-256} \
         --out "$OUT" | grep -v "^ " ;;
     kvc-overhead) python benchmarks/gpu_suite.py bench-a --skip-peers --kvc-too --time-device \
