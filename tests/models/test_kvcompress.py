@@ -249,6 +249,27 @@ def test_async_evictions_under_memory_pressure(tiny_models):
     assert core.scheduler.kv_cache_manager.is_idle_clean()
 
 
+@pytest.mark.parametrize("num_blocks", [100, 160])
+def test_evictions_in_flight_make_room_without_preemption(num_blocks, tiny_models):
+    """Under async scheduling a step is planned before the last step's evictions come back:
+    a request short of blocks waits for what they free rather than preempting another (which
+    would recompute its prompt). Caches where the synchronous engine preempts nobody."""
+    prompts = _prompts() + [[t + 1 for t in p] for p in _prompts()]
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, max_cache_tokens=16,
+        protected_window_size=4, compress_once=True,
+    )  # fmt: skip
+    preemptions = []
+    for async_scheduling in (False, True):
+        llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True,
+                  block_size=8, num_gpu_blocks_override=num_blocks,
+                  async_scheduling=async_scheduling)  # fmt: skip
+        tokens = _step_all(llm, sp, prompts)
+        assert all(len(t) == MAX_NEW for t in tokens)
+        preemptions.append(llm.llm_engine.engine_core.scheduler.num_preemptions)
+    assert preemptions == [0, 0]
+
+
 def test_no_eviction_for_room_that_cannot_make_it(tiny_models):
     """Memory short, budgets just below the prompts: evicting a few KVs each step would not
     give a stalled request its blocks, so the scheduler preempts instead of evicting again and

@@ -78,8 +78,10 @@ class Scheduler:
         if self.kvc is not None and (kv_groups is None or kv_groups.head_paged is None):
             raise ValueError("KV-Compress needs the model runner's per-head KV-cache groups.")
         # request -> its evictions whose new lengths have not come back yet (async scheduling
-        # plans the next step meanwhile, on the old lengths: see ``_kvc_plan``)
+        # plans the next step meanwhile, on the old lengths: see ``_kvc_plan``), and the
+        # blocks they free at least (``_kvc_make_room`` counts them)
         self._kvc_inflight: dict[str, int] = {}
+        self._kvc_freeing: dict[str, int] = {}
         # KV-Compress: the requests with a budget (or a measured prefix): without any, a step
         # plans no eviction unless memory is short (no per-request pass over the batch)
         self._kvc_budgeted: set[str] = set()
@@ -231,6 +233,7 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         self._kvc_budgeted.discard(request.request_id)
         self._kvc_inflight.pop(request.request_id, None)
+        self._kvc_freeing.pop(request.request_id, None)
         self._sync_ids.discard(request.request_id)
         self.groups.finished(request)
         if request.request_id in self._runner_has:
@@ -261,6 +264,7 @@ class Scheduler:
         self._swap_out = []
         self.kv_cache_manager.take_pending_copies()
         self._kvc_inflight.clear()
+        self._kvc_freeing.clear()
         self._runner_has.clear()
         self.finished_req_ids = set()
         if not self.kv_cache_manager.reset_prefix_cache():
@@ -658,6 +662,7 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.kvc_compressed_at = -1  # its KVs are computed again, uncompressed
             self._kvc_inflight.pop(request.request_id, None)
+            self._kvc_freeing.pop(request.request_id, None)
         if not request.swapped:  # (swapped, its unverified drafts stay counted until the update)
             request.num_unverified = 0
         request.device_drafts_since = None  # the runner drops its row
@@ -712,8 +717,9 @@ class Scheduler:
             # (a request preempted or finished since has forgotten the eviction)
             if e.req_id in inflight:
                 inflight[e.req_id] -= 1
+                self._kvc_freeing[e.req_id] -= self._kvc_frees(e.held, e.budget)
                 if not inflight[e.req_id]:
-                    del inflight[e.req_id]
+                    del inflight[e.req_id], self._kvc_freeing[e.req_id]
                 request = self.requests[e.req_id]
                 lens = runner_output.kvc_lens[e.req_id]
                 self.kv_cache_manager.apply_compaction(request, lens, e.computed)
@@ -927,10 +933,13 @@ class Scheduler:
         grown by a token or two, step after step, took ~7 ms of host time a step at 226
         running (H200, 8B shape, input 500, budget 128) to free a block a head here and there.
         A request whose eviction is still on the device is skipped (its lengths on the host
-        are the old ones until it comes back).
+        are the old ones until it comes back), but what that eviction frees counts: True,
+        marking none, when evictions in flight free ``short`` blocks (the request waits a
+        step for them; at input 6,000 the eviction of a prompt just computed frees a fifth of
+        a 4 GiB cache, and preempting a request instead re-ran its prompt).
 
         Freed blocks, at least: a request ``e`` KVs over its budget frees ``ceil(e / bs)``
-        blocks, as each evicted chunk frees one block and holds at most bs KVs.
+        blocks (``_kvc_frees``).
         Example: bs 16, growth 40, 3 and 20 tokens -> the first and third are marked; the
         second too only if those two free fewer than ``short`` blocks."""
         bs = self.kv_cache_manager.block_size
@@ -944,19 +953,24 @@ class Scheduler:
                 grown.append((after - r.kvc_compressed_at, r, after))
         grown.sort(key=lambda g: -g[0])
         chosen: dict[str, int] = {}
-        freeable = 0
+        freeable = sum(self._kvc_freeing.values())
         for growth, r, after in grown:
             if growth < bs and freeable >= short:
                 break
             budget = self._kvc_over(r, after)
             if budget is not None:
                 chosen[r.request_id] = budget
-                excess = self.kv_cache_manager.held_kvs(r.request_id) - budget
-                freeable += -(-excess // bs)
-        if not chosen or freeable < short:
+                freeable += self._kvc_frees(self.kv_cache_manager.held_kvs(r.request_id), budget)
+        if freeable < short or not (chosen or self._kvc_freeing):
             return False
         room.update(chosen)
         return True
+
+    def _kvc_frees(self, held: int, budget: int) -> int:
+        """Blocks an eviction of a request holding ``held`` KVs down to ``budget`` frees, at
+        least: each evicted chunk frees one block and holds at most bs KVs.
+        Example: bs 16, 1,000 KVs over -> 63 blocks."""
+        return -(-max(held - budget, 0) // self.kv_cache_manager.block_size)
 
     def _kvc_plan(self, num_scheduled: dict[str, int], room: dict[str, int]) -> list[KVCEviction]:
         """The evictions after this step: a request whose prompt is done this step (it
@@ -1037,6 +1051,8 @@ class Scheduler:
                 )
             )
             self._kvc_inflight[rid] = self._kvc_inflight.get(rid, 0) + 1
+            freeing = self._kvc_frees(held + shared, budget + shared)
+            self._kvc_freeing[rid] = self._kvc_freeing.get(rid, 0) + freeing
         return plan
 
     # --------------------------------------------------------------------------- stats
