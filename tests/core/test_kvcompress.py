@@ -614,3 +614,62 @@ def test_runner_tables_follow_the_manager_through_deferred_entries():
     assert np.array_equal(slots[:1], expected(reqs[0], [0]))
     assert np.array_equal(slots[1:], expected(c, range(16)))
     kv.check_integrity()
+
+
+def _kvc_scheduler(num_blocks: int):
+    """A scheduler with KV-Compress on the ``_spec`` shape (3 layers x 2 KV heads, bs 4)."""
+    from pagedllm.config import CacheConfig, KVCompressConfig, SchedulerConfig
+    from pagedllm.core.kv_cache.spec import KVCacheGroup, KVCacheGroups
+    from pagedllm.core.sched.scheduler import Scheduler
+
+    spec = _spec()
+    groups = KVCacheGroups((KVCacheGroup(spec, (0, 1, 2)),), 1, (spec,))
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=256),
+        CacheConfig(block_size=BS),
+        num_blocks,
+        kv_groups=groups,
+        kvc_config=KVCompressConfig(enabled=True, compress_once=True),
+    )
+
+
+def test_make_room_takes_the_requests_grown_by_a_block_first():
+    """Memory short: the requests over their budget grown by at least a block's tokens since
+    their last eviction are marked (all of them), the others only when those cannot free
+    enough; evictions still in flight count (nothing needs marking when they free enough);
+    False when even everything cannot."""
+    from pagedllm.core.sched.output import ModelRunnerOutput
+
+    sched = _kvc_scheduler(400)
+    sp = SamplingParams(max_tokens=50, ignore_eos=True, max_cache_tokens=4)
+    for i, rid in enumerate("abc"):
+        sched.add_request(Request(rid, list(range(3 + 30 * i, 23 + 30 * i)), sp, eos_token_id=2))
+    so = sched.schedule()  # the prompts (20 tokens), an eviction planned after each
+    assert {e.req_id for e in so.kvc_compress} == set("abc")
+    keep = {rid: np.full(6, 4) for rid in "abc"}  # 4 KVs a head: 24, the budget
+    sched.update_from_output(so, ModelRunnerOutput(list("abc"), [[7]] * 3, kvc_lens=keep))
+    assert not sched._kvc_freeing
+    # each request holds 24 KVs + 6 a decode token; last evicted 20, 2 and 12 tokens ago
+    for rid, growth in zip("abc", (20, 2, 12)):
+        r = sched.requests[rid]
+        sched.kv_cache_manager.allocate_slots(r, growth)
+        r.num_computed_tokens += growth
+        r.kvc_compressed_at = r.num_computed_tokens - growth
+    # over by 6 x growth KVs: a frees 30 blocks, b 3, c 18 (ceil(over / 4))
+    room: dict[str, int] = {}
+    assert sched._kvc_make_room(room, {}, short=10)
+    assert set(room) == {"a", "c"}  # both grew by a block (4 tokens) or more; b did not
+    room = {}
+    assert sched._kvc_make_room(room, {}, short=50)
+    assert set(room) == {"a", "b", "c"}  # 48 from a and c are short of 50: b too
+    assert not sched._kvc_make_room({}, {}, short=52)  # 51 at most: preempt instead
+    sched._kvc_freeing["x"] = 60  # an eviction in flight frees 60 blocks
+    room = {}
+    assert sched._kvc_make_room(room, {}, short=52)
+    assert sched._kvc_make_room(room, {}, short=0) and set(room) == {"a", "c"}
+    sched._kvc_inflight["a"] = 1  # a's eviction in flight: its old lengths are not counted
+    room = {}
+    assert sched._kvc_make_room(room, {}, short=78) and set(room) == {"c"}  # 60 + 18
+    room = {}
+    assert sched._kvc_make_room(room, {}, short=80) and set(room) == {"b", "c"}
+    assert not sched._kvc_make_room({}, {}, short=82)
