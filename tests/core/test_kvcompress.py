@@ -57,6 +57,37 @@ def test_per_head_tables_and_free():
     assert kv.is_idle_clean()
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_steps_after_an_eviction_take_a_block_only_where_a_head_is_full(seed):
+    """After an eviction each head has its own length: a step of up to a block's tokens gives
+    a new block to exactly the heads whose last block has fewer free slots than the step's
+    tokens, at the next column of each, and the counts (blocks, room) stay exact - then all
+    or nothing when the pool is short."""
+    rng = np.random.default_rng(seed)
+    kv = HeadPagedKVCacheManager(_spec(), num_blocks=200)
+    r = _req("a", 30)
+    kv.allocate_slots(r, 30)
+    r.num_computed_tokens = 30
+    kv.apply_compaction(r, rng.integers(1, 31, size=6))
+    for _ in range(40):
+        n = int(rng.integers(1, BS + 1))
+        state = kv.states["a"]
+        full = np.flatnonzero(state.nblocks * BS - state.lens < n)
+        columns = state.nblocks[full].copy()
+        new = kv.allocate_slots(r, n)
+        assert new is not None
+        assert sorted(new.lh.tolist()) == full.tolist()
+        assert np.array_equal(new.index[np.argsort(new.lh)], columns)
+        assert np.array_equal(state.table[new.lh, new.index], new.ids)
+        r.num_computed_tokens += n
+        kv.check_integrity()  # blocks == cdiv(lens) per head, room exact, ref counts
+    kv.pool.take(kv.pool.num_free)  # nothing left: a step that needs a block changes nothing
+    state = kv.states["a"]
+    lens, room = state.lens.copy(), state.room
+    assert kv.allocate_slots(r, room + 1) is None
+    assert np.array_equal(state.lens, lens) and state.room == room
+
+
 def test_allocation_all_or_nothing():
     kv = HeadPagedKVCacheManager(_spec(), num_blocks=10)
     assert kv.allocate_slots(_req("a", 8), 8) is None  # needs 6 x 2 = 12

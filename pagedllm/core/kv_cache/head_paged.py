@@ -483,8 +483,11 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
             state.num_tokens += num_new_tokens
             state.room -= n
             return _NO_BLOCKS
-        if state is not None and state.uniform and not state.shared:
-            return self._allocate_uniform(request, state, num_new_tokens, n)
+        if state is not None and not state.shared:
+            if state.uniform:
+                return self._allocate_uniform(request, state, num_new_tokens, n)
+            if n <= self.block_size:
+                return self._allocate_a_block_or_none(request, state, num_new_tokens, n)
         # a hit of whole blocks needs, per head, the blocks of n tokens after it, as no hit
         need = self._blocks_for(state, n)
         total = int(need.sum())
@@ -561,6 +564,39 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
             lh = np.repeat(self._heads, need)
             index = np.tile(np.arange(nb, nb + need, dtype=np.int64), heads)
         state.nblocks += need
+        self._register(request, state)
+        return HeadBlocks(lh, index, ids.astype(np.int64))
+
+    def _allocate_a_block_or_none(
+        self, request: Request, state: _HeadState, num_new_tokens: int, n: int
+    ) -> HeadBlocks | None:
+        """``allocate_slots`` for at most a block's tokens (``n <= bs``) of a request whose
+        heads differ (evicted from) and that shares none: each head needs one new block when
+        its last block has fewer than ``n`` free slots, none otherwise (no per-head block
+        counts to expand; a decode step of a compressed request at a block boundary of some
+        of its heads, the commonest allocation under KV-Compress).
+
+        Example: bs 4, lens [5, 8, 3], nblocks [2, 2, 1], n 1 -> free [3, 0, 1] -> head 1
+        takes a block at column 2; free then [3, 4, 1], room min(...) - n = 0."""
+        bs = self.block_size
+        free = state.nblocks * bs - state.lens  # [LH] free slots in each head's last block
+        lh = np.flatnonzero(free < n)
+        if len(lh) > self.num_free_blocks():
+            return None
+        ids = self.pool.take(len(lh)) if len(lh) <= self.pool.num_free else None
+        if ids is None:
+            ids = self._take(len(lh))
+            assert ids is not None
+        index = state.nblocks[lh]
+        if len(lh):
+            state.reserve(int(index.max()) + 1)
+        state.table[lh, index] = ids
+        state.nblocks[lh] += 1
+        free[lh] += bs
+        state.pending = n
+        state._lag += n  # lens += n, applied when lens is next read
+        state.num_tokens += num_new_tokens
+        state.room = int(free.min()) - n
         self._register(request, state)
         return HeadBlocks(lh, index, ids.astype(np.int64))
 
