@@ -34,6 +34,7 @@ from pagedllm.core.kv_cache.head_paged import HeadBlocks, HeadTable
 from pagedllm.core.kv_cache.spec import HeadPagedSpec, cdiv
 from pagedllm.kvcompress.attention import KVCLayerInfo, KVCStepPlan
 from pagedllm.kvcompress.evict import compact, plan_eviction
+from pagedllm.worker.pinned import PinnedRing
 
 _NO_ENTRIES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))  # (nobody writes them)
 
@@ -87,6 +88,8 @@ class HeadPagedCache:
         # table entries set since the last step, not yet on the device (``set_entries``)
         self._entries: list[tuple[np.ndarray, np.ndarray]] = []
         # a step's slots: two Triton launches on a GPU (a dozen PyTorch kernels otherwise)
+        # host arrays reach the device through a ring of pinned buffers (``ship``)
+        self._ring = PinnedRing(device, 1 << 16, n=8)
         self._step_slots = step_slots_torch
         if device.type == "cuda":
             from pagedllm.ops.kvc_step import kvc_step_slots
@@ -179,13 +182,11 @@ class HeadPagedCache:
 
     # ------------------------------------------------------------------- tables
     def ship(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """int64 copies of host arrays on the device, in one copy: pinned and non-blocking on
-        a GPU (the caching host allocator keeps the pinned buffer until the copy is done), so
-        the host never waits for the device here."""
+        """int64 copies of host arrays on the device, in one copy through a pinned buffer
+        (``PinnedRing``: non-blocking, no pinned allocation per copy), so the host never
+        waits for the device here."""
         flat = np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays])
-        t = torch.from_numpy(flat)
-        if self.device.type == "cuda":
-            t = t.pin_memory().to(self.device, non_blocking=True)
+        t = self._ring.ship(flat)
         return list(t.split([np.asarray(a).size for a in arrays]))
 
     def set_row(self, row: int, head: HeadTable | None, scored: bool = True) -> None:

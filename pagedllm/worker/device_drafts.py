@@ -32,6 +32,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.spec_decode.ngram_gpu import ngram_propose_rows
+from pagedllm.worker.pinned import PinnedRing
 
 
 class DeviceDrafts:
@@ -66,37 +67,13 @@ class DeviceDrafts:
         self._arange = torch.arange(k + 1, device=device)
         # the Triton kernels on a GPU (pagedllm/ops/spec_drafts.py); PyTorch ops on a CPU
         self.use_triton = device.type == "cuda"
-        # Host-to-device copies of a step's small index arrays go through pinned buffers: a
-        # copy from pageable memory waits for the work queued before it - under async
-        # scheduling, the last step - and the steps would run one at a time. A ring of them,
-        # each reused after the copy out of it has completed (long done by then).
-        self._pinned: list[torch.Tensor] = []
-        self._copied: list[torch.cuda.Event | None] = []
-        self._turn = 0
-        if device.type == "cuda":
-            cap = max(self.width, max_num_reqs * (3 * k + 5)) + 16
-            self._pinned = [torch.empty(cap, dtype=torch.int64, pin_memory=True) for _ in range(16)]
-            self._copied = [None] * len(self._pinned)
+        # a step's small index arrays reach the device through a ring of pinned buffers
+        self._ring = PinnedRing(device, max(self.width, max_num_reqs * (3 * k + 5)) + 16)
 
     def ship(self, host: np.ndarray) -> torch.Tensor:
         """``host`` (a 1-D int array) as an int64 tensor on the device, copied without
-        waiting for the device (through a pinned buffer on a GPU; the array itself on a
-        CPU)."""
-        if not self._pinned:
-            return torch.from_numpy(np.ascontiguousarray(host, dtype=np.int64))
-        turn = self._turn
-        self._turn = (turn + 1) % len(self._pinned)
-        if self._copied[turn] is not None:
-            self._copied[turn].synchronize()
-        n = int(host.shape[0])
-        if n > self._pinned[turn].shape[0]:  # (new prompts longer than the buffer: rare)
-            self._pinned[turn] = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
-        buf = self._pinned[turn]
-        buf.numpy()[:n] = host
-        out = buf[:n].to(self.device, non_blocking=True)
-        event = self._copied[turn] = torch.cuda.Event()
-        event.record()
-        return out
+        waiting for the device (``PinnedRing``)."""
+        return self._ring.ship(host)
 
     def add_rows(self, rows: list[int], tokens: list[np.ndarray]) -> None:
         """(New or resumed) requests took ``rows``: their known tokens, no drafts; one copy
