@@ -78,7 +78,7 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         tests/core/test_kvcompress.py tests/models/test_kvcompress.py ;;
     tests-kvc-graphs)  # the KV-Compress decode graphs with and without the score pass
       python -m pytest -q -x -p no:cacheprovider tests/models/test_kvcompress.py -k "cuda_graphs or async" \
-        tests/core/test_kvcompress.py ;;
+        tests/core/test_kvcompress.py tests/engine/test_pinned_ring.py ;;
     tests-kvc-par)  # the KV-Compress GPU tests in 7 processes (Triton compiles in parallel)
       P="python -m pytest -q -x -p no:cacheprovider"
       K=tests/kernels/test_kvc_attention.py
