@@ -158,6 +158,23 @@ def compact(
     return new_lens
 
 
+def width_groups(widths: list[int], ratio: int = 4) -> list[list[int]]:
+    """Indices of evictions grouped so that each group's sort width (its longest head) is
+    less than ``ratio`` x any member's own: one call evicts a group, padding each member to
+    the group's width, and a prompt of 6,000 tokens evicted beside requests holding a few
+    hundred KVs a head would otherwise pad them all to 6,000. Longest first.
+    Example: widths [6000, 300, 5000, 900, 250] -> [[0, 2], [3, 1, 4]]; 200 instead of
+    250 would be a third group (4 x 200 <= 900)."""
+    order = sorted(range(len(widths)), key=lambda i: -widths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and widths[i] * ratio > widths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def move_bound(held: int, budget: int, block_size: int, method: str) -> int:
     """KVs an eviction of one request may move, at most: no more than it evicts, which is
     below ``held - budget + block_size`` (whole chunks are taken while fewer than

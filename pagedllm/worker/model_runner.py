@@ -24,7 +24,7 @@ from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import tp_info
 from pagedllm.kv_layout import KVCacheLayout
 from pagedllm.kvcompress.cache import HeadPagedCache
-from pagedllm.kvcompress.evict import move_bound
+from pagedllm.kvcompress.evict import move_bound, width_groups
 from pagedllm.model.loader import build_model
 from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
@@ -862,21 +862,29 @@ class ModelRunner:
         if not so.kvc_compress or self.kvc is None:
             return None
         ib = self.input_batch
-        plan = so.kvc_compress
-        ids = [e.req_id for e in plan]
-        rows = np.array([ib.req_id_to_row[rid] for rid in ids], dtype=np.int64)
-        budgets = np.array([e.budget for e in plan], dtype=np.int64)
-        protect = np.array([e.protect_from for e in plan], dtype=np.int64)
-        keep = np.array([e.keep_below for e in plan], dtype=np.int64)
-        copies = [(row, e.copy_to, e.copy_src) for row, e in zip(rows, plan) if e.copy_to]
-        max_len = max(e.max_head_len for e in plan)
         bs, method = self.kvc.block_size, self.kvc.kvc.method
-        max_moves = sum(move_bound(e.held, e.budget, bs, method) for e in plan)
+        ids: list[str] = []
+        parts: list[torch.Tensor] = []
         timer = self._timing_start()
-        with torch.inference_mode():
-            lens = self.kvc.compress(
-                rows, budgets, protect, keep, max(max_len, 1), max(max_moves, 1), copies
-            )
+        # one call per group of similar longest heads (``width_groups``): each call sorts
+        # every member's heads to the group's longest
+        for group in width_groups([e.max_head_len for e in so.kvc_compress]):
+            plan = [so.kvc_compress[i] for i in group]
+            ids += [e.req_id for e in plan]
+            rows = np.array([ib.req_id_to_row[e.req_id] for e in plan], dtype=np.int64)
+            budgets = np.array([e.budget for e in plan], dtype=np.int64)
+            protect = np.array([e.protect_from for e in plan], dtype=np.int64)
+            keep = np.array([e.keep_below for e in plan], dtype=np.int64)
+            copies = [(row, e.copy_to, e.copy_src) for row, e in zip(rows, plan) if e.copy_to]
+            max_len = max(e.max_head_len for e in plan)
+            max_moves = sum(move_bound(e.held, e.budget, bs, method) for e in plan)
+            with torch.inference_mode():
+                parts.append(
+                    self.kvc.compress(
+                        rows, budgets, protect, keep, max(max_len, 1), max(max_moves, 1), copies
+                    )
+                )
+        lens = parts[0] if len(parts) == 1 else torch.cat(parts)
         timer = self._timing_end(timer)
         if timer is not None:
             self.compress_events.append(timer)

@@ -508,6 +508,53 @@ def test_eviction_and_compaction_on_cuda_match_the_cpu(seed):
         assert torch.equal(a, b)
 
 
+def test_width_groups():
+    from pagedllm.kvcompress.evict import width_groups
+
+    assert width_groups([6000, 300, 5000, 900, 250]) == [[0, 2], [3, 1, 4]]
+    assert width_groups([6000, 300, 5000, 900, 200]) == [[0, 2], [3, 1], [4]]
+    assert width_groups([100, 100, 30]) == [[0, 1, 2]]
+    assert width_groups([]) == []
+
+
+def test_evicting_in_width_groups_equals_one_call():
+    """The runner evicts requests of very different lengths in separate calls, each with its
+    own sort width and move bound (``width_groups``): the same lengths, K/V, scores and
+    positions as one call over all of them (an eviction of a request depends on nobody
+    else's KVs, nor on the padding)."""
+    rng = np.random.default_rng(7)
+    lens = np.concatenate([rng.integers(60, 90, size=(2, 6)), rng.integers(1, 12, size=(3, 6))])
+    budgets = torch.tensor([100, 40, 10, 5, 20])
+    protect = torch.from_numpy(lens.max(1) - 4)
+    comp = torch.ones(6, dtype=torch.bool)
+
+    def evict(rows: list[int], state):
+        tables, lens_t, scores, positions, kv = state
+        idx = torch.tensor(rows)
+        width = int(lens[rows].max())
+        bound = sum(move_bound(int(lens[i].sum()), int(budgets[i]), BS, "kvcompress") for i in rows)
+        plan = plan_eviction(
+            scores, positions, tables[idx], lens_t[idx], budgets[idx], protect[idx], comp,
+            width, BS, num_sinks=1,
+        )  # fmt: skip
+        return compact(kv, scores, positions, *plan, lens_t[idx], bound, SPARE)
+
+    one = _cache(lens, 5)
+    new_one = evict(list(range(5)), one)
+    groups = _cache(lens, 5)
+    from pagedllm.kvcompress.evict import width_groups
+
+    parts = width_groups([int(x) for x in lens.max(1)])
+    assert len(parts) == 2
+    new_groups = torch.zeros_like(new_one)
+    for part in parts:
+        new_groups[part] = evict(part, groups)
+    assert torch.equal(new_one, new_groups)
+    assert int((new_one < torch.from_numpy(lens)).sum()) > 0
+    for a, b in zip(one[2:], groups[2:]):  # scores, positions, K/V: the whole cache
+        assert torch.equal(a, b)
+
+
 def test_uniform_splits_the_budget_evenly():
     lens = np.array([[40, 12, 33, 20]])
     tables, lens_t, scores, positions, _ = _cache(lens, 3)

@@ -270,6 +270,48 @@ def test_evictions_in_flight_make_room_without_preemption(num_blocks, tiny_model
     assert preemptions == [0, 0]
 
 
+def test_evictions_of_different_widths_in_one_step_equal_one_call(tiny_models, monkeypatch):
+    """A request evicted continually (a few KVs a head) and a long prompt evicted after its
+    prefill in the same steps: the runner evicts them in separate calls of their own widths
+    (``width_groups``), and the tokens equal those of one call over both."""
+    import pagedllm.worker.model_runner as model_runner
+
+    groups = model_runner.width_groups
+    sizes: list[int] = []
+
+    def recording(widths, ratio=4):
+        out = groups(widths, ratio)
+        sizes.append(len(out))
+        return out
+
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, max_cache_tokens=4,
+        protected_window_size=2,
+    )  # fmt: skip
+    results = []
+    for split in (recording, lambda widths, ratio=4: [list(range(len(widths)))]):
+        monkeypatch.setattr(model_runner, "width_groups", split)
+        llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True)
+        core = llm.llm_engine.engine_core
+        prompts = _prompts()
+        llm.llm_engine.add_request("short", {"prompt_token_ids": prompts[1]}, sp)
+        tokens: dict[str, list[int]] = {"short": [], "long": []}
+        for step in range(MAX_NEW + 4):
+            if step == 3:  # its prefill ends while the short one is evicted every step
+                long = prompts[5] + prompts[2]  # 104 tokens: 4x the short one's longest head
+                llm.llm_engine.add_request("long", {"prompt_token_ids": long}, sp)
+            for out in core.step():
+                tokens[out.request_id] += out.new_token_ids
+            core.check_integrity()
+        while core.has_unfinished_requests():
+            for out in core.step():
+                tokens[out.request_id] += out.new_token_ids
+        results.append(tokens)
+    assert max(sizes) == 2  # a step evicted in two calls
+    assert results[0] == results[1]
+    assert all(len(t) == MAX_NEW for t in results[0].values())
+
+
 def test_no_eviction_for_room_that_cannot_make_it(tiny_models):
     """Memory short, budgets just below the prompts: evicting a few KVs each step would not
     give a stalled request its blocks, so the scheduler preempts instead of evicting again and
