@@ -284,25 +284,37 @@ def test_evictions_of_different_widths_in_one_step_equal_one_call(tiny_models, m
         sizes.append(len(out))
         return out
 
-    sp = SamplingParams(
-        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, max_cache_tokens=4,
-        protected_window_size=2,
-    )  # fmt: skip
+    sp = {
+        name: SamplingParams(
+            temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, max_cache_tokens=budget,
+            protected_window_size=2,
+        )
+        for name, budget in (("short", 4), ("long", 12))
+    }  # fmt: skip
+
+    def lens_agree(core):  # the manager's per-head lengths are the device's
+        runner = core.model_runner
+        for rid, state in core.scheduler.kv_cache_manager.states.items():
+            row = runner.input_batch.req_id_to_row[rid]
+            assert np.array_equal(runner.kvc.lens[row].numpy(), state.lens), rid
+
     results = []
     for split in (recording, lambda widths, ratio=4: [list(range(len(widths)))]):
         monkeypatch.setattr(model_runner, "width_groups", split)
-        llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True)
+        llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True,
+                  block_size=4)  # fmt: skip
         core = llm.llm_engine.engine_core
         prompts = _prompts()
-        llm.llm_engine.add_request("short", {"prompt_token_ids": prompts[1]}, sp)
+        llm.llm_engine.add_request("short", {"prompt_token_ids": prompts[1]}, sp["short"])
         tokens: dict[str, list[int]] = {"short": [], "long": []}
         for step in range(MAX_NEW + 4):
             if step == 3:  # its prefill ends while the short one is evicted every step
                 long = prompts[5] + prompts[2]  # 104 tokens: 4x the short one's longest head
-                llm.llm_engine.add_request("long", {"prompt_token_ids": long}, sp)
+                llm.llm_engine.add_request("long", {"prompt_token_ids": long}, sp["long"])
             for out in core.step():
                 tokens[out.request_id] += out.new_token_ids
             core.check_integrity()
+            lens_agree(core)
         while core.has_unfinished_requests():
             for out in core.step():
                 tokens[out.request_id] += out.new_token_ids
