@@ -192,7 +192,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--profile-host",
         default=None,
         metavar="PATH",
-        help="Write a cProfile of the host side of the timed run to PATH (default: no profile).",
+        help="Write a cProfile of the host side of the timed run to PATH (text; the raw stats "
+        "to PATH.prof; default: no profile).",
     )
     p.add_argument(
         "--output-json",
@@ -380,6 +381,7 @@ def run(args: argparse.Namespace) -> dict:
         with open(args.profile_host, "w") as f:
             for key in ("tottime", "cumulative"):
                 pstats.Stats(prof, stream=f).sort_stats(key).print_stats(45)
+        prof.dump_stats(args.profile_host + ".prof")  # (callers and callees: pstats)
     device_times: list[float] = []
     if runner is not None:
         runner.time_device = False
