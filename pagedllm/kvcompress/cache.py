@@ -87,9 +87,9 @@ class HeadPagedCache:
         self._zeros = np.zeros(max_rows, dtype=np.int64)
         # table entries set since the last step, not yet on the device (``set_entries``)
         self._entries: list[tuple[np.ndarray, np.ndarray]] = []
-        # a step's slots: two Triton launches on a GPU (a dozen PyTorch kernels otherwise)
         # host arrays reach the device through a ring of pinned buffers (``ship``)
         self._ring = PinnedRing(device, 1 << 16, n=8)
+        # a step's slots: two Triton launches on a GPU (a dozen PyTorch kernels otherwise)
         self._step_slots = step_slots_torch
         if device.type == "cuda":
             from pagedllm.ops.kvc_step import kvc_step_slots
