@@ -46,8 +46,9 @@ WINDOW = 32  # --kvc-budget's protected window
 
 def fake_evictions(sched: Scheduler, so, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Each eviction's new lengths [LH] as the device would return them (see the module
-    docstring): a head keeps min(what it held, max(its share of the budget rounded down to
-    whole blocks, the window rounded up to whole blocks))."""
+    docstring): a head keeps its random share of the budget in whole blocks (rounded down,
+    then a block more for the largest remainders until the request holds its budget within a
+    block), at least the window rounded up to whole blocks, at most what it held."""
     kvm = sched.kv_cache_manager
     bs = kvm.block_size
     out = {}
