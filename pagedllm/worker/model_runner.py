@@ -888,12 +888,7 @@ class ModelRunner:
         timer = self._timing_end(timer)
         if timer is not None:
             self.compress_events.append(timer)
-        if self.device.type != "cuda":
-            return ids, lens, None
-        host = torch.empty(lens.shape, dtype=lens.dtype, pin_memory=True)
-        host.copy_(lens, non_blocking=True)  # no sync: resolve() waits for the event
-        done = torch.cuda.Event()
-        done.record()
+        (host,), done = self._to_host([lens])  # no sync: resolve() waits for the event
         return ids, host, done
 
     def _inputs_from_last_step(
