@@ -726,7 +726,7 @@ def test_make_room_takes_the_requests_grown_by_a_block_first():
     assert {e.req_id for e in so.kvc_compress} == set("abc")
     keep = {rid: np.full(6, 4) for rid in "abc"}  # 4 KVs a head: 24, the budget
     sched.update_from_output(so, ModelRunnerOutput(list("abc"), [[7]] * 3, kvc_lens=keep))
-    assert not sched._kvc_freeing
+    assert not sched._kvc_inflight
     # each request holds 24 KVs + 6 a decode token; last evicted 20, 2 and 12 tokens ago
     for rid, growth in zip("abc", (20, 2, 12)):
         r = sched.requests[rid]
@@ -741,11 +741,11 @@ def test_make_room_takes_the_requests_grown_by_a_block_first():
     assert sched._kvc_make_room(room, {}, short=50)
     assert set(room) == {"a", "b", "c"}  # 48 from a and c are short of 50: b too
     assert not sched._kvc_make_room({}, {}, short=52)  # 51 at most: preempt instead
-    sched._kvc_freeing["x"] = 60  # an eviction in flight frees 60 blocks
+    sched._kvc_inflight["x"] = [1, 60]  # an eviction in flight frees 60 blocks
     room = {}
     assert sched._kvc_make_room(room, {}, short=52)
     assert sched._kvc_make_room(room, {}, short=0) and set(room) == {"a", "c"}
-    sched._kvc_inflight["a"] = 1  # a's eviction in flight: its old lengths are not counted
+    sched._kvc_inflight["a"] = [1, 0]  # a's eviction in flight: its old lengths not counted
     room = {}
     assert sched._kvc_make_room(room, {}, short=78) and set(room) == {"c"}  # 60 + 18
     room = {}

@@ -77,11 +77,10 @@ class Scheduler:
         self.kvc = kvc_config if kvc_config is not None and kvc_config.enabled else None
         if self.kvc is not None and (kv_groups is None or kv_groups.head_paged is None):
             raise ValueError("KV-Compress needs the model runner's per-head KV-cache groups.")
-        # request -> its evictions whose new lengths have not come back yet (async scheduling
-        # plans the next step meanwhile, on the old lengths: see ``_kvc_plan``), and the
-        # blocks they free at least (``_kvc_make_room`` counts them)
-        self._kvc_inflight: dict[str, int] = {}
-        self._kvc_freeing: dict[str, int] = {}
+        # request -> [its evictions whose new lengths have not come back yet, the blocks they
+        # free at least] (async scheduling plans the next step meanwhile, on the old lengths:
+        # see ``_kvc_plan``; ``_kvc_make_room`` counts the blocks)
+        self._kvc_inflight: dict[str, list[int]] = {}
         # KV-Compress: the requests with a budget (or a measured prefix): without any, a step
         # plans no eviction unless memory is short (no per-request pass over the batch)
         self._kvc_budgeted: set[str] = set()
@@ -233,7 +232,6 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         self._kvc_budgeted.discard(request.request_id)
         self._kvc_inflight.pop(request.request_id, None)
-        self._kvc_freeing.pop(request.request_id, None)
         self._sync_ids.discard(request.request_id)
         self.groups.finished(request)
         if request.request_id in self._runner_has:
@@ -264,7 +262,6 @@ class Scheduler:
         self._swap_out = []
         self.kv_cache_manager.take_pending_copies()
         self._kvc_inflight.clear()
-        self._kvc_freeing.clear()
         self._runner_has.clear()
         self.finished_req_ids = set()
         if not self.kv_cache_manager.reset_prefix_cache():
@@ -662,7 +659,6 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.kvc_compressed_at = -1  # its KVs are computed again, uncompressed
             self._kvc_inflight.pop(request.request_id, None)
-            self._kvc_freeing.pop(request.request_id, None)
         if not request.swapped:  # (swapped, its unverified drafts stay counted until the update)
             request.num_unverified = 0
         request.device_drafts_since = None  # the runner drops its row
@@ -715,11 +711,12 @@ class Scheduler:
         inflight = self._kvc_inflight
         for e in scheduler_output.kvc_compress:
             # (a request preempted or finished since has forgotten the eviction)
-            if e.req_id in inflight:
-                inflight[e.req_id] -= 1
-                self._kvc_freeing[e.req_id] -= self._kvc_frees(e.held, e.budget)
-                if not inflight[e.req_id]:
-                    del inflight[e.req_id], self._kvc_freeing[e.req_id]
+            entry = inflight.get(e.req_id)
+            if entry is not None:
+                entry[0] -= 1
+                entry[1] -= self._kvc_frees(e.held, e.budget)
+                if not entry[0]:
+                    del inflight[e.req_id]
                 request = self.requests[e.req_id]
                 lens = runner_output.kvc_lens[e.req_id]
                 self.kv_cache_manager.apply_compaction(request, lens, e.computed)
@@ -953,7 +950,7 @@ class Scheduler:
                 grown.append((after - r.kvc_compressed_at, r, after))
         grown.sort(key=lambda g: -g[0])
         chosen: dict[str, int] = {}
-        freeable = sum(self._kvc_freeing.values())
+        freeable = sum(blocks for _, blocks in self._kvc_inflight.values())
         for growth, r, after in grown:
             if growth < bs and freeable >= short:
                 break
@@ -961,7 +958,7 @@ class Scheduler:
             if budget is not None:
                 chosen[r.request_id] = budget
                 freeable += self._kvc_frees(self.kv_cache_manager.held_kvs(r.request_id), budget)
-        if freeable < short or not (chosen or self._kvc_freeing):
+        if freeable < short or not (chosen or self._kvc_inflight):
             return False
         room.update(chosen)
         return True
@@ -1050,9 +1047,9 @@ class Scheduler:
                     computed=after,
                 )
             )
-            self._kvc_inflight[rid] = self._kvc_inflight.get(rid, 0) + 1
-            freeing = self._kvc_frees(held + shared, budget + shared)
-            self._kvc_freeing[rid] = self._kvc_freeing.get(rid, 0) + freeing
+            entry = self._kvc_inflight.setdefault(rid, [0, 0])
+            entry[0] += 1
+            entry[1] += self._kvc_frees(held + shared, budget + shared)
         return plan
 
     # --------------------------------------------------------------------------- stats
