@@ -583,10 +583,8 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         lh = np.flatnonzero(free < n)
         if len(lh) > self.num_free_blocks():
             return None
-        ids = self.pool.take(len(lh)) if len(lh) <= self.pool.num_free else None
-        if ids is None:
-            ids = self._take(len(lh))
-            assert ids is not None
+        ids = self._take(len(lh))
+        assert ids is not None
         index = state.nblocks[lh]
         if len(lh):
             state.reserve(int(index.max()) + 1)
