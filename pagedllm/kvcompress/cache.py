@@ -67,6 +67,7 @@ class HeadPagedCache:
             np.repeat(np.asarray(spec.compressible, dtype=bool), spec.num_kv_heads),
             device=device,
         )
+        self.num_compressible_heads = int(sum(spec.compressible)) * spec.num_kv_heads
         self.max_blocks = cdiv(max_model_len, self.block_size) + 1
         self.pad_row = max_rows
         self.tables = torch.zeros(

@@ -175,15 +175,39 @@ def width_groups(widths: list[int], ratio: int = 4) -> list[list[int]]:
     return groups
 
 
-def move_bound(held: int, budget: int, block_size: int, method: str) -> int:
+def move_bound(
+    held: int, budget: int, block_size: int, method: str, stuck: int | None = None
+) -> int:
     """KVs an eviction of one request may move, at most: no more than it evicts, which is
     below ``held - budget + block_size`` (whole chunks are taken while fewer than
     ``held - budget`` are gone; a chunk is at most a block) except with ``uniform``, whose
     per-head budgets can take more (bounded by ``held``).
-    Example: held 1000, budget 600, bs 16 -> 415."""
+
+    Nor more than survive: the chunks taken leave at most ``budget`` KVs, unless every
+    evictable chunk goes, which leaves fewer than each head's unevictable KVs plus a block.
+    ``stuck`` bounds that sum over the compressible heads (``stuck_bound``); given, the bound
+    is also at most ``max(budget, stuck)``. A prompt of 6,000 tokens kept to 128 KVs in each
+    of 256 heads moves at most 32,768 KVs, not 1.5 million: the move list is that long.
+    Example: held 1000, budget 600, bs 16 -> 415; held 1000, budget 100, stuck 300 -> 300."""
     if method == "uniform":
         return max(held, 0)
-    return max(min(held, held - budget + block_size - 1), 0)
+    bound = max(min(held, held - budget + block_size - 1), 0)
+    if stuck is not None:
+        bound = min(bound, max(budget, stuck, 0))
+    return bound
+
+
+def stuck_bound(
+    num_heads: int, computed: int, protect_from: int, sinks: int, block_size: int
+) -> int:
+    """A bound on the KVs ``num_heads`` compressible heads keep when every evictable chunk is
+    taken: each head keeps its unevictable KVs (positions >= ``protect_from`` among the
+    ``computed`` tokens', positions below ``sinks``; a head holds a position once) and less
+    than a block beside them (a chunk whose last KV is unevictable stays whole).
+    Example: 256 heads, computed 6,000, protect_from 5,968, no sinks, bs 16 ->
+    256 * (32 + 15) = 12,032."""
+    unevictable = max(computed - protect_from, 0) + min(max(sinks, 0), max(computed, 0))
+    return num_heads * (unevictable + block_size - 1)
 
 
 def maxpool_scores(metric: torch.Tensor, valid: torch.Tensor, kernel: int) -> torch.Tensor:

@@ -20,11 +20,11 @@ from pagedllm.core.kv_cache.spec import (
     SlidingWindowSpec,
     group_layers,
 )
-from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.sched.output import KVCEviction, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import tp_info
 from pagedllm.kv_layout import KVCacheLayout
 from pagedllm.kvcompress.cache import HeadPagedCache
-from pagedllm.kvcompress.evict import move_bound, width_groups
+from pagedllm.kvcompress.evict import move_bound, stuck_bound, width_groups
 from pagedllm.model.loader import build_model
 from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
@@ -877,7 +877,10 @@ class ModelRunner:
             keep = np.array([e.keep_below for e in plan], dtype=np.int64)
             copies = [(row, e.copy_to, e.copy_src) for row, e in zip(rows, plan) if e.copy_to]
             max_len = max(e.max_head_len for e in plan)
-            max_moves = sum(move_bound(e.held, e.budget, bs, method) for e in plan)
+            max_moves = sum(
+                move_bound(e.held, e.budget, bs, method, self._stuck(e) if e.computed else None)
+                for e in plan
+            )
             with torch.inference_mode():
                 parts.append(
                     self.kvc.compress(
@@ -890,6 +893,15 @@ class ModelRunner:
             self.compress_events.append(timer)
         (host,), done = self._to_host([lens])  # no sync: resolve() waits for the event
         return ids, host, done
+
+    def _stuck(self, e: KVCEviction) -> int:
+        """``stuck_bound`` of an eviction: its compressible heads' unevictable KVs (the
+        protected window, the sinks or shared prefix) plus a block each, at most."""
+        kvc = self.kvc
+        assert kvc is not None
+        sinks = max(e.keep_below, kvc.kvc.num_sinks)
+        heads = kvc.num_compressible_heads
+        return stuck_bound(heads, e.computed, e.protect_from, sinks, kvc.block_size)
 
     def _inputs_from_last_step(
         self, rows: np.ndarray, first_token: np.ndarray

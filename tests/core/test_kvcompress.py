@@ -16,6 +16,7 @@ from pagedllm.kvcompress.evict import (
     maxpool_scores,
     move_bound,
     plan_eviction,
+    stuck_bound,
 )
 from pagedllm.sampling_params import SamplingParams
 
@@ -477,6 +478,52 @@ def test_compaction_moves_within_the_host_bound(method, seed):
         results.append((new_lens, kv[:, after[ok]], scores[after[ok]], positions[after[ok]]))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("method", ["kvcompress", "random"])
+def test_moves_within_the_bound_of_what_survives(method):
+    """``move_bound`` with ``stuck`` (the heads' unevictable KVs plus a block each) sizes the
+    move list by what can survive, not by what is evicted: over random lengths, budgets
+    (0 included), protected windows and sinks, with each head holding a random subset of the
+    computed positions, compaction never moves more (``compact`` checks on the CPU) and
+    equals a compaction with room for every KV. The bound is below the old one somewhere."""
+    rng = np.random.default_rng(11)
+    b, lh = 3, 6
+    tighter = 0
+    for trial in range(40):
+        computed = rng.integers(8, 70, size=b)
+        lens = np.minimum(rng.integers(1, 70, size=(b, lh)), computed[:, None])
+        budgets = rng.choice([0, 5, 30, 120], size=b)
+        protect = computed - rng.integers(0, 12, size=b)
+        sinks = rng.integers(0, 4, size=b)
+        picks = [[rng.permutation(int(c))[:n] for n in row] for c, row in zip(computed, lens)]
+        bound = 0
+        for i in range(b):
+            held, budget = int(lens[i].sum()), int(budgets[i])
+            stuck = stuck_bound(lh, int(computed[i]), int(protect[i]), int(sinks[i]), BS)
+            bound += move_bound(held, budget, BS, method, stuck)
+            tighter += move_bound(held, budget, BS, method, stuck) < move_bound(
+                held, budget, BS, method
+            )
+        results = []
+        for n in (bound, int(lens.sum())):
+            tables, lens_t, scores, positions, kv = _cache(lens, trial)
+            slots, _ = head_slots(tables, lens_t, int(lens.max()), BS)
+            for i in range(b):  # positions: a random subset of the computed ones
+                for h in range(lh):
+                    pos = torch.from_numpy(picks[i][h]).to(torch.int32)
+                    positions[slots[i, h, : lens[i, h]]] = pos
+            evict, order, slots, valid = plan_eviction(
+                scores, positions, tables, lens_t, torch.from_numpy(budgets),
+                torch.from_numpy(protect), torch.ones(lh, dtype=torch.bool), int(lens.max()), BS,
+                torch.from_numpy(sinks), method, torch.Generator().manual_seed(trial),
+            )  # fmt: skip
+            new_lens = compact(kv, scores, positions, evict, order, slots, valid, lens_t, n, SPARE)
+            after, ok = head_slots(tables, new_lens, int(lens.max()), BS)
+            results.append((new_lens, kv[:, after[ok]], scores[after[ok]], positions[after[ok]]))
+        for x, y in zip(*results):
+            assert torch.equal(x, y)
+    assert tighter > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
