@@ -71,6 +71,10 @@ SUMMARY_KEYS = (
     "enable_prefix_caching",
     "enable_chunked_prefill",
     "prefix_cache_hit_rate",
+    "compress_s_decode_steps",
+    "compress_s_prefill_steps",
+    "decode_steps_with_evictions",
+    "device_ms_per_decode_step_without_evictions",
 )
 
 
@@ -78,7 +82,7 @@ def _summary(r: dict) -> dict:
     out = {key: r.get(key) for key in SUMMARY_KEYS}
     kvc = r.get("kvc") or {}
     for key in ("compress_ms_per_step", "compress_ms_per_eviction_step", "eviction_steps",
-                "metadata_bytes_per_kv", "kv_bytes"):  # fmt: skip
+                "prefix_copy_blocks", "metadata_bytes_per_kv", "kv_bytes"):  # fmt: skip
         if key in kvc:
             out[key] = kvc[key]
     return out
@@ -166,7 +170,10 @@ def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dic
         print(f"in {input_len} {name}: max_cache_tokens {m}, {r['output_tokens_per_s']:.0f} out "
               f"tok/s ({r['speedup_output']:.2f}x), peak seqs {r['concurrent_seqs_peak']}, "
               f"syncs/step {r['host_syncs_per_step']}, compress ms/step "
-              f"{kvc.get('compress_ms_per_step')}", flush=True)  # fmt: skip
+              f"{kvc.get('compress_ms_per_step')}, prefix copies {kvc.get('prefix_copy_blocks')}, "
+              f"compress s decode/prefill steps {r.get('compress_s_decode_steps')} / "
+              f"{r.get('compress_s_prefill_steps')}, decode step ms without evictions "
+              f"{r.get('device_ms_per_decode_step_without_evictions')}", flush=True)  # fmt: skip
         clean()
     return runs
 

@@ -360,14 +360,17 @@ def run(args: argparse.Namespace) -> dict:
     rec = StepRecorder(llm)
     # counters from the scheduler, or (data parallelism) the core processes' merged stats
     kv = getattr(getattr(core, "scheduler", None), "kv_cache_manager", None)
-    kvc_before = (getattr(kv, "num_compressions", 0), getattr(kv, "num_evicted_kvs", 0))
+    kvc_before = tuple(
+        getattr(kv, a, 0) for a in ("num_compressions", "num_evicted_kvs", "num_prefix_copies")
+    )
     before = _counters(core)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     if device.type == "cuda" and runner is not None:
         runner.time_device = True  # CUDA events around each step (and eviction)
-        runner.device_times, runner.compress_events = [], []
+        runner.device_times, runner.compress_events, runner.compress_steps = [], [], []
+        runner._timed_steps = 0
     prof = cProfile.Profile() if getattr(args, "profile_host", None) else None
     with count_host_syncs(device) as syncs, time_triton_compiles() as compiles:
         t = time.perf_counter()
@@ -448,6 +451,7 @@ def run(args: argparse.Namespace) -> dict:
         "device_ms_per_step_mean": (1e3 * float(np.mean(device_times)) if device_times else None),
         "device_busy_fraction": float(np.sum(device_times)) / elapsed if device_times else None,
         **_phase_split(rec.steps, device_times),
+        **_compress_split(rec.steps, device_times, compress_s, runner),
         "host_syncs": syncs.count,
         "host_sync_sources": dict(syncs.sources.most_common(12)),
         # Triton kernels compiled inside the timed run (each a host stall; 0 once warmed up)
@@ -472,6 +476,8 @@ def run(args: argparse.Namespace) -> dict:
                 "compress_ms_per_eviction_step": (
                     1e3 * sum(compress_s) / len(compress_s) if compress_s else None
                 ),
+                # blocks copied so that cached prompt blocks outlive their eviction
+                "prefix_copy_blocks": getattr(kv, "num_prefix_copies", 0) - kvc_before[2],
                 "metadata_bytes_per_kv": runner.kvc.metadata_bytes_per_kv(),
                 "kv_bytes": runner.kvc.spec.page_bytes // runner.kvc.block_size,
             }
@@ -525,6 +531,29 @@ def _phase_split(steps: list, device_times: list[float]) -> dict:
         "device_s_decode_steps": float(dt[decode].sum()),
         "device_s_prefill_steps": float(dt[~decode].sum()),
         "prefill_steps": int((~decode).sum()),
+    }
+
+
+def _compress_split(steps: list, device_times: list[float], compress_s: list[float],
+                    runner: Any) -> dict:  # fmt: skip
+    """KV-Compress: eviction device time in decode-only steps and in steps with prompt
+    tokens, and the decode-only steps' device time without it (when every step was timed)."""
+    at = getattr(runner, "compress_steps", None)
+    if not compress_s or not at or len(at) != len(compress_s):
+        return {}
+    if not device_times or len(device_times) != len(steps):
+        return {}
+    decode = np.array([max(s.num_tokens) == 1 for s in steps])
+    c = np.zeros(len(steps))
+    np.add.at(c, np.asarray(at), np.asarray(compress_s))
+    dt = np.asarray(device_times) - c
+    return {
+        "compress_s_decode_steps": float(c[decode].sum()),
+        "compress_s_prefill_steps": float(c[~decode].sum()),
+        "decode_steps_with_evictions": int((decode & (c > 0)).sum()),
+        "device_ms_per_decode_step_without_evictions": (
+            1e3 * float(dt[decode].mean()) if decode.any() else None
+        ),
     }
 
 
