@@ -151,6 +151,8 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         --output-len ${KVC_OUT:-500} --input-lens ${KVC_LENS:-500,2000,14000} --rates ${KVC_RATES:-8,64} \
         --max-num-seqs ${KVC_SEQS:-256} \
         --out "$OUT" | grep -v "^ " ;;
+    kvc-micro)  # one eviction step's device time at the 8B shape, by kernel (prompt, make-room)
+      python benchmarks/kvc_compress_micro.py --out "$OUT" ;;
     kvc-overhead) python benchmarks/gpu_suite.py bench-a --skip-peers --kvc-too --time-device \
         --out "$OUT" | grep -v "^ "; summary "$OUT"
       python benchmarks/gpu_suite.py bench-b --skip-peers --kvc-too --num-b ${KVC_NUM_B:-256} \
