@@ -75,6 +75,10 @@ SUMMARY_KEYS = (
     "compress_s_prefill_steps",
     "decode_steps_with_evictions",
     "device_ms_per_decode_step_without_evictions",
+    "head_len_mean",
+    "head_len_p50_p90_p99",
+    "head_len_max",
+    "layer_max_over_mean",
 )
 
 
@@ -173,7 +177,10 @@ def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dic
               f"{kvc.get('compress_ms_per_step')}, prefix copies {kvc.get('prefix_copy_blocks')}, "
               f"compress s decode/prefill steps {r.get('compress_s_decode_steps')} / "
               f"{r.get('compress_s_prefill_steps')}, decode step ms without evictions "
-              f"{r.get('device_ms_per_decode_step_without_evictions')}", flush=True)  # fmt: skip
+              f"{r.get('device_ms_per_decode_step_without_evictions')}, heads: mean "
+              f"{r.get('head_len_mean')}, p50/90/99 {r.get('head_len_p50_p90_p99')}, max "
+              f"{r.get('head_len_max')}, layer max/mean {r.get('layer_max_over_mean')}",
+              flush=True)  # fmt: skip
         clean()
     return runs
 

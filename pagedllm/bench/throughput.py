@@ -251,19 +251,30 @@ class StepRecorder:
         self.steps: list[StepRecord] = []
         self.host_s: list[float] = []
         self.decode_host_s: list[float] = []
+        # KV-Compress: every 64th decode-only step, the running requests' KVs per head
+        # ([rows, layers, KV heads] of the scheduler's lengths; see ``head_len_stats``)
+        self.head_lens: list[np.ndarray] = []
         sched = getattr(core, "scheduler", None)
         self._t = 0.0
         if sched is None:  # data parallelism: the schedulers are in the core processes
             return
         orig_schedule = sched.schedule
+        kvm = sched.kv_cache_manager
+        states = getattr(kvm, "states", None) if hasattr(kvm, "head_extent") else None
 
         def schedule():  # noqa: ANN202
             t = time.perf_counter()
             so = orig_schedule()
             self._t = time.perf_counter() - t
             if so.total_num_scheduled_tokens:
+                n = list(so.num_scheduled_tokens.values())
                 seq = [sched.requests[r].num_computed_tokens for r in so.num_scheduled_tokens]
-                self.steps.append(StepRecord(list(so.num_scheduled_tokens.values()), seq))
+                self.steps.append(StepRecord(n, seq))
+                if states is not None and len(self.steps) % 64 == 0 and max(n) == 1:
+                    lens = [states[r].lens for r in so.num_scheduled_tokens if r in states]
+                    if lens:
+                        h = kvm.spec.num_kv_heads
+                        self.head_lens.append(np.stack(lens).reshape(len(lens), -1, h))
             return so
 
         sched.schedule = schedule
@@ -452,6 +463,7 @@ def run(args: argparse.Namespace) -> dict:
         "device_busy_fraction": float(np.sum(device_times)) / elapsed if device_times else None,
         **_phase_split(rec.steps, device_times),
         **_compress_split(rec.steps, device_times, compress_s, runner),
+        **head_len_stats(rec.head_lens),
         "host_syncs": syncs.count,
         "host_sync_sources": dict(syncs.sources.most_common(12)),
         # Triton kernels compiled inside the timed run (each a host stall; 0 once warmed up)
@@ -531,6 +543,27 @@ def _phase_split(steps: list, device_times: list[float]) -> dict:
         "device_s_decode_steps": float(dt[decode].sum()),
         "device_s_prefill_steps": float(dt[~decode].sum()),
         "prefill_steps": int((~decode).sum()),
+    }
+
+
+def head_len_stats(samples: list[np.ndarray]) -> dict:
+    """KV-Compress: how uneven the heads' lengths are in the sampled decode steps (each
+    [rows, layers, KV heads]). ``layer_max_over_mean``: per layer, the longest head over the
+    mean head (one program per (row, KV head) runs a layer's decode: the longest sets a floor
+    under its time), averaged over layers and samples; quantiles of every head's length.
+    Example: a layer with heads [100, 100, 100, 900] -> 900 / 300 = 3.0."""
+    if not samples:
+        return {}
+    ratios = [float(np.mean(x.max(axis=(0, 2)) / np.maximum(x.mean(axis=(0, 2)), 1e-9)))
+              for x in samples]  # fmt: skip
+    flat = np.concatenate([x.reshape(-1) for x in samples])
+    q = np.percentile(flat, [50, 90, 99]).tolist()
+    return {
+        "head_len_samples": len(samples),
+        "head_len_mean": float(flat.mean()),
+        "head_len_p50_p90_p99": q,
+        "head_len_max": int(flat.max()),
+        "layer_max_over_mean": float(np.mean(ratios)),
     }
 
 

@@ -1,0 +1,124 @@
+"""KV-Compress's per-head decode kernel on uneven heads: does a layer's step cost its total
+keys, or its longest head?
+
+After an eviction to a budget, a request's heads keep very different numbers of KVs (the
+cheapest chunks go first, across every head). The single-pass kernel runs one program per
+(row, KV head), so a few long heads could set a layer's time. This times one layer's decode
+(Llama-3.1-8B shape: 32 query heads over 8 KV heads, head_dim 128, bf16, block 16, the score
+pass on as for requests with budgets) on 128 rows whose heads hold the same mean number of
+keys, uniform or skewed, at split counts 1 (the engine's choice at this batch) to 8, as a
+fraction of the device's copy bandwidth (bytes of K/V read / time).
+
+Usage (GPU): python benchmarks/kvc_decode_skew.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.kernels import bench, copy_bandwidth_gbps  # noqa: E402
+from pagedllm.ops.kvc_attention import kvc_decode_attention  # noqa: E402
+
+BS, HEAD_DIM, HEADS, KV_HEADS = 16, 128, 32, 8
+
+
+def head_lens(kind: str, rows: int, mean: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, KV_HEADS] lengths with the given mean. ``uniform``: every head ``mean``;
+    ``lognormal-S``: lognormal with sigma S, scaled to the mean, at most 6,000; ``one-long``:
+    one head of each row 16x the others."""
+    if kind == "uniform":
+        return np.full((rows, KV_HEADS), mean)
+    if kind.startswith("lognormal"):
+        sigma = float(kind.split("-")[1])
+        x = rng.lognormal(0.0, sigma, size=(rows, KV_HEADS))
+        x = np.minimum(x * mean / x.mean(), 6000)
+        return np.maximum(np.round(x * mean / x.mean()), 1).astype(np.int64)
+    if kind == "one-long":
+        x = np.full((rows, KV_HEADS), 1.0)
+        x[np.arange(rows), rng.integers(0, KV_HEADS, rows)] = 16.0
+        return np.maximum(np.round(x * mean / x.mean()), 1).astype(np.int64)
+    raise ValueError(kind)
+
+
+def make(lens: np.ndarray, seed: int, dev: torch.device) -> dict:
+    g = torch.Generator(device=dev).manual_seed(seed)
+    rows = lens.shape[0]
+    nblk = -(-lens // BS)  # [rows, KV_HEADS]
+    total, width = int(nblk.sum()), int(nblk.max())
+    cache = torch.randn((2, total, BS, HEAD_DIM), generator=g, device=dev, dtype=torch.bfloat16)
+    perm = torch.randperm(total, generator=g, device=dev).to(torch.int32)
+    tables = torch.zeros((rows, KV_HEADS, width), dtype=torch.int32, device=dev)
+    at = 0
+    for r in range(rows):
+        for h in range(KV_HEADS):
+            n = int(nblk[r, h])
+            tables[r, h, :n] = perm[at : at + n]
+            at += n
+    return {
+        "query": torch.randn(rows, HEADS, HEAD_DIM, generator=g, device=dev).to(torch.bfloat16),
+        "cache": cache,
+        "tables": tables,
+        "seq_lens": torch.from_numpy(lens).to(dev),
+        "scores": torch.zeros(total * BS, device=dev),
+        "scored": torch.ones(rows, dtype=torch.int32, device=dev),
+        "kv_bytes": int(lens.sum()) * HEAD_DIM * 2 * 2,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--rows", type=int, default=128)
+    ap.add_argument("--means", default="400,1500")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    bw = copy_bandwidth_gbps(dev, 1 << 30 if dev.type == "cuda" else 1 << 24)
+    rng = np.random.default_rng(0)
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    res = {"device": name, "git_commit": os.environ.get("PAGEDLLM_COMMIT"),
+           "copy_bandwidth_GBps": bw, "rows": args.rows, "cases": []}  # fmt: skip
+    for mean in [int(m) for m in args.means.split(",")]:
+        for kind in ("uniform", "lognormal-1.0", "lognormal-1.5", "one-long"):
+            lens = head_lens(kind, args.rows, mean, rng)
+            b = make(lens, 1, dev)
+            out = torch.empty_like(b["query"])
+            row = {"mean": mean, "kind": kind, "max_len": int(lens.max()),
+                   "p99_len": float(np.percentile(lens, 99)), "splits": {}}  # fmt: skip
+            for splits in (1, 2, 4, 8):
+                ms = bench(
+                    lambda s=splits, b=b, out=out: kvc_decode_attention(
+                        b["query"],
+                        b["cache"],
+                        b["tables"],
+                        b["seq_lens"],
+                        HEAD_DIM**-0.5,
+                        scores=b["scores"],
+                        scored=b["scored"],
+                        num_splits=s,
+                        out=out,
+                    ),  # fmt: skip
+                    dev,
+                )
+                frac = b["kv_bytes"] / (ms * 1e-3) / (bw * 1e9)
+                row["splits"][splits] = {"us": ms * 1e3, "bandwidth_fraction": frac}
+            res["cases"].append(row)
+            print(f"mean {mean:5d} {kind:14s} max {row['max_len']:5d} " + "  ".join(
+                f"s{s}: {v['us']:7.1f} us {v['bandwidth_fraction']:.2f}"
+                for s, v in row["splits"].items()), flush=True)  # fmt: skip
+    path = os.path.join(args.out, f"kvc_decode_skew_{res['device'].replace(' ', '_')}.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
