@@ -153,6 +153,8 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         --out "$OUT" | grep -v "^ " ;;
     kvc-micro)  # one eviction step's device time at the 8B shape, by kernel (prompt, make-room)
       python benchmarks/kvc_compress_micro.py --out "$OUT" ;;
+    kvc-skew)  # the per-head decode kernel on even and uneven heads of one mean, splits 1-8
+      python benchmarks/kvc_decode_skew.py --out "$OUT" ;;
     kvc-overhead) python benchmarks/gpu_suite.py bench-a --skip-peers --kvc-too --time-device \
         --out "$OUT" | grep -v "^ "; summary "$OUT"
       python benchmarks/gpu_suite.py bench-b --skip-peers --kvc-too --num-b ${KVC_NUM_B:-256} \
