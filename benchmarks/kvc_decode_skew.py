@@ -6,8 +6,10 @@ cheapest chunks go first, across every head). The single-pass kernel runs one pr
 (row, KV head), so a few long heads could set a layer's time. This times one layer's decode
 (Llama-3.1-8B shape: 32 query heads over 8 KV heads, head_dim 128, bf16, block 16, the score
 pass on as for requests with budgets) on 128 rows whose heads hold the same mean number of
-keys, uniform or skewed, at split counts 1 (the engine's choice at this batch) to 8, as a
-fraction of the device's copy bandwidth (bytes of K/V read / time).
+keys, uniform or skewed, single pass (the engine's choice at this batch before SKEW_SPLITS)
+and split "S:M" (S splits of at least M key tiles each: ``min_split_tiles``), as a fraction of
+the device's copy bandwidth (bytes of K/V read / time); each against the single pass's output
+and scores (max abs difference).
 
 Usage (GPU): python benchmarks/kvc_decode_skew.py [--out DIR]
 """
@@ -15,6 +17,7 @@ Usage (GPU): python benchmarks/kvc_decode_skew.py [--out DIR]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -93,27 +96,30 @@ def main() -> None:
             out = torch.empty_like(b["query"])
             row = {"mean": mean, "kind": kind, "max_len": int(lens.max()),
                    "p99_len": float(np.percentile(lens, 99)), "splits": {}}  # fmt: skip
-            for splits in (1, 2, 4, 8):
-                ms = bench(
-                    lambda s=splits, b=b, out=out: kvc_decode_attention(
-                        b["query"],
-                        b["cache"],
-                        b["tables"],
-                        b["seq_lens"],
-                        HEAD_DIM**-0.5,
-                        scores=b["scores"],
-                        scored=b["scored"],
-                        num_splits=s,
-                        out=out,
-                    ),  # fmt: skip
-                    dev,
-                )
+            configs = [(1, 1), (4, 1), (8, 1), (4, 8), (8, 8), (8, 16), (16, 8), (16, 16)]
+            base = None
+            for splits, min_tiles in configs:
+                fn = functools.partial(
+                    kvc_decode_attention, b["query"], b["cache"], b["tables"], b["seq_lens"],
+                    HEAD_DIM**-0.5, scores=b["scores"], scored=b["scored"], num_splits=splits,
+                    out=out, min_split_tiles=min_tiles,
+                )  # fmt: skip
+                # correctness against the single pass: output and one call's scores
+                b["scores"].zero_()
+                got = fn().float()
+                sc = b["scores"].clone()
+                if base is None:
+                    base = (got, sc)
+                err = max(float((got - base[0]).abs().max()), float((sc - base[1]).abs().max()))
+                ms = bench(fn, dev)
                 frac = b["kv_bytes"] / (ms * 1e-3) / (bw * 1e9)
-                row["splits"][splits] = {"us": ms * 1e3, "bandwidth_fraction": frac}
+                key = f"{splits}:{min_tiles}"
+                row["splits"][key] = {"us": ms * 1e3, "bandwidth_fraction": frac, "max_err": err}
             res["cases"].append(row)
             print(f"mean {mean:5d} {kind:14s} max {row['max_len']:5d} " + "  ".join(
-                f"s{s}: {v['us']:7.1f} us {v['bandwidth_fraction']:.2f}"
-                for s, v in row["splits"].items()), flush=True)  # fmt: skip
+                f"{k}: {v['us']:6.1f}" for k, v in row["splits"].items())
+                + f"  max err {max(v['max_err'] for v in row['splits'].values()):.1e}",
+                flush=True)  # fmt: skip
     path = os.path.join(args.out, f"kvc_decode_skew_{res['device'].replace(' ', '_')}.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)

@@ -135,7 +135,13 @@ def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dic
         torch.cuda.empty_cache()
 
     runs: dict[str, dict] = {}
-    base = _run_one(_args(a, input_len=input_len))
+    if a.baseline_json:  # an earlier call's uncompressed run (its file and commit recorded)
+        earlier = json.loads(Path(a.baseline_json).read_text())
+        base = dict(earlier["runs"]["uncompressed"])
+        base["from_earlier_call"] = {"file": os.path.basename(a.baseline_json),
+                                     "git_commit": earlier.get("git_commit")}  # fmt: skip
+    else:
+        base = _run_one(_args(a, input_len=input_len))
     runs["uncompressed"] = base
     print(f"in {input_len} uncompressed: {base['output_tokens_per_s']:.0f} out tok/s, peak "
           f"seqs {base['concurrent_seqs_peak']}", flush=True)  # fmt: skip
@@ -210,6 +216,12 @@ def main() -> None:
     )
     ap.add_argument("--protected-window-size", type=int, default=32)
     ap.add_argument("--profile-dir", default="", help="cProfile each KVC run's host side")
+    ap.add_argument(
+        "--baseline-json",
+        default="",
+        help="take the uncompressed run from this earlier result file instead of running it "
+        "(A/B of KV-Compress variants in one call; the ratios are then across calls)",
+    )
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args()
     rates = [float(r) for r in a.rates.split(",") if r]

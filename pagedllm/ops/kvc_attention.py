@@ -25,7 +25,9 @@ plain load/add/store suffices). Long contexts at small batch: split-K (the count
 :func:`kvc_decode_num_splits` unless given), ``num_splits`` programs per (row, KV head) over
 equal slices of the head's tiles writing partial (acc, max, sum), a combine kernel per (row,
 query head), then (with scores) a score pass per split that uses the combined max and sum. The
-slice length is computed in the kernel from ``seq_lens``.
+slice length is computed in the kernel from ``seq_lens``, at least ``min_split_tiles`` tiles:
+scored rows at a batch that fills the SMs take that path too (``SKEW_SPLITS``), so the few
+long heads an eviction leaves are split and the short ones are not.
 
 Measured on an H200 (bf16, head_dim 128, G 4, 8 KV heads, CUDA-graph time; paged_attention
 on the same bytes in brackets): 128 x 1k keys 136 us (129), 1 x 32k 44 us (42), 8 x 8k 76 us
@@ -43,6 +45,7 @@ import time; under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors, f
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -70,6 +73,27 @@ LOG2E = 1.4426950408889634
 # The single-pass decode kernel's launch shape when set (benchmarks compare shapes inside the
 # engine with it: ``benchmarks/gpu_suite.py --kvc-tiles``); None: kvc_decode_tile_config's.
 DECODE_TILE_OVERRIDE: TileConfig | None = None
+
+
+def _skew_splits_from_env() -> tuple[int, int] | None:
+    """``PAGEDLLM_KVC_SKEW_SPLITS``: "S:M" (split count, least tiles a split), "0" for none."""
+    text = os.environ.get("PAGEDLLM_KVC_SKEW_SPLITS", "8:16")
+    if text.strip() in ("", "0"):
+        return None
+    splits, min_tiles = (int(x) for x in text.split(":"))
+    if splits < 2 or min_tiles < 1:
+        raise ValueError(f"PAGEDLLM_KVC_SKEW_SPLITS must be S:M with S >= 2, M >= 1: {text!r}")
+    return splits, min_tiles
+
+
+# Scored decode rows at a batch that fills the SMs (one program per (row, KV head), no split)
+# run the split path with (S, M) = SKEW_SPLITS instead: up to S programs per head, each over
+# at least M key tiles. Requests evicted to a budget keep very uneven heads (cheapest chunks go
+# first across every head), and one long head sets a layer's time in the single pass. H200
+# (``benchmarks/kvc_decode_skew.py``, 128 rows, 8B shape, score pass on, heads of mean 400):
+# even heads 104 us single-pass; lognormal heads (max 5,656) 290 us single-pass, 212 us with
+# 4 even splits. None: the single pass.
+SKEW_SPLITS: tuple[int, int] | None = _skew_splits_from_env()
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,12 +418,16 @@ def _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi, ROW_FLAGS: tl.
 
 
 @triton.jit
-def _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS: tl.constexpr):
-    """Split s's share of tiles [tile_lo, tile_hi): equal slices, the last ones shorter.
+def _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr):
+    """Split s's share of tiles [tile_lo, tile_hi): equal slices of at least MIN_TILES tiles,
+    the last ones shorter or empty.
 
-    Example: 20 tiles, NUM_SPLITS 8 -> per 3: splits 0-5 get 3 tiles, 6 gets 2, 7 none.
+    Example: 20 tiles, NUM_SPLITS 8 -> per 3: splits 0-5 get 3 tiles, 6 gets 2, 7 none. With
+    MIN_TILES 8 -> per 8: splits 0-1 get 8, 2 gets 4, 3-7 none; a head of 5 tiles is split 0's
+    alone. (KV-Compress leaves a request's heads uneven: a layer's few long heads are split,
+    its short ones are not, and one grid serves both.)
     """
-    per = (tile_hi - tile_lo + NUM_SPLITS - 1) // NUM_SPLITS
+    per = tl.maximum((tile_hi - tile_lo + NUM_SPLITS - 1) // NUM_SPLITS, MIN_TILES)
     lo = tl.minimum(tile_lo + s * per, tile_hi)
     return lo, tl.minimum(lo + per, tile_hi)
 
@@ -521,9 +549,10 @@ def _split_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     Q_ROWS: tl.constexpr,
+    MIN_TILES: tl.constexpr,
 ):
     """One program per (row, KV head, split): the split's partial (acc, max, sum) per query
-    head; an empty split writes (0, -inf, 0)."""
+    head; an empty split writes (-inf, 0) and no acc (the combine does not read it)."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -532,7 +561,7 @@ def _split_kernel(
         stride_qh, stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M,
         TILE_N, Q_ROWS,
     )  # fmt: skip
-    tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS)
+    tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS, MIN_TILES)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -546,7 +575,8 @@ def _split_kernel(
     tl.store(part_m_ptr + prow, m_i, mask=row_mask)
     tl.store(part_l_ptr + prow, l_i, mask=row_mask)
     d = tl.arange(0, HEAD_PAD)
-    tl.store(part_acc_ptr + prow[:, None] * HEAD_PAD + d[None, :], acc, mask=row_mask[:, None])
+    busy = row_mask & (tile_lo < tile_hi)
+    tl.store(part_acc_ptr + prow[:, None] * HEAD_PAD + d[None, :], acc, mask=busy[:, None])
 
 
 @triton.jit(do_not_specialize_on_alignment=["q_rows_ptr"])
@@ -589,9 +619,10 @@ def _combine_kernel(
     denom = tl.where(denom == 0.0, 1.0, denom)
     d = tl.arange(0, HEAD_PAD)
     d_mask = d < HEAD_DIM
+    busy = sp_mask & (m_s != float("-inf"))  # an empty split wrote no acc (weight 0)
     acc = tl.load(  # [SPLIT_PAD, HEAD_PAD]
         part_acc_ptr + prow[:, None] * HEAD_PAD + d[None, :],
-        mask=sp_mask[:, None] & d_mask[None, :],
+        mask=busy[:, None] & d_mask[None, :],
         other=0.0,
     )
     out = tl.sum(acc * w[:, None], axis=0) / denom
@@ -640,6 +671,7 @@ def _split_score_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     Q_ROWS: tl.constexpr,
+    MIN_TILES: tl.constexpr,
 ):
     """One program per (row, KV head, split): the split's keys' scores from the combined max
     and sum (the same tiles as the split's ``_split_kernel`` program)."""
@@ -651,7 +683,7 @@ def _split_score_kernel(
         stride_qh, stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M,
         TILE_N, Q_ROWS,
     )  # fmt: skip
-    tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS)
+    tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS, MIN_TILES)
     tile_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi, ROW_FLAGS)
     g = row.to(tl.int64) * NUM_HEADS + head  # [BLOCK_M]
     m_fin = tl.load(glob_m_ptr + g, mask=row_mask, other=0.0)
@@ -768,6 +800,7 @@ def kvc_decode_attention(
     scored: torch.Tensor | None = None,  # [table rows] int32: score only rows flagged != 0
     q_rows: torch.Tensor | None = None,  # [num_rows] int64: query/output rows (None: 0..)
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]: written in place
+    min_split_tiles: int = 1,  # with num_splits > 1: the least key tiles of a split
 ) -> torch.Tensor:
     """Decode attention over per-head paged KVs; returns [num_tokens, num_heads, head_dim] in
     the query's dtype.
@@ -833,7 +866,12 @@ def kvc_decode_attention(
         num_splits = kvc_decode_auto_splits(
             num_rows, block_tables, block_size, window, head_dim, query.device, cfg.tile_n
         )
-    assert num_splits >= 1
+        if num_splits == 1 and scores is not None and SKEW_SPLITS is not None:
+            s, m = SKEW_SPLITS  # (a head longer than M tiles can exist: split the long ones)
+            capacity = block_tables.shape[2] * block_size
+            if min(capacity, window or capacity) > m * cfg.tile_n:
+                num_splits, min_split_tiles = s, m
+    assert num_splits >= 1 and min_split_tiles >= 1
     if tile_config is None and num_splits == 1:
         cfg = DECODE_TILE_OVERRIDE or kvc_decode_tile_config(
             head_pad, scores is not None, query.device, kv_cache.element_size()
@@ -871,7 +909,8 @@ def kvc_decode_attention(
     _split_kernel[grid](
         part_acc, part_m, part_l, query, k_cache, v_cache, block_tables, seq_lens, row_ids,
         q_rows_arg, qk_scale, window, *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
-        num_warps=cfg.num_warps, num_stages=cfg.split_num_stages, **consts,
+        num_warps=cfg.num_warps, num_stages=cfg.split_num_stages, MIN_TILES=min_split_tiles,
+        **consts,
     )  # fmt: skip
     if scores is not None:
         glob_m = torch.empty((num_rows, num_heads), dtype=torch.float32, device=dev)
@@ -890,7 +929,8 @@ def kvc_decode_attention(
             scores, scored_arg, glob_m, glob_l, query, k_cache, block_tables, seq_lens,
             row_ids, q_rows_arg, qk_scale, window,
             *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits, num_warps=cfg.num_warps,
-            num_stages=cfg.split_num_stages, ROW_FLAGS=scored is not None, **consts,
+            num_stages=cfg.split_num_stages, ROW_FLAGS=scored is not None,
+            MIN_TILES=min_split_tiles, **consts,
         )  # fmt: skip
     return out
 

@@ -250,6 +250,7 @@ def check_decode(
     with_scores: bool,
     seed: int,
     tile_config: TileConfig | None = TILE,
+    min_split_tiles: int = 1,
 ) -> None:
     """kvc_decode_attention with each split count against :func:`decode_ref`; with scores,
     starting each time from random scores."""
@@ -266,7 +267,7 @@ def check_decode(
         scores = start.clone().to(DEVICE) if with_scores else None
         out = kvc_decode_attention(
             query.to(DEVICE), kv, tables, lens, scale, scores=scores, sliding_window=window,
-            num_splits=num_splits, tile_config=tile_config,
+            num_splits=num_splits, tile_config=tile_config, min_split_tiles=min_split_tiles,
         )  # fmt: skip
         assert out.dtype == query.dtype and out.shape == query.shape
         got = out.float().cpu()
@@ -315,6 +316,68 @@ def test_decode_auto_splits(dtype: torch.dtype) -> None:
         assert (n > 1) == split, n
         query = torch.randn(rows, 2 * heads, 64, generator=torch.Generator().manual_seed(6))
         check_decode(c, query.to(dtype), 64**-0.5, None, (None,), with_scores=True, seed=7)
+
+
+def uneven_lens(rows: int, heads: int, short: int, long: int, seed: int) -> torch.Tensor:
+    """[rows, heads] lengths as KV-Compress leaves them: most heads short, one head of each
+    row long, a few empty."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, short + 1, (rows, heads), generator=gen, dtype=torch.int32)
+    lens[torch.arange(rows), torch.randint(0, heads, (rows,), generator=gen)] = long
+    lens.view(-1)[::7] = 0
+    return lens
+
+
+@pytest.mark.parametrize("dtype", DTYPES if CUDA else [torch.bfloat16, torch.float32], ids=str)
+def test_decode_uneven_heads_split_by_least_tiles(dtype: torch.dtype) -> None:
+    """Split-K with at least ``min_split_tiles`` tiles a split: a short head is split 0's alone
+    (the others empty, writing no partial output), a long one spans several splits; outputs
+    and scores equal the reference with windows on and off, and at least 1 tile a split."""
+    block_size = BLOCK_SIZES[0]
+    rows, heads, short, long = (12, 4, 300, 5000) if CUDA else (4, 2, 20, 300)
+    lens = uneven_lens(rows, heads, short, long, seed=8)
+    c = make_head_cache(lens, 64, block_size, dtype, seed=9)
+    query = torch.randn(rows, 2 * heads, 64, generator=torch.Generator().manual_seed(10))
+    tiles = 4 if CUDA else 2  # a short head fits in that many tiles, a long one does not
+    for i, window in enumerate((None, 50 if CUDA else 7)):
+        for m in (1, tiles):
+            check_decode(c, query.to(dtype), 64**-0.5, window, (8,), with_scores=True,
+                         seed=11 + i, min_split_tiles=m)  # fmt: skip
+
+
+def test_decode_auto_splits_uneven_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scored rows that fill the SMs take the split path with ``SKEW_SPLITS`` (none without
+    scores, nor with ``SKEW_SPLITS`` None); every way gives the reference's output."""
+    import pagedllm.ops.kvc_attention as kvc_ops
+
+    block_size = BLOCK_SIZES[0]
+    rows, heads, short, long = (200, 4, 60, 3000) if CUDA else (8, 4, 20, 90)
+    lens = uneven_lens(rows, heads, short, long, seed=12)
+    c = make_head_cache(lens, 64, block_size, torch.float32, seed=13)
+    capacity = c.block_tables.shape[2] * block_size
+    tile_n = TILE.tile_n if TILE else 64
+    assert kvc_decode_num_splits(rows, heads, capacity, DEVICE, tile_n) == 1
+    query = torch.randn(rows, 2 * heads, 64, generator=torch.Generator().manual_seed(14))
+    calls = []
+    real = kvc_ops._split_kernel
+
+    class Spy:  # records the split path's launches (grid and MIN_TILES)
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                calls.append((grid, kw["MIN_TILES"]))
+                return real[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(kvc_ops, "_split_kernel", Spy())
+    monkeypatch.setattr(kvc_ops, "SKEW_SPLITS", (8, 2))
+    check_decode(c, query, 64**-0.5, None, (None,), with_scores=True, seed=15)
+    assert calls == [((rows, heads, 8), 2)]
+    check_decode(c, query, 64**-0.5, None, (None,), with_scores=False, seed=16)
+    assert len(calls) == 1  # without scores: the single pass
+    monkeypatch.setattr(kvc_ops, "SKEW_SPLITS", None)
+    check_decode(c, query, 64**-0.5, None, (None,), with_scores=True, seed=17)
+    assert len(calls) == 1
 
 
 def test_decode_strided_inputs() -> None:
