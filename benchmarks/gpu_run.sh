@@ -155,9 +155,9 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
       python benchmarks/kvc_compress_micro.py --out "$OUT" ;;
     kvc-skew)  # the per-head decode kernel on even and uneven heads of one mean, splits 1-8
       python benchmarks/kvc_decode_skew.py --out "$OUT" ;;
-    kvc-d-skew-ab)  # cr 64 at 6,000 with the uneven-head decode splits off, then on (the
-      # uncompressed run from an earlier call's file: KVC_BASELINE)
-      for v in 0 ${KVC_SKEW:-8:16}; do
+    kvc-d-skew-ab)  # cr 64 at 6,000 with the uneven-head decode splits on, then off (the
+      # uncompressed run from an earlier call's file: KVC_BASELINE); on first: a call cut short keeps it
+      for v in ${KVC_SKEW:-8:16} 0; do
         PAGEDLLM_KVC_SKEW_SPLITS=$v python benchmarks/kvcompress_throughput.py --num-prompts \
           ${KVC_PROMPTS:-256} --input-len ${KVC_LEN:-6000} --rates ${KVC_RATES:-64} \
           --baseline-json "$KVC_BASELINE" --out "$OUT/skew_${v/:/_}" | grep "^in "
