@@ -25,9 +25,8 @@ plain load/add/store suffices). Long contexts at small batch: split-K (the count
 :func:`kvc_decode_num_splits` unless given), ``num_splits`` programs per (row, KV head) over
 equal slices of the head's tiles writing partial (acc, max, sum), a combine kernel per (row,
 query head), then (with scores) a score pass per split that uses the combined max and sum. The
-slice length is computed in the kernel from ``seq_lens``, at least ``min_split_tiles`` tiles:
-scored rows at a batch that fills the SMs take that path too (``SKEW_SPLITS``), so the few
-long heads an eviction leaves are split and the short ones are not.
+slice length is computed in the kernel from ``seq_lens``, at least ``min_split_tiles`` tiles
+(``SKEW_SPLITS``: uneven heads, off by default).
 
 Measured on an H200 (bf16, head_dim 128, G 4, 8 KV heads, CUDA-graph time; paged_attention
 on the same bytes in brackets): 128 x 1k keys 136 us (129), 1 x 32k 44 us (42), 8 x 8k 76 us
@@ -76,8 +75,9 @@ DECODE_TILE_OVERRIDE: TileConfig | None = None
 
 
 def _skew_splits_from_env() -> tuple[int, int] | None:
-    """``PAGEDLLM_KVC_SKEW_SPLITS``: "S:M" (split count, least tiles a split), "0" for none."""
-    text = os.environ.get("PAGEDLLM_KVC_SKEW_SPLITS", "8:16")
+    """``PAGEDLLM_KVC_SKEW_SPLITS``: "S:M" (split count, least tiles a split); unset or "0":
+    none."""
+    text = os.environ.get("PAGEDLLM_KVC_SKEW_SPLITS", "0")
     if text.strip() in ("", "0"):
         return None
     splits, min_tiles = (int(x) for x in text.split(":"))
@@ -86,13 +86,16 @@ def _skew_splits_from_env() -> tuple[int, int] | None:
     return splits, min_tiles
 
 
-# Scored decode rows at a batch that fills the SMs (one program per (row, KV head), no split)
-# run the split path with (S, M) = SKEW_SPLITS instead: up to S programs per head, each over
-# at least M key tiles. Requests evicted to a budget keep very uneven heads (cheapest chunks go
-# first across every head), and one long head sets a layer's time in the single pass. H200
-# (``benchmarks/kvc_decode_skew.py``, 128 rows, 8B shape, score pass on, heads of mean 400):
-# even heads 104 us single-pass; lognormal heads (max 5,656) 290 us single-pass, 212 us with
-# 4 even splits. None: the single pass.
+# When set, scored decode rows at a batch that fills the SMs (one program per (row, KV head),
+# no split) run the split path with (S, M) = SKEW_SPLITS instead: up to S programs per head,
+# each over at least M key tiles, so an eviction's few long heads are split and the short ones
+# are not. Off by default: it loses where measured. H200, one layer, 128 rows, 8B shape, score
+# pass on (``benchmarks/kvc_decode_skew.py``): lognormal heads of mean 400 (max 5,656) 290 us
+# single-pass, 204 us with 4:1, 234 with 8:16; but even heads 103 us single-pass, 231 with 8:16
+# (the split path's empty programs, its combine and its separate score pass). Benchmark D at
+# 6,000 / cr 64, one call: 8:16 took 10.8 ms a decode step against 9.5 off (3.44x against
+# 3.55x): there the heads are mostly even (p99 465 KVs, mean 213, a layer's longest 12x its
+# mean). Benchmarks and tests turn it on (the env variable, or set this).
 SKEW_SPLITS: tuple[int, int] | None = _skew_splits_from_env()
 
 
