@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     rng = np.random.default_rng(0)
     sched = Scheduler(
         SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=args.max_seqs,
-                        max_model_len=4096, enable_chunked_prefill=True),
+                        max_model_len=args.max_model_len, enable_chunked_prefill=True),
         CacheConfig(block_size=16, enable_prefix_caching=args.prefix_caching),
         blocks, 0, kv_groups=groups, kvc_config=kvc,
     )  # fmt: skip
@@ -160,6 +160,7 @@ def main() -> None:
     ap.add_argument("--kvc", action="store_true", help="KV-Compress on, no budget (issue 17)")
     ap.add_argument("--kvc-budget", type=int, default=0, help="KV-Compress, max_cache_tokens")
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     best: dict[str, float] = {}
