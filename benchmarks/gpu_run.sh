@@ -149,8 +149,8 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         --rates ${KVC_RATES:-64,8} --kv-cache-memory-bytes 0 --out "$OUT" | grep "^in " ;;
     kvc-d-sweep) python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-64} \
         --output-len ${KVC_OUT:-500} --input-lens ${KVC_LENS:-500,2000,14000} --rates ${KVC_RATES:-8,64} \
-        --max-num-seqs ${KVC_SEQS:-256} \
-        --out "$OUT" | grep -v "^ " ;;
+        --max-num-seqs ${KVC_SEQS:-256} ${KVC_BASELINE:+--baseline-json $KVC_BASELINE} \
+        --out "$OUT" | grep -v "^ " ;;  # (KVC_BASELINE: one length only)
     kvc-micro)  # one eviction step's device time at the 8B shape, by kernel (prompt, make-room)
       python benchmarks/kvc_compress_micro.py --out "$OUT" ;;
     kvc-skew)  # the per-head decode kernel on even and uneven heads of one mean, splits 1-8
