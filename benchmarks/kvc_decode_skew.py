@@ -6,7 +6,7 @@ cheapest chunks go first, across every head). The single-pass kernel runs one pr
 (row, KV head), so a few long heads could set a layer's time. This times one layer's decode
 (Llama-3.1-8B shape: 32 query heads over 8 KV heads, head_dim 128, bf16, block 16, the score
 pass on as for requests with budgets) on 128 rows whose heads hold the same mean number of
-keys, uniform or skewed, single pass (the engine's choice at this batch before SKEW_SPLITS)
+keys, uniform or skewed, single pass (the engine's choice at this batch by default)
 and split "S:M" (S splits of at least M key tiles each: ``min_split_tiles``), as a fraction of
 the device's copy bandwidth (bytes of K/V read / time); each against the single pass's output
 and scores (max abs difference).
