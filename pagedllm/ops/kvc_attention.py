@@ -89,13 +89,16 @@ def _skew_splits_from_env() -> tuple[int, int] | None:
 # When set, scored decode rows at a batch that fills the SMs (one program per (row, KV head),
 # no split) run the split path with (S, M) = SKEW_SPLITS instead: up to S programs per head,
 # each over at least M key tiles, so an eviction's few long heads are split and the short ones
-# are not. Off by default: it loses where measured. H200, one layer, 128 rows, 8B shape, score
-# pass on (``benchmarks/kvc_decode_skew.py``): lognormal heads of mean 400 (max 5,656) 290 us
-# single-pass, 204 us with 4:1, 234 with 8:16; but even heads 103 us single-pass, 231 with 8:16
-# (the split path's empty programs, its combine and its separate score pass). Benchmark D at
-# 6,000 / cr 64, one call: 8:16 took 10.8 ms a decode step against 9.5 off (3.44x against
-# 3.55x): there the heads are mostly even (p99 465 KVs, mean 213, a layer's longest 12x its
-# mean). Benchmarks and tests turn it on (the env variable, or set this).
+# are not; a head that fits in split 0 is finished by that program as in the single pass
+# (output, then its scores while its keys are in L2), the combine and score kernels skip it.
+# Off by default. Measured before that last part (H200, tree 118cb3b; one layer, 128 rows, 8B
+# shape, score pass on, ``benchmarks/kvc_decode_skew.py``): lognormal heads of mean 400 (max
+# 5,656) 290 us single-pass, 204 us with 4:1, 234 with 8:16; even heads 103 us single-pass, 231
+# with 8:16 (every head through partials, the combine and a separate score pass that re-reads
+# the keys); Benchmark D at 6,000 / cr 64: 8:16 10.8 ms a decode step against 9.5 off (3.44x
+# against 3.55x; heads there: p99 465 KVs, mean 213, a layer's longest 12x its mean). The
+# variant that finishes short heads in place is not measured yet. Benchmarks and tests turn it
+# on (the env variable, or set this).
 SKEW_SPLITS: tuple[int, int] | None = _skew_splits_from_env()
 
 
@@ -435,6 +438,26 @@ def _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.co
     return lo, tl.minimum(lo + per, tile_hi)
 
 
+@triton.jit
+def _store_partial(
+    part_acc_ptr, part_m_ptr, part_l_ptr, prow, acc, m_i, l_i, row_mask, busy,
+    HEAD_PAD: tl.constexpr,
+):  # fmt: skip
+    """A split's partial (max, sum, and acc where it had keys) at part rows ``prow``."""
+    tl.store(part_m_ptr + prow, m_i, mask=row_mask)
+    tl.store(part_l_ptr + prow, l_i, mask=row_mask)
+    d = tl.arange(0, HEAD_PAD)
+    tl.store(part_acc_ptr + prow[:, None] * HEAD_PAD + d[None, :], acc, mask=busy[:, None])
+
+
+@triton.jit
+def _one_split(tile_lo, tile_hi, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr):
+    """Whether a head's tiles [tile_lo, tile_hi) all fall to split 0 (``_split_tiles``).
+    Example: MIN_TILES 8, NUM_SPLITS 4: 8 tiles -> True, 9 -> False (per 8: 8 + 1)."""
+    n = tile_hi - tile_lo
+    return n <= tl.maximum((n + NUM_SPLITS - 1) // NUM_SPLITS, MIN_TILES)
+
+
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
@@ -553,9 +576,21 @@ def _split_kernel(
     PRECISION: tl.constexpr,
     Q_ROWS: tl.constexpr,
     MIN_TILES: tl.constexpr,
+    # DIRECT: a head whose tiles all fall to split 0 is finished by that program, as the
+    # single-pass kernel does (output, then with SCORES its keys' scores while they are in
+    # L2); its split 0 marks part_l -1 so the combine and the score kernel leave it alone
+    out_ptr=None,
+    scores_ptr=None,
+    scored_ptr=None,
+    stride_ot=0,
+    stride_oh=0,
+    DIRECT: tl.constexpr = False,
+    SCORES: tl.constexpr = False,
+    ROW_FLAGS: tl.constexpr = False,
 ):
     """One program per (row, KV head, split): the split's partial (acc, max, sum) per query
-    head; an empty split writes (-inf, 0) and no acc (the combine does not read it)."""
+    head; an empty split writes (-inf, 0) and no acc (the combine does not read it). With
+    DIRECT, split 0 of a head no other split shares writes the head's output (and scores)."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -564,6 +599,7 @@ def _split_kernel(
         stride_qh, stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M,
         TILE_N, Q_ROWS,
     )  # fmt: skip
+    alone = _one_split(tile_lo, tile_hi, NUM_SPLITS, MIN_TILES)
     tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS, MIN_TILES)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -575,11 +611,32 @@ def _split_kernel(
     )  # fmt: skip
     # Example: NUM_HEADS 8, NUM_SPLITS 4, row 2, head 5, split 3 -> part row (2 * 8 + 5) * 4 + 3.
     prow = (row.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + s  # [BLOCK_M]
-    tl.store(part_m_ptr + prow, m_i, mask=row_mask)
-    tl.store(part_l_ptr + prow, l_i, mask=row_mask)
-    d = tl.arange(0, HEAD_PAD)
     busy = row_mask & (tile_lo < tile_hi)
-    tl.store(part_acc_ptr + prow[:, None] * HEAD_PAD + d[None, :], acc, mask=busy[:, None])
+    if DIRECT:
+        if alone & (s == 0):  # split 0 has every tile of the head (the others none)
+            d = tl.arange(0, HEAD_PAD)
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a head with no key: output 0
+            tl.store(
+                out_ptr + qrow * stride_ot + head[:, None] * stride_oh + d[None, :],
+                (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+                mask=row_mask[:, None] & (d < HEAD_DIM)[None, :],
+            )
+            tl.store(part_l_ptr + prow, tl.full([BLOCK_M], -1.0, tl.float32), mask=row_mask)
+            if SCORES:
+                m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+                inv_l = tl.where(row_mask, 1.0 / l_safe, 0.0)
+                tile_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi, ROW_FLAGS)
+                _score_range(
+                    q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_row, stride_bb, tile_lo,
+                    tile_hi, key_lo, key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD,
+                    BLOCK_SIZE, TILE_N, UPCAST, PRECISION,
+                )  # fmt: skip
+        else:
+            _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, prow, acc, m_i, l_i, row_mask,
+                           busy, HEAD_PAD)  # fmt: skip
+    else:
+        _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, prow, acc, m_i, l_i, row_mask, busy,
+                       HEAD_PAD)  # fmt: skip
 
 
 @triton.jit(do_not_specialize_on_alignment=["q_rows_ptr"])
@@ -613,8 +670,12 @@ def _combine_kernel(
     sp_mask = sp < NUM_SPLITS
     base = row.to(tl.int64) * NUM_HEADS + h
     prow = base * NUM_SPLITS + sp  # [SPLIT_PAD]
-    m_s = tl.load(part_m_ptr + prow, mask=sp_mask, other=float("-inf"))
     l_s = tl.load(part_l_ptr + prow, mask=sp_mask, other=0.0)
+    # split 0's l of -1: its program finished the head (``_split_kernel``'s DIRECT)
+    l_first = tl.sum(tl.where(sp == 0, l_s, 0.0), axis=0)
+    sp_mask = sp_mask & ((tl.zeros([SPLIT_PAD], tl.float32) + l_first) >= 0.0)
+    m_s = tl.load(part_m_ptr + prow, mask=sp_mask, other=float("-inf"))
+    l_s = tl.where(sp_mask, l_s, 0.0)
     m_all = tl.max(m_s, axis=0)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
     w = tl.exp2(m_s - m_all)  # empty splits (m -inf) weigh 0
@@ -632,9 +693,9 @@ def _combine_kernel(
     tl.store(
         out_ptr + orow * stride_ot + h * stride_oh + d,
         out.to(out_ptr.dtype.element_ty),
-        mask=d_mask,
+        mask=d_mask & ((tl.zeros([HEAD_PAD], tl.float32) + l_first) >= 0.0),
     )
-    if STORE_ML:
+    if STORE_ML:  # (a head its split kernel finished gets 0 and 1: its score pass is skipped)
         tl.store(glob_m_ptr + base, m_all)
         tl.store(glob_l_ptr + base, denom)
 
@@ -675,9 +736,11 @@ def _split_score_kernel(
     PRECISION: tl.constexpr,
     Q_ROWS: tl.constexpr,
     MIN_TILES: tl.constexpr,
+    DIRECT: tl.constexpr = False,
 ):
     """One program per (row, KV head, split): the split's keys' scores from the combined max
-    and sum (the same tiles as the split's ``_split_kernel`` program)."""
+    and sum (the same tiles as the split's ``_split_kernel`` program; with DIRECT none for a
+    head that program finished)."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -686,8 +749,11 @@ def _split_score_kernel(
         stride_qh, stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M,
         TILE_N, Q_ROWS,
     )  # fmt: skip
+    alone = _one_split(tile_lo, tile_hi, NUM_SPLITS, MIN_TILES)
     tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS, MIN_TILES)
     tile_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi, ROW_FLAGS)
+    if DIRECT:
+        tile_hi = tl.where(alone, tile_lo, tile_hi)  # scored by its split kernel program
     g = row.to(tl.int64) * NUM_HEADS + head  # [BLOCK_M]
     m_fin = tl.load(glob_m_ptr + g, mask=row_mask, other=0.0)
     inv_l = tl.where(row_mask, 1.0 / tl.load(glob_l_ptr + g, mask=row_mask, other=1.0), 0.0)
@@ -904,6 +970,14 @@ def kvc_decode_attention(
         return out
 
     dev = query.device
+    # splits of at least 2 tiles: a head short enough for split 0 alone is finished there
+    direct = {}
+    if min_split_tiles > 1:
+        direct = dict(
+            out_ptr=out, scores_ptr=scores_arg, scored_ptr=scored_arg, stride_ot=out.stride(0),
+            stride_oh=out.stride(1), DIRECT=True, SCORES=scores is not None,
+            ROW_FLAGS=scored is not None,
+        )  # fmt: skip
     part_acc = torch.empty((num_rows, num_heads, num_splits, head_pad), dtype=torch.float32,
                            device=dev)  # fmt: skip
     part_m = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=dev)
@@ -913,7 +987,7 @@ def kvc_decode_attention(
         part_acc, part_m, part_l, query, k_cache, v_cache, block_tables, seq_lens, row_ids,
         q_rows_arg, qk_scale, window, *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
         num_warps=cfg.num_warps, num_stages=cfg.split_num_stages, MIN_TILES=min_split_tiles,
-        **consts,
+        **consts, **direct,
     )  # fmt: skip
     if scores is not None:
         glob_m = torch.empty((num_rows, num_heads), dtype=torch.float32, device=dev)
@@ -933,7 +1007,7 @@ def kvc_decode_attention(
             row_ids, q_rows_arg, qk_scale, window,
             *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits, num_warps=cfg.num_warps,
             num_stages=cfg.split_num_stages, ROW_FLAGS=scored is not None,
-            MIN_TILES=min_split_tiles, **consts,
+            MIN_TILES=min_split_tiles, DIRECT=min_split_tiles > 1, **consts,
         )  # fmt: skip
     return out
 

@@ -331,8 +331,9 @@ def uneven_lens(rows: int, heads: int, short: int, long: int, seed: int) -> torc
 @pytest.mark.parametrize("dtype", DTYPES if CUDA else [torch.bfloat16, torch.float32], ids=str)
 def test_decode_uneven_heads_split_by_least_tiles(dtype: torch.dtype) -> None:
     """Split-K with at least ``min_split_tiles`` tiles a split: a short head is split 0's alone
-    (the others empty, writing no partial output), a long one spans several splits; outputs
-    and scores equal the reference with windows on and off, and at least 1 tile a split."""
+    (with at least 2 tiles a split, that program finishes it - output and scores - and the
+    combine and score kernels skip it), a long one spans several splits; outputs and scores
+    equal the reference with windows on and off, and at least 1 tile a split."""
     block_size = BLOCK_SIZES[0]
     rows, heads, short, long = (12, 4, 300, 5000) if CUDA else (4, 2, 20, 300)
     lens = uneven_lens(rows, heads, short, long, seed=8)
