@@ -625,11 +625,12 @@ def _split_kernel(
             if SCORES:
                 m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
                 inv_l = tl.where(row_mask, 1.0 / l_safe, 0.0)
-                tile_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi, ROW_FLAGS)
+                score_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi,
+                                         ROW_FLAGS)  # fmt: skip
                 _score_range(
                     q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_row, stride_bb, tile_lo,
-                    tile_hi, key_lo, key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD,
-                    BLOCK_SIZE, TILE_N, UPCAST, PRECISION,
+                    score_hi, key_lo, key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM,
+                    HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST, PRECISION,
                 )  # fmt: skip
         else:
             _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, prow, acc, m_i, l_i, row_mask,
