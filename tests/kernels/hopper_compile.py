@@ -1,10 +1,12 @@
-"""Compile the KV-Compress decode kernels for an H100/H200 (sm_90) on a machine without a GPU.
+"""Compile the Triton kernels of ``pagedllm/ops`` for an H100/H200 (sm_90) on a machine
+without a GPU.
 
 Triton's interpreter (how the kernel tests run here) executes the kernels' Python; it does not
 lower them, so a construct the compiler rejects (a branch it cannot type, a scalar where it
 wants a block, an unsupported pointer) passes here and fails at the GPU's warm-up. This lowers
-each variant the engine launches - AST, TTIR, TTGIR, LLVM IR, PTX, cubin - with the NVIDIA
-backend and the ``ptxas`` that ship in Triton's wheel. Run in a process without
+the variants the engine launches - AST, TTIR, TTGIR, LLVM IR, PTX, cubin - with the NVIDIA
+backend and the ``ptxas`` that ship in Triton's wheel, at Llama-3.1-8B's shapes (32 query heads
+over 8 KV heads, head_dim 128, hidden 4,096, block 16, bf16). Run in a process without
 ``TRITON_INTERPRET`` (``test_hopper_compile.py`` does); exits 1 if any variant fails.
 
     python tests/kernels/hopper_compile.py
@@ -18,69 +20,173 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+import pagedllm.ops.activation as act
+import pagedllm.ops.all_reduce_norm as arn
+import pagedllm.ops.bitmask as bitmask
+import pagedllm.ops.kv_write as kv_write
 import pagedllm.ops.kvc_attention as kvc
+import pagedllm.ops.kvc_step as kvc_step
+import pagedllm.ops.paged_attention as paged
+import pagedllm.ops.rms_norm as rms
+import pagedllm.ops.rotary as rotary
+import pagedllm.ops.spec_drafts as drafts
 
 TARGET = GPUTarget("cuda", 90, 32)
-POINTERS = {
-    "out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
-    "bt_ptr": "*i32", "lens_ptr": "*i64", "row_ids_ptr": "*i64", "q_rows_ptr": "*i64",
-    "scores_ptr": "*fp32", "scored_ptr": "*i32", "part_acc_ptr": "*fp32",
-    "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "glob_m_ptr": "*fp32", "glob_l_ptr": "*fp32",
-}  # fmt: skip
-# Llama-3.1-8B's decode (32 query heads over 8 KV heads, head_dim 128, block 16, 64-key tiles)
-SHAPE = dict(G=4, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, TILE_N=64,
-             UPCAST=False, PRECISION="tf32")  # fmt: skip
+FLOATS = {"qk_scale", "eps", "offset"}  # float scalars; the other scalars are int32
 
 
-def compile_one(fn, constexprs: dict, num_stages: int = 2) -> None:
-    """Lower ``fn`` with ``constexprs`` (the rest: pointers as in POINTERS, ``qk_scale``
-    float32, other scalars int32) to a cubin for sm_90; raises on failure."""
+def compile_one(fn, pointers: dict[str, str], constexprs: dict, num_stages: int = 2) -> None:
+    """Lower ``fn`` with ``constexprs`` to a cubin for sm_90; raises on failure. Its pointers
+    take the types in ``pointers`` (every ``*_ptr`` / ``*_ptrs`` argument must be there)."""
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in POINTERS:
-            signature[name] = POINTERS[name]
+        elif name in pointers:
+            signature[name] = pointers[name]
         else:
-            signature[name] = "fp32" if name == "qk_scale" else "i32"
+            assert not name.endswith(("_ptr", "_ptrs")), f"{fn.__name__}: type of {name}?"
+            signature[name] = "fp32" if name in FLOATS else "i32"
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     out = triton.compile(src, target=TARGET, options={"num_warps": 4, "num_stages": num_stages})
     assert "cubin" in out.asm, sorted(out.asm)
 
 
-def variants() -> list[tuple[str, object, dict]]:
-    """(name, kernel, constexprs) of every decode kernel variant the engine can launch."""
+BF16, F32, I32, I64, I8 = "*bf16", "*fp32", "*i32", "*i64", "*i8"
+ATTN = dict(G=4, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64, UPCAST=False,
+            PRECISION="tf32")  # fmt: skip
+
+
+def _kvc_variants() -> list[tuple[str, object, dict, dict]]:
+    """KV-Compress: per-head decode (single pass, split, split in place, combine, scores),
+    prefill chunks, the step's slots."""
+    ptrs = dict(
+        out_ptr=BF16, q_ptr=BF16, k_cache_ptr=BF16, v_cache_ptr=BF16, bt_ptr=I32, lens_ptr=I64,
+        row_ids_ptr=I64, q_rows_ptr=I64, scores_ptr=F32, scored_ptr=I32, part_acc_ptr=F32,
+        part_m_ptr=F32, part_l_ptr=F32, glob_m_ptr=F32, glob_l_ptr=F32, qsl_ptr=I64,
+        q_start_ptr=I64,
+    )  # fmt: skip
     out = []
     for scores in (False, True):
         for q_rows in (False, True):
-            c = dict(SHAPE, SCORES=scores, ROW_FLAGS=scores, Q_ROWS=q_rows)
-            out.append((f"decode scores={scores} q_rows={q_rows}", kvc._decode_kernel, c))
-    split = dict(SHAPE, NUM_HEADS=32, NUM_SPLITS=8, Q_ROWS=False)
+            c = dict(ATTN, BLOCK_M=16, SCORES=scores, ROW_FLAGS=scores, Q_ROWS=q_rows)
+            out.append((f"kvc decode scores={scores} q_rows={q_rows}", kvc._decode_kernel, ptrs, c))
+    split = dict(ATTN, BLOCK_M=16, NUM_HEADS=32, NUM_SPLITS=8, Q_ROWS=False)
     none = dict(out_ptr=None, scores_ptr=None, scored_ptr=None, stride_ot=0, stride_oh=0)
-    out.append(("split", kvc._split_kernel, dict(split, MIN_TILES=1, DIRECT=False, **none)))
+    out.append(("kvc split", kvc._split_kernel, ptrs, dict(split, MIN_TILES=1, DIRECT=False,
+                                                           **none)))  # fmt: skip
     for scores in (False, True):
         c = dict(split, MIN_TILES=16, DIRECT=True, SCORES=scores, ROW_FLAGS=scores)
-        out.append((f"split direct scores={scores}", kvc._split_kernel, c))
+        out.append((f"kvc split direct scores={scores}", kvc._split_kernel, ptrs, c))
     for direct in (False, True):
         c = dict(split, MIN_TILES=16 if direct else 1, DIRECT=direct, ROW_FLAGS=True)
-        out.append((f"split score direct={direct}", kvc._split_score_kernel, c))
+        out.append((f"kvc split score direct={direct}", kvc._split_score_kernel, ptrs, c))
     combine = dict(NUM_HEADS=32, NUM_SPLITS=8, SPLIT_PAD=8, HEAD_DIM=128, HEAD_PAD=128,
                    STORE_ML=True, Q_ROWS=True)  # fmt: skip
-    out.append(("combine", kvc._combine_kernel, combine))
+    out.append(("kvc combine", kvc._combine_kernel, ptrs, combine))
+    out.append(("kvc prefill", kvc._prefill_kernel, ptrs, dict(ATTN, BLOCK_M=64, BLOCK_Q=16)))
+    step = dict(lens_ptr=I64, rows_ptr=I64, n_ptr=I64, tables_ptr=I32, flat_ptr=I64,
+                ids_ptr=I64, req_idx_ptr=I64, offsets_ptr=I64, tok_pos_ptr=I64, slots_ptr=I64,
+                positions_ptr=I32, scores_ptr=F32)  # fmt: skip
+    out.append(("kvc step advance", kvc_step._advance_kernel, step,
+                dict(BLOCK_LH=256, BLOCK_E=256)))  # fmt: skip
+    out.append(("kvc step slots", kvc_step._slots_kernel, step, dict(BS=16, BLOCK_LH=256)))
     return out
+
+
+def _paged_variants() -> list[tuple[str, object, dict, dict]]:
+    """The paged path: unified attention (prefill and decode), split-K decode and its reduce,
+    the KV write, rope (+ q/k norm, + the KV write by token or by head)."""
+    ptrs = dict(
+        out_ptr=BF16, q_ptr=BF16, k_cache_ptr=BF16, v_cache_ptr=BF16, bt_ptr=I32, qsl_ptr=I32,
+        seq_lens_ptr=I32, part_acc_ptr=F32, part_m_ptr=F32, part_l_ptr=F32, key_ptr=BF16,
+        value_ptr=BF16, slot_ptr=I64, pos_ptr=I64, k_ptr=BF16, qo_ptr=BF16, ko_ptr=BF16,
+        cs_ptr=F32, qw_ptr=BF16, kw_ptr=BF16, v_ptr=BF16,
+    )  # fmt: skip
+    out = []
+    for decode in (False, True):
+        c = dict(ATTN, BLOCK_M=64, BLOCK_Q=16, DECODE=decode)
+        out.append((f"paged unified decode={decode}", paged._unified_kernel, ptrs, c))
+    out.append(("paged split", paged._split_kernel, ptrs,
+                dict(ATTN, BLOCK_M=16, NUM_HEADS=32, NUM_SPLITS=8)))  # fmt: skip
+    out.append(("paged reduce", paged._reduce_kernel, ptrs,
+                dict(NUM_HEADS=32, NUM_SPLITS=8, HEAD_DIM=128, HEAD_PAD=128)))  # fmt: skip
+    out.append(("kv write", kv_write._write_kv_kernel, ptrs,
+                dict(HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16)))  # fmt: skip
+    rope = dict(HALF=64, HALF_PAD=64, Q_HEADS_PAD=32, K_HEADS_PAD=8, HAS_OFFSET=False)
+    no_kv = dict(v_ptr=None, v_cache_ptr=None, slot_ptr=None)
+    out.append(("rope", rotary._rope_kernel, ptrs, dict(rope, HAS_NORM=False, WRITE_KV=False,
+                                                       **no_kv)))  # fmt: skip
+    for per_head in (False, True):
+        c = dict(rope, HAS_NORM=True, WRITE_KV=True, BLOCK_SIZE=16, PER_HEAD=per_head)
+        out.append((f"rope norm + kv write per_head={per_head}", rotary._rope_kernel, ptrs, c))
+    return out
+
+
+def _other_variants() -> list[tuple[str, object, dict, dict]]:
+    """Norms, activations, the grammar bitmask, the device drafts, the fused all-reduce."""
+    ptrs = dict(
+        x_ptr=BF16, y_ptr=BF16, w_ptr=BF16, r_ptr=BF16, s_ptr=BF16, logits_ptr=F32,
+        mask_ptr=I32, rows_ptr=I64, buf_ptrs=I64, pad_ptrs=I64,
+    )  # fmt: skip
+    out = []
+    for gelu in (False, True):
+        c = dict(INTER=14336, BLOCK=1024, GELU=gelu)
+        out.append((f"act and mul gelu={gelu}", act._act_and_mul_kernel, ptrs, c))
+    for n, offset in ((4096, False), (128, True)):
+        c = dict(N=n, BLOCK=n, HAS_OFFSET=offset)
+        out.append((f"rms norm N={n}", rms._rms_norm_kernel, ptrs, c))
+    out.append(("add rms norm", rms._add_rms_norm_kernel, ptrs,
+                dict(N=4096, BLOCK=4096, HAS_OFFSET=False)))  # fmt: skip
+    for rows in (False, True):
+        c = dict(BLOCK=1024, HAS_ROWS=rows)
+        out.append((f"bitmask rows={rows}", bitmask._apply_bitmask_kernel, ptrs, c))
+    out.append(("all-reduce + add + rms norm", arn._all_reduce_add_rms_norm_kernel, ptrs,
+                dict(N=4096, BLOCK=4096, WORLD=2, HAS_OFFSET=False)))  # fmt: skip
+    spec = dict(
+        ids_ptr=I32, pos_ptr=I32, seq_ptr=I32, qsl_ptr=I32, slot_ptr=I64, bt_ptr=I32,
+        meta_ptr=I64, accepted_ptr=I64, drafts_ptr=I32, nvalid_ptr=I64, used_ptr=I32,
+        valid_ptr=I8, samples_ptr=I64, hist_ptr=I32, lens_ptr=I64, acc_ptr=I64, bonus_ptr=I64,
+    )  # fmt: skip
+    out.append(("drafts prepare", drafts._prepare_kernel, spec, dict(K=4, BLOCK_K=8)))
+    out.append(("drafts verify", drafts._verify_kernel, spec,
+                dict(K=4, BLOCK_K=8, MAX_N=4, BLOCK_N=4, BLOCK_W=1024, LOOKUP=True)))  # fmt: skip
+    return out
+
+
+def variants() -> list[tuple[str, object, dict, dict]]:
+    """(name, kernel, pointer types, constexprs) of the variants to lower."""
+    return _kvc_variants() + _paged_variants() + _other_variants()
+
+
+def uncovered(todo: list) -> list[str]:
+    """Kernels (``*_kernel`` JIT functions) of the imported ops modules with no variant here:
+    a new kernel must be added to ``variants``."""
+    modules = (act, arn, bitmask, kv_write, kvc, kvc_step, paged, rms, rotary, drafts)
+    have = {id(fn) for _, fn, _, _ in todo}
+    return [
+        f"{m.__name__}.{name}"
+        for m in modules
+        for name, obj in vars(m).items()
+        if name.endswith("_kernel") and isinstance(obj, triton.runtime.JITFunction)
+        and id(obj) not in have
+    ]  # fmt: skip
 
 
 def main() -> int:
     todo = variants()
-    failed = 0
-    for name, fn, constexprs in todo:
+    missing = uncovered(todo)
+    for name in missing:
+        print(f"{name}: no variant in hopper_compile.py", flush=True)
+    failed = len(missing)
+    for name, fn, pointers, constexprs in todo:
         try:
-            compile_one(fn, constexprs)
+            compile_one(fn, pointers, constexprs)
             print(f"{name}: ok", flush=True)
         except Exception as e:  # report every variant, then fail
             failed += 1
             print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
-    print(f"compiled {len(todo) - failed} of {len(todo)}")
+    print(f"compiled {len(todo) - failed + len(missing)} of {len(todo) + len(missing)}")
     return 1 if failed else 0
 
 
