@@ -167,6 +167,14 @@ class _HeadState:
     def lens(self, value: np.ndarray) -> None:
         self._lens, self._lag = value, 0
 
+    def add_tokens(self, n: int, num_new_tokens: int) -> None:
+        """The step being scheduled allocates ``n`` KVs in every head (``num_new_tokens`` of
+        them its tokens, the rest lookahead): ``lens += n`` when next read. The caller sets
+        ``room``. (``allocate_slots``' decode fast path inlines this.)"""
+        self.pending = n
+        self._lag += n
+        self.num_tokens += num_new_tokens
+
     def refresh_room(self, block_size: int) -> None:
         """Recompute ``room`` after ``lens`` or ``nblocks`` changed other than by ``+= n``."""
         self.room = int((self.nblocks * block_size - self.lens).min()) if len(self.lens) else 0
@@ -478,7 +486,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         state = self.states.get(rid)
         n = num_new_tokens + num_lookahead_tokens
         if state is not None and n <= state.room and not state.shared:  # most decode steps
-            state.pending = n
+            state.pending = n  # (``add_tokens``, inlined: the commonest call of a step)
             state._lag += n  # lens += n, applied when lens is next read
             state.num_tokens += num_new_tokens
             state.room -= n
@@ -543,9 +551,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         need = max(-(-(length + n) // bs) - nb, 0)
         if need * heads > self.num_free_blocks():
             return None
-        state.pending = n
-        state._lag += n  # lens += n, applied when lens is next read
-        state.num_tokens += num_new_tokens
+        state.add_tokens(n, num_new_tokens)
         state.room = (nb + need) * bs - (length + n)
         if need == 0:
             self._register(request, state)
@@ -591,9 +597,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         state.table[lh, index] = ids
         state.nblocks[lh] += 1
         free[lh] += bs
-        state.pending = n
-        state._lag += n  # lens += n, applied when lens is next read
-        state.num_tokens += num_new_tokens
+        state.add_tokens(n, num_new_tokens)
         state.room = int(free.min()) - n
         self._register(request, state)
         return HeadBlocks(lh, index, ids.astype(np.int64))
