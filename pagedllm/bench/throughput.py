@@ -381,7 +381,7 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda" and runner is not None:
         runner.time_device = True  # CUDA events around each step (and eviction)
         runner.device_times, runner.compress_events, runner.compress_steps = [], [], []
-        runner._timed_steps = 0
+        runner.timed_steps = 0
     prof = cProfile.Profile() if getattr(args, "profile_host", None) else None
     with count_host_syncs(device) as syncs, time_triton_compiles() as compiles:
         t = time.perf_counter()

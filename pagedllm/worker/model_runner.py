@@ -186,7 +186,7 @@ class ModelRunner:
         # index of its step among the timed ones (``device_times``' order)
         self.compress_events: list[tuple[Any, Any]] = []
         self.compress_steps: list[int] = []
-        self._timed_steps = 0  # steps launched with CUDA events (resolved in launch order)
+        self.timed_steps = 0  # steps launched with CUDA events (resolved in launch order)
 
     # ------------------------------------------------------------------------ KV cache
     def _attention_layers(self) -> list[torch.nn.Module]:
@@ -583,7 +583,7 @@ class ModelRunner:
             assert unverified is not None
             dd_state = self._device_draft_inputs(so, inputs, rows, n_sched, unverified)
         timing = self._timing_start()
-        self._timed_steps += timing is not None
+        self.timed_steps += timing is not None
         hidden = self._forward(inputs)  # [num_tokens, hidden]
         if self.drafter is not None and not so.spec_paused:
             self._mirror(so, rows, n_sched, seq_lens, inputs)  # the draft model's KVs
@@ -895,7 +895,7 @@ class ModelRunner:
         timer = self._timing_end(timer)
         if timer is not None:
             self.compress_events.append(timer)
-            self.compress_steps.append(self._timed_steps - 1)
+            self.compress_steps.append(self.timed_steps - 1)
         (host,), done = self._to_host([lens])  # no sync: resolve() waits for the event
         return ids, host, done
 
