@@ -17,6 +17,7 @@ from pagedllm.kvcompress.evict import (
     move_bound,
     plan_eviction,
     stuck_bound,
+    width_groups,
 )
 from pagedllm.sampling_params import SamplingParams
 
@@ -556,8 +557,6 @@ def test_eviction_and_compaction_on_cuda_match_the_cpu(seed):
 
 
 def test_width_groups():
-    from pagedllm.kvcompress.evict import width_groups
-
     assert width_groups([6000, 300, 5000, 900, 250]) == [[0, 2], [3, 1, 4]]
     assert width_groups([6000, 300, 5000, 900, 200]) == [[0, 2], [3, 1], [4]]
     assert width_groups([100, 100, 30]) == [[0, 1, 2]]
@@ -589,8 +588,6 @@ def test_evicting_in_width_groups_equals_one_call():
     one = _cache(lens, 5)
     new_one = evict(list(range(5)), one)
     groups = _cache(lens, 5)
-    from pagedllm.kvcompress.evict import width_groups
-
     parts = width_groups([int(x) for x in lens.max(1)])
     assert len(parts) == 2
     new_groups = torch.zeros_like(new_one)
