@@ -1,0 +1,38 @@
+"""The KV-Compress diagnostics ``pagedllm bench throughput`` reports: eviction time by step
+kind, and how uneven the heads' lengths are."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from pagedllm.bench.roofline import StepRecord
+from pagedllm.bench.throughput import _compress_split, head_len_stats
+
+
+def test_eviction_time_split_by_step_kind():
+    """Evictions ride on the step that planned them: their time is counted in its kind
+    (prompt or decode-only) and taken out of the decode-only steps' mean."""
+    steps = [StepRecord([5, 1], [5, 9]), StepRecord([1, 1], [6, 10]), StepRecord([1, 1], [7, 11])]
+    device = [0.010, 0.004, 0.002]
+    runner = SimpleNamespace(compress_steps=[0, 1, 1])
+    got = _compress_split(steps, device, [0.003, 0.001, 0.001], runner)
+    assert got["compress_s_prefill_steps"] == pytest.approx(0.003)
+    assert got["compress_s_decode_steps"] == pytest.approx(0.002)
+    assert got["decode_steps_with_evictions"] == 1
+    assert got["device_ms_per_decode_step_without_evictions"] == pytest.approx(2.0)  # (2 + 2) / 2
+    assert _compress_split(steps, device[:2], [0.003], SimpleNamespace(compress_steps=[0])) == {}
+
+
+def test_head_length_statistics():
+    """Quantiles over every sampled head, and each layer's longest head over its mean."""
+    # 2 rows x 2 layers x 2 KV heads: layer 0 holds [100, 100, 100, 900] -> 3.0; layer 1 even
+    x = np.array([[[100, 100], [50, 50]], [[100, 900], [50, 50]]])
+    got = head_len_stats([x])
+    assert got["layer_max_over_mean"] == pytest.approx((3.0 + 1.0) / 2)
+    assert got["head_len_max"] == 900 and got["head_len_samples"] == 1
+    assert got["head_len_mean"] == pytest.approx(x.mean())
+    assert got["head_len_p50_p90_p99"][0] == pytest.approx(75.0)
+    assert head_len_stats([]) == {}
