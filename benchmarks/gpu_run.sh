@@ -76,6 +76,9 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         --out "$OUT" ;;
     tests-kvc) python -m pytest -q -x -p no:cacheprovider tests/kernels/test_kvc_attention.py \
         tests/core/test_kvcompress.py tests/models/test_kvcompress.py ;;
+    tests-kvc-split)  # the decode kernel's split paths (uneven heads, auto splits, rows in place)
+      python -m pytest -q -x -p no:cacheprovider tests/kernels/test_kvc_attention.py \
+        -k "auto_splits or uneven or strided or row_ids or rows_in_place or warm_up" ;;
     tests-kvc-graphs)  # the KV-Compress decode graphs with and without the score pass
       python -m pytest -q -x -p no:cacheprovider tests/models/test_kvcompress.py -k "cuda_graphs or async" \
         tests/core/test_kvcompress.py tests/engine/test_pinned_ring.py ;;
