@@ -71,8 +71,8 @@ class KVCStepPlan:
     ) -> dict[str, np.ndarray]:
         """The host arrays behind ``tensors`` (see the class docstring); with ``collect``
         also the prefill requests that score ("window_reqs": their table rows) and their
-        window query rows ("window_rows" [W, C], "window_mask" [W, C], C the most any
-        collects)."""
+        window query rows ("window_rows" [W, C], "window_mask" [W, C], "window_n" [W]: how
+        many of each row's C are window queries, C the most any collects)."""
         out = KVCStepPlan._index_arrays(decode, prefill, qsl, rows)
         if collect is None:
             return out
@@ -85,6 +85,7 @@ class KVCStepPlan:
         out["window_reqs"] = rows[win]
         out["window_rows"] = np.where(mask, last, 0)
         out["window_mask"] = mask
+        out["window_n"] = n
         return out
 
     @staticmethod

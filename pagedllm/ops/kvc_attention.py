@@ -65,6 +65,7 @@ __all__ = [
     "kvc_decode_auto_splits",
     "kvc_decode_num_splits",
     "kvc_paged_attention",
+    "kvc_window_scores",
 ]
 
 LOG2E = 1.4426950408889634
@@ -1052,6 +1053,9 @@ def _prefill_kernel(
     TILE_N: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    STORE_LSE: tl.constexpr = False,  # write each row's log2-sum-exp2 to lse_ptr
+    lse_ptr=None,  # [num_tokens, num_heads] float32 (with STORE_LSE)
+    stride_lse=0,
 ):
     """One program per (query tile of one chunk, KV head): the tile's queries x the G query
     heads of the KV head, over that head's own table and length (see
@@ -1083,6 +1087,10 @@ def _prefill_kernel(
         PRECISION,
     )  # fmt: skip
     _store_tile(out_ptr, acc, l_i, tok, head, d, io_mask, stride_ot, stride_oh)
+    if STORE_LSE:  # m + log2(l): the softmax's normalizer in log2 units (the window scores')
+        m = tl.arange(0, BLOCK_M)
+        row_ok = (m < BLOCK_Q * G) & (local * BLOCK_Q + m // G < q_len)
+        tl.store(lse_ptr + tok * stride_lse + head, m_i + tl.log2(l_i), mask=row_ok)
 
 
 def kvc_paged_attention(
@@ -1099,10 +1107,12 @@ def kvc_paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]: written in place
     num_chunk_tokens: int | None = None,  # a host bound on qsl[-1] (None: num_tokens)
     tile_config: TileConfig | None = None,  # override the launch shape (tuning, tests)
+    lse: torch.Tensor | None = None,  # [num_tokens, num_heads] float32, written for chunk rows
 ) -> torch.Tensor:
     """Causal attention of prefill chunks (any q_len >= 1) over per-head paged KVs; returns
     ``out`` [num_tokens, num_heads, head_dim] (rows of no chunk are left as they were, 0 when
-    ``out`` is None). No scores.
+    ``out`` is None). No scores; with ``lse``, each chunk row's log2-sum-exp2 of its scaled
+    logits (``log2 sum_k 2^(q.k * scale * log2 e)``), which :func:`kvc_window_scores` needs.
 
     Chunk r has ``q_len = qsl[r + 1] - qsl[r]`` queries, at query rows ``q_start[r] ..
     q_start[r] + q_len - 1`` (``qsl[r]..`` without ``q_start``), and reads table row
@@ -1155,6 +1165,11 @@ def kvc_paged_attention(
         block_m = max(16, triton.next_power_of_2(max_query_len * g))
     block_q = block_m // g
     n_tok = num_tokens if num_chunk_tokens is None else num_chunk_tokens
+    lse_args = {}
+    if lse is not None:
+        assert lse.dtype == torch.float32 and lse.shape == (num_tokens, num_heads)
+        assert lse.stride(1) == 1
+        lse_args = dict(STORE_LSE=True, lse_ptr=lse, stride_lse=lse.stride(0))
     # an upper bound on the tiles of all chunks (see paged_attention's _find_request)
     grid = (n_tok // block_q + num_reqs, num_kv_heads)
     _prefill_kernel[grid](
@@ -1164,6 +1179,198 @@ def kvc_paged_attention(
         seq_lens.stride(1), k_cache.stride(0), k_cache.stride(1), G=g, HEAD_DIM=head_dim,
         HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         TILE_N=cfg.tile_n, UPCAST=upcast, PRECISION=precision, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **lse_args,
     )  # fmt: skip
     return out
+
+
+# The window requests' count and the longest head vary step by step (views of one shipped
+# buffer at any offset): no specialization on them.
+@triton.jit(
+    do_not_specialize=["max_len"],
+    do_not_specialize_on_alignment=["win_reqs_ptr", "win_rows_ptr", "win_n_ptr"],
+)
+def _window_score_kernel(
+    metric_ptr,  # [W, num_kv_heads, max_len] float32 (POOL) - else unused
+    scores_ptr,  # [num_slots] float32 (not POOL: += here)
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    lse_ptr,  # [num_tokens, num_heads] float32: the rows' log2-sum-exp2
+    k_cache_ptr,  # [num_blocks, block_size, head_dim]
+    bt_ptr,  # [rows, num_kv_heads, max_blocks] int32
+    lens_ptr,  # [rows, num_kv_heads]
+    win_reqs_ptr,  # [W]: each scoring request's table row
+    win_rows_ptr,  # [W, C]: its window queries' rows of the step (the first n valid)
+    win_n_ptr,  # [W]: its window queries
+    max_len,  # a bound on the heads' lengths (the metric's last dimension)
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_lse,
+    stride_br,
+    stride_bh,
+    stride_lr,
+    stride_lh,
+    stride_cb,
+    stride_cs,
+    C: tl.constexpr,  # window_rows' row length
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query rows (window query x query head) a dot takes
+    TILE_N: tl.constexpr,
+    POOL: tl.constexpr,  # True: write the metric for _window_pool_kernel; False: add it
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One program per (scoring request, KV head, key tile): the squared softmax probability
+    of each of the tile's keys, summed over the request's window queries and the KV head's G
+    query heads (``prefill_window_scores_batched``'s metric), from the probabilities'
+    normalizers the prefill kernel stored (``lse``): one pass over the keys, no softmax over
+    the whole row here.
+
+    Window query i (of n) sits at logical index ``len - n + i`` of the head and sees the
+    indices up to it. Rows m of a dot: window query ``m // G``, query head ``kvh * G + m % G``.
+    Example: C 32, G 4 -> 128 rows, BLOCK_M 128: one dot a tile; n 20 -> rows 80.. masked."""
+    w = tl.program_id(0)
+    kvh = tl.program_id(1)
+    tile = tl.program_id(2)
+    trow = tl.load(win_reqs_ptr + w).to(tl.int64)
+    seq_len = tl.load(lens_ptr + trow * stride_lr + kvh * stride_lh).to(tl.int32)
+    if tile * TILE_N >= seq_len:
+        return
+    n = tl.load(win_n_ptr + w).to(tl.int32)
+    j = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] logical indices
+    j_ok = j < seq_len
+    blk = tl.load(bt_ptr + trow * stride_br + kvh * stride_bh + j // BLOCK_SIZE, mask=j_ok,
+                  other=0).to(tl.int64)  # fmt: skip
+    slot = blk * BLOCK_SIZE + j % BLOCK_SIZE
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_DIM
+    k = tl.load(k_cache_ptr + (blk * stride_cb + (j % BLOCK_SIZE) * stride_cs)[:, None]
+                + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    metric = tl.zeros([TILE_N], dtype=tl.float32)
+    for r0 in tl.static_range(0, C * G, BLOCK_M):
+        m = r0 + tl.arange(0, BLOCK_M)
+        qi = m // G  # window query of each row
+        row_ok = (m < C * G) & (qi < n)
+        tok = tl.load(win_rows_ptr + w * C + qi, mask=row_ok, other=0).to(tl.int64)
+        head = kvh * G + m % G
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        lse = tl.load(lse_ptr + tok * stride_lse + head, mask=row_ok, other=0.0)
+        if UPCAST:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+        q_idx = seq_len - n + qi  # [BLOCK_M] each row's own logical index
+        vis = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= q_idx[:, None])
+        p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+        metric += tl.sum(p * p, axis=0)
+    if POOL:
+        tl.store(metric_ptr + (w * tl.num_programs(1) + kvh).to(tl.int64) * max_len + j, metric,
+                 mask=j_ok)  # fmt: skip
+    else:
+        tl.atomic_add(scores_ptr + slot, metric, mask=j_ok)
+
+
+@triton.jit(
+    do_not_specialize=["max_len"],
+    do_not_specialize_on_alignment=["win_reqs_ptr"],
+)
+def _window_pool_kernel(
+    scores_ptr,  # [num_slots] float32
+    metric_ptr,  # [W, num_kv_heads, max_len] float32 (_window_score_kernel's)
+    bt_ptr,
+    lens_ptr,
+    win_reqs_ptr,
+    max_len,
+    stride_br,
+    stride_bh,
+    stride_lr,
+    stride_lh,
+    KERNEL: tl.constexpr,  # the max-pool's width (odd: centred)
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+):
+    """One program per (scoring request, KV head, key tile): each key's metric max-pooled over
+    the ``KERNEL`` logical indices around it (``maxpool_scores``: indices past the head's
+    length count as 0, below any metric) and added to its slot's score.
+    Example: KERNEL 7, index 2 of a head of 10 -> the max over indices 0..5."""
+    w = tl.program_id(0)
+    kvh = tl.program_id(1)
+    tile = tl.program_id(2)
+    trow = tl.load(win_reqs_ptr + w).to(tl.int64)
+    seq_len = tl.load(lens_ptr + trow * stride_lr + kvh * stride_lh).to(tl.int32)
+    if tile * TILE_N >= seq_len:
+        return
+    j = tile * TILE_N + tl.arange(0, TILE_N)
+    j_ok = j < seq_len
+    base = metric_ptr + (w * tl.num_programs(1) + kvh).to(tl.int64) * max_len
+    best = tl.zeros([TILE_N], dtype=tl.float32)
+    for o in tl.static_range(KERNEL):
+        u = j + (o - KERNEL // 2)
+        best = tl.maximum(best, tl.load(base + u, mask=(u >= 0) & (u < seq_len), other=0.0))
+    blk = tl.load(bt_ptr + trow * stride_br + kvh * stride_bh + j // BLOCK_SIZE, mask=j_ok,
+                  other=0).to(tl.int64)  # fmt: skip
+    tl.atomic_add(scores_ptr + blk * BLOCK_SIZE + j % BLOCK_SIZE, best, mask=j_ok)
+
+
+def kvc_window_scores(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim] the step's queries
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, head_dim]
+    lse: torch.Tensor,  # [num_tokens, num_heads] float32 (kvc_paged_attention's)
+    block_tables: torch.Tensor,  # [rows, num_kv_heads, max_blocks] int32
+    seq_lens: torch.Tensor,  # [rows, num_kv_heads]
+    window_reqs: torch.Tensor,  # [W]: the scoring requests' table rows
+    window_rows: torch.Tensor,  # [W, C]: their window queries' rows (the first n valid)
+    window_n: torch.Tensor,  # [W]: window queries of each (n <= C)
+    scale: float,
+    scores: torch.Tensor,  # [num_slots] float32, += the (pooled) metric
+    maxpool_kernel: int,
+    max_len: int,  # a host bound on the requests' head lengths
+) -> None:
+    """The prompt's scores (``prefill_window_scores_batched``) of every chunk that ends its
+    prompt in a step, with no host sync and no [requests, heads, queries, keys] tensor: a
+    request's window queries are its last ``n`` rows, whose softmax normalizers the prefill
+    kernel stored in ``lse``; query i of them sees its head's logical indices up to
+    ``len - n + i`` (full-attention layers). One launch for the metric, and one for the
+    max-pool when ``maxpool_kernel`` > 1. Example: n 2 at rows 40, 41, a head of length 10 ->
+    they see the indices <= 8 and <= 9."""
+    num_w, c = window_rows.shape
+    if num_w == 0 or max_len <= 0:
+        return
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = seq_lens.shape[1]
+    g = num_heads // num_kv_heads
+    k_cache = kv_cache[0]
+    block_size = kv_cache.shape[2]
+    assert scores.dtype == torch.float32 and scores.is_contiguous()
+    assert lse.dtype == torch.float32 and lse.stride(1) == 1 and query.stride(2) == 1
+    assert block_tables.stride(2) == 1 and window_rows.is_contiguous()
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    tile_n = 64
+    block_m = min(128, max(16, triton.next_power_of_2(c * g)))
+    pool = maxpool_kernel > 1
+    metric = (
+        torch.empty((num_w, num_kv_heads, max_len), dtype=torch.float32, device=query.device)
+        if pool
+        else scores  # never read without POOL
+    )
+    grid = (num_w, num_kv_heads, triton.cdiv(max_len, tile_n))
+    _window_score_kernel[grid](
+        metric, scores, query, lse, k_cache, block_tables, seq_lens, window_reqs, window_rows,
+        window_n, max_len, float(scale) * LOG2E, query.stride(0), query.stride(1),
+        lse.stride(0), block_tables.stride(0), block_tables.stride(1), seq_lens.stride(0),
+        seq_lens.stride(1), k_cache.stride(0), k_cache.stride(1), C=c, G=g, HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, TILE_N=tile_n, POOL=pool,
+        UPCAST=query.device.type == "cpu",
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=4,
+    )  # fmt: skip
+    if pool:
+        _window_pool_kernel[grid](
+            scores, metric, block_tables, seq_lens, window_reqs, max_len,
+            block_tables.stride(0), block_tables.stride(1), seq_lens.stride(0),
+            seq_lens.stride(1), KERNEL=maxpool_kernel, BLOCK_SIZE=block_size, TILE_N=tile_n,
+            num_warps=2,
+        )  # fmt: skip

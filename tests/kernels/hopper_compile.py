@@ -59,7 +59,8 @@ ATTN = dict(G=4, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64, UPCAST=Fa
 
 def _kvc_variants() -> list[tuple[str, object, dict, dict]]:
     """KV-Compress: per-head decode (single pass, split, split in place, combine, scores),
-    prefill chunks, the step's slots."""
+    prefill chunks (with and without their normalizers), the prompts' window scores and
+    their max-pool, the step's slots."""
     ptrs = dict(
         out_ptr=BF16, q_ptr=BF16, k_cache_ptr=BF16, v_cache_ptr=BF16, bt_ptr=I32, lens_ptr=I64,
         row_ids_ptr=I64, q_rows_ptr=I64, scores_ptr=F32, scored_ptr=I32, part_acc_ptr=F32,
@@ -84,7 +85,18 @@ def _kvc_variants() -> list[tuple[str, object, dict, dict]]:
     combine = dict(NUM_HEADS=32, NUM_SPLITS=8, SPLIT_PAD=8, HEAD_DIM=128, HEAD_PAD=128,
                    STORE_ML=True, Q_ROWS=True)  # fmt: skip
     out.append(("kvc combine", kvc._combine_kernel, ptrs, combine))
-    out.append(("kvc prefill", kvc._prefill_kernel, ptrs, dict(ATTN, BLOCK_M=64, BLOCK_Q=16)))
+    prefill = dict(ATTN, BLOCK_M=64, BLOCK_Q=16)
+    out.append(("kvc prefill", kvc._prefill_kernel, ptrs,
+                dict(prefill, STORE_LSE=False, lse_ptr=None, stride_lse=0)))  # fmt: skip
+    out.append(("kvc prefill lse", kvc._prefill_kernel, dict(ptrs, lse_ptr=F32),
+                dict(prefill, STORE_LSE=True)))  # fmt: skip
+    win = dict(ptrs, metric_ptr=F32, lse_ptr=F32, win_reqs_ptr=I64, win_rows_ptr=I64,
+               win_n_ptr=I64)  # fmt: skip
+    for pool in (False, True):
+        c = dict(ATTN, C=32, BLOCK_M=128, POOL=pool)
+        out.append((f"kvc window scores pool={pool}", kvc._window_score_kernel, win, c))
+    out.append(("kvc window pool", kvc._window_pool_kernel, win,
+                dict(KERNEL=7, BLOCK_SIZE=16, TILE_N=64)))  # fmt: skip
     step = dict(lens_ptr=I64, rows_ptr=I64, n_ptr=I64, tables_ptr=I32, flat_ptr=I64,
                 ids_ptr=I64, req_idx_ptr=I64, offsets_ptr=I64, tok_pos_ptr=I64, slots_ptr=I64,
                 positions_ptr=I32, scores_ptr=F32)  # fmt: skip

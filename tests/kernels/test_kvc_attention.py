@@ -18,6 +18,7 @@ on small shapes (block sizes 4/8, 16-key tiles, head_dim 64); on CUDA the block 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -618,6 +619,93 @@ def test_decode_rows_in_place(num_splits: int) -> None:
     torch.testing.assert_close(
         got_s[attended], (start + delta)[attended], atol=SCORE_TOL[0], rtol=SCORE_TOL[1]
     )
+
+
+@pytest.mark.parametrize(
+    "dtype,num_heads,num_kv_heads,maxpool",
+    [
+        (torch.float32, 8, 2, 3),
+        (torch.bfloat16, 8, 2, 0),
+        pytest.param(torch.bfloat16, 32, 8, 7, marks=cuda_only),  # Llama-3.1-8B's heads
+        pytest.param(torch.float16, 16, 16, 7, marks=cuda_only),
+    ],
+    ids=str,
+)
+def test_window_scores(dtype: torch.dtype, num_heads: int, num_kv_heads: int, maxpool: int) -> None:
+    """A step's prompt-ending chunks score their keys from their last queries
+    (``kvc_window_scores``, from the softmax normalizers ``kvc_paged_attention`` stores with
+    ``lse``) as ``prefill_window_scores_batched`` does: the same scores slot for slot, no
+    other slot touched; each chunk row's stored normalizer is its logsumexp (log2 units).
+    Chunks of several requests, heads of different lengths, window queries fewer than the
+    widest (C) for some, one chunk shorter than its window, decode rows between them."""
+    from pagedllm.kvcompress.attention import prefill_window_scores_batched
+    from pagedllm.ops.kvc_attention import kvc_window_scores
+
+    bs, d = BLOCK_SIZES[1], 128 if CUDA else 64
+    if CUDA:
+        q_lens, max_ctx, collect = [1, 300, 1, 64, 1200, 1, 20], 1500, [0, 32, 0, 32, 17, 0, 32]
+    else:
+        q_lens, max_ctx, collect = [1, 9, 1, 5, 3], 30, [0, 4, 0, 2, 4]
+    r = len(q_lens)
+    ctx = random_lens(r, num_kv_heads, max_ctx, bs, seed=41)
+    ql = torch.tensor(q_lens, dtype=torch.int32)[:, None]
+    lens = ctx + ql  # [R, H]
+    c = make_head_cache(lens, d, bs, dtype, seed=42)
+    gen = torch.Generator().manual_seed(43)
+    n_tok = sum(q_lens)
+    query = torch.randn(n_tok, num_heads, d, generator=gen).to(dtype)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
+    prefill = np.nonzero(np.asarray(q_lens) > 1)[0]
+    collect_np = np.minimum(np.asarray(collect), np.asarray(q_lens))  # a chunk's rows at most
+    index = KVCStepPlan.index_arrays(
+        np.nonzero(np.asarray(q_lens) == 1)[0], prefill, qsl, np.arange(r), collect_np
+    )
+    t = {k: torch.from_numpy(np.asarray(v)).long() for k, v in index.items()}
+    scale = d**-0.5
+    kv = poisoned(c, torch.zeros_like(lens), float("nan"))
+    lse = torch.full((n_tok, num_heads), float("nan"), device=DEVICE)
+    kvc_paged_attention(
+        query.to(DEVICE), kv.to(DEVICE), t["prefill_qsl"].to(DEVICE), lens.to(DEVICE),
+        c.block_tables.to(DEVICE), int(max(q_lens)), scale, row_ids=t["prefill_table_rows"].to(
+            DEVICE), q_start=t["prefill_q_start"].to(DEVICE), tile_config=TILE,
+        out=torch.zeros(query.shape, dtype=dtype, device=DEVICE), lse=lse,
+    )  # fmt: skip
+    got_lse = lse.cpu()
+    g = num_heads // num_kv_heads
+    for i in prefill:  # each chunk row's logsumexp over the keys it sees, in log2 units
+        for h in range(num_kv_heads):
+            keys = c.kv_cache[0].view(-1, d)[c.slots(int(i), h, 0, int(lens[i, h]))].float()
+            rows = slice(int(qsl[i]), int(qsl[i + 1]))
+            logits = query[rows, h * g : (h + 1) * g].float() @ keys.T * scale  # [q, G, S]
+            own = int(ctx[i, h]) + torch.arange(q_lens[i])  # each query's own index
+            logits = logits.masked_fill(torch.arange(keys.shape[0]) > own[:, None, None],
+                                        float("-inf"))  # fmt: skip
+            ref = torch.logsumexp(logits, -1) / math.log(2.0)
+            torch.testing.assert_close(got_lse[rows, h * g : (h + 1) * g], ref, atol=2e-3,
+                                       rtol=1e-4)  # fmt: skip
+    win = t["window_reqs"]
+    max_len = int(lens[win].max())
+    start = torch.rand(kv.shape[1] * bs, generator=gen)
+    ref_scores = start.clone()
+    prefill_window_scores_batched(
+        query.float(), c.kv_cache[0].float().view(-1, d), c.block_tables[win], lens[win],
+        t["window_rows"], t["window_mask"].bool(), bs, scale, ref_scores, maxpool, max_len,
+    )  # fmt: skip
+    scores = start.clone().to(DEVICE)
+    kvc_window_scores(
+        query.to(DEVICE), kv.to(DEVICE), lse, c.block_tables.to(DEVICE), lens.to(DEVICE),
+        win.to(DEVICE), t["window_rows"].to(DEVICE), t["window_n"].to(DEVICE), scale, scores,
+        maxpool, max_len,
+    )  # fmt: skip
+    got = scores.cpu()
+    scored = torch.zeros_like(start, dtype=torch.bool)
+    for i in win.tolist():
+        for h in range(num_kv_heads):
+            scored[c.slots(i, h, 0, int(lens[i, h]))] = True
+    assert torch.equal(got[~scored], start[~scored]), "a slot of no scoring head changed"
+    assert (ref_scores[scored] != start[scored]).any()
+    atol = 1e-6 if dtype == torch.float32 else 2e-4
+    torch.testing.assert_close(got[scored], ref_scores[scored], atol=atol, rtol=2e-3)
 
 
 # ---------------------------------------------------------------------------------------------
