@@ -7,9 +7,10 @@ Per layer and step:
   that share it, adding each key's squared probabilities to its score in the same kernel (a
   second pass over the keys once the softmax's max and sum are known, no scratch);
 - prefill chunks: ``kvc_paged_attention`` (one program per (query tile, KV head) over that
-  head's own table), then, for a chunk that ends a prompt, the window queries' scores in
-  torch (``prefill_window_scores_batched``: 32 queries over the prompt's keys, every such
-  request of the step in one pass).
+  head's own table), storing each query's softmax normalizer when a chunk ends a prompt;
+  then ``kvc_window_scores`` scores that prompt's keys from its last 32 queries (one program
+  per (request, KV head, key tile), every such request of the step in one launch, and one
+  more for the max-pool).
 In a mixed step both kernels read their query rows and write their output rows of the step in
 place, through index tensors made once a step (``KVCStepPlan.tensors``), and the cache's whole
 tables through table-row indices: no per-layer gather, scatter or permutation.
@@ -29,7 +30,6 @@ from pagedllm.kvcompress.attention import (
     KVCLayerInfo,
     decode_attention,
     prefill_attention,
-    prefill_window_scores_batched,
     write_head_kv,
 )
 from pagedllm.kvcompress.cache import HeadPagedCache
@@ -37,6 +37,7 @@ from pagedllm.ops.kvc_attention import (
     kvc_decode_attention,
     kvc_decode_auto_splits,
     kvc_paged_attention,
+    kvc_window_scores,
 )
 
 
@@ -109,18 +110,21 @@ class KVCTritonBackend(AttentionBackend):
                     max_len=int(plan.max_lens[r]), positions=info.positions,
                 )  # fmt: skip
             return out.view(t, hq * d)
+        # chunks that end their prompts score their keys from their last queries' softmax
+        # normalizers, which the prefill kernel stores beside its output
+        window = scores is not None and plan.window_max_len > 0
+        lse = torch.empty((t, hq), dtype=torch.float32, device=query.device) if window else None
         kvc_paged_attention(
             query, kv_cache, tensors["prefill_qsl"], lens, tables, plan.prefill_max_q, scale,
             sliding_window, row_ids=tensors["prefill_table_rows"],
             q_start=tensors["prefill_q_start"], out=out,
-            num_chunk_tokens=plan.prefill_tokens or t,
+            num_chunk_tokens=plan.prefill_tokens or t, lse=lse,
         )  # fmt: skip
-        if scores is not None and plan.window_max_len:  # chunks that end their prompts
-            win = tensors["window_reqs"]
-            prefill_window_scores_batched(
-                query, k_flat, tables[win], lens[win], tensors["window_rows"],
-                tensors["window_mask"].bool(), bs, scale, scores, plan.maxpool_kernel,
-                plan.window_max_len,
+        if lse is not None:
+            kvc_window_scores(
+                query, kv_cache, lse, tables, lens, tensors["window_reqs"],
+                tensors["window_rows"], tensors["window_n"], scale, scores,
+                plan.maxpool_kernel, plan.window_max_len,
             )  # fmt: skip
         return out.view(t, hq * d)
 
