@@ -79,6 +79,9 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     tests-kvc-split)  # the decode kernel's split paths (uneven heads, auto splits, rows in place)
       python -m pytest -q -x -p no:cacheprovider tests/kernels/test_kvc_attention.py \
         -k "auto_splits or uneven or strided or row_ids or rows_in_place or warm_up or window" ;;
+    tests-kvc-window)  # the window scores and the prefill kernel's normalizers on the GPU
+      python -m pytest -q -x -p no:cacheprovider tests/kernels/test_kvc_attention.py \
+        -k "window_scores or backend_matches" ;;
     tests-kvc-graphs)  # the KV-Compress decode graphs with and without the score pass
       python -m pytest -q -x -p no:cacheprovider tests/models/test_kvcompress.py -k "cuda_graphs or async" \
         tests/core/test_kvcompress.py tests/engine/test_pinned_ring.py ;;
@@ -158,6 +161,8 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
       python benchmarks/kvc_compress_micro.py --out "$OUT" ;;
     kvc-window)  # a prompt's window scores, one layer of the 8B shape: torch against the kernel
       python benchmarks/kvc_window_micro.py --out "$OUT" ;;
+    attn-prefill-sweep)  # the prefill kernels' launch shapes on long prompts, flash SDPA beside
+      python benchmarks/attn_prefill_sweep.py --out "$OUT" ;;
     kvc-skew)  # the per-head decode kernel on even and uneven heads of one mean, splits 1-8
       python benchmarks/kvc_decode_skew.py --out "$OUT" ;;
     kvc-d-skew-ab)  # cr 64 at 6,000 with the uneven-head decode splits on, then off (the
