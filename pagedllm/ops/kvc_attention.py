@@ -97,9 +97,10 @@ def _skew_splits_from_env() -> tuple[int, int] | None:
 # 5,656) 290 us single-pass, 204 us with 4:1, 234 with 8:16; even heads 103 us single-pass, 231
 # with 8:16 (every head through partials, the combine and a separate score pass that re-reads
 # the keys); Benchmark D at 6,000 / cr 64: 8:16 10.8 ms a decode step against 9.5 off (3.44x
-# against 3.55x; heads there: p99 465 KVs, mean 213, a layer's longest 12x its mean). The
-# variant that finishes short heads in place is not measured yet. Benchmarks and tests turn it
-# on (the env variable, or set this).
+# against 3.55x; heads there: p99 465 KVs, mean 213, a layer's longest 12x its mean). With
+# short heads finished in place (tree 1df604f): even heads 104 us single-pass, 286 with 8:8;
+# Benchmark D 12.6 ms a decode step with 8:8 against 9.6 off (3.34x against 3.54x). Benchmarks
+# and tests turn it on (the env variable, or set this).
 SKEW_SPLITS: tuple[int, int] | None = _skew_splits_from_env()
 
 
