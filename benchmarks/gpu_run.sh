@@ -82,6 +82,9 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     tests-kvc-window)  # the window scores and the prefill kernel's normalizers on the GPU
       python -m pytest -q -x -p no:cacheprovider tests/kernels/test_kvc_attention.py \
         -k "window_scores or backend_matches" ;;
+    tests-long-tiles)  # long chunks' launch shape in both prefill kernels, on the GPU
+      python -m pytest -q -x -p no:cacheprovider tests/kernels/test_paged_attention.py \
+        -k "long_chunks" ;;
     tests-kvc-graphs)  # the KV-Compress decode graphs with and without the score pass
       python -m pytest -q -x -p no:cacheprovider tests/models/test_kvcompress.py -k "cuda_graphs or async" \
         tests/core/test_kvcompress.py tests/engine/test_pinned_ring.py ;;

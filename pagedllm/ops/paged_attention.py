@@ -522,15 +522,34 @@ class TileConfig:
     split_num_stages: int = 3  # the split-K kernel's pipelining depth
 
 
-def default_tile_config(head_pad: int, decode: bool) -> TileConfig:
+# A chunk at least this long takes LONG_CHUNK_TILES on Hopper (see default_tile_config).
+LONG_CHUNK = 2048
+LONG_CHUNK_TILES = TileConfig(block_m=256, tile_n=64, num_warps=8, num_stages=3)
+
+
+@functools.lru_cache(maxsize=8)
+def _is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def default_tile_config(
+    head_pad: int, decode: bool, max_query_len: int = 0, device: torch.device | None = None
+) -> TileConfig:
     """Defaults by head size and batch kind (decode-only batches get 16-row tiles).
 
     Picked from the sweep in benchmarks/kernels.py on an H200 (head_dim 128, GQA 4, bf16).
+    A batch with a chunk of ``LONG_CHUNK`` tokens or more (head_dim <= 128, on Hopper) takes
+    256-row tiles over 8 warps: the sweep on long prompts (``attn_prefill_sweep.py``, H200,
+    8B heads) gave 308-311 -> 338-344 TFLOPs on a 6,000-token prompt, 290-292 -> 328-337 on
+    2,048 after 4,096 cached, 218-220 -> 239-249 on 8 x 1,024 (not taken there: a mixed
+    step's decode rows each fill a tile of the unified kernel; 256 rows would waste 4x more).
     """
     tile_n = 64 if head_pad <= 128 else 32
     if decode:
         return TileConfig(block_m=16, tile_n=tile_n)
     if head_pad <= 128:
+        if max_query_len >= LONG_CHUNK and device is not None and _is_hopper(device):
+            return LONG_CHUNK_TILES
         return TileConfig(block_m=64, tile_n=tile_n, num_stages=3)
     return TileConfig(block_m=32, tile_n=tile_n)
 
@@ -576,7 +595,7 @@ def paged_attention(
     upcast = query.device.type == "cpu"
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     decode = max_query_len <= 1
-    cfg = tile_config or default_tile_config(head_pad, decode)
+    cfg = tile_config or default_tile_config(head_pad, decode, max_query_len, query.device)
     if num_splits is None:
         num_splits = choose_num_splits(
             num_reqs, num_kv_heads, max_query_len, max_seq_len, query.device, cfg.tile_n

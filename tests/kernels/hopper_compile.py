@@ -35,9 +35,12 @@ TARGET = GPUTarget("cuda", 90, 32)
 FLOATS = {"qk_scale", "eps", "offset"}  # float scalars; the other scalars are int32
 
 
-def compile_one(fn, pointers: dict[str, str], constexprs: dict, num_stages: int = 2) -> None:
+def compile_one(
+    fn, pointers: dict[str, str], constexprs: dict, num_stages: int = 2, num_warps: int = 4
+) -> None:
     """Lower ``fn`` with ``constexprs`` to a cubin for sm_90; raises on failure. Its pointers
-    take the types in ``pointers`` (every ``*_ptr`` / ``*_ptrs`` argument must be there)."""
+    take the types in ``pointers`` (every ``*_ptr`` / ``*_ptrs`` argument must be there);
+    ``constexprs`` may carry the launch's ``num_warps`` / ``num_stages``."""
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -48,13 +51,18 @@ def compile_one(fn, pointers: dict[str, str], constexprs: dict, num_stages: int 
             assert not name.endswith(("_ptr", "_ptrs")), f"{fn.__name__}: type of {name}?"
             signature[name] = "fp32" if name in FLOATS else "i32"
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    out = triton.compile(src, target=TARGET, options={"num_warps": 4, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    out = triton.compile(src, target=TARGET, options=options)
     assert "cubin" in out.asm, sorted(out.asm)
 
 
 BF16, F32, I32, I64, I8 = "*bf16", "*fp32", "*i32", "*i64", "*i8"
 ATTN = dict(G=4, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64, UPCAST=False,
             PRECISION="tf32")  # fmt: skip
+# chunks of paged.LONG_CHUNK tokens or more on Hopper
+_L = paged.LONG_CHUNK_TILES
+LONG = dict(BLOCK_M=_L.block_m, BLOCK_Q=_L.block_m // ATTN["G"], TILE_N=_L.tile_n,
+            num_warps=_L.num_warps, num_stages=_L.num_stages)  # fmt: skip
 
 
 def _kvc_variants() -> list[tuple[str, object, dict, dict]]:
@@ -90,6 +98,8 @@ def _kvc_variants() -> list[tuple[str, object, dict, dict]]:
                 dict(prefill, STORE_LSE=False, lse_ptr=None, stride_lse=0)))  # fmt: skip
     out.append(("kvc prefill lse", kvc._prefill_kernel, dict(ptrs, lse_ptr=F32),
                 dict(prefill, STORE_LSE=True)))  # fmt: skip
+    out.append(("kvc prefill long chunks lse", kvc._prefill_kernel, dict(ptrs, lse_ptr=F32),
+                dict(prefill, **LONG, STORE_LSE=True)))  # fmt: skip
     win = dict(ptrs, metric_ptr=F32, lse_ptr=F32, win_reqs_ptr=I64, win_rows_ptr=I64,
                win_n_ptr=I64)  # fmt: skip
     for pool in (False, True):
@@ -119,6 +129,8 @@ def _paged_variants() -> list[tuple[str, object, dict, dict]]:
     for decode in (False, True):
         c = dict(ATTN, BLOCK_M=64, BLOCK_Q=16, DECODE=decode)
         out.append((f"paged unified decode={decode}", paged._unified_kernel, ptrs, c))
+    out.append(("paged unified long chunks", paged._unified_kernel, ptrs,
+                dict(ATTN, **LONG, DECODE=False)))  # fmt: skip
     out.append(("paged split", paged._split_kernel, ptrs,
                 dict(ATTN, BLOCK_M=16, NUM_HEADS=32, NUM_SPLITS=8)))  # fmt: skip
     out.append(("paged reduce", paged._reduce_kernel, ptrs,
@@ -192,8 +204,9 @@ def main() -> int:
         print(f"{name}: no variant in hopper_compile.py", flush=True)
     failed = len(missing)
     for name, fn, pointers, constexprs in todo:
+        launch = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
         try:
-            compile_one(fn, pointers, constexprs)
+            compile_one(fn, pointers, constexprs, **launch)
             print(f"{name}: ok", flush=True)
         except Exception as e:  # report every variant, then fail
             failed += 1

@@ -444,3 +444,51 @@ def test_cuda_graph_of_speculative_rows() -> None:
     ).cpu()
     atol, rtol, _ = TOL[torch.bfloat16]
     torch.testing.assert_close(out[:9].float().cpu(), ref[:9], atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_long_chunks_take_the_long_tiles(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype):
+    """A batch with a chunk of ``LONG_CHUNK`` tokens or more runs ``LONG_CHUNK_TILES`` (256
+    rows over 8 warps, on Hopper) in both prefill kernels - the unified paged one, decode rows
+    beside the chunk, and KV-Compress's per-head one - and both still match the reference.
+    The device check is patched (any GPU, the interpreter); off a GPU the threshold is too,
+    so that the interpreter runs that launch shape on a short chunk."""
+    import pagedllm.ops.kvc_attention as kvc
+    import pagedllm.ops.paged_attention as pa
+
+    monkeypatch.setattr(pa, "_is_hopper", lambda device: True)
+    if not CUDA:
+        monkeypatch.setattr(pa, "LONG_CHUNK", 24)
+    chosen = []
+
+    def spy(*args, **kwargs):
+        chosen.append(pa.default_tile_config(*args, **kwargs))
+        return chosen[-1]
+
+    monkeypatch.setattr(kvc, "default_tile_config", spy)
+    long_len = 2100 if CUDA else 30
+    q_lens, ctx = [1, long_len, 1, 5], [300, 100, 900 if CUDA else 40, 0]
+    num_heads, num_kv_heads, head_dim, bs = 8, 2, 128 if CUDA else 64, 16
+    b = make_batch(q_lens, ctx, num_heads, num_kv_heads, head_dim, bs, dtype, seed=5)
+    dev = b.query.device
+    assert pa.default_tile_config(head_dim, False, pa.LONG_CHUNK, dev) is pa.LONG_CHUNK_TILES
+    assert pa.default_tile_config(head_dim, False, pa.LONG_CHUNK - 1, dev).block_m == 64
+    scale = head_dim**-0.5
+    check(run_kernel(b, scale, None, num_splits=1), b, scale, None)
+    # the same chunks through the per-head kernel: every KV head reads the request's blocks
+    # through its own table row ([R, H, W] tables, [R, H] lengths)
+    kv = b.kv_cache  # [2, blocks, bs, H, D] -> per-head blocks [2, blocks * H, bs, D]
+    nb = kv.shape[1]
+    per_head = kv.permute(0, 1, 3, 2, 4).reshape(2, nb * num_kv_heads, bs, head_dim)
+    heads = torch.arange(num_kv_heads, dtype=torch.int32, device=kv.device)
+    tables = (b.block_tables[:, None, :] * num_kv_heads + heads[None, :, None]).contiguous()
+    lens = b.seq_lens[:, None].expand(-1, num_kv_heads).contiguous()
+    out = kvc.kvc_paged_attention(
+        b.query, per_head, b.query_start_loc, lens, tables, b.max_query_len, scale
+    )
+    assert chosen == [pa.LONG_CHUNK_TILES]
+    ref = paged_attention_ref(
+        b.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, scale, None
+    ).cpu()
+    atol, rtol, _ = TOL[dtype]
+    torch.testing.assert_close(out.float().cpu(), ref, atol=atol, rtol=rtol)
