@@ -368,6 +368,14 @@ def run(args: argparse.Namespace) -> dict:
         [SamplingParams(max_tokens=4, ignore_eos=True, **kvc_params)] * len(inputs[:4]),
         use_tqdm=False,
     )
+    # and one short prompt alone: the prefill kernels take other tiles below LONG_CHUNK
+    # tokens (paged_attention.default_tile_config), a variant long prompts never meet (at
+    # 00e8ab8, Benchmark D: one compile of 1.6-2.0 s inside each timed run)
+    llm.generate(
+        [{"prompt_token_ids": prompts[-1][::-1][:512]}],
+        [SamplingParams(max_tokens=4, ignore_eos=True, **kvc_params)],
+        use_tqdm=False,
+    )
     rec = StepRecorder(llm)
     # counters from the scheduler, or (data parallelism) the core processes' merged stats
     kv = getattr(getattr(core, "scheduler", None), "kv_cache_manager", None)

@@ -1158,7 +1158,9 @@ def kvc_paged_attention(
     head_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on a GPU
     upcast = query.device.type == "cpu"  # the CPU interpreter mis-computes 16-bit dots
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    cfg = tile_config or default_tile_config(head_pad, False, max_query_len, query.device)
+    cfg = tile_config or default_tile_config(
+        head_pad, False, max_query_len, query.device, kv_cache.element_size()
+    )
     block_m = max(cfg.block_m, triton.next_power_of_2(g))
     if tile_config is None and max_query_len * g < block_m:
         # short chunks: a tile just big enough for one chunk's queries x heads (as

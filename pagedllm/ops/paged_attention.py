@@ -533,12 +533,17 @@ def _is_hopper(device: torch.device) -> bool:
 
 
 def default_tile_config(
-    head_pad: int, decode: bool, max_query_len: int = 0, device: torch.device | None = None
+    head_pad: int,
+    decode: bool,
+    max_query_len: int = 0,
+    device: torch.device | None = None,
+    itemsize: int = 2,
 ) -> TileConfig:
     """Defaults by head size and batch kind (decode-only batches get 16-row tiles).
 
     Picked from the sweep in benchmarks/kernels.py on an H200 (head_dim 128, GQA 4, bf16).
-    A batch with a chunk of ``LONG_CHUNK`` tokens or more (head_dim <= 128, on Hopper) takes
+    A batch with a chunk of ``LONG_CHUNK`` tokens or more (head_dim <= 128, 16-bit K/V - in
+    float32 its stages need 263 KB of shared memory, an H200 has 227 - on Hopper) takes
     256-row tiles over 8 warps: the sweep on long prompts (``attn_prefill_sweep.py``, H200,
     8B heads) gave 308-311 -> 338-344 TFLOPs on a 6,000-token prompt, 290-292 -> 328-337 on
     2,048 after 4,096 cached, 218-220 -> 239-249 on 8 x 1,024 (not taken there: a mixed
@@ -548,7 +553,8 @@ def default_tile_config(
     if decode:
         return TileConfig(block_m=16, tile_n=tile_n)
     if head_pad <= 128:
-        if max_query_len >= LONG_CHUNK and device is not None and _is_hopper(device):
+        long = max_query_len >= LONG_CHUNK and itemsize <= 2
+        if long and device is not None and _is_hopper(device):
             return LONG_CHUNK_TILES
         return TileConfig(block_m=64, tile_n=tile_n, num_stages=3)
     return TileConfig(block_m=32, tile_n=tile_n)
@@ -595,7 +601,9 @@ def paged_attention(
     upcast = query.device.type == "cpu"
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     decode = max_query_len <= 1
-    cfg = tile_config or default_tile_config(head_pad, decode, max_query_len, query.device)
+    cfg = tile_config or default_tile_config(
+        head_pad, decode, max_query_len, query.device, kv_cache.element_size()
+    )
     if num_splits is None:
         num_splits = choose_num_splits(
             num_reqs, num_kv_heads, max_query_len, max_seq_len, query.device, cfg.tile_n

@@ -449,8 +449,9 @@ def test_cuda_graph_of_speculative_rows() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_long_chunks_take_the_long_tiles(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype):
     """A batch with a chunk of ``LONG_CHUNK`` tokens or more runs ``LONG_CHUNK_TILES`` (256
-    rows over 8 warps, on Hopper) in both prefill kernels - the unified paged one, decode rows
-    beside the chunk, and KV-Compress's per-head one - and both still match the reference.
+    rows over 8 warps, on Hopper, 16-bit K/V; float32 keeps the default) in both prefill
+    kernels - the unified paged one, decode rows beside the chunk, and KV-Compress's per-head
+    one - and both still match the reference.
     The device check is patched (any GPU, the interpreter); off a GPU the threshold is too,
     so that the interpreter runs that launch shape on a short chunk."""
     import pagedllm.ops.kvc_attention as kvc
@@ -470,9 +471,11 @@ def test_long_chunks_take_the_long_tiles(monkeypatch: pytest.MonkeyPatch, dtype:
     q_lens, ctx = [1, long_len, 1, 5], [300, 100, 900 if CUDA else 40, 0]
     num_heads, num_kv_heads, head_dim, bs = 8, 2, 128 if CUDA else 64, 16
     b = make_batch(q_lens, ctx, num_heads, num_kv_heads, head_dim, bs, dtype, seed=5)
-    dev = b.query.device
-    assert pa.default_tile_config(head_dim, False, pa.LONG_CHUNK, dev) is pa.LONG_CHUNK_TILES
-    assert pa.default_tile_config(head_dim, False, pa.LONG_CHUNK - 1, dev).block_m == 64
+    dev, size = b.query.device, dtype.itemsize
+    # float32 K/V keep the default (the long tiles' stages overflow shared memory in float32)
+    long = pa.default_tile_config(head_dim, False, pa.LONG_CHUNK, dev, size)
+    assert (long is pa.LONG_CHUNK_TILES) == (size == 2)
+    assert pa.default_tile_config(head_dim, False, pa.LONG_CHUNK - 1, dev, size).block_m == 64
     scale = head_dim**-0.5
     check(run_kernel(b, scale, None, num_splits=1), b, scale, None)
     # the same chunks through the per-head kernel: every KV head reads the request's blocks
@@ -486,7 +489,7 @@ def test_long_chunks_take_the_long_tiles(monkeypatch: pytest.MonkeyPatch, dtype:
     out = kvc.kvc_paged_attention(
         b.query, per_head, b.query_start_loc, lens, tables, b.max_query_len, scale
     )
-    assert chosen == [pa.LONG_CHUNK_TILES]
+    assert chosen == [long]
     ref = paged_attention_ref(
         b.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, scale, None
     ).cpu()
