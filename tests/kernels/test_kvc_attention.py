@@ -637,7 +637,8 @@ def test_window_scores(dtype: torch.dtype, num_heads: int, num_kv_heads: int, ma
     ``lse``) as ``prefill_window_scores_batched`` does: the same scores slot for slot, no
     other slot touched; each chunk row's stored normalizer is its logsumexp (log2 units).
     Chunks of several requests, heads of different lengths, window queries fewer than the
-    widest (C) for some, one chunk shorter than its window, decode rows between them."""
+    widest (C) for some, one chunk shorter than its window, decode rows between them, more
+    window rows (queries x group) than one dot takes."""
     from pagedllm.kvcompress.attention import prefill_window_scores_batched
     from pagedllm.ops.kvc_attention import kvc_window_scores
 
@@ -645,7 +646,8 @@ def test_window_scores(dtype: torch.dtype, num_heads: int, num_kv_heads: int, ma
     if CUDA:
         q_lens, max_ctx, collect = [1, 300, 1, 64, 1200, 1, 20], 1500, [0, 32, 0, 32, 17, 0, 32]
     else:
-        q_lens, max_ctx, collect = [1, 9, 1, 5, 3], 30, [0, 4, 0, 2, 4]
+        # 40 window queries x G 4: 160 rows, two dots a key tile (at most 128 rows each)
+        q_lens, max_ctx, collect = [1, 9, 1, 5, 40, 3], 30, [0, 4, 0, 2, 40, 4]
     r = len(q_lens)
     ctx = random_lens(r, num_kv_heads, max_ctx, bs, seed=41)
     ql = torch.tensor(q_lens, dtype=torch.int32)[:, None]
