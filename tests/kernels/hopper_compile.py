@@ -32,6 +32,7 @@ import pagedllm.ops.rotary as rotary
 import pagedllm.ops.spec_drafts as drafts
 
 TARGET = GPUTarget("cuda", 90, 32)
+MAX_SHARED = 232448  # bytes of shared memory a block may take on an H100 / H200 (227 KiB)
 FLOATS = {"qk_scale", "eps", "offset"}  # float scalars; the other scalars are int32
 
 
@@ -54,6 +55,8 @@ def compile_one(
     options = {"num_warps": num_warps, "num_stages": num_stages}
     out = triton.compile(src, target=TARGET, options=options)
     assert "cubin" in out.asm, sorted(out.asm)
+    # the launch would fail on the GPU (OutOfResources), not here: check it here
+    assert out.metadata.shared <= MAX_SHARED, f"{out.metadata.shared} B of shared memory"
 
 
 BF16, F32, I32, I64, I8 = "*bf16", "*fp32", "*i32", "*i64", "*i8"
