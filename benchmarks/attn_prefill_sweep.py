@@ -17,7 +17,6 @@ Usage (GPU): python benchmarks/attn_prefill_sweep.py [--out DIR]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -25,7 +24,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.kernels import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, Prefill, bench  # noqa: E402
+from benchmarks.kernels import (  # noqa: E402
+    BLOCK_SIZE,
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    Prefill,
+    bench,
+    write_gpu_result,
+)
 from pagedllm.ops.kvc_attention import kvc_paged_attention  # noqa: E402
 from pagedllm.ops.paged_attention import TileConfig  # noqa: E402
 
@@ -93,15 +99,8 @@ def main() -> None:
                       flush=True)  # fmt: skip
         del p
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        name = torch.cuda.get_device_name().replace(" ", "_")
-        commit = os.environ.get("PAGEDLLM_COMMIT", "unknown")
-        path = os.path.join(args.out, f"attn_prefill_sweep_{name}_{commit}.json")
-        with open(path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "git_commit": commit,
-                       "triton": __import__("triton").__version__, "torch": torch.__version__,
-                       "rows": rows}, f, indent=1)  # fmt: skip
-        print("wrote", path)
+        versions = {"triton": __import__("triton").__version__, "torch": torch.__version__}
+        write_gpu_result(args.out, "attn_prefill_sweep", {**versions, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.kernels import bench  # noqa: E402
+from benchmarks.kernels import bench, write_gpu_result  # noqa: E402
 from pagedllm.kvcompress.attention import KVCStepPlan, prefill_window_scores_batched  # noqa: E402
 from pagedllm.ops.kvc_attention import kvc_paged_attention, kvc_window_scores  # noqa: E402
 
@@ -119,15 +119,8 @@ def main() -> None:
             print(json.dumps({k: (float(f"{v:.4g}") if isinstance(v, float) else v)
                               for k, v in res.items()}), flush=True)  # fmt: skip
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        name = torch.cuda.get_device_name().replace(" ", "_")
-        commit = os.environ.get("PAGEDLLM_COMMIT", "unknown")
-        path = os.path.join(args.out, f"kvc_window_micro_{name}_{commit}.json")
-        with open(path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "git_commit": commit,
-                       "shape": "llama-3.1-8b one layer", "window": WINDOW, "maxpool": POOL,
-                       "rows": rows}, f, indent=1)  # fmt: skip
-        print("wrote", path)
+        shape = {"shape": "llama-3.1-8b one layer", "window": WINDOW, "maxpool": POOL}
+        write_gpu_result(args.out, "kvc_window_micro", {**shape, "rows": rows})
 
 
 if __name__ == "__main__":

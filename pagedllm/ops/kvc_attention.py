@@ -1187,6 +1187,29 @@ def kvc_paged_attention(
     return out
 
 
+@triton.jit
+def _window_program(win_reqs_ptr, lens_ptr, stride_lr, stride_lh):
+    """A window program's (request index, KV head, key tile, table row, head length): the
+    window kernels run one program per (scoring request, KV head, key tile)."""
+    w = tl.program_id(0)
+    kvh = tl.program_id(1)
+    tile = tl.program_id(2)
+    trow = tl.load(win_reqs_ptr + w).to(tl.int64)
+    seq_len = tl.load(lens_ptr + trow * stride_lr + kvh * stride_lh).to(tl.int32)
+    return w, kvh, tile, trow, seq_len
+
+
+@triton.jit
+def _window_keys(bt_ptr, trow, kvh, tile, seq_len, stride_br, stride_bh,
+                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):  # fmt: skip
+    """A key tile's logical indices [TILE_N], which of them the head holds, their slots."""
+    j = tile * TILE_N + tl.arange(0, TILE_N)
+    j_ok = j < seq_len
+    blk = tl.load(bt_ptr + trow * stride_br + kvh * stride_bh + j // BLOCK_SIZE, mask=j_ok,
+                  other=0).to(tl.int64)  # fmt: skip
+    return j, j_ok, blk * BLOCK_SIZE + j % BLOCK_SIZE
+
+
 # The window requests' count and the longest head vary step by step (views of one shipped
 # buffer at any offset): no specialization on them.
 @triton.jit(
@@ -1235,23 +1258,17 @@ def _window_score_kernel(
     Window query i (of n) sits at logical index ``len - n + i`` of the head and sees the
     indices up to it. Rows m of a dot: window query ``m // G``, query head ``kvh * G + m % G``.
     Example: C 32, G 4 -> 128 rows, BLOCK_M 128: one dot a tile; n 20 -> rows 80.. masked."""
-    w = tl.program_id(0)
-    kvh = tl.program_id(1)
-    tile = tl.program_id(2)
-    trow = tl.load(win_reqs_ptr + w).to(tl.int64)
-    seq_len = tl.load(lens_ptr + trow * stride_lr + kvh * stride_lh).to(tl.int32)
+    w, kvh, tile, trow, seq_len = _window_program(win_reqs_ptr, lens_ptr, stride_lr, stride_lh)
     if tile * TILE_N >= seq_len:
         return
     n = tl.load(win_n_ptr + w).to(tl.int32)
-    j = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] logical indices
-    j_ok = j < seq_len
-    blk = tl.load(bt_ptr + trow * stride_br + kvh * stride_bh + j // BLOCK_SIZE, mask=j_ok,
-                  other=0).to(tl.int64)  # fmt: skip
-    slot = blk * BLOCK_SIZE + j % BLOCK_SIZE
+    j, j_ok, slot = _window_keys(bt_ptr, trow, kvh, tile, seq_len, stride_br, stride_bh,
+                                 BLOCK_SIZE, TILE_N)  # fmt: skip
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD_DIM
-    k = tl.load(k_cache_ptr + (blk * stride_cb + (j % BLOCK_SIZE) * stride_cs)[:, None]
-                + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    # Example: BLOCK_SIZE 16, slot 37 -> block 2, offset 5
+    k = tl.load(k_cache_ptr + ((slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs)
+                [:, None] + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
     metric = tl.zeros([TILE_N], dtype=tl.float32)
     for r0 in tl.static_range(0, C * G, BLOCK_M):
         m = r0 + tl.arange(0, BLOCK_M)
@@ -1300,23 +1317,17 @@ def _window_pool_kernel(
     the ``KERNEL`` logical indices around it (``maxpool_scores``: indices past the head's
     length count as 0, below any metric) and added to its slot's score.
     Example: KERNEL 7, index 2 of a head of 10 -> the max over indices 0..5."""
-    w = tl.program_id(0)
-    kvh = tl.program_id(1)
-    tile = tl.program_id(2)
-    trow = tl.load(win_reqs_ptr + w).to(tl.int64)
-    seq_len = tl.load(lens_ptr + trow * stride_lr + kvh * stride_lh).to(tl.int32)
+    w, kvh, tile, trow, seq_len = _window_program(win_reqs_ptr, lens_ptr, stride_lr, stride_lh)
     if tile * TILE_N >= seq_len:
         return
-    j = tile * TILE_N + tl.arange(0, TILE_N)
-    j_ok = j < seq_len
+    j, j_ok, slot = _window_keys(bt_ptr, trow, kvh, tile, seq_len, stride_br, stride_bh,
+                                 BLOCK_SIZE, TILE_N)  # fmt: skip
     base = metric_ptr + (w * tl.num_programs(1) + kvh).to(tl.int64) * max_len
     best = tl.zeros([TILE_N], dtype=tl.float32)
     for o in tl.static_range(KERNEL):
         u = j + (o - KERNEL // 2)
         best = tl.maximum(best, tl.load(base + u, mask=(u >= 0) & (u < seq_len), other=0.0))
-    blk = tl.load(bt_ptr + trow * stride_br + kvh * stride_bh + j // BLOCK_SIZE, mask=j_ok,
-                  other=0).to(tl.int64)  # fmt: skip
-    tl.atomic_add(scores_ptr + blk * BLOCK_SIZE + j % BLOCK_SIZE, best, mask=j_ok)
+    tl.atomic_add(scores_ptr + slot, best, mask=j_ok)
 
 
 def kvc_window_scores(
