@@ -666,10 +666,11 @@ def test_window_scores(dtype: torch.dtype, num_heads: int, num_kv_heads: int, ma
     scale = d**-0.5
     kv = poisoned(c, torch.zeros_like(lens), float("nan"))
     lse = torch.full((n_tok, num_heads), float("nan"), device=DEVICE)
+    on = {k: v.to(DEVICE) for k, v in t.items()}
     kvc_paged_attention(
-        query.to(DEVICE), kv.to(DEVICE), t["prefill_qsl"].to(DEVICE), lens.to(DEVICE),
-        c.block_tables.to(DEVICE), int(max(q_lens)), scale, row_ids=t["prefill_table_rows"].to(
-            DEVICE), q_start=t["prefill_q_start"].to(DEVICE), tile_config=TILE,
+        query.to(DEVICE), kv.to(DEVICE), on["prefill_qsl"], lens.to(DEVICE),
+        c.block_tables.to(DEVICE), int(max(q_lens)), scale, row_ids=on["prefill_table_rows"],
+        q_start=on["prefill_q_start"], tile_config=TILE,
         out=torch.zeros(query.shape, dtype=dtype, device=DEVICE), lse=lse,
     )  # fmt: skip
     got_lse = lse.cpu()
@@ -696,8 +697,7 @@ def test_window_scores(dtype: torch.dtype, num_heads: int, num_kv_heads: int, ma
     scores = start.clone().to(DEVICE)
     kvc_window_scores(
         query.to(DEVICE), kv.to(DEVICE), lse, c.block_tables.to(DEVICE), lens.to(DEVICE),
-        win.to(DEVICE), t["window_rows"].to(DEVICE), t["window_n"].to(DEVICE), scale, scores,
-        maxpool, max_len,
+        on["window_reqs"], on["window_rows"], on["window_n"], scale, scores, maxpool, max_len,
     )  # fmt: skip
     got = scores.cpu()
     scored = torch.zeros_like(start, dtype=torch.bool)
