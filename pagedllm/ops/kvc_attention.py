@@ -1199,17 +1199,6 @@ def _window_program(win_reqs_ptr, lens_ptr, stride_lr, stride_lh):
     return w, kvh, tile, trow, seq_len
 
 
-@triton.jit
-def _window_keys(bt_ptr, trow, kvh, tile, seq_len, stride_br, stride_bh,
-                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):  # fmt: skip
-    """A key tile's logical indices [TILE_N], which of them the head holds, their slots."""
-    j = tile * TILE_N + tl.arange(0, TILE_N)
-    j_ok = j < seq_len
-    blk = tl.load(bt_ptr + trow * stride_br + kvh * stride_bh + j // BLOCK_SIZE, mask=j_ok,
-                  other=0).to(tl.int64)  # fmt: skip
-    return j, j_ok, blk * BLOCK_SIZE + j % BLOCK_SIZE
-
-
 # The window requests' count and the longest head vary step by step (views of one shipped
 # buffer at any offset): no specialization on them.
 @triton.jit(
@@ -1262,13 +1251,12 @@ def _window_score_kernel(
     if tile * TILE_N >= seq_len:
         return
     n = tl.load(win_n_ptr + w).to(tl.int32)
-    j, j_ok, slot = _window_keys(bt_ptr, trow, kvh, tile, seq_len, stride_br, stride_bh,
-                                 BLOCK_SIZE, TILE_N)  # fmt: skip
+    j = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] logical indices
+    bt_row = bt_ptr + trow * stride_br + kvh * stride_bh  # (table columns contiguous)
+    j_ok, blk, off = _tile_keys(bt_row, 1, tile, 0, seq_len, BLOCK_SIZE, TILE_N, True)
+    k = _load_rows(k_cache_ptr, blk, off, j_ok, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, True)
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD_DIM
-    # Example: BLOCK_SIZE 16, slot 37 -> block 2, offset 5
-    k = tl.load(k_cache_ptr + ((slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs)
-                [:, None] + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
     metric = tl.zeros([TILE_N], dtype=tl.float32)
     for r0 in tl.static_range(0, C * G, BLOCK_M):
         m = r0 + tl.arange(0, BLOCK_M)
@@ -1279,19 +1267,16 @@ def _window_score_kernel(
         q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
         lse = tl.load(lse_ptr + tok * stride_lse + head, mask=row_ok, other=0.0)
-        if UPCAST:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+        s = _qk(q, k, j_ok, qk_scale, UPCAST, PRECISION, True)  # -inf past the head's keys
         q_idx = seq_len - n + qi  # [BLOCK_M] each row's own logical index
         vis = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= q_idx[:, None])
-        p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
         metric += tl.sum(p * p, axis=0)
     if POOL:
         tl.store(metric_ptr + (w * tl.num_programs(1) + kvh).to(tl.int64) * max_len + j, metric,
                  mask=j_ok)  # fmt: skip
     else:
-        tl.atomic_add(scores_ptr + slot, metric, mask=j_ok)
+        tl.atomic_add(scores_ptr + blk * BLOCK_SIZE + off, metric, mask=j_ok)
 
 
 @triton.jit(
@@ -1320,14 +1305,15 @@ def _window_pool_kernel(
     w, kvh, tile, trow, seq_len = _window_program(win_reqs_ptr, lens_ptr, stride_lr, stride_lh)
     if tile * TILE_N >= seq_len:
         return
-    j, j_ok, slot = _window_keys(bt_ptr, trow, kvh, tile, seq_len, stride_br, stride_bh,
-                                 BLOCK_SIZE, TILE_N)  # fmt: skip
+    j = tile * TILE_N + tl.arange(0, TILE_N)
+    bt_row = bt_ptr + trow * stride_br + kvh * stride_bh  # (table columns contiguous)
+    j_ok, blk, off = _tile_keys(bt_row, 1, tile, 0, seq_len, BLOCK_SIZE, TILE_N, True)
     base = metric_ptr + (w * tl.num_programs(1) + kvh).to(tl.int64) * max_len
     best = tl.zeros([TILE_N], dtype=tl.float32)
     for o in tl.static_range(KERNEL):
         u = j + (o - KERNEL // 2)
         best = tl.maximum(best, tl.load(base + u, mask=(u >= 0) & (u < seq_len), other=0.0))
-    tl.atomic_add(scores_ptr + slot, best, mask=j_ok)
+    tl.atomic_add(scores_ptr + blk * BLOCK_SIZE + off, best, mask=j_ok)
 
 
 def kvc_window_scores(
