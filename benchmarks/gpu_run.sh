@@ -153,6 +153,12 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
         --input-len ${KVC_LEN:-500} --rates ${KVC_RATES:-64} --profile-dir "$OUT/profiles" \
         --out "$OUT" | grep "^in "
       for f in "$OUT"/profiles/*.txt; do echo "== $f"; head -40 "$f" | tail -32; done ;;
+    kvc-d-kprofile)  # KV-Compress runs of one length with the device time by kernel of a
+      # window of steps (KVC_KPROF=START:COUNT) and the heads' lengths the kernels read; the
+      # uncompressed run from an earlier call's file (KVC_BASELINE)
+      python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-256} \
+        --input-len ${KVC_LEN:-6000} --rates ${KVC_RATES:-8,64} --kernel-profile \
+        ${KVC_KPROF:-600:60} --baseline-json "$KVC_BASELINE" --out "$OUT" | grep "^in " ;;
     kvc-d-uncapped)  # the paper's 256 prompts with the whole GPU's memory for the KV cache
       python benchmarks/kvcompress_throughput.py --num-prompts ${KVC_PROMPTS:-256} \
         --rates ${KVC_RATES:-64,8} --kv-cache-memory-bytes 0 --out "$OUT" | grep "^in " ;;

@@ -169,6 +169,7 @@ def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dic
             _args(a, input_len=input_len, enable_kvc=True, max_cache_tokens=m,
                   protected_window_size=a.protected_window_size, enforce_eager=enforce_eager,
                   profile_host=prof, enable_prefix_caching=caching,
+                  kernel_profile=a.kernel_profile or None,
                   enable_chunked_prefill=chunked)
         )  # fmt: skip
         r["cr"], r["max_cache_tokens"] = cr, m
@@ -187,6 +188,13 @@ def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dic
               f"{r.get('head_len_mean')}, p50/90/99 {r.get('head_len_p50_p90_p99')}, max "
               f"{r.get('head_len_max')}, layer max/mean {r.get('layer_max_over_mean')}",
               flush=True)  # fmt: skip
+        kp = r.get("kernel_profile")
+        if kp:
+            print(f"in {input_len} {name} kernels: {kp['steps']} steps from {kp['first_step']} "
+                  f"({kp['decode_only_steps']} decode-only, {kp['running_mean']:.1f} running), "
+                  f"{kp['device_ms_per_step']:.2f} ms a step", flush=True)  # fmt: skip
+            for k in kp["top_ms_per_step"][:14]:
+                print(f"in {input_len}   {k['ms']:.3f} ms x{k['calls_per_step']:.0f} {k['name']}")
         clean()
     return runs
 
@@ -216,6 +224,12 @@ def main() -> None:
     )
     ap.add_argument("--protected-window-size", type=int, default=32)
     ap.add_argument("--profile-dir", default="", help="cProfile each KVC run's host side")
+    ap.add_argument(
+        "--kernel-profile",
+        default="",
+        metavar="START:COUNT",
+        help="each KVC run: device time by kernel over COUNT steps from step START",
+    )
     ap.add_argument(
         "--baseline-json",
         default="",

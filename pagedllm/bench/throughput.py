@@ -196,6 +196,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "to PATH.prof; default: no profile).",
     )
     p.add_argument(
+        "--kernel-profile",
+        default=None,
+        metavar="START:COUNT",
+        help="Device time by kernel over COUNT steps from step START of the timed run "
+        "(torch.profiler; the JSON's kernel_profile; the run's times then include the "
+        "profiler's cost). Default: none.",
+    )
+    p.add_argument(
         "--output-json",
         default=None,
         metavar="PATH",
@@ -246,14 +254,24 @@ class StepRecorder:
     the host time they take (the engine's own overhead). With the model in worker processes
     (no in-process runner) only the scheduler is wrapped: shapes, no host times."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, profile_window: tuple[int, int] | None = None) -> None:
         core = llm.llm_engine.engine_core
         self.steps: list[StepRecord] = []
         self.host_s: list[float] = []
         self.decode_host_s: list[float] = []
         # KV-Compress: every 64th decode-only step, the running requests' KVs per head
-        # ([rows, layers, KV heads] of the scheduler's lengths; see ``head_len_stats``)
+        # ([rows, layers, KV heads]; see ``head_len_stats``). From the device's lengths when
+        # the runner is in-process: under async scheduling the scheduler's are the lengths
+        # before the evictions still in flight (a prompt just evicted shows all its tokens),
+        # the kernel reads the device's. Copied without a sync, read after the run.
         self.head_lens: list[np.ndarray] = []
+        self._device_lens: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        # ``kernel_profile``: torch.profiler over the steps [start, start + count)
+        self.profile_window = profile_window
+        self.profiler: Any = None
+        self._profiling = False
+        self._cuda = False
+        self.profiled_steps: list[StepRecord] = []
         sched = getattr(core, "scheduler", None)
         self._t = 0.0
         if sched is None:  # data parallelism: the schedulers are in the core processes
@@ -270,15 +288,25 @@ class StepRecorder:
                 n = list(so.num_scheduled_tokens.values())
                 seq = [sched.requests[r].num_computed_tokens for r in so.num_scheduled_tokens]
                 self.steps.append(StepRecord(n, seq))
-                if states is not None and len(self.steps) % 64 == 0 and max(n) == 1:
+                self._profile(len(self.steps) - 1)
+                if self._profiling:
+                    self.profiled_steps.append(self.steps[-1])
+                if device_lens and len(self.steps) % 64 == 0 and max(n) == 1:
+                    self._sample_next = True
+                elif states is not None and len(self.steps) % 64 == 0 and max(n) == 1:
                     lens = [states[r].lens for r in so.num_scheduled_tokens if r in states]
                     if lens:
                         h = kvm.spec.num_kv_heads
                         self.head_lens.append(np.stack(lens).reshape(len(lens), -1, h))
             return so
 
-        sched.schedule = schedule
         runner = getattr(getattr(core, "executor", None), "runner", None)
+        kvc = getattr(runner, "kvc", None)
+        device_lens = kvc is not None
+        cuda = runner is not None and runner.device.type == "cuda"
+        self._cuda = cuda
+        self._sample_next = False
+        sched.schedule = schedule
         if runner is None:  # the model is in worker processes: scheduling is all we see
             return
         prep = runner.inputs
@@ -291,9 +319,74 @@ class StepRecorder:
             self.host_s.append(host)
             if int(n_sched.max()) == 1:
                 self.decode_host_s.append(host)
+            if self._sample_next:  # after the step's slots: the lengths its kernels read
+                self._sample_next = False
+                idx = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(runner.device)
+                lens = torch.empty((len(rows), kvc.num_heads), dtype=kvc.lens.dtype,
+                                   pin_memory=cuda)  # fmt: skip
+                lens.copy_(kvc.lens[idx], non_blocking=cuda)
+                ev = torch.cuda.Event() if cuda else None
+                if ev is not None:
+                    ev.record()
+                self._device_lens.append((lens, ev))
             return out
 
         prep.prepare = prepare
+        self._kv_heads = kvc.spec.num_kv_heads if kvc is not None else 1
+
+    def _profile(self, step: int) -> None:
+        """Start or stop the kernel profiler at the window's edges (``profile_window``)."""
+        if self.profile_window is None:
+            return
+        start, count = self.profile_window
+        if step == start:
+            from torch.profiler import ProfilerActivity, profile
+
+            kind = ProfilerActivity.CUDA if self._cuda else ProfilerActivity.CPU
+            self.profiler = profile(activities=[kind])
+            self.profiler.start()
+            self._profiling = True
+        elif step == start + count and self._profiling:
+            self.profiler.stop()  # (the profiler stays: ``kernel_profile`` reads it)
+            self._profiling = False
+
+    def finish(self) -> None:
+        """After the run: the device lengths' copies are read (each waited for on its event);
+        a profiler still open (the run had fewer steps than the window) is stopped."""
+        for lens, ev in self._device_lens:
+            if ev is not None:
+                ev.synchronize()
+            x = lens.numpy()
+            self.head_lens.append(x.reshape(len(x), -1, self._kv_heads))
+        self._device_lens = []
+        if self._profiling:
+            self.profiler.stop()
+            self._profiling = False
+
+    def kernel_profile(self) -> dict | None:
+        """Device time by kernel over the profiled steps (on a CPU: self time by operator):
+        per step, the top 25, with how many of those steps were decode-only and their mean
+        running requests."""
+        if self.profiler is None or not self.profiled_steps:
+            return None
+        n = len(self.profiled_steps)
+        top = []
+        for e in self.profiler.key_averages():
+            ms = (e.self_device_time_total if self._cuda else e.self_cpu_time_total) / 1e3
+            if ms > 0:
+                top.append((ms, e.count, e.key[:100]))
+        top.sort(reverse=True)
+        decode = [s for s in self.profiled_steps if max(s.num_tokens) == 1]
+        return {
+            "steps": n,
+            "first_step": self.profile_window[0] if self.profile_window else None,
+            "decode_only_steps": len(decode),
+            "running_mean": float(np.mean([len(s.num_tokens) for s in self.profiled_steps])),
+            "device_ms_per_step": sum(ms for ms, _, _ in top) / n,
+            "top_ms_per_step": [
+                {"ms": ms / n, "calls_per_step": c / n, "name": k} for ms, c, k in top[:25]
+            ],
+        }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -376,7 +469,11 @@ def run(args: argparse.Namespace) -> dict:
         [SamplingParams(max_tokens=4, ignore_eos=True, **kvc_params)],
         use_tqdm=False,
     )
-    rec = StepRecorder(llm)
+    window = None
+    if getattr(args, "kernel_profile", None):
+        start, _, count = args.kernel_profile.partition(":")
+        window = (int(start), int(count or 50))
+    rec = StepRecorder(llm, window)
     # counters from the scheduler, or (data parallelism) the core processes' merged stats
     kv = getattr(getattr(core, "scheduler", None), "kv_cache_manager", None)
     kvc_before = tuple(
@@ -399,6 +496,7 @@ def run(args: argparse.Namespace) -> dict:
         if prof is not None:
             prof.disable()
         elapsed = time.perf_counter() - t
+    rec.finish()
     if prof is not None:
         with open(args.profile_host, "w") as f:
             for key in ("tottime", "cumulative"):
@@ -518,6 +616,8 @@ def run(args: argparse.Namespace) -> dict:
         },
         "first_tokens": [o.outputs[0].token_ids[:8] for o in outs[:4]],
     }
+    if window is not None:  # the profiler's own cost is inside this run's times
+        result["kernel_profile"] = rec.kernel_profile()
     return result
 
 

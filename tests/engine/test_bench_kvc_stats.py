@@ -36,3 +36,30 @@ def test_head_length_statistics():
     assert got["head_len_mean"] == pytest.approx(x.mean())
     assert got["head_len_p50_p90_p99"][0] == pytest.approx(75.0)
     assert head_len_stats([]) == {}
+
+
+def test_bench_throughput_reads_head_lengths_and_profiles_kernels(tiny_models, tmp_path):  # noqa: ANN001
+    """A KV-Compress run samples the lengths its kernels read (the runner's, not the
+    scheduler's view, which lags an eviction in flight): every head within its budget plus
+    the protected window and the step's tokens, none at the prompt's full length; and
+    ``--kernel-profile`` times the window of steps it names."""
+    import json
+
+    from pagedllm.entrypoints.cli import main
+
+    out = tmp_path / "kvc.json"
+    budget, window = 16, 4
+    assert main(["bench", "throughput", "--model", tiny_models("llama"), "--device", "cpu",
+                 "--dtype", "float32", "--max-model-len", "256", "--num-prompts", "3",
+                 "--input-len", "96", "--output-len", "70", "--enable-kvc",
+                 "--max-cache-tokens", str(budget), "--protected-window-size", str(window),
+                 "--kernel-profile", "10:5", "--output-json", str(out)]) == 0  # fmt: skip
+    r = json.loads(out.read_text())
+    assert r["head_len_samples"] >= 1
+    # compressed after the prompt (96 tokens) and under no memory pressure: each head keeps
+    # at most budget + window KVs then, and grows by one a decode step (<= 70)
+    assert 0 < r["head_len_max"] <= budget + window + 70 < 96 + 64
+    kp = r["kernel_profile"]
+    assert kp["steps"] == 5 and kp["first_step"] == 10 and kp["decode_only_steps"] == 5
+    assert kp["running_mean"] == 3 and kp["device_ms_per_step"] > 0
+    assert any("mm" in k["name"] or "linear" in k["name"] for k in kp["top_ms_per_step"])
