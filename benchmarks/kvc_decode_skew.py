@@ -7,9 +7,12 @@ cheapest chunks go first, across every head). The single-pass kernel runs one pr
 (Llama-3.1-8B shape: 32 query heads over 8 KV heads, head_dim 128, bf16, block 16, the score
 pass on as for requests with budgets) on 128 rows whose heads hold the same mean number of
 keys, uniform or skewed, single pass (the engine's choice at this batch by default)
-and split "S:M" (S splits of at least M key tiles each: ``min_split_tiles``), as a fraction of
+and split "S:M" (S splits of at least M key tiles each: ``min_split_tiles``; "wS:M" the same
+through the work list, only the splits with work in a persistent grid), as a fraction of
 the device's copy bandwidth (bytes of K/V read / time); each against the single pass's output
-and scores (max abs difference).
+and scores (max abs difference). ``tail-P``: Benchmark D's heads after its evictions (100 - P
+percent lognormal around the mean, P percent holding a whole 6,000-token prompt, as the
+bench's device-length samples show at 6,000 / cr 8: p50 880, p99 4,225, max 6,452).
 
 Usage (GPU): python benchmarks/kvc_decode_skew.py [--out DIR]
 """
@@ -44,6 +47,13 @@ def head_lens(kind: str, rows: int, mean: int, rng: np.random.Generator) -> np.n
         x = rng.lognormal(0.0, sigma, size=(rows, KV_HEADS))
         x = np.minimum(x * mean / x.mean(), 6000)
         return np.maximum(np.round(x * mean / x.mean()), 1).astype(np.int64)
+    if kind.startswith("tail"):
+        share = float(kind.split("-")[1]) / 100
+        x = rng.lognormal(0.0, 0.3, size=(rows, KV_HEADS))
+        x = x * mean / x.mean()
+        tail = rng.random((rows, KV_HEADS)) < share
+        x[tail] = rng.integers(6000, 6450, size=int(tail.sum()))
+        return np.maximum(np.round(x), 1).astype(np.int64)
     if kind == "one-long":
         x = np.full((rows, KV_HEADS), 1.0)
         x[np.arange(rows), rng.integers(0, KV_HEADS, rows)] = 16.0
@@ -79,8 +89,11 @@ def make(lens: np.ndarray, seed: int, dev: torch.device) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--rows", type=int, default=128)
-    ap.add_argument("--means", default="400,1500")
+    ap.add_argument("--cases", default="128x400,128x1500",
+                    help="ROWSxMEAN,...: rows of the batch and the heads' mean length")
+    ap.add_argument("--kinds", default="uniform,lognormal-1.0,lognormal-1.5,one-long")
+    ap.add_argument("--configs", default="1:1,4:1,8:1,4:8,8:4,8:8,8:16,16:8",
+                    help="S:M splits (1:1 the single pass), wS:M through the work list")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -88,22 +101,25 @@ def main() -> None:
     rng = np.random.default_rng(0)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     res = {"device": name, "git_commit": os.environ.get("PAGEDLLM_COMMIT"),
-           "copy_bandwidth_GBps": bw, "rows": args.rows, "cases": []}  # fmt: skip
-    for mean in [int(m) for m in args.means.split(",")]:
-        for kind in ("uniform", "lognormal-1.0", "lognormal-1.5", "one-long"):
-            lens = head_lens(kind, args.rows, mean, rng)
+           "copy_bandwidth_GBps": bw, "cases": []}  # fmt: skip
+    for case in args.cases.split(","):
+        rows, mean = (int(x) for x in case.split("x"))
+        for kind in args.kinds.split(","):
+            lens = head_lens(kind, rows, mean, rng)
             b = make(lens, 1, dev)
             out = torch.empty_like(b["query"])
-            row = {"mean": mean, "kind": kind, "max_len": int(lens.max()),
-                   "p99_len": float(np.percentile(lens, 99)), "splits": {}}  # fmt: skip
+            row = {"rows": rows, "mean": mean, "kind": kind, "max_len": int(lens.max()),
+                   "mean_len": float(lens.mean()), "p99_len": float(np.percentile(lens, 99)),
+                   "splits": {}}  # fmt: skip
             # (M > 1: a head that fits in split 0 is finished there, ``min_split_tiles``)
-            configs = [(1, 1), (4, 1), (8, 1), (4, 8), (8, 4), (8, 8), (8, 16), (16, 8)]
             base = None
-            for splits, min_tiles in configs:
+            for key in args.configs.split(","):
+                worklist = key.startswith("w")
+                splits, min_tiles = (int(x) for x in key.lstrip("w").split(":"))
                 fn = functools.partial(
                     kvc_decode_attention, b["query"], b["cache"], b["tables"], b["seq_lens"],
                     HEAD_DIM**-0.5, scores=b["scores"], scored=b["scored"], num_splits=splits,
-                    out=out, min_split_tiles=min_tiles,
+                    out=out, min_split_tiles=min_tiles, worklist=worklist,
                 )  # fmt: skip
                 # correctness against the single pass: output and one call's scores
                 b["scores"].zero_()
@@ -114,14 +130,14 @@ def main() -> None:
                 err = max(float((got - base[0]).abs().max()), float((sc - base[1]).abs().max()))
                 ms = bench(fn, dev)
                 frac = b["kv_bytes"] / (ms * 1e-3) / (bw * 1e9)
-                key = f"{splits}:{min_tiles}"
                 row["splits"][key] = {"us": ms * 1e3, "bandwidth_fraction": frac, "max_err": err}
             res["cases"].append(row)
-            print(f"mean {mean:5d} {kind:14s} max {row['max_len']:5d} " + "  ".join(
+            print(f"{rows:3d} x {mean:5d} {kind:14s} max {row['max_len']:5d} " + "  ".join(
                 f"{k}: {v['us']:6.1f}" for k, v in row["splits"].items())
                 + f"  max err {max(v['max_err'] for v in row['splits'].values()):.1e}",
                 flush=True)  # fmt: skip
-    path = os.path.join(args.out, f"kvc_decode_skew_{res['device'].replace(' ', '_')}.json")
+    tag = f"_{res['git_commit']}" if res["git_commit"] else ""
+    path = os.path.join(args.out, f"kvc_decode_skew_{res['device'].replace(' ', '_')}{tag}.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
     print("wrote", path)

@@ -103,6 +103,11 @@ def _skew_splits_from_env() -> tuple[int, int] | None:
 # and tests turn it on (the env variable, or set this).
 SKEW_SPLITS: tuple[int, int] | None = _skew_splits_from_env()
 
+# The work-list split path (``worklist=True``): its plan kernel's block of heads, and its
+# persistent grid's programs per SM.
+WORKLIST_PLAN_BLOCK = 1024
+WORKLIST_PROGRAMS_PER_SM = 4
+
 
 # --------------------------------------------------------------------------------------------
 # Device helpers
@@ -543,6 +548,102 @@ def _decode_kernel(
         )  # fmt: skip
 
 
+@triton.jit
+def _split_program(
+    row,
+    kvh,
+    s,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_ptr,
+    lens_ptr,
+    row_ids_ptr,
+    q_rows_ptr,
+    qk_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_br,
+    stride_bh,
+    stride_bb,
+    stride_lr,
+    stride_lh,
+    stride_cb,
+    stride_cs,
+    out_ptr,
+    scores_ptr,
+    scored_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    Q_ROWS: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    DIRECT: tl.constexpr,
+    SCORES: tl.constexpr,
+    ROW_FLAGS: tl.constexpr,
+):
+    """Split ``s`` of (row, KV head): its partial (acc, max, sum) per query head; an empty
+    split writes (-inf, 0) and no acc (the combine does not read it). With DIRECT, split 0 of
+    a head no other split shares writes the head's output (and scores) instead."""
+    q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi, qrow = _group_setup(
+        q_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr, row, kvh, window, stride_qt,
+        stride_qh, stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M,
+        TILE_N, Q_ROWS,
+    )  # fmt: skip
+    alone = _one_split(tile_lo, tile_hi, NUM_SPLITS, MIN_TILES)
+    tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS, MIN_TILES)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi, key_lo,
+        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
+        PRECISION,
+    )  # fmt: skip
+    # Example: NUM_HEADS 8, NUM_SPLITS 4, row 2, head 5, split 3 -> part row (2 * 8 + 5) * 4 + 3.
+    prow = (row.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + s  # [BLOCK_M]
+    busy = row_mask & (tile_lo < tile_hi)
+    if DIRECT:
+        if alone & (s == 0):  # split 0 has every tile of the head (the others none)
+            d = tl.arange(0, HEAD_PAD)
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a head with no key: output 0
+            tl.store(
+                out_ptr + qrow * stride_ot + head[:, None] * stride_oh + d[None, :],
+                (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+                mask=row_mask[:, None] & (d < HEAD_DIM)[None, :],
+            )
+            tl.store(part_l_ptr + prow, tl.full([BLOCK_M], -1.0, tl.float32), mask=row_mask)
+            if SCORES:
+                m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+                inv_l = tl.where(row_mask, 1.0 / l_safe, 0.0)
+                score_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi,
+                                         ROW_FLAGS)  # fmt: skip
+                _score_range(
+                    q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_row, stride_bb, tile_lo,
+                    score_hi, key_lo, key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM,
+                    HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST, PRECISION,
+                )  # fmt: skip
+        else:
+            _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, prow, acc, m_i, l_i, row_mask,
+                           busy, HEAD_PAD)  # fmt: skip
+    else:
+        _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, prow, acc, m_i, l_i, row_mask, busy,
+                       HEAD_PAD)  # fmt: skip
+
+
 @triton.jit(do_not_specialize_on_alignment=["row_ids_ptr", "q_rows_ptr"])
 def _split_kernel(
     part_acc_ptr,  # [rows, num_heads, NUM_SPLITS, HEAD_PAD] fp32
@@ -590,56 +691,15 @@ def _split_kernel(
     SCORES: tl.constexpr = False,
     ROW_FLAGS: tl.constexpr = False,
 ):
-    """One program per (row, KV head, split): the split's partial (acc, max, sum) per query
-    head; an empty split writes (-inf, 0) and no acc (the combine does not read it). With
-    DIRECT, split 0 of a head no other split shares writes the head's output (and scores)."""
-    row = tl.program_id(0)
-    kvh = tl.program_id(1)
-    s = tl.program_id(2)
-    q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi, qrow = _group_setup(
-        q_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr, row, kvh, window, stride_qt,
-        stride_qh, stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M,
-        TILE_N, Q_ROWS,
+    """One program per (row, KV head, split): ``_split_program``."""
+    _split_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), part_acc_ptr, part_m_ptr,
+        part_l_ptr, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr,
+        qk_scale, window, stride_qt, stride_qh, stride_br, stride_bh, stride_bb, stride_lr,
+        stride_lh, stride_cb, stride_cs, out_ptr, scores_ptr, scored_ptr, stride_ot, stride_oh,
+        NUM_HEADS, NUM_SPLITS, G, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_M, TILE_N, UPCAST,
+        PRECISION, Q_ROWS, MIN_TILES, DIRECT, SCORES, ROW_FLAGS,
     )  # fmt: skip
-    alone = _one_split(tile_lo, tile_hi, NUM_SPLITS, MIN_TILES)
-    tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS, MIN_TILES)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi, key_lo,
-        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
-        PRECISION,
-    )  # fmt: skip
-    # Example: NUM_HEADS 8, NUM_SPLITS 4, row 2, head 5, split 3 -> part row (2 * 8 + 5) * 4 + 3.
-    prow = (row.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + s  # [BLOCK_M]
-    busy = row_mask & (tile_lo < tile_hi)
-    if DIRECT:
-        if alone & (s == 0):  # split 0 has every tile of the head (the others none)
-            d = tl.arange(0, HEAD_PAD)
-            l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a head with no key: output 0
-            tl.store(
-                out_ptr + qrow * stride_ot + head[:, None] * stride_oh + d[None, :],
-                (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
-                mask=row_mask[:, None] & (d < HEAD_DIM)[None, :],
-            )
-            tl.store(part_l_ptr + prow, tl.full([BLOCK_M], -1.0, tl.float32), mask=row_mask)
-            if SCORES:
-                m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
-                inv_l = tl.where(row_mask, 1.0 / l_safe, 0.0)
-                score_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi,
-                                         ROW_FLAGS)  # fmt: skip
-                _score_range(
-                    q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_row, stride_bb, tile_lo,
-                    score_hi, key_lo, key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM,
-                    HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST, PRECISION,
-                )  # fmt: skip
-        else:
-            _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, prow, acc, m_i, l_i, row_mask,
-                           busy, HEAD_PAD)  # fmt: skip
-    else:
-        _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, prow, acc, m_i, l_i, row_mask, busy,
-                       HEAD_PAD)  # fmt: skip
 
 
 @triton.jit(do_not_specialize_on_alignment=["q_rows_ptr"])
@@ -703,6 +763,70 @@ def _combine_kernel(
         tl.store(glob_l_ptr + base, denom)
 
 
+@triton.jit
+def _split_score_program(
+    row,
+    kvh,
+    s,
+    scores_ptr,
+    scored_ptr,
+    glob_m_ptr,
+    glob_l_ptr,
+    q_ptr,
+    k_cache_ptr,
+    bt_ptr,
+    lens_ptr,
+    row_ids_ptr,
+    q_rows_ptr,
+    qk_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_br,
+    stride_bh,
+    stride_bb,
+    stride_lr,
+    stride_lh,
+    stride_cb,
+    stride_cs,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    ROW_FLAGS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    Q_ROWS: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
+    """Split ``s`` of (row, KV head): its keys' scores from the combined max and sum (the
+    same tiles as the split's ``_split_program``; with DIRECT none for a head that program
+    finished)."""
+    q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi, qrow = _group_setup(
+        q_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr, row, kvh, window, stride_qt,
+        stride_qh, stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M,
+        TILE_N, Q_ROWS,
+    )  # fmt: skip
+    alone = _one_split(tile_lo, tile_hi, NUM_SPLITS, MIN_TILES)
+    tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS, MIN_TILES)
+    tile_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi, ROW_FLAGS)
+    if DIRECT:
+        tile_hi = tl.where(alone, tile_lo, tile_hi)  # scored by its split kernel program
+    g = row.to(tl.int64) * NUM_HEADS + head  # [BLOCK_M]
+    m_fin = tl.load(glob_m_ptr + g, mask=row_mask, other=0.0)
+    inv_l = tl.where(row_mask, 1.0 / tl.load(glob_l_ptr + g, mask=row_mask, other=1.0), 0.0)
+    _score_range(
+        q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi, key_lo,
+        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
+        PRECISION,
+    )  # fmt: skip
+
+
 @triton.jit(do_not_specialize_on_alignment=_INDEX_PTRS)
 def _split_score_kernel(
     scores_ptr,  # [num_blocks * block_size] fp32
@@ -741,30 +865,209 @@ def _split_score_kernel(
     MIN_TILES: tl.constexpr,
     DIRECT: tl.constexpr = False,
 ):
-    """One program per (row, KV head, split): the split's keys' scores from the combined max
-    and sum (the same tiles as the split's ``_split_kernel`` program; with DIRECT none for a
-    head that program finished)."""
-    row = tl.program_id(0)
-    kvh = tl.program_id(1)
-    s = tl.program_id(2)
-    q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi, qrow = _group_setup(
-        q_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr, row, kvh, window, stride_qt,
-        stride_qh, stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M,
-        TILE_N, Q_ROWS,
+    """One program per (row, KV head, split): ``_split_score_program``."""
+    _split_score_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), scores_ptr, scored_ptr,
+        glob_m_ptr, glob_l_ptr, q_ptr, k_cache_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr,
+        qk_scale, window, stride_qt, stride_qh, stride_br, stride_bh, stride_bb, stride_lr,
+        stride_lh, stride_cb, stride_cs, NUM_HEADS, NUM_SPLITS, G, HEAD_DIM, HEAD_PAD,
+        BLOCK_SIZE, BLOCK_M, TILE_N, ROW_FLAGS, UPCAST, PRECISION, Q_ROWS, MIN_TILES, DIRECT,
     )  # fmt: skip
-    alone = _one_split(tile_lo, tile_hi, NUM_SPLITS, MIN_TILES)
-    tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS, MIN_TILES)
-    tile_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi, ROW_FLAGS)
-    if DIRECT:
-        tile_hi = tl.where(alone, tile_lo, tile_hi)  # scored by its split kernel program
-    g = row.to(tl.int64) * NUM_HEADS + head  # [BLOCK_M]
-    m_fin = tl.load(glob_m_ptr + g, mask=row_mask, other=0.0)
-    inv_l = tl.where(row_mask, 1.0 / tl.load(glob_l_ptr + g, mask=row_mask, other=1.0), 0.0)
-    _score_range(
-        q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi, key_lo,
-        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
-        PRECISION,
-    )  # fmt: skip
+
+
+# Work lists: the split path over only the (row, KV head, split) programs that have work.
+# The grid of ``_split_kernel`` is rows x KV heads x splits whatever the heads' lengths; with
+# uneven heads (KV-Compress) nearly all of it is short heads' empty splits, and a program that
+# only exits still takes a slot of an SM sized for the K/V tiles (an 8:8 grid over even heads
+# of 400 KVs: 286 us against 104 single-pass, H200). Here one small kernel lists, per step and
+# layer, the splits of the heads longer than MIN_TILES tiles (all NUM_SPLITS of each, first:
+# the longer items go out first) and then split 0 of every other head (finished in place);
+# the attention and score kernels are persistent: a fixed grid whose program p takes items
+# p, p + P, p + 2P, ... up to the counts the list wrote (a CUDA graph replays it as is).
+
+
+@triton.jit
+def _worklist_split_heads(i, n_heads, lens_ptr, row_ids_ptr, window, stride_lr, stride_lh,
+                          NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          MIN_TILES: tl.constexpr, TILE_N: tl.constexpr):  # fmt: skip
+    """Which of the heads ``i`` (row * KV heads + kvh) are longer than split 0 alone takes
+    (``_one_split`` on the tiles ``_group_setup`` gives them)."""
+    ok = i < n_heads
+    row = i // NUM_KV_HEADS
+    kvh = i % NUM_KV_HEADS
+    trow = tl.load(row_ids_ptr + row, mask=ok, other=0).to(tl.int64)
+    key_hi = tl.load(lens_ptr + trow * stride_lr + kvh * stride_lh, mask=ok, other=0).to(tl.int32)
+    key_lo = tl.maximum(tl.where(window > 0, key_hi - window, 0), 0)
+    tile_lo = key_lo // TILE_N
+    tile_hi = (key_hi + TILE_N - 1) // TILE_N
+    return ok & ~_one_split(tile_lo, tile_hi, NUM_SPLITS, MIN_TILES)
+
+
+@triton.jit(do_not_specialize=["num_rows"], do_not_specialize_on_alignment=["row_ids_ptr"])
+def _worklist_plan_kernel(
+    items_ptr,  # [rows * KV heads * NUM_SPLITS] int32: (row * KV heads + kvh) * NUM_SPLITS + s
+    counts_ptr,  # [2] int32: items of split heads, all items
+    lens_ptr,
+    row_ids_ptr,
+    num_rows,
+    window,
+    stride_lr,
+    stride_lh,
+    NUM_KV_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: the layer's work list (see above).
+
+    Example: 2 rows x 2 KV heads, NUM_SPLITS 4, MIN_TILES 8, heads of [3, 20, 0, 9] tiles ->
+    heads 1 and 3 are split: items [4, 5, 6, 7, 12, 13, 14, 15] (4 each), then heads 0 and 2
+    alone: [0, 8]; counts [8, 10]."""
+    n_heads = num_rows * NUM_KV_HEADS
+    num_split = 0
+    for b in range(0, n_heads, BLOCK):  # pass 1: how many heads are split
+        i = b + tl.arange(0, BLOCK)
+        split = _worklist_split_heads(
+            i, n_heads, lens_ptr, row_ids_ptr, window, stride_lr, stride_lh, NUM_KV_HEADS,
+            NUM_SPLITS, MIN_TILES, TILE_N,
+        )  # fmt: skip
+        num_split += tl.sum(split.to(tl.int32), axis=0)
+    split_off = num_split * 0
+    alone_off = num_split * NUM_SPLITS
+    for b in range(0, n_heads, BLOCK):  # pass 2: the items
+        i = b + tl.arange(0, BLOCK)
+        split = _worklist_split_heads(
+            i, n_heads, lens_ptr, row_ids_ptr, window, stride_lr, stride_lh, NUM_KV_HEADS,
+            NUM_SPLITS, MIN_TILES, TILE_N,
+        )  # fmt: skip
+        alone = (i < n_heads) & ~split
+        s32, a32 = split.to(tl.int32), alone.to(tl.int32)
+        first = split_off + (tl.cumsum(s32, axis=0) - s32) * NUM_SPLITS
+        for c in tl.static_range(NUM_SPLITS):
+            tl.store(items_ptr + first + c, i * NUM_SPLITS + c, mask=split)
+        tl.store(items_ptr + alone_off + tl.cumsum(a32, axis=0) - a32, i * NUM_SPLITS, mask=alone)
+        split_off += tl.sum(s32, axis=0) * NUM_SPLITS
+        alone_off += tl.sum(a32, axis=0)
+    tl.store(counts_ptr, num_split * NUM_SPLITS)
+    tl.store(counts_ptr + 1, alone_off)
+
+
+@triton.jit(do_not_specialize_on_alignment=["row_ids_ptr", "q_rows_ptr"])
+def _worklist_kernel(
+    items_ptr,
+    counts_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_ptr,
+    lens_ptr,
+    row_ids_ptr,
+    q_rows_ptr,
+    out_ptr,
+    scores_ptr,
+    scored_ptr,
+    qk_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_br,
+    stride_bh,
+    stride_bb,
+    stride_lr,
+    stride_lh,
+    stride_cb,
+    stride_cs,
+    stride_ot,
+    stride_oh,
+    NUM_KV_HEADS: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    Q_ROWS: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    SCORES: tl.constexpr,
+    ROW_FLAGS: tl.constexpr,
+):
+    """Persistent: program p runs ``_split_program`` (DIRECT) for items p, p + P, ... of the
+    layer's work list."""
+    total = tl.load(counts_ptr + 1)
+    for j in range(tl.program_id(0), total, tl.num_programs(0)):
+        item = tl.load(items_ptr + j)
+        rk = item // NUM_SPLITS
+        _split_program(
+            rk // NUM_KV_HEADS, rk % NUM_KV_HEADS, item % NUM_SPLITS, part_acc_ptr, part_m_ptr,
+            part_l_ptr, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, row_ids_ptr,
+            q_rows_ptr, qk_scale, window, stride_qt, stride_qh, stride_br, stride_bh, stride_bb,
+            stride_lr, stride_lh, stride_cb, stride_cs, out_ptr, scores_ptr, scored_ptr,
+            stride_ot, stride_oh, NUM_HEADS, NUM_SPLITS, G, HEAD_DIM, HEAD_PAD, BLOCK_SIZE,
+            BLOCK_M, TILE_N, UPCAST, PRECISION, Q_ROWS, MIN_TILES, True, SCORES, ROW_FLAGS,
+        )  # fmt: skip
+
+
+@triton.jit(do_not_specialize_on_alignment=_INDEX_PTRS)
+def _worklist_score_kernel(
+    items_ptr,
+    counts_ptr,
+    scores_ptr,
+    scored_ptr,
+    glob_m_ptr,
+    glob_l_ptr,
+    q_ptr,
+    k_cache_ptr,
+    bt_ptr,
+    lens_ptr,
+    row_ids_ptr,
+    q_rows_ptr,
+    qk_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_br,
+    stride_bh,
+    stride_bb,
+    stride_lr,
+    stride_lh,
+    stride_cb,
+    stride_cs,
+    NUM_KV_HEADS: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    ROW_FLAGS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    Q_ROWS: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+):
+    """Persistent: the score pass of the split heads' items (the list's first ``counts[0]``)."""
+    total = tl.load(counts_ptr)
+    for j in range(tl.program_id(0), total, tl.num_programs(0)):
+        item = tl.load(items_ptr + j)
+        rk = item // NUM_SPLITS
+        _split_score_program(
+            rk // NUM_KV_HEADS, rk % NUM_KV_HEADS, item % NUM_SPLITS, scores_ptr, scored_ptr,
+            glob_m_ptr, glob_l_ptr, q_ptr, k_cache_ptr, bt_ptr, lens_ptr, row_ids_ptr,
+            q_rows_ptr, qk_scale, window, stride_qt, stride_qh, stride_br, stride_bh, stride_bb,
+            stride_lr, stride_lh, stride_cb, stride_cs, NUM_HEADS, NUM_SPLITS, G, HEAD_DIM,
+            HEAD_PAD, BLOCK_SIZE, BLOCK_M, TILE_N, ROW_FLAGS, UPCAST, PRECISION, Q_ROWS,
+            MIN_TILES, False,
+        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -873,6 +1176,7 @@ def kvc_decode_attention(
     q_rows: torch.Tensor | None = None,  # [num_rows] int64: query/output rows (None: 0..)
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]: written in place
     min_split_tiles: int = 1,  # with num_splits > 1: the least key tiles of a split
+    worklist: bool = False,  # with min_split_tiles > 1: only the splits with work run
 ) -> torch.Tensor:
     """Decode attention over per-head paged KVs; returns [num_tokens, num_heads, head_dim] in
     the query's dtype.
@@ -942,8 +1246,9 @@ def kvc_decode_attention(
             s, m = SKEW_SPLITS  # (a head longer than M tiles can exist: split the long ones)
             capacity = block_tables.shape[2] * block_size
             if min(capacity, window or capacity) > m * cfg.tile_n:
-                num_splits, min_split_tiles = s, m
+                num_splits, min_split_tiles, worklist = s, m, True
     assert num_splits >= 1 and min_split_tiles >= 1
+    assert not worklist or (num_splits > 1 and min_split_tiles > 1), "a work list needs S, M > 1"
     if tile_config is None and num_splits == 1:
         cfg = DECODE_TILE_OVERRIDE or kvc_decode_tile_config(
             head_pad, scores is not None, query.device, kv_cache.element_size()
@@ -986,12 +1291,31 @@ def kvc_decode_attention(
     part_m = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
     grid = (num_rows, num_kv_heads, num_splits)
-    _split_kernel[grid](
-        part_acc, part_m, part_l, query, k_cache, v_cache, block_tables, seq_lens, row_ids,
-        q_rows_arg, qk_scale, window, *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
-        num_warps=cfg.num_warps, num_stages=cfg.split_num_stages, MIN_TILES=min_split_tiles,
-        **consts, **direct,
-    )  # fmt: skip
+    if worklist:
+        # the splits with work, listed on the device; persistent programs take them in turn
+        items = torch.empty(num_rows * num_kv_heads * num_splits, dtype=torch.int32, device=dev)
+        counts = torch.empty(2, dtype=torch.int32, device=dev)
+        _worklist_plan_kernel[(1,)](
+            items, counts, seq_lens, row_ids, num_rows, window, *seq_lens.stride(),
+            NUM_KV_HEADS=num_kv_heads, NUM_SPLITS=num_splits, MIN_TILES=min_split_tiles,
+            TILE_N=tile_n, BLOCK=WORKLIST_PLAN_BLOCK, num_warps=4,
+        )  # fmt: skip
+        programs = (min(items.numel(), _num_sms(dev) * WORKLIST_PROGRAMS_PER_SM),)
+        _worklist_kernel[programs](
+            items, counts, part_acc, part_m, part_l, query, k_cache, v_cache, block_tables,
+            seq_lens, row_ids, q_rows_arg, out, scores_arg, scored_arg, qk_scale, window,
+            *strides, out.stride(0), out.stride(1), NUM_KV_HEADS=num_kv_heads,
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, MIN_TILES=min_split_tiles,
+            SCORES=scores is not None, ROW_FLAGS=scored is not None, num_warps=cfg.num_warps,
+            num_stages=cfg.split_num_stages, **consts,
+        )  # fmt: skip
+    else:
+        _split_kernel[grid](
+            part_acc, part_m, part_l, query, k_cache, v_cache, block_tables, seq_lens, row_ids,
+            q_rows_arg, qk_scale, window, *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
+            num_warps=cfg.num_warps, num_stages=cfg.split_num_stages, MIN_TILES=min_split_tiles,
+            **consts, **direct,
+        )  # fmt: skip
     if scores is not None:
         glob_m = torch.empty((num_rows, num_heads), dtype=torch.float32, device=dev)
         glob_l = torch.empty_like(glob_m)
@@ -1004,7 +1328,15 @@ def kvc_decode_attention(
         STORE_ML=scores is not None, Q_ROWS=q_rows is not None,
         num_warps=4 if head_pad >= 128 else 2,
     )  # fmt: skip
-    if scores is not None:
+    if scores is not None and worklist:
+        _worklist_score_kernel[programs](
+            items, counts, scores, scored_arg, glob_m, glob_l, query, k_cache, block_tables,
+            seq_lens, row_ids, q_rows_arg, qk_scale, window, *strides,
+            NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
+            num_warps=cfg.num_warps, num_stages=cfg.split_num_stages,
+            ROW_FLAGS=scored is not None, MIN_TILES=min_split_tiles, **consts,
+        )  # fmt: skip
+    elif scores is not None:
         _split_score_kernel[grid](
             scores, scored_arg, glob_m, glob_l, query, k_cache, block_tables, seq_lens,
             row_ids, q_rows_arg, qk_scale, window,
