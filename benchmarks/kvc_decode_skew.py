@@ -7,8 +7,9 @@ cheapest chunks go first, across every head). The single-pass kernel runs one pr
 (Llama-3.1-8B shape: 32 query heads over 8 KV heads, head_dim 128, bf16, block 16, the score
 pass on as for requests with budgets) on 128 rows whose heads hold the same mean number of
 keys, uniform or skewed, single pass (the engine's choice at this batch by default)
-and split "S:M" (S splits of at least M key tiles each: ``min_split_tiles``; "wS:M" the same
-through the work list, only the splits with work in a persistent grid), as a fraction of
+and split "S:M" (S splits of at least M key tiles each: ``min_split_tiles``; "lS:M" with
+``long_heads``: the single pass for heads of at most M tiles, only the longer ones split; "wS:M"
+at be8bab7 was a persistent grid over a list of every head's splits with work), as a fraction of
 the device's copy bandwidth (bytes of K/V read / time); each against the single pass's output
 and scores (max abs difference). ``tail-P``: Benchmark D's heads after its evictions (100 - P
 percent lognormal around the mean, P percent holding a whole 6,000-token prompt, as the
@@ -93,7 +94,7 @@ def main() -> None:
                     help="ROWSxMEAN,...: rows of the batch and the heads' mean length")
     ap.add_argument("--kinds", default="uniform,lognormal-1.0,lognormal-1.5,one-long")
     ap.add_argument("--configs", default="1:1,4:1,8:1,4:8,8:4,8:8,8:16,16:8",
-                    help="S:M splits (1:1 the single pass), wS:M through the work list")
+                    help="S:M splits (1:1 the single pass), lS:M only the long heads split")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -114,12 +115,12 @@ def main() -> None:
             # (M > 1: a head that fits in split 0 is finished there, ``min_split_tiles``)
             base = None
             for key in args.configs.split(","):
-                worklist = key.startswith("w")
-                splits, min_tiles = (int(x) for x in key.lstrip("w").split(":"))
+                long_heads = key.startswith("l")
+                splits, min_tiles = (int(x) for x in key.lstrip("l").split(":"))
                 fn = functools.partial(
                     kvc_decode_attention, b["query"], b["cache"], b["tables"], b["seq_lens"],
                     HEAD_DIM**-0.5, scores=b["scores"], scored=b["scored"], num_splits=splits,
-                    out=out, min_split_tiles=min_tiles, worklist=worklist,
+                    out=out, min_split_tiles=min_tiles, long_heads=long_heads,
                 )  # fmt: skip
                 # correctness against the single pass: output and one call's scores
                 b["scores"].zero_()

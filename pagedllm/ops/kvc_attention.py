@@ -103,10 +103,8 @@ def _skew_splits_from_env() -> tuple[int, int] | None:
 # and tests turn it on (the env variable, or set this).
 SKEW_SPLITS: tuple[int, int] | None = _skew_splits_from_env()
 
-# The work-list split path (``worklist=True``): its plan kernel's block of heads, and its
-# persistent grid's programs per SM.
-WORKLIST_PLAN_BLOCK = 1024
-WORKLIST_PROGRAMS_PER_SM = 4
+# ``long_heads``: the persistent kernels' programs per SM (long heads' splits and scores).
+LONG_PROGRAMS_PER_SM = 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -476,6 +474,33 @@ def _one_split(tile_lo, tile_hi, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constex
 _INDEX_PTRS = ["row_ids_ptr", "q_rows_ptr", "scored_ptr"]
 
 
+@triton.jit
+def _finish_head(
+    out_ptr, scores_ptr, scored_ptr, row_ids_ptr, row, q, qrow, head, row_mask, acc, l_i, m_i,
+    k_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi, key_lo, key_hi, qk_scale, stride_ot,
+    stride_oh, stride_cb, stride_cs, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SCORES: tl.constexpr,
+    ROW_FLAGS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """A head one program attended whole: its output, then (SCORES) its keys' scores."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a head with no key: acc 0 -> output 0
+    d = tl.arange(0, HEAD_PAD)
+    tl.store(
+        out_ptr + qrow * stride_ot + head[:, None] * stride_oh + d[None, :],
+        (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & (d < HEAD_DIM)[None, :],
+    )
+    if SCORES:
+        m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+        inv_l = tl.where(row_mask, 1.0 / l_safe, 0.0)
+        tile_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi, ROW_FLAGS)
+        _score_range(
+            q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi,
+            key_lo, key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE,
+            TILE_N, UPCAST, PRECISION,
+        )  # fmt: skip
+
+
 @triton.jit(do_not_specialize_on_alignment=_INDEX_PTRS)
 def _decode_kernel(
     out_ptr,  # [rows, num_heads, head_dim]
@@ -512,9 +537,22 @@ def _decode_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     Q_ROWS: tl.constexpr,
+    # LONG_SPLITS > 0: a head longer than MIN_TILES tiles gets only its split 0 here (of
+    # LONG_SPLITS, ``_split_tiles``): that partial, a 0 in ``done`` and the head in ``long``
+    part_acc_ptr=None,  # [rows, num_heads, LONG_SPLITS, HEAD_PAD] fp32
+    part_m_ptr=None,  # [rows, num_heads, LONG_SPLITS] fp32
+    part_l_ptr=None,
+    long_ptr=None,  # [rows * num_kv_heads] int32
+    count_ptr=None,  # [1] int32, 0 before the launch
+    done_ptr=None,  # [rows * num_kv_heads] int32
+    NUM_KV_HEADS: tl.constexpr = 1,
+    NUM_HEADS: tl.constexpr = 1,
+    LONG_SPLITS: tl.constexpr = 0,
+    MIN_TILES: tl.constexpr = 1,
 ):
     """One program per (row, KV head): the G query heads' output and (SCORES) the keys'
-    scores (with ROW_FLAGS only for table rows whose ``scored`` flag is set)."""
+    scores (with ROW_FLAGS only for table rows whose ``scored`` flag is set); with
+    LONG_SPLITS, a long head's split 0 (see ``_long_split_kernel``)."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi, qrow = _group_setup(
@@ -522,29 +560,40 @@ def _decode_kernel(
         stride_qh, stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M,
         TILE_N, Q_ROWS,
     )  # fmt: skip
+    if LONG_SPLITS > 0:  # split 0's tiles: all of them for a head no other split shares
+        att_hi = _split_tiles(tile_lo, tile_hi, 0, LONG_SPLITS, MIN_TILES)[1]
+    else:
+        att_hi = tile_hi
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi, key_lo,
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, stride_bb, tile_lo, att_hi, key_lo,
         key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
         PRECISION,
     )  # fmt: skip
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a head with no key: acc 0 -> output 0
-    d = tl.arange(0, HEAD_PAD)
-    tl.store(
-        out_ptr + qrow * stride_ot + head[:, None] * stride_oh + d[None, :],
-        (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & (d < HEAD_DIM)[None, :],
-    )
-    if SCORES:
-        m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
-        inv_l = tl.where(row_mask, 1.0 / l_safe, 0.0)
-        tile_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi, ROW_FLAGS)
-        _score_range(
-            q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi,
-            key_lo, key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE,
-            TILE_N, UPCAST, PRECISION,
+    if LONG_SPLITS > 0:
+        if att_hi == tile_hi:
+            _finish_head(
+                out_ptr, scores_ptr, scored_ptr, row_ids_ptr, row, q, qrow, head, row_mask, acc,
+                l_i, m_i, k_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi, key_lo, key_hi,
+                qk_scale, stride_ot, stride_oh, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD,
+                BLOCK_SIZE, TILE_N, SCORES, ROW_FLAGS, UPCAST, PRECISION,
+            )  # fmt: skip
+        else:
+            # Example: NUM_HEADS 32, LONG_SPLITS 8, row 2, head 5 -> part row (2 * 32 + 5) * 8.
+            prow = (row.to(tl.int64) * NUM_HEADS + head) * LONG_SPLITS
+            _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, prow, acc, m_i, l_i, row_mask,
+                           row_mask, HEAD_PAD)  # fmt: skip
+            i = row * NUM_KV_HEADS + kvh
+            tl.store(done_ptr + i, 0)
+            tl.store(long_ptr + tl.atomic_add(count_ptr, 1), i)
+    else:
+        _finish_head(
+            out_ptr, scores_ptr, scored_ptr, row_ids_ptr, row, q, qrow, head, row_mask, acc, l_i,
+            m_i, k_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi, key_lo, key_hi, qk_scale,
+            stride_ot, stride_oh, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N,
+            SCORES, ROW_FLAGS, UPCAST, PRECISION,
         )  # fmt: skip
 
 
@@ -875,91 +924,78 @@ def _split_score_kernel(
     )  # fmt: skip
 
 
-# Work lists: the split path over only the (row, KV head, split) programs that have work.
-# The grid of ``_split_kernel`` is rows x KV heads x splits whatever the heads' lengths; with
-# uneven heads (KV-Compress) nearly all of it is short heads' empty splits, and a program that
-# only exits still takes a slot of an SM sized for the K/V tiles (an 8:8 grid over even heads
-# of 400 KVs: 286 us against 104 single-pass, H200). Here one small kernel lists, per step and
-# layer, the splits of the heads longer than MIN_TILES tiles (all NUM_SPLITS of each, first:
-# the longer items go out first) and then split 0 of every other head (finished in place);
-# the attention and score kernels are persistent: a fixed grid whose program p takes items
-# p, p + P, p + 2P, ... up to the counts the list wrote (a CUDA graph replays it as is).
+# Long heads split, short heads single-pass (``long_splits``): KV-Compress leaves a layer's
+# heads uneven (Benchmark D at 6,000 / cr 8, H200: p50 880 KVs, p99 4,225, max 6,452), and one
+# program per (row, KV head) then waits on its longest head. The grid split (rows x heads x
+# splits) pays for every short head's empty splits - a program that only exits still takes a
+# slot of an SM sized for its K/V tiles: an 8:16 grid over even heads of 400 KVs took 286 us
+# against 104 single-pass; a persistent grid over a list of every head's non-empty splits
+# still took 165 (H200, ``kvc_decode_skew.py``). So the single-pass kernel keeps the short
+# heads (at most MIN_TILES tiles: output and scores in one program, as before) and, for a
+# longer head, runs its split 0 only, writes that partial and appends the head to a list (an
+# atomic counter). ``_long_split_kernel`` (persistent: program p takes items p, p + P, ...)
+# runs splits 1..S-1 of the listed heads; the last split of a head to finish (a per-head
+# atomic count) combines its S partials into the output and the softmax's max and sum, and
+# ``_long_score_kernel`` (persistent) re-reads those heads' keys for their scores. With no
+# long head the two exit at once.
 
 
 @triton.jit
-def _worklist_split_heads(i, n_heads, lens_ptr, row_ids_ptr, window, stride_lr, stride_lh,
-                          NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          MIN_TILES: tl.constexpr, TILE_N: tl.constexpr):  # fmt: skip
-    """Which of the heads ``i`` (row * KV heads + kvh) are longer than split 0 alone takes
-    (``_one_split`` on the tiles ``_group_setup`` gives them)."""
-    ok = i < n_heads
-    row = i // NUM_KV_HEADS
-    kvh = i % NUM_KV_HEADS
-    trow = tl.load(row_ids_ptr + row, mask=ok, other=0).to(tl.int64)
-    key_hi = tl.load(lens_ptr + trow * stride_lr + kvh * stride_lh, mask=ok, other=0).to(tl.int32)
-    key_lo = tl.maximum(tl.where(window > 0, key_hi - window, 0), 0)
-    tile_lo = key_lo // TILE_N
-    tile_hi = (key_hi + TILE_N - 1) // TILE_N
-    return ok & ~_one_split(tile_lo, tile_hi, NUM_SPLITS, MIN_TILES)
-
-
-@triton.jit(do_not_specialize=["num_rows"], do_not_specialize_on_alignment=["row_ids_ptr"])
-def _worklist_plan_kernel(
-    items_ptr,  # [rows * KV heads * NUM_SPLITS] int32: (row * KV heads + kvh) * NUM_SPLITS + s
-    counts_ptr,  # [2] int32: items of split heads, all items
-    lens_ptr,
-    row_ids_ptr,
-    num_rows,
-    window,
-    stride_lr,
-    stride_lh,
-    NUM_KV_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    MIN_TILES: tl.constexpr,
-    TILE_N: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """One program: the layer's work list (see above).
-
-    Example: 2 rows x 2 KV heads, NUM_SPLITS 4, MIN_TILES 8, heads of [3, 20, 0, 9] tiles ->
-    heads 1 and 3 are split: items [4, 5, 6, 7, 12, 13, 14, 15] (4 each), then heads 0 and 2
-    alone: [0, 8]; counts [8, 10]."""
-    n_heads = num_rows * NUM_KV_HEADS
-    num_split = 0
-    for b in range(0, n_heads, BLOCK):  # pass 1: how many heads are split
-        i = b + tl.arange(0, BLOCK)
-        split = _worklist_split_heads(
-            i, n_heads, lens_ptr, row_ids_ptr, window, stride_lr, stride_lh, NUM_KV_HEADS,
-            NUM_SPLITS, MIN_TILES, TILE_N,
-        )  # fmt: skip
-        num_split += tl.sum(split.to(tl.int32), axis=0)
-    split_off = num_split * 0
-    alone_off = num_split * NUM_SPLITS
-    for b in range(0, n_heads, BLOCK):  # pass 2: the items
-        i = b + tl.arange(0, BLOCK)
-        split = _worklist_split_heads(
-            i, n_heads, lens_ptr, row_ids_ptr, window, stride_lr, stride_lh, NUM_KV_HEADS,
-            NUM_SPLITS, MIN_TILES, TILE_N,
-        )  # fmt: skip
-        alone = (i < n_heads) & ~split
-        s32, a32 = split.to(tl.int32), alone.to(tl.int32)
-        first = split_off + (tl.cumsum(s32, axis=0) - s32) * NUM_SPLITS
-        for c in tl.static_range(NUM_SPLITS):
-            tl.store(items_ptr + first + c, i * NUM_SPLITS + c, mask=split)
-        tl.store(items_ptr + alone_off + tl.cumsum(a32, axis=0) - a32, i * NUM_SPLITS, mask=alone)
-        split_off += tl.sum(s32, axis=0) * NUM_SPLITS
-        alone_off += tl.sum(a32, axis=0)
-    tl.store(counts_ptr, num_split * NUM_SPLITS)
-    tl.store(counts_ptr + 1, alone_off)
-
-
-@triton.jit(do_not_specialize_on_alignment=["row_ids_ptr", "q_rows_ptr"])
-def _worklist_kernel(
-    items_ptr,
-    counts_ptr,
+def _combine_head(
+    out_ptr,
+    glob_m_ptr,
+    glob_l_ptr,
     part_acc_ptr,
     part_m_ptr,
     part_l_ptr,
+    base,  # row * NUM_HEADS + query head (int64)
+    orow,  # the output row (int64)
+    stride_ot,
+    stride_oh,
+    h,  # the query head
+    NUM_SPLITS: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+):
+    """One query head's S partials -> out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,
+    M = max_s m_s; stores M (0 if no key) and the sum (1 if none) for the score pass."""
+    sp = tl.arange(0, SPLIT_PAD)
+    sp_mask = sp < NUM_SPLITS
+    prow = base * NUM_SPLITS + sp  # [SPLIT_PAD]
+    m_s = tl.load(part_m_ptr + prow, mask=sp_mask, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + prow, mask=sp_mask, other=0.0)
+    m_all = tl.max(m_s, axis=0)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.exp2(m_s - m_all)  # empty splits (m -inf) weigh 0
+    denom = tl.sum(w * l_s, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    d = tl.arange(0, HEAD_PAD)
+    d_mask = d < HEAD_DIM
+    busy = sp_mask & (m_s != float("-inf"))  # an empty split wrote no acc (weight 0)
+    acc = tl.load(  # [SPLIT_PAD, HEAD_PAD]
+        part_acc_ptr + prow[:, None] * HEAD_PAD + d[None, :],
+        mask=busy[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(acc * w[:, None], axis=0) / denom
+    tl.store(out_ptr + orow * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_mask)  # fmt: skip
+    tl.store(glob_m_ptr + base, m_all)
+    tl.store(glob_l_ptr + base, denom)
+
+
+@triton.jit(do_not_specialize_on_alignment=["row_ids_ptr", "q_rows_ptr"])
+def _long_split_kernel(
+    long_ptr,  # [rows * KV heads] int32: the listed heads (row * KV heads + kvh)
+    count_ptr,  # [1] int32: how many
+    done_ptr,  # [rows * KV heads] int32: splits finished (split 0's program set it to 0)
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    glob_m_ptr,
+    glob_l_ptr,
+    out_ptr,
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -967,9 +1003,6 @@ def _worklist_kernel(
     lens_ptr,
     row_ids_ptr,
     q_rows_ptr,
-    out_ptr,
-    scores_ptr,
-    scored_ptr,
     qk_scale,
     window,
     stride_qt,
@@ -986,6 +1019,7 @@ def _worklist_kernel(
     NUM_KV_HEADS: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -996,29 +1030,42 @@ def _worklist_kernel(
     PRECISION: tl.constexpr,
     Q_ROWS: tl.constexpr,
     MIN_TILES: tl.constexpr,
-    SCORES: tl.constexpr,
-    ROW_FLAGS: tl.constexpr,
 ):
-    """Persistent: program p runs ``_split_program`` (DIRECT) for items p, p + P, ... of the
-    layer's work list."""
-    total = tl.load(counts_ptr + 1)
+    """Persistent: splits 1..S-1 of the listed heads (item j: head ``long[j // (S - 1)]``,
+    split ``1 + j % (S - 1)``); the head's last split to finish combines it."""
+    total = tl.load(count_ptr) * (NUM_SPLITS - 1)
     for j in range(tl.program_id(0), total, tl.num_programs(0)):
-        item = tl.load(items_ptr + j)
-        rk = item // NUM_SPLITS
+        i = tl.load(long_ptr + j // (NUM_SPLITS - 1))
+        row = i // NUM_KV_HEADS
+        kvh = i % NUM_KV_HEADS
         _split_program(
-            rk // NUM_KV_HEADS, rk % NUM_KV_HEADS, item % NUM_SPLITS, part_acc_ptr, part_m_ptr,
-            part_l_ptr, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, row_ids_ptr,
-            q_rows_ptr, qk_scale, window, stride_qt, stride_qh, stride_br, stride_bh, stride_bb,
-            stride_lr, stride_lh, stride_cb, stride_cs, out_ptr, scores_ptr, scored_ptr,
-            stride_ot, stride_oh, NUM_HEADS, NUM_SPLITS, G, HEAD_DIM, HEAD_PAD, BLOCK_SIZE,
-            BLOCK_M, TILE_N, UPCAST, PRECISION, Q_ROWS, MIN_TILES, True, SCORES, ROW_FLAGS,
+            row, kvh, 1 + j % (NUM_SPLITS - 1), part_acc_ptr, part_m_ptr, part_l_ptr, q_ptr,
+            k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr, qk_scale,
+            window, stride_qt, stride_qh, stride_br, stride_bh, stride_bb, stride_lr, stride_lh,
+            stride_cb, stride_cs, out_ptr, None, None, stride_ot, stride_oh, NUM_HEADS,
+            NUM_SPLITS, G, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_M, TILE_N, UPCAST, PRECISION,
+            Q_ROWS, MIN_TILES, False, False, False,
         )  # fmt: skip
+        tl.debug_barrier()  # every warp's partial stored before the count says so
+        if tl.atomic_add(done_ptr + i, 1, sem="acq_rel") == NUM_SPLITS - 2:  # the last one
+            tl.debug_barrier()
+            if Q_ROWS:
+                orow = tl.load(q_rows_ptr + row).to(tl.int64)
+            else:
+                orow = row.to(tl.int64)
+            for g in tl.static_range(G):
+                h = kvh * G + g
+                _combine_head(
+                    out_ptr, glob_m_ptr, glob_l_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+                    row.to(tl.int64) * NUM_HEADS + h, orow, stride_ot, stride_oh, h,
+                    NUM_SPLITS, SPLIT_PAD, HEAD_DIM, HEAD_PAD,
+                )  # fmt: skip
 
 
 @triton.jit(do_not_specialize_on_alignment=_INDEX_PTRS)
-def _worklist_score_kernel(
-    items_ptr,
-    counts_ptr,
+def _long_score_kernel(
+    long_ptr,
+    count_ptr,
     scores_ptr,
     scored_ptr,
     glob_m_ptr,
@@ -1055,13 +1102,13 @@ def _worklist_score_kernel(
     Q_ROWS: tl.constexpr,
     MIN_TILES: tl.constexpr,
 ):
-    """Persistent: the score pass of the split heads' items (the list's first ``counts[0]``)."""
-    total = tl.load(counts_ptr)
+    """Persistent: the scores of the listed heads' keys, split by split (item j: head
+    ``long[j // S]``, split ``j % S``), from their combined max and sum."""
+    total = tl.load(count_ptr) * NUM_SPLITS
     for j in range(tl.program_id(0), total, tl.num_programs(0)):
-        item = tl.load(items_ptr + j)
-        rk = item // NUM_SPLITS
+        i = tl.load(long_ptr + j // NUM_SPLITS)
         _split_score_program(
-            rk // NUM_KV_HEADS, rk % NUM_KV_HEADS, item % NUM_SPLITS, scores_ptr, scored_ptr,
+            i // NUM_KV_HEADS, i % NUM_KV_HEADS, j % NUM_SPLITS, scores_ptr, scored_ptr,
             glob_m_ptr, glob_l_ptr, q_ptr, k_cache_ptr, bt_ptr, lens_ptr, row_ids_ptr,
             q_rows_ptr, qk_scale, window, stride_qt, stride_qh, stride_br, stride_bh, stride_bb,
             stride_lr, stride_lh, stride_cb, stride_cs, NUM_HEADS, NUM_SPLITS, G, HEAD_DIM,
@@ -1176,7 +1223,7 @@ def kvc_decode_attention(
     q_rows: torch.Tensor | None = None,  # [num_rows] int64: query/output rows (None: 0..)
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]: written in place
     min_split_tiles: int = 1,  # with num_splits > 1: the least key tiles of a split
-    worklist: bool = False,  # with min_split_tiles > 1: only the splits with work run
+    long_heads: bool = False,  # with min_split_tiles > 1: split only the longer heads
 ) -> torch.Tensor:
     """Decode attention over per-head paged KVs; returns [num_tokens, num_heads, head_dim] in
     the query's dtype.
@@ -1246,9 +1293,9 @@ def kvc_decode_attention(
             s, m = SKEW_SPLITS  # (a head longer than M tiles can exist: split the long ones)
             capacity = block_tables.shape[2] * block_size
             if min(capacity, window or capacity) > m * cfg.tile_n:
-                num_splits, min_split_tiles, worklist = s, m, True
+                num_splits, min_split_tiles, long_heads = s, m, True
     assert num_splits >= 1 and min_split_tiles >= 1
-    assert not worklist or (num_splits > 1 and min_split_tiles > 1), "a work list needs S, M > 1"
+    assert not long_heads or (num_splits > 1 and min_split_tiles > 1), "long_heads: S, M > 1"
     if tile_config is None and num_splits == 1:
         cfg = DECODE_TILE_OVERRIDE or kvc_decode_tile_config(
             head_pad, scores is not None, query.device, kv_cache.element_size()
@@ -1278,6 +1325,42 @@ def kvc_decode_attention(
         return out
 
     dev = query.device
+    if long_heads:  # the single pass for the short heads, split 0 of the long ones listed
+        s_, m_ = num_splits, min_split_tiles
+        part_acc = torch.empty((num_rows, num_heads, s_, head_pad), dtype=torch.float32,
+                               device=dev)  # fmt: skip
+        part_m = torch.empty((num_rows, num_heads, s_), dtype=torch.float32, device=dev)
+        part_l = torch.empty_like(part_m)
+        glob_m, glob_l = torch.empty((2, num_rows, num_heads), dtype=torch.float32, device=dev)
+        heads = torch.empty(num_rows * num_kv_heads, dtype=torch.int32, device=dev)
+        done = torch.empty_like(heads)
+        count = torch.zeros(1, dtype=torch.int32, device=dev)
+        long_args = dict(NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, MIN_TILES=m_)
+        _decode_kernel[(num_rows, num_kv_heads)](
+            out, query, k_cache, v_cache, block_tables, seq_lens, row_ids, q_rows_arg,
+            scores_arg, scored_arg, qk_scale, window,
+            strides[0], strides[1], out.stride(0), out.stride(1), *strides[2:],
+            SCORES=scores is not None, ROW_FLAGS=scored is not None, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, part_acc_ptr=part_acc, part_m_ptr=part_m,
+            part_l_ptr=part_l, long_ptr=heads, count_ptr=count, done_ptr=done, LONG_SPLITS=s_,
+            **long_args, **consts,
+        )  # fmt: skip
+        programs = (min(num_rows * num_kv_heads * s_, _num_sms(dev) * LONG_PROGRAMS_PER_SM),)
+        _long_split_kernel[programs](
+            heads, count, done, part_acc, part_m, part_l, glob_m, glob_l, out, query, k_cache,
+            v_cache, block_tables, seq_lens, row_ids, q_rows_arg, qk_scale, window, *strides,
+            out.stride(0), out.stride(1), NUM_SPLITS=s_, SPLIT_PAD=triton.next_power_of_2(s_),
+            num_warps=cfg.num_warps, num_stages=cfg.split_num_stages, **long_args, **consts,
+        )  # fmt: skip
+        if scores is not None:
+            _long_score_kernel[programs](
+                heads, count, scores, scored_arg, glob_m, glob_l, query, k_cache, block_tables,
+                seq_lens, row_ids, q_rows_arg, qk_scale, window, *strides, NUM_SPLITS=s_,
+                ROW_FLAGS=scored is not None, num_warps=cfg.num_warps,
+                num_stages=cfg.split_num_stages, **long_args, **consts,
+            )  # fmt: skip
+        return out
+
     # splits of at least 2 tiles: a head short enough for split 0 alone is finished there
     direct = {}
     if min_split_tiles > 1:
@@ -1291,31 +1374,12 @@ def kvc_decode_attention(
     part_m = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
     grid = (num_rows, num_kv_heads, num_splits)
-    if worklist:
-        # the splits with work, listed on the device; persistent programs take them in turn
-        items = torch.empty(num_rows * num_kv_heads * num_splits, dtype=torch.int32, device=dev)
-        counts = torch.empty(2, dtype=torch.int32, device=dev)
-        _worklist_plan_kernel[(1,)](
-            items, counts, seq_lens, row_ids, num_rows, window, *seq_lens.stride(),
-            NUM_KV_HEADS=num_kv_heads, NUM_SPLITS=num_splits, MIN_TILES=min_split_tiles,
-            TILE_N=tile_n, BLOCK=WORKLIST_PLAN_BLOCK, num_warps=4,
-        )  # fmt: skip
-        programs = (min(items.numel(), _num_sms(dev) * WORKLIST_PROGRAMS_PER_SM),)
-        _worklist_kernel[programs](
-            items, counts, part_acc, part_m, part_l, query, k_cache, v_cache, block_tables,
-            seq_lens, row_ids, q_rows_arg, out, scores_arg, scored_arg, qk_scale, window,
-            *strides, out.stride(0), out.stride(1), NUM_KV_HEADS=num_kv_heads,
-            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, MIN_TILES=min_split_tiles,
-            SCORES=scores is not None, ROW_FLAGS=scored is not None, num_warps=cfg.num_warps,
-            num_stages=cfg.split_num_stages, **consts,
-        )  # fmt: skip
-    else:
-        _split_kernel[grid](
-            part_acc, part_m, part_l, query, k_cache, v_cache, block_tables, seq_lens, row_ids,
-            q_rows_arg, qk_scale, window, *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
-            num_warps=cfg.num_warps, num_stages=cfg.split_num_stages, MIN_TILES=min_split_tiles,
-            **consts, **direct,
-        )  # fmt: skip
+    _split_kernel[grid](
+        part_acc, part_m, part_l, query, k_cache, v_cache, block_tables, seq_lens, row_ids,
+        q_rows_arg, qk_scale, window, *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
+        num_warps=cfg.num_warps, num_stages=cfg.split_num_stages, MIN_TILES=min_split_tiles,
+        **consts, **direct,
+    )  # fmt: skip
     if scores is not None:
         glob_m = torch.empty((num_rows, num_heads), dtype=torch.float32, device=dev)
         glob_l = torch.empty_like(glob_m)
@@ -1328,15 +1392,7 @@ def kvc_decode_attention(
         STORE_ML=scores is not None, Q_ROWS=q_rows is not None,
         num_warps=4 if head_pad >= 128 else 2,
     )  # fmt: skip
-    if scores is not None and worklist:
-        _worklist_score_kernel[programs](
-            items, counts, scores, scored_arg, glob_m, glob_l, query, k_cache, block_tables,
-            seq_lens, row_ids, q_rows_arg, qk_scale, window, *strides,
-            NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
-            num_warps=cfg.num_warps, num_stages=cfg.split_num_stages,
-            ROW_FLAGS=scored is not None, MIN_TILES=min_split_tiles, **consts,
-        )  # fmt: skip
-    elif scores is not None:
+    if scores is not None:
         _split_score_kernel[grid](
             scores, scored_arg, glob_m, glob_l, query, k_cache, block_tables, seq_lens,
             row_ids, q_rows_arg, qk_scale, window,

@@ -76,7 +76,7 @@ def _kvc_variants() -> list[tuple[str, object, dict, dict]]:
         out_ptr=BF16, q_ptr=BF16, k_cache_ptr=BF16, v_cache_ptr=BF16, bt_ptr=I32, lens_ptr=I64,
         row_ids_ptr=I64, q_rows_ptr=I64, scores_ptr=F32, scored_ptr=I32, part_acc_ptr=F32,
         part_m_ptr=F32, part_l_ptr=F32, glob_m_ptr=F32, glob_l_ptr=F32, qsl_ptr=I64,
-        q_start_ptr=I64, items_ptr=I32, counts_ptr=I32,
+        q_start_ptr=I64, long_ptr=I32, count_ptr=I32, done_ptr=I32,
     )  # fmt: skip
     out = []
     for scores in (False, True):
@@ -93,14 +93,15 @@ def _kvc_variants() -> list[tuple[str, object, dict, dict]]:
     for direct in (False, True):
         c = dict(split, MIN_TILES=16 if direct else 1, DIRECT=direct, ROW_FLAGS=True)
         out.append((f"kvc split score direct={direct}", kvc._split_score_kernel, ptrs, c))
-    wl = dict(split, NUM_KV_HEADS=8, MIN_TILES=16)
+    long = dict(NUM_KV_HEADS=8, NUM_HEADS=32, MIN_TILES=16)
     for scores in (False, True):
-        c = dict(wl, SCORES=scores, ROW_FLAGS=scores)
-        out.append((f"kvc work list scores={scores}", kvc._worklist_kernel, ptrs, c))
-    out.append(("kvc work list score", kvc._worklist_score_kernel, ptrs, dict(wl, ROW_FLAGS=True)))
-    plan = dict(NUM_KV_HEADS=8, NUM_SPLITS=8, MIN_TILES=16, TILE_N=64,
-                BLOCK=kvc.WORKLIST_PLAN_BLOCK)  # fmt: skip
-    out.append(("kvc work list plan", kvc._worklist_plan_kernel, ptrs, plan))
+        c = dict(ATTN, BLOCK_M=16, SCORES=scores, ROW_FLAGS=scores, Q_ROWS=False, LONG_SPLITS=8,
+                 **long)  # fmt: skip
+        out.append((f"kvc decode long heads scores={scores}", kvc._decode_kernel, ptrs, c))
+    c = dict(split, SPLIT_PAD=8, **long)
+    out.append(("kvc long heads' splits", kvc._long_split_kernel, ptrs, c))
+    c = dict(split, ROW_FLAGS=True, **long)
+    out.append(("kvc long heads' scores", kvc._long_score_kernel, ptrs, c))
     combine = dict(NUM_HEADS=32, NUM_SPLITS=8, SPLIT_PAD=8, HEAD_DIM=128, HEAD_PAD=128,
                    STORE_ML=True, Q_ROWS=True)  # fmt: skip
     out.append(("kvc combine", kvc._combine_kernel, ptrs, combine))

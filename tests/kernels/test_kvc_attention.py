@@ -252,7 +252,7 @@ def check_decode(
     seed: int,
     tile_config: TileConfig | None = TILE,
     min_split_tiles: int = 1,
-    worklist: bool = False,
+    long_heads: bool = False,
 ) -> None:
     """kvc_decode_attention with each split count against :func:`decode_ref`; with scores,
     starting each time from random scores."""
@@ -270,7 +270,7 @@ def check_decode(
         out = kvc_decode_attention(
             query.to(DEVICE), kv, tables, lens, scale, scores=scores, sliding_window=window,
             num_splits=num_splits, tile_config=tile_config, min_split_tiles=min_split_tiles,
-            worklist=worklist,
+            long_heads=long_heads,
         )  # fmt: skip
         assert out.dtype == query.dtype and out.shape == query.shape
         got = out.float().cpu()
@@ -336,8 +336,9 @@ def test_decode_uneven_heads_split_by_least_tiles(dtype: torch.dtype) -> None:
     """Split-K with at least ``min_split_tiles`` tiles a split: a short head is split 0's alone
     (with at least 2 tiles a split, that program finishes it - output and scores - and the
     combine and score kernels skip it), a long one spans several splits; outputs and scores
-    equal the reference with windows on and off, and at least 1 tile a split; and through the
-    work list (only the splits with work, persistent programs)."""
+    equal the reference with windows on and off, and at least 1 tile a split; and with
+    ``long_heads`` (the single pass for short heads, split 0 of long ones, their other splits
+    and scores in persistent kernels, the last split of a head combining it)."""
     block_size = BLOCK_SIZES[0]
     rows, heads, short, long = (12, 4, 300, 5000) if CUDA else (4, 2, 20, 300)
     lens = uneven_lens(rows, heads, short, long, seed=8)
@@ -345,16 +346,17 @@ def test_decode_uneven_heads_split_by_least_tiles(dtype: torch.dtype) -> None:
     query = torch.randn(rows, 2 * heads, 64, generator=torch.Generator().manual_seed(10))
     tiles = 4 if CUDA else 2  # a short head fits in that many tiles, a long one does not
     for i, window in enumerate((None, 50 if CUDA else 7)):
-        for m, worklist in ((1, False), (tiles, False), (tiles, True)):
+        for m, long_heads in ((1, False), (tiles, False), (tiles, True)):
             check_decode(c, query.to(dtype), 64**-0.5, window, (8,), with_scores=True,
-                         seed=11 + i, min_split_tiles=m, worklist=worklist)  # fmt: skip
-    check_decode(c, query.to(dtype), 64**-0.5, None, (4,), with_scores=False, seed=13,
-                 min_split_tiles=tiles, worklist=True)  # fmt: skip
+                         seed=11 + i, min_split_tiles=m, long_heads=long_heads)  # fmt: skip
+    for splits in (2, 4):  # (2: one split besides split 0; the last to finish combines)
+        check_decode(c, query.to(dtype), 64**-0.5, None, (splits,), with_scores=splits == 2,
+                     seed=13, min_split_tiles=tiles, long_heads=True)  # fmt: skip
 
 
 def test_decode_auto_splits_uneven_heads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Scored rows that fill the SMs take the work-list split path with ``SKEW_SPLITS`` (none
-    without scores, nor with ``SKEW_SPLITS`` None); every way gives the reference's output."""
+    """Scored rows that fill the SMs split their long heads with ``SKEW_SPLITS`` (none without
+    scores, nor with ``SKEW_SPLITS`` None); every way gives the reference's output."""
     import pagedllm.ops.kvc_attention as kvc_ops
 
     block_size = BLOCK_SIZES[0]
@@ -366,9 +368,9 @@ def test_decode_auto_splits_uneven_heads(monkeypatch: pytest.MonkeyPatch) -> Non
     assert kvc_decode_num_splits(rows, heads, capacity, DEVICE, tile_n) == 1
     query = torch.randn(rows, 2 * heads, 64, generator=torch.Generator().manual_seed(14))
     calls = []
-    real = kvc_ops._worklist_kernel
+    real = kvc_ops._long_split_kernel
 
-    class Spy:  # records the work list's launches (NUM_SPLITS and MIN_TILES)
+    class Spy:  # records the long heads' launches (NUM_SPLITS and MIN_TILES)
         def __getitem__(self, grid):
             def launch(*args, **kw):
                 calls.append((kw["NUM_SPLITS"], kw["MIN_TILES"]))
@@ -376,7 +378,7 @@ def test_decode_auto_splits_uneven_heads(monkeypatch: pytest.MonkeyPatch) -> Non
 
             return launch
 
-    monkeypatch.setattr(kvc_ops, "_worklist_kernel", Spy())
+    monkeypatch.setattr(kvc_ops, "_long_split_kernel", Spy())
     monkeypatch.setattr(kvc_ops, "SKEW_SPLITS", (8, 2))
     check_decode(c, query, 64**-0.5, None, (None,), with_scores=True, seed=15)
     assert calls == [(8, 2)]
@@ -385,47 +387,6 @@ def test_decode_auto_splits_uneven_heads(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(kvc_ops, "SKEW_SPLITS", None)
     check_decode(c, query, 64**-0.5, None, (None,), with_scores=True, seed=17)
     assert len(calls) == 1
-
-
-def test_worklist_plan() -> None:
-    """The work list of a layer: every split of each head longer than M tiles first, then
-    split 0 of every other head (rows through their table rows, the window applied), and the
-    two counts; the docstring's example, then a block boundary."""
-    from pagedllm.ops.kvc_attention import _worklist_plan_kernel
-
-    def plan(lens: torch.Tensor, row_ids: list[int], window: int, splits: int, m: int,
-             tile_n: int, block: int) -> tuple[list[int], list[int]]:  # fmt: skip
-        n = len(row_ids) * lens.shape[1] * splits
-        items = torch.full((n,), -1, dtype=torch.int32, device=DEVICE)
-        counts = torch.zeros(2, dtype=torch.int32, device=DEVICE)
-        lens_d = lens.to(DEVICE)
-        _worklist_plan_kernel[(1,)](
-            items, counts, lens_d, torch.tensor(row_ids, device=DEVICE), len(row_ids), window,
-            *lens_d.stride(), NUM_KV_HEADS=lens.shape[1], NUM_SPLITS=splits, MIN_TILES=m,
-            TILE_N=tile_n, BLOCK=block,
-        )  # fmt: skip
-        c = counts.tolist()
-        return items.cpu().tolist()[: c[1]], c
-
-    # tiles of 16 keys: heads of [3, 20, 0, 9] tiles; table rows 3 and 1 of the lengths
-    lens = torch.zeros(4, 2, dtype=torch.int64)
-    lens[3] = torch.tensor([3 * 16, 20 * 16 - 5])
-    lens[1] = torch.tensor([0, 9 * 16])
-    items, counts = plan(lens, [3, 1], 0, 4, 8, 16, 1024)
-    assert counts == [8, 10]
-    assert items == [4, 5, 6, 7, 12, 13, 14, 15, 0, 8]
-    # a window of 100 keys leaves every head at most 8 tiles: none split
-    items, counts = plan(lens, [3, 1], 100, 4, 8, 16, 1024)
-    assert counts == [0, 4] and items == [0, 4, 8, 12]
-    # 40 rows x 2 heads over blocks of 16 heads: the offsets carry from block to block
-    gen = torch.Generator().manual_seed(0)
-    lens = torch.randint(0, 400, (40, 2), generator=gen)
-    items, counts = plan(lens, list(range(40)), 0, 2, 4, 16, 16)
-    tiles = (lens + 15) // 16
-    split = (tiles > 4).view(-1).tolist()
-    want = [i * 2 + s for i in range(80) if split[i] for s in range(2)]
-    want += [i * 2 for i in range(80) if not split[i]]
-    assert items == want and counts == [2 * sum(split), len(want)]
 
 
 def test_decode_strided_inputs() -> None:
