@@ -144,7 +144,8 @@ def warm_up_decode_kernels(
     is read or scored). ``num_heads``: the model's query heads. Returns the launches made.
     Example (H200, 132 SMs, 8 KV heads, 32k keys): 1 row -> 32 splits, 2 -> 16, 3-4 -> 8,
     5-8 -> 4, 9-16 -> 2, 17+ -> 1: six counts x (scored, unscored) x (direct, q_rows); with
-    ``SKEW_SPLITS`` set, scored rows at 17+ take the uneven-head split, a variant of its own."""
+    ``SKEW_SPLITS`` (the default), scored rows at 17+ split their long heads only, variants
+    of their own."""
     h, d, dev = cache.num_kv_heads, cache.head_dim, cache.device
     tables, lens = cache.tables[:, :h], cache.lens[:, :h]  # [rows, H, W], [rows, H]
     kinds = {(w or 0, bool(c)) for w, c in zip(cache.windows, cache.spec.compressible)}

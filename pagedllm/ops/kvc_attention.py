@@ -25,8 +25,9 @@ plain load/add/store suffices). Long contexts at small batch: split-K (the count
 :func:`kvc_decode_num_splits` unless given), ``num_splits`` programs per (row, KV head) over
 equal slices of the head's tiles writing partial (acc, max, sum), a combine kernel per (row,
 query head), then (with scores) a score pass per split that uses the combined max and sum. The
-slice length is computed in the kernel from ``seq_lens``, at least ``min_split_tiles`` tiles
-(``SKEW_SPLITS``: uneven heads, off by default).
+slice length is computed in the kernel from ``seq_lens``, at least ``min_split_tiles`` tiles.
+Uneven heads at a batch that fills the SMs (``SKEW_SPLITS``, on by default for scored rows):
+the single pass keeps the short heads and splits only the long ones (``long_heads``).
 
 Measured on an H200 (bf16, head_dim 128, G 4, 8 KV heads, CUDA-graph time; paged_attention
 on the same bytes in brackets): 128 x 1k keys 136 us (129), 1 x 32k 44 us (42), 8 x 8k 76 us
@@ -76,31 +77,28 @@ DECODE_TILE_OVERRIDE: TileConfig | None = None
 
 
 def _skew_splits_from_env() -> tuple[int, int] | None:
-    """``PAGEDLLM_KVC_SKEW_SPLITS``: "S:M" (split count, least tiles a split); unset or "0":
-    none."""
-    text = os.environ.get("PAGEDLLM_KVC_SKEW_SPLITS", "0")
+    """``PAGEDLLM_KVC_SKEW_SPLITS``: "S:M" (split count, least tiles a split); "0": none;
+    unset: 8:16."""
+    text = os.environ.get("PAGEDLLM_KVC_SKEW_SPLITS", "8:16")
     if text.strip() in ("", "0"):
         return None
     splits, min_tiles = (int(x) for x in text.split(":"))
-    if splits < 2 or min_tiles < 1:
-        raise ValueError(f"PAGEDLLM_KVC_SKEW_SPLITS must be S:M with S >= 2, M >= 1: {text!r}")
+    if splits < 2 or min_tiles < 2:
+        raise ValueError(f"PAGEDLLM_KVC_SKEW_SPLITS must be S:M with S >= 2, M >= 2: {text!r}")
     return splits, min_tiles
 
 
-# When set, scored decode rows at a batch that fills the SMs (one program per (row, KV head),
-# no split) run the split path with (S, M) = SKEW_SPLITS instead: up to S programs per head,
-# each over at least M key tiles, so an eviction's few long heads are split and the short ones
-# are not; a head that fits in split 0 is finished by that program as in the single pass
-# (output, then its scores while its keys are in L2), the combine and score kernels skip it.
-# Off by default. Measured before that last part (H200, tree 118cb3b; one layer, 128 rows, 8B
-# shape, score pass on, ``benchmarks/kvc_decode_skew.py``): lognormal heads of mean 400 (max
-# 5,656) 290 us single-pass, 204 us with 4:1, 234 with 8:16; even heads 103 us single-pass, 231
-# with 8:16 (every head through partials, the combine and a separate score pass that re-reads
-# the keys); Benchmark D at 6,000 / cr 64: 8:16 10.8 ms a decode step against 9.5 off (3.44x
-# against 3.55x; heads there: p99 465 KVs, mean 213, a layer's longest 12x its mean). With
-# short heads finished in place (tree 1df604f): even heads 104 us single-pass, 286 with 8:8;
-# Benchmark D 12.6 ms a decode step with 8:8 against 9.6 off (3.34x against 3.54x). Benchmarks
-# and tests turn it on (the env variable, or set this).
+# Scored decode rows at a batch that fills the SMs (one program per (row, KV head), no split)
+# split their heads longer than M key tiles into up to S splits of at least M tiles each
+# (``long_heads``: the single pass keeps the others). KV-Compress's evictions leave a layer's
+# heads uneven - a few keep a whole prompt - and the single pass then waits on its longest
+# head. H200, tree 8d5fed9 (``results/kvc_decode_skew_NVIDIA_H200_8d5fed9.json``; one layer of
+# the 8B shape, score pass on): 108 rows of mean 200 with 2% whole-prompt heads 342 -> 143 us,
+# 30 rows of mean 900 307 -> 205, even heads 61 -> 66 and 73 -> 78 us (two more launches);
+# Benchmark D at 6,000 decode steps 9.8 -> 8.7 ms (cr 64) and 10.6 -> 10.2 (cr 8), at 2,000 /
+# cr 64 (no head past 16 tiles) 7.47 -> 7.61 ms at the same tok/s. The grid split before it
+# (every head's S programs; tree 118cb3b, 1df604f) lost: 8:16 10.8 ms against 9.5 at cr 64,
+# its short heads' empty programs taking SM slots. "0" in the env variable turns it off.
 SKEW_SPLITS: tuple[int, int] | None = _skew_splits_from_env()
 
 # ``long_heads``: the persistent kernels' programs per SM (long heads' splits and scores).

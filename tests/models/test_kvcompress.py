@@ -143,6 +143,38 @@ def test_cuda_graphs_equal_eager_with_evictions(arch, tiny_models):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_equal_eager_splitting_long_heads(tiny_models, monkeypatch):
+    """Scored heads longer than ``SKEW_SPLITS``'s M tiles take the long-head split (M lowered
+    to 2 tiles and the SM count to 1, so that a tiny model's batch takes it): in CUDA graphs
+    and eagerly, the same tokens."""
+    import pagedllm.ops.kvc_attention as kvc_ops
+
+    monkeypatch.setattr(kvc_ops, "SKEW_SPLITS", (4, 2))
+    monkeypatch.setattr(kvc_ops, "_num_sms", lambda device: 1)
+    launches = []
+    real = kvc_ops._long_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append(grid)
+                return real[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(kvc_ops, "_long_split_kernel", Spy())
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 250, size=n).tolist() for n in (150, 200, 40, 180, 230, 90)]
+    params = {"max_cache_tokens": 250, "protected_window_size": 4}  # scored, nothing evicted
+    results = []
+    for eager in (True, False):
+        before = len(launches)
+        results.append(_run(tiny_models("llama"), params, prompts, enforce_eager=eager)[1])
+        assert len(launches) > before
+    assert results[0] == results[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_without_the_score_pass_when_no_row_is_scored(tiny_models):
     """Requests with a budget and requests without, in one batch, then alone: the decode steps
     with no scored row replay the graphs built without the score pass, the others the scored
