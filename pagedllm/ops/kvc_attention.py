@@ -749,39 +749,33 @@ def _split_kernel(
     )  # fmt: skip
 
 
-@triton.jit(do_not_specialize_on_alignment=["q_rows_ptr"])
-def _combine_kernel(
-    out_ptr,  # [rows, num_heads, head_dim]
-    glob_m_ptr,  # [rows, num_heads] fp32: the combined max (0 if no key), for the score pass
-    glob_l_ptr,  # [rows, num_heads] fp32: the combined sum (1 if no key)
-    part_acc_ptr,  # [rows, num_heads, NUM_SPLITS, HEAD_PAD] fp32
-    part_m_ptr,  # [rows, num_heads, NUM_SPLITS] fp32
+@triton.jit
+def _combine_head(
+    out_ptr,
+    glob_m_ptr,
+    glob_l_ptr,
+    part_acc_ptr,
+    part_m_ptr,
     part_l_ptr,
-    q_rows_ptr,  # [rows] int64: the output row of each row (read with Q_ROWS)
+    base,  # row * NUM_HEADS + query head (int64): the head's partials' row
+    orow,  # its output row (int64)
+    h,  # the query head
     stride_ot,
     stride_oh,
-    NUM_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    SPLIT_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
+    SPLIT_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     STORE_ML: tl.constexpr,
-    Q_ROWS: tl.constexpr,
 ):
-    """One program per (row, query head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,
-    M = max_s m_s, written to output row ``q_rows[row]`` (Q_ROWS) or ``row``."""
-    row = tl.program_id(0)
-    h = tl.program_id(1)
-    if Q_ROWS:
-        orow = tl.load(q_rows_ptr + row).to(tl.int64)
-    else:
-        orow = row.to(tl.int64)
+    """One query head's S partials: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,
+    M = max_s m_s; with STORE_ML, M (0 if no key) and the sum (1 if none) for the score
+    pass. A head whose split 0 wrote l = -1 (``_split_program``'s DIRECT: that program
+    finished it) is left alone."""
     sp = tl.arange(0, SPLIT_PAD)
     sp_mask = sp < NUM_SPLITS
-    base = row.to(tl.int64) * NUM_HEADS + h
     prow = base * NUM_SPLITS + sp  # [SPLIT_PAD]
     l_s = tl.load(part_l_ptr + prow, mask=sp_mask, other=0.0)
-    # split 0's l of -1: its program finished the head (``_split_kernel``'s DIRECT)
     l_first = tl.sum(tl.where(sp == 0, l_s, 0.0), axis=0)
     sp_mask = sp_mask & ((tl.zeros([SPLIT_PAD], tl.float32) + l_first) >= 0.0)
     m_s = tl.load(part_m_ptr + prow, mask=sp_mask, other=float("-inf"))
@@ -808,6 +802,40 @@ def _combine_kernel(
     if STORE_ML:  # (a head its split kernel finished gets 0 and 1: its score pass is skipped)
         tl.store(glob_m_ptr + base, m_all)
         tl.store(glob_l_ptr + base, denom)
+
+
+@triton.jit(do_not_specialize_on_alignment=["q_rows_ptr"])
+def _combine_kernel(
+    out_ptr,  # [rows, num_heads, head_dim]
+    glob_m_ptr,  # [rows, num_heads] fp32: the combined max (0 if no key), for the score pass
+    glob_l_ptr,  # [rows, num_heads] fp32: the combined sum (1 if no key)
+    part_acc_ptr,  # [rows, num_heads, NUM_SPLITS, HEAD_PAD] fp32
+    part_m_ptr,  # [rows, num_heads, NUM_SPLITS] fp32
+    part_l_ptr,
+    q_rows_ptr,  # [rows] int64: the output row of each row (read with Q_ROWS)
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    STORE_ML: tl.constexpr,
+    Q_ROWS: tl.constexpr,
+):
+    """One program per (row, query head): ``_combine_head``, written to output row
+    ``q_rows[row]`` (Q_ROWS) or ``row``."""
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    if Q_ROWS:
+        orow = tl.load(q_rows_ptr + row).to(tl.int64)
+    else:
+        orow = row.to(tl.int64)
+    _combine_head(
+        out_ptr, glob_m_ptr, glob_l_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+        row.to(tl.int64) * NUM_HEADS + h, orow, h, stride_ot, stride_oh, NUM_SPLITS, SPLIT_PAD,
+        HEAD_DIM, HEAD_PAD, STORE_ML,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -922,7 +950,7 @@ def _split_score_kernel(
     )  # fmt: skip
 
 
-# Long heads split, short heads single-pass (``long_splits``): KV-Compress leaves a layer's
+# Long heads split, short heads single-pass (``long_heads``): KV-Compress leaves a layer's
 # heads uneven (Benchmark D at 6,000 / cr 8, H200: p50 880 KVs, p99 4,225, max 6,452), and one
 # program per (row, KV head) then waits on its longest head. The grid split (rows x heads x
 # splits) pays for every short head's empty splits - a program that only exits still takes a
@@ -936,51 +964,6 @@ def _split_score_kernel(
 # atomic count) combines its S partials into the output and the softmax's max and sum, and
 # ``_long_score_kernel`` (persistent) re-reads those heads' keys for their scores. With no
 # long head the two exit at once.
-
-
-@triton.jit
-def _combine_head(
-    out_ptr,
-    glob_m_ptr,
-    glob_l_ptr,
-    part_acc_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    base,  # row * NUM_HEADS + query head (int64)
-    orow,  # the output row (int64)
-    stride_ot,
-    stride_oh,
-    h,  # the query head
-    NUM_SPLITS: tl.constexpr,
-    SPLIT_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-):
-    """One query head's S partials -> out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,
-    M = max_s m_s; stores M (0 if no key) and the sum (1 if none) for the score pass."""
-    sp = tl.arange(0, SPLIT_PAD)
-    sp_mask = sp < NUM_SPLITS
-    prow = base * NUM_SPLITS + sp  # [SPLIT_PAD]
-    m_s = tl.load(part_m_ptr + prow, mask=sp_mask, other=float("-inf"))
-    l_s = tl.load(part_l_ptr + prow, mask=sp_mask, other=0.0)
-    m_all = tl.max(m_s, axis=0)
-    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-    w = tl.exp2(m_s - m_all)  # empty splits (m -inf) weigh 0
-    denom = tl.sum(w * l_s, axis=0)
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    d = tl.arange(0, HEAD_PAD)
-    d_mask = d < HEAD_DIM
-    busy = sp_mask & (m_s != float("-inf"))  # an empty split wrote no acc (weight 0)
-    acc = tl.load(  # [SPLIT_PAD, HEAD_PAD]
-        part_acc_ptr + prow[:, None] * HEAD_PAD + d[None, :],
-        mask=busy[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    out = tl.sum(acc * w[:, None], axis=0) / denom
-    tl.store(out_ptr + orow * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=d_mask)  # fmt: skip
-    tl.store(glob_m_ptr + base, m_all)
-    tl.store(glob_l_ptr + base, denom)
 
 
 @triton.jit(do_not_specialize_on_alignment=["row_ids_ptr", "q_rows_ptr"])
@@ -1055,8 +1038,8 @@ def _long_split_kernel(
                 h = kvh * G + g
                 _combine_head(
                     out_ptr, glob_m_ptr, glob_l_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                    row.to(tl.int64) * NUM_HEADS + h, orow, stride_ot, stride_oh, h,
-                    NUM_SPLITS, SPLIT_PAD, HEAD_DIM, HEAD_PAD,
+                    row.to(tl.int64) * NUM_HEADS + h, orow, h, stride_ot, stride_oh,
+                    NUM_SPLITS, SPLIT_PAD, HEAD_DIM, HEAD_PAD, True,
                 )  # fmt: skip
 
 
@@ -1311,38 +1294,35 @@ def kvc_decode_attention(
     scored_arg = scored if scored is not None else row_ids  # never read without ROW_FLAGS
     q_rows_arg = q_rows if q_rows is not None else row_ids  # never read without Q_ROWS
 
-    if num_splits == 1:
+    dev = query.device
+    if num_splits == 1 or long_heads:
+        extra = {}
+        if long_heads:  # split 0 of the heads longer than M tiles, listed; the others whole
+            s_, m_ = num_splits, min_split_tiles
+            part_acc = torch.empty((num_rows, num_heads, s_, head_pad), dtype=torch.float32,
+                                   device=dev)  # fmt: skip
+            part_m, part_l = torch.empty((2, num_rows, num_heads, s_), dtype=torch.float32,
+                                         device=dev)  # fmt: skip
+            heads = torch.empty(num_rows * num_kv_heads, dtype=torch.int32, device=dev)
+            done = torch.empty_like(heads)
+            count = torch.zeros(1, dtype=torch.int32, device=dev)
+            long_args = dict(NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, MIN_TILES=m_)
+            extra = dict(part_acc_ptr=part_acc, part_m_ptr=part_m, part_l_ptr=part_l,
+                         long_ptr=heads, count_ptr=count, done_ptr=done, LONG_SPLITS=s_,
+                         **long_args)  # fmt: skip
         _decode_kernel[(num_rows, num_kv_heads)](
             out, query, k_cache, v_cache, block_tables, seq_lens, row_ids, q_rows_arg,
             scores_arg, scored_arg, qk_scale, window,
             strides[0], strides[1], out.stride(0), out.stride(1), *strides[2:],
             SCORES=scores is not None, ROW_FLAGS=scored is not None, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
-            **consts,
+            **extra, **consts,
         )  # fmt: skip
-        return out
-
-    dev = query.device
-    if long_heads:  # the single pass for the short heads, split 0 of the long ones listed
-        s_, m_ = num_splits, min_split_tiles
-        part_acc = torch.empty((num_rows, num_heads, s_, head_pad), dtype=torch.float32,
-                               device=dev)  # fmt: skip
-        part_m = torch.empty((num_rows, num_heads, s_), dtype=torch.float32, device=dev)
-        part_l = torch.empty_like(part_m)
+        if not long_heads:
+            return out
+        # the listed heads' other splits (the last to finish a head combines it), then their
+        # scores; persistent grids, each program taking items p, p + P, ...
         glob_m, glob_l = torch.empty((2, num_rows, num_heads), dtype=torch.float32, device=dev)
-        heads = torch.empty(num_rows * num_kv_heads, dtype=torch.int32, device=dev)
-        done = torch.empty_like(heads)
-        count = torch.zeros(1, dtype=torch.int32, device=dev)
-        long_args = dict(NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, MIN_TILES=m_)
-        _decode_kernel[(num_rows, num_kv_heads)](
-            out, query, k_cache, v_cache, block_tables, seq_lens, row_ids, q_rows_arg,
-            scores_arg, scored_arg, qk_scale, window,
-            strides[0], strides[1], out.stride(0), out.stride(1), *strides[2:],
-            SCORES=scores is not None, ROW_FLAGS=scored is not None, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, part_acc_ptr=part_acc, part_m_ptr=part_m,
-            part_l_ptr=part_l, long_ptr=heads, count_ptr=count, done_ptr=done, LONG_SPLITS=s_,
-            **long_args, **consts,
-        )  # fmt: skip
         programs = (min(num_rows * num_kv_heads * s_, _num_sms(dev) * LONG_PROGRAMS_PER_SM),)
         _long_split_kernel[programs](
             heads, count, done, part_acc, part_m, part_l, glob_m, glob_l, out, query, k_cache,
