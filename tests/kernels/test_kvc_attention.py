@@ -594,11 +594,13 @@ def test_paged_rows_in_place(dtype: torch.dtype) -> None:
         assert (got[others] == 7.0).all(), "a row of no chunk was written"
 
 
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_rows_in_place(num_splits: int) -> None:
+@pytest.mark.parametrize("num_splits", [1, 4, "long"])
+def test_decode_rows_in_place(num_splits: int | str) -> None:
     """``q_rows`` and ``out``: decode rows at chosen rows of a mixed step's query read and
     write only those rows of ``out``; output and scores equal the reference on the gathered
-    rows (single pass and split-K)."""
+    rows (single pass, split-K, and only the heads longer than 2 tiles split)."""
+    long = dict(num_splits=4, min_split_tiles=2, long_heads=True)
+    kw = long if num_splits == "long" else dict(num_splits=num_splits)
     block_size, heads, num_heads, d = BLOCK_SIZES[0], 2, 8, 64
     lens = random_lens(5, heads, 300 if CUDA else 40, block_size, seed=33)
     c = make_head_cache(lens, d, block_size, torch.float32, seed=34)
@@ -613,8 +615,8 @@ def test_decode_rows_in_place(num_splits: int) -> None:
     out = torch.full((8, num_heads, d), 7.0, device=DEVICE)
     kvc_decode_attention(
         query.to(DEVICE), c.kv_cache.to(DEVICE), c.block_tables.to(DEVICE), c.lens.to(DEVICE),
-        d**-0.5, scores=scores, num_splits=num_splits, row_ids=ids.to(DEVICE),
-        q_rows=q_rows.to(DEVICE), out=out, tile_config=TILE,
+        d**-0.5, scores=scores, row_ids=ids.to(DEVICE), q_rows=q_rows.to(DEVICE), out=out,
+        tile_config=TILE, **kw,
     )  # fmt: skip
     got = out.cpu()
     torch.testing.assert_close(got[q_rows], ref, atol=1e-4, rtol=1e-4)
