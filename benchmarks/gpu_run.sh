@@ -85,6 +85,10 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     tests-long-tiles)  # long chunks' launch shape in both prefill kernels, on the GPU
       python -m pytest -q -x -p no:cacheprovider tests/kernels/test_paged_attention.py \
         -k "long_chunks" ;;
+    tests-long-heads)  # the long-head split: kernels (uneven heads, auto, rows in place), graphs
+      python -m pytest -q -x -p no:cacheprovider tests/kernels/test_kvc_attention.py \
+        -k "uneven or auto_splits or rows_in_place or warm_up"
+      python -m pytest -q -x -p no:cacheprovider tests/models/test_kvcompress.py -k "cuda_graphs" ;;
     tests-kvc-graphs)  # the KV-Compress decode graphs with and without the score pass
       python -m pytest -q -x -p no:cacheprovider tests/models/test_kvcompress.py -k "cuda_graphs or async" \
         tests/core/test_kvcompress.py tests/engine/test_pinned_ring.py ;;
