@@ -7,8 +7,8 @@ cheapest chunks go first, across every head). The single-pass kernel runs one pr
 (Llama-3.1-8B shape: 32 query heads over 8 KV heads, head_dim 128, bf16, block 16, the score
 pass on as for requests with budgets) on 128 rows whose heads hold the same mean number of
 keys, uniform or skewed, single pass (the engine's choice at this batch by default)
-and split "S:M" (S splits of at least M key tiles each: ``min_split_tiles``; "lS:M" with
-``long_heads``: the single pass for heads of at most M tiles, only the longer ones split; "wS:M"
+and split "S:M" (S splits of at least M key tiles each: ``min_split_tiles``; "lS:M:T" with
+``long_tiles`` T: the single pass for heads of at most T tiles, only the longer ones split; "wS:M"
 at be8bab7 was a persistent grid over a list of every head's splits with work), as a fraction of
 the device's copy bandwidth (bytes of K/V read / time); each against the single pass's output
 and scores (max abs difference). ``tail-P``: Benchmark D's heads after its evictions (100 - P
@@ -94,7 +94,7 @@ def main() -> None:
                     help="ROWSxMEAN,...: rows of the batch and the heads' mean length")
     ap.add_argument("--kinds", default="uniform,lognormal-1.0,lognormal-1.5,one-long")
     ap.add_argument("--configs", default="1:1,4:1,8:1,4:8,8:4,8:8,8:16,16:8",
-                    help="S:M splits (1:1 the single pass), lS:M only the long heads split")
+                    help="S:M splits (1:1 the single pass), lS:M:T only heads past T tiles")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -115,12 +115,13 @@ def main() -> None:
             # (M > 1: a head that fits in split 0 is finished there, ``min_split_tiles``)
             base = None
             for key in args.configs.split(","):
-                long_heads = key.startswith("l")
-                splits, min_tiles = (int(x) for x in key.lstrip("l").split(":"))
+                nums = [int(x) for x in key.lstrip("l").split(":")]
+                splits, min_tiles = nums[:2]
+                long_tiles = (nums[2] if len(nums) > 2 else min_tiles) if key[0] == "l" else 0
                 fn = functools.partial(
                     kvc_decode_attention, b["query"], b["cache"], b["tables"], b["seq_lens"],
                     HEAD_DIM**-0.5, scores=b["scores"], scored=b["scored"], num_splits=splits,
-                    out=out, min_split_tiles=min_tiles, long_heads=long_heads,
+                    out=out, min_split_tiles=min_tiles, long_tiles=long_tiles,
                 )  # fmt: skip
                 # correctness against the single pass: output and one call's scores
                 b["scores"].zero_()

@@ -27,7 +27,7 @@ equal slices of the head's tiles writing partial (acc, max, sum), a combine kern
 query head), then (with scores) a score pass per split that uses the combined max and sum. The
 slice length is computed in the kernel from ``seq_lens``, at least ``min_split_tiles`` tiles.
 Uneven heads at a batch that fills the SMs (``SKEW_SPLITS``, on by default for scored rows):
-the single pass keeps the short heads and splits only the long ones (``long_heads``).
+the single pass keeps the short heads and splits only the long ones (``long_tiles``).
 
 Measured on an H200 (bf16, head_dim 128, G 4, 8 KV heads, CUDA-graph time; paged_attention
 on the same bytes in brackets): 128 x 1k keys 136 us (129), 1 x 32k 44 us (42), 8 x 8k 76 us
@@ -76,21 +76,25 @@ LOG2E = 1.4426950408889634
 DECODE_TILE_OVERRIDE: TileConfig | None = None
 
 
-def _skew_splits_from_env() -> tuple[int, int] | None:
-    """``PAGEDLLM_KVC_SKEW_SPLITS``: "S:M" (split count, least tiles a split); "0": none;
-    unset: 8:16."""
-    text = os.environ.get("PAGEDLLM_KVC_SKEW_SPLITS", "8:16")
+def _skew_splits_from_env() -> tuple[int, int, int] | None:
+    """``PAGEDLLM_KVC_SKEW_SPLITS``: "S:M" or "S:M:T" (split count, least tiles a split, the
+    tiles past which a head is split; T defaults to M); "0": none; unset: 8:16:16."""
+    text = os.environ.get("PAGEDLLM_KVC_SKEW_SPLITS", "8:16:16")
     if text.strip() in ("", "0"):
         return None
-    splits, min_tiles = (int(x) for x in text.split(":"))
-    if splits < 2 or min_tiles < 2:
-        raise ValueError(f"PAGEDLLM_KVC_SKEW_SPLITS must be S:M with S >= 2, M >= 2: {text!r}")
-    return splits, min_tiles
+    parts = [int(x) for x in text.split(":")]
+    if len(parts) == 2:
+        parts.append(parts[1])
+    if len(parts) != 3 or parts[0] < 2 or parts[1] < 1 or parts[2] < 1:
+        raise ValueError(
+            f"PAGEDLLM_KVC_SKEW_SPLITS must be S:M[:T] with S >= 2, M, T >= 1: {text!r}"
+        )
+    return parts[0], parts[1], parts[2]
 
 
 # Scored decode rows at a batch that fills the SMs (one program per (row, KV head), no split)
-# split their heads longer than M key tiles into up to S splits of at least M tiles each
-# (``long_heads``: the single pass keeps the others). KV-Compress's evictions leave a layer's
+# split their heads longer than T key tiles into up to S splits of at least M tiles each
+# (``long_tiles``: the single pass keeps the others). KV-Compress's evictions leave a layer's
 # heads uneven - a few keep a whole prompt - and the single pass then waits on its longest
 # head. H200, tree 8d5fed9 (``results/kvc_decode_skew_NVIDIA_H200_8d5fed9.json``; one layer of
 # the 8B shape, score pass on): 108 rows of mean 200 with 2% whole-prompt heads 342 -> 143 us,
@@ -99,9 +103,9 @@ def _skew_splits_from_env() -> tuple[int, int] | None:
 # cr 64 (no head past 16 tiles) 7.47 -> 7.61 ms at the same tok/s. The grid split before it
 # (every head's S programs; tree 118cb3b, 1df604f) lost: 8:16 10.8 ms against 9.5 at cr 64,
 # its short heads' empty programs taking SM slots. "0" in the env variable turns it off.
-SKEW_SPLITS: tuple[int, int] | None = _skew_splits_from_env()
+SKEW_SPLITS: tuple[int, int, int] | None = _skew_splits_from_env()
 
-# ``long_heads``: the persistent kernels' programs per SM (long heads' splits and scores).
+# ``long_tiles``: the persistent kernels' programs per SM (long heads' splits and scores).
 LONG_PROGRAMS_PER_SM = 2
 
 
@@ -535,8 +539,9 @@ def _decode_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     Q_ROWS: tl.constexpr,
-    # LONG_SPLITS > 0: a head longer than MIN_TILES tiles gets only its split 0 here (of
-    # LONG_SPLITS, ``_split_tiles``): that partial, a 0 in ``done`` and the head in ``long``
+    # LONG_SPLITS > 0: a head longer than LONG_TILES tiles gets only its split 0 here (of
+    # LONG_SPLITS, at least MIN_TILES tiles each: ``_split_tiles``): that partial, a 0 in
+    # ``done`` and the head in ``long``
     part_acc_ptr=None,  # [rows, num_heads, LONG_SPLITS, HEAD_PAD] fp32
     part_m_ptr=None,  # [rows, num_heads, LONG_SPLITS] fp32
     part_l_ptr=None,
@@ -547,6 +552,7 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr = 1,
     LONG_SPLITS: tl.constexpr = 0,
     MIN_TILES: tl.constexpr = 1,
+    LONG_TILES: tl.constexpr = 1,
 ):
     """One program per (row, KV head): the G query heads' output and (SCORES) the keys'
     scores (with ROW_FLAGS only for table rows whose ``scored`` flag is set); with
@@ -558,8 +564,9 @@ def _decode_kernel(
         stride_qh, stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M,
         TILE_N, Q_ROWS,
     )  # fmt: skip
-    if LONG_SPLITS > 0:  # split 0's tiles: all of them for a head no other split shares
-        att_hi = _split_tiles(tile_lo, tile_hi, 0, LONG_SPLITS, MIN_TILES)[1]
+    if LONG_SPLITS > 0:  # a long head's split 0; all the tiles of a short one
+        split0_hi = _split_tiles(tile_lo, tile_hi, 0, LONG_SPLITS, MIN_TILES)[1]
+        att_hi = tl.where(tile_hi - tile_lo <= LONG_TILES, tile_hi, split0_hi)
     else:
         att_hi = tile_hi
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
@@ -950,14 +957,14 @@ def _split_score_kernel(
     )  # fmt: skip
 
 
-# Long heads split, short heads single-pass (``long_heads``): KV-Compress leaves a layer's
+# Long heads split, short heads single-pass (``long_tiles``): KV-Compress leaves a layer's
 # heads uneven (Benchmark D at 6,000 / cr 8, H200: p50 880 KVs, p99 4,225, max 6,452), and one
 # program per (row, KV head) then waits on its longest head. The grid split (rows x heads x
 # splits) pays for every short head's empty splits - a program that only exits still takes a
 # slot of an SM sized for its K/V tiles: an 8:16 grid over even heads of 400 KVs took 286 us
 # against 104 single-pass; a persistent grid over a list of every head's non-empty splits
 # still took 165 (H200, ``kvc_decode_skew.py``). So the single-pass kernel keeps the short
-# heads (at most MIN_TILES tiles: output and scores in one program, as before) and, for a
+# heads (at most LONG_TILES tiles: output and scores in one program, as before) and, for a
 # longer head, runs its split 0 only, writes that partial and appends the head to a list (an
 # atomic counter). ``_long_split_kernel`` (persistent: program p takes items p, p + P, ...)
 # runs splits 1..S-1 of the listed heads; the last split of a head to finish (a per-head
@@ -1204,7 +1211,7 @@ def kvc_decode_attention(
     q_rows: torch.Tensor | None = None,  # [num_rows] int64: query/output rows (None: 0..)
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]: written in place
     min_split_tiles: int = 1,  # with num_splits > 1: the least key tiles of a split
-    long_heads: bool = False,  # with min_split_tiles > 1: split only the longer heads
+    long_tiles: int = 0,  # > 0, with num_splits > 1: split only heads longer than this (tiles)
 ) -> torch.Tensor:
     """Decode attention over per-head paged KVs; returns [num_tokens, num_heads, head_dim] in
     the query's dtype.
@@ -1271,12 +1278,12 @@ def kvc_decode_attention(
             num_rows, block_tables, block_size, window, head_dim, query.device, cfg.tile_n
         )
         if num_splits == 1 and scores is not None and SKEW_SPLITS is not None:
-            s, m = SKEW_SPLITS  # (a head longer than M tiles can exist: split the long ones)
+            s, m, t = SKEW_SPLITS  # (a head longer than T tiles can exist: split the long ones)
             capacity = block_tables.shape[2] * block_size
-            if min(capacity, window or capacity) > m * cfg.tile_n:
-                num_splits, min_split_tiles, long_heads = s, m, True
-    assert num_splits >= 1 and min_split_tiles >= 1
-    assert not long_heads or (num_splits > 1 and min_split_tiles > 1), "long_heads: S, M > 1"
+            if min(capacity, window or capacity) > t * cfg.tile_n:
+                num_splits, min_split_tiles, long_tiles = s, m, t
+    assert num_splits >= 1 and min_split_tiles >= 1 and long_tiles >= 0
+    assert not long_tiles or num_splits > 1, "long_tiles needs num_splits > 1"
     if tile_config is None and num_splits == 1:
         cfg = DECODE_TILE_OVERRIDE or kvc_decode_tile_config(
             head_pad, scores is not None, query.device, kv_cache.element_size()
@@ -1295,9 +1302,9 @@ def kvc_decode_attention(
     q_rows_arg = q_rows if q_rows is not None else row_ids  # never read without Q_ROWS
 
     dev = query.device
-    if num_splits == 1 or long_heads:
+    if num_splits == 1 or long_tiles:
         extra = {}
-        if long_heads:  # split 0 of the heads longer than M tiles, listed; the others whole
+        if long_tiles:  # split 0 of the heads past long_tiles tiles, listed; the rest whole
             s_, m_ = num_splits, min_split_tiles
             part_acc = torch.empty((num_rows, num_heads, s_, head_pad), dtype=torch.float32,
                                    device=dev)  # fmt: skip
@@ -1309,7 +1316,7 @@ def kvc_decode_attention(
             long_args = dict(NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, MIN_TILES=m_)
             extra = dict(part_acc_ptr=part_acc, part_m_ptr=part_m, part_l_ptr=part_l,
                          long_ptr=heads, count_ptr=count, done_ptr=done, LONG_SPLITS=s_,
-                         **long_args)  # fmt: skip
+                         LONG_TILES=long_tiles, **long_args)  # fmt: skip
         _decode_kernel[(num_rows, num_kv_heads)](
             out, query, k_cache, v_cache, block_tables, seq_lens, row_ids, q_rows_arg,
             scores_arg, scored_arg, qk_scale, window,
@@ -1318,7 +1325,7 @@ def kvc_decode_attention(
             num_stages=cfg.num_stages,
             **extra, **consts,
         )  # fmt: skip
-        if not long_heads:
+        if not long_tiles:
             return out
         # the listed heads' other splits (the last to finish a head combines it), then their
         # scores; persistent grids, each program taking items p, p + P, ...

@@ -96,7 +96,7 @@ def _kvc_variants() -> list[tuple[str, object, dict, dict]]:
     long = dict(NUM_KV_HEADS=8, NUM_HEADS=32, MIN_TILES=16)
     for scores in (False, True):
         c = dict(ATTN, BLOCK_M=16, SCORES=scores, ROW_FLAGS=scores, Q_ROWS=False, LONG_SPLITS=8,
-                 **long)  # fmt: skip
+                 LONG_TILES=16, **long)  # fmt: skip
         out.append((f"kvc decode long heads scores={scores}", kvc._decode_kernel, ptrs, c))
     c = dict(split, SPLIT_PAD=8, **long)
     out.append(("kvc long heads' splits", kvc._long_split_kernel, ptrs, c))

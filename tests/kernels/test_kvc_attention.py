@@ -252,7 +252,7 @@ def check_decode(
     seed: int,
     tile_config: TileConfig | None = TILE,
     min_split_tiles: int = 1,
-    long_heads: bool = False,
+    long_tiles: int = 0,
 ) -> None:
     """kvc_decode_attention with each split count against :func:`decode_ref`; with scores,
     starting each time from random scores."""
@@ -270,7 +270,7 @@ def check_decode(
         out = kvc_decode_attention(
             query.to(DEVICE), kv, tables, lens, scale, scores=scores, sliding_window=window,
             num_splits=num_splits, tile_config=tile_config, min_split_tiles=min_split_tiles,
-            long_heads=long_heads,
+            long_tiles=long_tiles,
         )  # fmt: skip
         assert out.dtype == query.dtype and out.shape == query.shape
         got = out.float().cpu()
@@ -337,8 +337,9 @@ def test_decode_uneven_heads_split_by_least_tiles(dtype: torch.dtype) -> None:
     (with at least 2 tiles a split, that program finishes it - output and scores - and the
     combine and score kernels skip it), a long one spans several splits; outputs and scores
     equal the reference with windows on and off, and at least 1 tile a split; and with
-    ``long_heads`` (the single pass for short heads, split 0 of long ones, their other splits
-    and scores in persistent kernels, the last split of a head combining it)."""
+    ``long_tiles`` (the single pass for heads of at most that many tiles, split 0 of longer
+    ones, their other splits and scores in persistent kernels, the last split of a head
+    combining it; splits shorter than the threshold too)."""
     block_size = BLOCK_SIZES[0]
     rows, heads, short, long = (12, 4, 300, 5000) if CUDA else (4, 2, 20, 300)
     lens = uneven_lens(rows, heads, short, long, seed=8)
@@ -346,12 +347,12 @@ def test_decode_uneven_heads_split_by_least_tiles(dtype: torch.dtype) -> None:
     query = torch.randn(rows, 2 * heads, 64, generator=torch.Generator().manual_seed(10))
     tiles = 4 if CUDA else 2  # a short head fits in that many tiles, a long one does not
     for i, window in enumerate((None, 50 if CUDA else 7)):
-        for m, long_heads in ((1, False), (tiles, False), (tiles, True)):
+        for m, long_tiles in ((1, 0), (tiles, 0), (tiles, tiles), (1, tiles)):
             check_decode(c, query.to(dtype), 64**-0.5, window, (8,), with_scores=True,
-                         seed=11 + i, min_split_tiles=m, long_heads=long_heads)  # fmt: skip
+                         seed=11 + i, min_split_tiles=m, long_tiles=long_tiles)  # fmt: skip
     for splits in (2, 4):  # (2: one split besides split 0; the last to finish combines)
         check_decode(c, query.to(dtype), 64**-0.5, None, (splits,), with_scores=splits == 2,
-                     seed=13, min_split_tiles=tiles, long_heads=True)  # fmt: skip
+                     seed=13, min_split_tiles=tiles, long_tiles=tiles)  # fmt: skip
 
 
 def test_decode_auto_splits_uneven_heads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -379,7 +380,7 @@ def test_decode_auto_splits_uneven_heads(monkeypatch: pytest.MonkeyPatch) -> Non
             return launch
 
     monkeypatch.setattr(kvc_ops, "_long_split_kernel", Spy())
-    monkeypatch.setattr(kvc_ops, "SKEW_SPLITS", (8, 2))
+    monkeypatch.setattr(kvc_ops, "SKEW_SPLITS", (8, 2, 2))
     check_decode(c, query, 64**-0.5, None, (None,), with_scores=True, seed=15)
     assert calls == [(8, 2)]
     check_decode(c, query, 64**-0.5, None, (None,), with_scores=False, seed=16)
@@ -387,6 +388,22 @@ def test_decode_auto_splits_uneven_heads(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(kvc_ops, "SKEW_SPLITS", None)
     check_decode(c, query, 64**-0.5, None, (None,), with_scores=True, seed=17)
     assert len(calls) == 1
+
+
+def test_skew_splits_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PAGEDLLM_KVC_SKEW_SPLITS``: S:M (T = M) or S:M:T, "0" off, unset 8:16:16, and a
+    clear error for a bad value."""
+    from pagedllm.ops.kvc_attention import _skew_splits_from_env
+
+    for text, want in (("8:16", (8, 16, 16)), ("16:4:16", (16, 4, 16)), ("0", None)):
+        monkeypatch.setenv("PAGEDLLM_KVC_SKEW_SPLITS", text)
+        assert _skew_splits_from_env() == want
+    monkeypatch.delenv("PAGEDLLM_KVC_SKEW_SPLITS")
+    assert _skew_splits_from_env() == (8, 16, 16)
+    for bad in ("1:16", "8:0", "8:16:16:2"):
+        monkeypatch.setenv("PAGEDLLM_KVC_SKEW_SPLITS", bad)
+        with pytest.raises(ValueError, match="PAGEDLLM_KVC_SKEW_SPLITS"):
+            _skew_splits_from_env()
 
 
 def test_decode_strided_inputs() -> None:
@@ -599,7 +616,7 @@ def test_decode_rows_in_place(num_splits: int | str) -> None:
     """``q_rows`` and ``out``: decode rows at chosen rows of a mixed step's query read and
     write only those rows of ``out``; output and scores equal the reference on the gathered
     rows (single pass, split-K, and only the heads longer than 2 tiles split)."""
-    long = dict(num_splits=4, min_split_tiles=2, long_heads=True)
+    long = dict(num_splits=4, min_split_tiles=1, long_tiles=2)
     kw = long if num_splits == "long" else dict(num_splits=num_splits)
     block_size, heads, num_heads, d = BLOCK_SIZES[0], 2, 8, 64
     lens = random_lens(5, heads, 300 if CUDA else 40, block_size, seed=33)
