@@ -40,9 +40,9 @@ def test_head_length_statistics():
 
 def test_bench_throughput_reads_head_lengths_and_profiles_kernels(tiny_models, tmp_path):  # noqa: ANN001
     """A KV-Compress run samples the lengths its kernels read (the runner's, not the
-    scheduler's view, which lags an eviction in flight): every head within its budget plus
-    the protected window and the step's tokens, none at the prompt's full length; and
-    ``--kernel-profile`` times the window of steps it names."""
+    scheduler's view, which lags an eviction in flight): on average a head within the budget
+    plus the protected window and the tokens decoded since, none past the tokens computed;
+    and ``--kernel-profile`` times the window of steps it names."""
     import json
 
     from pagedllm.entrypoints.cli import main
@@ -56,9 +56,10 @@ def test_bench_throughput_reads_head_lengths_and_profiles_kernels(tiny_models, t
                  "--kernel-profile", "10:5", "--output-json", str(out)]) == 0  # fmt: skip
     r = json.loads(out.read_text())
     assert r["head_len_samples"] >= 1
-    # compressed after the prompt (96 tokens) and under no memory pressure: each head keeps
-    # at most budget + window KVs then, and grows by one a decode step (<= 70)
-    assert 0 < r["head_len_max"] <= budget + window + 70 < 96 + 64
+    # compressed after the prompt (96 tokens): a request keeps budget + window KVs a head on
+    # average (a head may keep more, another fewer), each head then grows by one a step
+    assert 0 < r["head_len_mean"] <= budget + window + 70 < 96
+    assert r["head_len_max"] <= 96 + 70
     kp = r["kernel_profile"]
     assert kp["steps"] == 5 and kp["first_step"] == 10 and kp["decode_only_steps"] == 5
     assert kp["running_mean"] == 3 and kp["device_ms_per_step"] > 0
