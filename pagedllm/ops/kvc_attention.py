@@ -371,6 +371,15 @@ def _score_range(
 
 
 @triton.jit
+def _out_row(q_rows_ptr, row, Q_ROWS: tl.constexpr):
+    """The query / output row of decode row ``row``: ``q_rows[row]`` with Q_ROWS (a mixed
+    step's decode rows, read in place), else ``row`` itself (int64)."""
+    if Q_ROWS:
+        return tl.load(q_rows_ptr + row).to(tl.int64)
+    return row.to(tl.int64)
+
+
+@triton.jit
 def _group_setup(
     q_ptr,
     bt_ptr,
@@ -402,10 +411,7 @@ def _group_setup(
     row_mask = m < G
     d = tl.arange(0, HEAD_PAD)
     head = kvh * G + m
-    if Q_ROWS:
-        qrow = tl.load(q_rows_ptr + row).to(tl.int64)
-    else:
-        qrow = row.to(tl.int64)
+    qrow = _out_row(q_rows_ptr, row, Q_ROWS)
     q = tl.load(
         q_ptr + qrow * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_mask[:, None] & (d < HEAD_DIM)[None, :],
@@ -834,10 +840,7 @@ def _combine_kernel(
     ``q_rows[row]`` (Q_ROWS) or ``row``."""
     row = tl.program_id(0)
     h = tl.program_id(1)
-    if Q_ROWS:
-        orow = tl.load(q_rows_ptr + row).to(tl.int64)
-    else:
-        orow = row.to(tl.int64)
+    orow = _out_row(q_rows_ptr, row, Q_ROWS)
     _combine_head(
         out_ptr, glob_m_ptr, glob_l_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
         row.to(tl.int64) * NUM_HEADS + h, orow, h, stride_ot, stride_oh, NUM_SPLITS, SPLIT_PAD,
@@ -1037,10 +1040,7 @@ def _long_split_kernel(
         tl.debug_barrier()  # every warp's partial stored before the count says so
         if tl.atomic_add(done_ptr + i, 1, sem="acq_rel") == NUM_SPLITS - 2:  # the last one
             tl.debug_barrier()
-            if Q_ROWS:
-                orow = tl.load(q_rows_ptr + row).to(tl.int64)
-            else:
-                orow = row.to(tl.int64)
+            orow = _out_row(q_rows_ptr, row, Q_ROWS)
             for g in tl.static_range(G):
                 h = kvh * G + g
                 _combine_head(
