@@ -464,6 +464,15 @@ def _store_partial(
 
 
 @triton.jit
+def _used_splits(tile_lo, tile_hi, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr):
+    """How many of ``_split_tiles``'s splits have tiles (at least 1).
+    Example: 20 tiles, NUM_SPLITS 8, MIN_TILES 1 -> per 3 -> 7; MIN_TILES 8 -> per 8 -> 3."""
+    n = tile_hi - tile_lo
+    per = tl.maximum((n + NUM_SPLITS - 1) // NUM_SPLITS, MIN_TILES)
+    return tl.maximum((n + per - 1) // per, 1)
+
+
+@triton.jit
 def _one_split(tile_lo, tile_hi, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr):
     """Whether a head's tiles [tile_lo, tile_hi) all fall to split 0 (``_split_tiles``).
     Example: MIN_TILES 8, NUM_SPLITS 4: 8 tiles -> True, 9 -> False (per 8: 8 + 1)."""
@@ -546,17 +555,20 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     Q_ROWS: tl.constexpr,
     # LONG_SPLITS > 0: a head longer than LONG_TILES tiles gets only its split 0 here (of
-    # LONG_SPLITS, at least MIN_TILES tiles each: ``_split_tiles``): that partial, a 0 in
-    # ``done`` and the head in ``long``
+    # its n non-empty splits, at most LONG_SPLITS of at least MIN_TILES tiles each:
+    # ``_split_tiles``): that partial, (-inf, 0) for its empty splits, 1 - n in ``done``, its
+    # splits 1..n-1 listed in ``att_items`` and (SCORES, a scored row) 0..n-1 in ``score_items``
     part_acc_ptr=None,  # [rows, num_heads, LONG_SPLITS, HEAD_PAD] fp32
     part_m_ptr=None,  # [rows, num_heads, LONG_SPLITS] fp32
     part_l_ptr=None,
-    long_ptr=None,  # [rows * num_kv_heads] int32
-    count_ptr=None,  # [1] int32, 0 before the launch
+    att_items_ptr=None,  # [rows * num_kv_heads * LONG_SPLITS] int32: (row * kv heads + kvh) * S + s
+    score_items_ptr=None,  # [rows * num_kv_heads * LONG_SPLITS] int32: the same encoding
+    count_ptr=None,  # [2] int32, 0 before the launch: items listed in each
     done_ptr=None,  # [rows * num_kv_heads] int32
     NUM_KV_HEADS: tl.constexpr = 1,
     NUM_HEADS: tl.constexpr = 1,
     LONG_SPLITS: tl.constexpr = 0,
+    SPLIT_PAD: tl.constexpr = 1,
     MIN_TILES: tl.constexpr = 1,
     LONG_TILES: tl.constexpr = 1,
 ):
@@ -596,9 +608,25 @@ def _decode_kernel(
             prow = (row.to(tl.int64) * NUM_HEADS + head) * LONG_SPLITS
             _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, prow, acc, m_i, l_i, row_mask,
                            row_mask, HEAD_PAD)  # fmt: skip
+            # Only the non-empty splits become items (an empty one would still cost a
+            # persistent program its set-up); the combine weighs the empty ones' (-inf, 0) 0.
+            # Example: S 8, M 4, 18 tiles -> per 4, n 5: items s = 1..4, partials 5-7 empty.
+            n = _used_splits(tile_lo, tile_hi, LONG_SPLITS, MIN_TILES)
+            sp = tl.arange(0, SPLIT_PAD)
+            empty = row_mask[:, None] & ((sp >= n) & (sp < LONG_SPLITS))[None, :]
+            eptr = prow[:, None] + sp[None, :]  # [BLOCK_M, SPLIT_PAD]
+            tl.store(part_m_ptr + eptr, tl.full([BLOCK_M, SPLIT_PAD], float("-inf"), tl.float32),
+                     mask=empty)  # fmt: skip
+            tl.store(part_l_ptr + eptr, tl.zeros([BLOCK_M, SPLIT_PAD], tl.float32), mask=empty)
             i = row * NUM_KV_HEADS + kvh
-            tl.store(done_ptr + i, 0)
-            tl.store(long_ptr + tl.atomic_add(count_ptr, 1), i)
+            tl.store(done_ptr + i, 1 - n)  # the last of the n - 1 other splits sees -1
+            at = tl.atomic_add(count_ptr, n - 1)
+            tl.store(att_items_ptr + at + sp - 1, i * LONG_SPLITS + sp, mask=(sp >= 1) & (sp < n))
+            if SCORES:
+                sc_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi, ROW_FLAGS)
+                n_sc = tl.where(sc_hi > tile_lo, n, 0)
+                at = tl.atomic_add(count_ptr + 1, n_sc)
+                tl.store(score_items_ptr + at + sp, i * LONG_SPLITS + sp, mask=sp < n_sc)
     else:
         _finish_head(
             out_ptr, scores_ptr, scored_ptr, row_ids_ptr, row, q, qrow, head, row_mask, acc, l_i,
@@ -968,19 +996,21 @@ def _split_score_kernel(
 # against 104 single-pass; a persistent grid over a list of every head's non-empty splits
 # still took 165 (H200, ``kvc_decode_skew.py``). So the single-pass kernel keeps the short
 # heads (at most LONG_TILES tiles: output and scores in one program, as before) and, for a
-# longer head, runs its split 0 only, writes that partial and appends the head to a list (an
-# atomic counter). ``_long_split_kernel`` (persistent: program p takes items p, p + P, ...)
-# runs splits 1..S-1 of the listed heads; the last split of a head to finish (a per-head
-# atomic count) combines its S partials into the output and the softmax's max and sum, and
-# ``_long_score_kernel`` (persistent) re-reads those heads' keys for their scores. With no
-# long head the two exit at once.
+# longer head, runs its split 0 only, writes that partial and lists the head's other non-empty
+# splits as items (an atomic counter reserves their places). ``_long_split_kernel``
+# (persistent: program p takes items p, p + P, ...) runs them; the last split of a head to
+# finish (a per-head atomic count) combines its partials into the output and the softmax's
+# max and sum, and ``_long_score_kernel`` (persistent, a second item list) re-reads those
+# splits' keys for their scores. With no long head the two exit at once. (Until d4a5b57 the
+# lists held heads and every head took S - 1 and S items, empty ones too: a program's set-up
+# per item, serial in a persistent program, cost l16:4:8 on even heads 287 us against 73.)
 
 
 @triton.jit(do_not_specialize_on_alignment=["row_ids_ptr", "q_rows_ptr"])
 def _long_split_kernel(
-    long_ptr,  # [rows * KV heads] int32: the listed heads (row * KV heads + kvh)
-    count_ptr,  # [1] int32: how many
-    done_ptr,  # [rows * KV heads] int32: splits finished (split 0's program set it to 0)
+    att_items_ptr,  # [rows * KV heads * S] int32: listed splits, (row * KV heads + kvh) * S + s
+    count_ptr,  # [2] int32: how many (count[0])
+    done_ptr,  # [rows * KV heads] int32: 1 - n from split 0's program, + 1 per other split
     part_acc_ptr,
     part_m_ptr,
     part_l_ptr,
@@ -1022,15 +1052,16 @@ def _long_split_kernel(
     Q_ROWS: tl.constexpr,
     MIN_TILES: tl.constexpr,
 ):
-    """Persistent: splits 1..S-1 of the listed heads (item j: head ``long[j // (S - 1)]``,
-    split ``1 + j % (S - 1)``); the head's last split to finish combines it."""
-    total = tl.load(count_ptr) * (NUM_SPLITS - 1)
+    """Persistent: the listed splits (item ``att_items[j]`` = head i * S + split s, s >= 1);
+    the head's last split to finish combines it."""
+    total = tl.load(count_ptr)
     for j in range(tl.program_id(0), total, tl.num_programs(0)):
-        i = tl.load(long_ptr + j // (NUM_SPLITS - 1))
+        item = tl.load(att_items_ptr + j)
+        i = item // NUM_SPLITS
         row = i // NUM_KV_HEADS
         kvh = i % NUM_KV_HEADS
         _split_program(
-            row, kvh, 1 + j % (NUM_SPLITS - 1), part_acc_ptr, part_m_ptr, part_l_ptr, q_ptr,
+            row, kvh, item % NUM_SPLITS, part_acc_ptr, part_m_ptr, part_l_ptr, q_ptr,
             k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr, qk_scale,
             window, stride_qt, stride_qh, stride_br, stride_bh, stride_bb, stride_lr, stride_lh,
             stride_cb, stride_cs, out_ptr, None, None, stride_ot, stride_oh, NUM_HEADS,
@@ -1038,7 +1069,7 @@ def _long_split_kernel(
             Q_ROWS, MIN_TILES, False, False, False,
         )  # fmt: skip
         tl.debug_barrier()  # every warp's partial stored before the count says so
-        if tl.atomic_add(done_ptr + i, 1, sem="acq_rel") == NUM_SPLITS - 2:  # the last one
+        if tl.atomic_add(done_ptr + i, 1, sem="acq_rel") == -1:  # the last one
             tl.debug_barrier()
             orow = _out_row(q_rows_ptr, row, Q_ROWS)
             for g in tl.static_range(G):
@@ -1052,8 +1083,8 @@ def _long_split_kernel(
 
 @triton.jit(do_not_specialize_on_alignment=_INDEX_PTRS)
 def _long_score_kernel(
-    long_ptr,
-    count_ptr,
+    score_items_ptr,  # [rows * KV heads * S] int32: listed splits, (row * KV heads + kvh) * S + s
+    count_ptr,  # [2] int32: how many (count[1])
     scores_ptr,
     scored_ptr,
     glob_m_ptr,
@@ -1090,13 +1121,14 @@ def _long_score_kernel(
     Q_ROWS: tl.constexpr,
     MIN_TILES: tl.constexpr,
 ):
-    """Persistent: the scores of the listed heads' keys, split by split (item j: head
-    ``long[j // S]``, split ``j % S``), from their combined max and sum."""
-    total = tl.load(count_ptr) * NUM_SPLITS
+    """Persistent: the scores of the listed splits' keys (item ``score_items[j]`` = head
+    i * S + split s) from their heads' combined max and sum."""
+    total = tl.load(count_ptr + 1)
     for j in range(tl.program_id(0), total, tl.num_programs(0)):
-        i = tl.load(long_ptr + j // NUM_SPLITS)
+        item = tl.load(score_items_ptr + j)
+        i = item // NUM_SPLITS
         _split_score_program(
-            i // NUM_KV_HEADS, i % NUM_KV_HEADS, j % NUM_SPLITS, scores_ptr, scored_ptr,
+            i // NUM_KV_HEADS, i % NUM_KV_HEADS, item % NUM_SPLITS, scores_ptr, scored_ptr,
             glob_m_ptr, glob_l_ptr, q_ptr, k_cache_ptr, bt_ptr, lens_ptr, row_ids_ptr,
             q_rows_ptr, qk_scale, window, stride_qt, stride_qh, stride_br, stride_bh, stride_bb,
             stride_lr, stride_lh, stride_cb, stride_cs, NUM_HEADS, NUM_SPLITS, G, HEAD_DIM,
@@ -1310,12 +1342,14 @@ def kvc_decode_attention(
                                    device=dev)  # fmt: skip
             part_m, part_l = torch.empty((2, num_rows, num_heads, s_), dtype=torch.float32,
                                          device=dev)  # fmt: skip
-            heads = torch.empty(num_rows * num_kv_heads, dtype=torch.int32, device=dev)
-            done = torch.empty_like(heads)
-            count = torch.zeros(1, dtype=torch.int32, device=dev)
+            att_items = torch.empty(num_rows * num_kv_heads * s_, dtype=torch.int32, device=dev)
+            score_items = torch.empty_like(att_items)  # (apart: both 16-byte aligned)
+            done = torch.empty(num_rows * num_kv_heads, dtype=torch.int32, device=dev)
+            count = torch.zeros(2, dtype=torch.int32, device=dev)
             long_args = dict(NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, MIN_TILES=m_)
             extra = dict(part_acc_ptr=part_acc, part_m_ptr=part_m, part_l_ptr=part_l,
-                         long_ptr=heads, count_ptr=count, done_ptr=done, LONG_SPLITS=s_,
+                         att_items_ptr=att_items, score_items_ptr=score_items, count_ptr=count,
+                         done_ptr=done, LONG_SPLITS=s_, SPLIT_PAD=triton.next_power_of_2(s_),
                          LONG_TILES=long_tiles, **long_args)  # fmt: skip
         _decode_kernel[(num_rows, num_kv_heads)](
             out, query, k_cache, v_cache, block_tables, seq_lens, row_ids, q_rows_arg,
@@ -1332,16 +1366,16 @@ def kvc_decode_attention(
         glob_m, glob_l = torch.empty((2, num_rows, num_heads), dtype=torch.float32, device=dev)
         programs = (min(num_rows * num_kv_heads * s_, _num_sms(dev) * LONG_PROGRAMS_PER_SM),)
         _long_split_kernel[programs](
-            heads, count, done, part_acc, part_m, part_l, glob_m, glob_l, out, query, k_cache,
+            att_items, count, done, part_acc, part_m, part_l, glob_m, glob_l, out, query, k_cache,
             v_cache, block_tables, seq_lens, row_ids, q_rows_arg, qk_scale, window, *strides,
             out.stride(0), out.stride(1), NUM_SPLITS=s_, SPLIT_PAD=triton.next_power_of_2(s_),
             num_warps=cfg.num_warps, num_stages=cfg.split_num_stages, **long_args, **consts,
         )  # fmt: skip
         if scores is not None:
             _long_score_kernel[programs](
-                heads, count, scores, scored_arg, glob_m, glob_l, query, k_cache, block_tables,
-                seq_lens, row_ids, q_rows_arg, qk_scale, window, *strides, NUM_SPLITS=s_,
-                ROW_FLAGS=scored is not None, num_warps=cfg.num_warps,
+                score_items, count, scores, scored_arg, glob_m, glob_l, query, k_cache,
+                block_tables, seq_lens, row_ids, q_rows_arg, qk_scale, window, *strides,
+                NUM_SPLITS=s_, ROW_FLAGS=scored is not None, num_warps=cfg.num_warps,
                 num_stages=cfg.split_num_stages, **long_args, **consts,
             )  # fmt: skip
         return out

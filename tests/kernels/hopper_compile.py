@@ -42,6 +42,11 @@ def compile_one(
     """Lower ``fn`` with ``constexprs`` to a cubin for sm_90; raises on failure. Its pointers
     take the types in ``pointers`` (every ``*_ptr`` / ``*_ptrs`` argument must be there);
     ``constexprs`` may carry the launch's ``num_warps`` / ``num_stages``."""
+    # a constexpr left to its default is a constexpr at the launch too (not an i32 argument)
+    constexprs = dict(constexprs)
+    for p in fn.params:
+        if p.is_constexpr and p.has_default and p.name not in constexprs:
+            constexprs[p.name] = p.default
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -76,7 +81,7 @@ def _kvc_variants() -> list[tuple[str, object, dict, dict]]:
         out_ptr=BF16, q_ptr=BF16, k_cache_ptr=BF16, v_cache_ptr=BF16, bt_ptr=I32, lens_ptr=I64,
         row_ids_ptr=I64, q_rows_ptr=I64, scores_ptr=F32, scored_ptr=I32, part_acc_ptr=F32,
         part_m_ptr=F32, part_l_ptr=F32, glob_m_ptr=F32, glob_l_ptr=F32, qsl_ptr=I64,
-        q_start_ptr=I64, long_ptr=I32, count_ptr=I32, done_ptr=I32,
+        q_start_ptr=I64, att_items_ptr=I32, score_items_ptr=I32, count_ptr=I32, done_ptr=I32,
     )  # fmt: skip
     out = []
     for scores in (False, True):
@@ -96,7 +101,7 @@ def _kvc_variants() -> list[tuple[str, object, dict, dict]]:
     long = dict(NUM_KV_HEADS=8, NUM_HEADS=32, MIN_TILES=16)
     for scores in (False, True):
         c = dict(ATTN, BLOCK_M=16, SCORES=scores, ROW_FLAGS=scores, Q_ROWS=False, LONG_SPLITS=8,
-                 LONG_TILES=16, **long)  # fmt: skip
+                 SPLIT_PAD=8, LONG_TILES=16, **long)  # fmt: skip
         out.append((f"kvc decode long heads scores={scores}", kvc._decode_kernel, ptrs, c))
     c = dict(split, SPLIT_PAD=8, **long)
     out.append(("kvc long heads' splits", kvc._long_split_kernel, ptrs, c))
