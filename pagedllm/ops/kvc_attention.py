@@ -78,8 +78,8 @@ DECODE_TILE_OVERRIDE: TileConfig | None = None
 
 def _skew_splits_from_env() -> tuple[int, int, int] | None:
     """``PAGEDLLM_KVC_SKEW_SPLITS``: "S:M" or "S:M:T" (split count, least tiles a split, the
-    tiles past which a head is split; T defaults to M); "0": none; unset: 8:16:16."""
-    text = os.environ.get("PAGEDLLM_KVC_SKEW_SPLITS", "8:16:16")
+    tiles past which a head is split; T defaults to M); "0": none; unset: 8:8:16."""
+    text = os.environ.get("PAGEDLLM_KVC_SKEW_SPLITS", "8:8:16")
     if text.strip() in ("", "0"):
         return None
     parts = [int(x) for x in text.split(":")]
@@ -103,6 +103,10 @@ def _skew_splits_from_env() -> tuple[int, int, int] | None:
 # cr 64 (no head past 16 tiles) 7.47 -> 7.61 ms at the same tok/s. The grid split before it
 # (every head's S programs; tree 118cb3b, 1df604f) lost: 8:16 10.8 ms against 9.5 at cr 64,
 # its short heads' empty programs taking SM slots. "0" in the env variable turns it off.
+# Tree 4505b2e (only non-empty splits listed; ``..._4505b2e.json``), tail-2 cases 30 x 900 /
+# 108 x 200 / 128 x 400: 8:16:16 140 / 144 / 193 us, 8:8:16 133 / 130 / 183 (the default
+# since), 16:4:16 145 / 125 / 180, a threshold of 8 tiles or less slower on even heads at 30
+# rows (126-177 us against 78); Benchmark D 6,000 / cr 8 with 8:16:16 decode steps 8.76 ms.
 SKEW_SPLITS: tuple[int, int, int] | None = _skew_splits_from_env()
 
 # ``long_tiles``: the persistent kernels' programs per SM (long heads' splits and scores).

@@ -391,7 +391,7 @@ def test_decode_auto_splits_uneven_heads(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_skew_splits_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PAGEDLLM_KVC_SKEW_SPLITS``: S:M (T = M) or S:M:T, "0" off, unset 8:16:16, and a
+    """``PAGEDLLM_KVC_SKEW_SPLITS``: S:M (T = M) or S:M:T, "0" off, unset 8:8:16, and a
     clear error for a bad value."""
     from pagedllm.ops.kvc_attention import _skew_splits_from_env
 
@@ -399,7 +399,7 @@ def test_skew_splits_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("PAGEDLLM_KVC_SKEW_SPLITS", text)
         assert _skew_splits_from_env() == want
     monkeypatch.delenv("PAGEDLLM_KVC_SKEW_SPLITS")
-    assert _skew_splits_from_env() == (8, 16, 16)
+    assert _skew_splits_from_env() == (8, 8, 16)
     for bad in ("1:16", "8:0", "8:16:16:2"):
         monkeypatch.setenv("PAGEDLLM_KVC_SKEW_SPLITS", bad)
         with pytest.raises(ValueError, match="PAGEDLLM_KVC_SKEW_SPLITS"):
