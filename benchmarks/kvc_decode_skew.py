@@ -112,7 +112,8 @@ def main() -> None:
             row = {"rows": rows, "mean": mean, "kind": kind, "max_len": int(lens.max()),
                    "mean_len": float(lens.mean()), "p99_len": float(np.percentile(lens, 99)),
                    "splits": {}}  # fmt: skip
-            # (M > 1: a head that fits in split 0 is finished there, ``min_split_tiles``)
+            # (S:M without "l": every head's S programs, its short heads' later ones empty;
+            # until bc6f5e1 a head that fitted in split 0 was finished there when M > 1)
             base = None
             for key in args.configs.split(","):
                 nums = [int(x) for x in key.lstrip("l").split(":")]

@@ -447,8 +447,8 @@ def _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.co
 
     Example: 20 tiles, NUM_SPLITS 8 -> per 3: splits 0-5 get 3 tiles, 6 gets 2, 7 none. With
     MIN_TILES 8 -> per 8: splits 0-1 get 8, 2 gets 4, 3-7 none; a head of 5 tiles is split 0's
-    alone. (KV-Compress leaves a request's heads uneven: a layer's few long heads are split,
-    its short ones are not, and one grid serves both.)
+    alone. (KV-Compress leaves a request's heads uneven: a layer's few long heads are split
+    into more splits than its short ones.)
     """
     per = tl.maximum((tile_hi - tile_lo + NUM_SPLITS - 1) // NUM_SPLITS, MIN_TILES)
     lo = tl.minimum(tile_lo + s * per, tile_hi)
@@ -474,14 +474,6 @@ def _used_splits(tile_lo, tile_hi, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.const
     n = tile_hi - tile_lo
     per = tl.maximum((n + NUM_SPLITS - 1) // NUM_SPLITS, MIN_TILES)
     return tl.maximum((n + per - 1) // per, 1)
-
-
-@triton.jit
-def _one_split(tile_lo, tile_hi, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr):
-    """Whether a head's tiles [tile_lo, tile_hi) all fall to split 0 (``_split_tiles``).
-    Example: MIN_TILES 8, NUM_SPLITS 4: 8 tiles -> True, 9 -> False (per 8: 8 + 1)."""
-    n = tile_hi - tile_lo
-    return n <= tl.maximum((n + NUM_SPLITS - 1) // NUM_SPLITS, MIN_TILES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -666,11 +658,6 @@ def _split_program(
     stride_lh,
     stride_cb,
     stride_cs,
-    out_ptr,
-    scores_ptr,
-    scored_ptr,
-    stride_ot,
-    stride_oh,
     NUM_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     G: tl.constexpr,
@@ -683,19 +670,14 @@ def _split_program(
     PRECISION: tl.constexpr,
     Q_ROWS: tl.constexpr,
     MIN_TILES: tl.constexpr,
-    DIRECT: tl.constexpr,
-    SCORES: tl.constexpr,
-    ROW_FLAGS: tl.constexpr,
 ):
     """Split ``s`` of (row, KV head): its partial (acc, max, sum) per query head; an empty
-    split writes (-inf, 0) and no acc (the combine does not read it). With DIRECT, split 0 of
-    a head no other split shares writes the head's output (and scores) instead."""
+    split writes (-inf, 0) and no acc (the combine does not read it)."""
     q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi, qrow = _group_setup(
         q_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr, row, kvh, window, stride_qt,
         stride_qh, stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M,
         TILE_N, Q_ROWS,
     )  # fmt: skip
-    alone = _one_split(tile_lo, tile_hi, NUM_SPLITS, MIN_TILES)
     tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS, MIN_TILES)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -708,32 +690,8 @@ def _split_program(
     # Example: NUM_HEADS 8, NUM_SPLITS 4, row 2, head 5, split 3 -> part row (2 * 8 + 5) * 4 + 3.
     prow = (row.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + s  # [BLOCK_M]
     busy = row_mask & (tile_lo < tile_hi)
-    if DIRECT:
-        if alone & (s == 0):  # split 0 has every tile of the head (the others none)
-            d = tl.arange(0, HEAD_PAD)
-            l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a head with no key: output 0
-            tl.store(
-                out_ptr + qrow * stride_ot + head[:, None] * stride_oh + d[None, :],
-                (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
-                mask=row_mask[:, None] & (d < HEAD_DIM)[None, :],
-            )
-            tl.store(part_l_ptr + prow, tl.full([BLOCK_M], -1.0, tl.float32), mask=row_mask)
-            if SCORES:
-                m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
-                inv_l = tl.where(row_mask, 1.0 / l_safe, 0.0)
-                score_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi,
-                                         ROW_FLAGS)  # fmt: skip
-                _score_range(
-                    q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_row, stride_bb, tile_lo,
-                    score_hi, key_lo, key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM,
-                    HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST, PRECISION,
-                )  # fmt: skip
-        else:
-            _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, prow, acc, m_i, l_i, row_mask,
-                           busy, HEAD_PAD)  # fmt: skip
-    else:
-        _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, prow, acc, m_i, l_i, row_mask, busy,
-                       HEAD_PAD)  # fmt: skip
+    _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, prow, acc, m_i, l_i, row_mask, busy,
+                   HEAD_PAD)  # fmt: skip
 
 
 @triton.jit(do_not_specialize_on_alignment=["row_ids_ptr", "q_rows_ptr"])
@@ -771,26 +729,14 @@ def _split_kernel(
     PRECISION: tl.constexpr,
     Q_ROWS: tl.constexpr,
     MIN_TILES: tl.constexpr,
-    # DIRECT: a head whose tiles all fall to split 0 is finished by that program, as the
-    # single-pass kernel does (output, then with SCORES its keys' scores while they are in
-    # L2); its split 0 marks part_l -1 so the combine and the score kernel leave it alone
-    out_ptr=None,
-    scores_ptr=None,
-    scored_ptr=None,
-    stride_ot=0,
-    stride_oh=0,
-    DIRECT: tl.constexpr = False,
-    SCORES: tl.constexpr = False,
-    ROW_FLAGS: tl.constexpr = False,
 ):
     """One program per (row, KV head, split): ``_split_program``."""
     _split_program(
         tl.program_id(0), tl.program_id(1), tl.program_id(2), part_acc_ptr, part_m_ptr,
         part_l_ptr, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr,
         qk_scale, window, stride_qt, stride_qh, stride_br, stride_bh, stride_bb, stride_lr,
-        stride_lh, stride_cb, stride_cs, out_ptr, scores_ptr, scored_ptr, stride_ot, stride_oh,
-        NUM_HEADS, NUM_SPLITS, G, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_M, TILE_N, UPCAST,
-        PRECISION, Q_ROWS, MIN_TILES, DIRECT, SCORES, ROW_FLAGS,
+        stride_lh, stride_cb, stride_cs, NUM_HEADS, NUM_SPLITS, G, HEAD_DIM, HEAD_PAD,
+        BLOCK_SIZE, BLOCK_M, TILE_N, UPCAST, PRECISION, Q_ROWS, MIN_TILES,
     )  # fmt: skip
 
 
@@ -815,16 +761,12 @@ def _combine_head(
 ):
     """One query head's S partials: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,
     M = max_s m_s; with STORE_ML, M (0 if no key) and the sum (1 if none) for the score
-    pass. A head whose split 0 wrote l = -1 (``_split_program``'s DIRECT: that program
-    finished it) is left alone."""
+    pass."""
     sp = tl.arange(0, SPLIT_PAD)
     sp_mask = sp < NUM_SPLITS
     prow = base * NUM_SPLITS + sp  # [SPLIT_PAD]
     l_s = tl.load(part_l_ptr + prow, mask=sp_mask, other=0.0)
-    l_first = tl.sum(tl.where(sp == 0, l_s, 0.0), axis=0)
-    sp_mask = sp_mask & ((tl.zeros([SPLIT_PAD], tl.float32) + l_first) >= 0.0)
     m_s = tl.load(part_m_ptr + prow, mask=sp_mask, other=float("-inf"))
-    l_s = tl.where(sp_mask, l_s, 0.0)
     m_all = tl.max(m_s, axis=0)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
     w = tl.exp2(m_s - m_all)  # empty splits (m -inf) weigh 0
@@ -842,9 +784,9 @@ def _combine_head(
     tl.store(
         out_ptr + orow * stride_ot + h * stride_oh + d,
         out.to(out_ptr.dtype.element_ty),
-        mask=d_mask & ((tl.zeros([HEAD_PAD], tl.float32) + l_first) >= 0.0),
+        mask=d_mask,
     )
-    if STORE_ML:  # (a head its split kernel finished gets 0 and 1: its score pass is skipped)
+    if STORE_ML:
         tl.store(glob_m_ptr + base, m_all)
         tl.store(glob_l_ptr + base, denom)
 
@@ -919,21 +861,16 @@ def _split_score_program(
     PRECISION: tl.constexpr,
     Q_ROWS: tl.constexpr,
     MIN_TILES: tl.constexpr,
-    DIRECT: tl.constexpr,
 ):
     """Split ``s`` of (row, KV head): its keys' scores from the combined max and sum (the
-    same tiles as the split's ``_split_program``; with DIRECT none for a head that program
-    finished)."""
+    same tiles as the split's ``_split_program``)."""
     q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi, qrow = _group_setup(
         q_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr, row, kvh, window, stride_qt,
         stride_qh, stride_br, stride_bh, stride_lr, stride_lh, G, HEAD_DIM, HEAD_PAD, BLOCK_M,
         TILE_N, Q_ROWS,
     )  # fmt: skip
-    alone = _one_split(tile_lo, tile_hi, NUM_SPLITS, MIN_TILES)
     tile_lo, tile_hi = _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS, MIN_TILES)
     tile_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi, ROW_FLAGS)
-    if DIRECT:
-        tile_hi = tl.where(alone, tile_lo, tile_hi)  # scored by its split kernel program
     g = row.to(tl.int64) * NUM_HEADS + head  # [BLOCK_M]
     m_fin = tl.load(glob_m_ptr + g, mask=row_mask, other=0.0)
     inv_l = tl.where(row_mask, 1.0 / tl.load(glob_l_ptr + g, mask=row_mask, other=1.0), 0.0)
@@ -980,7 +917,6 @@ def _split_score_kernel(
     PRECISION: tl.constexpr,
     Q_ROWS: tl.constexpr,
     MIN_TILES: tl.constexpr,
-    DIRECT: tl.constexpr = False,
 ):
     """One program per (row, KV head, split): ``_split_score_program``."""
     _split_score_program(
@@ -988,7 +924,7 @@ def _split_score_kernel(
         glob_m_ptr, glob_l_ptr, q_ptr, k_cache_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr,
         qk_scale, window, stride_qt, stride_qh, stride_br, stride_bh, stride_bb, stride_lr,
         stride_lh, stride_cb, stride_cs, NUM_HEADS, NUM_SPLITS, G, HEAD_DIM, HEAD_PAD,
-        BLOCK_SIZE, BLOCK_M, TILE_N, ROW_FLAGS, UPCAST, PRECISION, Q_ROWS, MIN_TILES, DIRECT,
+        BLOCK_SIZE, BLOCK_M, TILE_N, ROW_FLAGS, UPCAST, PRECISION, Q_ROWS, MIN_TILES,
     )  # fmt: skip
 
 
@@ -1068,9 +1004,8 @@ def _long_split_kernel(
             row, kvh, item % NUM_SPLITS, part_acc_ptr, part_m_ptr, part_l_ptr, q_ptr,
             k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr, qk_scale,
             window, stride_qt, stride_qh, stride_br, stride_bh, stride_bb, stride_lr, stride_lh,
-            stride_cb, stride_cs, out_ptr, None, None, stride_ot, stride_oh, NUM_HEADS,
-            NUM_SPLITS, G, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_M, TILE_N, UPCAST, PRECISION,
-            Q_ROWS, MIN_TILES, False, False, False,
+            stride_cb, stride_cs, NUM_HEADS, NUM_SPLITS, G, HEAD_DIM, HEAD_PAD, BLOCK_SIZE,
+            BLOCK_M, TILE_N, UPCAST, PRECISION, Q_ROWS, MIN_TILES,
         )  # fmt: skip
         tl.debug_barrier()  # every warp's partial stored before the count says so
         if tl.atomic_add(done_ptr + i, 1, sem="acq_rel") == -1:  # the last one
@@ -1137,7 +1072,7 @@ def _long_score_kernel(
             q_rows_ptr, qk_scale, window, stride_qt, stride_qh, stride_br, stride_bh, stride_bb,
             stride_lr, stride_lh, stride_cb, stride_cs, NUM_HEADS, NUM_SPLITS, G, HEAD_DIM,
             HEAD_PAD, BLOCK_SIZE, BLOCK_M, TILE_N, ROW_FLAGS, UPCAST, PRECISION, Q_ROWS,
-            MIN_TILES, False,
+            MIN_TILES,
         )  # fmt: skip
 
 
@@ -1384,14 +1319,6 @@ def kvc_decode_attention(
             )  # fmt: skip
         return out
 
-    # splits of at least 2 tiles: a head short enough for split 0 alone is finished there
-    direct = {}
-    if min_split_tiles > 1:
-        direct = dict(
-            out_ptr=out, scores_ptr=scores_arg, scored_ptr=scored_arg, stride_ot=out.stride(0),
-            stride_oh=out.stride(1), DIRECT=True, SCORES=scores is not None,
-            ROW_FLAGS=scored is not None,
-        )  # fmt: skip
     part_acc = torch.empty((num_rows, num_heads, num_splits, head_pad), dtype=torch.float32,
                            device=dev)  # fmt: skip
     part_m = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=dev)
@@ -1401,7 +1328,7 @@ def kvc_decode_attention(
         part_acc, part_m, part_l, query, k_cache, v_cache, block_tables, seq_lens, row_ids,
         q_rows_arg, qk_scale, window, *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
         num_warps=cfg.num_warps, num_stages=cfg.split_num_stages, MIN_TILES=min_split_tiles,
-        **consts, **direct,
+        **consts,
     )  # fmt: skip
     if scores is not None:
         glob_m = torch.empty((num_rows, num_heads), dtype=torch.float32, device=dev)
@@ -1421,7 +1348,7 @@ def kvc_decode_attention(
             row_ids, q_rows_arg, qk_scale, window,
             *strides, NUM_HEADS=num_heads, NUM_SPLITS=num_splits, num_warps=cfg.num_warps,
             num_stages=cfg.split_num_stages, ROW_FLAGS=scored is not None,
-            MIN_TILES=min_split_tiles, DIRECT=min_split_tiles > 1, **consts,
+            MIN_TILES=min_split_tiles, **consts,
         )  # fmt: skip
     return out
 

@@ -89,15 +89,10 @@ def _kvc_variants() -> list[tuple[str, object, dict, dict]]:
             c = dict(ATTN, BLOCK_M=16, SCORES=scores, ROW_FLAGS=scores, Q_ROWS=q_rows)
             out.append((f"kvc decode scores={scores} q_rows={q_rows}", kvc._decode_kernel, ptrs, c))
     split = dict(ATTN, BLOCK_M=16, NUM_HEADS=32, NUM_SPLITS=8, Q_ROWS=False)
-    none = dict(out_ptr=None, scores_ptr=None, scored_ptr=None, stride_ot=0, stride_oh=0)
-    out.append(("kvc split", kvc._split_kernel, ptrs, dict(split, MIN_TILES=1, DIRECT=False,
-                                                           **none)))  # fmt: skip
-    for scores in (False, True):
-        c = dict(split, MIN_TILES=16, DIRECT=True, SCORES=scores, ROW_FLAGS=scores)
-        out.append((f"kvc split direct scores={scores}", kvc._split_kernel, ptrs, c))
-    for direct in (False, True):
-        c = dict(split, MIN_TILES=16 if direct else 1, DIRECT=direct, ROW_FLAGS=True)
-        out.append((f"kvc split score direct={direct}", kvc._split_score_kernel, ptrs, c))
+    for m in (1, 16):
+        out.append((f"kvc split min tiles {m}", kvc._split_kernel, ptrs, dict(split, MIN_TILES=m)))
+        c = dict(split, MIN_TILES=m, ROW_FLAGS=True)
+        out.append((f"kvc split score min tiles {m}", kvc._split_score_kernel, ptrs, c))
     long = dict(NUM_KV_HEADS=8, NUM_HEADS=32, MIN_TILES=16)
     for scores in (False, True):
         c = dict(ATTN, BLOCK_M=16, SCORES=scores, ROW_FLAGS=scores, Q_ROWS=False, LONG_SPLITS=8,

@@ -334,9 +334,8 @@ def uneven_lens(rows: int, heads: int, short: int, long: int, seed: int) -> torc
 @pytest.mark.parametrize("dtype", DTYPES if CUDA else [torch.bfloat16, torch.float32], ids=str)
 def test_decode_uneven_heads_split_by_least_tiles(dtype: torch.dtype) -> None:
     """Split-K with at least ``min_split_tiles`` tiles a split: a short head is split 0's alone
-    (with at least 2 tiles a split, that program finishes it - output and scores - and the
-    combine and score kernels skip it), a long one spans several splits; outputs and scores
-    equal the reference with windows on and off, and at least 1 tile a split; and with
+    (its other splits empty), a long one spans several splits; outputs and scores equal the
+    reference with windows on and off, and at least 1 tile a split; and with
     ``long_tiles`` (the single pass for heads of at most that many tiles, split 0 of longer
     ones, their other splits and scores in persistent kernels, the last split of a head
     combining it; splits shorter than the threshold too)."""
