@@ -106,7 +106,8 @@ def _skew_splits_from_env() -> tuple[int, int, int] | None:
 # Tree 4505b2e (only non-empty splits listed; ``..._4505b2e.json``), tail-2 cases 30 x 900 /
 # 108 x 200 / 128 x 400: 8:16:16 140 / 144 / 193 us, 8:8:16 133 / 130 / 183 (the default
 # since), 16:4:16 145 / 125 / 180, a threshold of 8 tiles or less slower on even heads at 30
-# rows (126-177 us against 78); Benchmark D 6,000 / cr 8 with 8:16:16 decode steps 8.76 ms.
+# rows (126-177 us against 78); Benchmark D 6,000 / cr 8 decode steps 8.76 ms with 8:16:16,
+# 8.61 with 8:8:16 (10.05 before the item lists).
 SKEW_SPLITS: tuple[int, int, int] | None = _skew_splits_from_env()
 
 # ``long_tiles``: the persistent kernels' programs per SM (long heads' splits and scores).
