@@ -11,9 +11,11 @@ and split "S:M" (S splits of at least M key tiles each: ``min_split_tiles``; "lS
 ``long_tiles`` T: the single pass for heads of at most T tiles, only the longer ones split; "wS:M"
 at be8bab7 was a persistent grid over a list of every head's splits with work), as a fraction of
 the device's copy bandwidth (bytes of K/V read / time); each against the single pass's output
-and scores (max abs difference). ``tail-P``: Benchmark D's heads after its evictions (100 - P
-percent lognormal around the mean, P percent holding a whole 6,000-token prompt, as the
-bench's device-length samples show at 6,000 / cr 8: p50 880, p99 4,225, max 6,452).
+and scores (max abs difference). A config may name its launch shape after "@" (key tile,
+warps, pipelining stages; default the engine's): "1:1@128:4:3", "l8:8:16@64:8:3".
+``tail-P``: Benchmark D's heads after its evictions (100 - P percent lognormal around the
+mean, P percent holding a whole 6,000-token prompt, as the bench's device-length samples show
+at 6,000 / cr 8: p50 880, p99 4,225, max 6,452).
 
 Usage (GPU): python benchmarks/kvc_decode_skew.py [--out DIR]
 """
@@ -33,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.kernels import bench, copy_bandwidth_gbps  # noqa: E402
 from pagedllm.ops.kvc_attention import kvc_decode_attention  # noqa: E402
+from pagedllm.ops.paged_attention import TileConfig  # noqa: E402
 
 BS, HEAD_DIM, HEADS, KV_HEADS = 16, 128, 32, 8
 
@@ -116,13 +119,20 @@ def main() -> None:
             # until bc6f5e1 a head that fitted in split 0 was finished there when M > 1)
             base = None
             for key in args.configs.split(","):
-                nums = [int(x) for x in key.lstrip("l").split(":")]
+                split_key, _, shape = key.partition("@")
+                tile_config = None
+                if shape:  # TILE:WARPS:STAGES for the single pass and the split kernels alike
+                    tn, nw, ns = (int(x) for x in shape.split(":"))
+                    tile_config = TileConfig(block_m=16, tile_n=tn, num_warps=nw, num_stages=ns,
+                                             split_num_stages=ns)  # fmt: skip
+                nums = [int(x) for x in split_key.lstrip("l").split(":")]
                 splits, min_tiles = nums[:2]
                 long_tiles = (nums[2] if len(nums) > 2 else min_tiles) if key[0] == "l" else 0
                 fn = functools.partial(
                     kvc_decode_attention, b["query"], b["cache"], b["tables"], b["seq_lens"],
                     HEAD_DIM**-0.5, scores=b["scores"], scored=b["scored"], num_splits=splits,
                     out=out, min_split_tiles=min_tiles, long_tiles=long_tiles,
+                    tile_config=tile_config,
                 )  # fmt: skip
                 # correctness against the single pass: output and one call's scores
                 b["scores"].zero_()
