@@ -322,7 +322,11 @@ class StepRecorder:
                 self.decode_host_s.append(host)
             if self._sample_next:  # after the step's slots: the lengths its kernels read
                 self._sample_next = False
-                idx = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(runner.device)
+                # (pinned, non-blocking: a pageable copy to the device would sync the host,
+                # which the bench counts - 67 of cr 8's 68 syncs at bc6f5e1 were this line's)
+                idx = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+                idx = idx.pin_memory() if cuda else idx
+                idx = idx.to(runner.device, non_blocking=cuda)
                 lens = torch.empty((len(rows), kvc.num_heads), dtype=kvc.lens.dtype,
                                    pin_memory=cuda)  # fmt: skip
                 lens.copy_(kvc.lens[idx], non_blocking=cuda)
