@@ -116,7 +116,7 @@ def main() -> None:
                    "mean_len": float(lens.mean()), "p99_len": float(np.percentile(lens, 99)),
                    "splits": {}}  # fmt: skip
             # (S:M without "l": every head's S programs, its short heads' later ones empty;
-            # until bc6f5e1 a head that fitted in split 0 was finished there when M > 1)
+            # until 3416e49 a head that fitted in split 0 was finished there when M > 1)
             base = None
             for key in args.configs.split(","):
                 split_key, _, shape = key.partition("@")
