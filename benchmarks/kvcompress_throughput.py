@@ -192,7 +192,10 @@ def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dic
         if kp:
             print(f"in {input_len} {name} kernels: {kp['steps']} steps from {kp['first_step']} "
                   f"({kp['decode_only_steps']} decode-only, {kp['running_mean']:.1f} running), "
-                  f"{kp['device_ms_per_step']:.2f} ms a step", flush=True)  # fmt: skip
+                  f"{kp['device_ms_per_step']:.2f} ms a step, wall {kp.get('wall_ms_per_step')} "
+                  f"ms, device busy {kp.get('device_busy_in_window')} (idle "
+                  f"{kp.get('device_idle_ms_per_step')} ms a step, largest gaps "
+                  f"{kp.get('device_largest_gaps_ms')} ms)", flush=True)  # fmt: skip
             for k in kp["top_ms_per_step"][:14]:
                 print(f"in {input_len}   {k['ms']:.3f} ms x{k['calls_per_step']:.0f} {k['name']}")
         clean()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pagedllm.bench.roofline import StepRecord
-from pagedllm.bench.throughput import _compress_split, head_len_stats
+from pagedllm.bench.throughput import _compress_split, device_gaps, head_len_stats
 
 
 def test_eviction_time_split_by_step_kind():
@@ -24,6 +24,18 @@ def test_eviction_time_split_by_step_kind():
     assert got["decode_steps_with_evictions"] == 1
     assert got["device_ms_per_decode_step_without_evictions"] == pytest.approx(2.0)  # (2 + 2) / 2
     assert _compress_split(steps, device[:2], [0.003], SimpleNamespace(compress_steps=[0])) == {}
+
+
+def test_device_gaps_between_overlapping_work():
+    """The device's idle time in a profiled window: overlapping kernels (two streams) count
+    once, only the time between them is idle, per step, and the largest gaps first."""
+    got = device_gaps([(30, 31), (2, 6), (0, 4), (8, 10)], steps=2)  # (any order)
+    assert got["device_busy_in_window"] == pytest.approx(9 / 31)
+    assert got["device_idle_ms_per_step"] == pytest.approx(0.022 / 2)
+    assert got["device_largest_gaps_ms"] == pytest.approx([0.020, 0.002])
+    contained = device_gaps([(0, 10), (2, 3), (4, 5)], steps=1)  # inside a longer one: no gap
+    assert contained["device_busy_in_window"] == 1.0 and contained["device_largest_gaps_ms"] == []
+    assert device_gaps([], steps=3) == {"device_busy_in_window": None}
 
 
 def test_head_length_statistics():
@@ -63,4 +75,5 @@ def test_bench_throughput_reads_head_lengths_and_profiles_kernels(tiny_models, t
     kp = r["kernel_profile"]
     assert kp["steps"] == 5 and kp["first_step"] == 10 and kp["decode_only_steps"] == 5
     assert kp["running_mean"] == 3 and kp["device_ms_per_step"] > 0
+    assert kp["wall_ms_per_step"] > 0  # (the device's gaps only on a GPU)
     assert any("mm" in k["name"] or "linear" in k["name"] for k in kp["top_ms_per_step"])
