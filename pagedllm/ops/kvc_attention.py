@@ -1114,7 +1114,7 @@ def _long_split_kernel(
     if READY:
         total += tl.load(count_ptr + 2)
     for j in range(tl.program_id(0), total, tl.num_programs(0)):
-        if j < n_att:
+        if not READY or j < n_att:  # (without READY a static True: no score branch compiled)
             _long_split_item(
                 j, att_items_ptr, done_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, glob_m_ptr,
                 glob_l_ptr, out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr,
