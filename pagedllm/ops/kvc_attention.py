@@ -982,78 +982,6 @@ def _split_score_kernel(
 # program, cost l16:4:8 on even heads 287 us against 73.)
 
 
-@triton.jit
-def _long_split_item(
-    j,
-    att_items_ptr,
-    done_ptr,
-    part_acc_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    glob_m_ptr,
-    glob_l_ptr,
-    out_ptr,
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    bt_ptr,
-    lens_ptr,
-    row_ids_ptr,
-    q_rows_ptr,
-    qk_scale,
-    window,
-    stride_qt,
-    stride_qh,
-    stride_br,
-    stride_bh,
-    stride_bb,
-    stride_lr,
-    stride_lh,
-    stride_cb,
-    stride_cs,
-    stride_ot,
-    stride_oh,
-    NUM_KV_HEADS: tl.constexpr,
-    NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLIT_PAD: tl.constexpr,
-    G: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    TILE_N: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-    Q_ROWS: tl.constexpr,
-    MIN_TILES: tl.constexpr,
-):
-    """Attention item j of ``att_items``: its split's partial; the head's last split to
-    finish combines the head."""
-    item = tl.load(att_items_ptr + j)
-    i = item // NUM_SPLITS
-    row = i // NUM_KV_HEADS
-    kvh = i % NUM_KV_HEADS
-    _split_program(
-        row, kvh, item % NUM_SPLITS, part_acc_ptr, part_m_ptr, part_l_ptr, q_ptr,
-        k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr, qk_scale,
-        window, stride_qt, stride_qh, stride_br, stride_bh, stride_bb, stride_lr, stride_lh,
-        stride_cb, stride_cs, NUM_HEADS, NUM_SPLITS, G, HEAD_DIM, HEAD_PAD, BLOCK_SIZE,
-        BLOCK_M, TILE_N, UPCAST, PRECISION, Q_ROWS, MIN_TILES,
-    )  # fmt: skip
-    tl.debug_barrier()  # every warp's partial stored before the count says so
-    if tl.atomic_add(done_ptr + i, 1, sem="acq_rel") == -1:  # the last one
-        tl.debug_barrier()
-        orow = _out_row(q_rows_ptr, row, Q_ROWS)
-        for g in tl.static_range(G):
-            h = kvh * G + g
-            _combine_head(
-                out_ptr, glob_m_ptr, glob_l_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                row.to(tl.int64) * NUM_HEADS + h, orow, h, stride_ot, stride_oh,
-                NUM_SPLITS, SPLIT_PAD, HEAD_DIM, HEAD_PAD, True,
-            )  # fmt: skip
-
-
 @triton.jit(do_not_specialize_on_alignment=_INDEX_PTRS)
 def _long_split_kernel(
     att_items_ptr,  # [rows * KV heads * S] int32: listed splits, (row * KV heads + kvh) * S + s
@@ -1115,14 +1043,28 @@ def _long_split_kernel(
         total += tl.load(count_ptr + 2)
     for j in range(tl.program_id(0), total, tl.num_programs(0)):
         if not READY or j < n_att:  # (without READY a static True: no score branch compiled)
-            _long_split_item(
-                j, att_items_ptr, done_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, glob_m_ptr,
-                glob_l_ptr, out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr,
-                row_ids_ptr, q_rows_ptr, qk_scale, window, stride_qt, stride_qh, stride_br,
-                stride_bh, stride_bb, stride_lr, stride_lh, stride_cb, stride_cs, stride_ot,
-                stride_oh, NUM_KV_HEADS, NUM_HEADS, NUM_SPLITS, SPLIT_PAD, G, HEAD_DIM, HEAD_PAD,
+            item = tl.load(att_items_ptr + j)
+            i = item // NUM_SPLITS
+            row = i // NUM_KV_HEADS
+            kvh = i % NUM_KV_HEADS
+            _split_program(
+                row, kvh, item % NUM_SPLITS, part_acc_ptr, part_m_ptr, part_l_ptr, q_ptr,
+                k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr, qk_scale,
+                window, stride_qt, stride_qh, stride_br, stride_bh, stride_bb, stride_lr,
+                stride_lh, stride_cb, stride_cs, NUM_HEADS, NUM_SPLITS, G, HEAD_DIM, HEAD_PAD,
                 BLOCK_SIZE, BLOCK_M, TILE_N, UPCAST, PRECISION, Q_ROWS, MIN_TILES,
             )  # fmt: skip
+            tl.debug_barrier()  # every warp's partial stored before the count says so
+            if tl.atomic_add(done_ptr + i, 1, sem="acq_rel") == -1:  # the last one
+                tl.debug_barrier()
+                orow = _out_row(q_rows_ptr, row, Q_ROWS)
+                for g in tl.static_range(G):
+                    h = kvh * G + g
+                    _combine_head(
+                        out_ptr, glob_m_ptr, glob_l_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+                        row.to(tl.int64) * NUM_HEADS + h, orow, h, stride_ot, stride_oh,
+                        NUM_SPLITS, SPLIT_PAD, HEAD_DIM, HEAD_PAD, True,
+                    )  # fmt: skip
         else:
             item = tl.load(ready_items_ptr + j - n_att)
             i = item // NUM_SPLITS
