@@ -502,7 +502,8 @@ def _finish_head(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SCORES: tl.constexpr,
     ROW_FLAGS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """A head one program attended whole: its output, then (SCORES) its keys' scores."""
+    """A head one program attended whole: its output, then (SCORES) the scores of its keys in
+    tiles [tile_lo, tile_hi) (all of them, or none for a head scored elsewhere)."""
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a head with no key: acc 0 -> output 0
     d = tl.arange(0, HEAD_PAD)
     tl.store(
@@ -608,32 +609,28 @@ def _decode_kernel(
     if LONG_SPLITS > 0:
         sp = tl.arange(0, SPLIT_PAD)
         i = row * NUM_KV_HEADS + kvh
-        defer = False
-        if DEFER_TILES > 0:  # (a short head's scores as items: see DEFER_TILES)
-            if SCORES:
-                sc_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi, ROW_FLAGS)
-                defer = (att_hi == tile_hi) & (tile_hi - tile_lo > DEFER_TILES) & (sc_hi > tile_lo)
-        if defer:
+        if att_hi == tile_hi:  # a short head: its output, and its scores here or deferred
+            score_hi = tile_hi
+            defer = False
+            if DEFER_TILES > 0:  # (see DEFER_TILES)
+                if SCORES:
+                    sc_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi,
+                                          ROW_FLAGS)  # fmt: skip
+                    defer = (tile_hi - tile_lo > DEFER_TILES) & (sc_hi > tile_lo)
+                    score_hi = tl.where(defer, tile_lo, tile_hi)  # (deferred: none here)
             _finish_head(
                 out_ptr, scores_ptr, scored_ptr, row_ids_ptr, row, q, qrow, head, row_mask, acc,
-                l_i, m_i, k_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi, key_lo, key_hi,
-                qk_scale, stride_ot, stride_oh, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD,
-                BLOCK_SIZE, TILE_N, False, ROW_FLAGS, UPCAST, PRECISION,
-            )  # fmt: skip
-            # the max and sum as ``_combine_head`` leaves them (0 and 1 for a head with no key)
-            g = row.to(tl.int64) * NUM_HEADS + head  # [BLOCK_M]
-            tl.store(glob_m_ptr + g, tl.where(m_i == float("-inf"), 0.0, m_i), mask=row_mask)
-            tl.store(glob_l_ptr + g, tl.where(l_i == 0.0, 1.0, l_i), mask=row_mask)
-            n = _used_splits(tile_lo, tile_hi, LONG_SPLITS, MIN_TILES)
-            at = tl.atomic_add(count_ptr + 2, n)
-            tl.store(ready_items_ptr + at + sp, i * LONG_SPLITS + sp, mask=sp < n)
-        elif att_hi == tile_hi:
-            _finish_head(
-                out_ptr, scores_ptr, scored_ptr, row_ids_ptr, row, q, qrow, head, row_mask, acc,
-                l_i, m_i, k_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi, key_lo, key_hi,
+                l_i, m_i, k_cache_ptr, bt_row, stride_bb, tile_lo, score_hi, key_lo, key_hi,
                 qk_scale, stride_ot, stride_oh, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD,
                 BLOCK_SIZE, TILE_N, SCORES, ROW_FLAGS, UPCAST, PRECISION,
             )  # fmt: skip
+            if defer:  # its max and sum as ``_combine_head`` leaves them, its splits listed
+                g = row.to(tl.int64) * NUM_HEADS + head  # [BLOCK_M]
+                tl.store(glob_m_ptr + g, tl.where(m_i == float("-inf"), 0.0, m_i), mask=row_mask)
+                tl.store(glob_l_ptr + g, tl.where(l_i == 0.0, 1.0, l_i), mask=row_mask)
+                n = _used_splits(tile_lo, tile_hi, LONG_SPLITS, MIN_TILES)
+                at = tl.atomic_add(count_ptr + 2, n)
+                tl.store(ready_items_ptr + at + sp, i * LONG_SPLITS + sp, mask=sp < n)
         else:
             # Example: NUM_HEADS 32, LONG_SPLITS 8, row 2, head 5 -> part row (2 * 32 + 5) * 8.
             prow = (row.to(tl.int64) * NUM_HEADS + head) * LONG_SPLITS
