@@ -271,7 +271,8 @@ class StepRecorder:
         self.profile_window = profile_window
         self.profiler: Any = None
         self._profiling = False
-        self._profile_wall = [0.0, 0.0]  # perf_counter at the window's start, then its length
+        self._profile_t0 = 0.0  # perf_counter at the window's start
+        self._profile_wall_s = 0.0  # the window's length on the host
         self._cuda = False
         self.profiled_steps: list[StepRecord] = []
         sched = getattr(core, "scheduler", None)
@@ -352,14 +353,14 @@ class StepRecorder:
             self.profiler = profile(activities=[kind])
             self.profiler.start()
             self._profiling = True
-            self._profile_wall[0] = time.perf_counter()
+            self._profile_t0 = time.perf_counter()
         elif step == start + count and self._profiling:
             self._stop_profiler()
 
     def _stop_profiler(self) -> None:
         self.profiler.stop()  # (the profiler stays: ``kernel_profile`` reads it)
         self._profiling = False
-        self._profile_wall[1] = time.perf_counter() - self._profile_wall[0]
+        self._profile_wall_s = time.perf_counter() - self._profile_t0
 
     def finish(self) -> None:
         """After the run: the device lengths' copies are read (each waited for on its event);
@@ -394,7 +395,7 @@ class StepRecorder:
             "running_mean": float(np.mean([len(s.num_tokens) for s in self.profiled_steps])),
             "device_ms_per_step": sum(ms for ms, _, _ in top) / n,
             # the host's time for the window (the profiler's own cost included)
-            "wall_ms_per_step": self._profile_wall[1] * 1e3 / n,
+            "wall_ms_per_step": self._profile_wall_s * 1e3 / n,
             "top_ms_per_step": [
                 {"ms": ms / n, "calls_per_step": c / n, "name": k} for ms, c, k in top[:25]
             ],
