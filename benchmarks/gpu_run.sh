@@ -178,7 +178,7 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
       python benchmarks/attn_prefill_sweep.py --out "$OUT" ;;
     kvc-skew)  # the per-head decode kernel on even and uneven heads of one mean, splits 1-8
       # (KVC_SKEW_CASES rows x mean, KVC_SKEW_KINDS, KVC_SKEW_CONFIGS S:M, lS:M:T heads past T tiles
-      # split, lS:M:T:D short heads past D tiles scored apart, @TILE:WARPS:STAGES a launch shape)
+      # split, @TILE:WARPS:STAGES a launch shape)
       python benchmarks/kvc_decode_skew.py --out "$OUT" ${KVC_SKEW_CASES:+--cases $KVC_SKEW_CASES} \
         ${KVC_SKEW_KINDS:+--kinds $KVC_SKEW_KINDS} ${KVC_SKEW_CONFIGS:+--configs $KVC_SKEW_CONFIGS} ;;
     kvc-d-skew-ab)  # cr 64 at 6,000 with the uneven-head decode splits on, then off (the

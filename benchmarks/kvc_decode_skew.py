@@ -8,8 +8,7 @@ cheapest chunks go first, across every head). The single-pass kernel runs one pr
 pass on as for requests with budgets) on 128 rows whose heads hold the same mean number of
 keys, uniform or skewed, single pass (the engine's choice at this batch by default)
 and split "S:M" (S splits of at least M key tiles each: ``min_split_tiles``; "lS:M:T" with
-``long_tiles`` T: the single pass for heads of at most T tiles, only the longer ones split,
-"lS:M:T:D" with ``defer_tiles`` D: short heads past D tiles scored beside the splits; "wS:M"
+``long_tiles`` T: the single pass for heads of at most T tiles, only the longer ones split; "wS:M"
 at be8bab7 was a persistent grid over a list of every head's splits with work), as a fraction of
 the device's copy bandwidth (bytes of K/V read / time); each against the single pass's output
 and scores (max abs difference). A config may name its launch shape after "@" (key tile,
@@ -129,12 +128,11 @@ def main() -> None:
                 nums = [int(x) for x in split_key.lstrip("l").split(":")]
                 splits, min_tiles = nums[:2]
                 long_tiles = (nums[2] if len(nums) > 2 else min_tiles) if key[0] == "l" else 0
-                defer_tiles = nums[3] if key[0] == "l" and len(nums) > 3 else 0
                 fn = functools.partial(
                     kvc_decode_attention, b["query"], b["cache"], b["tables"], b["seq_lens"],
                     HEAD_DIM**-0.5, scores=b["scores"], scored=b["scored"], num_splits=splits,
                     out=out, min_split_tiles=min_tiles, long_tiles=long_tiles,
-                    defer_tiles=defer_tiles, tile_config=tile_config,
+                    tile_config=tile_config,
                 )  # fmt: skip
                 # correctness against the single pass: output and one call's scores
                 b["scores"].zero_()

@@ -76,23 +76,20 @@ LOG2E = 1.4426950408889634
 DECODE_TILE_OVERRIDE: TileConfig | None = None
 
 
-def _skew_splits_from_env() -> tuple[int, int, int, int] | None:
-    """``PAGEDLLM_KVC_SKEW_SPLITS``: "S:M", "S:M:T" or "S:M:T:D" (split count, least tiles a
-    split, the tiles past which a head is split - T defaults to M -, and the tiles past which
-    a short head's scores are deferred to the split kernel - D defaults to 0, never); "0":
-    none; unset: 8:8:16 (D 0)."""
+def _skew_splits_from_env() -> tuple[int, int, int] | None:
+    """``PAGEDLLM_KVC_SKEW_SPLITS``: "S:M" or "S:M:T" (split count, least tiles a split, the
+    tiles past which a head is split; T defaults to M); "0": none; unset: 8:8:16."""
     text = os.environ.get("PAGEDLLM_KVC_SKEW_SPLITS", "8:8:16")
     if text.strip() in ("", "0"):
         return None
     parts = [int(x) for x in text.split(":")]
     if len(parts) == 2:
         parts.append(parts[1])
-    if len(parts) == 3:
-        parts.append(0)
-    if len(parts) != 4 or parts[0] < 2 or min(parts[1:3]) < 1 or parts[3] < 0:
-        want = "S:M[:T[:D]] with S >= 2, M, T >= 1, D >= 0"
-        raise ValueError(f"PAGEDLLM_KVC_SKEW_SPLITS must be {want}: {text!r}")
-    return parts[0], parts[1], parts[2], parts[3]
+    if len(parts) != 3 or parts[0] < 2 or parts[1] < 1 or parts[2] < 1:
+        raise ValueError(
+            f"PAGEDLLM_KVC_SKEW_SPLITS must be S:M[:T] with S >= 2, M, T >= 1: {text!r}"
+        )
+    return parts[0], parts[1], parts[2]
 
 
 # Scored decode rows at a batch that fills the SMs (one program per (row, KV head), no split)
@@ -110,11 +107,10 @@ def _skew_splits_from_env() -> tuple[int, int, int, int] | None:
 # 108 x 200 / 128 x 400: 8:16:16 140 / 144 / 193 us, 8:8:16 133 / 130 / 183 (the default
 # since), 16:4:16 145 / 125 / 180, a threshold of 8 tiles or less slower on even heads at 30
 # rows (126-177 us against 78); Benchmark D 6,000 / cr 8 decode steps 8.76 ms with 8:16:16,
-# 8.61 with 8:8:16 (10.05 before the item lists). D (``defer_tiles``: a short head past D
-# tiles gets its output in the single pass and its scores as items of the long heads' split
-# kernel, beside their splits, so that the single pass's slowest program does half its work)
-# is 0, off: not yet measured on a GPU.
-SKEW_SPLITS: tuple[int, int, int, int] | None = _skew_splits_from_env()
+# 8.61 with 8:8:16 (10.05 before the item lists). Tried and removed: a short head's scores
+# deferred to the long-split kernel past D tiles (73dd797; 9f010c3's micro: 30 x 900 tail-2
+# 132 -> 130 us, even heads 78 -> 94).
+SKEW_SPLITS: tuple[int, int, int] | None = _skew_splits_from_env()
 
 # ``long_tiles``: the persistent kernels' programs per SM (long heads' splits and scores).
 LONG_PROGRAMS_PER_SM = 2
@@ -502,8 +498,7 @@ def _finish_head(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SCORES: tl.constexpr,
     ROW_FLAGS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """A head one program attended whole: its output, then (SCORES) the scores of its keys in
-    tiles [tile_lo, tile_hi) (all of them, or none for a head scored elsewhere)."""
+    """A head one program attended whole: its output, then (SCORES) its keys' scores."""
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a head with no key: acc 0 -> output 0
     d = tl.arange(0, HEAD_PAD)
     tl.store(
@@ -561,27 +556,20 @@ def _decode_kernel(
     # LONG_SPLITS > 0: a head longer than LONG_TILES tiles gets only its split 0 here (of
     # its n non-empty splits, at most LONG_SPLITS of at least MIN_TILES tiles each:
     # ``_split_tiles``): that partial, (-inf, 0) for its empty splits, 1 - n in ``done``, its
-    # splits 1..n-1 listed in ``att_items`` and (SCORES, a scored row) 0..n-1 in ``score_items``.
-    # DEFER_TILES > 0 (SCORES): a short head of more tiles than that gets its output here and
-    # its max and sum in ``glob_m`` / ``glob_l``; its splits' scores are listed in
-    # ``ready_items``, for ``_long_split_kernel`` to run beside the long heads' splits
+    # splits 1..n-1 listed in ``att_items`` and (SCORES, a scored row) 0..n-1 in ``score_items``
     part_acc_ptr=None,  # [rows, num_heads, LONG_SPLITS, HEAD_PAD] fp32
     part_m_ptr=None,  # [rows, num_heads, LONG_SPLITS] fp32
     part_l_ptr=None,
     att_items_ptr=None,  # [rows * num_kv_heads * LONG_SPLITS] int32: (row * kv heads + kvh) * S + s
     score_items_ptr=None,  # [rows * num_kv_heads * LONG_SPLITS] int32: the same encoding
-    count_ptr=None,  # [3] int32, 0 before the launch: items listed in each (ready: count[2])
+    count_ptr=None,  # [2] int32, 0 before the launch: items listed in each
     done_ptr=None,  # [rows * num_kv_heads] int32
-    glob_m_ptr=None,  # [rows, num_heads] fp32 (written with DEFER_TILES)
-    glob_l_ptr=None,
-    ready_items_ptr=None,  # [rows * num_kv_heads * LONG_SPLITS] int32 (with DEFER_TILES)
     NUM_KV_HEADS: tl.constexpr = 1,
     NUM_HEADS: tl.constexpr = 1,
     LONG_SPLITS: tl.constexpr = 0,
     SPLIT_PAD: tl.constexpr = 1,
     MIN_TILES: tl.constexpr = 1,
     LONG_TILES: tl.constexpr = 1,
-    DEFER_TILES: tl.constexpr = 0,
 ):
     """One program per (row, KV head): the G query heads' output and (SCORES) the keys'
     scores (with ROW_FLAGS only for table rows whose ``scored`` flag is set); with
@@ -607,30 +595,13 @@ def _decode_kernel(
         PRECISION,
     )  # fmt: skip
     if LONG_SPLITS > 0:
-        sp = tl.arange(0, SPLIT_PAD)
-        i = row * NUM_KV_HEADS + kvh
-        if att_hi == tile_hi:  # a short head: its output, and its scores here or deferred
-            score_hi = tile_hi
-            defer = False
-            if DEFER_TILES > 0:  # (see DEFER_TILES)
-                if SCORES:
-                    sc_hi = _scored_tiles(scored_ptr, row_ids_ptr, row, tile_lo, tile_hi,
-                                          ROW_FLAGS)  # fmt: skip
-                    defer = (tile_hi - tile_lo > DEFER_TILES) & (sc_hi > tile_lo)
-                    score_hi = tl.where(defer, tile_lo, tile_hi)  # (deferred: none here)
+        if att_hi == tile_hi:
             _finish_head(
                 out_ptr, scores_ptr, scored_ptr, row_ids_ptr, row, q, qrow, head, row_mask, acc,
-                l_i, m_i, k_cache_ptr, bt_row, stride_bb, tile_lo, score_hi, key_lo, key_hi,
+                l_i, m_i, k_cache_ptr, bt_row, stride_bb, tile_lo, tile_hi, key_lo, key_hi,
                 qk_scale, stride_ot, stride_oh, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD,
                 BLOCK_SIZE, TILE_N, SCORES, ROW_FLAGS, UPCAST, PRECISION,
             )  # fmt: skip
-            if defer:  # its max and sum as ``_combine_head`` leaves them, its splits listed
-                g = row.to(tl.int64) * NUM_HEADS + head  # [BLOCK_M]
-                tl.store(glob_m_ptr + g, tl.where(m_i == float("-inf"), 0.0, m_i), mask=row_mask)
-                tl.store(glob_l_ptr + g, tl.where(l_i == 0.0, 1.0, l_i), mask=row_mask)
-                n = _used_splits(tile_lo, tile_hi, LONG_SPLITS, MIN_TILES)
-                at = tl.atomic_add(count_ptr + 2, n)
-                tl.store(ready_items_ptr + at + sp, i * LONG_SPLITS + sp, mask=sp < n)
         else:
             # Example: NUM_HEADS 32, LONG_SPLITS 8, row 2, head 5 -> part row (2 * 32 + 5) * 8.
             prow = (row.to(tl.int64) * NUM_HEADS + head) * LONG_SPLITS
@@ -640,11 +611,13 @@ def _decode_kernel(
             # persistent program its set-up); the combine weighs the empty ones' (-inf, 0) 0.
             # Example: S 8, M 4, 18 tiles -> per 4, n 5: items s = 1..4, partials 5-7 empty.
             n = _used_splits(tile_lo, tile_hi, LONG_SPLITS, MIN_TILES)
+            sp = tl.arange(0, SPLIT_PAD)
             empty = row_mask[:, None] & ((sp >= n) & (sp < LONG_SPLITS))[None, :]
             eptr = prow[:, None] + sp[None, :]  # [BLOCK_M, SPLIT_PAD]
             tl.store(part_m_ptr + eptr, tl.full([BLOCK_M, SPLIT_PAD], float("-inf"), tl.float32),
                      mask=empty)  # fmt: skip
             tl.store(part_l_ptr + eptr, tl.zeros([BLOCK_M, SPLIT_PAD], tl.float32), mask=empty)
+            i = row * NUM_KV_HEADS + kvh
             tl.store(done_ptr + i, 1 - n)  # the last of the n - 1 other splits sees -1
             at = tl.atomic_add(count_ptr, n - 1)
             tl.store(att_items_ptr + at + sp - 1, i * LONG_SPLITS + sp, mask=(sp >= 1) & (sp < n))
@@ -971,22 +944,16 @@ def _split_score_kernel(
 # (persistent: program p takes items p, p + P, ...) runs them; the last split of a head to
 # finish (a per-head atomic count) combines its partials into the output and the softmax's
 # max and sum, and ``_long_score_kernel`` (persistent, a second item list) re-reads those
-# splits' keys for their scores. With no long head the two exit at once. With ``defer_tiles``
-# the single pass also lists the score splits of its short heads past that many tiles (their
-# max and sum final, in ``glob_m`` / ``glob_l``), which ``_long_split_kernel`` runs after its
-# attention items, in the same loop. (Until d4a5b57 the lists held heads and every head took
-# S - 1 and S items, empty ones too: a program's set-up per item, serial in a persistent
-# program, cost l16:4:8 on even heads 287 us against 73.)
+# splits' keys for their scores. With no long head the two exit at once. (Until d4a5b57 the
+# lists held heads and every head took S - 1 and S items, empty ones too: a program's set-up
+# per item, serial in a persistent program, cost l16:4:8 on even heads 287 us against 73.)
 
 
-@triton.jit(do_not_specialize_on_alignment=_INDEX_PTRS)
+@triton.jit(do_not_specialize_on_alignment=["row_ids_ptr", "q_rows_ptr"])
 def _long_split_kernel(
     att_items_ptr,  # [rows * KV heads * S] int32: listed splits, (row * KV heads + kvh) * S + s
-    count_ptr,  # [3] int32: how many (count[0]; READY: count[2] ready items after them)
+    count_ptr,  # [2] int32: how many (count[0])
     done_ptr,  # [rows * KV heads] int32: 1 - n from split 0's program, + 1 per other split
-    ready_items_ptr,  # [rows * KV heads * S] int32 (READY): deferred short heads' score splits
-    scores_ptr,  # (READY)
-    scored_ptr,  # (READY, ROW_FLAGS)
     part_acc_ptr,
     part_m_ptr,
     part_l_ptr,
@@ -1027,58 +994,39 @@ def _long_split_kernel(
     PRECISION: tl.constexpr,
     Q_ROWS: tl.constexpr,
     MIN_TILES: tl.constexpr,
-    READY: tl.constexpr = False,
-    ROW_FLAGS: tl.constexpr = False,
 ):
     """Persistent: the listed splits (item ``att_items[j]`` = head i * S + split s, s >= 1);
-    the head's last split to finish combines it. With READY, then the deferred short heads'
-    score splits (``ready_items``; their max and sum already final), in the same loop: items
-    past count[0] are those."""
-    n_att = tl.load(count_ptr)
-    total = n_att
-    if READY:
-        total += tl.load(count_ptr + 2)
+    the head's last split to finish combines it."""
+    total = tl.load(count_ptr)
     for j in range(tl.program_id(0), total, tl.num_programs(0)):
-        if not READY or j < n_att:  # (without READY a static True: no score branch compiled)
-            item = tl.load(att_items_ptr + j)
-            i = item // NUM_SPLITS
-            row = i // NUM_KV_HEADS
-            kvh = i % NUM_KV_HEADS
-            _split_program(
-                row, kvh, item % NUM_SPLITS, part_acc_ptr, part_m_ptr, part_l_ptr, q_ptr,
-                k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr, qk_scale,
-                window, stride_qt, stride_qh, stride_br, stride_bh, stride_bb, stride_lr,
-                stride_lh, stride_cb, stride_cs, NUM_HEADS, NUM_SPLITS, G, HEAD_DIM, HEAD_PAD,
-                BLOCK_SIZE, BLOCK_M, TILE_N, UPCAST, PRECISION, Q_ROWS, MIN_TILES,
-            )  # fmt: skip
-            tl.debug_barrier()  # every warp's partial stored before the count says so
-            if tl.atomic_add(done_ptr + i, 1, sem="acq_rel") == -1:  # the last one
-                tl.debug_barrier()
-                orow = _out_row(q_rows_ptr, row, Q_ROWS)
-                for g in tl.static_range(G):
-                    h = kvh * G + g
-                    _combine_head(
-                        out_ptr, glob_m_ptr, glob_l_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                        row.to(tl.int64) * NUM_HEADS + h, orow, h, stride_ot, stride_oh,
-                        NUM_SPLITS, SPLIT_PAD, HEAD_DIM, HEAD_PAD, True,
-                    )  # fmt: skip
-        else:
-            item = tl.load(ready_items_ptr + j - n_att)
-            i = item // NUM_SPLITS
-            _split_score_program(
-                i // NUM_KV_HEADS, i % NUM_KV_HEADS, item % NUM_SPLITS, scores_ptr, scored_ptr,
-                glob_m_ptr, glob_l_ptr, q_ptr, k_cache_ptr, bt_ptr, lens_ptr, row_ids_ptr,
-                q_rows_ptr, qk_scale, window, stride_qt, stride_qh, stride_br, stride_bh,
-                stride_bb, stride_lr, stride_lh, stride_cb, stride_cs, NUM_HEADS, NUM_SPLITS, G,
-                HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_M, TILE_N, ROW_FLAGS, UPCAST, PRECISION,
-                Q_ROWS, MIN_TILES,
-            )  # fmt: skip
+        item = tl.load(att_items_ptr + j)
+        i = item // NUM_SPLITS
+        row = i // NUM_KV_HEADS
+        kvh = i % NUM_KV_HEADS
+        _split_program(
+            row, kvh, item % NUM_SPLITS, part_acc_ptr, part_m_ptr, part_l_ptr, q_ptr,
+            k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, row_ids_ptr, q_rows_ptr, qk_scale,
+            window, stride_qt, stride_qh, stride_br, stride_bh, stride_bb, stride_lr, stride_lh,
+            stride_cb, stride_cs, NUM_HEADS, NUM_SPLITS, G, HEAD_DIM, HEAD_PAD, BLOCK_SIZE,
+            BLOCK_M, TILE_N, UPCAST, PRECISION, Q_ROWS, MIN_TILES,
+        )  # fmt: skip
+        tl.debug_barrier()  # every warp's partial stored before the count says so
+        if tl.atomic_add(done_ptr + i, 1, sem="acq_rel") == -1:  # the last one
+            tl.debug_barrier()
+            orow = _out_row(q_rows_ptr, row, Q_ROWS)
+            for g in tl.static_range(G):
+                h = kvh * G + g
+                _combine_head(
+                    out_ptr, glob_m_ptr, glob_l_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+                    row.to(tl.int64) * NUM_HEADS + h, orow, h, stride_ot, stride_oh,
+                    NUM_SPLITS, SPLIT_PAD, HEAD_DIM, HEAD_PAD, True,
+                )  # fmt: skip
 
 
 @triton.jit(do_not_specialize_on_alignment=_INDEX_PTRS)
 def _long_score_kernel(
     score_items_ptr,  # [rows * KV heads * S] int32: listed splits, (row * KV heads + kvh) * S + s
-    count_ptr,  # [3] int32: how many (count[1])
+    count_ptr,  # [2] int32: how many (count[1])
     scores_ptr,
     scored_ptr,
     glob_m_ptr,
@@ -1238,7 +1186,6 @@ def kvc_decode_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]: written in place
     min_split_tiles: int = 1,  # with num_splits > 1: the least key tiles of a split
     long_tiles: int = 0,  # > 0, with num_splits > 1: split only heads longer than this (tiles)
-    defer_tiles: int = 0,  # > 0, with long_tiles and scores: score short heads past this apart
 ) -> torch.Tensor:
     """Decode attention over per-head paged KVs; returns [num_tokens, num_heads, head_dim] in
     the query's dtype.
@@ -1305,11 +1252,11 @@ def kvc_decode_attention(
             num_rows, block_tables, block_size, window, head_dim, query.device, cfg.tile_n
         )
         if num_splits == 1 and scores is not None and SKEW_SPLITS is not None:
-            s, m, t, d = SKEW_SPLITS  # (a head longer than T tiles can exist: split those)
+            s, m, t = SKEW_SPLITS  # (a head longer than T tiles can exist: split the long ones)
             capacity = block_tables.shape[2] * block_size
             if min(capacity, window or capacity) > t * cfg.tile_n:
-                num_splits, min_split_tiles, long_tiles, defer_tiles = s, m, t, d
-    assert num_splits >= 1 and min_split_tiles >= 1 and long_tiles >= 0 and defer_tiles >= 0
+                num_splits, min_split_tiles, long_tiles = s, m, t
+    assert num_splits >= 1 and min_split_tiles >= 1 and long_tiles >= 0
     assert not long_tiles or num_splits > 1, "long_tiles needs num_splits > 1"
     if tile_config is None and num_splits == 1:
         cfg = DECODE_TILE_OVERRIDE or kvc_decode_tile_config(
@@ -1340,18 +1287,12 @@ def kvc_decode_attention(
             att_items = torch.empty(num_rows * num_kv_heads * s_, dtype=torch.int32, device=dev)
             score_items = torch.empty_like(att_items)  # (apart: both 16-byte aligned)
             done = torch.empty(num_rows * num_kv_heads, dtype=torch.int32, device=dev)
-            count = torch.zeros(3, dtype=torch.int32, device=dev)
-            glob_m, glob_l = torch.empty((2, num_rows, num_heads), dtype=torch.float32,
-                                         device=dev)  # fmt: skip
-            defer = defer_tiles if scores is not None else 0
-            ready_items = torch.empty_like(att_items) if defer else att_items  # (unread)
+            count = torch.zeros(2, dtype=torch.int32, device=dev)
             long_args = dict(NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, MIN_TILES=m_)
             extra = dict(part_acc_ptr=part_acc, part_m_ptr=part_m, part_l_ptr=part_l,
                          att_items_ptr=att_items, score_items_ptr=score_items, count_ptr=count,
-                         done_ptr=done, glob_m_ptr=glob_m, glob_l_ptr=glob_l,
-                         ready_items_ptr=ready_items, LONG_SPLITS=s_,
-                         SPLIT_PAD=triton.next_power_of_2(s_), LONG_TILES=long_tiles,
-                         DEFER_TILES=defer, **long_args)  # fmt: skip
+                         done_ptr=done, LONG_SPLITS=s_, SPLIT_PAD=triton.next_power_of_2(s_),
+                         LONG_TILES=long_tiles, **long_args)  # fmt: skip
         _decode_kernel[(num_rows, num_kv_heads)](
             out, query, k_cache, v_cache, block_tables, seq_lens, row_ids, q_rows_arg,
             scores_arg, scored_arg, qk_scale, window,
@@ -1362,17 +1303,15 @@ def kvc_decode_attention(
         )  # fmt: skip
         if not long_tiles:
             return out
-        # the listed heads' other splits (the last to finish a head combines it) and the
-        # deferred short heads' scores, then the long heads' scores; persistent grids, each
-        # program taking items p, p + P, ...
+        # the listed heads' other splits (the last to finish a head combines it), then their
+        # scores; persistent grids, each program taking items p, p + P, ...
+        glob_m, glob_l = torch.empty((2, num_rows, num_heads), dtype=torch.float32, device=dev)
         programs = (min(num_rows * num_kv_heads * s_, _num_sms(dev) * LONG_PROGRAMS_PER_SM),)
         _long_split_kernel[programs](
-            att_items, count, done, ready_items, scores_arg, scored_arg, part_acc, part_m,
-            part_l, glob_m, glob_l, out, query, k_cache, v_cache, block_tables, seq_lens,
-            row_ids, q_rows_arg, qk_scale, window, *strides, out.stride(0), out.stride(1),
-            NUM_SPLITS=s_, SPLIT_PAD=triton.next_power_of_2(s_), READY=defer > 0,
-            ROW_FLAGS=scored is not None, num_warps=cfg.num_warps,
-            num_stages=cfg.split_num_stages, **long_args, **consts,
+            att_items, count, done, part_acc, part_m, part_l, glob_m, glob_l, out, query, k_cache,
+            v_cache, block_tables, seq_lens, row_ids, q_rows_arg, qk_scale, window, *strides,
+            out.stride(0), out.stride(1), NUM_SPLITS=s_, SPLIT_PAD=triton.next_power_of_2(s_),
+            num_warps=cfg.num_warps, num_stages=cfg.split_num_stages, **long_args, **consts,
         )  # fmt: skip
         if scores is not None:
             _long_score_kernel[programs](

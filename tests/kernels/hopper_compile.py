@@ -82,7 +82,6 @@ def _kvc_variants() -> list[tuple[str, object, dict, dict]]:
         row_ids_ptr=I64, q_rows_ptr=I64, scores_ptr=F32, scored_ptr=I32, part_acc_ptr=F32,
         part_m_ptr=F32, part_l_ptr=F32, glob_m_ptr=F32, glob_l_ptr=F32, qsl_ptr=I64,
         q_start_ptr=I64, att_items_ptr=I32, score_items_ptr=I32, count_ptr=I32, done_ptr=I32,
-        ready_items_ptr=I32,
     )  # fmt: skip
     out = []
     for scores in (False, True):
@@ -95,14 +94,12 @@ def _kvc_variants() -> list[tuple[str, object, dict, dict]]:
         c = dict(split, MIN_TILES=m, ROW_FLAGS=True)
         out.append((f"kvc split score min tiles {m}", kvc._split_score_kernel, ptrs, c))
     long = dict(NUM_KV_HEADS=8, NUM_HEADS=32, MIN_TILES=16)
-    for scores, defer in ((False, 0), (True, 0), (True, 8)):
+    for scores in (False, True):
         c = dict(ATTN, BLOCK_M=16, SCORES=scores, ROW_FLAGS=scores, Q_ROWS=False, LONG_SPLITS=8,
-                 SPLIT_PAD=8, LONG_TILES=16, DEFER_TILES=defer, **long)  # fmt: skip
-        name = f"kvc decode long heads scores={scores} defer={defer}"
-        out.append((name, kvc._decode_kernel, ptrs, c))
-    for ready in (False, True):
-        c = dict(split, SPLIT_PAD=8, READY=ready, ROW_FLAGS=ready, **long)
-        out.append((f"kvc long heads' splits ready={ready}", kvc._long_split_kernel, ptrs, c))
+                 SPLIT_PAD=8, LONG_TILES=16, **long)  # fmt: skip
+        out.append((f"kvc decode long heads scores={scores}", kvc._decode_kernel, ptrs, c))
+    c = dict(split, SPLIT_PAD=8, **long)
+    out.append(("kvc long heads' splits", kvc._long_split_kernel, ptrs, c))
     c = dict(split, ROW_FLAGS=True, **long)
     out.append(("kvc long heads' scores", kvc._long_score_kernel, ptrs, c))
     combine = dict(NUM_HEADS=32, NUM_SPLITS=8, SPLIT_PAD=8, HEAD_DIM=128, HEAD_PAD=128,

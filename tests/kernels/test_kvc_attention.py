@@ -253,7 +253,6 @@ def check_decode(
     tile_config: TileConfig | None = TILE,
     min_split_tiles: int = 1,
     long_tiles: int = 0,
-    defer_tiles: int = 0,
 ) -> None:
     """kvc_decode_attention with each split count against :func:`decode_ref`; with scores,
     starting each time from random scores."""
@@ -271,7 +270,7 @@ def check_decode(
         out = kvc_decode_attention(
             query.to(DEVICE), kv, tables, lens, scale, scores=scores, sliding_window=window,
             num_splits=num_splits, tile_config=tile_config, min_split_tiles=min_split_tiles,
-            long_tiles=long_tiles, defer_tiles=defer_tiles,
+            long_tiles=long_tiles,
         )  # fmt: skip
         assert out.dtype == query.dtype and out.shape == query.shape
         got = out.float().cpu()
@@ -339,8 +338,7 @@ def test_decode_uneven_heads_split_by_least_tiles(dtype: torch.dtype) -> None:
     reference with windows on and off, and at least 1 tile a split; and with
     ``long_tiles`` (the single pass for heads of at most that many tiles, split 0 of longer
     ones, their other splits and scores in persistent kernels, the last split of a head
-    combining it; splits shorter than the threshold too; ``defer_tiles``: short heads past
-    it scored apart, beside the long heads' splits)."""
+    combining it; splits shorter than the threshold too)."""
     block_size = BLOCK_SIZES[0]
     rows, heads, short, long = (12, 4, 300, 5000) if CUDA else (4, 2, 20, 300)
     lens = uneven_lens(rows, heads, short, long, seed=8)
@@ -348,49 +346,12 @@ def test_decode_uneven_heads_split_by_least_tiles(dtype: torch.dtype) -> None:
     query = torch.randn(rows, 2 * heads, 64, generator=torch.Generator().manual_seed(10))
     tiles = 4 if CUDA else 2  # a short head fits in that many tiles, a long one does not
     for i, window in enumerate((None, 50 if CUDA else 7)):
-        for m, long_tiles, defer in ((1, 0, 0), (tiles, 0, 0), (tiles, tiles, 0), (1, tiles, 0),
-                                     (1, tiles, 1)):  # fmt: skip
+        for m, long_tiles in ((1, 0), (tiles, 0), (tiles, tiles), (1, tiles)):
             check_decode(c, query.to(dtype), 64**-0.5, window, (8,), with_scores=True,
-                         seed=11 + i, min_split_tiles=m, long_tiles=long_tiles,
-                         defer_tiles=defer)  # fmt: skip
+                         seed=11 + i, min_split_tiles=m, long_tiles=long_tiles)  # fmt: skip
     for splits in (2, 4):  # (2: one split besides split 0; the last to finish combines)
         check_decode(c, query.to(dtype), 64**-0.5, None, (splits,), with_scores=splits == 2,
                      seed=13, min_split_tiles=tiles, long_tiles=tiles)  # fmt: skip
-
-
-def test_decode_deferred_scores_only_for_scored_rows() -> None:
-    """With ``defer_tiles`` the short heads past it get their output in the single pass and
-    their scores beside the long heads' splits - only on the rows ``scored`` flags: an
-    unscored row's slots keep their scores, a scored row's gain the reference's."""
-    block_size = BLOCK_SIZES[0]
-    rows, heads, short, long = (12, 4, 300, 5000) if CUDA else (6, 2, 40, 200)
-    lens = uneven_lens(rows, heads, short, long, seed=51)
-    c = make_head_cache(lens, 64, block_size, torch.float32, seed=52)
-    gen = torch.Generator().manual_seed(53)
-    query = torch.randn(rows, 2 * heads, 64, generator=gen)
-    ref, attended, delta = decode_ref(query, c, 64**-0.5, None)
-    flags = torch.tensor([1, 0] * (rows // 2), dtype=torch.int32)
-    unscored = torch.zeros_like(attended)
-    for r in range(rows):
-        for h in range(heads):
-            if not flags[r]:
-                unscored[c.slots(r, h, 0, int(c.lens[r, h]))] = True
-    start = torch.rand(attended.shape[0], generator=gen)
-    scores = start.clone().to(DEVICE)
-    tiles = 4 if CUDA else 2
-    out = kvc_decode_attention(
-        query.to(DEVICE), c.kv_cache.to(DEVICE), c.block_tables.to(DEVICE), c.lens.to(DEVICE),
-        64**-0.5, scores=scores, scored=flags.to(DEVICE), num_splits=8, tile_config=TILE,
-        min_split_tiles=1, long_tiles=tiles, defer_tiles=1,
-    )  # fmt: skip
-    torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
-    got = scores.cpu()
-    assert torch.equal(got[unscored | ~attended], start[unscored | ~attended])
-    want = attended & ~unscored
-    assert want.any()
-    torch.testing.assert_close(
-        got[want], (start + delta)[want], atol=SCORE_TOL[0], rtol=SCORE_TOL[1]
-    )
 
 
 def test_decode_auto_splits_uneven_heads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -418,7 +379,7 @@ def test_decode_auto_splits_uneven_heads(monkeypatch: pytest.MonkeyPatch) -> Non
             return launch
 
     monkeypatch.setattr(kvc_ops, "_long_split_kernel", Spy())
-    monkeypatch.setattr(kvc_ops, "SKEW_SPLITS", (8, 2, 2, 0))
+    monkeypatch.setattr(kvc_ops, "SKEW_SPLITS", (8, 2, 2))
     check_decode(c, query, 64**-0.5, None, (None,), with_scores=True, seed=15)
     assert calls == [(8, 2)]
     check_decode(c, query, 64**-0.5, None, (None,), with_scores=False, seed=16)
@@ -429,17 +390,16 @@ def test_decode_auto_splits_uneven_heads(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_skew_splits_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PAGEDLLM_KVC_SKEW_SPLITS``: S:M (T = M), S:M:T or S:M:T:D (D 0 unless given), "0"
-    off, unset 8:8:16 without deferred scores, and a clear error for a bad value."""
+    """``PAGEDLLM_KVC_SKEW_SPLITS``: S:M (T = M) or S:M:T, "0" off, unset 8:8:16, and a
+    clear error for a bad value."""
     from pagedllm.ops.kvc_attention import _skew_splits_from_env
 
-    for text, want in (("8:16", (8, 16, 16, 0)), ("16:4:16", (16, 4, 16, 0)),
-                       ("8:8:16:8", (8, 8, 16, 8)), ("0", None)):  # fmt: skip
+    for text, want in (("8:16", (8, 16, 16)), ("16:4:16", (16, 4, 16)), ("0", None)):
         monkeypatch.setenv("PAGEDLLM_KVC_SKEW_SPLITS", text)
         assert _skew_splits_from_env() == want
     monkeypatch.delenv("PAGEDLLM_KVC_SKEW_SPLITS")
-    assert _skew_splits_from_env() == (8, 8, 16, 0)
-    for bad in ("1:16", "8:0", "8:16:16:-1", "8:16:16:2:1"):
+    assert _skew_splits_from_env() == (8, 8, 16)
+    for bad in ("1:16", "8:0", "8:16:16:2"):
         monkeypatch.setenv("PAGEDLLM_KVC_SKEW_SPLITS", bad)
         with pytest.raises(ValueError, match="PAGEDLLM_KVC_SKEW_SPLITS"):
             _skew_splits_from_env()
@@ -650,16 +610,13 @@ def test_paged_rows_in_place(dtype: torch.dtype) -> None:
         assert (got[others] == 7.0).all(), "a row of no chunk was written"
 
 
-@pytest.mark.parametrize("num_splits", [1, 4, "long", "deferred"])
+@pytest.mark.parametrize("num_splits", [1, 4, "long"])
 def test_decode_rows_in_place(num_splits: int | str) -> None:
     """``q_rows`` and ``out``: decode rows at chosen rows of a mixed step's query read and
     write only those rows of ``out``; output and scores equal the reference on the gathered
-    rows (single pass, split-K, only the heads longer than 2 tiles split, and those with
-    the shorter heads of 2 tiles scored apart)."""
+    rows (single pass, split-K, and only the heads longer than 2 tiles split)."""
     long = dict(num_splits=4, min_split_tiles=1, long_tiles=2)
-    kw = dict(num_splits=num_splits)
-    if num_splits in ("long", "deferred"):
-        kw = dict(long, defer_tiles=1) if num_splits == "deferred" else long
+    kw = long if num_splits == "long" else dict(num_splits=num_splits)
     block_size, heads, num_heads, d = BLOCK_SIZES[0], 2, 8, 64
     lens = random_lens(5, heads, 300 if CUDA else 40, block_size, seed=33)
     c = make_head_cache(lens, d, block_size, torch.float32, seed=34)

@@ -143,15 +143,13 @@ def test_cuda_graphs_equal_eager_with_evictions(arch, tiny_models):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("defer", [0, 1], ids=["in_place", "deferred"])
-def test_cuda_graphs_equal_eager_splitting_long_heads(tiny_models, monkeypatch, defer):
+def test_cuda_graphs_equal_eager_splitting_long_heads(tiny_models, monkeypatch):
     """Scored heads longer than ``SKEW_SPLITS``'s T tiles take the long-head split (T lowered
     to 2 tiles, splits of 2 tiles or more, and the SM count to 1, so that a tiny model's
-    batch takes it), the shorter heads past D tiles scored beside the splits or not: in CUDA
-    graphs and eagerly, the same tokens."""
+    batch takes it): in CUDA graphs and eagerly, the same tokens."""
     import pagedllm.ops.kvc_attention as kvc_ops
 
-    monkeypatch.setattr(kvc_ops, "SKEW_SPLITS", (4, 2, 2, defer))
+    monkeypatch.setattr(kvc_ops, "SKEW_SPLITS", (4, 2, 2))
     monkeypatch.setattr(kvc_ops, "_num_sms", lambda device: 1)
     launches = []
     real = kvc_ops._long_split_kernel
