@@ -181,6 +181,9 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
       # split, @TILE:WARPS:STAGES a launch shape)
       python benchmarks/kvc_decode_skew.py --out "$OUT" ${KVC_SKEW_CASES:+--cases $KVC_SKEW_CASES} \
         ${KVC_SKEW_KINDS:+--kinds $KVC_SKEW_KINDS} ${KVC_SKEW_CONFIGS:+--configs $KVC_SKEW_CONFIGS} ;;
+    kvc-evict-check)  # each eviction's KVs kept against its budget, heads nothing left (8B, cr 32)
+      python benchmarks/kvc_eviction_check.py --num-prompts ${KVC_PROMPTS:-16} \
+        --max-cache-tokens ${KVC_M:-176} --out "$OUT" | tail -2 ;;
     kvc-d-skew-ab)  # cr 64 at 6,000 with the uneven-head decode splits on, then off (the
       # uncompressed run from an earlier call's file: KVC_BASELINE); on first: a call cut short keeps it
       for v in ${KVC_SKEW:-8:16} 0; do
