@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--max-cache-tokens", type=int, default=176)
     ap.add_argument("--protected-window-size", type=int, default=32)
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30)
+    ap.add_argument("--sync", action="store_true", help="no async scheduling (a CPU's default)")
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args()
 
@@ -52,6 +53,7 @@ def main() -> None:
     llm = LLM(a.model, load_format="dummy", device=a.device, max_model_len=max_len,
               kv_cache_memory_bytes=a.kv_cache_memory_bytes, enable_kvc=True,
               protected_window_size=a.protected_window_size, enable_prefix_caching=True,
+              async_scheduling=not a.sync,
               dtype="bfloat16" if torch.cuda.is_available() else "float32")  # fmt: skip
     sched = llm.llm_engine.engine_core.scheduler
     kvm = sched.kv_cache_manager
@@ -88,6 +90,8 @@ def main() -> None:
     sp = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0.0,
                         max_cache_tokens=a.max_cache_tokens)  # fmt: skip
     llm.generate(prompts, sp, use_tqdm=False)
+    core = llm.llm_engine.engine_core
+    print("async steps", core.num_async_steps, "of", core.num_steps)
     over = np.array([r["over_budget_per_head"] for r in records])
     whole = np.array([r["whole_heads"] for r in records if r["after_prompt"]])
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
