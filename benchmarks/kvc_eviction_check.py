@@ -3,10 +3,11 @@
 Benchmark D's GPU runs schedule fewer sequences on average than the scheduler alone does with
 evictions that keep exactly the budget (``host_sched_micro.py --kvc-budget``): at cr 32, 80.8
 against ~108 a step, and their decoding requests hold ~272 KVs a head against ~221. The real
-engine on the CPU (a tiny 4-layer model, the same request shape) schedules as many as the
-scheduler alone. This runs the engine on a few long prompts and records, for every eviction
-the runner returns, the KVs kept against the budget and how many heads kept (nearly) all
-they held - heads that nothing could be evicted from.
+engine on the CPU (a tiny 4-layer model, the same request shape) does the same with async
+scheduling (on here unless ``--sync``: the CUDA default) and schedules as many as the
+scheduler alone without it. This runs the engine on a few long prompts and records, for every
+eviction the runner returns, the KVs kept against the budget and how many heads kept (nearly)
+all they held - heads that nothing could be evicted from.
 
     python benchmarks/kvc_eviction_check.py --model llama-3.1-8b --num-prompts 16 \\
         --input-len 6000 --output-len 64 --max-cache-tokens 176     # a GPU
