@@ -54,7 +54,7 @@ def main() -> None:
     llm = LLM(a.model, load_format="dummy", device=a.device, max_model_len=max_len,
               kv_cache_memory_bytes=a.kv_cache_memory_bytes, enable_kvc=True,
               protected_window_size=a.protected_window_size, enable_prefix_caching=True,
-              async_scheduling=not a.sync,
+              async_scheduling=not a.sync, compress_once=True,  # as Benchmark D
               dtype="bfloat16" if torch.cuda.is_available() else "float32")  # fmt: skip
     sched = llm.llm_engine.engine_core.scheduler
     kvm = sched.kv_cache_manager
@@ -76,6 +76,9 @@ def main() -> None:
             records.append({
                 "kept": int(new.sum()), "held": int(old.sum()), "uncomputed": int(uncomputed),
                 "after_prompt": bool(old.mean() >= 0.5 * a.input_len),  # its first eviction
+                # tokens its eviction came after the prompt's end (0: right after the prompt)
+                "past_prompt": int((request.num_computed_tokens if computed is None else computed)
+                                   - request.num_prompt_tokens),
                 "over_budget_per_head": (int(new.sum()) - budget) / pairs,
                 # heads that kept 90% or more of what they held (of at least 4 blocks)
                 "whole_heads": int(((new >= 0.9 * old) & (old >= 4 * kvm.block_size)).sum()),
@@ -92,7 +95,8 @@ def main() -> None:
                         max_cache_tokens=a.max_cache_tokens)  # fmt: skip
     llm.generate(prompts, sp, use_tqdm=False)
     core = llm.llm_engine.engine_core
-    print("async steps", core.num_async_steps, "of", core.num_steps)
+    print("async steps", core.num_async_steps, "of", core.num_steps, "prefix copies",
+          kvm.num_prefix_copies)  # fmt: skip
     over = np.array([r["over_budget_per_head"] for r in records])
     whole = np.array([r["whole_heads"] for r in records if r["after_prompt"]])
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -102,6 +106,8 @@ def main() -> None:
         "evictions_over_budget_by_a_block": int((over > kvm.block_size).sum()),
         # (in the evictions right after a prompt: every head then holds the whole prompt)
         "after_prompt_evictions": len(whole),
+        "first_eviction_past_prompt_p50_p90_max": _quantiles(
+            np.array([r["past_prompt"] for r in records if r["after_prompt"]]), (50, 90, 100)),
         "whole_heads_after_prompt_mean_max": [float(whole.mean()), int(whole.max())]
         if len(whole) else None,
     }  # fmt: skip
