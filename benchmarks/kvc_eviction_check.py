@@ -70,15 +70,13 @@ def main() -> None:
         if state is not None and held is not None:
             new = np.asarray(lens, dtype=np.int64)[kvm.compressible]
             old = held[kvm.compressible]
-            uncomputed = state.num_tokens - (
-                request.num_computed_tokens if computed is None else computed
-            )
+            at = request.num_computed_tokens if computed is None else computed
+            uncomputed = state.num_tokens - at
             records.append({
                 "kept": int(new.sum()), "held": int(old.sum()), "uncomputed": int(uncomputed),
                 "after_prompt": bool(old.mean() >= 0.5 * a.input_len),  # its first eviction
                 # tokens its eviction came after the prompt's end (0: right after the prompt)
-                "past_prompt": int((request.num_computed_tokens if computed is None else computed)
-                                   - request.num_prompt_tokens),
+                "past_prompt": int(at - request.num_prompt_tokens),
                 "over_budget_per_head": (int(new.sum()) - budget) / pairs,
                 # heads that kept 90% or more of what they held (of at least 4 blocks)
                 "whole_heads": int(((new >= 0.9 * old) & (old >= 4 * kvm.block_size)).sum()),
