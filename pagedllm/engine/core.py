@@ -74,6 +74,9 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.num_steps = 0  # step() calls so far (the metrics' engine steps)
         self.num_async_steps = 0  # of which asynchronous (async_scheduling, nothing forcing sync)
+        # of those, the steps that took the last step's results before scheduling (KV-Compress
+        # evictions in flight free blocks they need: ``Scheduler.wants_evictions_landed``)
+        self.num_eviction_waits = 0
         # failed steps since the last one that completed (see step_failed)
         self.consecutive_failures = 0
         self.max_consecutive_failures = MAX_CONSECUTIVE_STEP_FAILURES
@@ -269,11 +272,17 @@ class EngineCore:
 
     def _step_async(self, after_launch: Callable[[], None] | None) -> list[EngineCoreOutput]:
         executor, scheduler = self.executor, self.scheduler
+        outputs: list[EngineCoreOutput] = []
+        if self._pending is not None and scheduler.wants_evictions_landed():
+            # KV-Compress: step N-1's evictions free blocks step N needs (memory stopped the
+            # last schedule): its results first, as a synchronous step takes them
+            self.num_eviction_waits += 1
+            outputs = self._resolve_pending()
         scheduler_output = scheduler.schedule() if scheduler.has_unfinished_requests() else None
         # step N-1's sampling, if it waited for its bitmask: queued before step N's forward,
         # which reads N-1's tokens on the device (collected after scheduling N, to give the
         # grammar step that much more time)
-        outputs = self._collect_grammars()
+        outputs += self._collect_grammars()
         launched = None
         structured: list[int] = []
         if scheduler_output is not None:
@@ -334,6 +343,7 @@ class EngineCore:
         stats["num_blocks"] = kv.num_blocks
         stats["num_steps"] = self.num_steps
         stats["num_async_steps"] = self.num_async_steps
+        stats["num_eviction_waits"] = self.num_eviction_waits
         return stats
 
     def request_ids(self) -> list[str]:

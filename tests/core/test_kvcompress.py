@@ -738,7 +738,7 @@ def test_runner_tables_follow_the_manager_through_deferred_entries():
     kv.check_integrity()
 
 
-def _kvc_scheduler(num_blocks: int):
+def _kvc_scheduler(num_blocks: int, max_num_batched_tokens: int = 256):
     """A scheduler with KV-Compress on the ``_spec`` shape (3 layers x 2 KV heads, bs 4)."""
     from pagedllm.config import CacheConfig, KVCompressConfig, SchedulerConfig
     from pagedllm.core.kv_cache.spec import KVCacheGroup, KVCacheGroups
@@ -747,7 +747,9 @@ def _kvc_scheduler(num_blocks: int):
     spec = _spec()
     groups = KVCacheGroups((KVCacheGroup(spec, (0, 1, 2)),), 1, (spec,))
     return Scheduler(
-        SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=256),
+        SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8, max_model_len=256
+        ),
         CacheConfig(block_size=BS),
         num_blocks,
         kv_groups=groups,
@@ -795,3 +797,80 @@ def test_make_room_takes_the_requests_grown_by_a_block_first():
     room = {}
     assert sched._kvc_make_room(room, {}, short=80) and set(room) == {"b", "c"}
     assert not sched._kvc_make_room({}, {}, short=82)
+
+
+def test_next_step_waits_for_evictions_that_free_what_it_wants():
+    """Under async scheduling a step is planned before the last step's evictions come back.
+    When memory stopped the last plan and the pool has less free than it wanted, the next
+    step takes those evictions first (``wants_evictions_landed``): a long prompt is admitted
+    in the step after the eviction of the one before it, not a step later. Not while nothing
+    is in flight, nor when the pool already has what the next step wants."""
+    from pagedllm.core.sched.output import ModelRunnerOutput
+
+    sched = _kvc_scheduler(100)  # 6 (layer, head) pairs, bs 4
+    kvm = sched.kv_cache_manager
+    sp = SamplingParams(max_tokens=8, ignore_eos=True, max_cache_tokens=4)
+    for rid, start in (("a", 3), ("b", 100)):  # 40 tokens: 10 blocks a head, 60 in all
+        sched.add_request(Request(rid, list(range(start, start + 40)), sp, eos_token_id=2))
+    assert not sched.wants_evictions_landed()  # nothing planned yet
+    so = sched.schedule()  # a, then b short of 20 blocks: memory stops the plan
+    assert list(so.num_scheduled_tokens) == ["a"] and so.kvc_compress
+    assert kvm.num_free_blocks() == 40
+    assert sched.wants_evictions_landed()  # it wanted 60 + 60 and a's eviction is in flight
+    keep = {"a": np.full(6, 4)}  # a keeps 4 KVs a head: 9 blocks of 10 go in each
+    sched.update_from_output(so, ModelRunnerOutput(["a"], [[7]], kvc_lens=keep))
+    assert not sched.wants_evictions_landed()  # landed: nothing in flight
+    so = sched.schedule()  # a decodes, b is admitted with the blocks a's eviction freed
+    assert so.num_scheduled_tokens == {"a": 1, "b": 40}
+    # b's eviction in flight; its prompt done, no prompt tokens left: the next step wants
+    # nothing it lacks
+    assert so.kvc_compress and not sched.wants_evictions_landed()
+    sched.add_request(Request("c", list(range(200, 260)), sp, eos_token_id=2))
+    assert not sched.wants_evictions_landed()  # (the plan before c came)
+    so2 = sched.schedule()  # c's 60 tokens need 90 blocks with b's 60 still held
+    assert "c" not in so2.num_scheduled_tokens and sched.wants_evictions_landed()
+    # the pool grows (a request's blocks given back meanwhile): free >= wanted -> False
+    sched._kvc_wanted = kvm.num_free_blocks()
+    assert not sched.wants_evictions_landed()
+
+
+@pytest.mark.parametrize("third", [False, True])
+def test_next_step_waits_for_evictions_when_its_prompt_chunk_does_not_fit(third):
+    """The token budget, not memory, stopped the last plan: the next step wants the blocks
+    of the prompt tokens left (the rest of the prompt it cut, then the first waiting
+    request's, up to the budget) and takes the evictions in flight first only when the pool
+    has fewer free."""
+    sched = _kvc_scheduler(130, max_num_batched_tokens=48)  # 6 (layer, head) pairs, bs 4
+    kvm = sched.kv_cache_manager
+    sp = SamplingParams(max_tokens=8, ignore_eos=True, max_cache_tokens=4)
+    for rid, start in (("a", 3), ("b", 100), ("c", 200))[: 2 + third]:
+        sched.add_request(Request(rid, list(range(start, start + 40)), sp, eos_token_id=2))
+    so = sched.schedule()  # a's 40 tokens (60 blocks), b's first 8 (12): the budget stops it
+    assert so.num_scheduled_tokens == {"a": 40, "b": 8} and so.kvc_compress
+    assert kvm.num_free_blocks() == 58
+    # b's 32 tokens left (48 blocks) fit; with c waiting the next step takes 48 tokens: 72
+    assert sched.wants_evictions_landed() == third
+
+
+def test_next_step_waits_for_the_evictions_that_make_room_for_decodes():
+    """Memory stops decodes (their requests need a block, the pool has none left):
+    ``make_room`` plans evictions and those requests wait for them; the next step takes
+    their lengths first rather than find the pool as empty."""
+    from pagedllm.core.sched.output import ModelRunnerOutput
+
+    sched = _kvc_scheduler(60)  # 6 (layer, head) pairs, bs 4: 10 blocks a head
+    sp = SamplingParams(max_tokens=20, ignore_eos=True, max_cache_tokens=4, compress_once=True)
+    for rid, start in (("a", 3), ("b", 100), ("c", 200)):  # 20 tokens: 5 blocks a head
+        sched.add_request(Request(rid, list(range(start, start + 20)), sp, eos_token_id=2))
+    for _ in range(20):
+        so = sched.schedule()
+        ids = list(so.num_scheduled_tokens)
+        if so.kvc_compress and not sched.waiting and max(so.num_scheduled_tokens.values()) == 1:
+            break  # evictions in a decode-only step: memory was short
+        lens = {e.req_id: np.full(6, 4) for e in so.kvc_compress}  # 4 KVs a head kept
+        sched.update_from_output(so, ModelRunnerOutput(ids, [[7]] * len(ids), kvc_lens=lens))
+        assert not sched.wants_evictions_landed()  # nothing in flight
+    else:
+        raise AssertionError("memory never ran short")
+    assert len(ids) < 3  # some requests wait for the evictions
+    assert sched.wants_evictions_landed()

@@ -302,6 +302,36 @@ def test_evictions_in_flight_make_room_without_preemption(num_blocks, tiny_model
     assert preemptions == [0, 0]
 
 
+def test_async_admissions_wait_for_the_evictions_that_free_their_blocks(tiny_models):
+    """Long prompts in a cache that holds one uncompressed prompt beside the compressed
+    ones: each admission needs the blocks the eviction of the prompt before it frees. Under
+    async scheduling that eviction is still in flight when the next step is planned; the
+    engine takes its lengths first (``Scheduler.wants_evictions_landed``), so the prompts are
+    admitted a step apart as in the synchronous engine (not two: 35 steps against its 28
+    without the wait) and the tokens equal its."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 500, size=120).tolist() for _ in range(8)]
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, max_cache_tokens=16,
+        protected_window_size=4, compress_once=True,
+    )  # fmt: skip
+    results, cores = [], []
+    for async_scheduling in (False, True):
+        # 2 layers x 2 KV heads, bs 8: a prompt takes 60 of the 100 blocks, 8 once evicted
+        llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True,
+                  block_size=8, num_gpu_blocks_override=100, max_num_batched_tokens=128,
+                  async_scheduling=async_scheduling)  # fmt: skip
+        results.append(_step_all(llm, sp, prompts))
+        cores.append(llm.llm_engine.engine_core)
+    sync, asyn = cores
+    assert results[0] == results[1]
+    assert asyn.num_eviction_waits > 0 and asyn.num_async_steps == asyn.num_steps
+    # async: the last step of each of the two waves of requests runs again (its token
+    # dropped), and a last call only collects the results
+    assert asyn.num_steps <= sync.num_steps + 3
+    assert sync.num_eviction_waits == 0 and sync.scheduler.num_preemptions == 0
+
+
 def test_evictions_of_different_widths_in_one_step_equal_one_call(tiny_models, monkeypatch):
     """A request evicted continually (a few KVs a head) and a long prompt evicted after its
     prefill in the same steps: the runner evicts them in separate calls of their own widths
