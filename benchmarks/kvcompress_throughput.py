@@ -179,7 +179,9 @@ def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dic
         save(a, input_len, runs)
         kvc = r["kvc"] or {}
         print(f"in {input_len} {name}: max_cache_tokens {m}, {r['output_tokens_per_s']:.0f} out "
-              f"tok/s ({r['speedup_output']:.2f}x), peak seqs {r['concurrent_seqs_peak']}, "
+              f"tok/s ({r['speedup_output']:.2f}x), seqs mean {r['concurrent_seqs_mean']:.1f} / "
+              f"peak {r['concurrent_seqs_peak']}, steps {r['steps']} (results first "
+              f"{r.get('eviction_waits')}), "
               f"syncs/step {r['host_syncs_per_step']}, compress ms/step "
               f"{kvc.get('compress_ms_per_step')}, prefix copies {kvc.get('prefix_copy_blocks')}, "
               f"compress s decode/prefill steps {r.get('compress_s_decode_steps')} / "

@@ -106,6 +106,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Fraction of the GPU's memory for weights, activations and KV cache (GPU only).",
     )
     p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Schedule the next step while the device runs this one (default: on with a GPU, "
+        "off on a CPU).",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="Never capture CUDA graphs (GPU only; a CPU always runs eagerly).",
@@ -451,6 +458,8 @@ def run(args: argparse.Namespace) -> dict:
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
     )
+    if args.async_scheduling is not None:
+        kwargs["async_scheduling"] = args.async_scheduling
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.kv_cache_memory_bytes:
@@ -606,6 +615,10 @@ def run(args: argparse.Namespace) -> dict:
         ),
         "concurrent_seqs_peak": max((len(s.num_tokens) for s in rec.steps), default=0),
         "preemptions": after["num_preemptions"] - before["num_preemptions"],
+        # steps scheduled before the last step's results came back, and of those the ones
+        # that took them first for KV-Compress evictions (``Scheduler.wants_evictions_landed``)
+        "async_steps": _delta(after, before, "num_async_steps"),
+        "eviction_waits": _delta(after, before, "num_eviction_waits"),
         # implicit host syncs (a blocking copy, .item(), a boolean mask...) PyTorch reported
         # while the workload ran; the one wait per step for the sampled tokens is not one
         # device time of a step: a CUDA event before its forward pass to one after sampling
@@ -665,6 +678,11 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def _delta(after: dict, before: dict, key: str) -> int | None:
+    """A counter's growth over the run; None where the engine did not report it."""
+    return after[key] - before[key] if key in after else None
+
+
 def _counters(core: Any) -> dict[str, int]:
     """Prefix-cache lookups and hits, preemptions and KV blocks: the in-process scheduler's,
     or the merged stats of the engine core processes (data parallelism)."""
@@ -680,6 +698,8 @@ def _counters(core: Any) -> dict[str, int]:
         "prefix_cache_hits": kv.prefix_cache_hits,
         "num_preemptions": sched.num_preemptions,
         "num_blocks": getattr(pool, "num_blocks", None) or getattr(kv, "num_blocks", 0),
+        "num_async_steps": core.num_async_steps,
+        "num_eviction_waits": core.num_eviction_waits,
     }
 
 
