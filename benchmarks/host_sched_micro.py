@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         sched.add_request(Request(str(i), list(range(start, start + args.prompt_len)), params,
                                   eos_token_id=2, arrival_time=float(i)))  # fmt: skip
     times = {"schedule": 0.0, "update": 0.0, "pickle": 0.0}
-    steps = all_steps = running = 0
+    steps = all_steps = running = waits = 0
     pending = None
     gc.freeze()
     clock = time.perf_counter
@@ -120,7 +120,12 @@ def run(args: argparse.Namespace) -> dict[str, float]:
 
     while sched.has_unfinished_requests() or pending is not None:
         spent = 0.0
-        if pending is not None and sched.needs_sync:  # a synchronous step: results first
+        # results first: a synchronous step, or evictions in flight free what this one needs
+        # (the engine core's rule: ``Scheduler.wants_evictions_landed``)
+        if pending is not None and (
+            args.sync or sched.needs_sync or sched.wants_evictions_landed()
+        ):
+            waits += not args.sync
             spent += update(pending)
             pending = None
         t0 = clock()
@@ -146,7 +151,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         "steps": all_steps,
         "scheduled_mean": running / max(all_steps, 1),
         "evictions": evicted[0],
+        "results_first": waits,  # async steps that took the last step's results first
         "preemptions": sched.num_preemptions,
+        "prefix_copy_blocks": getattr(sched.kv_cache_manager, "num_prefix_copies", 0),
     }
 
 
@@ -162,6 +169,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--sync", action="store_true", help="synchronous steps (no pipelining)")
     args = ap.parse_args()
     best: dict[str, float] = {}
     for _ in range(args.repeat):
