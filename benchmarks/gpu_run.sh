@@ -92,6 +92,9 @@ print(json.dumps(d['kernel_profile'], indent=1))" ;;
     tests-kvc-graphs)  # the KV-Compress decode graphs with and without the score pass
       python -m pytest -q -x -p no:cacheprovider tests/models/test_kvcompress.py -k "cuda_graphs or async" \
         tests/core/test_kvcompress.py tests/engine/test_pinned_ring.py ;;
+    tests-kvc-async)  # async steps with KV-Compress evictions in flight (results first, graphs)
+      python -m pytest -q -x -p no:cacheprovider tests/models/test_kvcompress.py \
+        -k "async or in_flight" ;;
     tests-kvc-par)  # the KV-Compress GPU tests in 7 processes (Triton compiles in parallel)
       P="python -m pytest -q -x -p no:cacheprovider"
       K=tests/kernels/test_kvc_attention.py
