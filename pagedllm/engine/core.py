@@ -274,8 +274,8 @@ class EngineCore:
         executor, scheduler = self.executor, self.scheduler
         outputs: list[EngineCoreOutput] = []
         if self._pending is not None and scheduler.wants_evictions_landed():
-            # KV-Compress: step N-1's evictions free blocks step N needs (memory stopped the
-            # last schedule): its results first, as a synchronous step takes them
+            # KV-Compress: step N-1's evictions free blocks step N wants (the pool has less
+            # free than that): its results first, as a synchronous step takes them
             self.num_eviction_waits += 1
             outputs = self._resolve_pending()
         scheduler_output = scheduler.schedule() if scheduler.has_unfinished_requests() else None

@@ -829,7 +829,7 @@ def test_next_step_waits_for_evictions_that_free_what_it_wants():
     assert not sched.wants_evictions_landed()  # (the plan before c came)
     so2 = sched.schedule()  # c's 60 tokens need 90 blocks with b's 60 still held
     assert "c" not in so2.num_scheduled_tokens and sched.wants_evictions_landed()
-    # the pool grows (a request's blocks given back meanwhile): free >= wanted -> False
+    # as if the pool had what the next step wants: free >= wanted -> False
     sched._kvc_wanted = kvm.num_free_blocks()
     assert not sched.wants_evictions_landed()
 
