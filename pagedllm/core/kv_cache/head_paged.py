@@ -314,6 +314,11 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
             return 0
         return int(self._blocks_for(state, num_new).sum())
 
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks a request holding none takes for its first ``num_tokens`` tokens (every
+        head's). Example: bs 16, 256 heads, 8,000 tokens -> 500 x 256."""
+        return self._num_blocks_for(None, num_tokens)
+
     def blocks_short(self, request: Request, num_new: int) -> int:
         """Blocks missing from the pool for ``num_new`` more tokens of the request (0: it
         fits)."""

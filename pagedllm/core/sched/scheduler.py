@@ -549,16 +549,15 @@ class Scheduler:
         """``_kvc_wanted`` at least the blocks of the next step's prompt tokens: the
         ``prompt_left`` tokens of the prompts this step cut, then the first waiting
         request's (while a seat is free), up to the token budget.
-        Example: bs 16, 256 heads, budget 8,192, 2,000 tokens left of a prompt and a
-        6,000-token one waiting -> 8,000 tokens -> 500 x 256 blocks."""
+        Example: budget 8,192, 2,000 tokens left of a prompt and a 6,000-token one waiting
+        -> the blocks of 8,000 tokens (``blocks_for_tokens``)."""
         tokens = prompt_left
         if self.waiting and len(self.running) < self.config.max_num_seqs:
             first = self.waiting.peek()
             tokens += first.num_tokens - first.num_computed_tokens
         tokens = min(tokens, self.config.max_num_batched_tokens)
         if tokens:
-            kvm = self.kv_cache_manager
-            need = -(-tokens // kvm.block_size) * kvm.num_heads
+            need = self.kv_cache_manager.blocks_for_tokens(tokens)
             self._kvc_wanted = max(self._kvc_wanted, need)
 
     def _draft_lookahead(
