@@ -9,13 +9,12 @@ server's event loop with ONE ``loop.call_soon_threadsafe`` per step. When idle i
 ``threading.Condition`` (no busy loop). The asyncio thread does HTTP parsing, chat templates,
 tokenization, validation, JSON and SSE framing.
 
-Why it is no longer the server's default: the two threads share one interpreter lock. On the
-2-core CPU dev box the HTTP thread measured ~0.14 ms of CPU per streamed token against 4.2 ms
-for the engine thread, and a thread was the cheaper choice; on a GPU, where a step of 256
-requests takes a few ms, the HTTP thread's work per token is comparable to the engine's and the
-two wait for each other: on an H200 the server delivered 0.44x the engine's throughput at 64
-streams and 0.29x at 256 in this mode, 1.0x and 1.08x with the engine core process
-(``benchmarks/results/serving_gpu_qwen3-0.6b_NVIDIA_H200.json``).
+Why it is not the server's default: the two threads share one interpreter lock. Where a step
+is slow (a CPU), the HTTP thread's work per streamed token is small beside it and a thread is
+the cheaper choice; on a GPU, where a step of hundreds of requests takes a few ms, the HTTP
+thread's work per token is comparable to the engine's and the two wait for each other, so the
+server falls well short of the engine's own throughput in this mode and matches it with the
+engine core process (the server-against-engine GPU benchmark in ``benchmarks/README.md``).
 
 Failure isolation: a request that fails validation raises ``ValueError`` in the caller before
 any output is streamed (``add_request`` validates synchronously in the caller's thread, then the

@@ -12,8 +12,7 @@ sequence length while decoding every token in context (sentencepiece tokenizers 
 leading space of a lone token; byte-level BPE splits multi-byte characters across tokens).
 
 With a stock fast tokenizer, the Rust ``tokenizers.decoders.DecodeStream`` runs the same scheme
-in one call per token (two decodes per token otherwise: ~3.0 us a token through ``update``
-before, ~1.9 us with the stream, SmolLM2's tokenizer on a CI-like CPU); the window is still
+in one call per token (two decodes per token otherwise); the window is still
 kept here, so a run of ``MAX_PENDING_TOKENS`` tokens without valid text, and the final flush,
 go through the exact path above.
 """
@@ -42,8 +41,8 @@ class DecodingTokenizer(Protocol):
 def _rust_decoder(tokenizer: Any) -> Any:
     """The Rust ``tokenizers.Tokenizer.decode`` behind a transformers fast tokenizer, when the
     tokenizer's own ``_decode`` is the stock one: with ``clean_up_tokenization_spaces=False``
-    the wrapper adds nothing but ~10 us of Python argument conversion per call, which at 256
-    running requests was a third of the host time of a decode step. None otherwise."""
+    the wrapper adds nothing but Python argument conversion per call, which at hundreds of
+    running requests is a large share of a decode step's host time. None otherwise."""
     backend = getattr(tokenizer, "_tokenizer", None)
     try:
         from tokenizers import Tokenizer

@@ -2,8 +2,9 @@
 
 Why: with the engine loop on a thread of the HTTP process (``AsyncLLM``), the two share one
 interpreter lock. Under load the engine thread waits for the HTTP thread's Python work
-(parsing, tokenization, detokenization, SSE framing) and vice versa; on an H100 that cut the
-server to ~21% of the engine's throughput at 64 concurrent streams. Here the engine core
+(parsing, tokenization, detokenization, SSE framing) and vice versa, and on a GPU the server
+falls far below the engine's own throughput (the server-against-engine GPU benchmark in
+``benchmarks/README.md`` measures both front ends). Here the engine core
 (scheduler, KV cache, model: ``engine/core_proc.py``) runs alone in its process and only
 steps; this process does everything else:
 
