@@ -34,8 +34,8 @@ Everything is sized from host ints (tensor shapes, ``max_query_len``, ``max_seq_
 sync and no Python branch on device values, so decode batches are CUDA-graph capturable. Rows of
 ``query`` past ``query_start_loc[-1]`` (CUDA-graph padding) are never written.
 
-Measured on an H200 (benchmarks/results/kernels_nvidia_h200.json): decode at 0.86-1.07 of the
-copy bandwidth from 32 x 4k or 256 x 512 up; prefill ~280-300 TFLOP/s (head_dim 128, bf16).
+The GPU kernels benchmark (``benchmarks/README.md``) reports decode against the device's copy
+bandwidth and prefill in TFLOP/s.
 
 This module imports Triton at import time: import it only where Triton is installed. Under
 ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (slowly), for tests.
@@ -269,9 +269,9 @@ def _attend_range(
 # --------------------------------------------------------------------------------------------
 
 
-# num_reqs varies step by step: no specialization on it (Triton compiles one variant for 1,
-# one for multiples of 16, one for the rest; Benchmark D's uncompressed run met a new one
-# inside its timed run, 1.8 s)
+# num_reqs varies step by step: no specialization on it (Triton would compile one variant for
+# 1, one for multiples of 16, one for the rest, and a step that meets a new one stalls for the
+# compile)
 @triton.jit(
     do_not_specialize=["num_reqs"],
     do_not_specialize_on_alignment=["qsl_ptr", "seq_lens_ptr", "bt_ptr"],
@@ -487,9 +487,10 @@ def choose_num_splits(
     Split only decode-only batches (max_query_len <= 1) whose (request, KV head) programs
     would leave the GPU under-filled (< 2 per SM): the largest power of two that keeps
     programs x splits <= 4 per SM, at most 64, and no more splits than key tiles. Example
-    (H200, 132 SMs, 8 KV heads): batch 1 -> 8 programs -> 64 splits at 32k context, 8 at 512
-    (8 tiles of 64 keys); batch 32 -> 256 programs -> 2 splits; batch 256 -> 1. Measured there
-    (benchmarks/kernels.py), these were the fastest split counts or within 5% of them.
+    (132 SMs, 8 KV heads): batch 1 -> 8 programs -> 64 splits at 32k context, 8 at 512
+    (8 tiles of 64 keys); batch 32 -> 256 programs -> 2 splits; batch 256 -> 1. The decode
+    sweep of the GPU kernels benchmark (``benchmarks/README.md``) compares these with the
+    fastest split count.
     For CUDA graphs the choice is baked in at capture: capture with max_seq_len = the model's
     max length (correctness never depends on the choice, only speed).
     """
@@ -541,13 +542,12 @@ def default_tile_config(
 ) -> TileConfig:
     """Defaults by head size and batch kind (decode-only batches get 16-row tiles).
 
-    Picked from the sweep in benchmarks/kernels.py on an H200 (head_dim 128, GQA 4, bf16).
-    A batch with a chunk of ``LONG_CHUNK`` tokens or more (head_dim <= 128, 16-bit K/V - in
-    float32 its stages need 263 KB of shared memory, an H200 has 227 - on Hopper) takes
-    256-row tiles over 8 warps: the sweep on long prompts (``attn_prefill_sweep.py``, H200,
-    8B heads) gave 308-311 -> 338-344 TFLOPs on a 6,000-token prompt, 290-292 -> 328-337 on
-    2,048 after 4,096 cached, 218-220 -> 239-249 on 8 x 1,024 (not taken there: a mixed
-    step's decode rows each fill a tile of the unified kernel; 256 rows would waste 4x more).
+    Picked by the GPU kernels benchmark's sweep (``benchmarks/README.md``; head_dim 128,
+    GQA 4, bf16). A batch with a chunk of ``LONG_CHUNK`` tokens or more (head_dim <= 128,
+    16-bit K/V - in float32 its stages need 263 KB of shared memory, a Hopper block may take
+    227 - on Hopper) takes 256-row tiles over 8 warps, which reach more TFLOP/s on long
+    chunks; shorter ones keep 64-row tiles, since a mixed step's decode rows each fill a tile
+    of the unified kernel and 256-row tiles would waste 4x more.
     """
     tile_n = 64 if head_pad <= 128 else 32
     if decode:

@@ -13,8 +13,8 @@ Inputs: q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, hea
 strides with a contiguous last dim (views into the fused qkv projection). Outputs: new
 contiguous tensors of the same shapes. Grid: (num_tokens,): program t loads token t's cos/sin
 row once and rotates all its query heads as one [heads, head_dim / 2] tile, then all its key
-heads (a program per (token, head) ran ~5.6 us a layer at 256 decode tokens on an H100, 6,144
-one-warp programs in two waves of the 32 resident blocks an SM takes). No host sync, so it is
+heads (a program per (token, head) would launch thousands of one-warp programs a layer, more
+than the SMs hold in one wave). No host sync, so it is
 CUDA-graph capturable.
 
 ``rope_and_cache`` writes the rotated K, and V, straight into the paged KV cache at each

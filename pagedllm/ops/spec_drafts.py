@@ -1,7 +1,6 @@
 """Triton kernels for drafts made on the device (ngram_gpu; ``worker/device_drafts.py``): one
 launch before a step's forward pass and one after its sampling, in place of some fifty small
-PyTorch ops whose host time (~2.5 ms a step on an H200's host) would bound an asynchronous
-step at batch 1.
+PyTorch ops whose host time (milliseconds a step) would bound an asynchronous step at batch 1.
 
 - ``prepare``: one program per request row of the step. A row whose last step is unresolved
   takes the rejected drafts ``d = unverified - accepted[row]`` off its positions, its sequence
