@@ -270,8 +270,7 @@ class StepRecorder:
         # ([rows, layers, KV heads]; see ``head_len_stats``). From the device's lengths when
         # the runner is in-process: under async scheduling the scheduler's are the lengths
         # before the evictions still in flight (a prompt just evicted shows all its tokens),
-        # the kernel reads the device's. Copied without a sync, read after the run. (Benchmark
-        # D at 6,000 / cr 64, H200: both views gave the same quantiles, a whole-prompt head.)
+        # the kernel reads the device's. Copied without a sync, read after the run.
         self.head_lens: list[np.ndarray] = []
         self._device_lens: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         # ``kernel_profile``: torch.profiler over the steps [start, start + count)
@@ -332,7 +331,7 @@ class StepRecorder:
             if self._sample_next:  # after the step's slots: the lengths its kernels read
                 self._sample_next = False
                 # (pinned, non-blocking: a pageable copy to the device would sync the host,
-                # which the bench counts - 67 of cr 8's 68 syncs at bc6f5e1 were this line's)
+                # and the bench counts the syncs: its own probe must not add any)
                 idx = torch.from_numpy(np.asarray(rows, dtype=np.int64))
                 idx = idx.pin_memory() if cuda else idx
                 idx = idx.to(runner.device, non_blocking=cuda)
@@ -515,8 +514,8 @@ def run(args: argparse.Namespace) -> dict:
         use_tqdm=False,
     )
     # and one short prompt alone: the prefill kernels take other tiles below LONG_CHUNK
-    # tokens (paged_attention.default_tile_config), a variant long prompts never meet (at
-    # 00e8ab8, Benchmark D: one compile of 1.6-2.0 s inside each timed run)
+    # tokens (paged_attention.default_tile_config), a variant long prompts never meet, whose
+    # compile would otherwise land inside the timed run
     llm.generate(
         [{"prompt_token_ids": prompts[-1][::-1][:512]}],
         [SamplingParams(max_tokens=4, ignore_eos=True, **kvc_params)],

@@ -11,9 +11,9 @@ On GPUs the all-reduce of up to ``CUSTOM_ALL_REDUCE_MAX_BYTES`` (every decode st
 activations, and prefill chunks of up to ~2,000 tokens of an 8B model) goes through PyTorch's
 symmetric memory instead of NCCL: a buffer on each GPU that every peer maps, and the two-shot
 kernel (each rank sums its share of the elements from every peer's buffer over NVLink, then
-every rank gathers the sums; peer-to-peer loads, never NVLink multicast). Measured on 2 x H200
-inside CUDA graphs, [256, 4096] bf16: 18 us against NCCL's 30 us
-(``benchmarks/results/allreduce_micro_*``). It is captured in CUDA graphs like NCCL's.
+every rank gathers the sums; peer-to-peer loads, never NVLink multicast): at these
+latency-bound sizes it takes less time than NCCL's ring (the tensor-parallel benchmark in
+``benchmarks/README.md`` measures both). It is captured in CUDA graphs like NCCL's.
 Larger tensors, sizes the kernel cannot split evenly, a GPU setup without it
 (``init_custom_all_reduce`` returns False and logs why) and ``disable_custom_all_reduce``
 keep NCCL.

@@ -5,8 +5,8 @@ binding restricts each rank's process to a set of CPUs (``os.sched_setaffinity``
 created after it - torch's OpenMP pool is created at the first parallel region - inherit it),
 and the thread count (``torch.set_num_threads``) defaults to that set's size.
 
-``bind``: ``"none"`` (the default: every usable CPU for every rank; on this project's 2-core
-VM binding each OpenMP thread to a core gained nothing), ``"auto"`` (the usable CPUs split into
+``bind``: ``"none"`` (the default: every usable CPU for every rank; on a small VM binding
+each OpenMP thread to a core gains nothing), ``"auto"`` (the usable CPUs split into
 ``world`` equal consecutive slices, rank r takes slice r) or an explicit list per rank,
 ``"0-3|4-7"`` (ranges and single CPUs joined by commas, ranks by ``|``).
 

@@ -16,9 +16,9 @@ from pagedllm.sampling_params import SamplingParams, SamplingType
 
 class SamplingColumns:
     """Each row's sampling parameters as numpy columns, so a step's metadata is a few
-    vectorized gathers instead of Python over every row's SamplingParams (at 256 rows that
-    loop cost ~0.4 ms of host time a step). The InputBatch keeps one row per request slot,
-    written once when the request gets its row."""
+    vectorized gathers instead of Python over every row's SamplingParams (at hundreds of rows
+    that loop is a visible share of a step's host time). The InputBatch keeps one row per
+    request slot, written once when the request gets its row."""
 
     def __init__(self, num_rows: int) -> None:
         self.values = np.zeros((num_rows, 4), dtype=np.float32)  # temperature, top_p, top_k, min_p

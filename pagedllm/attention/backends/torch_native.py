@@ -29,7 +29,8 @@ def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """``write_kv_ref``, through the compiled row copy on a CPU where it is built
-    (``pagedllm/ops/cpu.write_kv``: ~3 us against ~50 us for a decode step's 64 rows)."""
+    (``pagedllm/ops/cpu.write_kv``: a row copy per token, without the reference's masking and
+    two indexed copies, whose dispatch outweighs a decode step's few rows)."""
     if kv_cache.device.type == "cpu":
         from pagedllm.ops.cpu import write_kv
 
@@ -201,10 +202,8 @@ class TorchNativeBackend(AttentionBackend):
             query, kv_cache[0], kv_cache[1], *kp, scale, sliding_window or 0, out
         ):
             return out.view(num_tokens, num_heads * head_dim)
-        # [1, heads, len, head_dim]: 4-D inputs take torch's flash-attention CPU kernel, 3-D
-        # ones its math fallback - measured on this project's 2-core Xeon for a 256-token
-        # prompt (9 heads, 3 KV heads, D 64): 3.0 -> 0.65 ms in float32, 2.5 -> 0.26 ms in
-        # bfloat16 (which thus no longer attends in float32, as it did to avoid the slow path)
+        # [1, heads, len, head_dim]: 4-D inputs take torch's flash-attention CPU kernel (several
+        # times faster), 3-D ones its math fallback; so bfloat16 attends in bfloat16 here
         for start, end, slots, mask in self._sdpa_prefill(metadata, plan, sliding_window):
             q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
             if slots is None:

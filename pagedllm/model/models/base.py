@@ -109,8 +109,8 @@ class CausalLM(nn.Module):
         """Random weights (``--load-format dummy``) of a realistic scale, for speed tests.
 
         Drawn on the parameters' own device (one generator per device, seeded with ``seed``):
-        drawing an 8B model's 8 billion floats on the host and copying them over took ~90 s of
-        every GPU engine's start-up."""
+        drawing an 8B model's 8 billion floats on the host and copying them over would add
+        a minute or more to every GPU engine's start-up."""
         gens: dict[torch.device, torch.Generator] = {}
         for name, p in self.named_parameters():
             if "norm" in name:
