@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.utils.cpus import check_bind
 
 # the values the engine accepts (its CLI flags and the benchmarks' offer them as choices)
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
@@ -156,13 +157,11 @@ class DeviceConfig:
     device: str = "cpu"  # resolved: cpu | cuda
     enforce_eager: bool = False
     # the CPU path's torch threads (None: the bound CPUs' count, or torch's default) and
-    # the CPUs each rank is bound to ("none" | "auto" | "0-3|4-7"; worker/cpu_threads.py)
+    # the CPUs each rank is bound to ("none" | "auto" | "0-3|4-7"; utils/cpus.py)
     cpu_threads: int | None = None
     cpu_threads_bind: str = "none"
 
     def __post_init__(self) -> None:
-        from pagedllm.worker.cpu_threads import check_bind
-
         _positive_int("cpu_threads", self.cpu_threads, allow_none=True)
         check_bind(self.cpu_threads_bind)
         if self.device not in ("cpu", "cuda"):

@@ -1,7 +1,8 @@
-"""``--cpu-threads`` and ``--cpu-threads-bind`` (``pagedllm/worker/cpu_threads.py``): the CPU
-lists each rank is bound to, bad values refused with the field named, and an engine (in its
-own process, so the binding does not leak into the test process) whose model runs on the
-threads and CPUs asked for, in-process and as tensor-parallel ranks."""
+"""``--cpu-threads`` and ``--cpu-threads-bind`` (``pagedllm/utils/cpus.py``,
+``pagedllm/worker/cpu_threads.py``): the CPU lists each rank is bound to, bad values refused
+with the field named, and an engine (in its own process, so the binding does not leak into
+the test process) whose model runs on the threads and CPUs asked for, in-process and as
+tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import pytest
 
 from pagedllm.config import DeviceConfig
-from pagedllm.worker.cpu_threads import cpus_for_rank, parse_cpu_list
+from pagedllm.utils.cpus import cpus_for_rank, parse_cpu_list
 
 USABLE = sorted(os.sched_getaffinity(0))
 
