@@ -34,7 +34,7 @@ from pagedllm.core.kv_cache.head_paged import HeadBlocks, HeadTable
 from pagedllm.core.kv_cache.spec import HeadPagedSpec, cdiv
 from pagedllm.kvcompress.attention import KVCLayerInfo, KVCStepPlan
 from pagedllm.kvcompress.evict import compact, plan_eviction
-from pagedllm.worker.pinned import PinnedRing
+from pagedllm.utils.pinned import PinnedRing
 
 _NO_ENTRIES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))  # (nobody writes them)
 

@@ -32,7 +32,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.spec_decode.ngram_gpu import ngram_propose_rows
-from pagedllm.worker.pinned import PinnedRing
+from pagedllm.utils.pinned import PinnedRing
 
 
 class DeviceDrafts:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.worker.pinned import PinnedRing
+from pagedllm.utils.pinned import PinnedRing
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

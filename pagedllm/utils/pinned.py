@@ -13,9 +13,9 @@ class PinnedRing:
 
     Why: a copy from pageable memory waits for the work queued before it (under async
     scheduling, the last step), so the steps would run one at a time; and
-    ``Tensor.pin_memory()`` per copy allocates pinned memory each time (~0.2 ms a call in an
-    H200 profile of KV-Compress, where a step made about two). On a CPU the array itself is
-    returned (as int64), unless ``staged`` (tests: the ring's path without a GPU)."""
+    ``Tensor.pin_memory()`` per copy allocates pinned memory each time, a host cost paid on
+    every step. On a CPU the array itself is returned (as int64), unless ``staged`` (tests:
+    the ring's path without a GPU)."""
 
     def __init__(
         self, device: torch.device, capacity: int, n: int = 16, staged: bool | None = None
