@@ -10,7 +10,9 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pagedllm.sampling_params import check_compression_rate
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.structured_output.params import MAX_JSON_WHITESPACE, MAX_JSON_WHITESPACE_SETTING
 from pagedllm.utils.cpus import check_bind
 
 # the values the engine accepts (its CLI flags and the benchmarks' offer them as choices)
@@ -252,39 +254,24 @@ class KVCompressConfig:
         return m, rate
 
 
-def check_compression_rate(value: Any, name: str = "compression_rate") -> None:
-    """A compression rate is a finite number >= 1 (8 = keep an eighth of the KVs), or None."""
-    import math
-
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number >= 1, got {value!r}.")
-    if value < 1:
-        raise ValueError(f"{name} must be a finite number >= 1, got {value!r}.")
-
-
-# JSON outputs of structured outputs: most whitespace characters in a row (0: compact JSON).
-# A bound keeps a weak model from wandering in tabs and newlines for ever; larger bounds make
-# larger grammars (xgrammar unrolls the runs: ~0.5 MB serialized at 64).
-DEFAULT_JSON_MAX_WHITESPACE = 8
-MAX_JSON_MAX_WHITESPACE = 64
-
-
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
     """Engine-wide defaults of structured outputs. ``max_whitespace``: the longest run of
     whitespace between the tokens of a JSON output (0: none, compact JSON), for every request
     that does not set ``disable_any_whitespace`` itself."""
 
-    max_whitespace: int = DEFAULT_JSON_MAX_WHITESPACE
+    max_whitespace: int = MAX_JSON_WHITESPACE
 
     def __post_init__(self) -> None:
         n = self.max_whitespace
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_JSON_MAX_WHITESPACE:
+        if (
+            isinstance(n, bool)
+            or not isinstance(n, int)
+            or not 0 <= n <= MAX_JSON_WHITESPACE_SETTING
+        ):
             raise ValueError(
                 "structured_outputs_max_whitespace must be an integer from 0 to "
-                f"{MAX_JSON_MAX_WHITESPACE}, got {n!r}."
+                f"{MAX_JSON_WHITESPACE_SETTING}, got {n!r}."
             )
 
 
@@ -356,7 +343,7 @@ class EngineArgs:
     prefill_metric_collection_window_size: int = 32
     maxpool_metrics: bool = True
     # structured outputs (``StructuredOutputsConfig``): the default whitespace of JSON outputs
-    structured_outputs_max_whitespace: int = DEFAULT_JSON_MAX_WHITESPACE
+    structured_outputs_max_whitespace: int = MAX_JSON_WHITESPACE
     structured_outputs_disable_any_whitespace: bool = False  # max_whitespace 0
     # speculative decoding: vLLM's dict (or its JSON text), e.g. {"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_max": 4}; None: off

@@ -242,8 +242,6 @@ class SamplingParams:
         self.bad_words_token_ids = seqs
 
     def _verify_kvc(self, bad) -> None:  # noqa: ANN001
-        from pagedllm.config import check_compression_rate
-
         m = self.max_cache_tokens
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise bad("max_cache_tokens", "must be a positive integer")
@@ -305,6 +303,17 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def check_compression_rate(value: Any, name: str = "compression_rate") -> None:
+    """A compression rate is a finite number >= 1 (8 = keep an eighth of the KVs), or None
+    (``SamplingParams.compression_rate``, and ``KVCompressConfig``'s engine-wide default)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number >= 1, got {value!r}.")
+    if value < 1:
+        raise ValueError(f"{name} must be a finite number >= 1, got {value!r}.")
 
 
 def _token_id(key: object) -> int | None:

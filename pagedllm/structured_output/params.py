@@ -6,11 +6,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.config import DEFAULT_JSON_MAX_WHITESPACE
-
-# characters of whitespace in a row in JSON outputs, by default (the engine's
-# ``--structured-outputs-max-whitespace`` sets its own)
-MAX_JSON_WHITESPACE = DEFAULT_JSON_MAX_WHITESPACE
+# JSON outputs of structured outputs: most whitespace characters in a row, by default (the
+# engine's ``--structured-outputs-max-whitespace`` sets its own, 0: compact JSON). A bound keeps
+# a weak model from wandering in tabs and newlines for ever; larger bounds make larger grammars
+# (xgrammar unrolls the runs: ~0.5 MB serialized at 64), so the engine's setting is capped.
+MAX_JSON_WHITESPACE = 8
+MAX_JSON_WHITESPACE_SETTING = 64
 
 
 @dataclass
