@@ -161,18 +161,3 @@ class BeamSearchState:
         if self.finished:
             return list(self.finished)
         return [BeamSearchSequence(b.tokens, b.score, b.score) for b in self.beams]
-
-
-def beam_sampling_params(params: BeamSearchParams):  # noqa: ANN201 - SamplingParams
-    """The SamplingParams of a beam search's requests: greedy logits with enough top
-    logprobs for the search to pick ``max(2, 1 + num_eos) x beam_width`` continuations; the
-    tokens come from the search (``external_tokens``), which ends its hypotheses itself (the
-    engine's own cap stays one token past ``max_tokens``)."""
-    from pagedllm.sampling_params import SamplingParams
-
-    keep = max(2, 1 + (0 if params.ignore_eos else 1)) * params.beam_width
-    sp = SamplingParams(
-        temperature=0.0, max_tokens=params.max_tokens + 1, ignore_eos=True, logprobs=keep
-    )
-    sp.external_tokens = True
-    return sp

@@ -305,6 +305,19 @@ class SamplingParams:
         )
 
 
+def beam_sampling_params(params: BeamSearchParams) -> SamplingParams:
+    """The SamplingParams of a beam search's requests: greedy logits with enough top
+    logprobs for the search to pick ``max(2, 1 + num_eos) x beam_width`` continuations; the
+    tokens come from the search (``external_tokens``), which ends its hypotheses itself (the
+    engine's own cap stays one token past ``max_tokens``)."""
+    keep = max(2, 1 + (0 if params.ignore_eos else 1)) * params.beam_width
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=params.max_tokens + 1, ignore_eos=True, logprobs=keep
+    )
+    sp.external_tokens = True
+    return sp
+
+
 def check_compression_rate(value: Any, name: str = "compression_rate") -> None:
     """A compression rate is a finite number >= 1 (8 = keep an eighth of the KVs), or None
     (``SamplingParams.compression_rate``, and ``KVCompressConfig``'s engine-wide default)."""

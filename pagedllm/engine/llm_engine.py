@@ -5,14 +5,14 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from pagedllm.beam_search import BeamSearchParams, beam_sampling_params
+from pagedllm.beam_search import BeamSearchParams
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core import EngineCore, StepFailure
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.model.loader import load_tokenizer
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, beam_sampling_params
 
 
 class LLMEngine:

@@ -39,7 +39,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.beam_search import BeamSearchParams, beam_sampling_params
+from pagedllm.beam_search import BeamSearchParams
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.core.sched.checks import check_admissible
 from pagedllm.core.sched.output import unpack_outputs
@@ -56,7 +56,7 @@ from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.model.loader import load_tokenizer
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, beam_sampling_params
 from pagedllm.utils.channel import Channel, encode
 from pagedllm.utils.loop_clock import LoopClock
 
