@@ -24,7 +24,10 @@ import pagedllm.ops.activation as act
 import pagedllm.ops.all_reduce_norm as arn
 import pagedllm.ops.bitmask as bitmask
 import pagedllm.ops.kv_write as kv_write
-import pagedllm.ops.kvc_attention as kvc
+import pagedllm.ops.kvc_attention.decode as kvc_decode
+import pagedllm.ops.kvc_attention.decode_split as kvc_split
+import pagedllm.ops.kvc_attention.prefill as kvc_prefill
+import pagedllm.ops.kvc_attention.window_scores as kvc_window
 import pagedllm.ops.kvc_step as kvc_step
 import pagedllm.ops.paged_attention as paged
 import pagedllm.ops.rms_norm as rms
@@ -87,37 +90,39 @@ def _kvc_variants() -> list[tuple[str, object, dict, dict]]:
     for scores in (False, True):
         for q_rows in (False, True):
             c = dict(ATTN, BLOCK_M=16, SCORES=scores, ROW_FLAGS=scores, Q_ROWS=q_rows)
-            out.append((f"kvc decode scores={scores} q_rows={q_rows}", kvc._decode_kernel, ptrs, c))
+            name = f"kvc decode scores={scores} q_rows={q_rows}"
+            out.append((name, kvc_decode._decode_kernel, ptrs, c))
     split = dict(ATTN, BLOCK_M=16, NUM_HEADS=32, NUM_SPLITS=8, Q_ROWS=False)
     for m in (1, 16):
-        out.append((f"kvc split min tiles {m}", kvc._split_kernel, ptrs, dict(split, MIN_TILES=m)))
+        c = dict(split, MIN_TILES=m)
+        out.append((f"kvc split min tiles {m}", kvc_split._split_kernel, ptrs, c))
         c = dict(split, MIN_TILES=m, ROW_FLAGS=True)
-        out.append((f"kvc split score min tiles {m}", kvc._split_score_kernel, ptrs, c))
+        out.append((f"kvc split score min tiles {m}", kvc_split._split_score_kernel, ptrs, c))
     long = dict(NUM_KV_HEADS=8, NUM_HEADS=32, MIN_TILES=16)
     for scores in (False, True):
         c = dict(ATTN, BLOCK_M=16, SCORES=scores, ROW_FLAGS=scores, Q_ROWS=False, LONG_SPLITS=8,
                  SPLIT_PAD=8, LONG_TILES=16, **long)  # fmt: skip
-        out.append((f"kvc decode long heads scores={scores}", kvc._decode_kernel, ptrs, c))
+        out.append((f"kvc decode long heads scores={scores}", kvc_decode._decode_kernel, ptrs, c))
     c = dict(split, SPLIT_PAD=8, **long)
-    out.append(("kvc long heads' splits", kvc._long_split_kernel, ptrs, c))
+    out.append(("kvc long heads' splits", kvc_split._long_split_kernel, ptrs, c))
     c = dict(split, ROW_FLAGS=True, **long)
-    out.append(("kvc long heads' scores", kvc._long_score_kernel, ptrs, c))
+    out.append(("kvc long heads' scores", kvc_split._long_score_kernel, ptrs, c))
     combine = dict(NUM_HEADS=32, NUM_SPLITS=8, SPLIT_PAD=8, HEAD_DIM=128, HEAD_PAD=128,
                    STORE_ML=True, Q_ROWS=True)  # fmt: skip
-    out.append(("kvc combine", kvc._combine_kernel, ptrs, combine))
+    out.append(("kvc combine", kvc_split._combine_kernel, ptrs, combine))
     prefill = dict(ATTN, BLOCK_M=64, BLOCK_Q=16)
-    out.append(("kvc prefill", kvc._prefill_kernel, ptrs,
+    out.append(("kvc prefill", kvc_prefill._prefill_kernel, ptrs,
                 dict(prefill, STORE_LSE=False, lse_ptr=None, stride_lse=0)))  # fmt: skip
-    out.append(("kvc prefill lse", kvc._prefill_kernel, dict(ptrs, lse_ptr=F32),
+    out.append(("kvc prefill lse", kvc_prefill._prefill_kernel, dict(ptrs, lse_ptr=F32),
                 dict(prefill, STORE_LSE=True)))  # fmt: skip
-    out.append(("kvc prefill long chunks lse", kvc._prefill_kernel, dict(ptrs, lse_ptr=F32),
+    out.append(("kvc prefill long chunks lse", kvc_prefill._prefill_kernel, dict(ptrs, lse_ptr=F32),
                 dict(prefill, **LONG, STORE_LSE=True)))  # fmt: skip
     win = dict(ptrs, metric_ptr=F32, lse_ptr=F32, win_reqs_ptr=I64, win_rows_ptr=I64,
                win_n_ptr=I64)  # fmt: skip
     for pool in (False, True):
         c = dict(ATTN, C=32, BLOCK_M=128, POOL=pool)
-        out.append((f"kvc window scores pool={pool}", kvc._window_score_kernel, win, c))
-    out.append(("kvc window pool", kvc._window_pool_kernel, win,
+        out.append((f"kvc window scores pool={pool}", kvc_window._window_score_kernel, win, c))
+    out.append(("kvc window pool", kvc_window._window_pool_kernel, win,
                 dict(KERNEL=7, BLOCK_SIZE=16, TILE_N=64)))  # fmt: skip
     step = dict(lens_ptr=I64, rows_ptr=I64, n_ptr=I64, tables_ptr=I32, flat_ptr=I64,
                 ids_ptr=I64, req_idx_ptr=I64, offsets_ptr=I64, tok_pos_ptr=I64, slots_ptr=I64,
@@ -198,7 +203,8 @@ def variants() -> list[tuple[str, object, dict, dict]]:
 def uncovered(todo: list) -> list[str]:
     """Kernels (``*_kernel`` JIT functions) of the imported ops modules with no variant here:
     a new kernel must be added to ``variants``."""
-    modules = (act, arn, bitmask, kv_write, kvc, kvc_step, paged, rms, rotary, drafts)
+    kvc = (kvc_decode, kvc_split, kvc_prefill, kvc_window, kvc_step)
+    modules = (act, arn, bitmask, kv_write, *kvc, paged, rms, rotary, drafts)
     have = {id(fn) for _, fn, _, _ in todo}
     return [
         f"{m.__name__}.{name}"

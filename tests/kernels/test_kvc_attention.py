@@ -357,7 +357,7 @@ def test_decode_uneven_heads_split_by_least_tiles(dtype: torch.dtype) -> None:
 def test_decode_auto_splits_uneven_heads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Scored rows that fill the SMs split their long heads with ``SKEW_SPLITS`` (none without
     scores, nor with ``SKEW_SPLITS`` None); every way gives the reference's output."""
-    import pagedllm.ops.kvc_attention as kvc_ops
+    import pagedllm.ops.kvc_attention.decode as kvc_ops
 
     block_size = BLOCK_SIZES[0]
     rows, heads, short, long = (200, 4, 60, 3000) if CUDA else (8, 4, 20, 90)
@@ -392,7 +392,7 @@ def test_decode_auto_splits_uneven_heads(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_skew_splits_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """``PAGEDLLM_KVC_SKEW_SPLITS``: S:M (T = M) or S:M:T, "0" off, unset 8:8:16, and a
     clear error for a bad value."""
-    from pagedllm.ops.kvc_attention import _skew_splits_from_env
+    from pagedllm.ops.kvc_attention.decode import _skew_splits_from_env
 
     for text, want in (("8:16", (8, 16, 16)), ("16:4:16", (16, 4, 16)), ("0", None)):
         monkeypatch.setenv("PAGEDLLM_KVC_SKEW_SPLITS", text)

@@ -454,7 +454,7 @@ def test_long_chunks_take_the_long_tiles(monkeypatch: pytest.MonkeyPatch, dtype:
     one - and both still match the reference.
     The device check is patched (any GPU, the interpreter); off a GPU the threshold is too,
     so that the interpreter runs that launch shape on a short chunk."""
-    import pagedllm.ops.kvc_attention as kvc
+    import pagedllm.ops.kvc_attention.prefill as kvc
     import pagedllm.ops.paged_attention as pa
 
     monkeypatch.setattr(pa, "_is_hopper", lambda device: True)
