@@ -379,7 +379,7 @@ def test_decode_auto_splits_uneven_heads(monkeypatch: pytest.MonkeyPatch) -> Non
             return launch
 
     monkeypatch.setattr(kvc_ops, "_long_split_kernel", Spy())
-    monkeypatch.setattr(kvc_ops, "SKEW_SPLITS", (8, 2, 2))
+    monkeypatch.setattr(kvc_ops, "SKEW_SPLITS", kvc_ops.SkewSplits(8, 2, 2))
     check_decode(c, query, 64**-0.5, None, (None,), with_scores=True, seed=15)
     assert calls == [(8, 2)]
     check_decode(c, query, 64**-0.5, None, (None,), with_scores=False, seed=16)
@@ -387,22 +387,6 @@ def test_decode_auto_splits_uneven_heads(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(kvc_ops, "SKEW_SPLITS", None)
     check_decode(c, query, 64**-0.5, None, (None,), with_scores=True, seed=17)
     assert len(calls) == 1
-
-
-def test_skew_splits_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PAGEDLLM_KVC_SKEW_SPLITS``: S:M (T = M) or S:M:T, "0" off, unset 8:8:16, and a
-    clear error for a bad value."""
-    from pagedllm.ops.kvc_attention.decode import _skew_splits_from_env
-
-    for text, want in (("8:16", (8, 16, 16)), ("16:4:16", (16, 4, 16)), ("0", None)):
-        monkeypatch.setenv("PAGEDLLM_KVC_SKEW_SPLITS", text)
-        assert _skew_splits_from_env() == want
-    monkeypatch.delenv("PAGEDLLM_KVC_SKEW_SPLITS")
-    assert _skew_splits_from_env() == (8, 8, 16)
-    for bad in ("1:16", "8:0", "8:16:16:2"):
-        monkeypatch.setenv("PAGEDLLM_KVC_SKEW_SPLITS", bad)
-        with pytest.raises(ValueError, match="PAGEDLLM_KVC_SKEW_SPLITS"):
-            _skew_splits_from_env()
 
 
 def test_decode_strided_inputs() -> None:

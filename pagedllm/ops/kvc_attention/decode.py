@@ -45,7 +45,7 @@ import time; under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors, f
 from __future__ import annotations
 
 import functools
-import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -71,46 +71,26 @@ from pagedllm.ops.kvc_attention.decode_split import (
 )
 from pagedllm.ops.paged_attention import TileConfig, _num_sms, default_tile_config
 
-# The single-pass decode kernel's launch shape when set (benchmarks compare shapes inside the
-# engine with it: ``benchmarks/gpu_suite.py --kvc-tiles``); None: kvc_decode_tile_config's.
-DECODE_TILE_OVERRIDE: TileConfig | None = None
 
+class SkewSplits(NamedTuple):
+    """How a single-pass decode splits its long heads: a head longer than ``long_tiles`` key
+    tiles runs in up to ``splits`` splits of at least ``min_tiles`` tiles each, the shorter
+    heads whole (``kvc_decode_attention``'s ``num_splits``, ``min_split_tiles`` and
+    ``long_tiles``)."""
 
-def _skew_splits_from_env() -> tuple[int, int, int] | None:
-    """``PAGEDLLM_KVC_SKEW_SPLITS``: "S:M" or "S:M:T" (split count, least tiles a split, the
-    tiles past which a head is split; T defaults to M); "0": none; unset: 8:8:16."""
-    text = os.environ.get("PAGEDLLM_KVC_SKEW_SPLITS", "8:8:16")
-    if text.strip() in ("", "0"):
-        return None
-    parts = [int(x) for x in text.split(":")]
-    if len(parts) == 2:
-        parts.append(parts[1])
-    if len(parts) != 3 or parts[0] < 2 or parts[1] < 1 or parts[2] < 1:
-        raise ValueError(
-            f"PAGEDLLM_KVC_SKEW_SPLITS must be S:M[:T] with S >= 2, M, T >= 1: {text!r}"
-        )
-    return parts[0], parts[1], parts[2]
+    splits: int
+    min_tiles: int
+    long_tiles: int
 
 
 # Scored decode rows at a batch that fills the SMs (one program per (row, KV head), no split)
-# split their heads longer than T key tiles into up to S splits of at least M tiles each
-# (``long_tiles``: the single pass keeps the others). KV-Compress's evictions leave a layer's
-# heads uneven - a few keep a whole prompt - and the single pass then waits on its longest
-# head. H200, tree 8d5fed9 (``results/kvc_decode_skew_NVIDIA_H200_8d5fed9.json``; one layer of
-# the 8B shape, score pass on): 108 rows of mean 200 with 2% whole-prompt heads 342 -> 143 us,
-# 30 rows of mean 900 307 -> 205, even heads 61 -> 66 and 73 -> 78 us (two more launches);
-# Benchmark D at 6,000 decode steps 9.8 -> 8.7 ms (cr 64) and 10.6 -> 10.2 (cr 8), at 2,000 /
-# cr 64 (no head past 16 tiles) 7.47 -> 7.61 ms at the same tok/s. The grid split before it
-# (every head's S programs; tree 118cb3b, 1df604f) lost: 8:16 10.8 ms against 9.5 at cr 64,
-# its short heads' empty programs taking SM slots. "0" in the env variable turns it off.
-# Tree 4505b2e (only non-empty splits listed; ``..._4505b2e.json``), tail-2 cases 30 x 900 /
-# 108 x 200 / 128 x 400: 8:16:16 140 / 144 / 193 us, 8:8:16 133 / 130 / 183 (the default
-# since), 16:4:16 145 / 125 / 180, a threshold of 8 tiles or less slower on even heads at 30
-# rows (126-177 us against 78); Benchmark D 6,000 / cr 8 decode steps 8.76 ms with 8:16:16,
-# 8.61 with 8:8:16 (10.05 before the item lists). Tried and removed: a short head's scores
-# deferred to the long-split kernel past D tiles (73dd797; 9f010c3's micro: 30 x 900 tail-2
-# 132 -> 130 us, even heads 78 -> 94).
-SKEW_SPLITS: tuple[int, int, int] | None = _skew_splits_from_env()
+# split their heads longer than 16 key tiles into up to 8 splits of at least 8 tiles each; the
+# single pass keeps the others. KV-Compress's evictions leave a layer's heads uneven - a few
+# keep a whole prompt - and one program per head would wait on its longest head. Splitting
+# every head instead (a grid of rows x heads x splits) costs the short heads' empty programs.
+# ``benchmarks/kvc_decode_skew.py`` measures these shapes on one layer (even and skewed heads),
+# Benchmark D (``benchmarks/kvcompress_throughput.py``) in the engine. None: no head is split.
+SKEW_SPLITS: SkewSplits | None = SkewSplits(splits=8, min_tiles=8, long_tiles=16)
 
 # ``long_tiles``: the persistent kernels' programs per SM (long heads' splits and scores).
 LONG_PROGRAMS_PER_SM = 2
@@ -441,7 +421,7 @@ def kvc_decode_attention(
     assert num_splits >= 1 and min_split_tiles >= 1 and long_tiles >= 0
     assert not long_tiles or num_splits > 1, "long_tiles needs num_splits > 1"
     if tile_config is None and num_splits == 1:
-        cfg = DECODE_TILE_OVERRIDE or kvc_decode_tile_config(
+        cfg = kvc_decode_tile_config(
             head_pad, scores is not None, query.device, kv_cache.element_size()
         )
     tile_n = cfg.tile_n
