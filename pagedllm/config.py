@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.sampling_params import check_compression_rate
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.structured_output.params import MAX_JSON_WHITESPACE, MAX_JSON_WHITESPACE_SETTING
 from pagedllm.utils.cpus import check_bind
+
+if TYPE_CHECKING:
+    import argparse
 
 # the values the engine accepts (its CLI flags and the benchmarks' offer them as choices)
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
@@ -354,7 +357,11 @@ class EngineArgs:
         return {f.name for f in fields(cls)}
 
     def create_engine_config(self) -> EngineConfig:
-        """Validate every argument, load the model's HF config and resolve 'auto' values."""
+        """Validate every argument, load the model's HF config and resolve 'auto' values.
+
+        A lazy factory: the model's files are read through ``model/loader.py``, imported here
+        because the model package sits above the config (it imports torch) and importing the
+        config must stay cheap."""
         from pagedllm.model.loader import detect_load_format, load_hf_config, resolve_model_path
 
         if not isinstance(self.model, str) or not self.model:
@@ -512,6 +519,26 @@ class EngineArgs:
         )
 
 
+# the name the packaged default model is served under when no model is named
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """``EngineArgs`` from the flags that were given (``pagedllm serve`` and ``generate``: an
+    absent flag keeps the field's default); the packaged SmolLM2-135M-Instruct when no model is
+    named. A lazy factory: the packaged model's path comes from ``model/packaged.py``, looked
+    up only when no model is named (the model package sits above the config)."""
+    values = {k: v for k, v in vars(ns).items() if k in EngineArgs.field_names()}
+    model = getattr(ns, "model_tag", None) or values.get("model")
+    if not model:
+        from pagedllm.model.packaged import smollm2_gguf_path
+
+        model = smollm2_gguf_path()
+        values.setdefault("served_model_name", DEFAULT_MODEL_NAME)
+    values["model"] = model
+    return EngineArgs(**values)
+
+
 def _check_tensor_parallel(model: ModelConfig, tp: int) -> None:
     """ValueError naming tensor_parallel_size unless the model's heads split over ``tp``
     ranks: query heads by tp; KV heads by tp, or tp by the KV heads (each KV head then on
@@ -535,7 +562,9 @@ def _draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCo
     """The draft model's config: its own weights and HF config, the target's dtype, context
     length and seed (dummy weights when the target's are). ValueError, naming
     ``speculative_config.model``, when it cannot draft for the target: another tokenizer (or
-    vocabulary size), or a context shorter than the target's ``max_model_len``."""
+    vocabulary size), or a context shorter than the target's ``max_model_len``. A lazy
+    factory, as ``create_engine_config``: the draft's files are read through the model
+    package's loader, which sits above the config."""
     from pagedllm.model.loader import (
         detect_load_format,
         load_hf_config,

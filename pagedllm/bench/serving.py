@@ -557,7 +557,8 @@ def build_llm(args: argparse.Namespace) -> Any:
     import dataclasses
 
     from pagedllm import LLM
-    from pagedllm.entrypoints.cli import build_parser, engine_args_from
+    from pagedllm.config import engine_args_from
+    from pagedllm.entrypoints.cli import build_parser
 
     ea = engine_args_from(build_parser().parse_args(["serve", *shlex.split(args.server_args)]))
     return LLM(ea.model, **{k: v for k, v in dataclasses.asdict(ea).items() if k != "model"})

@@ -34,9 +34,7 @@ import sys
 from typing import Any
 
 from pagedllm import config as _config
-from pagedllm.config import EngineArgs
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+from pagedllm.config import EngineArgs, engine_args_from
 
 _HELP = {
     "model": "HF model folder or .gguf file, the same as the positional MODEL (default: the "
@@ -215,19 +213,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 kwargs["type"], f.name.upper()
             )
         group.add_argument(*flags, **kwargs)
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    """``EngineArgs`` from the flags that were given; the default model if none was named."""
-    values = {k: v for k, v in vars(ns).items() if k in EngineArgs.field_names()}
-    model = getattr(ns, "model_tag", None) or values.get("model")
-    if not model:
-        from pagedllm.model.packaged import smollm2_gguf_path
-
-        model = smollm2_gguf_path()
-        values.setdefault("served_model_name", DEFAULT_MODEL_NAME)
-    values["model"] = model
-    return EngineArgs(**values)
 
 
 _MODEL_HELP = "HF model folder or .gguf file (default: the packaged SmolLM2-135M-Instruct)."

@@ -238,7 +238,8 @@ def test_bad_backend_is_a_value_error_naming_the_field(tiny_models):
         EngineArgs(
             model=tiny_models("llama"), distributed_executor_backend="thread"
         ).create_engine_config()
-    from pagedllm.entrypoints.cli import build_parser, engine_args_from
+    from pagedllm.config import engine_args_from
+    from pagedllm.entrypoints.cli import build_parser
 
     ns = build_parser().parse_args(["serve", "m", "--distributed-executor-backend", "ray"])
     assert engine_args_from(ns).distributed_executor_backend == "ray"

@@ -638,7 +638,8 @@ def test_a_prompt_prefix_outlives_its_requests_eviction(tiny_models):
 
 
 def test_cli_flags():
-    from pagedllm.entrypoints.cli import build_parser, engine_args_from
+    from pagedllm.config import engine_args_from
+    from pagedllm.entrypoints.cli import build_parser
 
     ns = build_parser().parse_args(
         ["serve", "m", "--enable-kvcompress", "--compression-rate", "8", "--kvc-method",

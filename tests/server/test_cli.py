@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.config import EngineArgs
-from pagedllm.entrypoints.cli import DEFAULT_MODEL_NAME, build_parser, engine_args_from, main
+from pagedllm.config import DEFAULT_MODEL_NAME, EngineArgs, engine_args_from
+from pagedllm.entrypoints.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
 

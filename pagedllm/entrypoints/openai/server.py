@@ -61,6 +61,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import __version__
+from pagedllm.config import engine_args_from
 from pagedllm.engine.async_llm import AsyncLLM, AsyncLLMBase, EngineDeadError, EngineError
 from pagedllm.entrypoints.openai.chat import ServingChat, load_chat_template
 from pagedllm.entrypoints.openai.completions import ServingCompletion
@@ -406,8 +407,6 @@ def run_server(args: Any) -> int:
     front of the same core (``api_server_proc.py``).
     """
     import uvicorn
-
-    from pagedllm.entrypoints.cli import engine_args_from
 
     engine_args = engine_args_from(args)
     # uvicorn stops on SIGTERM, then raises it again: exit through the cleanup below (the
