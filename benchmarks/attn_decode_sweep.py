@@ -8,9 +8,10 @@ kernel and split counts 2/4 on ragged and uniform batches of both shapes, as a f
 device copy bandwidth measured in the same run (bytes of K/V read / time). Layout "kvc" times
 KV-Compress's per-head decode kernel (:func:`pagedllm.ops.kvc_attention.kvc_decode_attention`)
 on the same lengths, every head of a request as long as the request (a budget that never
-evicts: Benchmark A's overhead run), over the same launch shapes.
+evicts: Benchmark A's overhead run), over the same launch shapes; layout "kvcs" the same kernel
+built with its score pass (no row scored), as a step that has a budgeted request runs it.
 
-Usage (GPU): python benchmarks/attn_decode_sweep.py [--layouts nhd,kvc] [--out FILE]
+Usage (GPU): python benchmarks/attn_decode_sweep.py [--layouts nhd,kvcs] [--out DIR]
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def time_one(batch: dict, splits: int, cfg: TileConfig | None) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", default="benchmarks/results", help="folder of the result file")
     ap.add_argument("--layouts", default="nhd", help="comma list of nhd, hnd, kvc, kvcs")
     ap.add_argument("--cases", default="", help="comma list of case names (default: all)")
     ap.add_argument("--narrow", action="store_true", help="tiles 64/128, no split")
@@ -189,9 +190,11 @@ def main() -> None:
             print("   ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
         del batch
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"attn_decode_sweep_{result['device'].replace(' ', '_')}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", path)
 
 
 if __name__ == "__main__":

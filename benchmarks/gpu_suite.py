@@ -1,10 +1,12 @@
-"""Everything the GPU issue asks to show, in one script for one device call per part:
+"""The GPU check and Benchmarks A and B, one part per device call:
 
   python benchmarks/gpu_suite.py check   # greedy equality vs HF (fp32 exact, bf16 close),
                                          # CUDA graphs on and off, Qwen3-0.6B shape
   python benchmarks/gpu_suite.py bench-a # Benchmark A + HF peers + roofline
+  python benchmarks/gpu_suite.py bench-b # Benchmark B (Llama-3.1-8B shape) + HF peers
   python benchmarks/gpu_suite.py extras  # prefix-caching overhead at 0% hit and its gain on
                                          # shared prefixes; structured-output overhead
+  python benchmarks/gpu_suite.py extras --only-structured   # structured outputs only
 
 Results: JSON (and PNG) under --out (default benchmarks/results), named with the device.
 """
@@ -236,14 +238,7 @@ def bench_a(args: argparse.Namespace) -> dict:
         variants.append(("cuda_graphs_sync", {"async_scheduling": False}))
     if args.eager_too:
         variants.append(("eager", {"enforce_eager": True}))
-    if args.kvc_too:  # KV-Compress on, no budget: per-head layout and scoring, no eviction
-        variants.append(("kvc_never_evicts", {"enable_kvc": True}))
-    variants += [("kvc_never_evicts_" + t, {"enable_kvc": True, "_tile": t})
-                 for t in kvc_tiles(args)]  # fmt: skip
-    if args.repeat_off:
-        variants.append(("cuda_graphs_again", {}))
     for name, kw in variants:
-        kw = set_kvc_tile(kw)
         llm = LLM(path, dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
                   gpu_memory_utilization=0.85, **kw)
         # Warm-up: the same lengths with other token ids (no prefix-cache hits later), so every
@@ -286,11 +281,10 @@ def bench_a(args: argparse.Namespace) -> dict:
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
             "phases": split,
         }
-        if args.profile and name in ("cuda_graphs", "kvc_never_evicts"):
+        if args.profile and name == "cuda_graphs":
             again, _ = make_workload(n, 562, 562, 462 / 562, 151936, seed=2)
             again = [w[: len(p)] + [9] * (len(p) - len(w)) for w, p in zip(again, prompts)]
-            key = "kernel_profile" if name == "cuda_graphs" else f"kernel_profile_{name}"
-            result[key] = kernel_profile(
+            result["kernel_profile"] = kernel_profile(
                 llm, [{"prompt_token_ids": p} for p in again],
                 [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in out_lens])
         print(json.dumps(result, indent=1), flush=True)
@@ -350,17 +344,9 @@ def bench_b(args: argparse.Namespace) -> dict:
     result["copy_bandwidth_GBps"] = bw / 1e9
     result["matmul_bf16_TFLOPs"] = flops / 1e12
     shapes = [(1024, 128), (128, 1024)]
-    engines = [("", {})]
-    if args.kvc_too:  # KV-Compress on, no budget: per-head layout and scoring, no eviction
-        engines.append(("kvc_never_evicts_", {"enable_kvc": True}))
-    engines += [(f"kvc_never_evicts_{t}_", {"enable_kvc": True, "_tile": t})
-                for t in kvc_tiles(args)]  # fmt: skip
-    if args.repeat_off:
-        engines.append(("again_", {}))
     if args.b_shapes:
         shapes = [tuple(map(int, x.split("x"))) for x in args.b_shapes.split(",")]
-    for prefix, kw in engines:
-        _bench_b_engine(args, result, shapes, prefix, set_kvc_tile(kw), bw, flops)
+    _bench_b_engine(args, result, shapes, bw, flops)
     if not args.skip_peers:
         config = tf.AutoConfig.from_pretrained(os.path.join(CONFIGS, "llama-3.1-8b"))
         with torch.device("cuda"):
@@ -383,41 +369,15 @@ def bench_b(args: argparse.Namespace) -> dict:
     return result
 
 
-def kvc_tiles(args: argparse.Namespace) -> list[str]:
-    """``--kvc-tiles 64:4:2,128:4:3`` -> ["t64_4_2", "t128_4_3"]: one KV-Compress variant each."""
-    return ["t" + x.replace(":", "_") for x in args.kvc_tiles.split(",") if x]
-
-
-def set_kvc_tile(kw: dict) -> dict:
-    """Set (or clear) the KV-Compress decode kernel's launch shape for the next engine from a
-    variant's ``_tile`` ("t128_4_3": 128-key tiles, 4 warps, 3 stages); the engine kwargs."""
-    from pagedllm.ops import kvc_attention
-    from pagedllm.ops.paged_attention import TileConfig
-
-    kw = dict(kw)
-    tile = kw.pop("_tile", None)
-    if tile is None:
-        kvc_attention.DECODE_TILE_OVERRIDE = None
-    else:
-        tn, w, st = map(int, tile[1:].split("_"))
-        kvc_attention.DECODE_TILE_OVERRIDE = TileConfig(16, tn, w, st)
-    return kw
-
-
-def _bench_b_engine(args, result, shapes, prefix, kw, bw, flops) -> None:  # noqa: ANN001
+def _bench_b_engine(args, result, shapes, bw, flops) -> None:  # noqa: ANN001
     llm = LLM("llama-3.1-8b", load_format="dummy", dtype="bfloat16", max_model_len=2048,
-              max_num_seqs=256, gpu_memory_utilization=0.85, **kw)
+              max_num_seqs=256, gpu_memory_utilization=0.85)
     for n_in, n_out in shapes:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(100, 128000, size=n_in).tolist() for _ in range(args.num_b)]
         # warm-up: the same lengths on other token ids, enough requests to reach the full
         # batch, so the Triton specializations of these shapes compile before the clock starts
-        # (Benchmark A's first timed variant lost ~40% to them before it had a warm-up)
-        # (with 64 warm-up requests for 256 timed ones, the first engine of a process ran at
-        # 16.5 ms of "device" time a step against 13.8 for later ones, likely compiling the full
-        # batch's mixed-step shapes inside its timed run - the step's events bracket the host's
-        # compile; not yet confirmed - so --warm-out lets the warm-up reach the full batch with
-        # short outputs)
+        # (--warm-out: short outputs that still reach the full batch)
         warm = [rng.integers(100, 128000, size=n_in).tolist() for _ in range(args.warm_b)]
         llm.generate([{"prompt_token_ids": p} for p in warm],
                      SamplingParams(temperature=0, max_tokens=min(n_out, args.warm_out or n_out),
@@ -439,7 +399,7 @@ def _bench_b_engine(args, result, shapes, prefix, kw, bw, flops) -> None:  # noq
         dev = runner.device_times
         runner.time_device = False
         n_tok = args.num_b * n_out
-        result[f"{prefix}in{n_in}_out{n_out}"] = {
+        result[f"in{n_in}_out{n_out}"] = {
             "num_prompts": args.num_b, "elapsed_s": el, "output_tokens_per_s": n_tok / el,
             "total_tokens_per_s": args.num_b * (n_in + n_out) / el,
             "roofline_output_tokens_per_s": n_tok / roof.ideal_s,
@@ -493,8 +453,8 @@ def split_b(result: dict) -> dict[str, dict]:
 def structured_model(tok_dir: str) -> str:
     """The Qwen3-0.6B shape with the vocabulary of the tokenizer we have (SmolLM2's, 49,152):
     xgrammar treats the ids a model has beyond its tokenizer's as special tokens, and with
-    Qwen3's 151,936 ids over a 49k tokenizer its accept and fill cost 15-25x more per token
-    (benchmarks/grammar_host.py) - an artifact no real checkpoint has."""
+    Qwen3's 151,936 ids over a 49k tokenizer its accept and fill cost many times more per
+    token - an artifact no real checkpoint has."""
     import transformers as tf
 
     tok = tf.AutoTokenizer.from_pretrained(tok_dir)
@@ -506,14 +466,6 @@ def structured_model(tok_dir: str) -> str:
 
 def extras(args: argparse.Namespace) -> dict:
     result: dict = {"device": torch.cuda.get_device_name(0)}
-    if args.grammar_threads:  # the worker's fill threads, 64-token prompts (host-bound)
-        tok_dir = os.environ["PAGEDLLM_TOKENIZER_DIR"]
-        path = structured_model(tok_dir)
-        for threads in args.grammar_threads.split(","):
-            os.environ["PAGEDLLM_GRAMMAR_THREADS"] = threads
-            result[f"structured_threads_{threads}"] = _structured_overhead(path, tok_dir)
-        os.environ.pop("PAGEDLLM_GRAMMAR_THREADS")
-        return result
     if args.only_structured:
         tok_dir = os.environ["PAGEDLLM_TOKENIZER_DIR"]
         path = structured_model(tok_dir)
@@ -660,30 +612,19 @@ def main() -> None:
     p.add_argument("--peer-prompts", type=int, default=0)
     p.add_argument("--skip-peers", action="store_true")
     p.add_argument("--eager-too", action="store_true")
-    p.add_argument("--kvc-too", action="store_true",
-                   help="bench-a/b: also with KV-Compress on and no budget (its overhead)")
-    p.add_argument("--kvc-tiles", default="",
-                   help="bench-a/b: a KV-Compress run per decode launch shape, TILE_N:WARPS:STAGES")
-    p.add_argument("--repeat-off", action="store_true",
-                   help="bench-a/b: the KV-Compress-off run again at the end (drift)")
     p.add_argument("--b-shapes", default="", help="bench-b: e.g. 128x1024 (default both)")
     p.add_argument("--sync-too", action="store_true", help="also without async scheduling")
     p.add_argument("--time-device", action="store_true", help="CUDA events around each step")
     p.add_argument("--only-structured", action="store_true")
-    p.add_argument("--grammar-threads", default="",
-                   help="extras: only the grammar overhead, once per fill-thread count (1,2,4)")
     p.add_argument("--profile", action="store_true", help="bench-a: device time by kernel kind")
     args = p.parse_args()
     fn = {"check": check, "bench-a": bench_a, "bench-b": bench_b, "extras": extras}[args.part]
     result = fn(args)
     os.makedirs(args.out, exist_ok=True)
     part = args.part + ("_structured" if args.only_structured else "")
-    part += "_grammar_threads" if args.grammar_threads else ""
     files = {part: result}
     if args.part == "bench-b":  # one file per workload: gpu_bench-b-1024-128_<device>.json
         files = {"bench-b-" + k.split("-", 2)[2]: v for k, v in split_b(result).items()}
-        if args.kvc_too or args.kvc_tiles:  # the whole run: every engine on every workload
-            files["bench-b-kvc-overhead"] = result
     for name, res in files.items():
         path = os.path.join(args.out, f"gpu_{name}_{device_tag()}.json")
         with open(path, "w") as f:

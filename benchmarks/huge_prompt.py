@@ -1,5 +1,5 @@
 """Huge prompts against a live ``pagedllm serve``: refused fast, without stalling other clients
-or growing the server's memory (issue 18).
+or growing the server's memory.
 
 Starts ``pagedllm serve`` on loopback (the default model unless ``--model``; ``--server-arg``
 passes flags on) or attaches to one (``--url``; then memory is not measured), and sends prompts

@@ -103,19 +103,6 @@ def bench(fn: Callable[[], Any], device: torch.device, graph: bool = True) -> fl
     return ms
 
 
-def write_gpu_result(out_dir: str, stem: str, payload: dict[str, Any]) -> str:
-    """Write ``payload`` (plus the device's name and ``PAGEDLLM_COMMIT``, the commit the
-    device call was sent at) to ``OUT_DIR/STEM_<device>_<commit>.json``; returns the path."""
-    os.makedirs(out_dir, exist_ok=True)
-    device = torch.cuda.get_device_name()
-    commit = os.environ.get("PAGEDLLM_COMMIT", "unknown")
-    path = os.path.join(out_dir, f"{stem}_{device.replace(' ', '_')}_{commit}.json")
-    with open(path, "w") as f:
-        json.dump({"device": device, "git_commit": commit, **payload}, f, indent=1)
-    print("wrote", path)
-    return path
-
-
 def copy_bandwidth_gbps(device: torch.device, nbytes: int) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written (GB/s)."""
     src = torch.randn(nbytes // 4, device=device)

@@ -9,7 +9,11 @@ the 8B model) or not. Each configuration is one ``pagedllm bench throughput`` ru
 engine); the JSON gathers them with the speed-up over the uncompressed run, and a PNG plots
 output tok/s and peak concurrency against cr (the fork's ``throughput_by_cr``).
 
-    python benchmarks/kvcompress_throughput.py --num-prompts 64 --rates 8,64 --out DIR
+    python benchmarks/kvcompress_throughput.py --rates 64,8 --out DIR
+
+The result is ``kvcompress_throughput_<model>_in<input>[_prefix<n>]_<cache>_<device>.json``;
+runs compared with an earlier file's uncompressed run (``--baseline-json``: a device call too
+short for the uncompressed run and every rate) add their rates to the name (``_cr64_cr4``).
 """
 
 from __future__ import annotations
@@ -99,7 +103,10 @@ def save(a: argparse.Namespace, input_len: int, runs: dict[str, dict]) -> Path:
     cap = "uncapped" if not a.kv_cache_memory_bytes else f"{a.kv_cache_memory_bytes >> 20}MiB"
     model = os.path.basename(a.model)
     prefix = f"_prefix{a.prefix_len}" if a.prefix_len else ""
-    name = f"kvcompress_throughput_{model}_in{input_len}{prefix}_{cap}_{device}"
+    rates = ""
+    if a.baseline_json:  # the rest of a comparison whose uncompressed run is another file's
+        rates = "".join(f"_cr{float(r):g}" for r in a.rates.split(",") if r)
+    name = f"kvcompress_throughput_{model}_in{input_len}{prefix}_{cap}{rates}_{device}"
     out = Path(a.out) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {k: _summary(v) for k, v in runs.items()}
@@ -113,7 +120,7 @@ def save(a: argparse.Namespace, input_len: int, runs: dict[str, dict]) -> Path:
 
 def _run_one(ns: argparse.Namespace) -> dict:
     """One configuration in a fresh process (spawned): every engine's memory goes back with
-    its process. In one process, seven 8B engines in a row ran out of an H100's 80 GB."""
+    its process (8B engines in a row in one process do not all fit an 80 GB GPU)."""
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(1) as pool:
         return pool.apply(_run_in_child, (ns,))

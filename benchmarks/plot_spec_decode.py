@@ -1,7 +1,7 @@
-"""PNG of a speculative decoding result (spec_decode_draft_*.json): output tokens/s against the
-measured acceptance rate, one panel per batch size - draft-model sweeps (k = 2 and 4) as lines,
-other proposers (n-gram, suffix, first-layers drafts: the ``cheap`` part) as points - with the
-run without speculation (same process) as a dashed line.
+"""PNG of a speculative decoding result (spec_decode_{qwen3,cheap,llama8b}_*.json): output
+tokens/s against the measured acceptance rate, one panel per batch size - draft-model sweeps
+(k = 2 and 4) as lines, other proposers (n-gram, suffix, first-layers drafts: the ``cheap``
+part) as points - with the run without speculation (same process) as a dashed line.
 Usage: python benchmarks/plot_spec_decode.py RESULT.json -o OUT.png"""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tensor and data parallelism on several GPUs of one host (issues 20 and 22), one device call:
+"""Tensor and data parallelism on several GPUs of one host, one device call:
 
   python benchmarks/scale_out_gpu.py equality --tp 1,2,4     # greedy tokens of TP=N vs TP=1,
                                                            # fp32 tiny models, graphs and eager
@@ -53,19 +53,9 @@ HIDDEN_8B = 4096
 def _child(spec: dict, timeout: float) -> dict:
     """Run one measurement in a fresh interpreter; its result dict (or the error)."""
     t = time.perf_counter()
-    env = dict(os.environ)
-    if spec.get("profile") or spec.get("no_allreduce"):  # benchmarks/_bench_site/
-        here = os.path.join(ROOT, "benchmarks", "_bench_site")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    if spec.get("profile"):
-        env["PAGEDLLM_STEP_PROFILE"] = spec["profile"]
-        env["PAGEDLLM_STEP_PROFILE_AT"] = str(spec.get("profile_at", 0))
-        os.makedirs(spec["profile"], exist_ok=True)
-    if spec.get("no_allreduce"):
-        env["PAGEDLLM_BENCH_NO_ALLREDUCE"] = "1"
     try:
         p = subprocess.run([sys.executable, __file__, "_one", json.dumps(spec)],
-                           capture_output=True, text=True, timeout=timeout, check=False, env=env)
+                           capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired as e:  # keep what it said (progress lines) for the log
         said = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
         return {"spec": spec, "error": f"timed out after {timeout:.0f} s", "stderr_tail":
@@ -149,20 +139,17 @@ def main_bench(args: argparse.Namespace, dp_mode: bool) -> None:
         with open(ar_path) as f:
             ar = json.load(f)["by_tp"]
     for size in args.dp if dp_mode else args.tp:  # one engine process per size, every shape
-        n, no_ar = int(size.rstrip("x")), size.endswith("x")  # "2x": TP 2, no all-reduce
+        n = int(size)
         spec = {"kind": "bench", "shapes": args.shapes, "num": args.num, "warm": args.warm,
-                "no_allreduce": no_ar, "model": args.model, "device": args.device,
+                "model": args.model, "device": args.device,
                 "backend": args.backend if n == 1 else "mp",
                 "tp": 1 if dp_mode else n, "dp": n if dp_mode else 0,
                 "allreduce": (ar or {}).get(str(n)) if not dp_mode else None}
-        if args.profile:
-            spec["profile"] = os.path.join(args.out, f"step_profile_{name}{size}_{spec['backend']}")
-            spec["profile_at"] = args.profile_at
         r = _child(spec, args.run_timeout)
         for shape in args.shapes:
             run = r.get(shape, {"error": r.get("error"), "spec": spec})
             run.update({k: v for k, v in r.items() if k not in SHAPES})
-            key = f"{shape}_{name}{n}" + ("_no_allreduce" if no_ar else "")
+            key = f"{shape}_{name}{n}"
             if n == 1 and not dp_mode and args.backend != "uni":
                 key += f"_{args.backend}"
             result["runs"][key] = run
@@ -176,33 +163,6 @@ def main_bench(args: argparse.Namespace, dp_mode: bool) -> None:
                 r[f"speedup_vs_{base}"] = r["output_tokens_per_s"] / b
     _save(path, result)
     print("wrote", path)
-
-
-def show_profile(folder: str) -> None:
-    """Print the ``--profile`` results of the bench-b files in ``folder``: a row per run."""
-    import glob
-
-    for path in glob.glob(os.path.join(folder, "scale_out_bench-b_*.json")):
-        with open(path) as f:
-            runs = json.load(f)["runs"]
-        for key, r in runs.items():
-            prof = r.get("profile")
-            if not prof:
-                print(key, r.get("error", "")[-300:])
-                continue
-            print(f"{key}: {r['output_tokens_per_s']:.0f} out tok/s, "
-                  f"{prof['wall_ms_per_step']:.2f} ms/step, device "
-                  f"{prof.get('device_ms_per_step') or 0:.2f}")
-            print("   engine", {k: round(v, 3) for k, v in prof["engine_ms_per_step"].items()})
-            for rank in sorted(k for k in prof if k.startswith("rank")):
-                w = prof[rank]
-                print(f"   {rank} device {w['device_ms_per_step'] or 0:.2f} idle "
-                      f"{w['idle_ms_per_step']:.2f}",
-                      {k: round(v, 3) for k, v in w["ms_per_step"].items()})
-    for path in sorted(glob.glob(os.path.join(folder, "step_profile_*", "kernels_r0.txt"))):
-        print("==", path)
-        with open(path) as f:
-            print("".join(f.readlines()[:45]))
 
 
 # ------------------------------------------------------------------------------ one run
@@ -295,9 +255,9 @@ def _ar_worker(rank: int, world: int, port: int, hidden: int, q) -> None:  # noq
         out[t] = row
     if rank == 0:
         q.put(out)
-    # no dist.barrier() here: on 4 x H100 it hung after every size was timed (twice on
-    # 4 x H200 before), killing the stage with nothing saved; every rank has finished its
-    # collectives at this point (the last graph replay was synchronized)
+    # no dist.barrier() here: it can hang after every size is timed, and the stage's limit
+    # then kills the run with nothing saved; every rank has finished its collectives at this
+    # point (the last graph replay was synchronized)
     dist.destroy_process_group()
 
 
@@ -405,7 +365,6 @@ def _bench_tp(spec: dict, kw: dict, vocab: int, bw: float, flops: float) -> dict
                                       "model_kv": real.kv_bytes_per_token}
     out["kv_cache_blocks"] = core.scheduler.kv_cache_manager.block_pool.num_blocks
     rec = StepRecorder(llm)  # wraps the scheduler once; cleared before each timed run
-    windows: dict = {}  # shape: (start, end, steps, engine timer) with --profile
     for shape in spec["shapes"]:
         n_in, n_out = SHAPES[shape]
         # warm-up: the full batch of 256 on other ids (prefill and decode shapes compile
@@ -419,12 +378,9 @@ def _bench_tp(spec: dict, kw: dict, vocab: int, bw: float, flops: float) -> dict
         steps.clear()
         prompts = _prompts(num, n_in, vocab, seed=0)
         sp = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
-        timer = _engine_timer(llm) if spec.get("profile") else None
-        t, mono = time.perf_counter(), time.monotonic()
+        t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         el = time.perf_counter() - t
-        if timer is not None:
-            windows[shape] = (mono, time.monotonic(), len(steps), timer)
         assert sum(len(o.outputs[0].token_ids) for o in outs) == num * n_out
         roof = roofline(steps, cost, bw, flops)
         ar_us = [(2 * 32 + 1) * _ar_us(spec.get("allreduce"), sum(s.num_tokens)) for s in steps]
@@ -440,61 +396,7 @@ def _bench_tp(spec: dict, kw: dict, vocab: int, bw: float, flops: float) -> dict
             "allreduce_share_of_run_est": float(np.sum(ar_us)) / 1e6 / el if tp > 1 else 0.0,
         }
         core.scheduler.kv_cache_manager.reset_prefix_cache()
-    if spec.get("profile"):
-        runner = getattr(core.executor, "runner", None)
-        core.shutdown()  # the workers write their event files as they exit
-        for shape, (start, end, n_steps, timer) in windows.items():
-            out[shape]["profile"] = _step_profile(spec["profile"], start, end, n_steps, timer,
-                                                  runner)
     return out
-
-
-def _engine_timer(llm):  # noqa: ANN001, ANN202
-    """A ``PhaseTimer`` around the engine loop's phases (and the runner's, in process, with
-    its device time per step)."""
-    from benchmarks.host_phases import PhaseTimer
-
-    timer = PhaseTimer()
-    timer.wrap_engine(llm)
-    runner = getattr(llm.llm_engine.engine_core.executor, "runner", None)
-    if runner is not None:
-        runner.time_device, runner.device_times = True, []
-    return timer
-
-
-def _step_profile(folder: str, start: float, end: float, n_steps: int, timer, runner) -> dict:  # noqa: ANN001
-    """Per-step means (ms) of the engine's phases and of each worker's messages inside the
-    timed window, the device time per step and each worker's idle time (waiting for the
-    engine's next message)."""
-    import glob
-
-    steps = max(n_steps, 1)
-    res: dict = {"wall_ms_per_step": 1e3 * (end - start) / steps,
-                 "engine_ms_per_step": {k: 1e3 * v / steps for k, v in sorted(timer.total.items())}}
-    if runner is not None and runner.device_times:
-        dev = runner.device_times[-n_steps:]
-        res["device_ms_per_step"] = 1e3 * float(np.mean(dev))
-    for path in sorted(glob.glob(os.path.join(folder, "worker_r*.json"))):
-        with open(path) as f:
-            w = json.load(f)
-        ev = [e for e in w["events"] if start <= e[1] <= end]
-        if not ev:
-            continue
-        by: dict = {}
-        for kind, _, dt, wait, _ in ev:
-            by[kind] = by.get(kind, 0.0) + dt
-            if kind == "resolve":
-                by["resolve_wait"] = by.get("resolve_wait", 0.0) + wait
-        dev = [e[4] for e in ev if e[4] is not None]
-        busy = sum(e[2] for e in ev)
-        res[f"rank{w['rank']}"] = {
-            "ms_per_step": {k: 1e3 * v / steps for k, v in sorted(by.items())},
-            "idle_ms_per_step": 1e3 * (end - start - busy) / steps,
-            "device_ms_per_step": 1e3 * float(np.mean(dev)) if dev else None,
-            "messages": len(ev),
-        }
-        os.remove(path)
-    return res
 
 
 def kw_model(spec: dict) -> str:
@@ -557,11 +459,10 @@ def main() -> None:
         print("RESULT " + json.dumps(fn[spec["kind"]](spec)), flush=True)
         return
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["equality", "allreduce", "bench-b", "bench-b-dp",
-                                    "show-profile"])
+    p.add_argument("part", choices=["equality", "allreduce", "bench-b", "bench-b-dp"])
     sizes = lambda s: s.split(",")  # noqa: E731
     p.add_argument("--tp", type=sizes, default=["1", "2"],
-                   help="TP sizes; '2x' = TP 2 with the all-reduce skipped (bench-b only)")
+                   help="TP sizes")
     p.add_argument("--dp", type=sizes, default=["1", "2"])
     p.add_argument("--shapes", type=lambda s: s.split(","), default=["128x1024", "1024x128"])
     p.add_argument("--num", type=int, default=1000)
@@ -572,16 +473,9 @@ def main() -> None:
     p.add_argument("--cases", default="", help="equality: the cases to run, by index (0-4)")
     p.add_argument("--backend", default="uni", choices=["uni", "mp"],
                    help="executor of the TP = 1 runs (TP > 1 always runs worker processes)")
-    p.add_argument("--profile", action="store_true",
-                   help="time the engine loop's phases and each worker's messages, device time "
-                        "per step (one shape per run: the timed window is the last generate)")
-    p.add_argument("--profile-at", type=int, default=0,
-                   help="with --profile: torch.profiler over rank 0's forward passes N..N+19")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = p.parse_args()
-    if args.part == "show-profile":
-        show_profile(args.out)
-    elif args.part == "equality":
+    if args.part == "equality":
         main_equality(args)
     elif args.part == "allreduce":
         main_allreduce(args)

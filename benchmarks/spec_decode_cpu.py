@@ -1,6 +1,6 @@
 """Speculative decoding on the CPU with the real SmolLM2-135M-Instruct (the packaged default
 model): output tok/s and mean acceptance length without speculation, with prompt lookup
-(n-gram) and with suffix decoding, at batch 1 and batch 32, on three workloads (issue 19):
+(n-gram) and with suffix decoding, at batch 1 and batch 32, on three workloads:
 
 - ``grounded``: 32 distinct tasks (fix, annotate, rename, rewrite, summarize, list ...) on a
   given text of 200-500 tokens (a short Python module or a news article) - the answer copies
@@ -14,11 +14,12 @@ tokens: the script checks it and records the agreement. Batch 1 runs the first 4
 at a time; batch 32 runs the 32 at once. Each (workload, batch) gets a fresh engine, so suffix
 decoding's cache of earlier responses holds only that run's own (and a two-token warm-up
 request, untimed, whose drafts are left out of the counts). Writes
-``benchmarks/results/spec_decode_SmolLM2-135M-Instruct_cpu.json``.
+``benchmarks/results/spec_decode_SmolLM2-135M-Instruct_cpu[_TAG].json``.
 
     .venv/bin/python benchmarks/spec_decode_cpu.py
     .venv/bin/python benchmarks/spec_decode_cpu.py --quick     # fewer prompts and tokens
-    .venv/bin/python benchmarks/spec_decode_cpu.py --configs off,ngram_paced,suffix_paced
+    .venv/bin/python benchmarks/spec_decode_cpu.py --tag paced \\
+        --configs off,ngram_paced,suffix_paced
 
 ``*_paced``: the same proposers with ``disable_when_slower`` (speculation only at the loads
 where the engine measured it faster).
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -236,7 +236,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS,
                     help=f"comma list, off first, of {list(CONFIGS)}")  # fmt: skip
-    ap.add_argument("--out", default=str(RESULTS / "spec_decode_SmolLM2-135M-Instruct_cpu.json"))
+    ap.add_argument("--tag", default="", help="a name for a run of other --configs")
+    ap.add_argument("--out", default="", help="the result file (default: from --tag)")
     args = ap.parse_args()
     import torch
 
@@ -255,9 +256,11 @@ def main() -> None:
         "max_tokens": 64 if args.quick else args.max_tokens,
         "results": results,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    print("wrote", args.out)
+    tag = f"_{args.tag}" if args.tag else ""
+    path = Path(args.out or RESULTS / f"spec_decode_SmolLM2-135M-Instruct_cpu{tag}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print("wrote", path)
 
 
 if __name__ == "__main__":

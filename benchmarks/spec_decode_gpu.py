@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model on the GPU (issue 19): output tok/s against the
+"""Speculative decoding with a draft model on the GPU: output tok/s against the
 acceptance rate, at several batch sizes and k, against the same engine without speculation
 on the same workload in the same process.
 
@@ -154,7 +154,8 @@ def _perturb(llm: LLM, noise: float, seed: int) -> None:
 def _save(args: argparse.Namespace, result: dict) -> None:
     """Write what has been measured so far (a time limit may cut the run short)."""
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"spec_decode_draft_{args.part}_{device_tag()}.json")
+    tag = f"_{args.tag}" if args.tag else ""
+    path = os.path.join(args.out, f"spec_decode_{args.part}{tag}_{device_tag()}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
 
@@ -514,6 +515,8 @@ def main() -> None:
                          "for ending requests and the pacer's steps in each mode")
     ap.add_argument("--trace-steps", action="store_true",
                     help="paced, with --trace: every step and phase of the pacer too")
+    ap.add_argument("--tag", default="",
+                    help="a name for a run of other proposers: spec_decode_PART_TAG_<device>.json")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     global REPEATS

@@ -9,8 +9,9 @@ For each workload the same random-token prompts (``workloads.random_prompts``) g
 3. **hf**: ``peers/hf_generate.py`` (static batch ``model.generate``) in this interpreter's venv.
 
 Each engine does one warm-up and ``--repeats`` timed runs; the median is reported. Results go to
-``benchmarks/results/cpu_throughput_<workload>.json`` (+ ``.png`` chart when matplotlib imports);
-raw per-engine outputs (with generated token ids) and peer logs go to ``benchmarks/results/tmp/``.
+``benchmarks/results/cpu_throughput_<workload>_<dtype>_<cpu>.json`` (+ ``.png`` chart when
+matplotlib imports; ``<cpu>`` the CPU's model name, e.g. ``AMD_EPYC``); raw per-engine outputs
+(with generated token ids) and peer logs go to ``benchmarks/results/tmp/``.
 
 Usage::
 
@@ -29,6 +30,7 @@ import json
 import os
 import platform
 import pstats
+import re
 import subprocess
 import sys
 import time
@@ -483,9 +485,9 @@ def resolve_workload(name: str, args: argparse.Namespace) -> tuple[Workload, str
     if changes:
         wl = Workload(**{**asdict(wl), **changes})
         stem += f"_n{wl.num_prompts}_in{wl.input_len}_out{wl.output_len}"
-    if args.dtype != "float32":
-        stem += f"_{args.dtype}"
-    return wl, stem
+    cpu = re.sub(r"\((R|TM)\)", "", device_info().get("cpu_model", "cpu"))  # "Intel(R) Xeon(R)"
+    cpu = re.sub(r"[^A-Za-z0-9]+", "_", cpu).strip("_")
+    return wl, f"{stem}_{args.dtype}_{cpu}"
 
 
 def run_workload(name: str, args: argparse.Namespace) -> dict[str, Any]:

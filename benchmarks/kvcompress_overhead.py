@@ -1,4 +1,4 @@
-"""KV-Compress's overhead (issue 17, goal 2), measured against the drift between runs.
+"""What KV-Compress costs a request without a budget, measured against the drift between runs.
 
 Two engines live side by side in one process: KV-Compress off, and on with no budget (the
 per-head layout, no eviction). Each is built and warmed up once; then the timed runs
@@ -6,8 +6,8 @@ alternate, off / on / on / off / off / on ..., so that a slow patch of the machi
 clock, another tenant) falls on both alike. The overhead is the ratio of the summed
 throughputs, with each pair's ratio beside it (their spread is the noise of one comparison).
 
-  python benchmarks/kvc_overhead_ab.py a --rounds 3 --out $OUT     # Benchmark A
-  python benchmarks/kvc_overhead_ab.py b --rounds 2 --out $OUT     # Benchmark B, both shapes
+  python benchmarks/kvcompress_overhead.py a --rounds 3 --out $OUT     # Benchmark A
+  python benchmarks/kvcompress_overhead.py b --rounds 2 --out $OUT     # Benchmark B, both shapes
 
 Both engines get the same explicit KV-cache size (``--kv-gib``), enough for every request of
 the workload at once (no preemption), so the two fit on one GPU together. The prefix cache is
@@ -94,7 +94,7 @@ def main() -> None:
         kw = {}
     else:
         model, kw = "llama-3.1-8b", {"load_format": "dummy"}
-    result: dict = {**provenance(f"kvc-overhead-ab-{args.bench}"), "rounds": args.rounds,
+    result: dict = {**provenance(f"kvcompress-overhead-{args.bench}"), "rounds": args.rounds,
                     "kv_cache_memory_bytes": kv_bytes, "runs": {}}  # fmt: skip
     work = _workloads(args.bench, args.num_b, shapes)
     engines = {}
@@ -129,7 +129,7 @@ def main() -> None:
         result["runs"][wname] = {"summary": summary, **runs}
         print(wname, json.dumps(summary), flush=True)
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"kvc_overhead_ab_{args.bench}_{device_tag()}.json")
+        path = os.path.join(args.out, f"kvcompress_overhead_{args.bench}_{device_tag()}.json")
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
     print("wrote", path)
