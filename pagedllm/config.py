@@ -288,12 +288,19 @@ class EngineConfig:
     device_config: DeviceConfig
     parallel_config: ParallelConfig
     kvc_config: KVCompressConfig = KVCompressConfig()
+    # KV connectors beyond KV-Compress, by registered name (core/sched/connector.py)
+    kv_connectors: tuple[str, ...] = ()
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
     # speculative decoding (pagedllm/spec_decode); None: off
     speculative_config: SpeculativeConfig | None = None
     # the draft model of speculative_config method "draft_model" (dtype and context length
     # the target's); None otherwise
     draft_model_config: ModelConfig | None = None
+
+    @property
+    def kv_connector_names(self) -> tuple[str, ...]:
+        """Every KV connector of the engine, in hook order: KV-Compress first when on."""
+        return ("kvcompress",) * self.kvc_config.enabled + self.kv_connectors
 
 
 @dataclass
@@ -345,6 +352,9 @@ class EngineArgs:
     kvc_num_sinks: int = 0
     prefill_metric_collection_window_size: int = 32
     maxpool_metrics: bool = True
+    maxpool_kernel: int = 7  # the max-pooling window of the prefill metric (odd)
+    # KV connectors beyond KV-Compress, by registered name (core/sched/connector.py)
+    kv_connectors: tuple[str, ...] = ()
     # structured outputs (``StructuredOutputsConfig``): the default whitespace of JSON outputs
     structured_outputs_max_whitespace: int = MAX_JSON_WHITESPACE
     structured_outputs_disable_any_whitespace: bool = False  # max_whitespace 0
@@ -477,7 +487,9 @@ class EngineArgs:
                 num_sinks=self.kvc_num_sinks,
                 prefill_metric_collection_window_size=self.prefill_metric_collection_window_size,
                 maxpool_metrics=bool(self.maxpool_metrics),
+                maxpool_kernel=self.maxpool_kernel,
             ),
+            kv_connectors=tuple(self.kv_connectors),
             structured_outputs_config=so_config,
             speculative_config=spec_config,
             draft_model_config=(

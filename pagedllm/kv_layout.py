@@ -17,6 +17,7 @@ the tensors and the block tables and apply the same arithmetic on the device.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -142,3 +143,47 @@ class KVCacheLayout:
             dst = torch.tensor([d for _, d in in_pairs], device=self.device)
             for dev, host in zip(self.tensors, self.host_tensors):
                 dev.index_copy_(1, dst, host.index_select(1, src).to(self.device))
+
+    # ------------------------------------------------------- the runner's layout hooks
+    # (a per-head layout overrides them: kvcompress/runner.py; worker/kv_connector.py)
+    def add_rows(self, batch: Any, new_reqs: list, so: Any = None) -> list[int]:
+        """Rows for the requests new to the runner (``InputBatch.add_request``, which copies
+        their block tables); the rows, in order."""
+        return [batch.add_request(new) for new in new_reqs]
+
+    def update_rows(self, batch: Any, cached_rows: list[tuple]) -> None:
+        """The changes of the requests the runner holds (``SchedulerOutput.cached_rows``):
+        copy-on-write replaced entries, tokens the scheduler appends, new blocks, and
+        computed counts, into the input batch."""
+        rows = batch.req_id_to_row
+        for req_id, new_block_ids, num_computed, replaced, append in cached_rows:
+            row = rows[req_id]
+            for g, idx, block_id in replaced:
+                batch.block_table[g, row, idx] = block_id
+            for token in append:
+                batch.append_token(row, token)
+            if new_block_ids:
+                batch.append_blocks(row, new_block_ids)
+            batch.num_computed_tokens[row] = num_computed
+
+    def blocks_per_request(self, max_model_len: int, max_num_tokens: int, max_blocks: int) -> int:
+        """Blocks one ``max_model_len`` request holds at most, over every group's table."""
+        return sum(
+            min(max_blocks, g.spec.max_blocks_needed(max_model_len, max_num_tokens) + 1)
+            for g in self.groups.groups
+        )
+
+    def begin_dummy(self, inputs: Any, rows: Any, n_sched: Any, num_blocks: int) -> None:
+        """Before the profiling pass over ``rows`` (nothing to do: the input batch's tables
+        are the plain layout's)."""
+
+    def end_dummy(self, num_rows: int) -> None:
+        """After the profiling pass."""
+
+    def finish_metadata(self, md: Any) -> None:
+        """Before an eager forward pass (a CUDA-graph replay skips it): nothing here."""
+
+    def capture_graphs(self, runner: Any) -> bool:
+        """Capture this layout's own CUDA graphs on ``runner``; False: the runner's plain
+        decode graphs apply."""
+        return False

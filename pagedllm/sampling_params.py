@@ -78,15 +78,14 @@ class SamplingParams:
     compression_rate: float | None = None
     protected_window_size: int | None = None
     compress_once: bool | None = None
+    # Free-form arguments for plugins (vLLM's ``extra_args``): the engine never reads them; a
+    # KV connector's scheduler role may (e.g. a benchmark's probe).
+    extra_args: dict[str, Any] | None = None
     # Set by the engine, never by users: beam-search requests take their tokens from the
     # scheduler (the runner must not append its own), and best_of > n computes logprobs only
     # to rank sequences (they are not returned).
     external_tokens: bool = field(default=False, repr=False)
     hide_logprobs: bool = field(default=False, repr=False)
-    # KV-Compress, for measurements (the quality benchmark's teacher-forced loss): evict once
-    # the first ``kvc_compress_at`` prompt tokens are computed (the prefill stops there for a
-    # step), so the rest of the prompt - and its prompt_logprobs - sees the compressed cache.
-    kvc_compress_at: int | None = field(default=None, repr=False)
     # Filled by the engine: the model's EOS ids, beyond which stop_token_ids also stop.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine (``update_from_tokenizer``): the token sequences of bad_words.

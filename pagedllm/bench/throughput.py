@@ -32,6 +32,7 @@ from pagedllm.bench.roofline import (
     model_cost,
     roofline,
 )
+from pagedllm.worker.profiler import DeviceTimer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -310,7 +311,8 @@ class StepRecorder:
             return so
 
         runner = getattr(getattr(core, "executor", None), "runner", None)
-        kvc = getattr(runner, "kvc", None)
+        layout = getattr(runner, "kv_layout", None)
+        kvc = layout if getattr(layout, "name", None) == "kvcompress" else None
         device_lens = kvc is not None
         cuda = runner is not None and runner.device.type == "cuda"
         self._cuda = cuda
@@ -535,10 +537,10 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-    if device.type == "cuda" and runner is not None:
-        runner.time_device = True  # CUDA events around each step (and eviction)
-        runner.device_times, runner.compress_events, runner.compress_steps = [], [], []
-        runner.timed_steps = 0
+    timer = None
+    if device.type == "cuda" and runner is not None:  # CUDA events around each step
+        timer = runner.profiler = DeviceTimer()
+        runner.kv_layout.profiler = timer  # (KV-Compress times its evictions: a span)
     prof = cProfile.Profile() if getattr(args, "profile_host", None) else None
     with count_host_syncs(device) as syncs, time_triton_compiles() as compiles:
         t = time.perf_counter()
@@ -555,10 +557,12 @@ def run(args: argparse.Namespace) -> dict:
                 pstats.Stats(prof, stream=f).sort_stats(key).print_stats(45)
         prof.dump_stats(args.profile_host + ".prof")  # (callers and callees: pstats)
     device_times: list[float] = []
-    if runner is not None:
-        runner.time_device = False
-        device_times = runner.device_times
-    compress_s = runner.compress_seconds() if args.enable_kvc and runner is not None else []
+    compress_s: list[float] = []
+    evict_steps: list[int] = []
+    if timer is not None:
+        runner.profiler = runner.kv_layout.profiler = None
+        device_times = timer.step_seconds
+        compress_s, evict_steps = timer.span_seconds("kvc_evict"), timer.span_steps("kvc_evict")
     after = _counters(core)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(p) for p in prompts)
@@ -615,16 +619,16 @@ def run(args: argparse.Namespace) -> dict:
         "concurrent_seqs_peak": max((len(s.num_tokens) for s in rec.steps), default=0),
         "preemptions": after["num_preemptions"] - before["num_preemptions"],
         # steps scheduled before the last step's results came back, and of those the ones
-        # that took them first for KV-Compress evictions (``Scheduler.wants_evictions_landed``)
+        # that took them first for KV-Compress evictions (``Scheduler.wants_results_first``)
         "async_steps": _delta(after, before, "num_async_steps"),
-        "eviction_waits": _delta(after, before, "num_eviction_waits"),
+        "eviction_waits": _delta(after, before, "num_results_first"),
         # implicit host syncs (a blocking copy, .item(), a boolean mask...) PyTorch reported
         # while the workload ran; the one wait per step for the sampled tokens is not one
         # device time of a step: a CUDA event before its forward pass to one after sampling
         "device_ms_per_step_mean": (1e3 * float(np.mean(device_times)) if device_times else None),
         "device_busy_fraction": float(np.sum(device_times)) / elapsed if device_times else None,
         **_phase_split(rec.steps, device_times),
-        **_compress_split(rec.steps, device_times, compress_s, runner),
+        **_compress_split(rec.steps, device_times, compress_s, evict_steps),
         **head_len_stats(rec.head_lens),
         "host_syncs": syncs.count,
         "host_sync_sources": dict(syncs.sources.most_common(12)),
@@ -652,8 +656,8 @@ def run(args: argparse.Namespace) -> dict:
                 ),
                 # blocks copied so that cached prompt blocks outlive their eviction
                 "prefix_copy_blocks": getattr(kv, "num_prefix_copies", 0) - kvc_before[2],
-                "metadata_bytes_per_kv": runner.kvc.metadata_bytes_per_kv(),
-                "kv_bytes": runner.kvc.spec.page_bytes // runner.kvc.block_size,
+                "metadata_bytes_per_kv": runner.kv_layout.metadata_bytes_per_kv(),
+                "kv_bytes": runner.kv_layout.spec.page_bytes // runner.kv_layout.block_size,
             }
             if args.enable_kvc and kv is not None and runner is not None
             else None
@@ -698,7 +702,7 @@ def _counters(core: Any) -> dict[str, int]:
         "num_preemptions": sched.num_preemptions,
         "num_blocks": getattr(pool, "num_blocks", None) or getattr(kv, "num_blocks", 0),
         "num_async_steps": core.num_async_steps,
-        "num_eviction_waits": core.num_eviction_waits,
+        "num_results_first": core.num_results_first,
     }
 
 
@@ -739,10 +743,10 @@ def head_len_stats(samples: list[np.ndarray]) -> dict:
 
 
 def _compress_split(steps: list, device_times: list[float], compress_s: list[float],
-                    runner: Any) -> dict:  # fmt: skip
+                    at: list[int]) -> dict:  # fmt: skip
     """KV-Compress: eviction device time in decode-only steps and in steps with prompt
-    tokens, and the decode-only steps' device time without it (when every step was timed)."""
-    at = getattr(runner, "compress_steps", None)
+    tokens, and the decode-only steps' device time without it (when every step was timed;
+    ``at``: the timed step of each eviction)."""
     if not compress_s or not at or len(at) != len(compress_s):
         return {}
     if not device_times or len(device_times) != len(steps):

@@ -124,13 +124,6 @@ class Request:
         self.grammar_key: int | None = None
         self.error: str | None = None  # why the engine ended the request (e.g. bad grammar)
         self.cache_salt: str | None = None  # isolates this tenant's prefix-cache entries
-        # KV-Compress: tokens when last compressed (-1: not since its KVs were (re)computed),
-        # and decode steps since
-        self.kvc_compressed_at = -1
-        self.kvc_steps = 0
-        # KV-Compress: its budget in KVs at a length (None: it has none, never evicted),
-        # set by the scheduler once (the per-step eviction check skips it when None)
-        self.kvc_budget_rule: tuple[int | None, float | None] | None = None
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

@@ -70,13 +70,14 @@ class EngineCore:
             kv_groups=kv_groups,
             kvc_config=config.kvc_config,
             spec_config=config.speculative_config,
+            kv_connectors=config.kv_connectors,
         )
         self.num_blocks = num_blocks
         self.num_steps = 0  # step() calls so far (the metrics' engine steps)
         self.num_async_steps = 0  # of which asynchronous (async_scheduling, nothing forcing sync)
-        # of those, the steps that took the last step's results before scheduling (KV-Compress
-        # evictions in flight free blocks they need: ``Scheduler.wants_evictions_landed``)
-        self.num_eviction_waits = 0
+        # of those, the steps that took the last step's results before scheduling (a KV
+        # connector asked: ``Scheduler.wants_results_first``)
+        self.num_results_first = 0
         # failed steps since the last one that completed (see step_failed)
         self.consecutive_failures = 0
         self.max_consecutive_failures = MAX_CONSECUTIVE_STEP_FAILURES
@@ -110,7 +111,7 @@ class EngineCore:
     def structured_output_manager(self):  # noqa: ANN201
         """The grammar compiler and the grammars' matchers (in a worker process when
         ``grammar_process``), made on first use (xgrammar is an optional dependency)."""
-        if self.scheduler.structured is None:
+        if self.scheduler.grammar_book.structured is None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need a tokenizer.")
             try:
@@ -132,15 +133,15 @@ class EngineCore:
             spec = self.config.speculative_config
             # a row per position: with k drafts a request samples at 1 + k positions
             positions = 1 + spec.num_speculative_tokens if spec is not None else 1
-            self.scheduler.grammars = make_grammars(
+            self.scheduler.grammar_book.grammars = make_grammars(
                 process,
                 manager,
                 self.executor.max_num_reqs * positions,
                 pin=self.executor.device_type == "cuda",
                 fill_threads=fill_threads(),
             )
-            self.scheduler.structured = manager
-        return self.scheduler.structured
+            self.scheduler.grammar_book.structured = manager
+        return self.scheduler.grammar_book.structured
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError if it could never be served (nothing is queued then)."""
@@ -227,7 +228,7 @@ class EngineCore:
         self._pending = None
         self._grammar_step = None
         ids: list[str] = []
-        grammars = self.scheduler.grammars
+        grammars = self.scheduler.grammar_book.grammars
         if grammars is not None and grammars.in_flight:
             try:
                 grammars.collect()  # its step is lost; its requests' matchers go below
@@ -273,10 +274,10 @@ class EngineCore:
     def _step_async(self, after_launch: Callable[[], None] | None) -> list[EngineCoreOutput]:
         executor, scheduler = self.executor, self.scheduler
         outputs: list[EngineCoreOutput] = []
-        if self._pending is not None and scheduler.wants_evictions_landed():
-            # KV-Compress: step N-1's evictions free blocks step N wants (the pool has less
-            # free than that): its results first, as a synchronous step takes them
-            self.num_eviction_waits += 1
+        if self._pending is not None and scheduler.wants_results_first():
+            # e.g. step N-1's KV-Compress evictions free blocks step N wants: its results
+            # first, as a synchronous step takes them
+            self.num_results_first += 1
             outputs = self._resolve_pending()
         scheduler_output = scheduler.schedule() if scheduler.has_unfinished_requests() else None
         # step N-1's sampling, if it waited for its bitmask: queued before step N's forward,
@@ -310,13 +311,13 @@ class EngineCore:
 
     def _submit_grammars(self, step: Any, fill_ids: list[int]) -> None:
         """Start the grammar step whose bitmask ``step``'s sampling waits for."""
-        self.scheduler.grammars.submit(fill_ids)
+        self.scheduler.grammar_book.grammars.submit(fill_ids)
         self._grammar_step = step
 
     def _collect_grammars(self) -> list[EngineCoreOutput]:
         """Finish the grammar step in flight, if any: queue the sampling that waited for its
         bitmask, and end the requests whose token a grammar rejected."""
-        grammars = self.scheduler.grammars
+        grammars = self.scheduler.grammar_book.grammars
         if grammars is None or not grammars.in_flight:
             return []
         result = grammars.collect()
@@ -343,7 +344,7 @@ class EngineCore:
         stats["num_blocks"] = kv.num_blocks
         stats["num_steps"] = self.num_steps
         stats["num_async_steps"] = self.num_async_steps
-        stats["num_eviction_waits"] = self.num_eviction_waits
+        stats["num_results_first"] = self.num_results_first
         return stats
 
     def request_ids(self) -> list[str]:
@@ -356,8 +357,8 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the grammar worker process, if one runs, and the executor's workers."""
         try:
-            if self.scheduler.grammars is not None:
-                self.scheduler.grammars.close()
+            if self.scheduler.grammar_book.grammars is not None:
+                self.scheduler.grammar_book.grammars.close()
         finally:
             self.executor.shutdown()
 

@@ -246,8 +246,8 @@ class HeadPagedCache:
         rows: np.ndarray,
         n_sched: np.ndarray,
         positions: torch.Tensor,  # [T] this step's token positions
-        sampling: np.ndarray,  # [R] bool: the request samples this step (or is evicted
-        # after it: a chunk that ends at its ``kvc_compress_at``)
+        sampling: np.ndarray,  # [R] bool: the request's last queries score keys (it samples
+        # this step, or the planner names its chunk: ``KVCMetadata.window``)
     ) -> None:
         """Slots of the step's new KVs in every head, and each new slot's position and zero
         score; advances ``lens``. ``md.plan["kvc"]`` keeps (slots [T, LH], the requests' table

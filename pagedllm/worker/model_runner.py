@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -13,31 +13,30 @@ from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache.spec import (
     FullAttentionSpec,
-    HeadPagedSpec,
-    KVCacheGroup,
     KVCacheGroups,
     KVCacheSpec,
     SlidingWindowSpec,
     group_layers,
 )
-from pagedllm.core.sched.output import KVCEviction, ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import tp_info
 from pagedllm.kv_layout import KVCacheLayout
-from pagedllm.kvcompress.cache import HeadPagedCache
-from pagedllm.kvcompress.evict import move_bound, stuck_bound, width_groups
 from pagedllm.model.loader import build_model
 from pagedllm.sample.sampler import Sampler, SamplerOutput
+from pagedllm.worker.bitmask_rows import BitmaskApplier
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.device_drafts import DeviceDrafts
 from pagedllm.worker.drafter import Drafter
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.inputs import InputPreparer, StepInputs
+from pagedllm.worker.kv_connector import StepBatch, worker_roles
+from pagedllm.worker.prompt_logprobs import prompt_logprobs
 from pagedllm.worker.sample_plan import SamplePlan, plan_samples
 from pagedllm.worker.sampling_inputs import build_sampling_metadata
 
 if TYPE_CHECKING:
-    from pagedllm.sampling_params import SamplingParams
     from pagedllm.structured_output.grammars import GrammarStep
+    from pagedllm.worker.profiler import DeviceTimer
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ class LaunchedStep:
     # the host once ``event`` has completed
     host: list[torch.Tensor] = field(default_factory=list)
     event: Any = None
-    timing: Any = None  # (start, end) CUDA events when the runner times device work
+    timing: Any = None  # (start, end) CUDA events when a profiler times device work
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # batch rows
     selected: torch.Tensor | None = None  # [P, hidden] until launch_sample
     # structured requests: the sampling positions their bitmask rows mask, in
@@ -80,8 +79,8 @@ class LaunchedStep:
     structured_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # the first sampling position of each structured request (its reported token)
     structured_first: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    # KV-Compress: (request ids, new per-head lengths [B, LH] on the device) of the evictions
-    kvc_lens: Any = None
+    # each KV connector's pending report (worker/kv_connector.py), by name
+    kv_reports: dict = field(default_factory=dict)
     # a draft model: (SchedulerOutput.draft_requests, .scheduled_spec_tokens, [num_reqs] the
     # tokens computed after the step) of a step whose samples it drafts after
     drafting: Any = None
@@ -99,16 +98,8 @@ class LaunchedStep:
 _CPU_DEFAULT_KV_BYTES = 2 << 30  # the order of VLLM_CPU_KVCACHE_SPACE's default
 
 
-def make_backend(device: torch.device, kvc: bool = False) -> AttentionBackend:
-    """Triton kernels on a GPU, torch ops on the CPU; the per-head backends with KV-Compress."""
-    if kvc:
-        if device.type == "cuda":
-            from pagedllm.kvcompress.triton_backend import KVCTritonBackend
-
-            return KVCTritonBackend()
-        from pagedllm.kvcompress.attention import KVCTorchBackend
-
-        return KVCTorchBackend()
+def make_backend(device: torch.device) -> AttentionBackend:
+    """Triton kernels on a GPU, torch ops on the CPU."""
     if device.type == "cuda":
         from pagedllm.attention.backends.triton_backend import TritonBackend
 
@@ -134,19 +125,32 @@ class ModelRunner:
         torch.manual_seed(config.model_config.seed)
         self.generator = torch.Generator(device=self.device).manual_seed(config.model_config.seed)
         self.model = build_model(self.model_config, str(self.device))
-        self.kvc_config = config.kvc_config
-        self.kvc: HeadPagedCache | None = None  # KV-Compress (per-head paged cache)
-        self._kvc_measured = False  # a request with ``kvc_compress_at`` has been added
-        self.backend = make_backend(self.device, self.kvc_config.enabled)
+        # KV connectors' worker roles (worker/kv_connector.py); one may own the KV layout
+        roles = worker_roles(config.kv_connector_names)
+        layout_role = next((r for r in roles if r.owns_layout), None)
+        self.backend = (
+            layout_role.make_backend(self.device) if layout_role else make_backend(self.device)
+        )
         for layer in self.model.attention_layers():
             layer.backend = self.backend
         self.drafter: Drafter | None = None  # speculative decoding with a draft model
         if config.draft_model_config is not None:
             self.drafter = Drafter(config.draft_model_config, self.device, self.backend)
-        self.kv_groups = self._group_kv_layers()
-        if self.kvc_config.enabled:
-            self.kv_layout = self.kvc = self._make_head_paged_cache(config)
-        else:
+        elem = torch.empty(0, dtype=self.model_config.torch_dtype).element_size()
+        self.kv_groups = (
+            layout_role.kv_groups(self.model.attention_layers(), self.block_size, elem)
+            if layout_role
+            else self._group_kv_layers(elem)
+        )
+        self.input_batch = InputBatch(
+            config.scheduler_config.max_num_seqs,
+            self.max_model_len,
+            self.block_size,
+            self.kv_groups.num_groups,
+        )
+        self.connectors = [role.for_runner(self) for role in roles]
+        self.kv_layout: Any = next((c for c in self.connectors if c.owns_layout), None)
+        if self.kv_layout is None:
             self.kv_layout = KVCacheLayout(
                 self.kv_groups, self.model_config.torch_dtype, self.device
             )
@@ -164,29 +168,12 @@ class ModelRunner:
                 int(spec.prompt_lookup_max),  # type: ignore[arg-type]
                 self.device,
             )
-        self.input_batch = InputBatch(
-            config.scheduler_config.max_num_seqs,
-            self.max_model_len,
-            self.block_size,
-            self.kv_groups.num_groups,
-        )
         self.inputs = InputPreparer(self.input_batch, self.max_num_tokens, self.device)
         self.graph_runner: CUDAGraphRunner | None = None
         self._unresolved: LaunchedStep | None = None  # the last launched step, until resolved
-        # logits rows of a step's grammar bitmask, pinned (two: the last copy may be queued)
-        self._bitmask_rows: list[torch.Tensor] = []
-        self._bitmask_turn = 0
-        # on a GPU: device buffers the mask and its rows are copied into (reused each step;
-        # the stream orders a step's copy after the last step's kernel read them)
-        self._bitmask_dev: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.bitmask = BitmaskApplier(self.device, self.input_batch.max_num_reqs)
         self.tp_size = tp_info()[1]  # this process's tensor-parallel group (1: none)
-        self.time_device = False  # record each step's device time (benchmarks)
-        self.device_times: list[float] = []  # seconds, one per resolved step when timed
-        # KV-Compress: (start, end) CUDA events of each step's eviction when timed, and the
-        # index of its step among the timed ones (``device_times``' order)
-        self.compress_events: list[tuple[Any, Any]] = []
-        self.compress_steps: list[int] = []
-        self.timed_steps = 0  # steps launched with CUDA events (resolved in launch order)
+        self.profiler: DeviceTimer | None = None  # a benchmark's hook (worker/profiler.py)
 
     # ------------------------------------------------------------------------ KV cache
     def _attention_layers(self) -> list[torch.nn.Module]:
@@ -196,10 +183,7 @@ class ModelRunner:
             layers = layers + self.drafter.attention_layers()
         return layers
 
-    def _group_kv_layers(self) -> KVCacheGroups:
-        elem = torch.empty(0, dtype=self.model_config.torch_dtype).element_size()
-        if self.kvc_config.enabled:
-            return self._head_paged_groups(elem)
+    def _group_kv_layers(self, elem: int) -> KVCacheGroups:
         specs: list[KVCacheSpec] = []
         for a in self._attention_layers():
             shape = (self.block_size, a.num_kv_heads, a.head_dim, elem)
@@ -208,42 +192,6 @@ class ModelRunner:
             else:
                 specs.append(FullAttentionSpec(*shape))
         return group_layers(specs, hybrid=not self.cache_config.disable_hybrid_kv_cache_manager)
-
-    def _head_paged_groups(self, elem: int) -> KVCacheGroups:
-        """KV-Compress: one group of every layer, paged per KV head. Full-attention layers are
-        compressible; sliding-window ones keep their KVs when the model has full-attention
-        layers (Gemma 3), and are compressed when every layer has a window (Mistral v0.1):
-        the kernels apply the window by each key's position."""
-        layers = self.model.attention_layers()
-        first = layers[0]
-        if any(
-            (a.num_kv_heads, a.head_dim) != (first.num_kv_heads, first.head_dim) for a in layers
-        ):
-            raise ValueError("KV-Compress needs the same KV heads and head size in every layer.")
-        spec = HeadPagedSpec(
-            self.block_size,
-            first.num_kv_heads,
-            first.head_dim,
-            elem,
-            num_layers=len(layers),
-            compressible=tuple(
-                not a.sliding_window or all(b.sliding_window for b in layers) for a in layers
-            ),
-        )
-        return KVCacheGroups((KVCacheGroup(spec, tuple(range(len(layers)))),), 1, (spec,))
-
-    def _make_head_paged_cache(self, config: EngineConfig) -> HeadPagedCache:
-        spec = self.kv_groups.head_paged
-        assert spec is not None
-        return HeadPagedCache(
-            spec,
-            self.kvc_config,
-            self.model_config.torch_dtype,
-            self.device,
-            config.scheduler_config.max_num_seqs,
-            self.max_model_len,
-            [a.sliding_window or None for a in self.model.attention_layers()],
-        )
 
     def kv_cache_groups(self) -> KVCacheGroups:
         """How the model's layers share block tables (what the KV manager is built for)."""
@@ -264,15 +212,8 @@ class ModelRunner:
 
     def _blocks_per_request(self) -> int:
         """Blocks a max_model_len request holds at most, over every group's table."""
-        ib = self.input_batch
-        if self.kvc is not None:  # one block per (layer, KV head) per block_size tokens
-            return self.kvc.num_heads * (-(-self.max_model_len // self.block_size))
-        return sum(
-            min(
-                ib.max_blocks_per_req,
-                g.spec.max_blocks_needed(self.max_model_len, self.max_num_tokens) + 1,
-            )
-            for g in self.kv_groups.groups
+        return self.kv_layout.blocks_per_request(
+            self.max_model_len, self.max_num_tokens, self.input_batch.max_blocks_per_req
         )
 
     def _max_useful_blocks(self) -> int:
@@ -349,18 +290,11 @@ class ModelRunner:
         nb = -(-int(n_sched.max()) // self.block_size)
         ib.block_table[:, rows, :nb] = np.arange(nb) % num_blocks
         inputs = self.inputs.prepare(rows, n_sched)
-        if self.kvc is not None:
-            self.kvc.lens[torch.from_numpy(rows).to(self.device)] = 0
-            self.kvc.tables[:num_reqs, :, :nb] = torch.arange(nb, device=self.device) % num_blocks
-            sampling = np.ones(num_reqs, dtype=bool)
-            self.kvc.prepare_step(inputs.metadata, rows, n_sched, inputs.positions, sampling)
-            self.kvc.finish_metadata(inputs.metadata)
+        self.kv_layout.begin_dummy(inputs, rows, n_sched, num_blocks)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         if self.drafter is not None:
             self.drafter.mirror(inputs)
-        if self.kvc is not None:
-            self.kvc.lens[:num_reqs] = 0
-            self.kvc.tables[:num_reqs] = 0
+        self.kv_layout.end_dummy(num_reqs)
         n_logits = min(ib.max_num_reqs, num_tokens)
         logits = self.model.compute_logits(hidden[:n_logits])
         logits.softmax(-1).argmax(-1)
@@ -411,35 +345,11 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def capture_cuda_graphs(self) -> None:
-        """Capture decode graphs (GPU only, unless enforce_eager). KV-Compress first compiles
-        its decode kernels' variants (eagerly too): graphs cover only decode-only steps."""
-        if self.device.type != "cuda":
+        """Capture decode graphs (GPU only, unless enforce_eager); a layout with graphs of its
+        own (``KVCacheLayout.capture_graphs``) captures those instead."""
+        if self.device.type != "cuda" or self.kv_layout.capture_graphs(self):
             return
-        if self.kvc is not None and self.kvc.num_blocks:
-            from pagedllm.kvcompress.triton_backend import warm_up_decode_kernels
-
-            warm_up_decode_kernels(
-                self.kvc,
-                self.model.attention_layers()[0].num_heads,
-                self.model_config.torch_dtype,
-                self.input_batch.max_num_reqs,
-            )
         if self.config.device_config.enforce_eager:
-            return
-        if self.kvc is not None:
-            pairs = zip(self.kvc.windows, self.kvc.spec.compressible)
-            if any(w is not None and c for w, c in pairs):
-                # every layer windowed and compacted (Mistral v0.1): the window is found by
-                # position in torch, with shapes that vary per step
-                logger.info("KV-Compress runs eagerly on this model (compacted window layers)")
-                return
-            from pagedllm.kvcompress.cuda_graph import KVCGraphRunner
-
-            self.graph_runner = KVCGraphRunner(
-                self.model, self.kvc, self.input_batch.max_num_reqs, self.max_model_len,
-                self.device,
-            )  # fmt: skip
-            self.graph_runner.capture()
             return
         shape = dict(
             max_bs=self.input_batch.max_num_reqs,
@@ -473,50 +383,18 @@ class ModelRunner:
         ib = self.input_batch
         for rid in so.finished_req_ids:
             ib.remove_request(rid)
-        kvc = self.kvc
+        rows = self.kv_layout.add_rows(ib, so.scheduled_new_reqs, so)
         dd = self.device_drafts
-        dd_rows: list[int] = []
-        for new in so.scheduled_new_reqs:
-            if kvc is None:
-                dd_rows.append(ib.add_request(new))
-                continue
-            head = new.block_ids[0] if new.block_ids else None
-            if new.sampling_params.kvc_compress_at is not None:
-                self._kvc_measured = True
-            row = ib.add_request(replace(new, block_ids=()))
-            kvc.set_row(row, head, self._kvc_scored(new.sampling_params))
-        if dd is not None and dd_rows:
-            dd.add_rows(dd_rows, [ib.token_ids[r, : ib.num_tokens[r]] for r in dd_rows])
-        entry_rows: list[int] = []  # KV-Compress: every row's new table entries, one scatter
-        entries: list = []
-        for req_id, new_block_ids, num_computed, replaced, append in so.cached_rows():
-            row = ib.req_id_to_row[req_id]
-            if kvc is not None:
-                if replaced or new_block_ids:  # (most rows of a decode step have neither)
-                    for blocks in (*replaced, *new_block_ids):
-                        entry_rows.append(row)
-                        entries.append(blocks)
-                for token in append:
-                    ib.append_token(row, token)
-                ib.num_computed_tokens[row] = num_computed
-                continue
-            for g, idx, block_id in replaced:
-                ib.block_table[g, row, idx] = block_id
-            for token in append:
-                ib.append_token(row, token)
-            if new_block_ids:
-                ib.append_blocks(row, new_block_ids)
-            ib.num_computed_tokens[row] = num_computed
-        if entries:
-            kvc.set_entries(entry_rows, entries)
+        if dd is not None and rows:
+            dd.add_rows(rows, [ib.token_ids[r, : ib.num_tokens[r]] for r in rows])
+        self.kv_layout.update_rows(ib, so.cached_rows())
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         md = inputs.metadata
         gr = self.graph_runner
         if gr is not None and gr.can_run(md.num_reqs, md.max_query_len):
             return gr.run(inputs.input_ids, inputs.positions, md)
-        if self.kvc is not None:
-            self.kvc.finish_metadata(md)
+        self.kv_layout.finish_metadata(md)
         return self.model(inputs.input_ids, inputs.positions, md)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -543,7 +421,7 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             step = LaunchedStep.nothing()
-            step.kvc_lens = self._compress(so)
+            self._after_forward(so, step)
             return step
         ib = self.input_batch
         req_ids = list(so.num_scheduled_tokens.keys())
@@ -564,16 +442,11 @@ class ModelRunner:
         dst, src = self._inputs_from_last_step(rows, cu - n_sched)
         inputs = self.inputs.prepare(rows, n_sched, (logits_idx, dst, src))
         logits_idx_t, dst_t, src_t = inputs.extra
-        if self.kvc is not None:
-            sampling = np.zeros(len(rows), dtype=bool)
-            sampling[plan.sample_idx] = True
-            # a chunk that ends a measured prefix (a Python pass over the batch only once
-            # such a request has been seen)
-            for i, row in enumerate(rows.tolist() if self._kvc_measured else ()):
-                at = ib.sampling_params[row].kvc_compress_at
-                if at is not None and seq_lens[i] == at:
-                    sampling[i] = True
-            self.kvc.prepare_step(inputs.metadata, rows, n_sched, inputs.positions, sampling)
+        if self.connectors:
+            batch = StepBatch(rows, n_sched, inputs.positions, inputs.metadata, plan.sample_idx)
+            meta = so.kv_connector_metadata
+            for c in self.connectors:
+                c.before_forward(so, meta.get(c.name), batch)
         if len(dst):
             prev = self._unresolved
             assert prev is not None and prev.sampled is not None
@@ -582,14 +455,13 @@ class ModelRunner:
         if dd is not None:
             assert unverified is not None
             dd_state = self._device_draft_inputs(so, inputs, rows, n_sched, unverified)
-        timing = self._timing_start()
-        self.timed_steps += timing is not None
+        timing = self.profiler.begin_step() if self.profiler is not None else None
         hidden = self._forward(inputs)  # [num_tokens, hidden]
         if self.drafter is not None and not so.spec_paused:
             self._mirror(so, rows, n_sched, seq_lens, inputs)  # the draft model's KVs
         qsl = inputs.metadata.query_start_loc_np
         assert qsl is not None
-        prompt_lp = self._prompt_logprobs(req_ids, rows, hidden, qsl, seq_lens)
+        prompt_lp = prompt_logprobs(self.model, ib, req_ids, rows, hidden, qsl, seq_lens)
         step = LaunchedStep(req_ids=req_ids, prompt_logprobs=prompt_lp)
         step.rows, step.plan, step.timing = rows, plan, timing
         if dd_state is not None:
@@ -616,8 +488,16 @@ class ModelRunner:
             else:
                 step.selected = hidden.index_select(0, logits_idx_t.long())
         ib.num_computed_tokens[rows] = seq_lens
-        step.kvc_lens = self._compress(so)  # after the forward pass: its scores count
+        self._after_forward(so, step)
         return step
+
+    def _after_forward(self, so: SchedulerOutput, step: LaunchedStep) -> None:
+        """The KV connectors' work after the forward pass (its attention scores count)."""
+        meta = so.kv_connector_metadata
+        for c in self.connectors:
+            pending = c.after_forward(so, meta.get(c.name))
+            if pending is not None:
+                step.kv_reports[c.name] = pending
 
     @torch.inference_mode()
     def launch_sample(self, step: LaunchedStep, bitmask: GrammarStep | None) -> None:
@@ -648,7 +528,7 @@ class ModelRunner:
                 float32 = bitmask is not None or not smd.argmax_only
                 logits = self.model.compute_logits(step.selected, float32=float32)  # [P, vocab]
                 if bitmask is not None:
-                    self._apply_bitmask(logits, bitmask, step.structured_rows)
+                    self.bitmask.apply(logits, bitmask, step.structured_rows)
                 out = self.sampler(logits, smd)
             step.selected = None
             step.sample_rows = sample_rows
@@ -684,7 +564,8 @@ class ModelRunner:
                 found = dd_host[0]
                 used, valid = dd_host[1:] if len(dd_host) == 3 else (None, None)
                 step.device_drafts = (step.device_drafts[4], found, used, valid)
-        step.timing = self._timing_end(step.timing)
+        if step.timing is not None:
+            step.timing = self.profiler.end(step.timing)  # type: ignore[union-attr]
         self._unresolved = step
 
     def resolve(self, step: LaunchedStep) -> ModelRunnerOutput:
@@ -694,9 +575,8 @@ class ModelRunner:
             self._unresolved = None
         if step.event is not None:
             step.event.synchronize()
-        if step.timing is not None:
-            step.timing[1].synchronize()  # recorded just after ``event``: done, or nearly
-            self.device_times.append(step.timing[0].elapsed_time(step.timing[1]) / 1e3)
+        if step.timing is not None and self.profiler is not None:
+            self.profiler.step_resolved(step.timing)  # (its end: just after ``event``)
         num_reqs = len(step.req_ids)
         sampled_lists: list[list[int]] = [[] for _ in step.req_ids]
         logprobs = None
@@ -736,14 +616,12 @@ class ModelRunner:
                 batch = np.flatnonzero(ks)
                 for i, d, v in zip(batch.tolist(), used[batch].tolist(), valid[batch].tolist()):
                     device_draft_tokens[ids[i]] = [t for t, ok in zip(d, v) if ok]
-        kvc_lens = {}
-        if step.kvc_lens is not None:
-            ids, lens, done = step.kvc_lens
-            if done is not None:
-                done.synchronize()
-            kvc_lens = dict(zip(ids, lens.numpy()))
+        reports = {}
+        if step.kv_reports:
+            roles = {c.name: c for c in self.connectors}
+            reports = {name: roles[name].finish(p) for name, p in step.kv_reports.items()}
         return ModelRunnerOutput(
-            kvc_lens=kvc_lens,
+            kv_connector_output=reports,
             req_ids=step.req_ids,
             sampled_token_ids=sampled_lists,
             logprobs=logprobs,
@@ -852,62 +730,6 @@ class ModelRunner:
         ib.draft_computed[rows_np] = pos_np + 1  # the new token's; the drafts' are unverified
         return {rid: (q + 1, d) for rid, q, d in zip(ids, positions, out)}
 
-    def _kvc_scored(self, params: SamplingParams) -> bool:
-        """Whether a request's KVs are scored: only one with a budget (its own or the
-        engine's default) can be evicted."""
-        if params.kvc_compress_at is not None:
-            return True
-        return self.kvc_config.budget_of(params) != (None, None)
-
-    def _compress(self, so: SchedulerOutput) -> tuple[list[str], torch.Tensor, Any] | None:
-        """Run the evictions the scheduler asked for (after the step's forward pass); returns
-        (request ids, their new lengths [B, LH] on the host once the event is done, the event
-        or None)."""
-        if not so.kvc_compress or self.kvc is None:
-            return None
-        ib = self.input_batch
-        bs, method = self.kvc.block_size, self.kvc.kvc.method
-        ids: list[str] = []
-        parts: list[torch.Tensor] = []
-        timer = self._timing_start()
-        # one call per group of similar longest heads (``width_groups``): each call sorts
-        # every member's heads to the group's longest
-        for group in width_groups([e.max_head_len for e in so.kvc_compress]):
-            plan = [so.kvc_compress[i] for i in group]
-            ids += [e.req_id for e in plan]
-            rows = np.array([ib.req_id_to_row[e.req_id] for e in plan], dtype=np.int64)
-            budgets = np.array([e.budget for e in plan], dtype=np.int64)
-            protect = np.array([e.protect_from for e in plan], dtype=np.int64)
-            keep = np.array([e.keep_below for e in plan], dtype=np.int64)
-            copies = [(row, e.copy_to, e.copy_src) for row, e in zip(rows, plan) if e.copy_to]
-            max_len = max(e.max_head_len for e in plan)
-            max_moves = sum(
-                move_bound(e.held, e.budget, bs, method, self._stuck(e) if e.computed else None)
-                for e in plan
-            )
-            with torch.inference_mode():
-                parts.append(
-                    self.kvc.compress(
-                        rows, budgets, protect, keep, max(max_len, 1), max(max_moves, 1), copies
-                    )
-                )
-        lens = parts[0] if len(parts) == 1 else torch.cat(parts)
-        timer = self._timing_end(timer)
-        if timer is not None:
-            self.compress_events.append(timer)
-            self.compress_steps.append(self.timed_steps - 1)
-        (host,), done = self._to_host([lens])  # no sync: resolve() waits for the event
-        return ids, host, done
-
-    def _stuck(self, e: KVCEviction) -> int:
-        """``stuck_bound`` of an eviction: its compressible heads' unevictable KVs (the
-        protected window, the sinks or shared prefix) plus a block each, at most."""
-        kvc = self.kvc
-        assert kvc is not None
-        sinks = max(e.keep_below, kvc.kvc.num_sinks)
-        heads = kvc.num_compressible_heads
-        return stuck_bound(heads, e.computed, e.protect_from, sinks, kvc.block_size)
-
     def _inputs_from_last_step(
         self, rows: np.ndarray, first_token: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -1011,101 +833,3 @@ class ModelRunner:
         event = torch.cuda.Event()
         event.record()
         return host, event
-
-    def compress_seconds(self) -> list[float]:
-        """Device seconds of each timed eviction (synchronizes)."""
-        if self.compress_events:
-            self.compress_events[-1][1].synchronize()
-        return [a.elapsed_time(b) / 1e3 for a, b in self.compress_events]
-
-    def _timing_start(self) -> Any:
-        if not self.time_device or self.device.type != "cuda":
-            return None
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
-        return start
-
-    def _timing_end(self, start: Any) -> Any:
-        if start is None:
-            return None
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        return (start, end)
-
-    def _apply_bitmask(
-        self, logits: torch.Tensor, bitmask: GrammarStep, rows_np: np.ndarray
-    ) -> None:
-        """Mask the sampled rows of structured requests (``rows_np``: the logits row of each
-        mask row) in one vectorized operation; the mask and the row indices reach the device
-        by non-blocking copies from pinned memory into preallocated device buffers."""
-        from pagedllm.structured_output.bitmask import apply_token_bitmask
-
-        mask = bitmask.mask  # [n, ceil(vocab / 32)] int32, host
-        n = len(rows_np)
-        assert mask is not None and n == mask.shape[0], "a mask row per sampling position"
-        cuda = self.device.type == "cuda"
-        if not self._bitmask_rows or n > self._bitmask_rows[0].shape[0]:
-            # a row per sampling position: more than one per request with drafts
-            max_rows = max(self.input_batch.max_num_reqs, n)
-            self._bitmask_rows = [
-                torch.empty(max_rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)
-            ]
-            if cuda:
-                self._bitmask_dev = (
-                    torch.empty((max_rows, mask.shape[1]), dtype=torch.int32, device=self.device),
-                    torch.empty(max_rows, dtype=torch.int64, device=self.device),
-                )
-        # rows_np is increasing (structured batch indices, searched in the sampling ones):
-        # ending at n - 1 it is 0..n-1, e.g. every sampling row constrained -> no row indices
-        rows = None
-        if rows_np[-1] != n - 1:
-            rows = self._bitmask_rows[self._bitmask_turn][:n]
-            self._bitmask_turn ^= 1
-            rows.numpy()[:] = rows_np
-        if self._bitmask_dev is not None:
-            mask_dev = self._bitmask_dev[0][:n]
-            mask_dev.copy_(mask, non_blocking=True)
-            mask = mask_dev
-            if rows is not None:
-                rows = self._bitmask_dev[1][:n].copy_(rows, non_blocking=True)
-        apply_token_bitmask(logits, mask, rows)
-
-    def _prompt_logprobs(
-        self,
-        req_ids: list[str],
-        rows: np.ndarray,
-        hidden: torch.Tensor,
-        qsl: np.ndarray,
-        seq_lens: np.ndarray,
-    ) -> dict:
-        """Logprobs of prompt tokens 1.. (token p+1 is predicted at position p), chunk by
-        chunk: a chunk over positions [s, e) yields tokens s+1 .. min(e, prompt_len - 1)."""
-        ib = self.input_batch
-        result: dict = {}
-        if not ib.num_prompt_logprobs:  # the common case: nobody asked, skip the loop
-            return result
-        for i, rid in enumerate(req_ids):
-            row = int(rows[i])
-            p = ib.sampling_params[row]
-            if p is None or p.prompt_logprobs is None:
-                continue
-            start = int(seq_lens[i] - (qsl[i + 1] - qsl[i]))
-            end = min(int(seq_lens[i]), int(ib.num_prompt_tokens[row]) - 1)
-            if end <= start:
-                continue
-            h = hidden[int(qsl[i]) : int(qsl[i]) + (end - start)]
-            lp = self.model.compute_logits(h).log_softmax(dim=-1)  # [n, vocab]
-            targets = torch.from_numpy(ib.token_ids[row, start + 1 : end + 1]).to(lp.device)
-            tgt_lp = lp.gather(1, targets[:, None])
-            tgt_rank = (lp > tgt_lp).sum(-1, keepdim=True) + 1
-            n = p.prompt_logprobs
-            if n > 0:
-                top_lp, top_ids = lp.topk(n, dim=-1)
-                rk = torch.arange(1, n + 1, device=lp.device).expand(len(targets), n)
-                ids = torch.cat([targets[:, None], top_ids], 1).tolist()
-                lps = torch.cat([tgt_lp, top_lp], 1).tolist()
-                ranks = torch.cat([tgt_rank, rk], 1).tolist()
-            else:
-                ids, lps, ranks = targets[:, None].tolist(), tgt_lp.tolist(), tgt_rank.tolist()
-            result[rid] = (start + 1, list(zip(ids, lps, ranks)))
-        return result

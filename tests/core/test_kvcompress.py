@@ -757,6 +757,19 @@ def _kvc_scheduler(num_blocks: int, max_num_batched_tokens: int = 256):
     )
 
 
+def _evictions(so):
+    """The KV-Compress evictions a step plans (its planner's metadata)."""
+    meta = so.kv_connector_metadata.get("kvcompress")
+    return meta.evictions if meta is not None else []
+
+
+def _make_room(sched, room: dict, short: int) -> bool:
+    """The planner's make-room rule with ``room`` as the step's marked requests."""
+    planner = sched.connectors[0]
+    planner._room = room
+    return planner._mark_for_room({}, short)
+
+
 def test_make_room_takes_the_requests_grown_by_a_block_first():
     """Memory short: the requests over their budget grown by at least a block's tokens since
     their last eviction are marked (all of them), the others only when those cannot free
@@ -769,40 +782,45 @@ def test_make_room_takes_the_requests_grown_by_a_block_first():
     for i, rid in enumerate("abc"):
         sched.add_request(Request(rid, list(range(3 + 30 * i, 23 + 30 * i)), sp, eos_token_id=2))
     so = sched.schedule()  # the prompts (20 tokens), an eviction planned after each
-    assert {e.req_id for e in so.kvc_compress} == set("abc")
+    assert {e.req_id for e in _evictions(so)} == set("abc")
     keep = {rid: np.full(6, 4) for rid in "abc"}  # 4 KVs a head: 24, the budget
-    sched.update_from_output(so, ModelRunnerOutput(list("abc"), [[7]] * 3, kvc_lens=keep))
-    assert not sched._kvc_inflight
+    sched.update_from_output(
+        so, ModelRunnerOutput(list("abc"), [[7]] * 3, kv_connector_output={"kvcompress": keep})
+    )
+    assert not sched.connectors[0].inflight
     # each request holds 24 KVs + 6 a decode token; last evicted 20, 2 and 12 tokens ago
     for rid, growth in zip("abc", (20, 2, 12)):
         r = sched.requests[rid]
         sched.kv_cache_manager.allocate_slots(r, growth)
         r.num_computed_tokens += growth
-        r.kvc_compressed_at = r.num_computed_tokens - growth
+        sched.connectors[0].tracks[rid].compressed_at = r.num_computed_tokens - growth
     # over by 6 x growth KVs: a frees 30 blocks, b 3, c 18 (ceil(over / 4))
     room: dict[str, int] = {}
-    assert sched._kvc_make_room(room, {}, short=10)
+    assert _make_room(sched, room, 10)
     assert set(room) == {"a", "c"}  # both grew by a block (4 tokens) or more; b did not
     room = {}
-    assert sched._kvc_make_room(room, {}, short=50)
+    assert _make_room(sched, room, 50)
     assert set(room) == {"a", "b", "c"}  # 48 from a and c are short of 50: b too
-    assert not sched._kvc_make_room({}, {}, short=52)  # 51 at most: preempt instead
-    sched._kvc_inflight["x"] = [1, 60]  # an eviction in flight frees 60 blocks
+    assert not _make_room(sched, {}, 52)  # 51 at most: preempt instead
+    sched.connectors[0].inflight["x"] = [1, 60]  # an eviction in flight frees 60 blocks
     room = {}
-    assert sched._kvc_make_room(room, {}, short=52)
-    assert sched._kvc_make_room(room, {}, short=0) and set(room) == {"a", "c"}
-    sched._kvc_inflight["a"] = [1, 0]  # a's eviction in flight: its old lengths not counted
+    assert _make_room(sched, room, 52)
+    assert _make_room(sched, room, 0) and set(room) == {"a", "c"}
+    sched.connectors[0].inflight["a"] = [
+        1,
+        0,
+    ]  # a's eviction in flight: its old lengths not counted
     room = {}
-    assert sched._kvc_make_room(room, {}, short=78) and set(room) == {"c"}  # 60 + 18
+    assert _make_room(sched, room, 78) and set(room) == {"c"}  # 60 + 18
     room = {}
-    assert sched._kvc_make_room(room, {}, short=80) and set(room) == {"b", "c"}
-    assert not sched._kvc_make_room({}, {}, short=82)
+    assert _make_room(sched, room, 80) and set(room) == {"b", "c"}
+    assert not _make_room(sched, {}, 82)
 
 
 def test_next_step_waits_for_evictions_that_free_what_it_wants():
     """Under async scheduling a step is planned before the last step's evictions come back.
     When memory stopped the last plan and the pool has less free than it wanted, the next
-    step takes those evictions first (``wants_evictions_landed``): a long prompt is admitted
+    step takes those evictions first (``wants_results_first``): a long prompt is admitted
     in the step after the eviction of the one before it, not a step later. Not while nothing
     is in flight, nor when the pool already has what the next step wants."""
     from pagedllm.core.sched.output import ModelRunnerOutput
@@ -812,26 +830,28 @@ def test_next_step_waits_for_evictions_that_free_what_it_wants():
     sp = SamplingParams(max_tokens=8, ignore_eos=True, max_cache_tokens=4)
     for rid, start in (("a", 3), ("b", 100)):  # 40 tokens: 10 blocks a head, 60 in all
         sched.add_request(Request(rid, list(range(start, start + 40)), sp, eos_token_id=2))
-    assert not sched.wants_evictions_landed()  # nothing planned yet
+    assert not sched.wants_results_first()  # nothing planned yet
     so = sched.schedule()  # a, then b short of 20 blocks: memory stops the plan
-    assert list(so.num_scheduled_tokens) == ["a"] and so.kvc_compress
+    assert list(so.num_scheduled_tokens) == ["a"] and _evictions(so)
     assert kvm.num_free_blocks() == 40
-    assert sched.wants_evictions_landed()  # it wanted 60 + 60 and a's eviction is in flight
+    assert sched.wants_results_first()  # it wanted 60 + 60 and a's eviction is in flight
     keep = {"a": np.full(6, 4)}  # a keeps 4 KVs a head: 9 blocks of 10 go in each
-    sched.update_from_output(so, ModelRunnerOutput(["a"], [[7]], kvc_lens=keep))
-    assert not sched.wants_evictions_landed()  # landed: nothing in flight
+    sched.update_from_output(
+        so, ModelRunnerOutput(["a"], [[7]], kv_connector_output={"kvcompress": keep})
+    )
+    assert not sched.wants_results_first()  # landed: nothing in flight
     so = sched.schedule()  # a decodes, b is admitted with the blocks a's eviction freed
     assert so.num_scheduled_tokens == {"a": 1, "b": 40}
     # b's eviction in flight; its prompt done, no prompt tokens left: the next step wants
     # nothing it lacks
-    assert so.kvc_compress and not sched.wants_evictions_landed()
+    assert _evictions(so) and not sched.wants_results_first()
     sched.add_request(Request("c", list(range(200, 260)), sp, eos_token_id=2))
-    assert not sched.wants_evictions_landed()  # (the plan before c came)
+    assert not sched.wants_results_first()  # (the plan before c came)
     so2 = sched.schedule()  # c's 60 tokens need 90 blocks with b's 60 still held
-    assert "c" not in so2.num_scheduled_tokens and sched.wants_evictions_landed()
+    assert "c" not in so2.num_scheduled_tokens and sched.wants_results_first()
     # as if the pool had what the next step wants: free >= wanted -> False
-    sched._kvc_wanted = kvm.num_free_blocks()
-    assert not sched.wants_evictions_landed()
+    sched.connectors[0].wanted = kvm.num_free_blocks()
+    assert not sched.wants_results_first()
 
 
 @pytest.mark.parametrize("third", [False, True])
@@ -846,10 +866,10 @@ def test_next_step_waits_for_evictions_when_its_prompt_chunk_does_not_fit(third)
     for rid, start in (("a", 3), ("b", 100), ("c", 200))[: 2 + third]:
         sched.add_request(Request(rid, list(range(start, start + 40)), sp, eos_token_id=2))
     so = sched.schedule()  # a's 40 tokens (60 blocks), b's first 8 (12): the budget stops it
-    assert so.num_scheduled_tokens == {"a": 40, "b": 8} and so.kvc_compress
+    assert so.num_scheduled_tokens == {"a": 40, "b": 8} and _evictions(so)
     assert kvm.num_free_blocks() == 58
     # b's 32 tokens left (48 blocks) fit; with c waiting the next step takes 48 tokens: 72
-    assert sched.wants_evictions_landed() == third
+    assert sched.wants_results_first() == third
 
 
 def test_next_step_waits_for_the_evictions_that_make_room_for_decodes():
@@ -865,12 +885,14 @@ def test_next_step_waits_for_the_evictions_that_make_room_for_decodes():
     for _ in range(20):
         so = sched.schedule()
         ids = list(so.num_scheduled_tokens)
-        if so.kvc_compress and not sched.waiting and max(so.num_scheduled_tokens.values()) == 1:
+        if _evictions(so) and not sched.waiting and max(so.num_scheduled_tokens.values()) == 1:
             break  # evictions in a decode-only step: memory was short
-        lens = {e.req_id: np.full(6, 4) for e in so.kvc_compress}  # 4 KVs a head kept
-        sched.update_from_output(so, ModelRunnerOutput(ids, [[7]] * len(ids), kvc_lens=lens))
-        assert not sched.wants_evictions_landed()  # nothing in flight
+        lens = {e.req_id: np.full(6, 4) for e in _evictions(so)}  # 4 KVs a head kept
+        sched.update_from_output(
+            so, ModelRunnerOutput(ids, [[7]] * len(ids), kv_connector_output={"kvcompress": lens})
+        )
+        assert not sched.wants_results_first()  # nothing in flight
     else:
         raise AssertionError("memory never ran short")
     assert len(ids) < 3  # some requests wait for the evictions
-    assert sched.wants_evictions_landed()
+    assert sched.wants_results_first()

@@ -3,7 +3,6 @@ kind, and how uneven the heads' lengths are."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,13 +16,12 @@ def test_eviction_time_split_by_step_kind():
     (prompt or decode-only) and taken out of the decode-only steps' mean."""
     steps = [StepRecord([5, 1], [5, 9]), StepRecord([1, 1], [6, 10]), StepRecord([1, 1], [7, 11])]
     device = [0.010, 0.004, 0.002]
-    runner = SimpleNamespace(compress_steps=[0, 1, 1])
-    got = _compress_split(steps, device, [0.003, 0.001, 0.001], runner)
+    got = _compress_split(steps, device, [0.003, 0.001, 0.001], [0, 1, 1])
     assert got["compress_s_prefill_steps"] == pytest.approx(0.003)
     assert got["compress_s_decode_steps"] == pytest.approx(0.002)
     assert got["decode_steps_with_evictions"] == 1
     assert got["device_ms_per_decode_step_without_evictions"] == pytest.approx(2.0)  # (2 + 2) / 2
-    assert _compress_split(steps, device[:2], [0.003], SimpleNamespace(compress_steps=[0])) == {}
+    assert _compress_split(steps, device[:2], [0.003], [0]) == {}
 
 
 def test_device_gaps_between_overlapping_work():

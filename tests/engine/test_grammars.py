@@ -144,7 +144,7 @@ def test_rejected_token_ends_only_its_request(process, asynch, tiny_models):
             request = core.scheduler.requests.get("a")
             if inject and not injected and request is not None and request.num_output_tokens:
                 z = engine.tokenizer.convert_tokens_to_ids("Z")  # never valid in SMALL_OBJECT
-                core.scheduler.grammars.accept(request.grammar_key, z)
+                core.scheduler.grammar_book.grammars.accept(request.grammar_key, z)
                 injected = True
         engine.engine_core.check_integrity()
         engine.engine_core.shutdown()

@@ -147,7 +147,7 @@ def test_cuda_graphs_equal_eager_splitting_long_heads(tiny_models, monkeypatch):
     """Scored heads longer than ``SKEW_SPLITS``'s T tiles take the long-head split (T lowered
     to 2 tiles, splits of 2 tiles or more, and the SM count to 1, so that a tiny model's
     batch takes it): in CUDA graphs and eagerly, the same tokens."""
-    import pagedllm.ops.kvc_attention as kvc_ops
+    import pagedllm.ops.kvc_attention.decode as kvc_ops
 
     monkeypatch.setattr(kvc_ops, "SKEW_SPLITS", (4, 2, 2))
     monkeypatch.setattr(kvc_ops, "_num_sms", lambda device: 1)
@@ -306,7 +306,7 @@ def test_async_admissions_wait_for_the_evictions_that_free_their_blocks(tiny_mod
     """Long prompts in a cache that holds one uncompressed prompt beside the compressed
     ones: each admission needs the blocks the eviction of the prompt before it frees. Under
     async scheduling that eviction is still in flight when the next step is planned; the
-    engine takes its lengths first (``Scheduler.wants_evictions_landed``), so the prompts are
+    engine takes its lengths first (``Scheduler.wants_results_first``), so the prompts are
     admitted a step apart as in the synchronous engine (not two: 35 steps against its 28
     without the wait) and the tokens equal its."""
     rng = np.random.default_rng(1)
@@ -325,18 +325,18 @@ def test_async_admissions_wait_for_the_evictions_that_free_their_blocks(tiny_mod
         cores.append(llm.llm_engine.engine_core)
     sync, asyn = cores
     assert results[0] == results[1]
-    assert asyn.num_eviction_waits > 0 and asyn.num_async_steps == asyn.num_steps
+    assert asyn.num_results_first > 0 and asyn.num_async_steps == asyn.num_steps
     # async: the last step of each of the two waves of requests runs again (its token
     # dropped), and a last call only collects the results
     assert asyn.num_steps <= sync.num_steps + 3
-    assert sync.num_eviction_waits == 0 and sync.scheduler.num_preemptions == 0
+    assert sync.num_results_first == 0 and sync.scheduler.num_preemptions == 0
 
 
 def test_evictions_of_different_widths_in_one_step_equal_one_call(tiny_models, monkeypatch):
     """A request evicted continually (a few KVs a head) and a long prompt evicted after its
     prefill in the same steps: the runner evicts them in separate calls of their own widths
     (``width_groups``), and the tokens equal those of one call over both."""
-    import pagedllm.worker.model_runner as model_runner
+    import pagedllm.kvcompress.runner as model_runner
 
     groups = model_runner.width_groups
     sizes: list[int] = []
@@ -358,7 +358,7 @@ def test_evictions_of_different_widths_in_one_step_equal_one_call(tiny_models, m
         runner = core.model_runner
         for rid, state in core.scheduler.kv_cache_manager.states.items():
             row = runner.input_batch.req_id_to_row[rid]
-            assert np.array_equal(runner.kvc.lens[row].numpy(), state.lens), rid
+            assert np.array_equal(runner.kv_layout.lens[row].numpy(), state.lens), rid
 
     results = []
     for split in (recording, lambda widths, ratio=4: [list(range(len(widths)))]):
@@ -503,14 +503,21 @@ def test_fields_need_kvc_and_beam_search_is_refused(tiny_models):
 
 
 def test_compress_at_a_prefix_then_teacher_force(tiny_models):
-    """``kvc_compress_at`` (the quality benchmark's teacher forcing): the prefill stops at the
-    prefix, evicts, and the rest of the prompt's logprobs see the compressed cache; with a
-    budget above the prefix they equal the uncompressed run's."""
+    """The quality benchmark's teacher forcing, a planner attached through the KV seam
+    (``benchmarks/kvc_probe.py``): the prefill stops at the prefix, evicts, and the rest of the
+    prompt's logprobs see the compressed cache; with a budget above the prefix they equal the
+    uncompressed run's."""
+    from benchmarks.kvc_probe import measured_prefix
+
     prompt = _prompts()[5]  # 64 tokens: 48 of context, 16 to score
 
-    def prompt_lps(**params):
-        llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True)
-        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, **params)
+    def prompt_lps(at=None, **params):
+        with measured_prefix():
+            llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True)
+        extra = {"compress_at": at} if at is not None else None
+        sp = SamplingParams(
+            temperature=0.0, max_tokens=1, prompt_logprobs=0, extra_args=extra, **params
+        )
         out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
         core = llm.llm_engine.engine_core
         core.check_integrity()
@@ -519,9 +526,9 @@ def test_compress_at_a_prefix_then_teacher_force(tiny_models):
 
     full, evicted = prompt_lps()
     assert evicted == 0
-    roomy, evicted = prompt_lps(kvc_compress_at=48, max_cache_tokens=100)
+    roomy, evicted = prompt_lps(at=48, max_cache_tokens=100)
     assert evicted == 0 and np.allclose(roomy, full, atol=1e-5)
-    small, evicted = prompt_lps(kvc_compress_at=48, max_cache_tokens=8, protected_window_size=4)
+    small, evicted = prompt_lps(at=48, max_cache_tokens=8, protected_window_size=4)
     assert evicted > 0 and not np.allclose(small, full, atol=1e-3)
 
 

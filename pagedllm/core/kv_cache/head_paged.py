@@ -14,7 +14,7 @@ Every new token adds one KV to every head, so a step of n tokens needs, per head
 cdiv([7, 10, 5], 4) = [2, 3, 2], nblocks [2, 2, 1] -> 0, 1 and 1 new blocks.
 
 Eviction runs on the model runner's device (``pagedllm/kvcompress/evict.py``), where the
-scores are: the scheduler asks for it in ``SchedulerOutput.kvc_compress``, the runner compacts
+scores are: the KV-Compress planner (``core/sched/kvc.py``) asks for it, the runner compacts
 every evicted head's survivors into its first blocks and returns the new per-head lengths, and
 ``apply_compaction`` gives back the blocks past them.
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from pagedllm.core.kv_cache.block import KVCacheBlock
 from pagedllm.core.kv_cache.block_pool import BlockPool
@@ -172,3 +172,35 @@ class KVCacheManagerBase(ABC):
         return self.num_free_blocks() == self.num_blocks - int(
             self.block_pool.null_block is not None
         )
+
+
+@runtime_checkable
+class PerHeadKVManager(Protocol):
+    """What a per-head KV manager (KV-Compress: a block table per (layer, KV head),
+    ``core/kv_cache/head_paged.py``) offers beyond ``KVCacheManagerBase``: the operations the
+    KV-Compress planner (``core/sched/kvc.py``) asks of it, and nothing the scheduler asks.
+
+    - ``compressible``: [LH] bool, the (layer, KV head) pairs a budget counts;
+    - ``blocks_for_tokens(n)``: blocks a request holding none takes for its first n tokens;
+    - ``blocks_short(r, n)``: blocks missing from the pool for n more tokens of r (0: fits);
+    - ``held_kvs(rid)``: KVs r holds in compressible heads after its shared cached prefix;
+    - ``head_extent(rid)``: (its longest head's KVs, ``held_kvs``);
+    - ``prefix_tokens(rid)``: tokens of its cached prefix that another request shares now;
+    - ``settle_prefix(r)``: before an eviction is planned, protect that prefix; its tokens;
+    - ``detach_own(r, keep_cached)``: its own cached blocks leave the cache's care before an
+      eviction rewrites them: (new table entries, the ids they copy) or None;
+    - ``apply_compaction(r, lens, computed)``: the runner's new per-head lengths; blocks freed.
+    """
+
+    block_size: int
+    compressible: Any
+
+    def num_free_blocks(self) -> int: ...
+    def blocks_for_tokens(self, num_tokens: int) -> int: ...
+    def blocks_short(self, request: Request, num_new: int) -> int: ...
+    def held_kvs(self, request_id: str) -> int: ...
+    def head_extent(self, request_id: str) -> tuple[int, int]: ...
+    def prefix_tokens(self, request_id: str) -> int: ...
+    def settle_prefix(self, request: Request) -> int: ...
+    def detach_own(self, request: Request, keep_cached: bool = False) -> Any: ...
+    def apply_compaction(self, request: Request, lens: Any, computed: int | None = None) -> int: ...

@@ -10,27 +10,6 @@ from typing import Any
 from pagedllm.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
-class KVCEviction:
-    """One request's eviction after a step (KV-Compress). ``max_head_len`` and ``held`` are
-    what the scheduler's manager knows after the step; they bound the device work without a
-    host sync (the sort's width, and the number of KVs compaction may move)."""
-
-    req_id: str
-    budget: int  # KVs its compressible heads may keep
-    protect_from: int  # positions >= this are never evicted
-    max_head_len: int  # the longest head (any layer) after the step
-    held: int  # KVs in its compressible heads after the step
-    keep_below: int = 0  # positions < this are never evicted (its shared cached prefix)
-    # tokens whose KVs exist once the step is done (the lengths that come back count them;
-    # under async scheduling the next step's tokens are allocated before they come back)
-    computed: int = 0
-    # before the eviction: table entries (a HeadBlocks) that move to copies of the blocks
-    # ``copy_src`` (cached prompt blocks that stay cached), or None
-    copy_to: Any = None
-    copy_src: Any = None
-
-
 @dataclass
 class NewRequestData:
     """A request the runner has not seen (or has dropped, after a preemption): sent in full."""
@@ -115,9 +94,9 @@ class SchedulerOutput:
     # rejected ones back off its positions on the device.
     device_drafts: bool = False
     spec_unverified: dict[str, int] = field(default_factory=dict)
-    # KV-Compress: the requests to evict from after this step's forward pass (its attention
-    # scores count); the new per-head lengths come back in ModelRunnerOutput.kvc_lens.
-    kvc_compress: list[KVCEviction] = field(default_factory=list)
+    # KV connectors (core/sched/connector.py): each role's plan for the step by connector
+    # name (KV-Compress: the evictions after the forward pass), for its worker role
+    kv_connector_metadata: dict[str, Any] = field(default_factory=dict)
     # Which schedule() made this plan: the scheduler keeps the step's Request objects under
     # it until update_from_output (the plan itself is plain data, sent to worker processes).
     step_id: int = 0
@@ -190,8 +169,9 @@ class ModelRunnerOutput:
     # The sampled token of each structured request, in SchedulerOutput.structured_requests'
     # order (for Grammars without a pass over every request); None when there are none.
     structured_tokens: list[int] | None = None
-    # KV-Compress: the computed KVs left per (layer, KV head) [LH] of each compressed request
-    kvc_lens: dict = field(default_factory=dict)
+    # KV connectors: each worker role's report by connector name (KV-Compress: request ->
+    # the computed KVs left per (layer, KV head) [LH] of each evicted request)
+    kv_connector_output: dict[str, Any] = field(default_factory=dict)
     # A draft model: request -> (the known tokens the drafts follow, the drafts), for the
     # requests of SchedulerOutput.draft_requests (see pagedllm/spec_decode/draft_model.py).
     draft_token_ids: dict[str, tuple[int, list[int]]] = field(default_factory=dict)

@@ -28,10 +28,9 @@ tokens and 1 token to each of the first two, which are decoding.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagedllm.config import CacheConfig, KVCompressConfig, SchedulerConfig
 from pagedllm.core.kv_cache.factory import make_kv_cache_manager
@@ -39,11 +38,11 @@ from pagedllm.core.kv_cache.spec import KVCacheGroups
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.beams import BeamManager
 from pagedllm.core.sched.checks import check_admissible, check_stop
+from pagedllm.core.sched.connector import ConnectorContext, make_scheduler_roles
 from pagedllm.core.sched.groups import SequenceGroups, num_sequences
 from pagedllm.core.sched.output import (
     CachedRequestData,
     EngineCoreOutput,
-    KVCEviction,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -54,7 +53,7 @@ from pagedllm.core.sched.structured import GrammarBook
 
 if TYPE_CHECKING:
     from pagedllm.spec_decode import SpeculativeConfig
-    from pagedllm.structured_output.grammars import Grammars, GrammarStep
+    from pagedllm.structured_output.grammars import GrammarStep
 
 
 class Scheduler:
@@ -71,23 +70,9 @@ class Scheduler:
         kv_groups: KVCacheGroups | None = None,
         kvc_config: KVCompressConfig | None = None,
         spec_config: SpeculativeConfig | None = None,
+        kv_connectors: tuple[str, ...] = (),
     ) -> None:
         self.config = scheduler_config
-        # KV-Compress: when on, the KV manager is the per-head one (core/kv_cache/head_paged)
-        self.kvc = kvc_config if kvc_config is not None and kvc_config.enabled else None
-        if self.kvc is not None and (kv_groups is None or kv_groups.head_paged is None):
-            raise ValueError("KV-Compress needs the model runner's per-head KV-cache groups.")
-        # request -> [its evictions whose new lengths have not come back yet, the blocks they
-        # free at least] (async scheduling plans the next step meanwhile, on the old lengths:
-        # see ``_kvc_plan``; ``_kvc_make_room`` counts the blocks)
-        self._kvc_inflight: dict[str, list[int]] = {}
-        # KV-Compress: the free blocks the next schedule() wants at its start - what memory
-        # stopped the last one short of, or its prompts' next chunks; see
-        # ``wants_evictions_landed``
-        self._kvc_wanted = 0
-        # KV-Compress: the requests with a budget (or a measured prefix): without any, a step
-        # plans no eviction unless memory is short (no per-request pass over the batch)
-        self._kvc_budgeted: set[str] = set()
         self.max_model_len = scheduler_config.max_model_len
         # speculative decoding: drafts before a step, acceptance after it (core/sched/spec.py)
         self.spec = SpecDecoding(spec_config, self.max_model_len) if spec_config else None
@@ -99,10 +84,6 @@ class Scheduler:
             cache_config.enable_prefix_caching,
             num_host_blocks,
             scheduler_config.max_num_batched_tokens,
-        )
-        # KV-Compress: the (layer, KV head) pairs a budget counts
-        self._kvc_heads = (
-            int(self.kv_cache_manager.compressible.sum()) if self.kvc is not None else 0
         )
         mode = cache_config.preemption_mode
         self.use_swap = mode == "swap" or (mode == "auto" and swap_is_cheaper)
@@ -140,18 +121,22 @@ class Scheduler:
         # token in flight while a new request already uses its id).
         self._in_flight: dict[int, list[Request]] = {}
         self._step_ids = itertools.count()
+        # what changes a KV cache's life (KV-Compress, ...): scheduler roles called at the
+        # hooks below (core/sched/connector.py); KV-Compress first when it is on
+        context = ConnectorContext(
+            self.kv_cache_manager, self.requests, self.running, self.waiting, self._runner_has,
+            scheduler_config,
+        )  # fmt: skip
+        names = ("kvcompress",) * bool(kvc_config and kvc_config.enabled) + kv_connectors
+        self.connectors = make_scheduler_roles(names, context, {"kvcompress": kvc_config})
+        # the roles that may shorten a request's tokens (the rest are skipped per request)
+        self._cutters = [c for c in self.connectors if c.cuts_tokens]
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
         """Queue a validated request. Raises ValueError if it could never be served."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
-        params = request.sampling_params
-        if self.kvc is None and params.uses_kvc_fields:
-            raise ValueError(
-                "max_cache_tokens, compression_rate, protected_window_size and compress_once "
-                "need an engine started with KV-Compress (enable_kvc / --enable-kvc)."
-            )
         capacity = self.kv_cache_manager.token_capacity()
         check_admissible(request, self.config.max_num_seqs, self.max_model_len, capacity)
         request.status = RequestStatus.WAITING
@@ -161,30 +146,10 @@ class Scheduler:
         self._track(request)
         self.waiting.add(request)
 
-    @property
-    def structured(self) -> Any:
-        """The StructuredOutputManager (grammar compiler), set by the engine core when needed."""
-        return self.grammar_book.structured
-
-    @structured.setter
-    def structured(self, manager: Any) -> None:
-        self.grammar_book.structured = manager
-
-    @property
-    def grammars(self) -> Grammars | None:
-        """``Grammars``: the matchers of structured requests (set by the engine core)."""
-        return self.grammar_book.grammars
-
-    @grammars.setter
-    def grammars(self, grammars: Grammars | None) -> None:
-        self.grammar_book.grammars = grammars
-
     def _track(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        if self.kvc is not None:
-            rule = request.kvc_budget_rule = self.kvc.budget_of(request.sampling_params)
-            if rule != (None, None) or request.sampling_params.kvc_compress_at is not None:
-                self._kvc_budgeted.add(request.request_id)
+        for c in self.connectors:
+            c.add_request(request)
         if request.needs_host_tokens:
             self._sync_ids.add(request.request_id)
 
@@ -200,30 +165,11 @@ class Scheduler:
             and not self.spec.paused(len(self.running), self._admittable())
         )
 
-    def wants_evictions_landed(self) -> bool:
+    def wants_results_first(self) -> bool:
         """Under async scheduling: whether the next step should wait for the last step's
-        results before it is scheduled (the engine core then takes its results first). True
-        when KV-Compress evictions are in flight and the pool has fewer blocks free than the
-        next step wants: what the last ``schedule()`` was short of when memory stopped it,
-        or else the blocks of the prompt tokens it left for the next step (the rest of the
-        prompts it cut, then the first waiting request's, up to the token budget). Those
-        evictions free blocks the next step would otherwise go without.
-
-        Why: the blocks an eviction frees reach the host a step late. With long prompts each
-        admission waited for the eviction of the prompt before it: a prompt every other
-        step, a decode-only step between them, the pool holding two uncompressed prompts
-        instead of one. The engine on a CPU (4 layers x 8 KV heads, 128 prompts of 3,000,
-        budget 176, the pool 5.4 prompts): 687 steps and 46.8 sequences a step without
-        this, 551 and 58.2 with it (86 steps took their results first; synchronous steps:
-        623 and 51.4). Waiting idles the device for the host's update, schedule and launch
-        of a step: 8-16 ms on an H200 at Benchmark D's shape, ~2 s of a 50-110 s run.
-
-        Example (bs 16, 2 heads, a token budget of 6,000): the last schedule computed a
-        6,000-token prompt whole, a second one waiting -> it wants 375 x 2 blocks; 600 are
-        free now and the first prompt's eviction is in flight -> True."""
-        if not self._kvc_inflight or not self._kvc_wanted:
-            return False
-        return self.kv_cache_manager.num_free_blocks() < self._kvc_wanted
+        results before it is scheduled (a KV connector's rule, e.g. KV-Compress evictions in
+        flight that free blocks the next step wants)."""
+        return any(c.wants_results_first() for c in self.connectors)
 
     def _admittable(self) -> int:
         """Waiting requests that a free seat could take now (``max_num_seqs`` bounds them):
@@ -259,8 +205,8 @@ class Scheduler:
         self.grammar_book.release(request)
         self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
-        self._kvc_budgeted.discard(request.request_id)
-        self._kvc_inflight.pop(request.request_id, None)
+        for c in self.connectors:
+            c.on_free(request)
         self._sync_ids.discard(request.request_id)
         self.groups.finished(request)
         if request.request_id in self._runner_has:
@@ -290,7 +236,8 @@ class Scheduler:
         self._in_flight.clear()
         self._swap_out = []
         self.kv_cache_manager.take_pending_copies()
-        self._kvc_inflight.clear()
+        for c in self.connectors:
+            c.reset()
         self._runner_has.clear()
         self.finished_req_ids = set()
         if not self.kv_cache_manager.reset_prefix_cache():
@@ -320,11 +267,8 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         preempted = self._preempt_for_priority(budget)
         running_preempted = False
-        kvm = self.kv_cache_manager
-        self._kvc_wanted = 0
-        free_start = kvm.num_free_blocks() if self.kvc is not None else 0
-        kvc_room: dict[str, int] = {}  # KV-Compress: requests to evict from for room
-        kvc_short = False  # memory is short and those evictions make room: requests wait
+        for c in self.connectors:
+            c.begin_step()
         spec_tokens: dict[str, list[int]] = {}  # speculative decoding: each request's drafts
         draft_requests: dict[str, int] = {}  # a draft model drafts after the step for these
         unverified: dict[str, int] = {}  # ngram_gpu: drafts of unresolved steps counted
@@ -343,7 +287,8 @@ class Scheduler:
                 - (request.num_computed_tokens - request.num_unverified),
                 budget,
             )
-            num_new = self._kvc_cut(request, num_new)
+            for c in self._cutters:
+                num_new = c.num_new_tokens(request, num_new)
             if num_new <= 0:
                 i += 1
                 continue
@@ -358,7 +303,7 @@ class Scheduler:
                 num_new += len(drafts)  # verified in this step's forward pass
             # a draft model proposes after this step: slots for its drafts' KVs
             look = (
-                self._draft_lookahead(request, num_new - len(drafts), len(drafts), speculate)
+                self.spec.step_lookahead(request, num_new - len(drafts), len(drafts))  # type: ignore[union-attr]
                 if speculate
                 else 0
             )
@@ -374,21 +319,9 @@ class Scheduler:
                     num_new -= len(drafts)
                     drafts, look = [], 0
                     continue
-                if kvc_short:
-                    waits = True  # for the blocks this step's evictions free
+                if self._room_made(request, num_new, num_scheduled, running_preempted):
+                    running_preempted = waits = True  # no admissions while memory is short
                     break
-                if self.kvc is not None and not running_preempted:
-                    # evict from running requests over their budget, rather than preempt; this
-                    # request waits for the blocks that frees (next step), the others that
-                    # need no new block run
-                    short = kvm.blocks_short(request, num_new)
-                    # (the blocks this step has taken so far count: the next step takes them
-                    # again before it reaches this request)
-                    self._kvc_wanted = free_start + short
-                    if self._kvc_make_room(kvc_room, num_scheduled, short):
-                        running_preempted = True  # no admissions while memory is short
-                        kvc_short = waits = True
-                        break
                 victim = self.running.pop_back()  # ranked last; never one already scheduled
                 gang = self._preempt_group(victim, num_scheduled, new_reqs, cached_reqs)
                 budget += gang.pop("_budget", 0)
@@ -436,10 +369,14 @@ class Scheduler:
                 num_new = request.num_tokens - num_hit
                 if not self.config.enable_chunked_prefill and num_new > budget:
                     break
-                num_new = self._kvc_cut(request, min(num_new, budget))
+                num_new = min(num_new, budget)
+                for c in self._cutters:
+                    num_new = c.num_new_tokens(request, num_new)
                 look = 0
                 if num_hit + num_new == request.num_tokens:  # its step ends with a sample
-                    look = self._draft_lookahead(request, num_new, 0, speculate, num_hit)
+                    look = (
+                        self.spec.step_lookahead(request, num_new, 0, num_hit) if speculate else 0
+                    )  # type: ignore[union-attr]
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request, num_new, computed_blocks, num_lookahead_tokens=look
                 )
@@ -449,8 +386,8 @@ class Scheduler:
                         request, num_new, computed_blocks
                     )
                 if new_blocks is None:
-                    if self.kvc is not None:
-                        self._kvc_wanted = free_start + kvm.blocks_short(request, num_new)
+                    for c in self.connectors:
+                        c.admission_blocked(request, num_new)
                     break
                 if look:
                     draft_requests[request.request_id] = look
@@ -465,7 +402,8 @@ class Scheduler:
             budget -= num_new
             self._add_to_output(request, new_blocks, new_reqs, cached_reqs)
 
-        kvc_compress = self._kvc_plan(num_scheduled, kvc_room) if self.kvc is not None else []
+        new_ids = [r.req_id for r in new_reqs]
+        kv_meta = {c.name: c.build_metadata(num_scheduled, new_ids) for c in self.connectors}
         requests = self.requests
         batch = [requests[rid] for rid in num_scheduled]
         structured, structured_idx = self.grammar_book.batch_keys(
@@ -486,7 +424,7 @@ class Scheduler:
             blocks_to_swap_out=self._swap_out,
             blocks_to_swap_in=swap_in,
             blocks_to_copy=self.kv_cache_manager.take_pending_copies(),
-            kvc_compress=kvc_compress,
+            kv_connector_metadata=kv_meta,
             # drafts of requests a later preemption did not take back out of the step
             scheduled_spec_tokens={r: d for r, d in spec_tokens.items() if r in num_scheduled},
             draft_requests={r: k for r, k in draft_requests.items() if r in num_scheduled},
@@ -494,19 +432,8 @@ class Scheduler:
             device_drafts=self.spec is not None and self.spec.device,
             spec_unverified=unverified,
         )
-        if self.spec is not None and self.spec.pacer is not None:
-            # the step's prompt tokens: the rows longer than a decode row (its token and its
-            # drafts) are prompt chunks (or a preempted request's recompute); none where the
-            # step is as long as its decode rows (no Python pass over 256 rows then)
-            prompt_tokens = 0
-            decode_len = len(num_scheduled) + sum(map(len, out.scheduled_spec_tokens.values()))
-            if out.total_num_scheduled_tokens != decode_len:
-                prompt_tokens = sum(
-                    n for rid, n in num_scheduled.items() if n > 1 + len(spec_tokens.get(rid, ()))
-                )
-            self.spec.pacer.scheduled(
-                step_id, t_start, load, speculate, prompt_tokens, arrivals=len(new_reqs)
-            )
+        if self.spec is not None:
+            self.spec.scheduled(out, t_start, load, speculate, arrivals=len(new_reqs))
         self.finished_req_ids = set()
         self._swap_out = []
         # Advance progress now: the runner computes exactly what was scheduled. A request
@@ -525,13 +452,9 @@ class Scheduler:
         # draft accepted: 12 known (2 new), 15 computed, 3 unverified, 1 placeholder.
         spec = out.scheduled_spec_tokens
         device = out.device_drafts
-        kvc = self.kvc is not None
-        prompt_left = 0  # KV-Compress: prompt tokens left for the next step
         for rid, n in num_scheduled.items():
             request = self.requests[rid]
             request.num_computed_tokens += n
-            if kvc and n > 1 and request.num_computed_tokens < request.num_tokens:
-                prompt_left += request.num_tokens - request.num_computed_tokens
             if rid in spec:
                 request.num_unverified += len(spec[rid])
                 if device and request.device_drafts_since is None:
@@ -541,46 +464,17 @@ class Scheduler:
                 == request.num_tokens + request.num_output_placeholders
             ):
                 request.num_output_placeholders += 1
-        if kvc:
-            self._kvc_want_prompts(prompt_left)
+        prompt_tokens = out.total_num_scheduled_tokens > len(num_scheduled)
+        for c in self.connectors:
+            c.end_step(num_scheduled, prompt_tokens)
         return out
 
-    def _kvc_want_prompts(self, prompt_left: int) -> None:
-        """``_kvc_wanted`` at least the blocks of the next step's prompt tokens: the
-        ``prompt_left`` tokens of the prompts this step cut, then the first waiting
-        request's (while a seat is free), up to the token budget.
-        Example: budget 8,192, 2,000 tokens left of a prompt and a 6,000-token one waiting
-        -> the blocks of 8,000 tokens (``blocks_for_tokens``)."""
-        tokens = prompt_left
-        if self.waiting and len(self.running) < self.config.max_num_seqs:
-            first = self.waiting.peek()
-            tokens += first.num_tokens - first.num_computed_tokens
-        tokens = min(tokens, self.config.max_num_batched_tokens)
-        if tokens:
-            need = self.kv_cache_manager.blocks_for_tokens(tokens)
-            self._kvc_wanted = max(self._kvc_wanted, need)
-
-    def _draft_lookahead(
-        self,
-        request: Request,
-        num_new: int,
-        num_drafts: int,
-        speculate: bool,
-        num_computed: int | None = None,
-    ) -> int:
-        """Lookahead slots for the drafts a draft model writes after this step, when the
-        request's step (``num_new`` known tokens from ``num_computed`` on, then
-        ``num_drafts`` drafts to verify) ends with a sample; 0 otherwise.
-
-        Example: 40 known tokens, 39 computed, 1 new + 3 drafts -> positions up to 42 are
-        computed in the step -> slots for k more from position 43 on (the new token after the
-        accepted drafts is at most at 43: the draft model's KVs go from there)."""
-        if not speculate or self.spec is None or not self.spec.uses_runner:
-            return 0
-        computed = request.num_computed_tokens if num_computed is None else num_computed
-        if computed + num_new != request.num_tokens + request.num_output_placeholders:
-            return 0  # a prefill chunk before the prompt's end: nothing to draft after
-        return self.spec.lookahead(request, computed + num_new + num_drafts)
+    def _room_made(
+        self, request: Request, num_new: int, num_scheduled: dict[str, int], preempted: bool
+    ) -> bool:
+        """A running request found no blocks: whether a KV connector makes room with this
+        step's plan (the request waits a step) instead of a preemption."""
+        return any(c.make_room(request, num_new, num_scheduled, preempted) for c in self.connectors)
 
     def _add_to_output(
         self,
@@ -704,9 +598,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Preempt a running request: swap its blocks to host memory when swapping is the mode
         and there is room, else recompute (free the blocks and forget progress)."""
-        # (a request whose eviction is still on the device is recomputed: its blocks on the
-        # host would be the ones from before the eviction)
-        swap = self.use_swap and request.request_id not in self._kvc_inflight
+        swap = self.use_swap and all(c.may_swap(request) for c in self.connectors)
         pairs = self.kv_cache_manager.swap_out(request) if swap else None
         if pairs is not None:
             self._swap_out.extend(pairs)
@@ -715,8 +607,8 @@ class Scheduler:
         else:
             self.kv_cache_manager.free(request)
             request.num_computed_tokens = 0
-            request.kvc_compressed_at = -1  # its KVs are computed again, uncompressed
-            self._kvc_inflight.pop(request.request_id, None)
+        for c in self.connectors:
+            c.on_preempt(request, request.swapped)
         if not request.swapped:  # (swapped, its unverified drafts stay counted until the update)
             request.num_unverified = 0
         request.device_drafts_since = None  # the runner drops its row
@@ -766,18 +658,9 @@ class Scheduler:
             for r in self.failed
         ]
         self.failed = []
-        inflight = self._kvc_inflight
-        for e in scheduler_output.kvc_compress:
-            # (a request preempted or finished since has forgotten the eviction)
-            entry = inflight.get(e.req_id)
-            if entry is not None:
-                entry[0] -= 1
-                entry[1] -= self._kvc_frees(e.held, e.budget)
-                if not entry[0]:
-                    del inflight[e.req_id]
-                request = self.requests[e.req_id]
-                lens = runner_output.kvc_lens[e.req_id]
-                self.kv_cache_manager.apply_compaction(request, lens, e.computed)
+        meta, landed = scheduler_output.kv_connector_metadata, runner_output.kv_connector_output
+        for c in self.connectors:
+            c.update(meta.get(c.name), landed.get(c.name))
         sampled = dict(zip(runner_output.req_ids, range(len(runner_output.req_ids))))
         spec_tokens = scheduler_output.scheduled_spec_tokens
         # the speculation pacer looks at each decoding request while speculating; paused,
@@ -936,180 +819,6 @@ class Scheduler:
         rejected speculative tokens)."""
         self.grammar_book.rollback(self.requests[request_id], num_tokens)
 
-    # ---------------------------------------------------------------------- KV-Compress
-    def kvc_budget(self, request: Request, num_tokens: int) -> int | None:
-        """KVs the request's compressible heads may keep at ``num_tokens`` tokens: its
-        ``max_cache_tokens`` x compressible (layer, KV head) pairs, or ``num_tokens`` x pairs /
-        ``compression_rate`` (rounded up); None when it has neither (never compressed)."""
-        assert self.kvc is not None
-        rule = request.kvc_budget_rule
-        if rule is None:
-            rule = request.kvc_budget_rule = self.kvc.budget_of(request.sampling_params)
-        m, rate = rule
-        if m is not None:
-            return m * self._kvc_heads
-        if rate is not None:
-            return math.ceil(num_tokens * self._kvc_heads / rate)
-        return None
-
-    def _kvc_cut(self, request: Request, num_new: int) -> int:
-        """A chunk ends at the request's ``kvc_compress_at`` token (evicted after it)."""
-        at = request.sampling_params.kvc_compress_at
-        if at is not None and request.num_computed_tokens < at:
-            return min(num_new, at - request.num_computed_tokens)
-        return num_new
-
-    def _kvc_protected(self, request: Request) -> int:
-        p = request.sampling_params.protected_window_size
-        return self.kvc.protected_window_size if p is None else p
-
-    def _kvc_over(self, request: Request, num_tokens: int) -> int | None:
-        """The budget when the request holds more KVs than it (else None). A protected
-        cached prefix counts in neither (``HeadPagedKVCacheManager.settle_prefix``)."""
-        kvm = self.kv_cache_manager
-        prefix = kvm.prefix_tokens(request.request_id)
-        budget = self.kvc_budget(request, num_tokens - prefix)
-        if budget is None or kvm.held_kvs(request.request_id) <= budget:
-            return None
-        return budget
-
-    def _kvc_make_room(
-        self, room: dict[str, int], num_scheduled: dict[str, int], short: int
-    ) -> bool:
-        """Memory is short by ``short`` blocks: mark running requests over their budget that
-        grew since their last eviction for eviction after this step - those grown by at least
-        a block's tokens (every one of them, most grown first), and the others only when those
-        cannot free ``short`` blocks. False, marking none, when even evicting all of them down
-        to their budgets could not free ``short`` blocks (then the scheduler preempts:
-        evicting a few KVs each step for a request that still would not fit only stalls it).
-
-        Why a block's growth: each eviction costs host and device work per request, and a
-        request grown by g tokens frees about g / bs blocks a head. Evicting every request
-        grown by a token or two, step after step, took ~7 ms of host time a step at 226
-        running (H200, 8B shape, input 500, budget 128) to free a block a head here and there.
-        A request whose eviction is still on the device is skipped (its lengths on the host
-        are the old ones until it comes back), but what that eviction frees counts: True,
-        marking none, when evictions in flight free ``short`` blocks (the request waits a
-        step for them; at input 6,000 the eviction of a prompt just computed frees a fifth of
-        a 4 GiB cache, and preempting a request instead re-ran its prompt).
-
-        Freed blocks, at least: a request ``e`` KVs over its budget frees ``ceil(e / bs)``
-        blocks (``_kvc_frees``).
-        Example: bs 16, growth 40, 3 and 20 tokens -> the first and third are marked; the
-        second too only if those two free fewer than ``short`` blocks."""
-        bs = self.kv_cache_manager.block_size
-        grown: list[tuple[int, Request, int]] = []  # (growth, request, tokens after the step)
-        for r in self.running:
-            rid = r.request_id
-            if rid in room or rid not in self._runner_has or rid in self._kvc_inflight:
-                continue
-            after = r.num_computed_tokens + num_scheduled.get(rid, 0)
-            if after > r.kvc_compressed_at:  # (an eviction at its length freed what it could)
-                grown.append((after - r.kvc_compressed_at, r, after))
-        grown.sort(key=lambda g: -g[0])
-        chosen: dict[str, int] = {}
-        freeable = sum(blocks for _, blocks in self._kvc_inflight.values())
-        for growth, r, after in grown:
-            if growth < bs and freeable >= short:
-                break
-            budget = self._kvc_over(r, after)
-            if budget is not None:
-                chosen[r.request_id] = budget
-                freeable += self._kvc_frees(self.kv_cache_manager.held_kvs(r.request_id), budget)
-        if freeable < short or not (chosen or self._kvc_inflight):
-            return False
-        room.update(chosen)
-        return True
-
-    def _kvc_frees(self, held: int, budget: int) -> int:
-        """Blocks an eviction of a request holding ``held`` KVs down to ``budget`` frees, at
-        least: each evicted chunk frees one block and holds at most bs KVs.
-        Example: bs 16, 1,000 KVs over -> 63 blocks."""
-        return -(-max(held - budget, 0) // self.kv_cache_manager.block_size)
-
-    def _kvc_plan(self, num_scheduled: dict[str, int], room: dict[str, int]) -> list[KVCEviction]:
-        """The evictions after this step: a request whose prompt is done this step (it
-        samples for the first time since its KVs were computed), one due for continual
-        compression (``compress_once`` off: every ``compression_interval`` decode steps), and
-        those ``_kvc_make_room`` chose; each only when it holds more KVs than its budget.
-
-        Under async scheduling a step is planned before the last step's evictions come back:
-        the evicted requests' lengths, blocks and held KVs on the host are then the old ones,
-        which bound the new ones (a head only loses KVs). That is safe: the blocks a request
-        held before an eviction (all of which it keeps until the lengths come back) hold every
-        KV the device keeps, the next step's slots come from the device's own lengths, and an
-        eviction planned meanwhile gets bounds (sort width, moves) at least the true ones.
-        ``apply_compaction`` then adds the tokens allocated since the eviction to its
-        lengths."""
-        assert self.kvc is not None
-        plan: list[KVCEviction] = []
-        if not room and not self._kvc_budgeted:
-            return plan
-        chosen = dict(room)
-        for rid, n in num_scheduled.items():
-            if rid in chosen:
-                continue
-            r = self.requests[rid]
-            at = r.sampling_params.kvc_compress_at
-            if at is None and r.kvc_budget_rule == (None, None):
-                continue  # no budget: never evicted (e.g. KV-Compress on, a plain request)
-            after = r.num_computed_tokens + n
-            if at is not None and after == at and r.kvc_compressed_at < 0:
-                r.kvc_compressed_at = after  # the measured prefix: evict now, then never
-                budget = self._kvc_over(r, after)
-                if budget is not None:
-                    chosen[rid] = budget
-                continue
-            if after != r.num_tokens + r.num_output_placeholders:
-                continue  # a prefill chunk short of the prompt's end
-            if at is not None:
-                continue
-            p = r.sampling_params
-            once = self.kvc.compress_once if p.compress_once is None else p.compress_once
-            if r.kvc_compressed_at < 0:  # its prompt's KVs are all computed this step
-                r.kvc_compressed_at = after
-            else:
-                r.kvc_steps += 1
-                if once or r.kvc_steps < self.kvc.compression_interval:
-                    continue
-            budget = self._kvc_over(r, after)
-            if budget is not None:
-                chosen[rid] = budget
-        kvm = self.kv_cache_manager
-        for rid in chosen:
-            r = self.requests[rid]
-            after = r.num_computed_tokens + num_scheduled.get(rid, 0)
-            r.kvc_compressed_at, r.kvc_steps = after, 0
-            # the blocks it shares through the prefix cache are protected from now on; the
-            # budget counts the KVs after them (the device counts all: add them back)
-            prefix = kvm.settle_prefix(r)
-            budget = self._kvc_over(r, after)
-            if budget is None:
-                continue
-            # its own cached prompt blocks: copied first where there is room (the cache
-            # keeps them for later requests), else out of the cache
-            copy_to, copy_src = kvm.detach_own(r, keep_cached=True) or (None, None)
-            max_len, held = kvm.head_extent(rid)
-            shared = prefix * self._kvc_heads
-            protect = after - self._kvc_protected(r)
-            plan.append(
-                KVCEviction(
-                    rid,
-                    budget + shared,
-                    protect,
-                    max_len,
-                    held + shared,
-                    keep_below=prefix,
-                    copy_to=copy_to,
-                    copy_src=copy_src,
-                    computed=after,
-                )
-            )
-            entry = self._kvc_inflight.setdefault(rid, [0, 0])
-            entry[0] += 1
-            entry[1] += self._kvc_frees(held + shared, budget + shared)
-        return plan
-
     # --------------------------------------------------------------------------- stats
     def make_stats(self) -> dict[str, float]:
         """Counters and gauges for metrics: queue sizes, KV usage, preemptions, prefix hits."""
@@ -1122,8 +831,7 @@ class Scheduler:
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_swaps": self.num_swaps,
-            "kvc_compressions": getattr(kv, "num_compressions", 0),
-            "kvc_evicted_kvs": getattr(kv, "num_evicted_kvs", 0),
+            **{k: v for c in self.connectors for k, v in c.stats().items()},
             **(self.spec.stats() if self.spec is not None else {}),
             "time": time.monotonic(),
         }

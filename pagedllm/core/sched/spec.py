@@ -29,6 +29,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.core.request import Request
 from pagedllm.spec_decode import SpeculativeConfig, make_proposer
@@ -679,6 +680,41 @@ class SpecDecoding:
             self.max_model_len - 1 - request.num_computed_tokens,
         )
         return [0] * k if k >= 1 else []
+
+    def step_lookahead(
+        self, request: Request, num_new: int, num_drafts: int, num_computed: int | None = None
+    ) -> int:
+        """Lookahead slots for the drafts a draft model writes after this step, when the
+        request's step (``num_new`` known tokens from ``num_computed`` on, then
+        ``num_drafts`` drafts to verify) ends with a sample; 0 otherwise.
+
+        Example: 40 known tokens, 39 computed, 1 new + 3 drafts -> positions up to 42 are
+        computed in the step -> slots for k more from position 43 on (the new token after the
+        accepted drafts is at most at 43: the draft model's KVs go from there)."""
+        if not self.uses_runner:
+            return 0
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        if computed + num_new != request.num_tokens + request.num_output_placeholders:
+            return 0  # a prefill chunk before the prompt's end: nothing to draft after
+        return self.lookahead(request, computed + num_new + num_drafts)
+
+    def scheduled(
+        self, out: Any, t_start: float, load: int, speculate: bool, arrivals: int
+    ) -> None:
+        """Tell the pacer (if any) about a scheduled step ``out`` (a SchedulerOutput): its
+        prompt tokens are the rows longer than a decode row (its token and its drafts: prompt
+        chunks, or a preempted request's recompute); none where the step is as long as its
+        decode rows (no Python pass over 256 rows then)."""
+        if self.pacer is None:
+            return
+        num_scheduled, spec_tokens = out.num_scheduled_tokens, out.scheduled_spec_tokens
+        prompt_tokens = 0
+        decode_len = len(num_scheduled) + sum(map(len, spec_tokens.values()))
+        if out.total_num_scheduled_tokens != decode_len:
+            prompt_tokens = sum(
+                n for rid, n in num_scheduled.items() if n > 1 + len(spec_tokens.get(rid, ()))
+            )
+        self.pacer.scheduled(out.step_id, t_start, load, speculate, prompt_tokens, arrivals)
 
     def lookahead(self, request: Request, num_computed_after: int) -> int:
         """Lookahead slots for a request whose step ends with a sample, so that the draft

@@ -1,0 +1,185 @@
+"""The KV seam, scheduler side: one object per feature that changes a KV cache's life.
+
+A feature that evicts, moves or copies KV outside the plain allocate / free path has two roles,
+named by one entry of ``KV_CONNECTORS``:
+
+- a **scheduler role** (a ``KVConnectorScheduler``, here, pure Python): it plans from host
+  state - what to evict, load or send - and answers "may this request run now?";
+- a **worker role** (a ``KVConnectorWorker``, ``pagedllm/worker/kv_connector.py``): it moves
+  bytes on the device and reports what landed.
+
+Each step the scheduler role builds one plain-data metadata object (``build_metadata``); it
+travels in ``SchedulerOutput.kv_connector_metadata[name]`` to the worker role, whose report
+comes back in ``ModelRunnerOutput.kv_connector_output[name]`` to ``update_from_output``. The
+scheduler and the model runner call the roles at the hooks below and know nothing else of the
+feature. KV-Compress is the first user (``core/sched/kvc.py`` and ``kvcompress/runner.py``).
+
+How the next users plug in (the same hooks, nothing new in ``scheduler.py``/``model_runner.py``):
+
+- **A host KV tier (offload).** Scheduler role: on ``add_request`` / ``num_new_tokens`` it
+  looks the prompt's block hashes up in the host tier and, on a hit, lets the request skip
+  those tokens once their blocks are loaded; ``build_metadata`` lists (host block -> device
+  block) loads for the requests admitted and (device -> host) saves of the full blocks the
+  step computed; ``on_free`` keeps what it saved. Worker role: ``before_forward`` starts the
+  loads (waiting on them before the first layer reads them), ``after_forward`` starts the
+  saves on a side stream and reports in ``finish`` which completed.
+- **Prefill/decode disaggregation.** On a producer, ``build_metadata`` names the requests
+  whose prompt finished this step and where their KV goes; the worker role sends the blocks
+  in ``after_forward`` and reports the transfers done, and ``on_free`` holds a request's
+  blocks until its transfer landed. On a consumer, ``num_new_tokens`` returns 0 for a request
+  whose KV is still arriving (it waits without a token budget) and ``wants_results_first``
+  lets the engine take a step's results as soon as a transfer completes.
+
+Rules every role keeps: a hook is cheap when the feature has nothing to do (the hot path of a
+decode step calls ``num_new_tokens`` only for roles that override it); the metadata is plain
+data (it pickles to worker processes); a role never changes ``Request`` fields the scheduler
+owns except through the values its hooks return.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pagedllm.core.request import Request
+
+# name -> ("module:SchedulerRoleClass", "module:WorkerRoleClass"). The roles are imported only
+# when an engine uses them (lazy factory: the scheduler's floor never imports a worker's).
+KV_CONNECTORS: dict[str, tuple[str, str]] = {
+    "kvcompress": (
+        "pagedllm.core.sched.kvc:KVCompressPlanner",
+        "pagedllm.kvcompress.runner:KVCompressWorker",
+    ),
+}
+
+
+def register_kv_connector(name: str, scheduler_role: str, worker_role: str) -> None:
+    """Make ``name`` usable in ``kv_connectors`` (engine argument): each role as
+    ``"module:Class"``. Registering an existing name replaces its roles (a benchmark may swap
+    in a probe that subclasses a role). Worker processes import the roles by these paths."""
+    for path in (scheduler_role, worker_role):
+        if ":" not in path:
+            raise ValueError(f"a KV connector role is 'module:Class', got {path!r}.")
+    KV_CONNECTORS[name] = (scheduler_role, worker_role)
+
+
+def load_role(name: str, worker: bool) -> type:
+    """The class of connector ``name``'s scheduler role (or worker role). Lazy factory: the
+    module is imported here, on first use."""
+    if name not in KV_CONNECTORS:
+        raise ValueError(f"unknown KV connector {name!r}; known: {sorted(KV_CONNECTORS)}.")
+    module, _, cls = KV_CONNECTORS[name][int(worker)].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+class KVConnectorScheduler:
+    """The scheduler role of a KV connector. Every hook is a no-op here: a role overrides the
+    ones its feature needs. ``kv_manager`` is the scheduler's KV manager (a role that needs
+    more than the base protocol checks for its own protocol in ``__init__``)."""
+
+    name = "base"
+
+    def __init__(self, context: ConnectorContext) -> None:
+        self.context = context
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        """A request (or a fork / beam of one) enters the scheduler. Raise ValueError for a
+        request this feature can never serve."""
+
+    @property
+    def cuts_tokens(self) -> bool:
+        """Whether this role overrides ``num_new_tokens`` (the scheduler asks only those)."""
+        return type(self).num_new_tokens is not KVConnectorScheduler.num_new_tokens
+
+    def num_new_tokens(self, request: Request, num_new: int) -> int:
+        """The tokens the request may compute this step, at most ``num_new`` (e.g. a chunk
+        that must end where KV is evicted, or 0 while its KV is still loading)."""
+        return num_new
+
+    def on_preempt(self, request: Request, swapped: bool) -> None:
+        """The request was preempted (its blocks swapped out, or freed for recompute)."""
+
+    def may_swap(self, request: Request) -> bool:
+        """Whether the request's blocks may be swapped out now (False: recompute it)."""
+        return True
+
+    def on_free(self, request: Request) -> None:
+        """The request ended (finished, aborted, or dropped from a beam)."""
+
+    def reset(self) -> None:
+        """A step failed: forget every plan in flight (the scheduler ends the requests)."""
+
+    # --------------------------------------------------------------------- steps
+    def begin_step(self) -> None:
+        """``schedule()`` starts."""
+
+    def make_room(
+        self, request: Request, num_new: int, num_scheduled: Mapping[str, int], preempted: bool
+    ) -> bool:
+        """A running request's ``num_new`` tokens found no blocks. True: the role frees room
+        with this step's plan (the request waits a step, no request is admitted this step);
+        False: the scheduler preempts as usual. ``preempted``: the step has preempted."""
+        return False
+
+    def admission_blocked(self, request: Request, num_new: int) -> None:
+        """A waiting request's first chunk (``num_new`` tokens) found no blocks."""
+
+    def build_metadata(
+        self, num_scheduled: Mapping[str, int], new_req_ids: Sequence[str]
+    ) -> Any | None:
+        """The step's plan for the worker role (plain data), or None when there is none.
+        Called once a step, after every request is scheduled and before their progress
+        advances (``num_computed_tokens`` is still the step's start)."""
+        return None
+
+    def end_step(self, num_scheduled: Mapping[str, int], prompt_tokens: bool) -> None:
+        """After the step's progress advanced. ``prompt_tokens``: some row computes more than
+        one token (a prompt chunk or drafts)."""
+
+    def update(self, metadata: Any | None, output: Any | None) -> None:
+        """A step's results came back: its ``metadata`` and the worker role's ``output``."""
+
+    # ------------------------------------------------------------- engine-level asks
+    def wants_results_first(self) -> bool:
+        """Under async scheduling: whether the next step should wait for the last step's
+        results before it is scheduled (the engine core then takes them first)."""
+        return False
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the engine's metrics."""
+        return {}
+
+
+class ConnectorContext:
+    """What a scheduler role may read of the scheduler: its KV manager, its live requests
+    (id -> Request), the running queue, the ids the runner holds state for, and the config."""
+
+    def __init__(
+        self,
+        kv_manager: Any,
+        requests: dict[str, Request],
+        running: Any,
+        waiting: Any,
+        runner_has: set[str],
+        scheduler_config: Any,
+    ) -> None:
+        self.kv_manager = kv_manager
+        self.requests = requests
+        self.running = running
+        self.waiting = waiting
+        self.runner_has = runner_has
+        self.scheduler_config = scheduler_config
+
+
+def make_scheduler_roles(
+    names: Sequence[str], context: ConnectorContext, configs: Mapping[str, Any]
+) -> list[KVConnectorScheduler]:
+    """The scheduler roles of the engine's connectors, in order; ``configs[name]`` is a role's
+    own config when it has one (KV-Compress: its ``KVCompressConfig``)."""
+    roles = []
+    for name in names:
+        cls = load_role(name, worker=False)
+        roles.append(cls(context, configs.get(name)) if name in configs else cls(context))
+    return roles
