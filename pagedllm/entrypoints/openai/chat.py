@@ -16,12 +16,8 @@ import os
 from typing import Any
 
 from pagedllm.engine.async_llm import AsyncLLMBase
-from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    RequestError,
-    now,
-    random_id,
-)
+from pagedllm.entrypoints.openai.errors import RequestError
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
 from pagedllm.entrypoints.openai.serving import (
     Choice,
     Collected,

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.entrypoints.openai.protocol import CompletionRequest, RequestError, now, random_id
+from pagedllm.entrypoints.openai.errors import RequestError
+from pagedllm.entrypoints.openai.protocol import CompletionRequest, now, random_id
 from pagedllm.entrypoints.openai.serving import (
     Choice,
     Collected,

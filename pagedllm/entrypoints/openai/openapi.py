@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from pagedllm.entrypoints.openai.protocol import ErrorResponse
+from pagedllm.entrypoints.openai.errors import ErrorResponse
 
 
 class Usage(BaseModel):

@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI-compatible API (pydantic), and the OpenAI error body.
+"""Request bodies of the OpenAI-compatible API (pydantic); the error body is ``errors.py``.
 
 Fields are OpenAI's plus vLLM's extras (``top_k, min_p, repetition_penalty, min_tokens,
 ignore_eos, stop_token_ids, allowed_token_ids, bad_words, skip_special_tokens,
@@ -27,6 +27,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from pagedllm.beam_search import BeamSearchParams
+from pagedllm.entrypoints.openai.errors import RequestError
+from pagedllm.entrypoints.openai.structured import structured_outputs_of
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -123,8 +125,6 @@ class _SamplingFields(OpenAIBaseModel):
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None, best_of: int | None = None,
                          ) -> SamplingParams:  # fmt: skip
-        from pagedllm.entrypoints.openai.structured import structured_outputs_of
-
         structured, self._structured_field = structured_outputs_of(self)
         if best_of is not None and best_of > self.n and self.stream:
             raise RequestError(
@@ -194,8 +194,6 @@ class _SamplingFields(OpenAIBaseModel):
                     "non-streaming and returns no logprobs).",
                     param=name,
                 )
-        from pagedllm.entrypoints.openai.structured import structured_outputs_of
-
         source = structured_outputs_of(self)[1]
         if source is not None:
             raise RequestError("structured outputs are not supported with use_beam_search.",
@@ -378,47 +376,6 @@ class DetokenizeRequest(OpenAIBaseModel):
 
     model: str | None = None
     tokens: list[int]
-
-
-class RequestError(Exception):
-    """A client error: becomes an OpenAI error body with ``status_code``."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        status_code: int = 400,
-        err_type: str = "BadRequestError",
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status_code = status_code
-        self.err_type = err_type
-
-
-class ErrorInfo(BaseModel):
-    """OpenAI's error object. ``type`` and ``code`` follow vLLM: the error class name and the
-    HTTP status (e.g. ``"BadRequestError"``, 400; ``"NotFoundError"``, 404)."""
-
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    """``{"error": {"message", "type", "param", "code"}}``."""
-
-    error: ErrorInfo
-
-    @classmethod
-    def of(cls, err: RequestError) -> ErrorResponse:
-        return cls(
-            error=ErrorInfo(
-                message=err.message, type=err.err_type, param=err.param, code=err.status_code
-            )
-        )
 
 
 _PARAM_NAMES = set(SamplingParams.__dataclass_fields__) | {"prompt", "messages", "model"}

@@ -65,6 +65,7 @@ from pagedllm.config import engine_args_from
 from pagedllm.engine.async_llm import AsyncLLM, AsyncLLMBase, EngineDeadError, EngineError
 from pagedllm.entrypoints.openai.chat import ServingChat, load_chat_template
 from pagedllm.entrypoints.openai.completions import ServingCompletion
+from pagedllm.entrypoints.openai.errors import RequestError, error_response
 from pagedllm.entrypoints.openai.openapi import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -80,8 +81,6 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ErrorResponse,
-    RequestError,
     TokenizeRequest,
     now,
 )
@@ -96,11 +95,6 @@ from pagedllm.entrypoints.openai.shutdown import (
 from pagedllm.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 
 logger = logging.getLogger(__name__)
-
-
-def error_response(err: RequestError) -> JSONResponse:
-    """OpenAI's error body with the error's HTTP status."""
-    return JSONResponse(ErrorResponse.of(err).model_dump(), status_code=err.status_code)
 
 
 class APIKeyMiddleware:

@@ -20,7 +20,8 @@ from typing import Any
 
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.engine.async_llm import AsyncLLMBase, EngineDeadError, EngineError, RequestStream
-from pagedllm.entrypoints.openai.protocol import ErrorResponse, RequestError, param_of
+from pagedllm.entrypoints.openai.errors import ErrorResponse, RequestError
+from pagedllm.entrypoints.openai.protocol import param_of
 from pagedllm.entrypoints.openai.structured import compile_error_message
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams

@@ -29,6 +29,7 @@ import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.engine.async_llm import AsyncLLMBase, EngineError, RequestStream
+from pagedllm.entrypoints.openai.errors import RequestError, error_response
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +134,6 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
             return
         if self.drain.draining:
-            from pagedllm.entrypoints.openai.protocol import RequestError
-            from pagedllm.entrypoints.openai.server import error_response
-
             err = RequestError("the server is shutting down.", None, 503, "ServiceUnavailable")
             await error_response(err)(scope, receive, send)
             return

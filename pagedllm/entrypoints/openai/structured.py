@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pagedllm.entrypoints.openai.protocol import RequestError
+from pagedllm.entrypoints.openai.errors import RequestError
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 _GUIDED = (
