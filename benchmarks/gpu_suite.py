@@ -35,6 +35,7 @@ from pagedllm.bench.roofline import (  # noqa: E402
     roofline,
 )
 from pagedllm.bench.throughput import StepRecorder, make_workload  # noqa: E402
+from pagedllm.worker.profiler import DeviceTimer  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "pagedllm", "model", "configs")
@@ -250,7 +251,7 @@ def bench_a(args: argparse.Namespace) -> dict:
                       for m in out_lens], use_tqdm=False)
         rec = StepRecorder(llm)
         runner = llm.llm_engine.engine_core.model_runner
-        runner.time_device, runner.device_times = args.time_device, []
+        timer = runner.profiler = DeviceTimer() if args.time_device else None
         torch.cuda.synchronize()
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -260,7 +261,8 @@ def bench_a(args: argparse.Namespace) -> dict:
         el = time.perf_counter() - t
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         roof = roofline(rec.steps, model_cost(runner.model, torch.bfloat16), bw, flops)
-        dev = runner.device_times
+        dev = timer.step_seconds if timer is not None else []
+        runner.profiler = None
         split = phase_split(rec.steps, dev, model_cost(runner.model, torch.bfloat16), bw, flops)
         result[f"pagedllm_{name}"] = {
             "engine_args": kw,
@@ -386,7 +388,7 @@ def _bench_b_engine(args, result, shapes, bw, flops) -> None:  # noqa: ANN001
         llm.llm_engine.engine_core.scheduler.kv_cache_manager.reset_prefix_cache()
         rec = StepRecorder(llm)
         runner = llm.llm_engine.engine_core.model_runner
-        runner.time_device, runner.device_times = True, []
+        timer = runner.profiler = DeviceTimer()
         torch.cuda.synchronize()
         t = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -396,8 +398,8 @@ def _bench_b_engine(args, result, shapes, bw, flops) -> None:  # noqa: ANN001
         el = time.perf_counter() - t
         cost = model_cost(runner.model, torch.bfloat16)
         roof = roofline(rec.steps, cost, bw, flops)
-        dev = runner.device_times
-        runner.time_device = False
+        dev = timer.step_seconds
+        runner.profiler = None
         n_tok = args.num_b * n_out
         result[f"in{n_in}_out{n_out}"] = {
             "num_prompts": args.num_b, "elapsed_s": el, "output_tokens_per_s": n_tok / el,

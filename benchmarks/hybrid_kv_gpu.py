@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.worker.profiler import DeviceTimer
 
 
 def _sync() -> None:
@@ -64,7 +65,7 @@ def run(
 
     sched.schedule = counting_schedule
     runner = core.model_runner
-    runner.time_device, runner.device_times = torch.cuda.is_available(), []
+    timer = runner.profiler = DeviceTimer()  # (records nothing off a GPU)
     _sync()
     prof = cProfile.Profile() if profile else None
     t = time.perf_counter()
@@ -87,9 +88,9 @@ def run(
         "elapsed_s": elapsed,
         "output_tokens_per_s": produced / elapsed,
         "total_tokens_per_s": (produced + sum(map(len, prompts))) / elapsed,
-        "steps": len(runner.device_times),
-        "device_s": sum(runner.device_times),  # CUDA events around each step's work
-        "device_busy_fraction": sum(runner.device_times) / elapsed,
+        "steps": len(timer.step_seconds),
+        "device_s": sum(timer.step_seconds),  # CUDA events around each step's work
+        "device_busy_fraction": sum(timer.step_seconds) / elapsed,
         "tokens": [o.outputs[0].token_ids for o in outs],
     }
     del llm, core, runner

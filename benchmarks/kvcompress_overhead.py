@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gpu_suite import device_tag, make_hf_model, provenance  # noqa: E402
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.bench.throughput import StepRecorder, make_workload  # noqa: E402
+from pagedllm.worker.profiler import DeviceTimer  # noqa: E402
 
 VARIANTS = {"off": {}, "kvc_never_evicts": {"enable_kvc": True}}
 
@@ -63,14 +64,14 @@ def _timed(llm: LLM, rec: StepRecorder, prompts: list, max_tokens: list[int]) ->
     runner = core.model_runner
     rec.steps.clear()
     rec.decode_host_s.clear()
-    runner.time_device, runner.device_times = True, []
+    timer = runner.profiler = DeviceTimer()
     torch.cuda.synchronize()
     t = time.perf_counter()
     produced = _generate(llm, prompts, max_tokens)
     torch.cuda.synchronize()
     el = time.perf_counter() - t
-    dev = runner.device_times
-    runner.time_device = False
+    dev = timer.step_seconds
+    runner.profiler = None
     return {"elapsed_s": el, "output_tokens": produced, "output_tokens_per_s": produced / el,
             "steps": len(rec.steps),
             "device_ms_per_step": 1e3 * float(np.mean(dev)) if dev else None,

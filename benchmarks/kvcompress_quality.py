@@ -6,8 +6,9 @@ For SmolLM2-135M-Instruct and Gemma-3-270M (dequantized to float32 HF folders by
 - needle-in-a-haystack in real text and passkey retrieval, plain prompts (no chat template),
   greedy, 12 new tokens, correct when the answer appears in them;
 - teacher-forced loss: the context is compressed, then the continuation's mean negative
-  log-likelihood per token is measured on the compressed cache (``kvc_compress_at`` with
-  ``prompt_logprobs``; kvpress: compress the context, then feed the continuation);
+  log-likelihood per token is measured on the compressed cache (the planner of
+  ``benchmarks/kvc_probe.py`` evicts at the context's end, with ``prompt_logprobs``; kvpress:
+  compress the context, then feed the continuation);
 - rates 2x ... 64x (the KVs kept are 1/rate of the prompt's, the protected window of 32 tokens
   included), methods: our KV-Compress, uniform per head, random eviction and the full cache,
   and the peer kvpress (``AdaKVPress(SnapKVPress)`` and ``SnapKVPress``, run in its own venv by
@@ -73,6 +74,7 @@ def _tasks(name: str, model_dir: str, args: argparse.Namespace) -> list[dict]:
 
 
 def _engine(model_dir: str, method: str | None, max_len: int) -> Any:
+    from benchmarks.kvc_probe import measured_prefix
     from pagedllm import LLM
 
     kw: dict[str, Any] = dict(
@@ -89,7 +91,8 @@ def _engine(model_dir: str, method: str | None, max_len: int) -> Any:
             protected_window_size=WINDOW,
             prefill_metric_collection_window_size=WINDOW,
         )
-    return LLM(model_dir, **kw)
+    with measured_prefix():  # teacher forcing: evict at a prompt token (benchmarks/kvc_probe.py)
+        return LLM(model_dir, **kw)
 
 
 def _run_ours(llm: Any, tasks: list[dict], rate: float | None) -> list[dict]:
@@ -114,9 +117,9 @@ def _run_ours(llm: Any, tasks: list[dict], rate: float | None) -> list[dict]:
             text = o.outputs[0].text
             results[t["id"]] = {"correct": t["answer"] in text, "output": text}
             rid_of[t["id"]] = o.request_id
-    for t in cont:  # teacher forcing: one request each (its own kvc_compress_at)
+    for t in cont:  # teacher forcing: one request each, evicted at its context's end
         c = t["context_len"]
-        extra = dict(kvc, kvc_compress_at=c) if rate is not None else {}
+        extra = dict(kvc, extra_args={"compress_at": c}) if rate is not None else {}
         sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, **extra)
         o = llm.generate([{"prompt_token_ids": t["prompt_ids"]}], sp, use_tqdm=False)[0]
         lps = [next(iter(d.values())).logprob for d in o.prompt_logprobs[c:]]

@@ -3,7 +3,6 @@ kind, and how uneven the heads' lengths are."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
