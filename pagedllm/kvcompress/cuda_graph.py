@@ -13,8 +13,8 @@ the decode kernel inside the graph.
 Two sets of graphs when the model has compressible layers: one whose decode kernels add the
 scores of the rows flagged ``scored``, and one built without the score pass, replayed when no
 row of the step is scored (no request has a budget). A kernel that carries the score pass,
-even one it skips for every row, took 1.5% more decode time on Benchmark A (H200), and its
-best launch shape differs (``kvc_decode_tile_config``).
+even one it skips for every row, makes decode steps slower (Benchmark A measures it,
+benchmarks/README.md), and its best launch shape differs (``kvc_decode_tile_config``).
 """
 
 from __future__ import annotations

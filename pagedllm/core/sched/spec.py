@@ -102,8 +102,9 @@ class SpecPacer:
       (the nearest measured level below, else above): after its first phase off it does not
       time speculation (it takes the hopeless level's ratio of the two modes) until a
       re-timing at that interval - suffix decoding's first speculating step after a paused
-      stretch costs tens of ms per 100 requests (350 ms at 254 on the H200, at 128-255
-      running next to a hopeless 256).
+      stretch catches up on every request's tokens of that stretch, a cost that grows with
+      the running requests (e.g. at 128-255 running next to a hopeless 256; the
+      speculative-decoding benchmarks, benchmarks/README.md, measure it).
     - Stretches and switches: a phase is steps of one stretch of load (a jump of the load or
       an idle engine ends it, ``scheduled``); a level beginning a stretch follows its
       nearest measured level or runs its one timed mode (``speculate``); at each phase's
@@ -187,9 +188,11 @@ class SpecPacer:
         has to win by ``MARGIN`` (a level near the edge keeps its mode instead of switching
         with each phase's noise: a switch costs steps of its own - the first plain step
         after speculating ones, the first speculating one after plain ones - that the rule
-        does not see: at 16 running on the H200, with t_on 2.8 and t_off 1.5 ms and the
-        acceptance moving 0.75-0.93 about the edge's 0.87, n-gram switched every 2-3 phases
-        and ran at 0.94x)."""
+        does not see).
+
+        Example: t_on 3 ms and t_off 1.5 ms put the edge at a = 1.0; with the acceptance
+        moving 0.9-1.1 about it, a rule without the margin would switch every few phases
+        and pay those steps each time."""
         gain = (1.0 + self.accepted) * b.step_s[False]  # (no division: a time may be 0)
         if chosen is None:
             return gain > b.step_s[True]
@@ -249,8 +252,8 @@ class SpecPacer:
         elif len(b.step_s) == 1 and stretch:
             # a level with one mode timed begins a stretch in that mode, and times the other
             # after a phase of it: one visited a step at a time (255 running at the end of
-            # each batch of 256) waited in the mode to time next, batch after batch, and with
-            # suffix decoding speculating there cost 0.3 s a step (the trees' catch-up)
+            # each batch of 256) would otherwise wait in the mode to time next, batch after
+            # batch, and with suffix decoding pay the trees' catch-up at each speculating step
             if list(b.step_s) == [False] and self._assume_hopeless(b, key):
                 b.mode = False  # or it takes the ratio of a hopeless level next to it
             else:
@@ -304,10 +307,13 @@ class SpecPacer:
         """Whether switching a level from plain steps to speculation wins back, within
         ``SWITCH_STEPS`` speculating steps, what a first speculating step cost beyond the
         others lately (``switch_s``, the largest recent one: suffix decoding's catch-up on
-        the tokens of the paused stretch, 0.3 s at 256 running on the H200, where a
-        speculating step won at most 2 ms). Asked when the acceptance moved the rule's answer
-        to speculation, not after a re-timing of plain steps (a short pause: little to catch
-        up on)."""
+        the tokens of the paused stretch, which grows with the running requests and can
+        dwarf what a speculating step wins). Asked when the acceptance moved the rule's
+        answer to speculation, not after a re-timing of plain steps (a short pause: little to
+        catch up on).
+
+        Example: a catch-up of 300 ms against a gain of 2 ms a step: 32 steps win back 64 ms,
+        so the level stays plain."""
         gain_s = (1.0 + self.accepted) * b.step_s[False] - b.step_s[True]
         return gain_s * self.SWITCH_STEPS >= b.switch_s
 
@@ -315,8 +321,9 @@ class SpecPacer:
     def accepted(self) -> float:
         """a: drafts accepted per drafting opportunity, an exponential average over steps of
         each step's mean (the opportunities since the last update count as one step). Per
-        step, not per opportunity: at 16 running a weight of 1 / 32 per opportunity made
-        this the last two steps' acceptance, and the rule flipped with each step's luck."""
+        step, not per opportunity: at 16 running a weight of 1 / 32 per opportunity would
+        make this the last two steps' acceptance, and the rule would flip with each step's
+        luck."""
         if not self._pending_n:
             return self._acc
         w = max(self.ACC_EMA, 1.0 / (self._folds + 1))  # a plain mean over the first steps
@@ -441,19 +448,20 @@ class SpecPacer:
         ``arrivals``: the requests it admits. A step that admits a burst (more than
         ``max(2, num_running // 16)``: a whole offline batch arriving at once) is not timed:
         admitting a request costs host work of its own, which the learned cost per prompt
-        token does not hold (on this CPU a ramp step of 57 new requests and 1,900 prompt
-        tokens took 18 ms where its level's plain step took 4 and the tokens' learned cost
-        was 2), and such steps come in a row through levels the load then leaves.
+        token does not hold (the pacer traces of the speculative-decoding benchmarks,
+        benchmarks/README.md, show such steps well above their level's plain step plus their
+        tokens' learned cost), and such steps come in a row through levels the load then
+        leaves.
 
         Nor is a step whose load moved in one go from the last step's (by more than
         ``max(4, last // 8)`` requests): a batch that ends together leaves 256 -> 192 -> 129
         -> 66 running, one step at each, as requests admitted in one step end in one; such a
         step also ends the phases in progress (the next steps at a level are another stretch
         of it). A level the load only passes through is then never timed and follows its
-        neighbour (``speculate``); timed, it got a step or two a batch and a phase, in the
-        mode it was guessed, built of ramps and tails: at 128 running the H200 ran n-gram's
-        ramp step speculating (25 ms) and suffix decoding's tail (350 ms, the catch-up of 250
-        requests' trees), every batch."""
+        neighbour (``speculate``); timed, it would get a step or two a batch, and a phase in
+        the mode it was guessed built of ramps and tails (a ramp step's admissions, a tail
+        step's catch-up of suffix decoding's trees for every request), none of them the
+        level's steady cost."""
         if len(self._steps) > 64:  # steps that never came back (a failed step)
             self._steps.pop(next(iter(self._steps)))
         burst = arrivals > max(2, num_running // 16)
@@ -472,10 +480,11 @@ class SpecPacer:
         (``busy`` False there), the next step's time starts at its scheduling instead. The
         proposer's work for requests that ended (``not_timed_s``: suffix decoding adds each
         output to its global tree) is taken out: all the requests of a batch run without
-        drafts end in the same step (64 outputs of 192 tokens made a 10 ms step of a 2 ms
-        phase). It is dearer while speculating (paused, only the followed requests' outputs
-        join the tree) and charged to neither mode: ~0.15 ms a step at 16 running on the
-        H200 (25 ms for a batch of 16 outputs of 192 tokens).
+        drafts end in the same step, and their outputs joining the tree at once would make
+        that one step as long as several of the phase's others. It is dearer while
+        speculating (paused, only the followed requests' outputs join the tree) and charged
+        to neither mode (the speculative-decoding benchmarks report it per run:
+        ``not_timed_total_s``, benchmarks/README.md).
 
         Example, synchronous steps: an update at 10.000, output processing until 10.001,
         scheduling and drafting until 10.004, the step's update at 10.012: 12 ms (timing from
@@ -501,7 +510,7 @@ class SpecPacer:
             self.trace.append((num_running, speculated, step_s if counted else None, prompt_tokens))
         if not counted:
             return
-        # the first step after a switch carries it (suffix decoding catching up: up to ~1 s),
+        # the first step after a switch carries it (suffix decoding catching up: many steps),
         # whether the level switched or the load came from a level in the other mode: no
         # sample for the decode-only average nor for a prompt token's cost
         settled = previous == speculated
@@ -536,8 +545,9 @@ class SpecPacer:
         mode, phase_s = b.mode, sum(b.times)  # the PHASE - 1 steps after the first
         b.phase_cost_s[mode] = b.first_s + phase_s
         # the median of the PHASE - 1 steps: one stall (a garbage collection of the whole
-        # heap: 0.2 s on this CPU among 4 ms steps) would move a phase's mean 7x and make the
-        # rule speculate at 256 running; a mode's cost is in every one of its steps
+        # heap; e.g. 200 ms among 4 ms steps makes the mean of 7 steps 32 ms, 8x) would make
+        # the rule speculate where it loses (a stall in a plain phase inflates t_off); a
+        # mode's cost is in every one of its steps
         x = statistics.median(b.times)
         old = b.step_s.get(mode)
         b.step_s[mode] = x if old is None else self.EMA * x + (1 - self.EMA) * old
