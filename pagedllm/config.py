@@ -489,7 +489,11 @@ class EngineArgs:
                 maxpool_metrics=bool(self.maxpool_metrics),
                 maxpool_kernel=self.maxpool_kernel,
             ),
-            kv_connectors=tuple(self.kv_connectors),
+            kv_connectors=(
+                tuple(n.strip() for n in self.kv_connectors.split(",") if n.strip())
+                if isinstance(self.kv_connectors, str)
+                else tuple(self.kv_connectors)
+            ),
             structured_outputs_config=so_config,
             speculative_config=spec_config,
             draft_model_config=(

@@ -111,7 +111,11 @@ _HELP = {
     "kvc_num_sinks": "KV-Compress: the first tokens, never evicted.",
     "prefill_metric_collection_window_size": "KV-Compress: last prompt queries whose attention "
     "scores the prompt's KVs.",
-    "maxpool_metrics": "KV-Compress: max-pool the prompt's scores along the sequence (kernel 7).",
+    "maxpool_metrics": "KV-Compress: max-pool the prompt's scores along the sequence.",
+    "maxpool_kernel": "KV-Compress: the max-pooling window of the prompt's scores (odd).",
+    "kv_connectors": "KV connectors beyond KV-Compress, by registered name, comma-separated "
+    "(pagedllm/core/sched/connector.py: each changes a KV cache's life through the scheduler's "
+    "and the runner's hooks).",
     "structured_outputs_max_whitespace": "Structured outputs: the longest run of whitespace "
     "between the tokens of a JSON output, for requests that do not set disable_any_whitespace "
     "(0: compact JSON; at most 64).",
@@ -134,7 +138,12 @@ _CHOICES = {
     "preemption_mode": ("recompute", "swap", "auto"),
     "distributed_executor_backend": _config.EXECUTOR_BACKENDS,
 }
-_TYPES = {"str": str, "int": int, "float": float}
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of names: 'a, b' -> ('a', 'b')."""
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+_TYPES = {"str": str, "int": int, "float": float, "tuple[str,...": _names}
 _METAVARS = {
     "model": "PATH",
     "tokenizer": "PATH",
@@ -143,6 +152,7 @@ _METAVARS = {
     "kv_cache_memory_bytes": "BYTES",
     "max_cache_tokens": "N",
     "speculative_config": "JSON",
+    "kv_connectors": "NAME,...",
 }
 
 
