@@ -138,6 +138,8 @@ _CHOICES = {
     "preemption_mode": ("recompute", "swap", "auto"),
     "distributed_executor_backend": _config.EXECUTOR_BACKENDS,
 }
+
+
 def _names(text: str) -> tuple[str, ...]:
     """A comma-separated list of names: 'a, b' -> ('a', 'b')."""
     return tuple(n.strip() for n in text.split(",") if n.strip())
