@@ -1,17 +1,33 @@
-"""The README's Benchmark A numbers are the result files' numbers (a re-run that changes the
-files without the README, or a README edit without a re-run, fails here)."""
+"""The READMEs' benchmark numbers are the result files' numbers (a re-run that changes the files
+without the READMEs, or a README edit without a re-run, fails here), every result file they
+name exists, and no result file is named after a commit (git keeps the history)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+BENCH_README = ROOT / "benchmarks" / "README.md"
+D_FILES = [
+    f"kvcompress_throughput_llama-3.1-8b_in6000_4096MiB{rates}_NVIDIA_H200.json"
+    for rates in ("", "_cr64_cr4", "_cr2")
+]
 
 
 def _row(readme: str, label: str) -> str:
     return next(line for line in readme.splitlines() if line.startswith(f"| {label}"))
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
 
 
 def test_benchmark_a_table_quotes_the_result_files() -> None:
@@ -19,11 +35,9 @@ def test_benchmark_a_table_quotes_the_result_files() -> None:
     named = re.findall(r"benchmarks/results/(gpu_bench-a_[\w.-]+\.json)", readme)
     assert "gpu_bench-a_NVIDIA_H100_80GB_HBM3.json" in named
     for name in named:
-        assert (ROOT / "benchmarks" / "results" / name).exists(), name
-    h100 = json.loads(
-        (ROOT / "benchmarks/results/gpu_bench-a_NVIDIA_H100_80GB_HBM3.json").read_text()
-    )
-    assert h100["device"] in " ".join(readme.split())  # the device is named
+        assert (RESULTS / name).exists(), name
+    h100 = _load("gpu_bench-a_NVIDIA_H100_80GB_HBM3.json")
+    assert h100["device"] in _flat(readme)  # the device is named
     rows = {
         "pagedllm_cuda_graphs": "pagedllm, CUDA graphs, async",
         "pagedllm_cuda_graphs_sync": "pagedllm, CUDA graphs, synchronous",
@@ -37,18 +51,16 @@ def test_benchmark_a_table_quotes_the_result_files() -> None:
         readme, "HF transformers `generate_batch`"
     )
     assert f"| {peers['hf_generate']:,.0f} |" in _row(readme, "HF transformers `generate` ")
-    h200 = json.loads((ROOT / "benchmarks/results/gpu_bench-a_NVIDIA_H200.json").read_text())
-    text = " ".join(readme.split())
-    run = h200["pagedllm_cuda_graphs"]
+    run = _load("gpu_bench-a_NVIDIA_H200.json")["pagedllm_cuda_graphs"]
     quoted = f"{run['output_tokens_per_s']:,.0f} output tok/s, {run['roofline_fraction']:.1%}"
-    assert quoted in text, quoted
+    assert quoted in _flat(readme), quoted
 
 
 def test_benchmarks_readme_latest_benchmark_a_is_the_h100_file() -> None:
-    text = (ROOT / "benchmarks" / "README.md").read_text()
+    text = BENCH_README.read_text()
     latest = text[text.index("Latest Benchmark A") :]
     assert latest.split("\n")[0].find("gpu_bench-a_NVIDIA_H100_80GB_HBM3.json") > 0
-    d = json.loads((ROOT / "benchmarks/results/gpu_bench-a_NVIDIA_H100_80GB_HBM3.json").read_text())
+    d = _load("gpu_bench-a_NVIDIA_H100_80GB_HBM3.json")
     run, peers = d["pagedllm_cuda_graphs"], d["peers"]
     cells = (
         f"| {run['output_tokens_per_s']:,.0f} "
@@ -58,3 +70,76 @@ def test_benchmarks_readme_latest_benchmark_a_is_the_h100_file() -> None:
         f"| {run['wall_ms_per_step']:.2f} / {run['device_ms_per_step']:.2f} |"
     )
     assert cells in _row(latest, "pagedllm, CUDA graphs, async"), cells
+
+
+def test_benchmark_d_tables_quote_the_result_files() -> None:
+    """Every rate of Benchmark D's table, in both READMEs, is its file's run; the KV-Compress
+    runs of the later calls are compared with the first call's uncompressed run."""
+    bench = BENCH_README.read_text()
+    top = _flat((ROOT / "README.md").read_text())
+    base = _load(D_FILES[0])["summary"]["uncompressed"]
+    assert f"| {base['output_tokens_per_s']:,.0f} | 1.00x |" in _row(bench, "uncompressed |")
+    rates = []
+    for name in D_FILES:
+        d = _load(name)
+        assert d["args"]["num_prompts"] == 256 and d["args"]["input_len"] == 6000, name
+        summary = d["summary"]
+        tok = summary["uncompressed"]["output_tokens_per_s"]
+        assert tok == base["output_tokens_per_s"], name  # one uncompressed run for all
+        for key, run in summary.items():
+            if key == "uncompressed":
+                continue
+            cr = int(key.removeprefix("kvc_cr"))
+            rates.append(cr)
+            cells = (
+                f"| cr {cr} ({run['max_cache_tokens']:,}) | {run['output_tokens_per_s']:,.0f} "
+                f"| {run['speedup_output']:.2f}x | {run['concurrent_seqs_mean']:.1f} / "
+                f"{run['concurrent_seqs_peak']} |"
+            )
+            assert cells in _row(bench, f"cr {cr} ("), cells
+            assert f"{run['speedup_output']:.2f}x at {cr}x" in top, (cr, run["speedup_output"])
+    assert sorted(rates) == [2, 4, 8, 16, 32, 64]
+
+
+def test_cpu_table_and_overheads_quote_the_result_files() -> None:
+    bench = BENCH_README.read_text()
+    top = _flat((ROOT / "README.md").read_text())
+    labels = {"tiny": "tiny", "smollm2": "SmolLM2-135M"}
+    for model, dtype in itertools.product(labels, ("float32", "bfloat16")):
+        d = _load(f"cpu_throughput_{model}_{dtype}_AMD_EPYC.json")
+        e, ratio = d["engines"], d["ratios"]["pagedllm/vllm"]["output_tok_s"]
+        cells = (
+            f"| {e['pagedllm']['output_tok_s']:,.1f} | {e['vllm']['output_tok_s']:,.1f} "
+            f"| {ratio:.2f}x |"
+        )
+        assert cells in _row(bench, f"{labels[model]}, {dtype}"), cells
+        assert f"{ratio:.2f}x in {dtype}" in top, (model, dtype, ratio)
+    costs = []
+    for name, workload in (("a", "a"), ("b", "in128_out1024"), ("b", "in1024_out128")):
+        s = _load(f"kvcompress_overhead_{name}_NVIDIA_H200.json")["runs"][workload]["summary"]
+        assert f"| {s['kvc_output_tokens_per_s']:,.0f} | {s['ratio']:.3f}x |" in bench
+        costs.append(f"{1 - s['ratio']:.1%}")
+    assert f"costs {costs[0]} on Benchmark A" in top
+    assert f"{min(costs[1:])[:-1]}-{max(costs[1:])} on Benchmark B" in top
+
+
+def _named_results(text: str) -> set[str]:
+    """The result files a README names in full (``results/NAME`` with ``{a,b}`` alternatives
+    expanded; ``..._`` abbreviations are skipped)."""
+    names = set()
+    for ref in re.findall(r"results/([\w.{},-]+\.(?:json|png))", text):
+        parts = re.split(r"\{([^}]*)\}", ref)
+        choices = [p.split(",") if i % 2 else [p] for i, p in enumerate(parts)]
+        names.update("".join(c) for c in itertools.product(*choices))
+    return names
+
+
+def test_named_result_files_exist_and_no_name_carries_a_commit() -> None:
+    named = set()
+    for readme in (ROOT / "README.md", BENCH_README):
+        named |= _named_results(readme.read_text())
+    assert len(named) > 30
+    missing = sorted(n for n in named if not (RESULTS / n).exists())
+    assert not missing, missing
+    hashed = [p.name for p in RESULTS.iterdir() if re.search(r"(^|_)[0-9a-f]{7,40}(_|\.)", p.name)]
+    assert not hashed, hashed
