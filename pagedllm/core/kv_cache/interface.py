@@ -194,6 +194,8 @@ class PerHeadKVManager(Protocol):
 
     block_size: int
     compressible: Any
+    num_compressions: int  # evictions applied so far
+    num_evicted_kvs: int  # KVs they removed
 
     def num_free_blocks(self) -> int: ...
     def blocks_for_tokens(self, num_tokens: int) -> int: ...

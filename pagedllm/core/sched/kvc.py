@@ -369,8 +369,7 @@ class KVCompressPlanner(KVConnectorScheduler):
         return self.kvm.num_free_blocks() < self.wanted
 
     def stats(self) -> dict[str, float]:
-        kvm = self.kvm
         return {
-            "kvc_compressions": getattr(kvm, "num_compressions", 0),
-            "kvc_evicted_kvs": getattr(kvm, "num_evicted_kvs", 0),
+            "kvc_compressions": self.kvm.num_compressions,
+            "kvc_evicted_kvs": self.kvm.num_evicted_kvs,
         }
