@@ -1,4 +1,4 @@
-"""Triton kernels over KV-Compress's per-head paged cache (pagedllm/ops/kvc_attention.py)
+"""Triton kernels over KV-Compress's per-head paged cache (pagedllm/ops/kvc_attention/)
 against plain PyTorch references.
 
 Every (row, KV head) gets its own random length (0, 1, a multiple of the block size and

@@ -1,10 +1,23 @@
-"""Device code shared by the KV-Compress kernels of this package: one (row, KV head)'s keys
-read tile by tile through its own block table, the online softmax and the score pass over a
-range of tiles, and what a decode program of (row, KV head) starts from.
+"""What the KV-Compress kernels of this package share.
+
+Host side: :class:`HeadCacheArgs`, one launch's per-head cache and query settings, checked
+once and handed to every kernel in one order. Device side: one (row, KV head)'s keys read tile
+by tile through its own block table (:class:`HeadKeys`), the online softmax and the score pass
+over a range of tiles, and what a decode program of (row, KV head) starts from
+(:class:`DecodeInputs`, :func:`_group_setup`).
+
+The device bundles are named tuples of runtime values (pointers, strides, lengths) that a
+kernel builds from its own arguments and passes whole to the helpers; Triton flattens them, so
+the compiled code is the one of the flat argument lists. Constexprs stay separate arguments
+(a constexpr inside a tuple is no longer one).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
 import triton
 import triton.language as tl
 
@@ -14,6 +27,99 @@ LOG2E = 1.4426950408889634
 # buffer: no specialization on their alignment, or a mixed step's decode rows would meet new
 # kernel variants (a Triton compile each, seconds) long after the warm-up.
 _INDEX_PTRS = ["row_ids_ptr", "q_rows_ptr", "scored_ptr"]
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeadCacheArgs:
+    """One launch's per-head paged cache and query settings, in the forms the kernels take.
+
+    ``k_cache`` / ``v_cache`` [num_blocks, block_size, head_dim] (rows contiguous, K and V
+    strided alike), ``block_tables`` [rows, num_kv_heads, max_blocks] int32 and ``seq_lens``
+    [rows, num_kv_heads] (either may be a strided view). ``qk_scale`` is the softmax scale
+    times log2(e): the kernels work in exp2. ``precision``: ``tl.dot``'s input precision
+    ("ieee" for float32 queries, else "tf32"); ``upcast``: dots in float32 (the CPU
+    interpreter mis-computes 16-bit dots).
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    qk_scale: float
+    head_dim: int
+    precision: str
+    upcast: bool
+
+    @classmethod
+    def of(
+        cls,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, head_dim] (0 = K, 1 = V)
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> HeadCacheArgs:
+        head_dim = query.shape[2]
+        assert kv_cache.dim() == 4 and kv_cache.shape[0] == 2 and kv_cache.shape[3] == head_dim
+        assert block_tables.dim() == 3 and block_tables.shape[:2] == seq_lens.shape
+        assert query.shape[1] % seq_lens.shape[1] == 0
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        assert k_cache.stride(2) == 1 and k_cache.stride() == v_cache.stride()
+        precision = "ieee" if query.dtype == torch.float32 else "tf32"
+        upcast = query.device.type == "cpu"
+        return cls(k_cache, v_cache, block_tables, seq_lens, float(scale) * LOG2E, head_dim,
+                   precision, upcast)  # fmt: skip
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.seq_lens.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k_cache.shape[1]
+
+    @property
+    def head_pad(self) -> int:
+        """The head size padded for ``tl.dot``: a power of two, at least 16 (a GPU's K)."""
+        return max(16, triton.next_power_of_2(self.head_dim))
+
+    def strides(self, columns: bool = False, cache: bool = True) -> tuple[int, ...]:
+        """The strides every kernel here takes, in its order: the tables' (``stride_br``,
+        ``stride_bh``, with ``columns`` ``stride_bb``), the lengths' (``stride_lr``,
+        ``stride_lh``) and with ``cache`` the cache's (``stride_cb``, ``stride_cs``)."""
+        bt = self.block_tables.stride()
+        kv = self.k_cache.stride()[:2] if cache else ()
+        return (*(bt if columns else bt[:2]), *self.seq_lens.stride(), *kv)
+
+    def consts(self) -> dict[str, Any]:
+        """The constexprs every attention kernel here takes."""
+        return dict(HEAD_DIM=self.head_dim, HEAD_PAD=self.head_pad, BLOCK_SIZE=self.block_size,
+                    UPCAST=self.upcast, PRECISION=self.precision)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Device side: one head's keys
+# --------------------------------------------------------------------------------------------
+
+
+class HeadKeys(NamedTuple):
+    """One (row, KV head)'s keys, on the device: its block-table row (``table``, columns
+    ``col_stride`` apart), the K and V caches (the row of slot (block, offset) at ``block *
+    block_stride + offset * slot_stride``) and the visible logical indices ``[lo, hi)``."""
+
+    table: Any
+    col_stride: Any
+    k_ptr: Any
+    v_ptr: Any
+    block_stride: Any
+    slot_stride: Any
+    lo: Any
+    hi: Any
 
 
 @triton.jit
@@ -66,6 +172,18 @@ def _load_rows(
 
 
 @triton.jit
+def _head_tile(keys, tile, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """Tile ``tile`` of a head's keys (:class:`HeadKeys`): (visible, block id, offset, K rows
+    [TILE_N, HEAD_PAD])."""
+    ok, blk, off = _tile_keys(keys.table, keys.col_stride, tile, keys.lo, keys.hi, BLOCK_SIZE,
+                              TILE_N, MASKED)  # fmt: skip
+    k = _load_rows(keys.k_ptr, blk, off, ok, keys.block_stride, keys.slot_stride, HEAD_DIM,
+                   HEAD_PAD, MASKED)  # fmt: skip
+    return ok, blk, off, k
+
+
+@triton.jit
 def _qk(
     q,  # [BLOCK_M, HEAD_PAD]
     k,  # [TILE_N, HEAD_PAD]
@@ -103,17 +221,10 @@ def _attend_tiles(
     l_i,  # [BLOCK_M] fp32 running sum of exp2
     m_i,  # [BLOCK_M] fp32 running max (log2 units)
     q,  # [BLOCK_M, HEAD_PAD]
-    k_cache_ptr,
-    v_cache_ptr,
-    bt_ptr,
-    stride_bb,
+    keys,  # HeadKeys
     tile_lo,
     tile_hi,
-    key_lo,
-    key_hi,
     qk_scale,
-    stride_cb,
-    stride_cs,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -124,10 +235,9 @@ def _attend_tiles(
 ):
     """Online softmax over tiles ``[tile_lo, tile_hi)``; returns the updated (acc, l, m)."""
     for tile in range(tile_lo, tile_hi):
-        ok, blk, off = _tile_keys(bt_ptr, stride_bb, tile, key_lo, key_hi, BLOCK_SIZE, TILE_N,
-                                  MASKED)  # fmt: skip
-        k = _load_rows(k_cache_ptr, blk, off, ok, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, MASKED)
-        v = _load_rows(v_cache_ptr, blk, off, ok, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, MASKED)
+        ok, blk, off, k = _head_tile(keys, tile, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED)
+        v = _load_rows(keys.v_ptr, blk, off, ok, keys.block_stride, keys.slot_stride, HEAD_DIM,
+                       HEAD_PAD, MASKED)  # fmt: skip
         s = _qk(q, k, ok, qk_scale, UPCAST, PRECISION, MASKED)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row with no visible key yet keeps max -inf: use 0 so that exp2 gives 0, not NaN.
@@ -145,45 +255,23 @@ def _attend_tiles(
 
 
 @triton.jit
-def _attend_range(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_cache_ptr,
-    v_cache_ptr,
-    bt_ptr,
-    stride_bb,
-    tile_lo,
-    tile_hi,
-    key_lo,
-    key_hi,
-    qk_scale,
-    stride_cb,
-    stride_cs,
-    HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Tiles ``[tile_lo, tile_hi)`` in three runs: masked, mask-free, masked."""
-    full_lo, full_hi = _full_tiles(tile_lo, tile_hi, key_lo, key_hi, TILE_N)
+def _attend_range(acc, l_i, m_i, q, keys, tile_lo, tile_hi, qk_scale, HEAD_DIM: tl.constexpr,
+                  HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """:func:`_attend_tiles` over tiles ``[tile_lo, tile_hi)`` in three runs: masked,
+    mask-free (the tiles wholly inside ``[keys.lo, keys.hi)``), masked."""
+    full_lo, full_hi = _full_tiles(tile_lo, tile_hi, keys.lo, keys.hi, TILE_N)
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, stride_bb, tile_lo, full_lo, key_lo,
-        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
-        PRECISION, True,
+        acc, l_i, m_i, q, keys, tile_lo, full_lo, qk_scale, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N,
+        UPCAST, PRECISION, True,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, stride_bb, full_lo, full_hi, key_lo,
-        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
-        PRECISION, False,
+        acc, l_i, m_i, q, keys, full_lo, full_hi, qk_scale, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N,
+        UPCAST, PRECISION, False,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, stride_bb, full_hi, tile_hi, key_lo,
-        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
-        PRECISION, True,
+        acc, l_i, m_i, q, keys, full_hi, tile_hi, qk_scale, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N,
+        UPCAST, PRECISION, True,
     )  # fmt: skip
     return acc, l_i, m_i
 
@@ -194,16 +282,10 @@ def _score_tiles(
     m_fin,  # [BLOCK_M] fp32 final max (log2 units; 0 for rows with no key)
     inv_l,  # [BLOCK_M] fp32 1 / final sum; 0 for padding rows (they add nothing)
     scores_ptr,  # [num_blocks * block_size] fp32
-    k_cache_ptr,
-    bt_ptr,
-    stride_bb,
+    keys,  # HeadKeys (V unread)
     tile_lo,
     tile_hi,
-    key_lo,
-    key_hi,
     qk_scale,
-    stride_cb,
-    stride_cs,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -215,9 +297,7 @@ def _score_tiles(
     """scores[slot] += sum over the rows of p^2, p = 2^(s - m_fin) / l, for tiles
     ``[tile_lo, tile_hi)``."""
     for tile in range(tile_lo, tile_hi):
-        ok, blk, off = _tile_keys(bt_ptr, stride_bb, tile, key_lo, key_hi, BLOCK_SIZE, TILE_N,
-                                  MASKED)  # fmt: skip
-        k = _load_rows(k_cache_ptr, blk, off, ok, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, MASKED)
+        ok, blk, off, k = _head_tile(keys, tile, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED)
         s = _qk(q, k, ok, qk_scale, UPCAST, PRECISION, MASKED)
         p = tl.exp2(s - m_fin[:, None]) * inv_l[:, None]  # [BLOCK_M, TILE_N]
         p2 = tl.sum(p * p, axis=0)  # [TILE_N]
@@ -231,45 +311,59 @@ def _score_tiles(
 
 
 @triton.jit
-def _score_range(
-    q,
-    m_fin,
-    inv_l,
-    scores_ptr,
-    k_cache_ptr,
-    bt_ptr,
-    stride_bb,
-    tile_lo,
-    tile_hi,
-    key_lo,
-    key_hi,
-    qk_scale,
-    stride_cb,
-    stride_cs,
-    HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _score_range(q, m_fin, inv_l, scores_ptr, keys, tile_lo, tile_hi, qk_scale,
+                 HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 TILE_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """:func:`_score_tiles` in three runs: masked, mask-free, masked."""
-    full_lo, full_hi = _full_tiles(tile_lo, tile_hi, key_lo, key_hi, TILE_N)
-    _score_tiles(
-        q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_ptr, stride_bb, tile_lo, full_lo, key_lo,
-        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
-        PRECISION, True,
-    )  # fmt: skip
-    _score_tiles(
-        q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_ptr, stride_bb, full_lo, full_hi, key_lo,
-        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
-        PRECISION, False,
-    )  # fmt: skip
-    _score_tiles(
-        q, m_fin, inv_l, scores_ptr, k_cache_ptr, bt_ptr, stride_bb, full_hi, tile_hi, key_lo,
-        key_hi, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
-        PRECISION, True,
-    )  # fmt: skip
+    full_lo, full_hi = _full_tiles(tile_lo, tile_hi, keys.lo, keys.hi, TILE_N)
+    _score_tiles(q, m_fin, inv_l, scores_ptr, keys, tile_lo, full_lo, qk_scale, HEAD_DIM,
+                 HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST, PRECISION, True)  # fmt: skip
+    _score_tiles(q, m_fin, inv_l, scores_ptr, keys, full_lo, full_hi, qk_scale, HEAD_DIM,
+                 HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST, PRECISION, False)  # fmt: skip
+    _score_tiles(q, m_fin, inv_l, scores_ptr, keys, full_hi, tile_hi, qk_scale, HEAD_DIM,
+                 HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST, PRECISION, True)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Device side: a decode program of (row, KV head)
+# --------------------------------------------------------------------------------------------
+
+
+class DecodeInputs(NamedTuple):
+    """The arguments every decode kernel takes after its own buffers, in this order (the
+    host's :meth:`decode.DecodeArgs.args` yields them so): the query [rows, num_heads,
+    head_dim], the K and V caches (the score kernels read no V: K stands in), the block
+    tables and lengths, ``row_ids`` [rows] int64 (each row's table row), ``q_rows`` [rows]
+    int64 (each row's query and output row, read with Q_ROWS), the scale in log2 units, the
+    sliding window (0: none) and the strides."""
+
+    q_ptr: Any
+    k_cache_ptr: Any
+    v_cache_ptr: Any
+    bt_ptr: Any
+    lens_ptr: Any
+    row_ids_ptr: Any
+    q_rows_ptr: Any
+    qk_scale: Any
+    window: Any
+    stride_qt: Any
+    stride_qh: Any
+    stride_br: Any
+    stride_bh: Any
+    stride_bb: Any
+    stride_lr: Any
+    stride_lh: Any
+    stride_cb: Any
+    stride_cs: Any
+
+
+class Partials(NamedTuple):
+    """Split-K partials: acc [rows, num_heads, S, HEAD_PAD] fp32, max and sum [rows,
+    num_heads, S] fp32 (row ``(row * num_heads + head) * S + split``)."""
+
+    acc_ptr: Any
+    m_ptr: Any
+    l_ptr: Any
 
 
 @triton.jit
@@ -283,20 +377,9 @@ def _out_row(q_rows_ptr, row, Q_ROWS: tl.constexpr):
 
 @triton.jit
 def _group_setup(
-    q_ptr,
-    bt_ptr,
-    lens_ptr,
-    row_ids_ptr,  # [rows] int64: the table/length row of each query row
-    q_rows_ptr,  # [rows] int64: the query (and output) row of each row (read with Q_ROWS)
+    inp,  # DecodeInputs
     row,
     kvh,
-    window,  # 0 = no sliding window
-    stride_qt,
-    stride_qh,
-    stride_br,
-    stride_bh,
-    stride_lr,
-    stride_lh,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -306,26 +389,28 @@ def _group_setup(
 ):
     """What every decode program of (row, kvh) starts from: the group's query rows
     [BLOCK_M, HEAD_PAD] (row m = query head kvh * G + m; rows >= G are 0), the row mask, the
-    head's block-table pointer (table row ``row_ids[row]``), the visible logical indices
-    [key_lo, key_hi), their tiles [tile_lo, tile_hi) and the query row (``q_rows[row]`` with
-    Q_ROWS, else ``row``; int64)."""
+    query heads, the head's keys (:class:`HeadKeys`: table row ``row_ids[row]``, visible
+    logical indices ``[max(len - window, 0), len)``), their tiles [tile_lo, tile_hi) and the
+    query row (``q_rows[row]`` with Q_ROWS, else ``row``; int64)."""
     m = tl.arange(0, BLOCK_M)
     row_mask = m < G
     d = tl.arange(0, HEAD_PAD)
     head = kvh * G + m
-    qrow = _out_row(q_rows_ptr, row, Q_ROWS)
+    qrow = _out_row(inp.q_rows_ptr, row, Q_ROWS)
     q = tl.load(
-        q_ptr + qrow * stride_qt + head[:, None] * stride_qh + d[None, :],
+        inp.q_ptr + qrow * inp.stride_qt + head[:, None] * inp.stride_qh + d[None, :],
         mask=row_mask[:, None] & (d < HEAD_DIM)[None, :],
         other=0.0,
     )
-    trow = tl.load(row_ids_ptr + row).to(tl.int64)
-    bt_row = bt_ptr + trow * stride_br + kvh * stride_bh
-    key_hi = tl.load(lens_ptr + trow * stride_lr + kvh * stride_lh).to(tl.int32)
-    key_lo = tl.maximum(tl.where(window > 0, key_hi - window, 0), 0)
+    trow = tl.load(inp.row_ids_ptr + row).to(tl.int64)
+    bt_row = inp.bt_ptr + trow * inp.stride_br + kvh * inp.stride_bh
+    key_hi = tl.load(inp.lens_ptr + trow * inp.stride_lr + kvh * inp.stride_lh).to(tl.int32)
+    key_lo = tl.maximum(tl.where(inp.window > 0, key_hi - inp.window, 0), 0)
     tile_lo = key_lo // TILE_N
     tile_hi = (key_hi + TILE_N - 1) // TILE_N
-    return q, row_mask, head, bt_row, key_lo, key_hi, tile_lo, tile_hi, qrow
+    keys = HeadKeys(bt_row, inp.stride_bb, inp.k_cache_ptr, inp.v_cache_ptr, inp.stride_cb,
+                    inp.stride_cs, key_lo, key_hi)  # fmt: skip
+    return q, row_mask, head, keys, tile_lo, tile_hi, qrow
 
 
 @triton.jit
@@ -354,15 +439,13 @@ def _split_tiles(tile_lo, tile_hi, s, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.co
 
 
 @triton.jit
-def _store_partial(
-    part_acc_ptr, part_m_ptr, part_l_ptr, prow, acc, m_i, l_i, row_mask, busy,
-    HEAD_PAD: tl.constexpr,
-):  # fmt: skip
-    """A split's partial (max, sum, and acc where it had keys) at part rows ``prow``."""
-    tl.store(part_m_ptr + prow, m_i, mask=row_mask)
-    tl.store(part_l_ptr + prow, l_i, mask=row_mask)
+def _store_partial(part, prow, acc, m_i, l_i, row_mask, busy, HEAD_PAD: tl.constexpr):
+    """A split's partial (max, sum, and acc where it had keys) at :class:`Partials` rows
+    ``prow``."""
+    tl.store(part.m_ptr + prow, m_i, mask=row_mask)
+    tl.store(part.l_ptr + prow, l_i, mask=row_mask)
     d = tl.arange(0, HEAD_PAD)
-    tl.store(part_acc_ptr + prow[:, None] * HEAD_PAD + d[None, :], acc, mask=busy[:, None])
+    tl.store(part.acc_ptr + prow[:, None] * HEAD_PAD + d[None, :], acc, mask=busy[:, None])
 
 
 @triton.jit

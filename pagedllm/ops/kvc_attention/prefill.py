@@ -1,4 +1,12 @@
-"""Prefill chunks over KV-Compress's per-head paged cache."""
+"""Prefill chunks over KV-Compress's per-head paged cache (layout:
+:mod:`pagedllm.ops.kvc_attention`).
+
+One program per (query tile of a chunk, KV head), the unified paged kernel's loop over key
+tiles (:mod:`pagedllm.ops.paged_attention`) on that head's own table and length; query and
+output rows, table rows and lengths are read in place through the step's index tensors (no
+per-layer gather or permutation); no scores, but each chunk row's softmax normalizer on
+request, for :mod:`.window_scores`.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops.kvc_attention.common import LOG2E
+from pagedllm.ops.kvc_attention.common import HeadCacheArgs
 from pagedllm.ops.paged_attention import (
     TileConfig,
     _find_request,
@@ -129,12 +137,9 @@ def kvc_paged_attention(
     index tensors made once). Example: a step of tokens [decode, a, a, a, decode, b, b]
     with table rows 7 (a) and 2 (b) -> qsl [0, 3, 5], q_start [1, 5], row_ids [7, 2].
     """
-    num_tokens, num_heads, head_dim = query.shape
+    num_tokens, num_heads, _ = query.shape
     num_kv_heads = seq_lens.shape[1]
     num_reqs = query_start_loc.shape[0] - 1
-    assert kv_cache.dim() == 4 and kv_cache.shape[0] == 2 and kv_cache.shape[3] == head_dim
-    assert block_tables.dim() == 3 and block_tables.shape[:2] == seq_lens.shape
-    assert num_heads % num_kv_heads == 0
     g = num_heads // num_kv_heads
     dev = query.device
     if out is None:
@@ -152,16 +157,10 @@ def kvc_paged_attention(
         query = query.contiguous()
     if block_tables.stride(2) != 1:
         block_tables = block_tables.contiguous()
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    assert k_cache.stride(2) == 1 and k_cache.stride() == v_cache.stride()
-    block_size = kv_cache.shape[2]
+    c = HeadCacheArgs.of(query, kv_cache, block_tables, seq_lens, scale)
     window = int(sliding_window) if sliding_window else 0
-    qk_scale = float(scale) * LOG2E
-    head_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on a GPU
-    upcast = query.device.type == "cpu"  # the CPU interpreter mis-computes 16-bit dots
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"
     cfg = tile_config or default_tile_config(
-        head_pad, False, max_query_len, query.device, kv_cache.element_size()
+        c.head_pad, False, max_query_len, query.device, kv_cache.element_size()
     )
     block_m = max(cfg.block_m, triton.next_power_of_2(g))
     if tile_config is None and max_query_len * g < block_m:
@@ -178,12 +177,9 @@ def kvc_paged_attention(
     # an upper bound on the tiles of all chunks (see paged_attention's _find_request)
     grid = (n_tok // block_q + num_reqs, num_kv_heads)
     _prefill_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, q_start, row_ids,
-        num_reqs, qk_scale, window, query.stride(0), query.stride(1), out.stride(0),
-        out.stride(1), block_tables.stride(0), block_tables.stride(1), seq_lens.stride(0),
-        seq_lens.stride(1), k_cache.stride(0), k_cache.stride(1), G=g, HEAD_DIM=head_dim,
-        HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE_N=cfg.tile_n, UPCAST=upcast, PRECISION=precision, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **lse_args,
+        out, query, c.k_cache, c.v_cache, c.block_tables, c.seq_lens, query_start_loc, q_start,
+        row_ids, num_reqs, c.qk_scale, window, query.stride(0), query.stride(1), out.stride(0),
+        out.stride(1), *c.strides(), G=g, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **c.consts(), **lse_args,
     )  # fmt: skip
     return out

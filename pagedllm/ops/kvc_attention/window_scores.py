@@ -1,4 +1,9 @@
-"""The prompt's window scores over KV-Compress's per-head paged cache."""
+"""The scores of a prompt's keys from its last queries (the observation window), over
+KV-Compress's per-head paged cache (layout: :mod:`pagedllm.ops.kvc_attention`): one program
+per (scoring request, KV head, key tile), every scoring request of a step in one launch, from
+the softmax normalizers the prefill kernel stored (:mod:`.prefill`), and one more launch for
+the max-pool.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops.kvc_attention.common import LOG2E, _load_rows, _qk, _tile_keys
+from pagedllm.ops.kvc_attention.common import HeadCacheArgs, _load_rows, _qk, _tile_keys
 
 
 @triton.jit
@@ -19,6 +24,17 @@ def _window_program(win_reqs_ptr, lens_ptr, stride_lr, stride_lh):
     trow = tl.load(win_reqs_ptr + w).to(tl.int64)
     seq_len = tl.load(lens_ptr + trow * stride_lr + kvh * stride_lh).to(tl.int32)
     return w, kvh, tile, trow, seq_len
+
+
+@triton.jit
+def _window_keys(bt_ptr, trow, kvh, tile, seq_len, stride_br, stride_bh,
+                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):  # fmt: skip
+    """A window program's key tile: its logical indices j [TILE_N], which of them the head
+    holds, their block ids and offsets (table columns contiguous)."""
+    j = tile * TILE_N + tl.arange(0, TILE_N)
+    bt_row = bt_ptr + trow * stride_br + kvh * stride_bh
+    j_ok, blk, off = _tile_keys(bt_row, 1, tile, 0, seq_len, BLOCK_SIZE, TILE_N, True)
+    return j, j_ok, blk, off
 
 
 # The window requests' count and the longest head vary step by step (views of one shipped
@@ -73,9 +89,8 @@ def _window_score_kernel(
     if tile * TILE_N >= seq_len:
         return
     n = tl.load(win_n_ptr + w).to(tl.int32)
-    j = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] logical indices
-    bt_row = bt_ptr + trow * stride_br + kvh * stride_bh  # (table columns contiguous)
-    j_ok, blk, off = _tile_keys(bt_row, 1, tile, 0, seq_len, BLOCK_SIZE, TILE_N, True)
+    j, j_ok, blk, off = _window_keys(bt_ptr, trow, kvh, tile, seq_len, stride_br, stride_bh,
+                                     BLOCK_SIZE, TILE_N)  # fmt: skip
     k = _load_rows(k_cache_ptr, blk, off, j_ok, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, True)
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD_DIM
@@ -127,9 +142,8 @@ def _window_pool_kernel(
     w, kvh, tile, trow, seq_len = _window_program(win_reqs_ptr, lens_ptr, stride_lr, stride_lh)
     if tile * TILE_N >= seq_len:
         return
-    j = tile * TILE_N + tl.arange(0, TILE_N)
-    bt_row = bt_ptr + trow * stride_br + kvh * stride_bh  # (table columns contiguous)
-    j_ok, blk, off = _tile_keys(bt_row, 1, tile, 0, seq_len, BLOCK_SIZE, TILE_N, True)
+    j, j_ok, blk, off = _window_keys(bt_ptr, trow, kvh, tile, seq_len, stride_br, stride_bh,
+                                     BLOCK_SIZE, TILE_N)  # fmt: skip
     base = metric_ptr + (w * tl.num_programs(1) + kvh).to(tl.int64) * max_len
     best = tl.zeros([TILE_N], dtype=tl.float32)
     for o in tl.static_range(KERNEL):
@@ -162,15 +176,12 @@ def kvc_window_scores(
     num_w, c = window_rows.shape
     if num_w == 0 or max_len <= 0:
         return
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = seq_lens.shape[1]
-    g = num_heads // num_kv_heads
-    k_cache = kv_cache[0]
-    block_size = kv_cache.shape[2]
+    cache = HeadCacheArgs.of(query, kv_cache, block_tables, seq_lens, scale)
+    num_kv_heads = cache.num_kv_heads
+    g = query.shape[1] // num_kv_heads
     assert scores.dtype == torch.float32 and scores.is_contiguous()
     assert lse.dtype == torch.float32 and lse.stride(1) == 1 and query.stride(2) == 1
     assert block_tables.stride(2) == 1 and window_rows.is_contiguous()
-    head_pad = max(16, triton.next_power_of_2(head_dim))
     tile_n = 64
     block_m = min(128, max(16, triton.next_power_of_2(c * g)))
     pool = maxpool_kernel > 1
@@ -181,18 +192,14 @@ def kvc_window_scores(
     )
     grid = (num_w, num_kv_heads, triton.cdiv(max_len, tile_n))
     _window_score_kernel[grid](
-        metric, scores, query, lse, k_cache, block_tables, seq_lens, window_reqs, window_rows,
-        window_n, max_len, float(scale) * LOG2E, query.stride(0), query.stride(1),
-        lse.stride(0), block_tables.stride(0), block_tables.stride(1), seq_lens.stride(0),
-        seq_lens.stride(1), k_cache.stride(0), k_cache.stride(1), C=c, G=g, HEAD_DIM=head_dim,
-        HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, TILE_N=tile_n, POOL=pool,
-        UPCAST=query.device.type == "cpu",
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=4,
+        metric, scores, query, lse, cache.k_cache, block_tables, seq_lens, window_reqs,
+        window_rows, window_n, max_len, cache.qk_scale, query.stride(0), query.stride(1),
+        lse.stride(0), *cache.strides(), C=c, G=g, BLOCK_M=block_m, TILE_N=tile_n, POOL=pool,
+        num_warps=4, **cache.consts(),
     )  # fmt: skip
     if pool:
         _window_pool_kernel[grid](
             scores, metric, block_tables, seq_lens, window_reqs, max_len,
-            block_tables.stride(0), block_tables.stride(1), seq_lens.stride(0),
-            seq_lens.stride(1), KERNEL=maxpool_kernel, BLOCK_SIZE=block_size, TILE_N=tile_n,
-            num_warps=2,
+            *cache.strides(cache=False), KERNEL=maxpool_kernel, BLOCK_SIZE=cache.block_size,
+            TILE_N=tile_n, num_warps=2,
         )  # fmt: skip
