@@ -57,7 +57,9 @@ KV_CONNECTORS: dict[str, tuple[str, str]] = {
 def register_kv_connector(name: str, scheduler_role: str, worker_role: str) -> None:
     """Make ``name`` usable in ``kv_connectors`` (engine argument): each role as
     ``"module:Class"``. Registering an existing name replaces its roles (a benchmark may swap
-    in a probe that subclasses a role). Worker processes import the roles by these paths."""
+    in a probe that subclasses a role). Worker processes (tensor parallelism) import the
+    roles by these paths but see only the registrations of the modules they import: register
+    a connector at the import of a module every process imports, or run in-process."""
     for path in (scheduler_role, worker_role):
         if ":" not in path:
             raise ValueError(f"a KV connector role is 'module:Class', got {path!r}.")

@@ -103,6 +103,8 @@ class KVCompressPlanner(KVConnectorScheduler):
         self._free_start = 0
         self._room: dict[str, int] = {}  # requests to evict from for room -> their budgets
         self._short = False  # memory is short and this step's evictions make room
+        # whether a subclass scores chunks that do not sample (asked per request only then)
+        self._windows = type(self).window_scored is not KVCompressPlanner.window_scored
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -266,7 +268,7 @@ class KVCompressPlanner(KVConnectorScheduler):
                 continue  # no budget: never evicted (e.g. KV-Compress on, a plain request)
             r = requests[rid]
             after = r.num_computed_tokens + n
-            if self.window_scored(r, after):
+            if self._windows and self.window_scored(r, after):
                 window.append(rid)
             if self.eviction_due(r, after):
                 budget = self._over(r, after)
