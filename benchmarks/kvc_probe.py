@@ -1,10 +1,14 @@
-"""A KV-Compress probe for the quality benchmark's teacher-forced loss, attached through the KV
-seam (``pagedllm/core/sched/connector.py``), not through an engine field.
+"""A KV-Compress probe for the quality benchmark, attached through the KV seam
+(``pagedllm/core/sched/connector.py``), not through engine fields: teacher forcing at a prompt
+token, and a log of every eviction's KVs.
 
 A request with ``SamplingParams(extra_args={"compress_at": c}, prompt_logprobs=0, ...)`` and a
 budget computes its first ``c`` prompt tokens, is evicted there (the chunk's last queries
 score the keys, as a prompt's last chunk does), and its remaining prompt tokens - and their
-prompt logprobs - see the compressed cache; it is never evicted again.
+prompt logprobs - see the compressed cache; it is never evicted again. Every eviction of
+every request is logged as (request id, KVs before, KVs after) in the planner's ``log``
+(compressible heads, its shared cached prefix included), e.g.
+``llm.llm_engine.engine_core.scheduler.connectors[0].log``.
 
 Use: ``with measured_prefix(): llm = LLM(..., enable_kvc=True); llm.generate(...)`` (the
 engine's KV-Compress scheduler role is this subclass while the block runs; in-process
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from pagedllm.core.request import Request
 from pagedllm.core.sched.connector import KV_CONNECTORS, register_kv_connector
@@ -28,7 +33,22 @@ def _compress_at(request: Request) -> int | None:
 
 
 class MeasuredPrefixPlanner(KVCompressPlanner):
-    """KV-Compress's planner, evicting a ``compress_at`` request once, at that token."""
+    """KV-Compress's planner, evicting a ``compress_at`` request once, at that token, and
+    logging every eviction."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.log: list[tuple[str, int, int]] = []
+
+    def _kvs(self, rid: str) -> int:
+        return self.kvm.held_kvs(rid) + self.kvm.prefix_tokens(rid) * self.num_heads
+
+    def update(self, metadata: Any, output: Any) -> None:
+        evicted = [e.req_id for e in metadata.evictions] if metadata is not None else []
+        live = [rid for rid in evicted if rid in self.inflight]
+        before = {rid: self._kvs(rid) for rid in live}
+        super().update(metadata, output)
+        self.log += [(rid, before[rid], self._kvs(rid)) for rid in live]
 
     def add_request(self, request: Request) -> None:
         super().add_request(request)

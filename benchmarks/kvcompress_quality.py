@@ -101,8 +101,9 @@ def _run_ours(llm: Any, tasks: list[dict], rate: float | None) -> list[dict]:
 
     core = llm.llm_engine.engine_core
     kv = core.scheduler.kv_cache_manager
-    if rate is not None:
-        kv.eviction_log = []
+    probe = core.scheduler.connectors[0] if rate is not None else None  # (kvc_probe.py)
+    if probe is not None:
+        probe.log.clear()
     kvc = {} if rate is None else {"compression_rate": float(rate), "compress_once": True}
     retrieval = [t for t in tasks if t["kind"] != "continuation"]
     cont = [t for t in tasks if t["kind"] == "continuation"]
@@ -128,7 +129,7 @@ def _run_ours(llm: Any, tasks: list[dict], rate: float | None) -> list[dict]:
     seconds = time.perf_counter() - t0
     heads = int(kv.compressible.sum()) if hasattr(kv, "compressible") else None
     kept: dict[str, int] = {}
-    for rid, _, after in kv.eviction_log or [] if rate is not None else []:
+    for rid, _, after in probe.log if probe is not None else []:
         kept.setdefault(rid, after)  # compress_once: the eviction after the prompt
     for t in tasks:
         r = results[t["id"]]

@@ -581,20 +581,24 @@ def test_shared_prefix_survives_the_evictions_of_its_sharers(tiny_models):
         protected_window_size=4,
     )  # fmt: skip
 
+    from benchmarks.kvc_probe import measured_prefix  # (its planner logs every eviction)
+
     def probe_after(warm: list[list[int]], sp: SamplingParams):
         # random eviction: any unprotected KV may go, whatever the scores
-        llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, enable_kvc=True,
-                  kvc_method="random")  # fmt: skip
+        with measured_prefix():
+            llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256,
+                      enable_kvc=True, kvc_method="random")  # fmt: skip
         core = llm.llm_engine.engine_core
         kv = core.scheduler.kv_cache_manager
-        kv.eviction_log = []
+        log = core.scheduler.connectors[0].log
         llm.generate([{"prompt_token_ids": p} for p in warm], sp, use_tqdm=False)
         evicted = kv.num_evicted_kvs
         heads = int(kv.compressible.sum())
         # evictions happened, and never below the shared prefix (48 KVs in every head)
-        if kv.eviction_log:
-            assert min(after for _, _, after in kv.eviction_log) >= 48 * heads
-            assert any(after < before for _, before, after in kv.eviction_log)
+        assert bool(log) == (evicted > 0)
+        if log:
+            assert min(after for _, _, after in log) >= 48 * heads
+            assert any(after < before for _, before, after in log)
         out = llm.generate([{"prompt_token_ids": probe}], plain_probe, use_tqdm=False)[0]
         core.check_integrity()
         assert kv.is_idle_clean()

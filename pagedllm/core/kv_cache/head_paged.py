@@ -232,9 +232,6 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         self.num_compressions = 0
         self.num_evicted_kvs = 0
         self.kept_kvs: dict[str, int] = {}  # request -> compressible KVs after its last eviction
-        # set to a list to record (request id, KVs before, KVs after) of every eviction
-        # (benchmarks read it; the engine never sets it)
-        self.eviction_log: list[tuple[str, int, int]] | None = None
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -761,8 +758,6 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         self.num_compressions += 1
         self.num_evicted_kvs += before - after
         self.kept_kvs[request.request_id] = after
-        if self.eviction_log is not None:
-            self.eviction_log.append((request.request_id, before, after))
         return len(freed)
 
     # ---------------------------------------------------------------------- swap
