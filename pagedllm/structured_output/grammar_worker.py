@@ -8,13 +8,17 @@ and MEM, the shared memory the bitmasks are written to. Messages in:
 Messages out: ("ready",) once initialised; ("step", rejected, seconds) after each step, where
 rejected maps a matcher's key -> message and seconds is the step's work; ("error", traceback)
 if a step failed as a whole.
-The process ends when the connection closes (the engine exited or closed it).
+The process ends when the connection closes (the engine exited or closed it, at any point,
+even before "init"): a normal end, with status 0 and nothing printed. Ctrl-C reaches the whole
+process group: the engine handles it and closes the channel, so the worker ignores SIGINT
+(``utils/child.py``); SIGTERM ends it at once, and Linux sends SIGTERM if the engine dies
+without closing the channel. A real error (a bad "init") prints its traceback and exits 1; a
+step that fails is reported to the engine as ("error", traceback).
 """
 
 from __future__ import annotations
 
 import mmap
-import socket
 import sys
 import time
 import traceback
@@ -25,6 +29,7 @@ import numpy as np
 
 from pagedllm.structured_output.matchers import MatcherSet
 from pagedllm.utils.channel import Channel
+from pagedllm.utils.child import child_channel
 
 
 class GrammarWorkerState:
@@ -51,7 +56,15 @@ class GrammarWorkerState:
 
 
 def serve(conn: Channel, mem_fd: int) -> None:
-    """The worker's loop (see the module docstring)."""
+    """The worker's loop (see the module docstring); returns when the engine closes the
+    channel, whether the worker was reading or answering."""
+    try:
+        _serve(conn, mem_fd)
+    except (EOFError, ConnectionError):  # the engine closed the channel: a normal end
+        return
+
+
+def _serve(conn: Channel, mem_fd: int) -> None:
     import xgrammar as xgr
 
     kind, info_json, shape, threads = conn.recv()
@@ -63,24 +76,21 @@ def serve(conn: Channel, mem_fd: int) -> None:
     matchers = MatcherSet(threads)
     conn.send(("ready",))
     while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
+        msg = conn.recv()
         try:
             start = time.perf_counter()
             _, ops, fill_ids, turn = msg
             rejected = matchers.apply(ops, state)
             if fill_ids:
                 matchers.fill(fill_ids, masks[turn])
-            conn.send(("step", rejected, time.perf_counter() - start))
+            reply: tuple = ("step", rejected, time.perf_counter() - start)
         except Exception:
-            conn.send(("error", traceback.format_exc()))
+            reply = ("error", traceback.format_exc())
+        conn.send(reply)
 
 
 def main(argv: list[str]) -> None:
-    conn = Channel(socket.socket(fileno=int(argv[1])))
-    serve(conn, int(argv[2]))
+    serve(child_channel(argv), int(argv[2]))
 
 
 if __name__ == "__main__":
