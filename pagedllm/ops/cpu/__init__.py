@@ -3,7 +3,8 @@
 ``cpu_ops()`` builds ``paged_attention.cpp`` once per machine (``-O3 -march=native``: the
 machine's own vector instructions) into a cache folder (``PAGEDLLM_CACHE_DIR``, default
 ``~/.cache/pagedllm``), keyed by the source, the torch version and the CPU, and returns the
-module; ``scripts/setup.sh`` builds it ahead. Without a compiler (or ninja), or with
+module; ``scripts/setup.sh`` builds it ahead. A build (tens of seconds) is announced in the
+log at INFO level, before and with its time after. Without a compiler (or ninja), or with
 ``PAGEDLLM_CPU_KERNELS=0``, it returns None, saying so once in the log.
 
 What it holds: the paged decode attention (used by the attention backend for float32 and
@@ -35,6 +36,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -105,8 +107,15 @@ def cpu_ops(build: bool = True) -> Any:
 
             folder = build_dir()
             folder.mkdir(parents=True, exist_ok=True)
+            name = f"pagedllm_cpu_ops_{folder.name}"
+            # a build takes tens of seconds: say so, with its time (once a machine: cached)
+            so = folder / f"{name}.so"
+            before = so.stat().st_mtime_ns if so.exists() else None
+            if before is None:
+                logger.info("compiling the CPU kernels (first start on this machine) ...")
+            start = time.perf_counter()
             module = load(
-                name=f"pagedllm_cpu_ops_{folder.name}",
+                name=name,
                 sources=[str(_SOURCE)],
                 # -fopenmp: at::parallel_for spreads the (request, KV head) items over
                 # torch's threads; -fno-math-errno lets the exponentials vectorize
@@ -114,6 +123,12 @@ def cpu_ops(build: bool = True) -> Any:
                 build_directory=str(folder),
                 verbose=False,
             )
+            if before is None or so.stat().st_mtime_ns != before:
+                logger.info(
+                    "compiled the CPU kernels in %.1f s (cached in %s)",
+                    time.perf_counter() - start,
+                    folder,
+                )
         except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build
             logger.warning(
                 "CPU kernels unavailable (%s): using the PyTorch attention path",

@@ -1,0 +1,52 @@
+"""A build of the CPU kernels (``pagedllm.ops.cpu.cpu_ops``) is announced in the log, before
+and with its time after; a start that finds the build cached says nothing. The compiler is
+replaced by a stand-in that writes the shared object where torch's loader would: a real build
+takes tens of seconds (the kernel tests beside this one run it)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch.utils.cpp_extension
+
+from pagedllm.ops import cpu
+
+BEFORE = "compiling the CPU kernels (first start on this machine) ..."
+AFTER = re.compile(r"compiled the CPU kernels in \d+\.\d s \(cached in .+\)")
+
+
+def test_a_build_is_announced_with_its_time(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rebuild = []  # torch's loader builds again when its record of the build is stale
+
+    def load(name: str, build_directory: str, **_: object) -> object:
+        so = Path(build_directory) / f"{name}.so"
+        if not so.exists() or rebuild:
+            so.write_bytes(b"")
+        return object()
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PAGEDLLM_CPU_KERNELS", raising=False)
+    caplog.set_level(logging.INFO, logger=cpu.__name__)
+
+    def start() -> list[str]:
+        """A new process's first call: nothing loaded yet."""
+        monkeypatch.setattr(cpu, "_loaded", [])
+        caplog.clear()
+        assert cpu.cpu_ops() is not None
+        return [r.getMessage() for r in caplog.records]
+
+    first = start()
+    assert len(first) == 2 and first[0] == BEFORE and AFTER.fullmatch(first[1]), first
+    assert start() == []  # cached
+    so = next(tmp_path.rglob("*.so"))
+    os.utime(so, ns=(0, 0))
+    rebuild.append(True)
+    again = start()
+    assert len(again) == 1 and AFTER.fullmatch(again[0]), again
