@@ -138,11 +138,11 @@ def warm_up_decode_kernels(
     A step's decode rows pick a split count from their number (``kvc_decode_num_splits``: one
     kernel variant per count, a constexpr), run with or without the score pass, and read their
     query rows directly (decode-only steps) or through ``q_rows`` (a mixed step's decode rows).
-    CUDA graphs cover only decode-only steps; the rest compiled inside the first steps that met
-    them (on an H200, Benchmark D at cr 64: 19 compiles, 4.2 s, inside a 20 s timed run). Here
+    CUDA graphs cover only decode-only steps; the rest would compile inside the first steps that
+    meet them, in a timed run (Benchmark D counts the Triton compiles of its runs). Here
     each variant runs once on rows that point at the pad row (length 0 in every head: nothing
     is read or scored). ``num_heads``: the model's query heads. Returns the launches made.
-    Example (H200, 132 SMs, 8 KV heads, 32k keys): 1 row -> 32 splits, 2 -> 16, 3-4 -> 8,
+    Example (132 SMs, 8 KV heads, 32k keys): 1 row -> 32 splits, 2 -> 16, 3-4 -> 8,
     5-8 -> 4, 9-16 -> 2, 17+ -> 1: six counts x (scored, unscored) x (direct, q_rows); with
     ``SKEW_SPLITS`` (the default), scored rows at 17+ split their long heads only, variants
     of their own."""
