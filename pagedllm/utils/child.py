@@ -34,8 +34,9 @@ def start_child(
     if device == "cpu" and passive_omp:
         # The child's forward passes and other processes' loops take turns on the same
         # cores: OpenMP threads spinning after each parallel region would hold the core
-        # another loop needs to wake on (on a busy 2-core host, 4x slower steps). Unless
-        # the user chose.
+        # another loop needs to wake on, and on a host with few cores every step would wait
+        # for them (benchmarks/serving_cpu_vs_vllm.py with OMP_WAIT_POLICY=ACTIVE against the
+        # default measures it). Unless the user chose.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     fds = (theirs.fileno(), *extra_fds)
     cmd = [sys.executable, "-m", module, *map(str, fds)]

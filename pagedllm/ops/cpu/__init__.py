@@ -10,8 +10,8 @@ log at INFO level, before and with its time after. Without a compiler (or ninja)
 What it holds: the paged decode attention (used by the attention backend for float32 and
 bfloat16 caches, ``kernels_enabled``; AMX tile products in bfloat16 where the CPU has them),
 the paged prefill attention (``paged_prefill``, on CPUs with AVX512-BF16: bfloat16 by
-VDPBF16PS or AMX tiles where there are, 5.9x torch's SDPA on a 2-core AMD EPYC and 3.4x on a
-Xeon with AMX for 8 prompts of 256; float32 by FMAs, 1.7x),
+VDPBF16PS or AMX tiles where there are, float32 by FMAs; faster than torch's SDPA at prompt
+chunks, which it replaces there),
 the KV write (``write_kv``, float32 and bfloat16, bit for bit), the greedy argmax
 (``argmax``), and RMSNorm, rope and silu-and-mul (``rms_norm``, ``rope``, ``silu_and_mul``:
 the layers take them for CPU tensors; in bfloat16 with PyTorch's roundings; in float32 rope
@@ -21,12 +21,11 @@ keeps those two, and float32 matmuls, on PyTorch's ops).
 and float32 matmuls (``pack_linear``, used by the linear layers and the LM head): the plain
 PyTorch path, for A/B runs (``kernels_off``).
 
-Measured on a 2-core AMD EPYC (avx512_bf16): SmolLM2 shapes, 64 requests x 320 keys, the
-decode kernel took 4.4 ms in bfloat16 against 17 ms for torch's bfloat16 SDPA (8 ms upcast to
-float32), and 5.3 ms in float32 against 7.2-9.7 ms; whole runs gained ~50% in bfloat16. In
-float32 it was first kept off (nothing clear end to end on an older tree); with the compiled
-argmax beside it the float32 benchmark runs gained 27% on SmolLM2-135M (222 vs 174 output
-tok/s, 64 x 256 -> 128) and 7% on the tiny Llama, so it is on for both.
+The decode kernel reads the paged cache in place, where torch's SDPA needs the keys and
+values gathered (and its bfloat16 path is slower still than its float32 one): it is on for
+both dtypes because whole runs are faster with it in each. ``benchmarks/throughput.py
+--engines pagedllm`` run as is and with ``PAGEDLLM_CPU_KERNELS=0`` measures the kernels end to
+end; ``benchmarks/cpu_kernel_ab.py`` times one attention kernel against a base commit's.
 """
 
 from __future__ import annotations
@@ -142,9 +141,9 @@ def cpu_ops(build: bool = True) -> Any:
 def argmax(x: Any) -> Any:
     """``x.argmax(-1)`` of a [rows, n] tensor, the same indices (first maximum; first NaN),
     through the compiled ``argmax_last`` for a float32 or bfloat16 CPU tensor when the kernels
-    are built (torch's CPU argmax does not vectorize: 3.8 ms against ~1 ms for a step's
-    [64, 49152] logits on this project's 2-core EPYC; 8 ms in bfloat16). Where the kernels
-    were never built it does not start a build (the torch path instead)."""
+    are built (torch's CPU argmax keeps an index beside every comparison and does not
+    vectorize; over a step's [rows, vocabulary] logits it costs several times this one). Where
+    the kernels were never built it does not start a build (the torch path instead)."""
     import torch
 
     if (
@@ -252,11 +251,11 @@ def pack_linear(weight: Any) -> Any:
     blocked layout its AMX / AVX512-BF16 / AVX-512 kernels read), or None where that does not
     apply: another dtype or device, a torch without oneDNN, ``kernels_off()``, float32 with
     ``float32_exact()``. In bfloat16 ``packed_linear`` with it gives F.linear's results bit
-    for bit (tested), 1.4-1.8x faster at SmolLM2's decode shapes on a 2-core Xeon (F.linear
-    reorders the weight on every call). In float32 the sums run in another order than
-    F.linear's (MKL's sgemm): within float32 rounding (tested), and on a 2-core AMD EPYC
-    2.3-3.6x faster at SmolLM2's shapes (MKL takes no AVX-512 path on AMD). No compiler
-    needed: the matmul is torch's own oneDNN."""
+    for bit (tested), and faster (F.linear reorders the weight on every call). In float32 the
+    sums run in another order than F.linear's (MKL's sgemm): within float32 rounding (tested),
+    and faster on AMD CPUs, where MKL takes no AVX-512 path. ``benchmarks/throughput.py`` with
+    and without ``PAGEDLLM_CPU_KERNELS=0`` measures it end to end. No compiler needed: the
+    matmul is torch's own oneDNN."""
     import torch
 
     if (

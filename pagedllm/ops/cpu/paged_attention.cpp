@@ -10,10 +10,9 @@
 // bfloat16 on a CPU with AMX (blocks of 16, D a multiple of 32 up to 128, G <= 16): a block's
 // G x 16 scores are one tile product (TDPBF16PS: the keys as they lie in the cache times the
 // query heads laid out once per work item), its softmax one 16-lane vector per query head.
-// The values are read as bfloat16 in place (accumulate_bf16). SmolLM2's decode shape (64
-// requests x ~300 keys, 9 heads, 3 KV heads, D 64) on this project's 2-core Xeon: 1.3-1.45x
-// faster than the AVX-512 path over a cache in L3, 1.18x over 30 layers' caches in DRAM,
-// where the kernel is bound by memory (benchmarks/README.md).
+// The values are read as bfloat16 in place (accumulate_bf16). Faster than the AVX-512 path,
+// most where the cache sits in L3; over a whole model's caches in DRAM the kernel is bound by
+// memory and the gain is smaller (benchmarks/cpu_kernel_ab.py, --layers 1 against 30).
 //
 // Shapes: q [B, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] (contiguous);
 // block_tables [B, max_blocks] int32; seq_lens [B] int32 (keys of request b: positions
@@ -64,9 +63,8 @@ inline float to_float(at::BFloat16 x) {
 // 2^(x log2 e) = 2^n 2^f with n = round(x log2 e), f in [-0.5, 0.5], 2^f = 1 + f P(f) (a
 // degree-6 polynomial, relative error ~2e-7), 2^n put into the exponent bits. For softmax
 // arguments (x <= 0, the block's maximum subtracted); x is clamped at -87 (exp(-87) ~ 1.6e-38,
-// nothing beside the maximum's 1; the exponent stays normal). Measured on this project's
-// 2-core EPYC, SmolLM2's decode shape (64 requests x ~300 keys, 9 heads, 3 KV heads, D 64):
-// 3.15 -> 2.69 ms a call in bfloat16, 3.33 -> 2.90 in float32.
+// nothing beside the maximum's 1; the exponent stays normal). Faster than std::exp in the
+// decode kernel in both dtypes (benchmarks/cpu_kernel_ab.py).
 inline float exp_softmax(float x) {
   const float y = std::max(x, -87.f) * 1.44269504088896341f;
   const float n = std::nearbyint(y);
@@ -436,7 +434,7 @@ constexpr bool kAmx = false;
 #endif
 
 // Prefetch a block's rows for one KV head: `rows` rows of `row_bytes` at k and v, each
-// `stride_bytes` after the last; locality 3 = into L1, 2 and 1 = into L2 (on the CPUs here).
+// `stride_bytes` after the last; locality 3 = into L1, 2 and 1 = into L2 (on current x86).
 template <int where, typename T>
 inline void prefetch_rows(const T* k, const T* v, int64_t rows, int64_t row_bytes,
                           int64_t stride_bytes) {
@@ -467,8 +465,8 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
   const bool amx = false;
 #endif
   // bfloat16 without AMX, blocks of 16: the values read in place by accumulate_bf16 for all
-  // G heads at once (no widening pass): 1.07-1.09x the widened path on a 2-core AMD EPYC
-  // (cpu_kernel_ab.py --layers 30, results/cpu_decode_kernel_ab_inplace_bf16_epyc.json)
+  // G heads at once (no widening pass), faster than the widened path (cpu_kernel_ab.py
+  // --layers 30)
   const bool inplace_v = dp && !amx && bs == 16;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), kf(bs * D), vf(bs * D), sc(G * bs);
@@ -522,12 +520,12 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
         const T* kb = kc + block * bs * row_stride + h * D;
         const T* vb = vc + block * bs * row_stride + h * D;
         // Blocks ahead on the walk, fetched while this one is worked on (their place in the
-        // cache is a table lookup away, which the hardware prefetcher cannot follow; the loads
-        // stalled ~40% of the kernel's time without this): the next one into L1 (float32;
-        // L2 for bfloat16: 3-4% faster there), the one kFar ahead into L2, both running on
+        // cache is a table lookup away, which the hardware prefetcher cannot follow; without
+        // this the loads stall much of the kernel's time): the next one into L1 (float32; L2
+        // for bfloat16, which is faster there), the one kFar ahead into L2, both running on
         // into the thread's next work items (whose first blocks would otherwise start cold).
-        // SmolLM2's shape over 30 layers' caches on a 2-core EPYC, against the next block
-        // alone: 1.21-1.24x in bfloat16, 1.07-1.15x in float32 (kFar 2-4 alike).
+        // Over a whole model's caches in DRAM both are faster than the next block alone, more
+        // in bfloat16; kFar 2-4 alike (cpu_kernel_ab.py --layers 30).
         if (pos + 1 < walk_len)
           prefetch_rows<is_bf16 ? 2 : 3>(kc + walk[pos + 1], vc + walk[pos + 1], bs, row_bytes,
                                           stride_bytes);
@@ -631,7 +629,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
 // Index of each row's maximum (the first one; the first NaN where a row has one, as
 // torch.argmax). Two passes over a row: a vectorized maximum and NaN count, then a scan for
 // the first element equal to it. torch's argmax keeps an index beside every comparison and
-// does not vectorize: 3.8 ms for [64, 49152] float32 here (8 ms in bfloat16), this ~1 ms.
+// does not vectorize; this is several times faster on a step's logits.
 template <typename T>
 void argmax_rows(const T* x, int64_t* out, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
@@ -712,7 +710,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // The element-wise layers of a bfloat16 model, with the rounding of the PyTorch code they
 // replace (model/layers/norm.py, rotary.py): each PyTorch op computes in float32 and rounds
 // its result to bfloat16 (round to nearest even), and so do these, op for op. Eight to ten
-// PyTorch kernels a layer become two; at SmolLM2's decode shape they took ~15% of a step.
+// PyTorch kernels a layer become two: at small models' decode shapes those kernels' launches
+// are a noticeable part of a step (benchmarks/throughput.py, PAGEDLLM_CPU_KERNELS=0 against
+// the default).
 
 inline at::BFloat16 rb(float x) { return at::BFloat16(x); }  // round to nearest even
 
@@ -896,8 +896,8 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_s
 // The step's new keys and values into their slots: k_cache.view(-1, KVH, D)[slot[t]] =
 // key[t] (the same for values), a row copy per token; slots < 0 are skipped. key/value
 // [T, KVH, D] with unit strides inside a token (a slice of the QKV projection is fine), the
-// cache's dtype. index_copy_ (the PyTorch reference, kv_layout.write_kv_ref) costs ~30 us a
-// call at a decode step's 64 rows here, this ~1 us.
+// cache's dtype. Far cheaper a call than index_copy_ (the PyTorch reference,
+// kv_layout.write_kv_ref) at a decode step's rows.
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
               torch::Tensor v_cache, torch::Tensor slots) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "write_kv: key/value shapes");
@@ -1197,8 +1197,8 @@ inline void pack_values_f32(const float* vc, const int32_t* table, int64_t k0, i
 
 // O rows [0, nr) (of 4), dims 16 g0 .. 16 (g0 + NG) - 1: o[r] = sum over keys k of p[r][k] v_k,
 // p the rows' weights (ns a row). NG a constant, so the 4 NG accumulators stay in registers
-// (with a run-time group count they went to the stack: prefill 2.2x faster in float32 and 1.16x
-// in bfloat16 without, SmolLM2's heads, 8 chunks of 256 tokens, cpu_kernel_ab.py --op prefill).
+// (with a run-time group count they went to the stack, and prefill ran much slower, most in
+// float32: cpu_kernel_ab.py --op prefill).
 template <int NG>
 inline void pv_f32(const float* p, int64_t ns, const float* v0, int64_t D, int64_t g0,
                    int64_t nr, float* o) {
