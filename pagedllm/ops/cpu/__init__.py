@@ -107,11 +107,10 @@ def cpu_ops(build: bool = True) -> Any:
             folder = build_dir()
             folder.mkdir(parents=True, exist_ok=True)
             name = f"pagedllm_cpu_ops_{folder.name}"
-            # a build takes tens of seconds: say so, with its time (once a machine: cached)
+            # a build takes tens of seconds: say so in one line with its time (once a
+            # machine: cached)
             so = folder / f"{name}.so"
             before = so.stat().st_mtime_ns if so.exists() else None
-            if before is None:
-                logger.info("compiling the CPU kernels (first start on this machine) ...")
             start = time.perf_counter()
             module = load(
                 name=name,
@@ -124,8 +123,9 @@ def cpu_ops(build: bool = True) -> Any:
             )
             if before is None or so.stat().st_mtime_ns != before:
                 logger.info(
-                    "compiled the CPU kernels in %.1f s (cached in %s)",
+                    "compiled the CPU kernels in %.1f s (%s; cached in %s)",
                     time.perf_counter() - start,
+                    "first start on this machine" if before is None else "the source changed",
                     folder,
                 )
         except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build
