@@ -98,8 +98,8 @@ def _summary(r: dict) -> dict:
 
 def save(a: argparse.Namespace, input_len: int, runs: dict[str, dict]) -> Path:
     """Write the runs so far (after every run: a call cut short keeps what it measured)."""
-    base = runs["uncompressed"]
-    device = base["device"].replace(" ", "_")
+    # this call's device: its last run's (the uncompressed run may be another file's)
+    device = list(runs.values())[-1]["device"].replace(" ", "_")
     cap = "uncapped" if not a.kv_cache_memory_bytes else f"{a.kv_cache_memory_bytes >> 20}MiB"
     model = os.path.basename(a.model)
     prefix = f"_prefix{a.prefix_len}" if a.prefix_len else ""
