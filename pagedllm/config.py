@@ -299,8 +299,16 @@ class EngineConfig:
 
     @property
     def kv_connector_names(self) -> tuple[str, ...]:
-        """Every KV connector of the engine, in hook order: KV-Compress first when on."""
-        return ("kvcompress",) * self.kvc_config.enabled + self.kv_connectors
+        """Every KV connector of the engine, in hook order (``kv_connector_names``)."""
+        return kv_connector_names(self.kvc_config, self.kv_connectors)
+
+
+def kv_connector_names(
+    kvc_config: KVCompressConfig | None, extra: tuple[str, ...] = ()
+) -> tuple[str, ...]:
+    """The engine's KV connectors in hook order: KV-Compress first when it is on, then the
+    ``kv_connectors`` named. Example: enabled, ('offload',) -> ('kvcompress', 'offload')."""
+    return ("kvcompress",) * bool(kvc_config is not None and kvc_config.enabled) + tuple(extra)
 
 
 @dataclass

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pagedllm.config import CacheConfig, KVCompressConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, KVCompressConfig, SchedulerConfig, kv_connector_names
 from pagedllm.core.kv_cache.factory import make_kv_cache_manager
 from pagedllm.core.kv_cache.spec import KVCacheGroups
 from pagedllm.core.request import Request, RequestStatus
@@ -121,13 +121,13 @@ class Scheduler:
         # token in flight while a new request already uses its id).
         self._in_flight: dict[int, list[Request]] = {}
         self._step_ids = itertools.count()
-        # what changes a KV cache's life (KV-Compress, ...): scheduler roles called at the
-        # hooks below (core/sched/connector.py); KV-Compress first when it is on
+        # what changes a KV cache's life: scheduler roles called at the hooks below
+        # (core/sched/connector.py), KV-Compress's first when it is on
         context = ConnectorContext(
             self.kv_cache_manager, self.requests, self.running, self.waiting, self._runner_has,
             scheduler_config,
         )  # fmt: skip
-        names = ("kvcompress",) * bool(kvc_config and kvc_config.enabled) + kv_connectors
+        names = kv_connector_names(kvc_config, kv_connectors)
         self.connectors = make_scheduler_roles(names, context, {"kvcompress": kvc_config})
         # the roles that may shorten a request's tokens (the rest are skipped per request)
         self._cutters = [c for c in self.connectors if c.cuts_tokens]
