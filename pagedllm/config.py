@@ -303,6 +303,11 @@ class EngineConfig:
         return kv_connector_names(self.kvc_config, self.kv_connectors)
 
 
+def parse_names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of names: 'a, b' -> ('a', 'b')."""
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
 def kv_connector_names(
     kvc_config: KVCompressConfig | None, extra: tuple[str, ...] = ()
 ) -> tuple[str, ...]:
@@ -498,7 +503,7 @@ class EngineArgs:
                 maxpool_kernel=self.maxpool_kernel,
             ),
             kv_connectors=(
-                tuple(n.strip() for n in self.kv_connectors.split(",") if n.strip())
+                parse_names(self.kv_connectors)
                 if isinstance(self.kv_connectors, str)
                 else tuple(self.kv_connectors)
             ),

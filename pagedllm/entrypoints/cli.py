@@ -34,7 +34,7 @@ import sys
 from typing import Any
 
 from pagedllm import config as _config
-from pagedllm.config import EngineArgs, engine_args_from
+from pagedllm.config import EngineArgs, engine_args_from, parse_names
 
 _HELP = {
     "model": "HF model folder or .gguf file, the same as the positional MODEL (default: the "
@@ -140,12 +140,7 @@ _CHOICES = {
 }
 
 
-def _names(text: str) -> tuple[str, ...]:
-    """A comma-separated list of names: 'a, b' -> ('a', 'b')."""
-    return tuple(n.strip() for n in text.split(",") if n.strip())
-
-
-_TYPES = {"str": str, "int": int, "float": float, "tuple[str,...": _names}
+_TYPES = {"str": str, "int": int, "float": float, "tuple[str,...": parse_names}
 _METAVARS = {
     "model": "PATH",
     "tokenizer": "PATH",

@@ -20,6 +20,7 @@ from pagedllm.core.kv_cache.spec import HeadPagedSpec, KVCacheGroup, KVCacheGrou
 from pagedllm.core.sched.kvc import KVCEviction, KVCMetadata
 from pagedllm.kvcompress.cache import HeadPagedCache
 from pagedllm.kvcompress.evict import move_bound, stuck_bound, width_groups
+from pagedllm.utils.pinned import copy_to_host
 from pagedllm.worker.kv_connector import KVConnectorWorker, StepBatch
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class KVCompressWorker(HeadPagedCache, KVConnectorWorker):
         self, inputs: Any, rows: np.ndarray, n_sched: np.ndarray, num_blocks: int
     ) -> None:
         """The profiling pass's rows get tables over the first blocks, every row scoring."""
-        nb = -(-int(n_sched.max()) // self.block_size)
+        nb = cdiv(int(n_sched.max()), self.block_size)
         self.lens[torch.from_numpy(rows).to(self.device)] = 0
         self.tables[: len(rows), :, :nb] = torch.arange(nb, device=self.device) % num_blocks
         sampling = np.ones(len(rows), dtype=bool)
@@ -209,12 +210,7 @@ class KVCompressWorker(HeadPagedCache, KVConnectorWorker):
         lens = parts[0] if len(parts) == 1 else torch.cat(parts)
         if timer is not None:
             self.profiler.add_span("kvc_evict", self.profiler.end(timer))
-        if self.device.type != "cuda":
-            return ids, lens, None
-        host = torch.empty(lens.shape, dtype=lens.dtype, pin_memory=True)
-        host.copy_(lens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        (host,), done = copy_to_host([lens])
         return ids, host, done
 
     def finish(self, pending: Any) -> dict[str, np.ndarray] | None:

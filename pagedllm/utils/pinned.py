@@ -1,9 +1,28 @@
-"""Small int arrays from the host to the device without waiting for the device."""
+"""Host <-> device copies that never wait for the device: small int arrays to it
+(``PinnedRing``), results back from it (``copy_to_host``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
+
+
+def copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+    """Start copying device tensors to fresh pinned host tensors, without a host sync; returns
+    them and a CUDA event recorded after the copies (read them once it has completed). Off a
+    GPU the tensors are already on the host: returned as they are, with no event."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return tensors, None
+    host = []
+    for t in tensors:
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        h.copy_(t, non_blocking=True)
+        host.append(h)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 class PinnedRing:

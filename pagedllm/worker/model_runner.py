@@ -23,6 +23,7 @@ from pagedllm.distributed.parallel_state import tp_info
 from pagedllm.kv_layout import KVCacheLayout
 from pagedllm.model.loader import build_model
 from pagedllm.sample.sampler import Sampler, SamplerOutput
+from pagedllm.utils.pinned import copy_to_host
 from pagedllm.worker.bitmask_rows import BitmaskApplier
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.device_drafts import DeviceDrafts
@@ -149,6 +150,7 @@ class ModelRunner:
             self.kv_groups.num_groups,
         )
         self.connectors = [role.for_runner(self) for role in roles]
+        self._connector_of = {c.name: c for c in self.connectors}
         self.kv_layout: Any = next((c for c in self.connectors if c.owns_layout), None)
         if self.kv_layout is None:
             self.kv_layout = KVCacheLayout(
@@ -558,7 +560,7 @@ class ModelRunner:
                 results.append(out.forks.sampled)
                 if step.want_logprobs:
                     results += out.forks.logprob_tensors()
-            step.host, step.event = self._to_host(results + extra)
+            step.host, step.event = copy_to_host(results + extra)
             if extra:  # the lookups' counts, then the verified drafts (if any)
                 step.host, dd_host = step.host[: len(results)], step.host[len(results) :]
                 found = dd_host[0]
@@ -616,10 +618,7 @@ class ModelRunner:
                 batch = np.flatnonzero(ks)
                 for i, d, v in zip(batch.tolist(), used[batch].tolist(), valid[batch].tolist()):
                     device_draft_tokens[ids[i]] = [t for t, ok in zip(d, v) if ok]
-        reports = {}
-        if step.kv_reports:
-            roles = {c.name: c for c in self.connectors}
-            reports = {name: roles[name].finish(p) for name, p in step.kv_reports.items()}
+        reports = {name: self._connector_of[name].finish(p) for name, p in step.kv_reports.items()}
         return ModelRunnerOutput(
             kv_connector_output=reports,
             req_ids=step.req_ids,
@@ -820,16 +819,3 @@ class ModelRunner:
             samples, step.sample_rows, first, ks[idx], idx, seq_t, used, valid, width, not paused
         )
         return bonus, [found] + ([used, valid] if ks.any() else [])
-
-    def _to_host(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
-        """Start copying sampled results to (pinned) host memory; the event marks the end."""
-        if self.device.type != "cuda":
-            return tensors, None
-        host = []
-        for t in tensors:
-            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            h.copy_(t, non_blocking=True)
-            host.append(h)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.core.request import Request
@@ -154,25 +155,18 @@ class KVConnectorScheduler:
         return {}
 
 
+@dataclass(frozen=True)
 class ConnectorContext:
     """What a scheduler role may read of the scheduler: its KV manager, its live requests
-    (id -> Request), the running queue, the ids the runner holds state for, and the config."""
+    (id -> Request), the running and waiting queues, the ids the runner holds state for, and
+    the config. The containers are the scheduler's own (live views, not copies)."""
 
-    def __init__(
-        self,
-        kv_manager: Any,
-        requests: dict[str, Request],
-        running: Any,
-        waiting: Any,
-        runner_has: set[str],
-        scheduler_config: Any,
-    ) -> None:
-        self.kv_manager = kv_manager
-        self.requests = requests
-        self.running = running
-        self.waiting = waiting
-        self.runner_has = runner_has
-        self.scheduler_config = scheduler_config
+    kv_manager: Any
+    requests: dict[str, Request]
+    running: Any
+    waiting: Any
+    runner_has: set[str]
+    scheduler_config: Any
 
 
 def make_scheduler_roles(

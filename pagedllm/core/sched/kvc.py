@@ -29,6 +29,7 @@ from typing import Any
 
 from pagedllm.config import KVCompressConfig
 from pagedllm.core.kv_cache.interface import PerHeadKVManager
+from pagedllm.core.kv_cache.spec import cdiv
 from pagedllm.core.request import Request
 from pagedllm.core.sched.connector import ConnectorContext, KVConnectorScheduler
 
@@ -228,13 +229,14 @@ class KVCompressPlanner(KVConnectorScheduler):
         """Blocks an eviction of a request holding ``held`` KVs down to ``budget`` frees, at
         least: each evicted chunk frees one block and holds at most bs KVs.
         Example: bs 16, 1,000 KVs over -> 63 blocks."""
-        return -(-max(held - budget, 0) // self.block_size)
+        return cdiv(max(held - budget, 0), self.block_size)
 
     def eviction_due(self, request: Request, after: int) -> bool:
         """Whether a scheduled request is evicted after this step (it holds ``after`` tokens
         then): the step computes its prompt's last KVs (it samples for the first time since
         they were computed), or it is due for continual compression (``compress_once`` off:
-        every ``compression_interval`` decode steps)."""
+        every ``compression_interval`` decode steps). Records the request's progress
+        (its first compression point, its decode steps since) as it answers."""
         if after != request.num_tokens + request.num_output_placeholders:
             return False  # a prefill chunk short of the prompt's end
         track = self.tracks[request.request_id]

@@ -303,8 +303,8 @@ class Scheduler:
                 num_new += len(drafts)  # verified in this step's forward pass
             # a draft model proposes after this step: slots for its drafts' KVs
             look = (
-                self.spec.step_lookahead(request, num_new - len(drafts), len(drafts))  # type: ignore[union-attr]
-                if speculate
+                self.spec.step_lookahead(request, num_new - len(drafts), len(drafts))
+                if speculate and self.spec
                 else 0
             )
             new_blocks = None
@@ -373,10 +373,9 @@ class Scheduler:
                 for c in self._cutters:
                     num_new = c.num_new_tokens(request, num_new)
                 look = 0
-                if num_hit + num_new == request.num_tokens:  # its step ends with a sample
-                    look = (
-                        self.spec.step_lookahead(request, num_new, 0, num_hit) if speculate else 0
-                    )  # type: ignore[union-attr]
+                if speculate and self.spec and num_hit + num_new == request.num_tokens:
+                    # its step ends with a sample: slots for a draft model's drafts after it
+                    look = self.spec.step_lookahead(request, num_new, 0, num_hit)
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request, num_new, computed_blocks, num_lookahead_tokens=look
                 )
@@ -402,8 +401,10 @@ class Scheduler:
             budget -= num_new
             self._add_to_output(request, new_blocks, new_reqs, cached_reqs)
 
-        new_ids = [r.req_id for r in new_reqs]
-        kv_meta = {c.name: c.build_metadata(num_scheduled, new_ids) for c in self.connectors}
+        kv_meta = {}
+        if self.connectors:
+            new_ids = [r.req_id for r in new_reqs]
+            kv_meta = {c.name: c.build_metadata(num_scheduled, new_ids) for c in self.connectors}
         requests = self.requests
         batch = [requests[rid] for rid in num_scheduled]
         structured, structured_idx = self.grammar_book.batch_keys(
@@ -464,9 +465,10 @@ class Scheduler:
                 == request.num_tokens + request.num_output_placeholders
             ):
                 request.num_output_placeholders += 1
-        prompt_tokens = out.total_num_scheduled_tokens > len(num_scheduled)
-        for c in self.connectors:
-            c.end_step(num_scheduled, prompt_tokens)
+        if self.connectors:
+            prompt_tokens = out.total_num_scheduled_tokens > len(num_scheduled)
+            for c in self.connectors:
+                c.end_step(num_scheduled, prompt_tokens)
         return out
 
     def _room_made(
