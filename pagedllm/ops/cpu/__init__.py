@@ -1,10 +1,11 @@
 """Compiled CPU kernels (C++ through ``torch.utils.cpp_extension``), with PyTorch fallbacks.
 
-``cpu_ops()`` builds ``paged_attention.cpp`` once per machine (``-O3 -march=native``: the
-machine's own vector instructions) into a cache folder (``PAGEDLLM_CACHE_DIR``, default
-``~/.cache/pagedllm``), keyed by the source, the torch version and the CPU, and returns the
-module; ``scripts/setup.sh`` builds it ahead. A build (tens of seconds) is announced in the
-log at INFO level, before and with its time after. Without a compiler (or ninja), or with
+``cpu_ops()`` builds ``paged_attention.cpp`` once per checkout and machine (``-O3
+-march=native``: the machine's own vector instructions) into a cache folder
+(``PAGEDLLM_CACHE_DIR``, default ``~/.cache/pagedllm``), keyed by the source, its path, the
+torch version and the CPU, and returns the module; ``scripts/setup.sh`` builds it ahead. A
+build (tens of seconds) is announced in one log line at INFO level with its time; a build
+lock left by a killed build is removed rather than waited on. Without a compiler (or ninja), or with
 ``PAGEDLLM_CPU_KERNELS=0``, it returns None, saying so once in the log.
 
 What it holds: the paged decode attention (used by the attention backend for float32 and
@@ -43,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_attention.cpp")
 _loaded: list[Any] = []  # [module or None] once tried
+# a build lock older than this was left by a build that was killed (a build takes a minute or
+# two): torch's loader would wait for it forever
+_STALE_LOCK_S = 600
 
 
 def _cpu_tag() -> str:
@@ -57,13 +61,30 @@ def _cpu_tag() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _build_key() -> str:
-    """The source, torch's version and the CPU, hashed once a process (``argmax`` asks on
-    every sampling step where the kernels were never built)."""
+    """The source, its path, torch's version and the CPU, hashed once a process (``argmax``
+    asks on every sampling step where the kernels were never built). The path: torch's build
+    file names the source by it, so two checkouts sharing a build folder would rebuild each
+    other's kernels, each rebuild racing the other checkout's processes."""
     import torch
 
     return hashlib.sha256(
-        _SOURCE.read_bytes() + torch.__version__.encode() + _cpu_tag().encode()
+        _SOURCE.read_bytes()
+        + str(_SOURCE.resolve()).encode()
+        + torch.__version__.encode()
+        + _cpu_tag().encode()
     ).hexdigest()[:16]
+
+
+def _drop_stale_lock(folder: Path) -> None:
+    """Remove a build lock that a killed build left behind (see ``_STALE_LOCK_S``)."""
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return  # no lock: nobody is building
+    if age > _STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+        logger.warning("removed a stale CPU-kernel build lock (%.0f s old) in %s", age, folder)
 
 
 def build_dir() -> Path:
@@ -106,9 +127,10 @@ def cpu_ops(build: bool = True) -> Any:
 
             folder = build_dir()
             folder.mkdir(parents=True, exist_ok=True)
+            _drop_stale_lock(folder)
             name = f"pagedllm_cpu_ops_{folder.name}"
             # a build takes tens of seconds: say so in one line with its time (once a
-            # machine: cached)
+            # checkout on a machine: cached)
             so = folder / f"{name}.so"
             before = so.stat().st_mtime_ns if so.exists() else None
             start = time.perf_counter()
@@ -125,7 +147,7 @@ def cpu_ops(build: bool = True) -> Any:
                 logger.info(
                     "compiled the CPU kernels in %.1f s (%s; cached in %s)",
                     time.perf_counter() - start,
-                    "first start on this machine" if before is None else "the source changed",
+                    "first start of this checkout" if before is None else "the source changed",
                     folder,
                 )
         except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build
