@@ -9,6 +9,8 @@
 # torchaudio / torchcodec builds, if something drags them in, break `import transformers` and
 # are removed. Re-running on an existing venv is a no-op apart from pip's checks.
 # Resolved here (2026-11): kvpress 0.5.5, transformers 5.2.0, tokenizers 0.22.2, torch 2.13.0+cpu.
+# A machine without a registry (the GPU one) layers carried wheels over its own torch instead:
+# benchmarks/peers/kvpress_gpu_setup.sh.
 set -euo pipefail
 
 VENV="${1:-/tmp/kvpress_venv}"
