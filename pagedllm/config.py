@@ -412,8 +412,6 @@ class EngineArgs:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if backend is None:
             backend = "mp" if self.tensor_parallel_size > 1 else "uni"
-        if self.tensor_parallel_size > 1 and self.enable_kvc:
-            raise ValueError("enable_kvc cannot be combined with tensor_parallel_size > 1 (yet).")
         so_config = self._structured_outputs_config()
         spec_config = self._speculative_config()
 
@@ -450,7 +448,7 @@ class EngineArgs:
             hf_config=hf_config,
             served_model_name=self.served_model_name or os.path.basename(self.model.rstrip("/")),
         )
-        _check_tensor_parallel(model_config, self.tensor_parallel_size)
+        _check_tensor_parallel(model_config, self.tensor_parallel_size, bool(self.enable_kvc))
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -568,10 +566,12 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**values)
 
 
-def _check_tensor_parallel(model: ModelConfig, tp: int) -> None:
+def _check_tensor_parallel(model: ModelConfig, tp: int, kvc: bool = False) -> None:
     """ValueError naming tensor_parallel_size unless the model's heads split over ``tp``
     ranks: query heads by tp; KV heads by tp, or tp by the KV heads (each KV head then on
-    tp / num_kv_heads ranks)."""
+    tp / num_kv_heads ranks). KV-Compress (``kvc``) needs the KV heads split by tp: each
+    rank evicts from its own KV heads, and a KV head on several ranks would be scored by
+    each rank's share of its query heads alone."""
     if tp == 1:
         return
     heads = int(model.text_config.num_attention_heads)
@@ -584,6 +584,11 @@ def _check_tensor_parallel(model: ModelConfig, tp: int) -> None:
         raise ValueError(
             f"tensor_parallel_size ({tp}) must divide the model's {kv} KV heads or be a "
             "multiple of them."
+        )
+    if kvc and kv % tp:
+        raise ValueError(
+            f"enable_kvc needs tensor_parallel_size ({tp}) to divide the model's {kv} KV "
+            "heads (each rank evicts from KV heads of its own)."
         )
 
 

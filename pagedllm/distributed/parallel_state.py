@@ -364,3 +364,17 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_world)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
+
+
+def all_gather_stack(x: torch.Tensor) -> torch.Tensor:
+    """The ranks' ``x`` stacked along a new first dimension, rank 0's first (``[1, ...]`` on
+    one rank).
+
+    Example: 2 ranks, x [3, 4] each -> [2, 3, 4]."""
+    if _world == 1:
+        return x[None]
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(_world)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.stack(parts)

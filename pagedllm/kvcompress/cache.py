@@ -34,6 +34,7 @@ from pagedllm.core.kv_cache.head_paged import HeadBlocks, HeadTable
 from pagedllm.core.kv_cache.spec import HeadPagedSpec, cdiv
 from pagedllm.kvcompress.attention import KVCLayerInfo, KVCStepPlan
 from pagedllm.kvcompress.evict import compact, plan_eviction
+from pagedllm.kvcompress.shard import HeadShard
 from pagedllm.utils.pinned import PinnedRing
 
 _NO_ENTRIES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))  # (nobody writes them)
@@ -52,8 +53,11 @@ class HeadPagedCache:
         max_rows: int,
         max_model_len: int,
         windows: list[int | None],
+        shard: HeadShard | None = None,
     ) -> None:
         self.spec = spec
+        # this rank's share of the heads (tensor parallelism; one rank: all of them)
+        self.shard = shard or HeadShard(0, 1, spec.num_layers, spec.num_kv_heads)
         self.kvc = kvc
         self.dtype = dtype
         self.device = device
@@ -366,7 +370,11 @@ class HeadPagedCache:
         """Evict down to the budgets and compact; returns the new lengths [B, LH] (on the
         device) and updates ``lens``. First, ``copies``: rows whose cached prompt blocks stay
         in the prefix cache move to copies of them (content, then table entries). No host
-        sync."""
+        sync.
+
+        Tensor parallelism: the budgets are every rank's, the chunks are chosen across every
+        rank's heads (``plan_eviction``'s ``shard``), and the lengths returned are every
+        rank's heads' (global head order), gathered over the group."""
         self.flush_entries()
         if copies:
             src, dst = self.ship(
@@ -394,6 +402,7 @@ class HeadPagedCache:
             sinks_t,
             self.kvc.method,
             self.generator,
+            self.shard,
         )
         kv = self.kv.view(2, -1, self.head_dim)
         new_lens = compact(
@@ -401,7 +410,7 @@ class HeadPagedCache:
             max_moves, self.spare_slot,
         )  # fmt: skip
         self.lens[rows_t] = new_lens
-        return new_lens
+        return self.shard.gather(new_lens)
 
 
 def step_slots_torch(

@@ -23,7 +23,12 @@ length are then free.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from pagedllm.kvcompress.shard import HeadShard
 
 _INF = float("inf")
 
@@ -57,11 +62,16 @@ def plan_eviction(
     num_sinks: int | torch.Tensor = 0,  # positions below are never evicted ([B] or one)
     method: str = "kvcompress",
     generator: torch.Generator | None = None,
+    shard: HeadShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Choose the evictions (see the module docstring). Returns (evict [B, LH] KVs per head,
-    order [B, LH, max_len] logical indices by ascending score, slots, valid)."""
+    order [B, LH, max_len] logical indices by ascending score, slots, valid).
+
+    ``shard``: tensor parallelism (``shard.py``); the heads given are this rank's, the
+    budgets every rank's. Each head's chunk costs and length are gathered from every rank
+    and the chunks chosen across all heads in the global head order, exactly as one rank
+    holding every head chooses them; ``evict`` is of this rank's heads."""
     bs = block_size
-    b, lh = lens.shape
     slots, valid = head_slots(tables, lens, max_len, bs)
     pos = positions[slots].long()
     evictable = (
@@ -77,17 +87,52 @@ def plan_eviction(
     key = torch.where(evictable, sc, _INF)
     sorted_key, order = key.sort(dim=-1, stable=True)  # [B, LH, S]
 
-    nb = -(-lens // bs)  # blocks per head
-    hanging = lens - (nb - 1) * bs  # KVs in the last block (bs when full)
-    num_chunks = -(-max_len // bs)
-    j = torch.arange(num_chunks, device=lens.device)
-    removed = hanging[..., None] + j * bs  # [B, LH, J]: KVs gone once chunks 0..j are taken
-    exists = j < nb[..., None]
+    j = torch.arange(-(-max_len // bs), device=lens.device)  # chunk numbers [J]
+    nb, removed = _chunks(lens, j, bs)
     cost = sorted_key.gather(-1, (removed - 1).clamp(0, max_len - 1))
-    cost = torch.where(exists, cost, _INF)
-    size = torch.where(j == 0, hanging[..., None], bs) * exists  # [B, LH, J]
-    finite = torch.isfinite(cost)
+    cost = torch.where(j < nb[..., None], cost, _INF)  # [B, LH, J]
+    sharded = shard is not None and shard.world > 1
+    if sharded:
+        # every rank's heads (one all-gather: each head's chunk costs and its length)
+        assert shard is not None
+        packed = shard.gather(torch.cat([cost, lens[..., None].to(cost.dtype)], -1))
+        cost, lens = packed[..., :-1], packed[..., -1].long()
+        compressible = shard.replicate(compressible)
+        nb, removed = _chunks(lens, j, bs)
+    evict = _choose(cost, lens, nb, removed, budget, compressible, j, bs, method)
+    if sharded:
+        assert shard is not None
+        evict = shard.select(evict)
+    return evict, order, slots, valid
 
+
+def _chunks(lens: torch.Tensor, j: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks per head [B, LH], KVs gone once chunks 0..j are taken [B, LH, J]): chunk 0
+    is the ``hanging`` KVs of a head's last block, each later chunk a block.
+    Example: bs 2, len 5 -> nb 3, removed [1, 3, 5]."""
+    nb = -(-lens // bs)
+    hanging = lens - (nb - 1) * bs  # KVs in the last block (bs when full)
+    return nb, hanging[..., None] + j * bs
+
+
+def _choose(
+    cost: torch.Tensor,  # [B, LH, J] each chunk's cost (inf: none, or unevictable)
+    lens: torch.Tensor,  # [B, LH]
+    nb: torch.Tensor,  # [B, LH]
+    removed: torch.Tensor,  # [B, LH, J]
+    budget: torch.Tensor,  # [B]
+    compressible: torch.Tensor,  # [LH] bool
+    j: torch.Tensor,  # [J]
+    bs: int,
+    method: str,
+) -> torch.Tensor:
+    """KVs to evict per head [B, LH]: the cheapest chunks across every head of each sequence
+    until it holds at most its budget (``uniform``: each compressible head down to an even
+    share of it)."""
+    b = lens.shape[0]
+    exists = j < nb[..., None]
+    size = torch.where(j == 0, removed[..., :1], bs) * exists  # [B, LH, J]
+    finite = torch.isfinite(cost)
     held = (lens * compressible).sum(-1)  # [B]
     need = (held - budget).clamp(min=0)  # [B]
     if method == "uniform":
@@ -104,8 +149,7 @@ def plan_eviction(
         before = cum - flat_size.gather(-1, rank)
         take_sorted = (before < need[:, None]) & torch.isfinite(flat_cost.gather(-1, rank))
         taken = torch.zeros_like(take_sorted).scatter_(-1, rank, take_sorted).view(cost.shape)
-    evict = (size * taken).sum(-1)  # [B, LH]
-    return evict, order, slots, valid
+    return (size * taken).sum(-1)
 
 
 def compact(

@@ -5,6 +5,11 @@ rows' scoring flags, each step's per-head slots, and the evictions the planner
 The model runner reaches this only through the layout hooks (``pagedllm/kv_layout.py``) and
 the connector hooks (``pagedllm/worker/kv_connector.py``); it loads the class through the
 connector registry (``core/sched/connector.py``), so the worker floor never imports this one.
+
+Tensor parallelism: each rank holds its own KV heads in a pool of its own; the scheduler's
+tables and block ids cover every rank's, and the hooks here translate them into this rank's
+(``shard.py``). Evictions choose across every rank's heads, and the lengths that go back
+are every rank's (rank 0's report reaches the scheduler).
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import torch
 
 from pagedllm.core.kv_cache.spec import HeadPagedSpec, KVCacheGroup, KVCacheGroups, cdiv
 from pagedllm.core.sched.kvc import KVCEviction, KVCMetadata
+from pagedllm.distributed.parallel_state import tp_info
 from pagedllm.kvcompress.cache import HeadPagedCache
 from pagedllm.kvcompress.evict import move_bound, stuck_bound, width_groups
+from pagedllm.kvcompress.shard import HeadShard
 from pagedllm.utils.pinned import copy_to_host
 from pagedllm.worker.kv_connector import KVConnectorWorker, StepBatch
 
@@ -49,7 +56,8 @@ class KVCompressWorker(HeadPagedCache, KVConnectorWorker):
         """One group of every layer, paged per KV head. Full-attention layers are
         compressible; sliding-window ones keep their KVs when the model has full-attention
         layers (Gemma 3), and are compressed when every layer has a window (Mistral v0.1):
-        the kernels apply the window by each key's position."""
+        the kernels apply the window by each key's position. Under tensor parallelism the
+        layers hold this rank's KV heads, and the spec counts the ranks (``num_ranks``)."""
         first = layers[0]
         if any(
             (a.num_kv_heads, a.head_dim) != (first.num_kv_heads, first.head_dim) for a in layers
@@ -64,6 +72,7 @@ class KVCompressWorker(HeadPagedCache, KVConnectorWorker):
             compressible=tuple(
                 not a.sliding_window or all(b.sliding_window for b in layers) for a in layers
             ),
+            num_ranks=tp_info()[1],
         )
         return KVCacheGroups((KVCacheGroup(spec, tuple(range(len(layers)))),), 1, (spec,))
 
@@ -79,6 +88,7 @@ class KVCompressWorker(HeadPagedCache, KVConnectorWorker):
             runner.config.scheduler_config.max_num_seqs,
             runner.max_model_len,
             [a.sliding_window or None for a in runner.model.attention_layers()],
+            HeadShard(*tp_info(), spec.num_layers, spec.num_kv_heads),
         )
         worker.batch = runner.input_batch
         return worker
@@ -94,7 +104,7 @@ class KVCompressWorker(HeadPagedCache, KVConnectorWorker):
         scored = meta.scored if meta is not None else frozenset()
         rows = []
         for new in new_reqs:
-            head = new.block_ids[0] if new.block_ids else None
+            head = self.shard.table(new.block_ids[0]) if new.block_ids else None
             row = batch.add_request(replace(new, block_ids=()))
             self.set_row(row, head, new.req_id in scored)
             rows.append(row)
@@ -110,12 +120,27 @@ class KVCompressWorker(HeadPagedCache, KVConnectorWorker):
             if replaced or new_block_ids:  # (most rows of a decode step have neither)
                 for blocks in (*replaced, *new_block_ids):
                     entry_rows.append(row)
-                    entries.append(blocks)
+                    entries.append(self.shard.blocks(blocks))
             for token in append:
                 batch.append_token(row, token)
             batch.num_computed_tokens[row] = num_computed
         if entries:
             self.set_entries(entry_rows, entries)
+
+    def allocate(self, num_blocks: int) -> list[torch.Tensor]:
+        self.shard.num_blocks = num_blocks
+        return super().allocate(num_blocks)
+
+    def allocate_host(self, num_blocks: int) -> None:
+        self.shard.num_host_blocks = max(num_blocks, 0)
+        super().allocate_host(num_blocks)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        super().copy_blocks(self.shard.block_pairs(pairs))
+
+    def swap(self, out_pairs: list[tuple[int, int]], in_pairs: list[tuple[int, int]]) -> None:
+        shard = self.shard
+        super().swap(shard.swap_pairs(out_pairs, True), shard.swap_pairs(in_pairs, False))
 
     def blocks_per_request(self, max_model_len: int, max_num_tokens: int, max_blocks: int) -> int:
         """One block per (layer, KV head) per ``block_size`` tokens."""
@@ -195,7 +220,11 @@ class KVCompressWorker(HeadPagedCache, KVConnectorWorker):
             budgets = np.array([e.budget for e in plan], dtype=np.int64)
             protect = np.array([e.protect_from for e in plan], dtype=np.int64)
             keep = np.array([e.keep_below for e in plan], dtype=np.int64)
-            copies = [(row, e.copy_to, e.copy_src) for row, e in zip(rows, plan) if e.copy_to]
+            copies = [
+                (row, *self.shard.copies(e.copy_to, e.copy_src))
+                for row, e in zip(rows, plan)
+                if e.copy_to
+            ]
             max_len = max(e.max_head_len for e in plan)
             max_moves = sum(
                 move_bound(e.held, e.budget, bs, method, self._stuck(e) if e.computed else None)

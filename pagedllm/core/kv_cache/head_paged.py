@@ -34,6 +34,12 @@ Decisions (see docs/ARCHITECTURE.md, "KV-Compress"):
   them all into private ones at its next allocation (``take_pending_copies``), so each sequence
   then compresses its own blocks.
 - Swap preemption copies a request's blocks to host blocks and back into new device blocks.
+- Tensor parallelism (``spec.num_ranks`` ranks): the tables cover every rank's KV heads, in
+  the model's order (head ``lh = l * H + h``, H all ranks' heads of a layer), and head h is
+  rank ``h // (H / ranks)``'s: its blocks come from that rank's pool (``id_pool.py``: rank
+  r's ids are ``r * num_blocks`` on), and an allocation fits only when every rank's pool
+  holds its heads' blocks (``_missing``). Budgets and evictions stay per request over all
+  heads; each rank's device sees only its heads (``kvcompress/shard.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import numpy as np
 
 from pagedllm.core.kv_cache.block import BlockHash
 from pagedllm.core.kv_cache.hashing import hash_request_blocks
+from pagedllm.core.kv_cache.id_pool import make_id_pool
 from pagedllm.core.kv_cache.interface import KVCacheManagerBase
 from pagedllm.core.kv_cache.spec import HeadPagedSpec, cdiv
 from pagedllm.core.request import Request
@@ -76,53 +83,6 @@ class HeadBlocks:
 # what an allocation that needs no new block returns (shared: its arrays are empty, nobody
 # writes them)
 _NO_BLOCKS = HeadBlocks(*(np.zeros(0, dtype=np.int64) for _ in range(3)))
-
-
-class _IdPool:
-    """Block ids with reference counts and a stack of free ids."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.ref = np.zeros(num_blocks, dtype=np.int32)
-        self.stack = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)  # pops 0, 1, 2 ...
-        self.num_free = num_blocks
-
-    def take(self, n: int) -> np.ndarray | None:
-        if n > self.num_free:
-            return None
-        ids = self.stack[self.num_free - n : self.num_free][::-1].copy()
-        self.num_free -= n
-        self.ref[ids] = 1
-        return ids
-
-    def release(self, ids: np.ndarray) -> None:
-        """Drop one reference of each id (distinct ids: the blocks of one request's table);
-        ids at 0 go back on the stack."""
-        self.push(self.drop(ids))
-
-    def drop(self, ids: np.ndarray) -> np.ndarray:
-        """Drop one reference of each (distinct) id; returns those now at 0, not yet free."""
-        if len(ids) == 0:
-            return ids
-        self.ref[ids] -= 1
-        return ids[self.ref[ids] == 0]
-
-    def push(self, dead: np.ndarray) -> None:
-        """Ids at reference 0 back on the stack."""
-        self.stack[self.num_free : self.num_free + len(dead)] = dead[::-1]
-        self.num_free += len(dead)
-
-    def check(self, held: np.ndarray, parked: int = 0) -> None:
-        """Ref counts equal the tables' holdings; ``parked`` blocks are at 0 but not free (a
-        prefix cache's unused entries)."""
-        refs = np.bincount(held, minlength=self.num_blocks)
-        assert np.array_equal(self.ref, refs), (
-            "a block's ref count differs from the tables holding it"
-        )
-        free = self.stack[: self.num_free]
-        assert len(np.unique(free)) == self.num_free, "a block is free twice"
-        assert not np.any(self.ref[free]), "a free block is referenced"
-        assert int((self.ref > 0).sum()) + self.num_free + parked == self.num_blocks
 
 
 class _HeadState:
@@ -192,8 +152,9 @@ class _HeadState:
 
 
 class HeadPagedKVCacheManager(KVCacheManagerBase):
-    """Per-(request, layer, KV head) block tables over one pool of one-head blocks (see the
-    module docstring)."""
+    """Per-(request, layer, KV head) block tables over one pool of one-head blocks per rank
+    (see the module docstring). ``num_blocks`` and ``num_host_blocks`` are one rank's pools
+    (``spec.num_ranks`` ranks, each with pools of these sizes)."""
 
     def __init__(
         self,
@@ -204,26 +165,31 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
     ) -> None:
         self.spec = spec
         self.block_size = spec.block_size
-        self.num_heads = spec.num_heads_total  # LH
+        self.num_ranks = ranks = spec.num_ranks
+        heads = spec.num_kv_heads * ranks  # H: every rank's KV heads of a layer
+        self.num_heads = spec.num_layers * heads  # LH
+        self.rank_heads = spec.num_heads_total  # LH / ranks: the heads of one rank's pool
         # head lh = l * H + h is compressible when its layer is
-        self.compressible = np.repeat(np.asarray(spec.compressible, dtype=bool), spec.num_kv_heads)
+        self.compressible = np.repeat(np.asarray(spec.compressible, dtype=bool), heads)
+        # head lh = l * H + r * (H / ranks) + j is rank r's (its blocks are in r's pool)
+        self.owner = (np.arange(self.num_heads) % heads) // spec.num_kv_heads
         self.enable_caching = enable_caching
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_cow_copies = 0
         self.num_prefix_copies = 0  # blocks copied so that cached entries outlive an eviction
-        self.pool = _IdPool(num_blocks)
+        self.pool = make_id_pool(num_blocks, ranks)
         self._heads = np.arange(self.num_heads, dtype=np.int64)  # (shared: nobody writes it)
         self._columns: dict[int, np.ndarray] = {}  # ``_column``'s
         # the prefix cache: block hash -> ids [LH] (one block per head); which ids are in an
         # entry; an entry's first id -> its hash; entries no request holds, oldest first
         self.cache: dict[BlockHash, np.ndarray] = {}
-        self.in_cache = np.zeros(num_blocks, dtype=bool)
-        self.is_first = np.zeros(num_blocks, dtype=bool)  # an entry's first id (key_of's)
+        self.in_cache = np.zeros(self.pool.num_blocks, dtype=bool)
+        self.is_first = np.zeros(self.pool.num_blocks, dtype=bool)  # an entry's first id
         self.key_of: dict[int, BlockHash] = {}
         self.parked: OrderedDict[BlockHash, None] = OrderedDict()
         self.req_hashes: dict[str, list[BlockHash]] = {}
-        self.host_pool = _IdPool(num_host_blocks) if num_host_blocks else None
+        self.host_pool = make_id_pool(num_host_blocks, ranks) if num_host_blocks else None
         self.states: dict[str, _HeadState] = {}
         self.swapped: dict[str, np.ndarray] = {}  # request -> host ids, in held() order
         self.pending_copies: list[tuple[int, int]] = []
@@ -243,9 +209,29 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         return 1.0 - self.num_free_blocks() / max(1, self.pool.num_blocks)
 
     def num_free_blocks(self) -> int:
-        """Free blocks, counting those of cached entries no request holds (taken back from
-        the cache, least recently used first, when needed)."""
+        """Free blocks (of every rank), counting those of cached entries no request holds
+        (taken back from the cache, least recently used first, when needed)."""
         return self.pool.num_free + len(self.parked) * self.num_heads
+
+    def _rank_free(self) -> np.ndarray:
+        """[ranks] each rank's free blocks (a parked entry holds a block of each head)."""
+        return self.pool.free_by_part() + len(self.parked) * self.rank_heads
+
+    def _min_free(self) -> int:
+        """The free blocks of the rank with the fewest (all of them on one rank)."""
+        if self.num_ranks == 1:
+            return self.num_free_blocks()
+        return int(self._rank_free().min())
+
+    def _by_rank(self, per_head: np.ndarray) -> np.ndarray:
+        """[LH] blocks per head -> [ranks] blocks per rank."""
+        return np.bincount(self.owner, weights=per_head, minlength=self.num_ranks).astype(np.int64)
+
+    def _short(self, need: np.ndarray) -> int:
+        """Blocks missing from the ranks' pools for ``need`` [ranks] more (0: it fits);
+        a rank's spare blocks never make up for another's shortfall.
+        Example: free [10, 3], need [4, 5] -> 2."""
+        return int(np.maximum(need - self._rank_free(), 0).sum())
 
     def token_capacity(self) -> int:
         """Tokens one request can hold uncompressed (its prompt is computed before any
@@ -265,13 +251,33 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
 
     # ------------------------------------------------------------- block supply
     def _take(self, n: int) -> np.ndarray | None:
-        """``n`` free block ids (refs 1), taking parked cache entries' blocks (oldest first)
-        when the stack is short; None (nothing changed) when even they are too few."""
+        """(One rank.) ``n`` free block ids (refs 1), taking parked cache entries' blocks
+        (oldest first) when the stack is short; None (nothing changed) when even they are too
+        few."""
         if n > self.num_free_blocks():
             return None
         while self.pool.num_free < n:
             self._evict_entry(self.parked.popitem(last=False)[0])
         return self.pool.take(n)
+
+    def _take_parts(self, parts: np.ndarray) -> np.ndarray | None:
+        """A free block id of rank ``parts[i]``'s pool for each entry i (refs 1), taking
+        parked cache entries' blocks (oldest first) while a rank's stack is short; None
+        (nothing changed) when even they are too few."""
+        if self.num_ranks == 1:
+            return self._take(len(parts))
+        need = np.bincount(parts, minlength=self.num_ranks)
+        if np.any(need > self._rank_free()):
+            return None
+        while np.any(self.pool.free_by_part() < need):
+            self._evict_entry(self.parked.popitem(last=False)[0])
+        return self.pool.take_parts(parts)
+
+    def _take_heads(self, lh: np.ndarray) -> np.ndarray | None:
+        """``_take_parts`` of a block for each head of ``lh`` (from its rank's pool)."""
+        if self.num_ranks == 1:
+            return self._take(len(lh))
+        return self._take_parts(self.owner[lh])
 
     def _evict_entry(self, key: BlockHash) -> None:
         """Drop a parked entry from the cache: its blocks become free."""
@@ -317,10 +323,27 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         return self._num_blocks_for(None, num_tokens)
 
     def blocks_short(self, request: Request, num_new: int) -> int:
-        """Blocks missing from the pool for ``num_new`` more tokens of the request (0: it
+        """Blocks missing from the pools for ``num_new`` more tokens of the request (0: it
         fits)."""
-        need = self._num_blocks_for(self.states.get(request.request_id), num_new)
-        return max(need - self.num_free_blocks(), 0)
+        state = self.states.get(request.request_id)
+        if state is not None and num_new <= state.room:
+            return 0
+        return self._missing(self._blocks_for(state, num_new))
+
+    def _missing(
+        self, per_head: np.ndarray, extra: np.ndarray | None = None, entries: int = 0
+    ) -> int:
+        """Blocks missing from the pools for ``per_head`` [LH] new blocks, ``extra``
+        [ranks] more, and ``entries`` parked cache entries taken back (each a block of every
+        head); 0: they fit. With several ranks each rank's pool must hold its heads' blocks
+        (``_short``)."""
+        if self.num_ranks == 1:
+            need = int(per_head.sum()) + entries * self.num_heads
+            if extra is not None:
+                need += int(extra.sum())
+            return max(need - self.num_free_blocks(), 0)
+        need = self._by_rank(per_head) + entries * self.rank_heads
+        return self._short(need if extra is None else need + extra)
 
     def _shared_mask(self, state: _HeadState) -> np.ndarray:
         """[LH, width] the fork-shared blocks a request must copy before writing: held, held
@@ -329,11 +352,12 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         held = (cols >= state.prefix_blocks) & (cols < state.nblocks[:, None])
         return held & (self.pool.ref[state.table] > 1)
 
-    def _copy_need(self, state: _HeadState | None) -> int:
-        """Blocks a request holding shared blocks needs for its private copies."""
+    def _copy_need(self, state: _HeadState | None) -> np.ndarray | int:
+        """[LH] blocks a request holding shared blocks needs per head for its private copies
+        (0: none)."""
         if state is None or not state.shared:
             return 0
-        return int(self._shared_mask(state).sum())
+        return self._shared_mask(state).sum(1)
 
     def can_allocate(self, request: Request, budget: int) -> bool:
         rid = request.request_id
@@ -342,13 +366,16 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
             hit = self._lookup(request)
             start = len(hit) * self.block_size
             chunk = min(request.num_tokens - start, budget)
-            parked = sum(key in self.parked for key in hit) * self.num_heads
-            return self._num_blocks_for(None, chunk) + parked <= self.num_free_blocks()
+            parked = sum(key in self.parked for key in hit)
+            return not self._missing(self._blocks_for(None, chunk), entries=parked)
         chunk = min(request.num_tokens - request.num_computed_tokens, budget)
-        need = self._num_blocks_for(state, chunk)
+        need = self._blocks_for(state, chunk)
         # a swapped request first needs its blocks back; a fork, copies of the shared ones
-        need += len(self.swapped[rid]) if request.swapped else self._copy_need(state)
-        return need <= self.num_free_blocks()
+        if request.swapped:
+            assert self.host_pool is not None
+            back = self.host_pool.part_of(self.swapped[rid])
+            return not self._missing(need, np.bincount(back, minlength=self.num_ranks))
+        return not self._missing(need + self._copy_need(state))
 
     # -------------------------------------------------------------- prefix cache
     def _hashes(self, request: Request) -> list[BlockHash]:
@@ -453,7 +480,8 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         m, lh = len(own), self.num_heads
         # copies come from free blocks only, never from other parked entries: under memory
         # pressure the entries simply leave the cache (no churn of copies evicting copies)
-        dst = self.pool.take(m * lh) if keep_cached and m * lh <= self.pool.num_free else None
+        heads = np.repeat(np.arange(lh), m)
+        dst = self.pool.take_parts(self.owner[heads]) if keep_cached else None
         if dst is None:
             for i in own:
                 self._uncache(self.cache.pop(self.key_of[int(first[i])]))
@@ -463,7 +491,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         state.table[:, index] = dst
         self._release(src.reshape(-1))  # cached: parked
         self.num_prefix_copies += m * lh
-        blocks = HeadBlocks(np.repeat(np.arange(lh), m), np.tile(index, lh), dst.reshape(-1))
+        blocks = HeadBlocks(heads, np.tile(index, lh), dst.reshape(-1))
         return blocks, src.reshape(-1)
 
     def prefix_tokens(self, request_id: str) -> int:
@@ -503,15 +531,15 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         total = int(need.sum())
         copies = self._copy_need(state)
         hit: list = list(new_computed_blocks or []) if state is None else []
-        parked = sum(key in self.parked for key in hit) * self.num_heads
-        if total + copies + parked > self.num_free_blocks():
+        parked = sum(key in self.parked for key in hit)
+        if self._missing(need + copies, entries=parked):
             return None
         if state is None:
             max_blocks = cdiv(max(request.num_tokens, 1) + n, self.block_size) + 1
             state = self.states[rid] = _HeadState(self.num_heads, max_blocks)
             if hit:
                 self._attach_hit(request, state, hit)
-        if copies:
+        if np.any(copies):
             self._unshare(rid, state)
         else:
             state.shared = False  # its siblings are gone (or hold only its cached prefix)
@@ -522,11 +550,11 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
             state.refresh_room(self.block_size)
             self._register(request, state)
             return _NO_BLOCKS
-        ids = self._take(total)
-        assert ids is not None
-        state.reserve(int((state.nblocks + need).max()))
         # Example: need [0, 2, 1], nblocks [3, 1, 4] -> lh [1, 1, 2], index [1, 2, 4]
         lh = np.repeat(np.arange(self.num_heads), need)
+        ids = self._take_heads(lh)
+        assert ids is not None
+        state.reserve(int((state.nblocks + need).max()))
         offsets = np.arange(total) - np.repeat(np.cumsum(need) - need, need)
         index = state.nblocks[lh] + offsets
         state.table[lh, index] = ids
@@ -551,18 +579,20 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         # (scalars of head 0: every head holds the same; ``_lens`` less its pending lag)
         nb, length = int(state.nblocks[0]), int(state._lens[0]) + state._lag
         need = max(-(-(length + n) // bs) - nb, 0)
-        if need * heads > self.num_free_blocks():
+        if need * self.rank_heads > self._min_free():  # (every rank needs as many)
             return None
         state.add_tokens(n, num_new_tokens)
         state.room = (nb + need) * bs - (length + n)
         if need == 0:
             self._register(request, state)
             return _NO_BLOCKS
-        # (the stack first: _take's check of the parked cache entries is for a short stack)
-        ids = self.pool.take(need * heads) if need * heads <= self.pool.num_free else None
-        if ids is None:
-            ids = self._take(need * heads)
-            assert ids is not None
+        if self.num_ranks > 1:  # each head's blocks from its rank's pool
+            ids = self._take_heads(self._heads if need == 1 else np.repeat(self._heads, need))
+        else:  # (the stack first: _take's check of parked cache entries is for a short stack)
+            ids = self.pool.take(need * heads) if need * heads <= self.pool.num_free else None
+            if ids is None:
+                ids = self._take(need * heads)
+        assert ids is not None
         state.reserve(nb + need)
         if need == 1:  # a decode step's block: one column of every head
             state.table[:, nb] = ids
@@ -589,10 +619,9 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         bs = self.block_size
         free = state.nblocks * bs - state.lens  # [LH] free slots in each head's last block
         lh = np.flatnonzero(free < n)
-        if len(lh) > self.num_free_blocks():
+        ids = self._take_heads(lh)
+        if ids is None:
             return None
-        ids = self._take(len(lh))
-        assert ids is not None
         index = state.nblocks[lh]
         if len(lh):
             state.reserve(int(index.max()) + 1)
@@ -629,7 +658,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         """Copy every block this request shares into a private one (copy-on-write)."""
         lh, index = np.nonzero(self._shared_mask(state))
         src = state.table[lh, index].astype(np.int64)
-        dst = self._take(len(src))
+        dst = self._take_heads(lh)
         assert dst is not None
         self._release(src)
         state.table[lh, index] = dst
@@ -769,7 +798,8 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         held = state.held().astype(np.int64)
         if np.any(self.pool.ref[held] > 1):
             return None  # shared blocks stay on the device: recompute instead
-        host = self.host_pool.take(len(held))
+        # (a rank's blocks go to its own host pool)
+        host = self.host_pool.take_parts(self.pool.part_of(held))
         if host is None:
             return None
         self._release(held)  # cached entries among them stay cached (parked)
@@ -781,20 +811,20 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         rid = request.request_id
         state = self.states[rid]
         host = self.swapped[rid]
-        dev = self._take(len(host))
+        assert self.host_pool is not None
+        dev = self._take_parts(self.host_pool.part_of(host))
         if dev is None:
             return None
         cols = np.arange(state.table.shape[1])[None, :]
         state.table[cols < state.nblocks[:, None]] = dev  # held() order
         del self.swapped[rid]
-        assert self.host_pool is not None
         self.host_pool.release(host)
         return list(zip(host.tolist(), dev.astype(np.int64).tolist()))
 
     # --------------------------------------------------------------------- checks
     def check_integrity(self) -> None:
         """Every block's ref count equals the tables holding it; free + used == total; each
-        head's blocks cover its KVs."""
+        head's blocks cover its KVs and (several ranks) are its rank's."""
         live = [s for rid, s in self.states.items() if rid not in self.swapped]
         held = np.concatenate([s.held() for s in live]) if live else np.zeros(0, np.int32)
         self.pool.check(held.astype(np.int64), len(self.parked) * self.num_heads)
@@ -803,12 +833,18 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         for key, ids in self.cache.items():
             assert self.key_of[int(ids[0])] == key and self.in_cache[ids].all()
             assert np.all(self.pool.ref[ids] == 0) == (key in self.parked), "parked != unheld"
-        for s in self.states.values():
+        for rid, s in self.states.items():
             assert np.all(s.nblocks == -(-s.lens // self.block_size)), "blocks != cdiv(lens)"
             room = int((s.nblocks * self.block_size - s.lens).min()) if len(s.lens) else 0
             assert s.room == room, f"room {s.room} != {room}"
             if s.uniform:
                 assert np.all(s.lens == s.lens[0]) and np.all(s.nblocks == s.nblocks[0])
+            if self.num_ranks > 1 and rid not in self.swapped:
+                cols = np.arange(s.table.shape[1])[None, :] < s.nblocks[:, None]
+                heads = np.broadcast_to(self._heads[:, None], s.table.shape)[cols]
+                assert np.array_equal(self.pool.part_of(s.table[cols]), self.owner[heads]), (
+                    "a head holds a block of another rank's pool"
+                )
         if self.host_pool is not None:
             hosts = list(self.swapped.values())
             self.host_pool.check(np.concatenate(hosts) if hosts else np.zeros(0, np.int64))

@@ -182,7 +182,8 @@ class PerHeadKVManager(Protocol):
 
     - ``compressible``: [LH] bool, the (layer, KV head) pairs a budget counts;
     - ``blocks_for_tokens(n)``: blocks a request holding none takes for its first n tokens;
-    - ``blocks_short(r, n)``: blocks missing from the pool for n more tokens of r (0: fits);
+    - ``blocks_short(r, n)``: blocks missing from the pools (one per tensor-parallel rank) for
+      n more tokens of r (0: fits);
     - ``held_kvs(rid)``: KVs r holds in compressible heads after its shared cached prefix;
     - ``head_extent(rid)``: (its longest head's KVs, ``held_kvs``);
     - ``prefix_tokens(rid)``: tokens of its cached prefix that another request shares now;

@@ -85,10 +85,15 @@ class HeadPagedSpec(KVCacheSpec):
     """KV-Compress: a block holds ``block_size`` tokens of ONE KV head of ONE layer, so each
     (request, layer, KV head) has its own block table and length. ``compressible[l]``: layer
     l's KVs may be evicted by score (full attention); a sliding-window layer keeps its KVs
-    (its window semantics need every key of the window). One page is one head's block."""
+    (its window semantics need every key of the window). One page is one head's block.
+
+    Tensor parallelism: each layer's KV heads are split over ``num_ranks`` ranks, each with a
+    pool of its own; ``num_kv_heads`` counts one rank's heads (what one device holds), and
+    the scheduler's manager tables the ``num_kv_heads * num_ranks`` heads of every rank."""
 
     num_layers: int = 0
     compressible: tuple[bool, ...] = ()
+    num_ranks: int = 1
 
     @property
     def page_bytes(self) -> int:
@@ -100,7 +105,8 @@ class HeadPagedSpec(KVCacheSpec):
 
     @property
     def num_heads_total(self) -> int:
-        """(layer, KV head) pairs: the blocks one token of a request needs at most."""
+        """(layer, KV head) pairs of one rank: the blocks one token of a request needs at
+        most in one rank's pool."""
         return self.num_layers * self.num_kv_heads
 
 

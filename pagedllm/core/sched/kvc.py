@@ -7,7 +7,9 @@ after the step that computes the last token of its prompt, then (``compress_once
 planner decides from host state; the worker role (``kvcompress/runner.py``) scores, evicts on
 the device and sends each evicted request's new per-head lengths back, which ``update``
 applies to the per-head KV manager (``core/kv_cache/head_paged.py``, through the
-``PerHeadKVManager`` protocol).
+``PerHeadKVManager`` protocol). Under tensor parallelism the manager tables every rank's KV
+heads, so a budget counts them all, and the ranks' worker roles evict together as one rank
+would (``kvcompress/shard.py``).
 
 Evictions are asynchronous: under async scheduling a step is planned before the last step's
 evictions come back. The evicted requests' lengths, blocks and held KVs on the host are then
