@@ -532,8 +532,11 @@ class EngineArgs:
             )
         if config is None:
             return None
-        if self.enable_kvc:
-            raise ValueError("speculative_config cannot be combined with enable_kvc (yet).")
+        if self.enable_kvc and config.method in KVC_SPEC_UNSUPPORTED:
+            raise ValueError(
+                f"speculative_config.method {config.method!r} cannot be combined with "
+                f"enable_kvc: {KVC_SPEC_UNSUPPORTED[config.method]}; use 'ngram' or 'suffix'."
+            )
         return config
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:
@@ -547,6 +550,15 @@ class EngineArgs:
             max_whitespace=0 if flag else self.structured_outputs_max_whitespace
         )
 
+
+# speculative methods KV-Compress cannot verify drafts for, and why (the others: ngram and
+# suffix, whose drafts are made on the host; core/sched/kvc.py has the rules)
+KVC_SPEC_UNSUPPORTED = {
+    "draft_model": "the draft model's KVs would need a cache of their own beside the per-head "
+    "one, and its lookahead KVs are not the target's",
+    "ngram_gpu": "its drafts are verified on the device after the next step is planned, and "
+    "KV-Compress drops the rejected drafts' KVs from what the host knows",
+}
 
 # the name the packaged default model is served under when no model is named
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
