@@ -10,7 +10,8 @@ Per layer and step:
   head's own table), storing each query's softmax normalizer when a chunk ends a prompt;
   then ``kvc_window_scores`` scores that prompt's keys from its last 32 queries (one program
   per (request, KV head, key tile), every such request of the step in one launch, and one
-  more for the max-pool).
+  more for the max-pool); a row verifying drafts (speculative decoding) keeps its queries and
+  their normalizers instead, for ``HeadPagedCache.score_verified`` at the next step.
 In a mixed step both kernels read their query rows and write their output rows of the step in
 place, through index tensors made once a step (``KVCStepPlan.tensors``), and the cache's whole
 tables through table-row indices: no per-layer gather, scatter or permutation.

@@ -183,9 +183,9 @@ class KVCompressPlanner(KVConnectorScheduler):
         if not swapped:  # its KVs are computed again, uncompressed
             self.tracks[rid].compressed_at = -1
             self.inflight.pop(rid, None)
-        # the runner drops its row: nothing to trim, score or evict there (its drafts' KVs
-        # left the manager at the update; a swapped request's eviction is not in flight:
-        # ``may_swap``)
+        # the runner drops its row: nothing to trim, score or evict there (its rejected
+        # drafts' KVs left the manager at the update; a swapped request has no eviction in
+        # flight, ``may_swap``, and its last verify row's queries never score)
         self._forget_spec(rid)
 
     def _forget_spec(self, rid: str) -> None:
@@ -231,7 +231,9 @@ class KVCompressPlanner(KVConnectorScheduler):
             self._verified[rid] = num_accepted + 1
         if rid in self._due_verified:
             self._due_verified.discard(rid)
-            budget = self._over(request, request.num_computed_tokens)
+            track, computed = self.tracks[rid], request.num_computed_tokens
+            track.compressed_at = min(track.compressed_at, computed)  # (not its drafts)
+            budget = self._over(request, computed)
             if budget is not None:
                 plan = self._plan({rid: budget}, {})
                 if plan:
