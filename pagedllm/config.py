@@ -530,8 +530,18 @@ class EngineArgs:
             )
         if config is None:
             return None
-        if self.enable_kvc:
-            raise ValueError("speculative_config cannot be combined with enable_kvc (yet).")
+        if self.enable_kvc and config.method in KVC_SPEC_UNSUPPORTED:
+            raise ValueError(
+                f"speculative_config.method {config.method!r} cannot be combined with "
+                f"enable_kvc: {KVC_SPEC_UNSUPPORTED[config.method]}; use 'ngram' or 'suffix'."
+            )
+        if self.enable_kvc and self.tensor_parallel_size > 1:
+            # each works with KV-Compress alone; a verify row's dropped and kept queries have
+            # not been carried through the ranks' sharded evictions (kvcompress/shard.py)
+            raise ValueError(
+                "speculative_config cannot be combined with enable_kvc and "
+                "tensor_parallel_size > 1 (yet): use one of the two with KV-Compress."
+            )
         return config
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:
@@ -545,6 +555,15 @@ class EngineArgs:
             max_whitespace=0 if flag else self.structured_outputs_max_whitespace
         )
 
+
+# speculative methods KV-Compress cannot verify drafts for, and why (the others: ngram and
+# suffix, whose drafts are made on the host; core/sched/kvc.py has the rules)
+KVC_SPEC_UNSUPPORTED = {
+    "draft_model": "the draft model's KVs would need a cache of their own beside the per-head "
+    "one, and its lookahead KVs are not the target's",
+    "ngram_gpu": "its drafts are verified on the device after the next step is planned, and "
+    "KV-Compress drops the rejected drafts' KVs from what the host knows",
+}
 
 # the name the packaged default model is served under when no model is named
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -13,7 +13,12 @@ Scores (one float per KV slot, GQA-aware: summed over the query heads sharing th
   with the output, no second pass;
 - the last prefill chunk of a prompt adds, for its last ``collect`` queries (the observation
   window, 32 by default), the squared probabilities summed over those queries, max-pooled
-  along the sequence (kernel 7) when ``maxpool`` is set.
+  along the sequence (kernel 7) when ``maxpool`` is set;
+- a row verifying draft tokens (speculative decoding: the last known token and k drafts)
+  scores nothing in its step: each compressible layer keeps the row's queries
+  (``VerifyQueries``), and the next step scores the keys with those of real tokens (the first
+  1 + accepted drafts), as decode rows would (``HeadPagedCache.score_verified``; the rule:
+  ``core/sched/kvc.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,42 @@ from torch.nn import functional as F
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kvcompress.evict import head_slots, maxpool_scores
+
+
+@dataclass
+class VerifyQueries:
+    """The queries of a step's verify rows whose keys are scored (speculative decoding), kept
+    by each compressible layer's attention until the next step knows how many of each row's
+    queries were of real tokens (``HeadPagedCache.score_verified``). Row w's 1 + k queries
+    are ``q[layer][start[w] : start[w] + count[w]]``; they were the step's query rows
+    ``rows[start[w] : ...]``.
+
+    Example: a step of rows with 1, 4 and 3 tokens, the last two verifying drafts -> rows
+    [1, 2, 3, 4, 5, 6, 7], start [0, 4], count [4, 3]."""
+
+    req_ids: list[str]
+    start: np.ndarray  # [W]
+    count: np.ndarray  # [W]
+    max_lens: np.ndarray  # [W] a host bound on each request's head lengths in the step
+    rows: np.ndarray  # [V] the step's query rows kept, row after row
+    q: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [V, Hq, d]
+    # layer -> [V, Hq] float32 softmax normalizers (log2 units, the GPU prefill kernel's), or
+    # None: the torch scoring recomputes the softmax
+    lse: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    scale: dict[int, float] = field(default_factory=dict)
+    window: dict[int, int | None] = field(default_factory=dict)
+
+    def keep(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [V, Hq, d]
+        lse: torch.Tensor | None,  # [V, Hq]
+        scale: float,
+        window: int | None,
+    ) -> None:
+        """A compressible layer's queries of the kept rows (and their normalizers)."""
+        self.q[layer], self.lse[layer] = q, lse
+        self.scale[layer], self.window[layer] = scale, window
 
 
 @dataclass
@@ -55,6 +96,8 @@ class KVCStepPlan:
     window_max_len: int = 0  # a bound on the head lengths of the prefill requests that score
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     prefill_tokens: int = 0  # the prefill chunks' queries (0: not given, bounded by T)
+    # the verify rows whose queries the compressible layers keep ("stash_rows" in tensors)
+    stash: VerifyQueries | None = None
 
     def bound(self, requests: np.ndarray, device: torch.device) -> int | None:
         """The longest head of these requests for a torch attention: on a GPU the host bound
@@ -120,6 +163,7 @@ class KVCLayerInfo:
     plan: KVCStepPlan
     row_ids: torch.Tensor  # [R] int64: request i's row of the tables
     scored: torch.Tensor | None = None  # [rows] int32: rows whose keys are scored (decode)
+    layer: int = 0  # the layer's index (``VerifyQueries`` keeps its queries by it)
 
 
 def decode_attention(
@@ -247,13 +291,17 @@ def prefill_window_scores_batched(
     scores: torch.Tensor,
     maxpool_kernel: int,
     max_len: int,  # a host bound on lens
+    window: int | None = None,
+    positions: torch.Tensor | None = None,  # [num_slots]; needed with a window
 ) -> None:
     """The prompt's scores (``add_window_scores``) of every chunk that ends its prompt in a
     step, for a chunk whose output another kernel computed (the GPU path; full-attention
     layers: the window queries see every key before them), all requests at once, with no
     host sync: request r's C window queries are its last
     ``q_mask[r].sum()`` rows; query i of them sees its head's logical indices up to
-    ``lens - c + i`` (full-attention layers).
+    ``lens - c + i``, and with a sliding ``window`` only the keys whose position is within it
+    (by position: a compacted head is not in position order). Also the verify rows' scores
+    at the next step (``HeadPagedCache.score_verified``, maxpool 0).
 
     Example: C 3, a request with 2 window queries at rows 40, 41 -> last_rows [40, 41, 0],
     q_mask [T, T, F]; with lens [10] they see logical indices <= 8 and <= 9."""
@@ -266,6 +314,11 @@ def prefill_window_scores_batched(
     q_idx = lens[:, :, None] - n[:, None, None] + i  # [R, H, C] logical index of query i
     idx = torch.arange(max_len, device=lens.device)
     vis = valid[:, :, None, :] & (idx <= q_idx[..., None]) & q_mask[:, None, :, None]
+    if window is not None:
+        assert positions is not None
+        k_pos = positions[slots].long()  # [R, H, S]
+        q_pos = k_pos.gather(2, q_idx.clamp(0, max_len - 1))  # [R, H, C] the queries' own
+        vis &= k_pos[:, :, None, :] > q_pos[..., None] - window
     q = query[last_rows].view(r, c, h, hq // h, d).float()  # [R, C, H, G, d]
     k = k_flat[slots].float()  # [R, H, S, d]
     logits = torch.einsum("rchgd,rhsd->rhgcs", q, k) * scale
@@ -341,6 +394,9 @@ class KVCTorchBackend(AttentionBackend):
                 max_len=plan.bound(np.array([r]), query.device),
                 positions=info.positions,
             )
+        if plan.stash is not None and scores is not None:  # verify rows: scored next step
+            q = query[plan.tensors["stash_rows"]]
+            plan.stash.keep(info.layer, q, None, scale, sliding_window)
         return out.view(t, hq * d)
 
 

@@ -32,7 +32,12 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import KVCompressConfig
 from pagedllm.core.kv_cache.head_paged import HeadBlocks, HeadTable
 from pagedllm.core.kv_cache.spec import HeadPagedSpec, cdiv
-from pagedllm.kvcompress.attention import KVCLayerInfo, KVCStepPlan
+from pagedllm.kvcompress.attention import (
+    KVCLayerInfo,
+    KVCStepPlan,
+    VerifyQueries,
+    prefill_window_scores_batched,
+)
 from pagedllm.kvcompress.evict import compact, plan_eviction
 from pagedllm.kvcompress.shard import HeadShard
 from pagedllm.utils.pinned import PinnedRing
@@ -81,6 +86,8 @@ class HeadPagedCache:
         # 1 where the row's request may be evicted (it has a budget): only those are scored
         self.scored = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
         self.scored_np = np.zeros(max_rows + 1, dtype=bool)
+        # the last step's verify rows' queries, until the next step scores them
+        self.stash: VerifyQueries | None = None
         self.num_blocks = 0
         self.spare_slot = 0
         self.kv = torch.empty(0)
@@ -252,11 +259,15 @@ class HeadPagedCache:
         positions: torch.Tensor,  # [T] this step's token positions
         sampling: np.ndarray,  # [R] bool: the request's last queries score keys (it samples
         # this step, or the planner names its chunk: ``KVCMetadata.window``)
+        verify: np.ndarray | None = None,  # [R] bool: the row verifies draft tokens
+        req_ids: list[str] | None = None,  # [R] (with ``verify``)
     ) -> None:
         """Slots of the step's new KVs in every head, and each new slot's position and zero
         score; advances ``lens``. ``md.plan["kvc"]`` keeps (slots [T, LH], the requests' table
         rows, positions, the step plan): a CUDA graph copies the first two into its buffers,
         ``finish_metadata`` makes the per-layer metadata of an eager pass from all four.
+        A verify row scores nothing this step; the compressible layers keep its queries when
+        it is scored (``VerifyQueries``, ``self.stash``: ``score_verified`` at the next step).
 
         Example: H 1, a request with lens [5] (bs 4, table [3, 8]) scheduled 2 tokens ->
         logical 5, 6 -> slots 8*4+1, 8*4+2 = 33, 34; its lens become [7]."""
@@ -277,6 +288,8 @@ class HeadPagedCache:
             # the chunk that ends a prompt its last `window` queries, other prefill chunks none
             w = self.kvc.prefill_metric_collection_window_size
             collect = np.where(n_sched == 1, 1, np.where(sampling, np.minimum(w, n_sched), 0))
+            if verify is not None:
+                collect[verify] = 0  # scored at the next step (``score_verified``)
             collect *= collect_scored
             decode, prefill = np.nonzero(n_sched == 1)[0], np.nonzero(n_sched > 1)[0]
         assert md.seq_lens_np is not None
@@ -297,7 +310,9 @@ class HeadPagedCache:
             prefill_max_q=int(n_sched[prefill].max()) if len(prefill) else 0,
             window_max_len=int(md.seq_lens_np[win].max()) if len(win) else 0,
             prefill_tokens=int(n_sched[prefill].sum()) if len(prefill) else 0,
+            stash=self._stash_of(verify, collect_scored, n_sched, md.seq_lens_np, req_ids),
         )
+        self.stash = plan.stash
         # [T, LH] slots (after writing the new table entries); positions and zero scores
         # written there, lens advanced
         slots = self._step_slots(
@@ -305,6 +320,30 @@ class HeadPagedCache:
             self.scores, bs, flat_t, ids_t,
         )  # fmt: skip
         md.plan["kvc"] = (slots, rows_t, positions, plan)
+
+    def _stash_of(
+        self,
+        verify: np.ndarray | None,  # [R] bool
+        scored: np.ndarray,  # [R] bool
+        n_sched: np.ndarray,  # [R]
+        max_lens: np.ndarray,  # [R]
+        req_ids: list[str] | None,
+    ) -> VerifyQueries | None:
+        """The verify rows whose queries the layers keep: those of scored requests (None
+        when there is none, or no layer is compressible)."""
+        if verify is None or not self.num_compressible_heads:
+            return None
+        keep = np.nonzero(verify & scored)[0]
+        if not len(keep):
+            return None
+        assert req_ids is not None
+        count = n_sched[keep]
+        first = np.cumsum(n_sched)[keep] - count  # each kept row's first query row
+        start = np.cumsum(count) - count
+        rows = np.repeat(first - start, count) + np.arange(int(count.sum()))
+        return VerifyQueries(
+            [req_ids[i] for i in keep.tolist()], start, count, max_lens[keep].copy(), rows
+        )
 
     def finish_metadata(self, md: AttentionMetadata) -> None:
         """Give each layer its metadata (``md.groups``) for an eager forward pass of the step
@@ -317,6 +356,8 @@ class HeadPagedCache:
                 index = KVCStepPlan.index_arrays(
                     plan.decode, plan.prefill, qsl, plan.rows, plan.collect
                 )
+                if plan.stash is not None:
+                    index["stash_rows"] = plan.stash.rows
                 shipped = self.ship(*index.values())
                 plan.tensors = {k: t.view(a.shape) for (k, a), t in zip(index.items(), shipped)}
             md.groups = self.layer_metadata(
@@ -351,10 +392,64 @@ class HeadPagedCache:
             m.seq_lens = self.lens[:, part]
             m.kvc = KVCLayerInfo(
                 self.scores, self.positions, positions, bool(comp[layer]), plan, rows_t,
-                self.scored,
+                self.scored, layer,
             )  # fmt: skip
             groups.append(m)
         return groups
+
+    # ------------------------------------------------- speculative decoding
+    def drop_tails(self, rows: np.ndarray, num: np.ndarray) -> None:
+        """Rows' last ``num[i]`` KVs leave every head (rejected draft tokens: the last KVs of
+        each head since their step, ``HeadPagedKVCacheManager.drop_last``). Their slots were
+        never scored (a verify row scores at the next step) and get a new position and a zero
+        score when reused."""
+        rows_t, num_t = self.ship(rows, num)
+        self.lens[rows_t] -= num_t[:, None]
+
+    def score_verified(
+        self, stash: VerifyQueries, verified: dict[str, int], rows_of: dict[str, int]
+    ) -> None:
+        """Score the keys with the first ``verified[r]`` queries of each kept verify row (its
+        last known token's and its accepted drafts': ``core/sched/kvc.py``), after the
+        rejected drafts' KVs left (``drop_tails``): they are the last ``verified[r]`` keys of
+        every head, and query i of them saw its head's keys up to its own, as a decode query
+        does. Squared probabilities summed over the queries and the query heads sharing a KV
+        head, no max-pool (the decode rule). No host sync.
+
+        Example: a row of 1 + 4 queries with 1 draft accepted, lens [12] after the drop ->
+        queries 0 and 1 (logical 10 and 11) score the keys up to 10 and 11."""
+        sel = [w for w, rid in enumerate(stash.req_ids) if rid in verified and rid in rows_of]
+        if not sel or not stash.q:
+            return
+        w = np.asarray(sel)
+        n = np.minimum([verified[stash.req_ids[i]] for i in sel], stash.count[w])
+        c = int(n.max())
+        i = np.arange(c)
+        mask = i[None, :] < n[:, None]  # [W, C]
+        q_rows = np.where(mask, stash.start[w][:, None] + i[None, :], 0)
+        table_rows = np.array([rows_of[stash.req_ids[j]] for j in sel], dtype=np.int64)
+        max_len = int(stash.max_lens[w].max())
+        rows_t, q_rows_t, mask_t, n_t = self.ship(table_rows, q_rows, mask, n)
+        q_rows_t = q_rows_t.view(len(sel), c)
+        h, bs = self.num_kv_heads, self.block_size
+        k_flat = self.kv[0].view(-1, self.head_dim)
+        for layer, q in stash.q.items():
+            part = slice(layer * h, (layer + 1) * h)
+            tables, lens = self.tables[:, part], self.lens[:, part]
+            lse, scale = stash.lse[layer], stash.scale[layer]
+            if lse is not None:  # the GPU kernels' normalizers: one pass over the keys
+                from pagedllm.ops.kvc_attention import kvc_window_scores
+
+                kvc_window_scores(
+                    q, self.kv, lse, tables, lens, rows_t, q_rows_t, n_t, scale,
+                    self.scores, 0, max_len,
+                )  # fmt: skip
+            else:
+                prefill_window_scores_batched(
+                    q, k_flat, tables[rows_t], lens[rows_t], q_rows_t,
+                    mask_t.view(len(sel), c).bool(), bs, scale, self.scores, 0, max_len,
+                    window=stash.window[layer], positions=self.positions,
+                )  # fmt: skip
 
     # ----------------------------------------------------------------- eviction
     def compress(

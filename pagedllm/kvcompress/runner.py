@@ -1,6 +1,9 @@
 """KV-Compress, worker role: the per-head paged cache as the model runner's KV layout, the
 rows' scoring flags, each step's per-head slots, and the evictions the planner
-(``core/sched/kvc.py``) asks for, whose new lengths go back to it.
+(``core/sched/kvc.py``) asks for, whose new lengths go back to it. With speculative decoding,
+before a step's forward pass: the last step's rejected drafts' KVs leave, its verify rows'
+queries of real tokens score the keys, and the evictions due after it run (the rules:
+``core/sched/kvc.py``).
 
 The model runner reaches this only through the layout hooks (``pagedllm/kv_layout.py``) and
 the connector hooks (``pagedllm/worker/kv_connector.py``); it loads the class through the
@@ -22,7 +25,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.kv_cache.spec import HeadPagedSpec, KVCacheGroup, KVCacheGroups, cdiv
-from pagedllm.core.sched.kvc import KVCEviction, KVCMetadata
+from pagedllm.core.sched.kvc import KVCEviction, KVCMetadata, KVCReport
 from pagedllm.distributed.parallel_state import tp_info
 from pagedllm.kvcompress.cache import HeadPagedCache
 from pagedllm.kvcompress.evict import move_bound, stuck_bound, width_groups
@@ -95,6 +98,10 @@ class KVCompressWorker(HeadPagedCache, KVConnectorWorker):
 
     batch: Any = None  # the runner's InputBatch (request id -> row)
     profiler: Any = None  # a DeviceTimer (worker/profiler.py) that times evictions, if set
+    # the step's work before its forward pass is done (``_before_step``), and the lengths of
+    # its evictions there, until ``after_forward`` reports them
+    _started = False
+    _pre: tuple[list[str], torch.Tensor] | None = None
 
     # ------------------------------------------------------------- layout hooks
     def add_rows(self, batch: Any, new_reqs: list, so: Any = None) -> list[int]:
@@ -190,22 +197,65 @@ class KVCompressWorker(HeadPagedCache, KVConnectorWorker):
 
     # ---------------------------------------------------------- connector hooks
     def before_forward(self, so: Any, metadata: KVCMetadata | None, batch: StepBatch) -> None:
-        """The step's per-head slots: which rows score keys with their last queries (those
-        that sample, and those the planner names), then ``prepare_step``."""
+        """The last step's speculative work (``_before_step``), then the step's per-head
+        slots: which rows score keys with their last queries (those that sample, and those
+        the planner names), which verify drafts, then ``prepare_step``."""
+        self._before_step(metadata)
         sampling = np.zeros(len(batch.rows), dtype=bool)
         sampling[batch.sample_idx] = True
         if metadata is not None and metadata.window:
             for i, rid in enumerate(so.num_scheduled_tokens):
                 sampling[i] |= rid in metadata.window
-        self.prepare_step(batch.metadata, batch.rows, batch.n_sched, batch.positions, sampling)
+        verify, ids = None, None
+        spec = so.scheduled_spec_tokens
+        if spec:
+            ids = list(so.num_scheduled_tokens)
+            verify = np.fromiter((rid in spec for rid in ids), dtype=bool, count=len(ids))
+        self.prepare_step(
+            batch.metadata, batch.rows, batch.n_sched, batch.positions, sampling, verify, ids
+        )
+
+    def _before_step(self, metadata: KVCMetadata | None) -> None:
+        """Before the step's forward pass (the rules: ``core/sched/kvc.py``): the last step's
+        rejected drafts' KVs leave every head, its verify rows' queries of real tokens score
+        the keys, then the evictions due after it run (their lengths are reported with this
+        step's). The last step's kept queries are dropped after this."""
+        self._started = True
+        stash, self.stash = self.stash, None
+        self._pre = None
+        if metadata is None:
+            return
+        rows_of = self.batch.req_id_to_row
+        trims = [(rows_of[r], n) for r, n in metadata.trims.items() if r in rows_of]
+        if trims:
+            rows, num = zip(*trims)
+            self.drop_tails(np.array(rows, dtype=np.int64), np.array(num, dtype=np.int64))
+        if stash is not None and metadata.verified:
+            with torch.inference_mode():
+                self.score_verified(stash, metadata.verified, rows_of)
+        if metadata.pre_evictions:
+            self._pre = self._evict(metadata.pre_evictions)
 
     def after_forward(self, so: Any, metadata: KVCMetadata | None) -> Any:
         """Run the evictions the planner asked for (after the step's forward pass: its scores
-        count); returns (request ids, their new lengths [B, LH] on the host once the event is
-        done, the event or None). No host sync."""
-        if metadata is None or not metadata.evictions:
+        count); returns (request ids, their new lengths [B, LH], the same of the evictions
+        before the forward pass; on the host once the event is done, the event or None). No
+        host sync. A step with no forward pass does its ``_before_step`` work here."""
+        if not self._started:
+            self._before_step(metadata)
+        self._started = False
+        pre, self._pre = self._pre, None
+        post = self._evict(metadata.evictions) if metadata and metadata.evictions else None
+        if pre is None and post is None:
             return None
-        evictions = metadata.evictions
+        empty: tuple[list[str], torch.Tensor] = ([], self.lens[:0])
+        (pre_ids, pre_lens), (ids, lens) = pre or empty, post or empty
+        (pre_host, host), done = copy_to_host([pre_lens, lens])
+        return ids, host, pre_ids, pre_host, done
+
+    def _evict(self, evictions: list[KVCEviction]) -> tuple[list[str], torch.Tensor]:
+        """Run evictions; returns (their request ids, their new lengths [B, LH] on the
+        device)."""
         rows_of = self.batch.req_id_to_row
         bs, method = self.block_size, self.kvc.method
         ids: list[str] = []
@@ -239,17 +289,16 @@ class KVCompressWorker(HeadPagedCache, KVConnectorWorker):
         lens = parts[0] if len(parts) == 1 else torch.cat(parts)
         if timer is not None:
             self.profiler.add_span("kvc_evict", self.profiler.end(timer))
-        (host,), done = copy_to_host([lens])
-        return ids, host, done
+        return ids, lens
 
-    def finish(self, pending: Any) -> dict[str, np.ndarray] | None:
-        """Request -> its computed KVs left per (layer, KV head) [LH]."""
+    def finish(self, pending: Any) -> KVCReport | None:
+        """Each evicted request's computed KVs left per (layer, KV head) [LH]."""
         if pending is None:
             return None
-        ids, lens, done = pending
+        ids, lens, pre_ids, pre_lens, done = pending
         if done is not None:
             done.synchronize()
-        return dict(zip(ids, lens.numpy()))
+        return KVCReport(dict(zip(ids, lens.numpy())), dict(zip(pre_ids, pre_lens.numpy())))
 
     def _stuck(self, e: KVCEviction) -> int:
         """``stuck_bound`` of an eviction: its compressible heads' unevictable KVs (the

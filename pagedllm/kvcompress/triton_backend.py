@@ -10,7 +10,8 @@ Per layer and step:
   head's own table), storing each query's softmax normalizer when a chunk ends a prompt;
   then ``kvc_window_scores`` scores that prompt's keys from its last 32 queries (one program
   per (request, KV head, key tile), every such request of the step in one launch, and one
-  more for the max-pool).
+  more for the max-pool); a row verifying drafts (speculative decoding) keeps its queries and
+  their normalizers instead, for ``HeadPagedCache.score_verified`` at the next step.
 In a mixed step both kernels read their query rows and write their output rows of the step in
 place, through index tensors made once a step (``KVCStepPlan.tensors``), and the cache's whole
 tables through table-row indices: no per-layer gather, scatter or permutation.
@@ -100,6 +101,8 @@ class KVCTritonBackend(AttentionBackend):
                 )  # fmt: skip
         if len(plan.prefill) == 0:
             return out.view(t, hq * d)
+        # verify rows (speculative decoding) keep their queries, scored next step
+        stash = plan.stash if scores is not None else None
         if by_position:  # rare (every layer windowed): the torch path, by position
             for r in plan.prefill.tolist():
                 a, b = int(qsl[r]), int(qsl[r + 1])
@@ -109,18 +112,30 @@ class KVCTritonBackend(AttentionBackend):
                     sliding_window, scores, int(plan.collect[r]), plan.maxpool_kernel,
                     max_len=int(plan.max_lens[r]), positions=info.positions,
                 )  # fmt: skip
+            if stash is not None:  # (scored by the torch path too: by position)
+                stash.keep(info.layer, query[tensors["stash_rows"]], None, scale, sliding_window)
             return out.view(t, hq * d)
         # chunks that end their prompts score their keys from their last queries' softmax
-        # normalizers, which the prefill kernel stores beside its output
+        # normalizers, which the prefill kernel stores beside its output (and the verify
+        # rows' queries keep theirs for the next step)
         window = scores is not None and plan.window_max_len > 0
-        lse = torch.empty((t, hq), dtype=torch.float32, device=query.device) if window else None
+        lse = (
+            torch.empty((t, hq), dtype=torch.float32, device=query.device)
+            if window or stash is not None
+            else None
+        )
         kvc_paged_attention(
             query, kv_cache, tensors["prefill_qsl"], lens, tables, plan.prefill_max_q, scale,
             sliding_window, row_ids=tensors["prefill_table_rows"],
             q_start=tensors["prefill_q_start"], out=out,
             num_chunk_tokens=plan.prefill_tokens or t, lse=lse,
         )  # fmt: skip
-        if lse is not None:
+        if stash is not None:
+            assert lse is not None
+            rows = tensors["stash_rows"]
+            stash.keep(info.layer, query[rows], lse[rows], scale, sliding_window)
+        if window:
+            assert lse is not None
             kvc_window_scores(
                 query, kv_cache, lse, tables, lens, tensors["window_reqs"],
                 tensors["window_rows"], tensors["window_n"], scale, scores,

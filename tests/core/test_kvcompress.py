@@ -10,6 +10,7 @@ import torch
 from pagedllm.core.kv_cache.head_paged import HeadPagedKVCacheManager
 from pagedllm.core.kv_cache.spec import HeadPagedSpec
 from pagedllm.core.request import Request
+from pagedllm.core.sched.kvc import KVCReport
 from pagedllm.kvcompress.evict import (
     compact,
     head_slots,
@@ -783,7 +784,7 @@ def test_make_room_takes_the_requests_grown_by_a_block_first():
         sched.add_request(Request(rid, list(range(3 + 30 * i, 23 + 30 * i)), sp, eos_token_id=2))
     so = sched.schedule()  # the prompts (20 tokens), an eviction planned after each
     assert {e.req_id for e in _evictions(so)} == set("abc")
-    keep = {rid: np.full(6, 4) for rid in "abc"}  # 4 KVs a head: 24, the budget
+    keep = KVCReport({rid: np.full(6, 4) for rid in "abc"})  # 4 KVs a head: 24, the budget
     sched.update_from_output(
         so, ModelRunnerOutput(list("abc"), [[7]] * 3, kv_connector_output={"kvcompress": keep})
     )
@@ -792,6 +793,7 @@ def test_make_room_takes_the_requests_grown_by_a_block_first():
     for rid, growth in zip("abc", (20, 2, 12)):
         r = sched.requests[rid]
         sched.kv_cache_manager.allocate_slots(r, growth)
+        r.append_output_token_ids([7] * growth)
         r.num_computed_tokens += growth
         sched.connectors[0].tracks[rid].compressed_at = r.num_computed_tokens - growth
     # over by 6 x growth KVs: a frees 30 blocks, b 3, c 18 (ceil(over / 4))
@@ -835,7 +837,7 @@ def test_next_step_waits_for_evictions_that_free_what_it_wants():
     assert list(so.num_scheduled_tokens) == ["a"] and _evictions(so)
     assert kvm.num_free_blocks() == 40
     assert sched.wants_results_first()  # it wanted 60 + 60 and a's eviction is in flight
-    keep = {"a": np.full(6, 4)}  # a keeps 4 KVs a head: 9 blocks of 10 go in each
+    keep = KVCReport({"a": np.full(6, 4)})  # a keeps 4 KVs a head: 9 blocks of 10 go
     sched.update_from_output(
         so, ModelRunnerOutput(["a"], [[7]], kv_connector_output={"kvcompress": keep})
     )
@@ -887,7 +889,7 @@ def test_next_step_waits_for_the_evictions_that_make_room_for_decodes():
         ids = list(so.num_scheduled_tokens)
         if _evictions(so) and not sched.waiting and max(so.num_scheduled_tokens.values()) == 1:
             break  # evictions in a decode-only step: memory was short
-        lens = {e.req_id: np.full(6, 4) for e in _evictions(so)}  # 4 KVs a head kept
+        lens = KVCReport({e.req_id: np.full(6, 4) for e in _evictions(so)})  # 4 KVs a head
         sched.update_from_output(
             so, ModelRunnerOutput(ids, [[7]] * len(ids), kv_connector_output={"kvcompress": lens})
         )

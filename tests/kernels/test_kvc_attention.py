@@ -31,7 +31,12 @@ from tests.kernels.triton_setup import CUDA, DEVICE, cuda_only
 import numpy as np
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.kvcompress.attention import KVCLayerInfo, KVCStepPlan, KVCTorchBackend
+from pagedllm.kvcompress.attention import (
+    KVCLayerInfo,
+    KVCStepPlan,
+    KVCTorchBackend,
+    VerifyQueries,
+)
 from pagedllm.kvcompress.triton_backend import KVCTritonBackend
 from pagedllm.ops.kvc_attention import (
     kvc_decode_attention,
@@ -733,12 +738,14 @@ def _kvc_step(
     compressible: bool,
     dev: torch.device,
     table_rows: list[int] | None = None,
+    verify: list[bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(query, key, value, kv_cache, metadata) of one KV-Compress step on ``dev``, the metadata
     as ``HeadPagedCache.prepare_step`` / ``finish_metadata`` make it (float32, the same data
     for every ``dev``).
     Request i sits in row ``table_rows[i]`` of the tables (i without them); rows of no request
-    hold no key."""
+    hold no key. ``verify[i]``: request i's row verifies drafts (it keeps its queries, request
+    id ``str(i)``; every other chunk ends its prompt)."""
     r, h = ctx.shape
     rows = np.arange(r) if table_rows is None else np.asarray(table_rows)
     n_rows = int(rows.max()) + 1
@@ -763,8 +770,20 @@ def _kvc_step(
     q_np = np.asarray(q_lens)
     decode, prefill = np.nonzero(q_np == 1)[0], np.nonzero(q_np > 1)[0]
     collect = np.where(q_np == 1, 1, np.minimum(4, q_np))  # every chunk ends its prompt
+    ver = np.zeros(r, dtype=bool) if verify is None else np.asarray(verify)
+    collect[ver] = 0
     index = KVCStepPlan.index_arrays(decode, prefill, qsl, rows, collect)
     max_lens = lens_req.max(1).values.numpy()
+    stash = None
+    if ver.any():
+        keep = np.flatnonzero(ver)
+        count = q_np[keep]
+        stash = VerifyQueries(
+            [str(i) for i in keep], np.cumsum(count) - count, count, max_lens[keep],
+            np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in keep]),
+        )  # fmt: skip
+        index["stash_rows"] = stash.rows
+    win = prefill[collect[prefill] > 0]
     plan = KVCStepPlan(
         decode=decode,
         prefill=prefill,
@@ -773,9 +792,10 @@ def _kvc_step(
         rows=rows,
         max_lens=max_lens,
         prefill_max_q=int(q_np[prefill].max()) if len(prefill) else 0,
-        window_max_len=int(max_lens[prefill].max()) if len(prefill) else 0,
+        window_max_len=int(max_lens[win].max()) if len(win) else 0,
         tensors={k: torch.from_numpy(v).long().to(dev) for k, v in index.items()},
         prefill_tokens=int(index["prefill_qsl"][-1]),
+        stash=stash,
     )
     gen = torch.Generator().manual_seed(21)
     scores = torch.rand(num_slots, generator=gen)
@@ -840,6 +860,68 @@ def test_backend_matches_torch(
     assert torch.equal(got_kv, ref_kv)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got_scores, ref_scores, atol=1e-6, rtol=1e-5)
+
+
+def test_verify_rows_keep_their_queries_and_score_as_decode_steps() -> None:
+    """Rows verifying drafts (speculative decoding) score nothing in their step; both
+    backends keep their queries (the Triton one with the prefill kernel's softmax
+    normalizers). Once the rejected drafts' KVs are dropped, ``HeadPagedCache.score_verified``
+    adds to each key of such a row's heads exactly what decode steps of its accepted queries
+    (the first a + 1) would have - from the normalizers with the Triton window kernel, and
+    recomputing the softmax in torch - and touches no other slot."""
+    from pagedllm.config import KVCompressConfig
+    from pagedllm.core.kv_cache.spec import HeadPagedSpec
+    from pagedllm.kvcompress.cache import HeadPagedCache
+
+    num_heads, h, d, bs = 8, 2, 64, BLOCK_SIZES[0]
+    q_lens, verify = [1, 5, 3, 4], [False, True, True, False]  # row 3: a prompt's last chunk
+    ctx = torch.tensor([[3, 20], [7, 2], [17, 5], [9, 40]], dtype=torch.int32)
+    accepted = {"1": 2, "2": 1}  # queries of real tokens: the last known token + drafts kept
+    scale = d**-0.5
+    kept = []
+    for backend, dev in ((KVCTorchBackend(), torch.device("cpu")), (KVCTritonBackend(), DEVICE)):
+        query, key, value, kv, md = _kvc_step(q_lens, ctx, num_heads, d, bs, True, dev,
+                                              verify=verify)  # fmt: skip
+        before = md.kvc.scores.clone()
+        backend.forward(query, key, value, kv, md, scale, None)
+        stash = md.kvc.plan.stash
+        assert stash is not None and stash.req_ids == ["1", "2"]
+        torch.testing.assert_close(stash.q[0].cpu(), query[stash.rows].cpu(), rtol=0, atol=0)
+        assert (stash.lse[0] is not None) == isinstance(backend, KVCTritonBackend)
+        kept.append((stash, kv.cpu(), md.seq_lens.cpu(), md.block_tables.cpu(), before.cpu()))
+        # the verify rows' heads: no score changed in their step
+        c = HeadCache(kv.cpu(), md.block_tables.cpu(), md.seq_lens.cpu().int())
+        for i, hh in itertools.product((1, 2), range(h)):
+            slots = c.slots(i, hh, 0, int(c.lens[i, hh]))
+            assert torch.equal(md.kvc.scores.cpu()[slots], before.cpu()[slots])
+    (_, kv, lens, tables, start), _ = kept
+    g = num_heads // h
+    k_flat = kv[0].reshape(-1, d)
+    # the reference: each accepted query's decode-step increments over the keys it saw
+    delta = torch.zeros(k_flat.shape[0])
+    query = kept[0][0].q[0]
+    for w, rid in enumerate(["1", "2"]):
+        i = int(rid)
+        for j, hh in itertools.product(range(accepted[rid]), range(h)):
+            q = query[int(kept[0][0].start[w]) + j, hh * g : (hh + 1) * g]  # [G, d]
+            slots = HeadCache(kv, tables, lens.int()).slots(i, hh, 0, int(ctx[i, hh]) + j + 1)
+            p = torch.softmax(q.float() @ k_flat[slots].T * scale, dim=-1)
+            delta[slots] += (p * p).sum(0)
+    trimmed = lens.clone()
+    for rid, a in accepted.items():
+        trimmed[int(rid)] -= q_lens[int(rid)] - a
+    spec = HeadPagedSpec(bs, h, d, 4, num_layers=1, compressible=(True,))
+    for stash, *_ in kept:
+        cache = HeadPagedCache(spec, KVCompressConfig(enabled=True), torch.float32, DEVICE, 4,
+                               tables.shape[2] * bs, [None])  # fmt: skip
+        cache.allocate(kv.shape[1])
+        cache.kv[:, : kv.shape[1]] = kv.to(DEVICE)
+        cache.tables[:4, :, : tables.shape[2]] = tables.to(DEVICE)
+        cache.lens[:4] = trimmed.to(DEVICE)
+        cache.scores[: start.numel()] = start.to(DEVICE)
+        cache.score_verified(stash, accepted, {str(i): i for i in range(4)})
+        got = cache.scores[: start.numel()].cpu() - start
+        torch.testing.assert_close(got, delta, atol=2e-6, rtol=1e-4)
 
 
 def test_warm_up_decode_kernels_touches_nothing() -> None:

@@ -789,6 +789,35 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         self.kept_kvs[request.request_id] = after
         return len(freed)
 
+    def drop_last(self, request: Request, num_tokens: int) -> int:
+        """The request's last ``num_tokens`` computed tokens were taken back (speculative
+        decoding: the KVs of its rejected drafts): every head drops its last ``num_tokens``
+        KVs, and the blocks past the new lengths go back. Returns the number of blocks freed.
+
+        A step's KVs are the last ones of every head until an eviction after the step; the
+        planner (``core/sched/kvc.py``) runs no eviction between a step that verifies drafts
+        and this call, so the dropped KVs are exactly the rejected drafts'. Prefix-cache
+        entries are never among them: a request registers only blocks full of known tokens.
+
+        Example: bs 4, lens [6, 9] in 2 and 3 blocks, 3 dropped -> lens [3, 6]: head 0's
+        second block and head 1's third go back."""
+        state = self.states.get(request.request_id)
+        if state is None or num_tokens <= 0:
+            return 0
+        lens = state.lens - num_tokens
+        assert lens.min() >= 0
+        assert state.registered * self.block_size <= request.num_computed_tokens
+        keep = -(-lens // self.block_size)
+        cols = np.arange(state.table.shape[1])[None, :]
+        gone = (cols >= keep[:, None]) & (cols < state.nblocks[:, None])
+        freed = state.table[gone].astype(np.int64)
+        self._release(freed)
+        state.nblocks = np.minimum(state.nblocks, keep)
+        state.lens = lens
+        state.num_tokens -= num_tokens
+        state.refresh_room(self.block_size)
+        return len(freed)
+
     # ---------------------------------------------------------------------- swap
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         rid = request.request_id

@@ -190,7 +190,9 @@ class PerHeadKVManager(Protocol):
     - ``settle_prefix(r)``: before an eviction is planned, protect that prefix; its tokens;
     - ``detach_own(r, keep_cached)``: its own cached blocks leave the cache's care before an
       eviction rewrites them: (new table entries, the ids they copy) or None;
-    - ``apply_compaction(r, lens, computed)``: the runner's new per-head lengths; blocks freed.
+    - ``apply_compaction(r, lens, computed)``: the runner's new per-head lengths; blocks freed;
+    - ``drop_last(r, n)``: r's last n computed tokens were taken back (rejected draft tokens):
+      every head drops its last n KVs; blocks freed.
     """
 
     block_size: int
@@ -207,3 +209,4 @@ class PerHeadKVManager(Protocol):
     def settle_prefix(self, request: Request) -> int: ...
     def detach_own(self, request: Request, keep_cached: bool = False) -> Any: ...
     def apply_compaction(self, request: Request, lens: Any, computed: int | None = None) -> int: ...
+    def drop_last(self, request: Request, num_tokens: int) -> int: ...

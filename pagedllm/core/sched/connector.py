@@ -111,6 +111,12 @@ class KVConnectorScheduler:
     def on_free(self, request: Request) -> None:
         """The request ended (finished, aborted, or dropped from a beam)."""
 
+    def on_drafts_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A step verified ``num_drafts`` draft tokens of the request (speculative decoding)
+        and kept the first ``num_accepted``: its ``num_computed_tokens`` already went back by
+        the others, whose KVs the step wrote after its known tokens' (garbage now). Called
+        from the update, before the request's new tokens are appended."""
+
     def reset(self) -> None:
         """A step failed: forget every plan in flight (the scheduler ends the requests)."""
 

@@ -20,6 +20,32 @@ planned meanwhile gets bounds (sort width, moves) at least the true ones. The on
 when evictions in flight free blocks the next step wants, the engine takes the last step's
 results first (``wants_results_first``). Benchmark D (``benchmarks/README.md``) measures the
 throughput these rules give.
+
+Speculative decoding (host drafts: ngram, suffix). A step that verifies k drafts writes the KVs
+of the request's last known token and its k drafts, the last 1 + k of every head; the
+scheduler's update keeps the a accepted ones (``on_drafts_verified``). The rules:
+
+- Rejected drafts' KVs go: the manager drops the last k - a KVs of every head at once
+  (``drop_last``: the blocks past the new lengths go back) and the worker role drops them on
+  the device before the next step (``KVCMetadata.trims``). Their slots were never scored.
+- Scores: the verify row's queries of real tokens - the last known token's and the accepted
+  drafts', a + 1 of them - add their squared probabilities to the keys they saw, as a + 1
+  decode steps would (no max-pool); the rejected drafts' queries add nothing. The worker role
+  keeps the row's queries from its forward pass and scores them before the next step, once
+  the update has told it a (``KVCMetadata.verified``). So the scores are those KV-Compress
+  alone would have given the same tokens.
+- Evictions: none runs between a verify step's forward pass and its update (the KVs to drop
+  must still be the last of every head): an eviction due after a verify step (the step
+  counts as one decode step for ``compression_interval``) is planned at the update, from the
+  lengths after the drop, and runs before the next step's forward pass, after the drop and
+  the scores (``KVCMetadata.pre_evictions``): the same cache and scores as an eviction after
+  the step would see, and the protected window is the last ``protected_window_size`` tokens
+  the request really has. ``make_room`` never picks a request verifying drafts in the step.
+  This needs each verify step's results before the next step is planned: the scheduler runs
+  synchronous steps while such a step is in flight (``Scheduler.needs_sync``).
+
+With continual compression the evictions then come after each verify step, not after each
+token: the tokens are KV-Compress alone's evicting at those lengths, not at every one.
 """
 
 from __future__ import annotations
@@ -28,6 +54,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from pagedllm.config import KVCompressConfig
 from pagedllm.core.kv_cache.interface import PerHeadKVManager
@@ -68,6 +96,24 @@ class KVCMetadata:
     # requests whose chunk this step scores keys with its last queries though it does not
     # sample (a chunk that ends where the request is evicted); empty by default
     window: frozenset[str] = frozenset()
+    # speculative decoding (see the module docstring), before the step's forward pass, in this
+    # order: request -> KVs to drop from the end of each head (its last step's rejected
+    # drafts); request -> queries of its last step's verify row that score the keys (the
+    # first a + 1: its last known token's and its accepted drafts'); the evictions due after
+    # its last step
+    trims: dict[str, int] = field(default_factory=dict)
+    verified: dict[str, int] = field(default_factory=dict)
+    pre_evictions: list[KVCEviction] = field(default_factory=list)
+
+
+@dataclass
+class KVCReport:
+    """The worker role's report of a step (plain data): each evicted request's computed KVs
+    left per (layer, KV head) [LH], after the evictions that ran after the step's forward
+    pass (``lens``) and before it (``pre``)."""
+
+    lens: dict[str, np.ndarray] = field(default_factory=dict)
+    pre: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -105,6 +151,13 @@ class KVCompressPlanner(KVConnectorScheduler):
         self.wanted = 0
         self._free_start = 0
         self._room: dict[str, int] = {}  # requests to evict from for room -> their budgets
+        # speculative decoding (the module docstring): requests whose eviction is due once
+        # their step's drafts are verified; and, for the next step's metadata, the KVs each
+        # request drops, the queries of its verify row that score, its eviction before it
+        self._due_verified: set[str] = set()
+        self._trims: dict[str, int] = {}
+        self._verified: dict[str, int] = {}
+        self._pre: dict[str, KVCEviction] = {}
         self._short = False  # memory is short and this step's evictions make room
         # whether a subclass scores chunks that do not sample (asked per request only then)
         self._windows = type(self).window_scored is not KVCompressPlanner.window_scored
@@ -128,9 +181,20 @@ class KVCompressPlanner(KVConnectorScheduler):
         return None
 
     def on_preempt(self, request: Request, swapped: bool) -> None:
+        rid = request.request_id
         if not swapped:  # its KVs are computed again, uncompressed
-            self.tracks[request.request_id].compressed_at = -1
-            self.inflight.pop(request.request_id, None)
+            self.tracks[rid].compressed_at = -1
+            self.inflight.pop(rid, None)
+        # the runner drops its row: nothing to trim, score or evict there (its rejected
+        # drafts' KVs left the manager at the update; a swapped request has no eviction in
+        # flight, ``may_swap``, and its last verify row's queries never score)
+        self._forget_spec(rid)
+
+    def _forget_spec(self, rid: str) -> None:
+        self._due_verified.discard(rid)
+        self._trims.pop(rid, None)
+        self._verified.pop(rid, None)
+        self._pre.pop(rid, None)
 
     def may_swap(self, request: Request) -> bool:
         """A request whose eviction is still on the device is recomputed: its blocks on the
@@ -142,9 +206,40 @@ class KVCompressPlanner(KVConnectorScheduler):
         self.tracks.pop(rid, None)
         self.budgeted.discard(rid)
         self.inflight.pop(rid, None)
+        self._forget_spec(rid)
 
     def reset(self) -> None:
         self.inflight.clear()
+        for d in (self._trims, self._verified, self._pre):
+            d.clear()
+        self._due_verified.clear()
+
+    def on_drafts_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A step verified ``num_drafts`` drafts of the request and kept ``num_accepted``
+        (its computed tokens already went back by the others). The rejected drafts' KVs leave
+        the manager now and the device before the next step; the verify row's queries of real
+        tokens score before it; an eviction that was due after the step is planned now, from
+        the lengths without the rejected drafts, to run before the next step's forward pass
+        (the module docstring).
+
+        Example: 40 computed, 1 + 4 scheduled (45), 1 accepted -> 42 computed: every head
+        drops 3 KVs, 2 queries score, and an eviction due protects positions >= 42 - window."""
+        rid = request.request_id
+        rejected = num_drafts - num_accepted
+        if rejected > 0:
+            self.kvm.drop_last(request, rejected)
+            self._trims[rid] = self._trims.get(rid, 0) + rejected
+        if rid in self.budgeted:
+            self._verified[rid] = num_accepted + 1
+        if rid in self._due_verified:
+            self._due_verified.discard(rid)
+            track, computed = self.tracks[rid], request.num_computed_tokens
+            track.compressed_at = min(track.compressed_at, computed)  # (not its drafts)
+            budget = self._over(request, computed)
+            if budget is not None:
+                plan = self._plan({rid: budget}, {})
+                if plan:
+                    self._pre[rid] = plan[0]
 
     # --------------------------------------------------------------------- steps
     def begin_step(self) -> None:
@@ -209,6 +304,8 @@ class KVCompressPlanner(KVConnectorScheduler):
             if rid in room or rid not in ctx.runner_has or rid in self.inflight:
                 continue
             after = r.num_computed_tokens + num_scheduled.get(rid, 0)
+            if after > r.num_tokens + r.num_output_placeholders:
+                continue  # it verifies drafts: no eviction before their update
             at = self.tracks[rid].compressed_at
             if after > at:  # (an eviction at its length freed what it could)
                 grown.append((after - at, r, after))
@@ -237,9 +334,10 @@ class KVCompressPlanner(KVConnectorScheduler):
         """Whether a scheduled request is evicted after this step (it holds ``after`` tokens
         then): the step computes its prompt's last KVs (it samples for the first time since
         they were computed), or it is due for continual compression (``compress_once`` off:
-        every ``compression_interval`` decode steps). Records the request's progress
-        (its first compression point, its decode steps since) as it answers."""
-        if after != request.num_tokens + request.num_output_placeholders:
+        every ``compression_interval`` decode steps; a step verifying drafts counts as one).
+        Records the request's progress (its first compression point, its decode steps since)
+        as it answers."""
+        if after < request.num_tokens + request.num_output_placeholders:
             return False  # a prefill chunk short of the prompt's end
         track = self.tracks[request.request_id]
         if track.compressed_at < 0:  # its prompt's KVs are all computed this step
@@ -263,8 +361,11 @@ class KVCompressPlanner(KVConnectorScheduler):
         are scored."""
         requests = self.context.requests
         scored = frozenset(r for r in new_req_ids if r in self.budgeted)
+        spec = self._take_spec()
         if not self._room and not self.budgeted:
-            return KVCMetadata(scored=scored) if new_req_ids else None
+            if not new_req_ids and not spec:
+                return None
+            return KVCMetadata(scored=scored, **spec)
         chosen = dict(self._room)
         window = []
         for rid, n in num_scheduled.items():
@@ -275,10 +376,27 @@ class KVCompressPlanner(KVConnectorScheduler):
             if self._windows and self.window_scored(r, after):
                 window.append(rid)
             if self.eviction_due(r, after):
+                if after > r.num_tokens + r.num_output_placeholders:
+                    self._due_verified.add(rid)  # it verifies drafts: planned at the update
+                    continue
                 budget = self._over(r, after)
                 if budget is not None:
                     chosen[rid] = budget
-        return KVCMetadata(self._plan(chosen, num_scheduled), scored, frozenset(window))
+        plan = self._plan(chosen, num_scheduled)
+        return KVCMetadata(plan, scored, frozenset(window), **spec)
+
+    def _take_spec(self) -> dict[str, Any]:
+        """The speculative-decoding work since the last step (``KVCMetadata``'s fields);
+        empty when there is none."""
+        if not (self._trims or self._verified or self._pre):
+            return {}
+        out = {
+            "trims": self._trims,
+            "verified": self._verified,
+            "pre_evictions": list(self._pre.values()),
+        }
+        self._trims, self._verified, self._pre = {}, {}, {}
+        return out
 
     def _plan(self, chosen: dict[str, int], num_scheduled: Mapping[str, int]) -> list[KVCEviction]:
         """An eviction for each chosen request still over its budget once its shared cached
@@ -339,23 +457,26 @@ class KVCompressPlanner(KVConnectorScheduler):
         if tokens:
             self.wanted = max(self.wanted, self.kvm.blocks_for_tokens(tokens))
 
-    def update(self, metadata: KVCMetadata | None, output: dict | None) -> None:
+    def update(self, metadata: KVCMetadata | None, output: KVCReport | None) -> None:
         """Apply the new per-head lengths of the step's evictions (a request preempted or
         finished since has forgotten its eviction)."""
-        if metadata is None or not metadata.evictions:
+        if metadata is None or not (metadata.evictions or metadata.pre_evictions):
             return
+        assert isinstance(output, KVCReport)
         inflight = self.inflight
-        for e in metadata.evictions:
-            entry = inflight.get(e.req_id)
-            if entry is None:
-                continue
-            entry[0] -= 1
-            entry[1] -= self._frees(e.held, e.budget)
-            if not entry[0]:
-                del inflight[e.req_id]
-            assert output is not None
-            request = self.context.requests[e.req_id]
-            self.kvm.apply_compaction(request, output[e.req_id], e.computed)
+        # (those before the forward pass first: a request may have one of each)
+        for evictions, lens in ((metadata.pre_evictions, output.pre),
+                                (metadata.evictions, output.lens)):  # fmt: skip
+            for e in evictions:
+                entry = inflight.get(e.req_id)
+                if entry is None:
+                    continue
+                entry[0] -= 1
+                entry[1] -= self._frees(e.held, e.budget)
+                if not entry[0]:
+                    del inflight[e.req_id]
+                request = self.context.requests[e.req_id]
+                self.kvm.apply_compaction(request, lens[e.req_id], e.computed)
 
     # ------------------------------------------------------------- engine-level asks
     def wants_results_first(self) -> bool:

@@ -108,6 +108,8 @@ class Scheduler:
         self.grammar_book = GrammarBook()
         self.failed: list[Request] = []  # ended by the engine (bad grammar), to report
         self.beams = BeamManager(self.kv_cache_manager, self.groups)
+        # Steps in flight whose drafts were made on the host (``needs_sync``)
+        self._host_draft_steps: set[int] = set()
         # Requests finished since the last schedule(): the runner drops their state.
         self.finished_req_ids: set[str] = set()
         # Requests the runner holds state for (scheduled at least once since last (re)start).
@@ -158,12 +160,15 @@ class Scheduler:
         """Whether some live request needs synchronous steps (no async scheduling), or
         speculative decoding with drafts made on the host is on and not paused by the load (a
         draft follows the last sampled token, which must be on the host; ngram_gpu drafts on
-        the device). KV-Compress evictions do not: their lengths come back a step later."""
-        return bool(self._sync_ids) or (
-            self.spec is not None
-            and not self.spec.device
-            and not self.spec.paused(len(self.running), self._admittable())
-        )
+        the device) or a step with such drafts is in flight (the next step starts after the
+        accepted ones; KV-Compress drops the rejected ones' KVs first). KV-Compress evictions
+        do not: their lengths come back a step later."""
+        if self._sync_ids or self._host_draft_steps:
+            return True
+        spec, running = self.spec, len(self.running)
+        if spec is None or spec.device:
+            return False
+        return not spec.paused(running, self._admittable())
 
     def wants_results_first(self) -> bool:
         """Under async scheduling: whether the next step should wait for the last step's
@@ -234,6 +239,7 @@ class Scheduler:
         ids = list(affected)
         self.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         self._in_flight.clear()
+        self._host_draft_steps.clear()
         self._swap_out = []
         self.kv_cache_manager.take_pending_copies()
         for c in self.connectors:
@@ -433,6 +439,8 @@ class Scheduler:
             device_drafts=self.spec is not None and self.spec.device,
             spec_unverified=unverified,
         )
+        if out.scheduled_spec_tokens and not out.device_drafts:
+            self._host_draft_steps.add(step_id)
         if self.spec is not None:
             self.spec.scheduled(out, t_start, load, speculate, arrivals=len(new_reqs))
         self.finished_req_ids = set()
@@ -672,6 +680,7 @@ class Scheduler:
         paused = scheduler_output.spec_paused
         followed = pacer.followed if pacer is not None else {}
         room = pacer is not None and pacer.shadow_drafts and pacer.has_room()
+        self._host_draft_steps.discard(scheduler_output.step_id)
         for request in self._in_flight.pop(scheduler_output.step_id):
             if request.is_finished:
                 continue  # aborted (or finished by a stop string) while the step ran
@@ -698,6 +707,8 @@ class Scheduler:
                 if request.num_unverified >= len(drafts):  # (0: preempted meanwhile, recompute)
                     request.num_unverified -= len(drafts)
                     request.num_computed_tokens -= len(drafts) - a
+                    for c in self.connectors:
+                        c.on_drafts_verified(request, len(drafts), a)
             prompt_lp = runner_output.prompt_logprobs.get(rid)
             if not token_ids and prompt_lp is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
