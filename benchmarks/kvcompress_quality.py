@@ -231,6 +231,33 @@ def peer_runs(raw: dict, tok: Any, tasks: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
+def peer_from_log(log: str, sub: list[dict]) -> dict[str, dict[str, list[dict]]]:
+    """Scores of a peer run cut before it wrote its files, read from its progress lines
+    (``task N/M KIND LENGTH: PRESS 2x:a/b 4x:a/b ... | PRESS ...``, ``a`` of ``b`` answers
+    found; ``sub`` the task list it was given, in order). Continuation lines carry no records."""
+    import re
+
+    runs: dict[str, dict[str, list[dict]]] = {}
+    for line in log.splitlines():
+        m = re.match(r"task (\d+)/(\d+) (\S+) (\d+): (.*) \([\d.]+s\)$", line.strip())
+        if not m:
+            continue
+        t = sub[int(m.group(1)) - 1]
+        if (t["kind"], t["length"]) != (m.group(3), int(m.group(4))) or len(sub) != int(m.group(2)):
+            raise ValueError(f"progress line {line[:60]!r} does not match the task list")
+        if t["kind"] == "continuation":
+            continue
+        for part in m.group(5).split(" | "):
+            press, *marks = part.split()
+            for mark in marks:
+                rate, _, frac = mark.partition("x:")
+                a, _, b = frac.partition("/")
+                runs.setdefault(press, {}).setdefault(rate, []).append(
+                    {"id": t["id"], "score": int(a) / int(b)}
+                )
+    return runs
+
+
 # ---- statistics ---------------------------------------------------------------------------
 
 
@@ -422,6 +449,55 @@ def plot(title: str, summary: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def rebuild(args: argparse.Namespace) -> None:
+    """Re-derive a result (``--rebuild RESULT``) with the scores of a peer run that was cut
+    before writing its files (``--peer-log``, its progress lines; ``--kinds``, ``--num-cont``,
+    ``--peer-num`` and ``--peer-kinds`` as that run had them); the peer's rows are marked
+    partial."""
+    result = json.loads(Path(args.rebuild).read_text())
+    name = result["model"]
+    # the tasks' shapes (id, kind, length) in build_tasks' order: their text depends on the
+    # Python that built them (the haystack is its pydoc topics), their order and ids do not
+    kinds_run = [k for k in args.kinds.split(",") if k]
+    tasks = [{"id": 0, "kind": k, "length": n} for k in kinds_run for n in result["lengths"]
+             for _ in range(result["num_per_cell"])]  # fmt: skip
+    tasks += [{"id": 0, "kind": "continuation", "length": args.context_len}] * args.num_cont
+    tasks = [dict(t, id=i) for i, t in enumerate(tasks)]
+    if len(tasks) != result["num_tasks"]:
+        raise ValueError(f"{len(tasks)} task shapes for a run of {result['num_tasks']} tasks")
+    kinds = set(args.peer_kinds.split(",")) if args.peer_kinds else None
+    sub = peer_subset(tasks, args.peer_num, kinds)
+    peer = peer_from_log(Path(args.peer_log).read_text(), sub)
+    runs = {m: r for m, r in result["runs"].items() if m not in result.get("peer", {})}
+    done = sorted({r["id"] for recs in next(iter(peer.values())).values() for r in recs})
+    runs.update(peer)
+    peer_meta = {
+        p: {"source": "progress log (run cut at the call's limit)", "task_ids": done,
+            "tasks_done": len(done), "tasks_given": len(sub)}
+        for p in peer
+    }  # fmt: skip
+    sub_tasks, sub_runs = restrict(tasks, runs, set(done))
+    ours = {m: r for m, r in runs.items() if m not in peer}
+    comparison = compare(tasks, ours, "kvcompress", args.boot)
+    on_peer = compare(sub_tasks, sub_runs, "kvcompress", args.boot)
+    comparison.update({p: on_peer[p] for p in peer})
+    result.update(
+        peer=peer_meta,
+        runs=runs,
+        summary_peer_tasks=summarize(sub_tasks, sub_runs, args.boot),
+        comparison_vs_kvcompress=comparison,
+        comparison_on_peer_tasks=on_peer,
+    )
+    result["checks"] = checks(result["summary"], result["comparison_vs_kvcompress"])
+    out = Path(args.out.replace("{model}", name))
+    out.write_text(json.dumps(result, indent=1, default=str))
+    plot(name, result["summary"], out.with_suffix(".png"))
+    plot(f"{name} (kvpress's tasks)", result["summary_peer_tasks"],
+         out.with_name(out.stem + "_peers.png"))  # fmt: skip
+    print(json.dumps(result["checks"]))
+    print("wrote", out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="smollm2,gemma3")
@@ -447,7 +523,12 @@ def main() -> None:
     ap.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
     ap.add_argument("--seed", type=int, default=0, help="task generation seed")
     ap.add_argument("--out", default="benchmarks/results/kvcompress_quality_{model}_cpu.json")
+    ap.add_argument("--rebuild", default="", help="a result to re-derive with --peer-log")
+    ap.add_argument("--peer-log", default="", help="a cut peer run's progress lines")
     args = ap.parse_args()
+    if args.rebuild:
+        rebuild(args)
+        return
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     rates = [int(r) for r in args.rates.split(",")]
     import torch
@@ -501,12 +582,15 @@ def main() -> None:
                 peer_meta[press]["task_ids"] = sorted({r["id"] for r in data["results"]})
         ours = {m: r for m, r in runs.items() if m not in peer_meta}
         summary = summarize(tasks, ours, args.boot)
-        comparison = compare(tasks, runs, "kvcompress", args.boot) if "kvcompress" in runs else {}
-        peer_summary = None
+        comparison = compare(tasks, ours, "kvcompress", args.boot) if "kvcompress" in runs else {}
+        peer_summary = on_peer = None
         if peer_meta:  # every method on the tasks the peer ran (paired)
             ids = set.intersection(*(set(m["task_ids"]) for m in peer_meta.values()))
             sub_tasks, sub_runs = restrict(tasks, runs, ids)
             peer_summary = summarize(sub_tasks, sub_runs, args.boot)
+            if "kvcompress" in runs:
+                on_peer = compare(sub_tasks, sub_runs, "kvcompress", args.boot)
+                comparison.update({p: on_peer[p] for p in peer_meta})
         result = {
             "benchmark": "kvcompress_quality",
             "model": name,
@@ -524,6 +608,7 @@ def main() -> None:
             "summary": summary,
             "summary_peer_tasks": peer_summary,
             "comparison_vs_kvcompress": comparison,
+            "comparison_on_peer_tasks": on_peer,
             "checks": checks(summary, comparison) if "kvcompress" in runs else {},
             "peer": peer_meta,
             "runs": runs,
