@@ -227,7 +227,10 @@ class KVCompressConfig:
     num_sinks: int = 0  # the first tokens, never evicted
     prefill_metric_collection_window_size: int = 32  # last prompt queries that score keys
     maxpool_metrics: bool = True
-    maxpool_kernel: int = 7
+    # 31, not the paper's 7: a needle's later tokens (a number's digits) get little attention
+    # from the prompt's last queries and a narrow pool evicts them; the quality suite's A/B
+    # (benchmarks/README.md, "KV-Compress quality") keeps the needles at 2-16x with 31
+    maxpool_kernel: int = 31
 
     def __post_init__(self) -> None:
         if self.method not in _KVC_METHODS:
@@ -365,7 +368,7 @@ class EngineArgs:
     kvc_num_sinks: int = 0
     prefill_metric_collection_window_size: int = 32
     maxpool_metrics: bool = True
-    maxpool_kernel: int = 7  # the max-pooling window of the prefill metric (odd)
+    maxpool_kernel: int = 31  # the max-pooling window of the prefill metric (odd)
     # KV connectors beyond KV-Compress, by registered name (core/sched/connector.py)
     kv_connectors: tuple[str, ...] = ()
     # structured outputs (``StructuredOutputsConfig``): the default whitespace of JSON outputs

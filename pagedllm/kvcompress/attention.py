@@ -13,7 +13,7 @@ Scores (one float per KV slot, GQA-aware: summed over the query heads sharing th
   with the output, no second pass;
 - the last prefill chunk of a prompt adds, for its last ``collect`` queries (the observation
   window, 32 by default), the squared probabilities summed over those queries, max-pooled
-  along the sequence (kernel 7) when ``maxpool`` is set;
+  along the sequence (kernel 31 by default) when ``maxpool`` is set;
 - a row verifying draft tokens (speculative decoding: the last known token and k drafts)
   scores nothing in its step: each compressible layer keeps the row's queries
   (``VerifyQueries``), and the next step scores the keys with those of real tokens (the first

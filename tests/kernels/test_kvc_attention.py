@@ -639,6 +639,7 @@ def test_decode_rows_in_place(num_splits: int | str) -> None:
     "dtype,num_heads,num_kv_heads,maxpool",
     [
         (torch.float32, 8, 2, 3),
+        (torch.float32, 4, 1, 31),  # the default kernel: wider than a 16-key block
         (torch.bfloat16, 8, 2, 0),
         pytest.param(torch.bfloat16, 32, 8, 7, marks=cuda_only),  # Llama-3.1-8B's heads
         pytest.param(torch.float16, 16, 16, 7, marks=cuda_only),

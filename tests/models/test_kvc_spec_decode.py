@@ -253,9 +253,11 @@ def test_every_step_lengths_agree_window_kept_nothing_leaks(tiny_models, budget:
     too small for every request: evictions make room and some requests are preempted): the
     checks of ``_check_step`` after every step, every request completes, every block comes
     back."""
+    # the cache is sized so that these prompts' evictions with the paper's max-pool (7) leave
+    # some requests to preempt (which KVs go, and so how heads' blocks free, follows the pool)
     llm = _engine(
         tiny_models("llama"), enable_kvc=True, speculative_config=NGRAM, block_size=4,
-        num_gpu_blocks_override=150,
+        num_gpu_blocks_override=150, maxpool_kernel=7,
     )  # fmt: skip
     core = llm.llm_engine.engine_core
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, **budget)

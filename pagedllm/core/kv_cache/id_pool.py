@@ -6,7 +6,29 @@ from __future__ import annotations
 import numpy as np
 
 
-class IdPool:
+class _RefCounted:
+    """Reference counting shared by the pools: ``ref`` [num_blocks] and a ``push`` of ids
+    back to the free stack(s)."""
+
+    ref: np.ndarray
+
+    def push(self, dead: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def release(self, ids: np.ndarray) -> None:
+        """Drop one reference of each id (distinct ids: the blocks of one request's table);
+        ids at 0 go back on the stack."""
+        self.push(self.drop(ids))
+
+    def drop(self, ids: np.ndarray) -> np.ndarray:
+        """Drop one reference of each (distinct) id; returns those now at 0, not yet free."""
+        if len(ids) == 0:
+            return ids
+        self.ref[ids] -= 1
+        return ids[self.ref[ids] == 0]
+
+
+class IdPool(_RefCounted):
     """Block ids with reference counts and a stack of free ids (one pool: one device)."""
 
     parts = 1
@@ -37,18 +59,6 @@ class IdPool:
         """The part of each id."""
         return np.zeros(len(ids), dtype=np.int64)
 
-    def release(self, ids: np.ndarray) -> None:
-        """Drop one reference of each id (distinct ids: the blocks of one request's table);
-        ids at 0 go back on the stack."""
-        self.push(self.drop(ids))
-
-    def drop(self, ids: np.ndarray) -> np.ndarray:
-        """Drop one reference of each (distinct) id; returns those now at 0, not yet free."""
-        if len(ids) == 0:
-            return ids
-        self.ref[ids] -= 1
-        return ids[self.ref[ids] == 0]
-
     def push(self, dead: np.ndarray) -> None:
         """Ids at reference 0 back on the stack."""
         self.stack[self.num_free : self.num_free + len(dead)] = dead[::-1]
@@ -67,7 +77,7 @@ class IdPool:
         assert int((self.ref > 0).sum()) + self.num_free + parked == self.num_blocks
 
 
-class PartedIdPool:
+class PartedIdPool(_RefCounted):
     """Tensor parallelism: ``parts`` pools of ``part_size`` ids with one array of reference
     counts. Part r (rank r's device pool) holds ids ``r * part_size`` to
     ``(r + 1) * part_size - 1``: an id's part is ``id // part_size``, and rank r's device
@@ -111,15 +121,6 @@ class PartedIdPool:
             self.free[r] = top - n
         self.ref[ids] = 1
         return ids
-
-    def release(self, ids: np.ndarray) -> None:
-        self.push(self.drop(ids))
-
-    def drop(self, ids: np.ndarray) -> np.ndarray:
-        if len(ids) == 0:
-            return ids
-        self.ref[ids] -= 1
-        return ids[self.ref[ids] == 0]
 
     def push(self, dead: np.ndarray) -> None:
         """Ids at reference 0 back on their parts' stacks."""
