@@ -17,12 +17,11 @@ engines only, as the quality benchmark runs).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 from pagedllm.core.request import Request
-from pagedllm.core.sched.connector import KV_CONNECTORS, register_kv_connector
+from pagedllm.core.sched.connector import scheduler_role_swapped
 from pagedllm.core.sched.kvc import KVCompressPlanner
 
 
@@ -76,12 +75,6 @@ class MeasuredPrefixPlanner(KVCompressPlanner):
         return after == _compress_at(request)
 
 
-@contextmanager
-def measured_prefix() -> Iterator[None]:
+def measured_prefix() -> AbstractContextManager[None]:
     """KV-Compress's scheduler role is ``MeasuredPrefixPlanner`` inside the block."""
-    saved = KV_CONNECTORS["kvcompress"]
-    register_kv_connector("kvcompress", f"{__name__}:MeasuredPrefixPlanner", saved[1])
-    try:
-        yield
-    finally:
-        KV_CONNECTORS["kvcompress"] = saved
+    return scheduler_role_swapped("kvcompress", f"{__name__}:MeasuredPrefixPlanner")

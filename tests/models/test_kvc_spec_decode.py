@@ -17,8 +17,7 @@ update, from the true lengths. So:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.beam_search import BeamSearchParams
-from pagedllm.core.sched.connector import KV_CONNECTORS, register_kv_connector
+from pagedllm.core.sched.connector import scheduler_role_swapped
 from pagedllm.core.sched.kvc import KVCompressPlanner
 from tests.models.test_spec_decode import NGRAM, NGRAM_GPU, SUFFIX, _prompts
 
@@ -170,14 +169,8 @@ class ReplayPlanner(KVCompressPlanner):
         return after in _APPLIED.get(request.request_id, ())
 
 
-@contextmanager
-def _planner(name: str) -> Iterator[None]:
-    saved = KV_CONNECTORS["kvcompress"]
-    register_kv_connector("kvcompress", f"{__name__}:{name}", saved[1])
-    try:
-        yield
-    finally:
-        KV_CONNECTORS["kvcompress"] = saved
+def _planner(name: str) -> AbstractContextManager[None]:
+    return scheduler_role_swapped("kvcompress", f"{__name__}:{name}")
 
 
 @pytest.mark.parametrize(

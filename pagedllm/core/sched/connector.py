@@ -39,7 +39,8 @@ owns except through the values its hooks return.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,19 @@ def register_kv_connector(name: str, scheduler_role: str, worker_role: str) -> N
         if ":" not in path:
             raise ValueError(f"a KV connector role is 'module:Class', got {path!r}.")
     KV_CONNECTORS[name] = (scheduler_role, worker_role)
+
+
+@contextmanager
+def scheduler_role_swapped(name: str, scheduler_role: str) -> Iterator[None]:
+    """Inside the block, connector ``name``'s scheduler role is ``scheduler_role``
+    (``"module:Class"``, e.g. a subclass that probes or replays its decisions); its worker role
+    stays. Engines built inside the block keep the swapped role."""
+    saved = KV_CONNECTORS[name]
+    register_kv_connector(name, scheduler_role, saved[1])
+    try:
+        yield
+    finally:
+        KV_CONNECTORS[name] = saved
 
 
 def load_role(name: str, worker: bool) -> type:
