@@ -58,11 +58,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.kvcompress_tasks import (  # noqa: E402
     DEPTH_MAX,
     DEPTH_MIN,
-    HAYSTACK_FRACTION,
+    _depths,
     _encode,
     _leading_specials,
     _pools,
     _snap_to_line,
+    topic_split,
 )
 
 KINDS = ["niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe", "qa"]
@@ -184,12 +185,6 @@ def _insert(
     return out, [s / max(1, len(out)) for s in starts]
 
 
-def _depths(num: int) -> list[float]:
-    if num == 1:
-        return [0.5]
-    return [DEPTH_MIN + (DEPTH_MAX - DEPTH_MIN) * i / (num - 1) for i in range(num)]
-
-
 def _niah(tokenizer: Any, length: int, rng: random.Random, depth: float, kind: str, memo: dict):
     """One needle task of ``kind`` (single / multikey / multivalue)."""
     enc = lambda s: _encode(tokenizer, s)  # noqa: E731
@@ -291,20 +286,24 @@ def _sentences(text: str) -> list[str]:
     return out
 
 
+@lru_cache(maxsize=1)
+def _qa_sources() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(haystack topic keys, those with a quotable sentence, each haystack topic's text with
+    whitespace collapsed - where a quoted start must occur once)."""
+    from pydoc_data.topics import topics
+
+    hay_keys = tuple(topic_split()[0])
+    gold_keys = tuple(k for k in hay_keys if _sentences(topics[k]))
+    return hay_keys, gold_keys, tuple(" ".join(topics[k].split()) for k in hay_keys)
+
+
 def _qa(tokenizer: Any, length: int, rng: random.Random, depth: float):
     """Documents of real text, a gold one at ``depth``; quote a sentence's start, ask the rest."""
     from pydoc_data.topics import topics
 
     enc = lambda s: _encode(tokenizer, s)  # noqa: E731
-    keys = sorted(topics)
-    total = sum(len(topics[k]) for k in keys)
-    hay_keys, seen = [], 0
-    for k in keys:  # the haystack part of the topics only (the rest is held out)
-        if seen < HAYSTACK_FRACTION * total:
-            hay_keys.append(k)
-        seen += len(topics[k])
+    hay_keys, gold_keys, flat = _qa_sources()
     budget = length // 3  # the gold document's tokens at most (cut at the end)
-    gold_keys = [k for k in hay_keys if _sentences(topics[k])]
     for _ in range(200):
         gold = rng.choice(gold_keys)
         gold_ids = enc(f"Document (gold):\n{topics[gold].strip()}\n\n")
@@ -318,7 +317,7 @@ def _qa(tokenizer: Any, length: int, rng: random.Random, depth: float):
         cut = min(len(words) - 3, rng.randint(8, 14))
         prefix, answer = " ".join(words[:cut]), " ".join(words[cut : cut + 3]).rstrip(".,;:")
         # the quoted start must be unique among every document that could join the prompt
-        if sum(" ".join(topics[k].split()).count(prefix) for k in hay_keys) == 1:
+        if sum(text.count(prefix) for text in flat) == 1:
             break
     else:
         raise ValueError(f"no unique sentence found for a qa task of length {length}")

@@ -54,6 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.kvc_ruler import KINDS  # noqa: E402
+
 RATES = [2, 4, 8, 16, 32, 64]
 OURS = ["kvcompress", "uniform", "random"]
 PRESSES = ["snapkv", "adakv_snapkv"]
@@ -178,16 +180,15 @@ def run_ours(llm: Any, tok: Any, tasks: list[dict], rate: float | None) -> list[
 
 def peer_subset(tasks: list[dict], num: int, kinds: set[str] | None) -> list[dict]:
     """The tasks the peer runs: of every cell (of ``kinds``, all when None) ``num`` samples
-    spread evenly over its depths, and every continuation window; all when ``num`` is 0."""
-    if not num:
-        return tasks
+    spread evenly over its depths (all of them when ``num`` is 0), and every continuation
+    window."""
+    by_id = {t["id"]: t for t in tasks}
     out = []
     for cell_ids in _cells(tasks).values():
-        cell = [t for t in tasks if t["id"] in set(cell_ids)]
-        if kinds is not None and cell[0]["kind"] not in kinds:
+        if kinds is not None and by_id[cell_ids[0]]["kind"] not in kinds:
             continue
-        step = len(cell) / min(num, len(cell))
-        out += [cell[int(i * step)] for i in range(min(num, len(cell)))]
+        n = min(num, len(cell_ids)) if num else len(cell_ids)
+        out += [by_id[cell_ids[int(i * len(cell_ids) / n)]] for i in range(n)]
     return out + [t for t in tasks if t["kind"] == "continuation"]
 
 
@@ -502,7 +503,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="smollm2,gemma3")
     ap.add_argument("--num", type=int, default=50, help="samples per task family and length")
-    ap.add_argument("--kinds", default="niah_single,niah_multikey,niah_multivalue,vt,cwe,qa")
+    ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--lengths", default="", help="prompt lengths (default per model)")
     ap.add_argument("--num-cont", type=int, default=16, help="held-out windows for the loss")
     ap.add_argument("--context-len", type=int, default=1536)

@@ -83,13 +83,9 @@ def _leading_specials(tokenizer: Any) -> list[int]:
     return with_special[:1] if len(with_special) > len(plain) else []
 
 
-def topics_text() -> tuple[str, str]:
-    """Split the stdlib's pydoc topics into (haystack text, held-out text).
-
-    The topics are concatenated in sorted-key order, separated by blank lines; the first topics
-    up to :data:`HAYSTACK_FRACTION` of the characters form the haystack source, the rest the
-    held-out text.
-    """
+def topic_split() -> tuple[list[str], list[str]]:
+    """The stdlib's pydoc topic keys in sorted order, split into (haystack keys, held-out
+    keys): the first topics up to :data:`HAYSTACK_FRACTION` of the characters, and the rest."""
     from pydoc_data.topics import topics
 
     keys = sorted(topics)
@@ -98,9 +94,21 @@ def topics_text() -> tuple[str, str]:
     held: list[str] = []
     seen = 0
     for k in keys:
-        (hay if seen < HAYSTACK_FRACTION * total else held).append(topics[k].strip())
+        (hay if seen < HAYSTACK_FRACTION * total else held).append(k)
         seen += len(topics[k])
-    return "\n\n".join(hay), "\n\n".join(held)
+    return hay, held
+
+
+def topics_text() -> tuple[str, str]:
+    """Split the stdlib's pydoc topics into (haystack text, held-out text): each part's topics
+    (:func:`topic_split`) concatenated, separated by blank lines."""
+    from pydoc_data.topics import topics
+
+    hay, held = topic_split()
+    return (
+        "\n\n".join(topics[k].strip() for k in hay),
+        "\n\n".join(topics[k].strip() for k in held),
+    )
 
 
 _POOL_CACHE: dict[tuple[int, str], tuple[list[int], list[int]]] = {}

@@ -114,3 +114,13 @@ def test_method_variants_parse_to_engine_arguments() -> None:
     )
     with pytest.raises(ValueError, match="key=value"):
         q.parse_method("kvcompress+maxpool_kernel")
+
+
+def test_the_peer_subset_spreads_over_each_cell_of_its_families() -> None:
+    kinds = ["niah_single", "qa"]
+    tasks = [{"id": i, "kind": kinds[i // 10], "length": 1024} for i in range(20)]
+    tasks.append({"id": 20, "kind": "continuation", "length": 1536})
+    assert [t["id"] for t in q.peer_subset(tasks, 4, None)] == [0, 2, 5, 7, 10, 12, 15, 17, 20]
+    assert [t["id"] for t in q.peer_subset(tasks, 3, {"qa"})] == [10, 13, 16, 20]
+    # every sample of the families asked for, and only those
+    assert [t["id"] for t in q.peer_subset(tasks, 0, {"qa"})] == [*range(10, 21)]
