@@ -37,7 +37,8 @@ kvc_d() {  # Benchmark D into $1 (extra arguments after it); KVC_BASELINE: one i
   local out=$1; shift
   python benchmarks/kvcompress_throughput.py --num-prompts "${KVC_PROMPTS:-256}" \
     --input-lens "${KVC_LENS:-6000}" --rates "${KVC_RATES:-64,8}" \
-    ${KVC_BASELINE:+--baseline-json "$KVC_BASELINE"} --out "$out" "$@" | grep -v "^ "
+    ${KVC_BASELINE:+--baseline-json "$KVC_BASELINE"} ${KVC_TOKENS:+--max-num-batched-tokens \
+    "$KVC_TOKENS"} ${KVC_PREFILL_ONLY:+--prefill-only} --out "$out" "$@" | grep -v "^ "
 }
 
 one() {

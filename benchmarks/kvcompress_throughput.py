@@ -46,6 +46,7 @@ def _args(a: argparse.Namespace, **over: object) -> argparse.Namespace:
     ns.max_model_len, ns.max_num_seqs = a.max_model_len, a.max_num_seqs
     ns.kv_cache_memory_bytes = a.kv_cache_memory_bytes
     ns.prefix_len = a.prefix_len
+    ns.max_num_batched_tokens = a.max_num_batched_tokens
     ns.gpu_memory_utilization = 0.9
     for k, v in over.items():
         setattr(ns, k, v)
@@ -75,6 +76,8 @@ SUMMARY_KEYS = (
     "enable_prefix_caching",
     "enable_chunked_prefill",
     "prefix_cache_hit_rate",
+    "decode_free_ceiling",
+    "fraction_of_ceiling",
     "compress_s_decode_steps",
     "compress_s_prefill_steps",
     "decode_steps_with_evictions",
@@ -106,7 +109,8 @@ def save(a: argparse.Namespace, input_len: int, runs: dict[str, dict]) -> Path:
     rates = ""
     if a.baseline_json:  # the rest of a comparison whose uncompressed run is another file's
         rates = "".join(f"_cr{float(r):g}" for r in a.rates.split(",") if r)
-    name = f"kvcompress_throughput_{model}_in{input_len}{prefix}_{cap}{rates}_{device}"
+    tok = f"_tok{a.max_num_batched_tokens}" if a.max_num_batched_tokens else ""
+    name = f"kvcompress_throughput_{model}_in{input_len}{prefix}_{cap}{tok}{rates}_{device}"
     out = Path(a.out) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {k: _summary(v) for k, v in runs.items()}
@@ -136,7 +140,6 @@ def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dic
     """Our uncompressed run, then KV-Compress at each rate (and eagerly at --eager-rates)."""
     import torch
 
-
     def clean() -> None:
         gc.collect()
         torch.cuda.empty_cache()
@@ -153,6 +156,15 @@ def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dic
     print(f"in {input_len} uncompressed: {base['output_tokens_per_s']:.0f} out tok/s, peak "
           f"seqs {base['concurrent_seqs_peak']}", flush=True)  # fmt: skip
     clean()
+    ceiling = None
+    if a.prefill_only:  # the prompts alone (1 token out), at the engine's default token budget
+        pre = _run_one(_args(a, input_len=input_len, output_len=1, max_num_batched_tokens=None))
+        ceiling = base["elapsed_s"] / pre["elapsed_s"]
+        pre["decode_free_ceiling"] = ceiling
+        runs["prefill_only"] = pre
+        print(f"in {input_len} prefill only: {pre['elapsed_s']:.2f} s, decode-free ceiling "
+              f"{ceiling:.2f}x", flush=True)  # fmt: skip
+        clean()
 
     def parse(text: str) -> list[float]:
         return [float(r) for r in text.split(",") if r and r != "none"]
@@ -182,6 +194,8 @@ def run_length(a: argparse.Namespace, input_len: int, rates: list[float]) -> dic
         r["cr"], r["max_cache_tokens"] = cr, m
         r["speedup_output"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
         r["speedup_total"] = r["total_tokens_per_s"] / base["total_tokens_per_s"]
+        if ceiling is not None:  # the elapsed-time speed-up over the one with decode free
+            r["fraction_of_ceiling"] = base["elapsed_s"] / r["elapsed_s"] / ceiling
         runs[name] = r
         save(a, input_len, runs)
         kvc = r["kvc"] or {}
@@ -235,6 +249,19 @@ def main() -> None:
         help="also run these rates with chunked prefill off",
     )
     ap.add_argument("--protected-window-size", type=int, default=32)
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the token budget of every run (default: the engine's); prompt chunks of this "
+        "size ride with the decodes",
+    )
+    ap.add_argument(
+        "--prefill-only",
+        action="store_true",
+        help="also time the prompts alone (1 token out, the default budget): the decode-free "
+        "ceiling, uncompressed time / prompts' time, and each rate's fraction of it",
+    )
     ap.add_argument("--profile-dir", default="", help="cProfile each KVC run's host side")
     ap.add_argument(
         "--kernel-profile",
