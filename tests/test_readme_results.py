@@ -9,6 +9,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 BENCH_README = ROOT / "benchmarks" / "README.md"
@@ -99,6 +101,34 @@ def test_benchmark_d_tables_quote_the_result_files() -> None:
             assert cells in _row(bench, f"cr {cr} ("), cells
             assert f"{run['speedup_output']:.2f}x at {cr}x" in top, (cr, run["speedup_output"])
     assert sorted(rates) == [2, 4, 8, 16, 32, 64]
+
+
+def test_benchmark_d_h100_ceiling_table_quotes_its_file() -> None:
+    """The H100 rows (the decode-free ceiling measured by the prompts-alone run) are the
+    file's, and the top README quotes its speed-ups and fractions."""
+    bench = BENCH_README.read_text()
+    top = _flat((ROOT / "README.md").read_text())
+    s = _load("kvcompress_throughput_llama-3.1-8b_in6000_4096MiB_NVIDIA_H100_80GB_HBM3.json")[
+        "summary"
+    ]
+    base, pre = s["uncompressed"], s["prefill_only"]
+    assert f"| {base['output_tokens_per_s']:,.0f} | 1.00x |" in _row(bench, "H100 uncompressed")
+    ceiling = pre["decode_free_ceiling"]
+    assert f"| {ceiling:.2f}x (the ceiling) |" in _row(bench, "H100 prompts alone")
+    assert f"the prompts alone, {ceiling:.2f}x" in top
+    for cr in (64, 8):
+        run = s[f"kvc_cr{cr}"]
+        assert run["fraction_of_ceiling"] == pytest.approx(
+            base["elapsed_s"] / run["elapsed_s"] / ceiling
+        )
+        cells = (
+            f"| {run['output_tokens_per_s']:,.0f} | {run['speedup_output']:.2f}x "
+            f"| {run['fraction_of_ceiling']:.1%} | {run['concurrent_seqs_mean']:.1f} / "
+            f"{run['concurrent_seqs_peak']} | {run['device_s_prefill_steps']:.2f} / "
+            f"{run['device_s_decode_steps']:.2f} |"
+        )
+        assert cells in _row(bench, f"H100 cr {cr} ("), cells
+        assert f"{run['speedup_output']:.2f}x at {cr}x" in top, cr
 
 
 def test_cpu_table_and_overheads_quote_the_result_files() -> None:
