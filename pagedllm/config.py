@@ -94,6 +94,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # CPU (or explicit GPU) size of the KV cache
     enable_prefix_caching: bool = True
     swap_space_bytes: int = 0  # host memory for swapped-out blocks
+    kv_offloading_bytes: int = 0  # the host KV tier of the prefix cache (0: none)
     preemption_mode: str = "recompute"  # recompute | swap | auto
     # sliding-window layers keep the whole context, as full attention does (vLLM's flag)
     disable_hybrid_kv_cache_manager: bool = False
@@ -115,6 +116,10 @@ class CacheConfig:
             )
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space_bytes!r}.")
+        if self.kv_offloading_bytes < 0:
+            raise ValueError(
+                f"kv_offloading_size must be non-negative, got {self.kv_offloading_bytes!r}."
+            )
         if self.preemption_mode == "swap" and self.swap_space_bytes == 0:
             raise ValueError("preemption_mode 'swap' needs swap_space > 0 (GiB of host memory).")
 
@@ -333,6 +338,8 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     swap_space: float = 0.0  # GiB of host memory for swap preemption
+    # GiB of host memory for prefix blocks the device cache gives up (vLLM's name; None: off)
+    kv_offloading_size: float | None = None
     preemption_mode: str = "recompute"
     disable_hybrid_kv_cache_manager: bool = False
     max_num_seqs: int = 256
@@ -407,6 +414,18 @@ class EngineArgs:
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space!r}.")
+        offload = self.kv_offloading_size
+        if offload is not None and (
+            isinstance(offload, bool) or not isinstance(offload, (int, float)) or offload <= 0
+        ):
+            raise ValueError(f"kv_offloading_size must be a positive GiB count, got {offload!r}.")
+        if offload and self.enable_kvc:
+            raise ValueError(
+                "kv_offloading_size does not work with KV-Compress yet (per-head blocks); "
+                "use one or the other."
+            )
+        if offload and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size needs enable_prefix_caching=True.")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(
@@ -461,6 +480,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 enable_prefix_caching=self.enable_prefix_caching,
                 swap_space_bytes=int(self.swap_space * 2**30),
+                kv_offloading_bytes=int((offload or 0) * 2**30),
                 preemption_mode=self.preemption_mode,
                 disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
             ),
@@ -507,7 +527,8 @@ class EngineArgs:
                 parse_names(self.kv_connectors)
                 if isinstance(self.kv_connectors, str)
                 else tuple(self.kv_connectors)
-            ),
+            )
+            + ("offload",) * bool(offload),
             structured_outputs_config=so_config,
             speculative_config=spec_config,
             draft_model_config=(

@@ -97,6 +97,7 @@ class ServerMetrics:
         # without speculation exports none of them, as vLLM)
         self._counter = counter
         self._spec: list[tuple[str, Counter]] | None = None
+        self._offload: list[tuple[str, Counter]] | None = None  # the host KV tier's, likewise
         self.spec_accepted_pos: Counter | None = None
         self.ttft = hist(
             "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
@@ -153,6 +154,29 @@ class ServerMetrics:
                 self._l(metric)
         return self._spec
 
+    def _offload_counters(self, stats: dict[str, Any]) -> list[tuple[str, Counter]]:
+        """(stats key, counter) of the host KV tier (``kv_offloading_size``), made (at 0) the
+        first time the engine's stats carry them; [] while they do not."""
+        if self._offload is None:
+            if "offload_hit_tokens" not in stats:
+                return []
+            c = self._counter
+            self._offload = [
+                ("offload_queried_tokens",
+                 c("pagedllm:kv_offload_queries", "Tokens looked up in the host KV tier.")),
+                ("offload_hit_tokens",
+                 c("pagedllm:kv_offload_hits", "Tokens loaded from the host KV tier.")),
+                ("offload_saved_blocks",
+                 c("pagedllm:kv_offload_saved_blocks", "Blocks copied to the host KV tier.")),
+                ("offload_bytes_moved",
+                 c("pagedllm:kv_offload_bytes", "Bytes copied to and from the host KV tier.")),
+                ("offload_copy_host_s",
+                 c("pagedllm:kv_offload_copy_seconds", "Host time of the tier's copies.")),
+            ]  # fmt: skip
+            for _, metric in self._offload:
+                self._l(metric)
+        return self._offload
+
     def _l(self, metric: Any, **extra: str) -> Any:
         """The metric's child for this model (and ``extra`` labels), looked up once:
         ``labels()`` costs ~1 us, and ``record`` runs for every engine step."""
@@ -176,6 +200,7 @@ class ServerMetrics:
             ("kvc_compressions", self.kvc_compressions),
             ("kvc_evicted_kvs", self.kvc_evicted),
             *self._spec_counters(stats),
+            *self._offload_counters(stats),
         ):
             value = float(stats.get(key, 0))
             delta = value - self._last.get(key, 0.0)

@@ -58,20 +58,21 @@ class EngineCore:
             num_host_blocks = executor.initialize_swap_space()
             swap_is_cheaper = executor.swap_is_cheaper()
             kv_groups = executor.kv_cache_groups()
+            # (a KV connector may refuse the model here: the workers go down with it)
+            self.scheduler = Scheduler(
+                config.scheduler_config,
+                config.cache_config,
+                num_blocks,
+                num_host_blocks,
+                swap_is_cheaper=swap_is_cheaper,
+                kv_groups=kv_groups,
+                kvc_config=config.kvc_config,
+                spec_config=config.speculative_config,
+                kv_connectors=config.kv_connectors,
+            )
         except BaseException:
             self.executor.shutdown()
             raise
-        self.scheduler = Scheduler(
-            config.scheduler_config,
-            config.cache_config,
-            num_blocks,
-            num_host_blocks,
-            swap_is_cheaper=swap_is_cheaper,
-            kv_groups=kv_groups,
-            kvc_config=config.kvc_config,
-            spec_config=config.speculative_config,
-            kv_connectors=config.kv_connectors,
-        )
         self.num_blocks = num_blocks
         self.num_steps = 0  # step() calls so far (the metrics' engine steps)
         self.num_async_steps = 0  # of which asynchronous (async_scheduling, nothing forcing sync)

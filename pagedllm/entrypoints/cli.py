@@ -56,6 +56,9 @@ _HELP = {
     "more than --max-num-seqs full-length requests can use).",
     "swap_space": "Host memory in GiB for the KV cache of preempted requests "
     "(--preemption-mode swap or auto; pinned on a GPU).",
+    "kv_offloading_size": "Host memory in GiB for a second tier of the prefix cache: full "
+    "blocks are copied there as they are computed and loaded back on a prefix hit the GPU "
+    "cache no longer holds (pinned on a GPU; default: off).",
     "max_num_seqs": "Most requests in one batch.",
     "max_num_batched_tokens": "Token budget of one engine step (default: 2048 on a CPU, 8192 "
     "on a GPU; at least --max-model-len without chunked prefill).",
@@ -146,6 +149,7 @@ _METAVARS = {
     "tokenizer": "PATH",
     "served_model_name": "NAME",
     "swap_space": "GIB",
+    "kv_offloading_size": "GIB",
     "kv_cache_memory_bytes": "BYTES",
     "max_cache_tokens": "N",
     "speculative_config": "JSON",

@@ -53,6 +53,10 @@ KV_CONNECTORS: dict[str, tuple[str, str]] = {
         "pagedllm.core.sched.kvc:KVCompressPlanner",
         "pagedllm.kvcompress.runner:KVCompressWorker",
     ),
+    "offload": (
+        "pagedllm.core.sched.offload:OffloadScheduler",
+        "pagedllm.worker.offload:OffloadWorker",
+    ),
 }
 
 
@@ -114,6 +118,15 @@ class KVConnectorScheduler:
         """The tokens the request may compute this step, at most ``num_new`` (e.g. a chunk
         that must end where KV is evicted, or 0 while its KV is still loading)."""
         return num_new
+
+    def external_hit(self, request: Request, num_device_hit: int) -> int:
+        """Tokens after the device prefix hit (``num_device_hit``) whose KV this role can
+        bring instead of computing them (a multiple of the block size; 0: none)."""
+        return 0
+
+    def external_alloc(self, request: Request, num_device_hit: int, num_tokens: int) -> None:
+        """The scheduler admitted the request with device blocks for the ``num_tokens`` tokens
+        of ``external_hit`` and counts them computed: plan filling them this step."""
 
     def on_preempt(self, request: Request, swapped: bool) -> None:
         """The request was preempted (its blocks swapped out, or freed for recompute)."""

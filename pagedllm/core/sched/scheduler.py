@@ -40,6 +40,7 @@ from pagedllm.core.sched.beams import BeamManager
 from pagedllm.core.sched.checks import check_admissible, check_stop
 from pagedllm.core.sched.connector import ConnectorContext, make_scheduler_roles
 from pagedllm.core.sched.groups import SequenceGroups, num_sequences
+from pagedllm.core.sched.offload import offload_config
 from pagedllm.core.sched.output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -130,7 +131,8 @@ class Scheduler:
             scheduler_config,
         )  # fmt: skip
         names = kv_connector_names(kvc_config, kv_connectors)
-        self.connectors = make_scheduler_roles(names, context, {"kvcompress": kvc_config})
+        configs = {"kvcompress": kvc_config, "offload": offload_config(cache_config, kv_groups)}
+        self.connectors = make_scheduler_roles(names, context, configs)
         # the roles that may shorten a request's tokens (the rest are skipped per request)
         self._cutters = [c for c in self.connectors if c.cuts_tokens]
 
@@ -157,11 +159,10 @@ class Scheduler:
 
     @property
     def needs_sync(self) -> bool:
-        """Whether some live request needs synchronous steps (no async scheduling), or
-        speculative decoding with drafts made on the host is on and not paused by the load (a
-        draft follows the last sampled token, which must be on the host; ngram_gpu drafts on
-        the device) or a step with such drafts is in flight (the next step starts after the
-        accepted ones; KV-Compress drops the rejected ones' KVs first). KV-Compress evictions
+        """Whether some live request needs synchronous steps, or speculative decoding with
+        drafts made on the host is on and not paused by the load (a draft follows the last
+        sampled token, on the host; ngram_gpu drafts on the device) or a step with such drafts
+        is in flight (KV-Compress drops the rejected ones' KVs first). KV-Compress evictions
         do not: their lengths come back a step later."""
         if self._sync_ids or self._host_draft_steps:
             return True
@@ -171,17 +172,14 @@ class Scheduler:
         return not spec.paused(running, self._admittable())
 
     def wants_results_first(self) -> bool:
-        """Under async scheduling: whether the next step should wait for the last step's
-        results before it is scheduled (a KV connector's rule, e.g. KV-Compress evictions in
-        flight that free blocks the next step wants)."""
+        """Under async scheduling: whether the next step waits for the last step's results (a
+        KV connector's rule, e.g. KV-Compress evictions in flight free blocks it wants)."""
         return any(c.wants_results_first() for c in self.connectors)
 
     def _admittable(self) -> int:
-        """Waiting requests that a free seat could take now (``max_num_seqs`` bounds them):
-        the speculation pacer pauses while a burst of them is being admitted. A queue behind
-        full seats does not count: speculating frees the seats sooner.
-
-        Example: max_num_seqs 16, 12 running, 9 waiting -> 4."""
+        """Waiting requests a free seat could take now (the speculation pacer pauses while a
+        burst of them is admitted; a queue behind full seats does not count: speculating frees
+        the seats sooner). Example: max_num_seqs 16, 12 running, 9 waiting -> 4."""
         return min(len(self.waiting), max(self.config.max_num_seqs - len(self.running), 0))
 
     def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None:
@@ -219,15 +217,13 @@ class Scheduler:
             self.finished_req_ids.add(request.request_id)
 
     def fail_in_flight(self, everything: bool = False) -> list[str]:
-        """After a step failed (in the executor, or in this scheduler mid-step): end every
-        request whose KV or tokens that step may have left wrong - the running ones, those of
-        the steps in flight, and the swapped ones (their copy out may have been in it) - and
-        forget the steps in flight. Requests still waiting for their first step (or to
-        recompute after a preemption) are untouched unless ``everything``: they run as if
-        nothing happened. The caller resets the runner, which then holds no request. The
-        prefix cache is emptied: a block cached in the failed step may never have been
-        written. Returns the ids callers gave the ended requests (a request with n > 1 or a
-        beam search counts once)."""
+        """After a step failed (in the executor, or here mid-step): end every request whose KV
+        or tokens that step may have left wrong - the running ones, those of the steps in
+        flight, the swapped ones (their copy out may have been in it) - and forget the steps
+        in flight. Waiting requests are untouched unless ``everything``. The caller resets the
+        runner. The prefix cache is emptied (a block cached in the failed step may never have
+        been written). Returns the callers' ids of the ended requests (n > 1 or a beam search
+        counts once)."""
         affected: dict[str, None] = {}
         for batch in self._in_flight.values():
             for r in batch:
@@ -372,23 +368,24 @@ class Scheduler:
                 assert new_blocks is not None  # _swap_in checked the room
             else:
                 computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-                num_new = request.num_tokens - num_hit
+                ext = sum(c.external_hit(request, num_hit) for c in self.connectors)  # host tier
+                num_new = request.num_tokens - num_hit - ext
                 if not self.config.enable_chunked_prefill and num_new > budget:
                     break
                 num_new = min(num_new, budget)
                 for c in self._cutters:
                     num_new = c.num_new_tokens(request, num_new)
                 look = 0
-                if speculate and self.spec and num_hit + num_new == request.num_tokens:
+                if speculate and self.spec and num_hit + ext + num_new == request.num_tokens:
                     # its step ends with a sample: slots for a draft model's drafts after it
-                    look = self.spec.step_lookahead(request, num_new, 0, num_hit)
+                    look = self.spec.step_lookahead(request, num_new, 0, num_hit + ext)
                 new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new, computed_blocks, num_lookahead_tokens=look
+                    request, ext + num_new, computed_blocks, num_lookahead_tokens=look
                 )
                 if new_blocks is None and look:
                     look = 0
                     new_blocks = self.kv_cache_manager.allocate_slots(
-                        request, num_new, computed_blocks
+                        request, ext + num_new, computed_blocks
                     )
                 if new_blocks is None:
                     for c in self.connectors:
@@ -397,6 +394,9 @@ class Scheduler:
                 if look:
                     draft_requests[request.request_id] = look
                 self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
+                for c in self.connectors if ext else ():
+                    c.external_alloc(request, num_hit, ext)  # (its loads: this step's)
+                num_hit += ext
             self.waiting.remove(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit

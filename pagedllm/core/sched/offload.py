@@ -1,0 +1,261 @@
+"""The host KV tier (``kv_offloading_size``), scheduler role: prefix blocks kept in host memory
+after the device pool reuses them, found by the same block hashes, loaded back on a hit.
+
+A KV connector (``core/sched/connector.py``) named ``offload``; its worker role is
+``pagedllm/worker/offload.py``.
+
+- **Saves (write-through).** Each step, the full blocks of the scheduled requests that this
+  step completes (or that earlier steps did and no save took yet) and whose hash the tier lacks
+  get a host block; ``build_metadata`` lists (device block, host block) pairs, which the worker
+  role copies after the forward pass. An entry is *landing* until that step's results come
+  back: no load reads it and no eviction takes it before then.
+- **Loads.** At admission the scheduler asks ``external_hit``: the tokens of the full blocks
+  after the device prefix hit that the tier holds, consecutively. The scheduler allocates
+  device blocks for them with the prompt's first chunk and counts them computed; then
+  ``external_alloc`` plans the (host block, device block) copies, which the worker role makes
+  before the step's forward pass (the same stream: the forward reads them after).
+- **Room.** An LRU over the entries neither landing nor being loaded, a request's blocks
+  touched last block first so that its head blocks go last (a chain is only reachable from
+  its head); a save that finds no free or evictable host block is skipped (the block stays
+  recomputable).
+
+Example (block size 4, a 10-token prompt, its first block cached on the device, blocks 1 and 2
+in the tier as host blocks 7 and 3): the device hit is 4 tokens, ``external_hit`` gives 4 more
+(block 2 would leave no token to compute: at most (10 - 1) // 4 = 2 blocks are hits), the
+request computes tokens 8..9 and the step first copies host block 7 into its second device
+block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.core.kv_cache.manager import KVCacheManager
+from pagedllm.core.request import Request
+from pagedllm.core.sched.connector import ConnectorContext, KVConnectorScheduler
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The host tier's size in blocks (``kv_offloading_size`` bytes over a block's bytes in
+    every layer's K and V)."""
+
+    num_host_blocks: int
+    block_bytes: int = 0  # of one block id in every layer's K and V (the metrics' bytes)
+
+    def __post_init__(self) -> None:
+        if self.num_host_blocks < 1:
+            raise ValueError(
+                "kv_offloading_size is smaller than one KV block of this model "
+                f"({self.num_host_blocks} host blocks); raise it or leave it unset."
+            )
+
+
+def offload_config(cache_config: Any, kv_groups: Any) -> OffloadConfig | None:
+    """The tier's config from ``kv_offloading_bytes`` (None when it is 0 or the KV groups are
+    unknown)."""
+    nbytes = cache_config.kv_offloading_bytes
+    if not nbytes or kv_groups is None:
+        return None
+    return OffloadConfig(nbytes // kv_groups.block_bytes, kv_groups.block_bytes)
+
+
+@dataclass
+class OffloadMetadata:
+    """One step's copies: loads (host block, device block) before the forward pass, saves
+    (device block, host block) after it."""
+
+    loads: list[tuple[int, int]] = field(default_factory=list)
+    saves: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class OffloadReport:
+    """What the worker role copied in one step, and the host time its copies took."""
+
+    loaded: int = 0
+    saved: int = 0
+    host_s: float = 0.0
+
+
+class OffloadScheduler(KVConnectorScheduler):
+    """Host-tier bookkeeping: which hashes the host blocks hold, LRU order, what is in flight
+    (see the module docstring)."""
+
+    name = "offload"
+
+    def __init__(self, context: ConnectorContext, config: OffloadConfig | None) -> None:
+        super().__init__(context)
+        if config is None:
+            raise ValueError("the 'offload' KV connector needs kv_offloading_size (GiB).")
+        kv = context.kv_manager
+        if type(kv) is not KVCacheManager:
+            raise ValueError(
+                "kv_offloading_size works with the single-table KV cache only for now (not "
+                "with KV-Compress, nor with sliding-window layers kept in their own tables: "
+                "disable_hybrid_kv_cache_manager=True keeps one table)."
+            )
+        if not kv.enable_caching:
+            raise ValueError("kv_offloading_size needs enable_prefix_caching=True.")
+        self.kv: KVCacheManager = kv
+        self.block_size = kv.block_size
+        self.num_host_blocks = config.num_host_blocks
+        self.block_bytes = config.block_bytes
+        self.free: list[int] = list(range(config.num_host_blocks - 1, -1, -1))
+        # hash -> host block, least recently used first (landing entries included)
+        self.entries: OrderedDict = OrderedDict()
+        self.busy: dict[int, int] = {}  # host block -> copies in flight (landing or loading)
+        self.landing: dict = {}  # host block -> the hash its save (not back yet) brings
+        self.landing_hashes: set = set()
+        self.saved_upto: dict[str, int] = {}  # request -> its blocks before this considered
+        self.planned: OffloadMetadata = OffloadMetadata()
+        # counters (tokens and blocks)
+        self.hit_tokens = 0
+        self.queried_tokens = 0
+        self.loaded_blocks = 0
+        self.saved_blocks = 0
+        self.skipped_saves = 0
+        self.host_s = 0.0
+
+    # ------------------------------------------------------------------ admission
+    def external_hit(self, request: Request, num_device_hit: int) -> int:
+        """Tokens after the device hit (``num_device_hit``, block-aligned) that the tier holds:
+        whole blocks, consecutive, at most up to the last full block before the prompt's last
+        token (that token is always computed, for its logits)."""
+        if not self.kv.uses_prefix_cache(request) or not self.entries:
+            return 0
+        bs = self.block_size
+        hashes = self.kv._block_hashes(request)
+        first, last = num_device_hit // bs, (request.num_tokens - 1) // bs
+        n = 0
+        for h in hashes[first:last]:
+            if h not in self.entries or h in self.landing_hashes:
+                break
+            n += 1
+        self.queried_tokens += (last - first) * bs
+        return n * bs
+
+    def external_alloc(self, request: Request, num_device_hit: int, num_tokens: int) -> None:
+        """The scheduler allocated device blocks for ``num_tokens`` tokens from the tier after
+        the device hit: plan their loads (this step, before the forward pass)."""
+        bs = self.block_size
+        first = num_device_hit // bs
+        hashes = self.kv._block_hashes(request)[first : first + num_tokens // bs]
+        device = self.kv.get_block_ids(request.request_id)[first : first + len(hashes)]
+        for h, d in reversed(list(zip(hashes, device))):  # (head last: see build_metadata)
+            host = self.entries[h]
+            self.entries.move_to_end(h)
+            self.busy[host] = self.busy.get(host, 0) + 1
+            self.planned.loads.append((host, d))
+        self.hit_tokens += num_tokens
+        self.loaded_blocks += len(hashes)
+
+    # ---------------------------------------------------------------------- steps
+    def _host_block(self) -> int | None:
+        """A free host block, else the least recently used entry's that nothing copies."""
+        if self.free:
+            return self.free.pop()
+        for h, host in self.entries.items():
+            if not self.busy.get(host):
+                del self.entries[h]
+                return host
+        return None
+
+    def build_metadata(
+        self, num_scheduled: Mapping[str, int], new_req_ids: Sequence[str]
+    ) -> OffloadMetadata | None:
+        """The step's loads (planned at admission) and the saves of the full blocks its
+        requests have after it that the tier lacks."""
+        meta, self.planned = self.planned, OffloadMetadata()
+        bs, requests = self.block_size, self.context.requests
+        for rid, n in num_scheduled.items():
+            request = requests[rid]
+            if not self.kv.uses_prefix_cache(request):
+                continue
+            # full blocks of known tokens once this step computed its n
+            full = min(request.num_computed_tokens + n, request.num_tokens) // bs
+            start = self.saved_upto.get(rid, 0)
+            if full <= start:
+                continue
+            hashes = self.kv._block_hashes(request)
+            device = self.kv.get_block_ids(rid)
+            # the whole chain, last block first: a request's head blocks end most recently
+            # used (an evicted head would leave the blocks after it unreachable)
+            for i in reversed(range(min(full, len(hashes), len(device)))):
+                h = hashes[i]
+                if h in self.entries:
+                    self.entries.move_to_end(h)
+                    continue
+                if i < start:  # (its save was skipped for want of room: not retried)
+                    continue
+                host = self._host_block()
+                if host is None:
+                    self.skipped_saves += 1
+                    continue
+                self.entries[h] = host
+                self.landing[host] = h
+                self.landing_hashes.add(h)
+                self.busy[host] = self.busy.get(host, 0) + 1
+                meta.saves.append((device[i], host))
+            self.saved_upto[rid] = full
+        return meta if meta.loads or meta.saves else None
+
+    def update(self, metadata: OffloadMetadata | None, output: OffloadReport | None) -> None:
+        """A step's copies are done: its saved entries become loadable, its host blocks
+        evictable."""
+        if metadata is None:
+            return
+        for host, _ in metadata.loads:
+            self._release(host)
+        for _, host in metadata.saves:
+            self.landing_hashes.discard(self.landing.pop(host, None))
+            self._release(host)
+        self.saved_blocks += len(metadata.saves)
+        if output is not None:
+            self.host_s += output.host_s
+
+    def _release(self, host: int) -> None:
+        left = self.busy.get(host, 0) - 1
+        if left > 0:
+            self.busy[host] = left
+        else:
+            self.busy.pop(host, None)
+
+    # ------------------------------------------------------------------ requests
+    def on_preempt(self, request: Request, swapped: bool) -> None:
+        """A recomputed request saves again from its first block (hashes already held are
+        skipped)."""
+        if not swapped:
+            self.saved_upto.pop(request.request_id, None)
+
+    def on_free(self, request: Request) -> None:
+        self.saved_upto.pop(request.request_id, None)
+
+    def reset(self) -> None:
+        """A step failed: entries whose save may not have happened are dropped, nothing is in
+        flight any more."""
+        for host, h in self.landing.items():
+            if self.entries.get(h) == host:
+                del self.entries[h]
+                self.free.append(host)
+        self.landing.clear()
+        self.landing_hashes.clear()
+        self.busy.clear()
+        self.planned = OffloadMetadata()
+        self.saved_upto.clear()
+
+    def stats(self) -> dict[str, float]:
+        block_bytes = self.block_bytes
+        return {
+            "offload_hit_tokens": self.hit_tokens,
+            "offload_queried_tokens": self.queried_tokens,
+            "offload_loaded_blocks": self.loaded_blocks,
+            "offload_saved_blocks": self.saved_blocks,
+            "offload_skipped_saves": self.skipped_saves,
+            "offload_bytes_moved": (self.loaded_blocks + self.saved_blocks) * block_bytes,
+            "offload_copy_host_s": self.host_s,
+            "offload_host_blocks_used": len(self.entries),
+        }
