@@ -62,6 +62,7 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier(tiny_models, async_sche
     _run(llm, others)
     again = _run(llm, [a])
     assert tier.hit_tokens == 9 * BLOCK and tier.loaded_blocks == 9
+    assert tier.queried_tokens == 6 * 9 * BLOCK  # each admission looked 9 blocks up once
     plain = _run(_llm(tiny_models, **kw), [a] + others + [a])
     for (toks, lps), (ref_toks, ref_lps) in ((again[0], cold[0]), (again[0], plain[-1])):
         assert toks == ref_toks
@@ -187,3 +188,22 @@ def test_on_a_gpu_the_copies_are_asynchronous_and_exact(tiny_models):
     ref = _run(_llm(tiny_models, **kw), order)
     assert [t for t, _ in got] == [t for t, _ in ref]
     assert got[-1][0] == got[0][0]
+
+
+def test_a_preempted_request_resumes_from_the_tier(tiny_models):
+    """Preemption by recompute with the tier on: the victim's full blocks were written through,
+    so it resumes loading them instead of recomputing its context, with the tokens of the
+    engine without the tier."""
+    prompts = [_prompt(s, 60) for s in (90, 91)]
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    kw = {"num_gpu_blocks_override": 12}
+
+    def run(llm: LLM) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    llm = _llm(tiny_models, kv_offloading_size=0.01, **kw)
+    got = run(llm)
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert _tier(llm).hit_tokens > 0
+    assert got == run(_llm(tiny_models, **kw))

@@ -111,6 +111,7 @@ class OffloadScheduler(KVConnectorScheduler):
         self.landing: dict = {}  # host block -> the hash its save (not back yet) brings
         self.landing_hashes: set = set()
         self.saved_upto: dict[str, int] = {}  # request -> its blocks before this considered
+        self.asked: dict[str, int] = {}  # request -> tokens its last admission looked up
         self.planned: OffloadMetadata = OffloadMetadata()
         # counters (tokens and blocks)
         self.hit_tokens = 0
@@ -125,17 +126,19 @@ class OffloadScheduler(KVConnectorScheduler):
         """Tokens after the device hit (``num_device_hit``, block-aligned) that the tier holds:
         whole blocks, consecutive, at most up to the last full block before the prompt's last
         token (that token is always computed, for its logits)."""
-        if not self.kv.uses_prefix_cache(request) or not self.entries:
+        if not self.kv.uses_prefix_cache(request):
             return 0
         bs = self.block_size
-        hashes = self.kv._block_hashes(request)
         first, last = num_device_hit // bs, (request.num_tokens - 1) // bs
+        # counted once the request is admitted (build_metadata): a request that waits asks
+        # again each step
+        self.asked[request.request_id] = max(last - first, 0) * bs
         n = 0
-        for h in hashes[first:last]:
-            if h not in self.entries or h in self.landing_hashes:
-                break
-            n += 1
-        self.queried_tokens += (last - first) * bs
+        if self.entries:
+            for h in self.kv._block_hashes(request)[first:last]:
+                if h not in self.entries or h in self.landing_hashes:
+                    break
+                n += 1
         return n * bs
 
     def external_alloc(self, request: Request, num_device_hit: int, num_tokens: int) -> None:
@@ -171,6 +174,8 @@ class OffloadScheduler(KVConnectorScheduler):
         requests have after it that the tier lacks."""
         meta, self.planned = self.planned, OffloadMetadata()
         bs, requests = self.block_size, self.context.requests
+        for rid in new_req_ids:
+            self.queried_tokens += self.asked.pop(rid, 0)
         for rid, n in num_scheduled.items():
             request = requests[rid]
             if not self.kv.uses_prefix_cache(request):
@@ -233,6 +238,7 @@ class OffloadScheduler(KVConnectorScheduler):
 
     def on_free(self, request: Request) -> None:
         self.saved_upto.pop(request.request_id, None)
+        self.asked.pop(request.request_id, None)
 
     def reset(self) -> None:
         """A step failed: entries whose save may not have happened are dropped, nothing is in
