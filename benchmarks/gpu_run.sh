@@ -91,6 +91,10 @@ one() {
     # call's result file whose uncompressed run the rates are compared with), its variants,
     # and the cost of KV-Compress without a budget
     kvc-d) kvc_d "$OUT" ;;
+    kv-offload)  # the host KV tier on a multi-turn chat replay: off / on / everything fits
+      python benchmarks/kv_offload.py --model "${OFFLOAD_MODEL:-qwen3-0.6b}" --load-format dummy \
+        --device cuda --conversations "${OFFLOAD_CONVS:-64}" --turns "${OFFLOAD_TURNS:-8}" \
+        --out "$OUT" ;;
     kvc-d-quick) python benchmarks/kvcompress_throughput.py --model qwen3-0.6b --num-prompts 64 \
         --input-len 2000 --output-len 200 --max-model-len 4096 --kv-cache-memory-bytes 1073741824 \
         --rates "${KVC_RATES:-8,64}" --out "$OUT" | grep -v "^ " ;;

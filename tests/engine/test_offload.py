@@ -207,3 +207,22 @@ def test_a_preempted_request_resumes_from_the_tier(tiny_models):
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     assert _tier(llm).hit_tokens > 0
     assert got == run(_llm(tiny_models, **kw))
+
+
+def test_the_chat_replay_benchmark_runs_every_turn(tiny_models):
+    """benchmarks/kv_offload.py at a tiny scale, the tier on: every conversation runs every
+    turn (closed loops), later turns load their history from the tier, TTFTs are measured."""
+    import argparse
+
+    from benchmarks.kv_offload import replay, working_set_tokens
+
+    a = argparse.Namespace(
+        model=tiny_models("llama"), load_format="auto", dtype="float32", device="cpu",
+        conversations=6, turns=3, system_len=64, turn_len=16, output_len=4, pool_fraction=0.5,
+        max_model_len=256, seed=0,
+    )  # fmt: skip
+    assert working_set_tokens(a) == 64 + 6 * 3 * 20
+    r = replay(a, "on")
+    assert r["requests"] == 6 * 3 and r["offload_hit_tokens"] > 0
+    assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
+    assert r["last_prompt_tokens_mean"] == 64 + 3 * 16 + 2 * 4
