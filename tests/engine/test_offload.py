@@ -114,23 +114,38 @@ def test_bad_settings_are_refused_with_the_field_named(tiny_models):
         _llm(tiny_models, kv_offloading_size=0.01, enable_kvc=True, max_cache_tokens=64)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         _llm(tiny_models, kv_offloading_size=0.01, enable_prefix_caching=False)
-    with pytest.raises(ValueError, match="disable_hybrid_kv_cache_manager"):
-        _llm(tiny_models, "gemma3", kv_offloading_size=0.01)
     with pytest.raises(ValueError, match="smaller than one KV block"):
         _llm(tiny_models, kv_offloading_size=1e-9)
 
 
-def test_sliding_window_model_with_one_table_uses_the_tier(tiny_models):
-    """Gemma 3 (window layers) with disable_hybrid_kv_cache_manager=True: one table, the tier
-    works and its tokens equal the engine without it."""
+@pytest.mark.parametrize("one_table", [False, True])
+def test_sliding_window_layers_use_the_tier(tiny_models, one_table):
+    """Gemma 3 (window layers): with the hybrid manager each group's blocks are saved under
+    its own key and a hit loads every group's (a window group's whole, its next step drops
+    what left the window); with one table (disable_hybrid_kv_cache_manager) as any model.
+    Tokens and logprobs equal the engine without the tier, the rerun's its cold run's."""
     a = _prompt(50, 150)
-    others = [_prompt(s, 150) for s in range(51, 54)]
-    kw = {"disable_hybrid_kv_cache_manager": True}
+    order = [a] + [_prompt(s, 150) for s in range(51, 57)] + [a]
+    kw = {
+        "disable_hybrid_kv_cache_manager": one_table,
+        "max_num_seqs": 1,
+        # one table: a request holds 11 blocks; hybrid: 10 + chunks of 32 in the window
+        # groups, and the tier's loads take every group's blocks at once (see external_hit)
+        "num_gpu_blocks_override": 30 if one_table else 80,
+        "max_num_batched_tokens": 32,
+    }
     llm = _llm(tiny_models, "gemma3", kv_offloading_size=0.01, **kw)
-    got = _run(llm, [a] + others + [a])
-    assert _tier(llm).hit_tokens > 0
-    ref = _run(_llm(tiny_models, "gemma3", **kw), [a] + others + [a])
-    assert [t for t, _ in got] == [t for t, _ in ref]
+    hybrid = type(llm.llm_engine.engine_core.scheduler.kv_cache_manager).__name__
+    assert (hybrid == "HybridKVCacheManager") is not one_table
+    got = _run(llm, order)
+    tier = _tier(llm)
+    assert tier.hit_tokens > 0
+    assert tier.loaded_blocks == tier.hit_tokens // BLOCK * len(tier.tables)
+    ref = _run(_llm(tiny_models, "gemma3", **kw), order)
+    for (toks, lps), (ref_toks, ref_lps) in zip(got, ref):
+        assert toks == ref_toks
+        np.testing.assert_allclose(lps, ref_lps, rtol=1e-5, atol=1e-5)
+    assert got[-1][0] == got[0][0]
 
 
 def test_the_server_exports_the_tiers_counters(tiny_models):

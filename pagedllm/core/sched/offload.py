@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.core.kv_cache.hybrid import HybridKVCacheManager
 from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.sched.connector import ConnectorContext, KVConnectorScheduler
@@ -92,23 +93,29 @@ class OffloadScheduler(KVConnectorScheduler):
         if config is None:
             raise ValueError("the 'offload' KV connector needs kv_offloading_size (GiB).")
         kv = context.kv_manager
-        if type(kv) is not KVCacheManager:
+        if type(kv) is KVCacheManager:
+            self.tables: list[KVCacheManager] = [kv]
+        elif type(kv) is HybridKVCacheManager:
+            self.tables = list(kv.groups)
+        else:
             raise ValueError(
-                "kv_offloading_size works with the single-table KV cache only for now (not "
-                "with KV-Compress, nor with sliding-window layers kept in their own tables: "
-                "disable_hybrid_kv_cache_manager=True keeps one table)."
+                "kv_offloading_size does not work with KV-Compress's per-head blocks yet."
             )
         if not kv.enable_caching:
             raise ValueError("kv_offloading_size needs enable_prefix_caching=True.")
-        self.kv: KVCacheManager = kv
+        self.kv = kv
+        null = kv.block_pool.null_block
+        self.null_id = -1 if null is None else null.block_id
         self.block_size = kv.block_size
+        self.budget = context.scheduler_config.max_num_batched_tokens
         self.num_host_blocks = config.num_host_blocks
         self.block_bytes = config.block_bytes
         self.free: list[int] = list(range(config.num_host_blocks - 1, -1, -1))
-        # hash -> host block, least recently used first (landing entries included)
+        # key -> host block, least recently used first (landing entries included); a key is
+        # a table's prefix-cache key: the block hash, (group, hash) for the hybrid's groups > 0
         self.entries: OrderedDict = OrderedDict()
         self.busy: dict[int, int] = {}  # host block -> copies in flight (landing or loading)
-        self.landing: dict = {}  # host block -> the hash its save (not back yet) brings
+        self.landing: dict = {}  # host block -> the key its save (not back yet) brings
         self.landing_hashes: set = set()
         self.saved_upto: dict[str, int] = {}  # request -> its blocks before this considered
         self.asked: dict[str, int] = {}  # request -> tokens its last admission looked up
@@ -135,10 +142,24 @@ class OffloadScheduler(KVConnectorScheduler):
         self.asked[request.request_id] = max(last - first, 0) * bs
         n = 0
         if self.entries:
-            for h in self.kv._block_hashes(request)[first:last]:
-                if h not in self.entries or h in self.landing_hashes:
+            # every table's block (a window group's too: loaded whole, the runner's next
+            # step drops what left the window)
+            entries, landing = self.entries, self.landing_hashes
+            for h in self.tables[0]._block_hashes(request)[first:last]:
+                keys = [m._key(h) for m in self.tables]
+                if any(k not in entries or k in landing for k in keys):
                     break
                 n += 1
+        if n:
+            # the loaded blocks are allocated at once with the first chunk, in every table:
+            # no more than the free blocks hold beside a chunk (else a window group's whole
+            # prompt could outgrow a pool sized for its window, and the request wait forever)
+            # Example: 29 free, 2 tables (14 each), a budget of 32, 300 tokens after the
+            # device hit, 13 blocks in the tier -> 13 + 2 > 14: 12 blocks, and a chunk of 32
+            avail = self.kv.num_free_blocks() // len(self.tables)
+            left = request.num_tokens - num_device_hit
+            while n and n + -(-min(self.budget, left - n * bs) // bs) > avail:
+                n -= 1
         return n * bs
 
     def external_alloc(self, request: Request, num_device_hit: int, num_tokens: int) -> None:
@@ -146,15 +167,17 @@ class OffloadScheduler(KVConnectorScheduler):
         the device hit: plan their loads (this step, before the forward pass)."""
         bs = self.block_size
         first = num_device_hit // bs
-        hashes = self.kv._block_hashes(request)[first : first + num_tokens // bs]
-        device = self.kv.get_block_ids(request.request_id)[first : first + len(hashes)]
-        for h, d in reversed(list(zip(hashes, device))):  # (head last: see build_metadata)
-            host = self.entries[h]
-            self.entries.move_to_end(h)
-            self.busy[host] = self.busy.get(host, 0) + 1
-            self.planned.loads.append((host, d))
+        hashes = self.tables[0]._block_hashes(request)[first : first + num_tokens // bs]
+        for m in self.tables:
+            device = m.get_block_ids(request.request_id)[first : first + len(hashes)]
+            for h, d in reversed(list(zip(hashes, device))):  # (head last: build_metadata)
+                key = m._key(h)
+                host = self.entries[key]
+                self.entries.move_to_end(key)
+                self.busy[host] = self.busy.get(host, 0) + 1
+                self.planned.loads.append((host, d))
         self.hit_tokens += num_tokens
-        self.loaded_blocks += len(hashes)
+        self.loaded_blocks += len(hashes) * len(self.tables)
 
     # ---------------------------------------------------------------------- steps
     def _host_block(self) -> int | None:
@@ -185,28 +208,37 @@ class OffloadScheduler(KVConnectorScheduler):
             start = self.saved_upto.get(rid, 0)
             if full <= start:
                 continue
-            hashes = self.kv._block_hashes(request)
-            device = self.kv.get_block_ids(rid)
-            # the whole chain, last block first: a request's head blocks end most recently
-            # used (an evicted head would leave the blocks after it unreachable)
-            for i in reversed(range(min(full, len(hashes), len(device)))):
-                h = hashes[i]
-                if h in self.entries:
-                    self.entries.move_to_end(h)
-                    continue
-                if i < start:  # (its save was skipped for want of room: not retried)
-                    continue
-                host = self._host_block()
-                if host is None:
-                    self.skipped_saves += 1
-                    continue
-                self.entries[h] = host
-                self.landing[host] = h
-                self.landing_hashes.add(h)
-                self.busy[host] = self.busy.get(host, 0) + 1
-                meta.saves.append((device[i], host))
+            hashes = self.tables[0]._block_hashes(request)
+            for m in self.tables:
+                self._save(m, hashes, m.get_block_ids(rid), start, full, meta)
             self.saved_upto[rid] = full
         return meta if meta.loads or meta.saves else None
+
+    def _save(
+        self, m: KVCacheManager, hashes: list, device: list[int], start: int, full: int,
+        meta: OffloadMetadata,
+    ) -> None:  # fmt: skip
+        """Plan the saves of one table's blocks [start, full) that the tier lacks, touching
+        the whole chain, last block first: a request's head blocks end most recently used (an
+        evicted head would leave the blocks after it unreachable). A window group's blocks
+        that left the window (the null block) are not there to save."""
+        entries = self.entries
+        for i in reversed(range(min(full, len(hashes), len(device)))):
+            key = m._key(hashes[i])
+            if key in entries:
+                entries.move_to_end(key)
+                continue
+            if i < start or device[i] == self.null_id:  # (a skipped save is not retried)
+                continue
+            host = self._host_block()
+            if host is None:
+                self.skipped_saves += 1
+                continue
+            entries[key] = host
+            self.landing[host] = key
+            self.landing_hashes.add(key)
+            self.busy[host] = self.busy.get(host, 0) + 1
+            meta.saves.append((device[i], host))
 
     def update(self, metadata: OffloadMetadata | None, output: OffloadReport | None) -> None:
         """A step's copies are done: its saved entries become loadable, its host blocks
