@@ -53,20 +53,20 @@ class OffloadWorker(KVConnectorWorker):
 
     @classmethod
     def for_runner(cls, runner: Any) -> OffloadWorker:
-        nbytes = runner.cache_config.kv_offloading_bytes
-        return cls(runner, nbytes // runner.kv_groups.block_bytes)
+        """The role with its host tensors allocated now, at start-up (pinning GiBs takes
+        seconds: not in a request's first step), shaped as the device cache's will be."""
+        groups = runner.kv_groups
+        role = cls(runner, runner.cache_config.kv_offloading_bytes // groups.block_bytes)
+        dtype = runner.model_config.torch_dtype
+        role.host = [
+            torch.zeros(
+                2, role.num_host_blocks, *spec.page_shape, dtype=dtype, pin_memory=role.cuda
+            )
+            for spec in groups.tensor_specs()
+        ]
+        return role
 
     def _host_tensors(self) -> list[torch.Tensor]:
-        """The host tier, allocated at first use (the device cache exists by then)."""
-        if not self.host:
-            self.host = [
-                torch.zeros(
-                    (t.shape[0], self.num_host_blocks, *t.shape[2:]),
-                    dtype=t.dtype,
-                    pin_memory=self.cuda,
-                )
-                for t in self.runner.kv_layout.tensors
-            ]
         return self.host
 
     def before_forward(self, so: Any, metadata: OffloadMetadata | None, batch: StepBatch) -> None:

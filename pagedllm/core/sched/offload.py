@@ -156,7 +156,9 @@ class OffloadScheduler(KVConnectorScheduler):
             # prompt could outgrow a pool sized for its window, and the request wait forever)
             # Example: 29 free, 2 tables (14 each), a budget of 32, 300 tokens after the
             # device hit, 13 blocks in the tier -> 13 + 2 > 14: 12 blocks, and a chunk of 32
-            avail = self.kv.num_free_blocks() // len(self.tables)
+            # (the device hit's blocks may be among the free ones, cached: not for these)
+            free = self.kv.num_free_blocks() - first * len(self.tables)
+            avail = free // len(self.tables)
             left = request.num_tokens - num_device_hit
             while n and n + -(-min(self.budget, left - n * bs) // bs) > avail:
                 n -= 1
