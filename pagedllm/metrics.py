@@ -55,6 +55,28 @@ _TPOT_BUCKETS = (
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
+# (stats key, metric name, help) of the counters made when the engine first reports them
+_SPEC_COUNTERS = (
+    ("spec_decode_num_drafts", "vllm:spec_decode_num_drafts",
+     "Request-steps that verified draft tokens."),
+    ("spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens",
+     "Draft tokens verified."),
+    ("spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens",
+     "Draft tokens accepted."),
+)  # fmt: skip
+_OFFLOAD_COUNTERS = (
+    ("offload_hit_tokens", "pagedllm:kv_offload_hits", "Tokens loaded from the host KV tier."),
+    ("offload_queried_tokens", "pagedllm:kv_offload_queries",
+     "Tokens looked up in the host KV tier."),
+    ("offload_saved_blocks", "pagedllm:kv_offload_saved_blocks",
+     "Blocks copied to the host KV tier."),
+    ("offload_bytes_moved", "pagedllm:kv_offload_bytes",
+     "Bytes copied to and from the host KV tier."),
+    ("offload_copy_host_s", "pagedllm:kv_offload_copy_seconds",
+     "Host time of the tier's copies."),
+)  # fmt: skip
+
+
 class ServerMetrics:
     """The server's Prometheus metrics; ``record`` is an ``AsyncLLM`` stat logger."""
 
@@ -96,8 +118,7 @@ class ServerMetrics:
         # speculative decoding's counters: made when the engine first reports them (a server
         # without speculation exports none of them, as vLLM)
         self._counter = counter
-        self._spec: list[tuple[str, Counter]] | None = None
-        self._offload: list[tuple[str, Counter]] | None = None  # the host KV tier's, likewise
+        self._lazy: dict[str, list[tuple[str, Counter]]] = {}  # (the host KV tier's too)
         self.spec_accepted_pos: Counter | None = None
         self.ttft = hist(
             "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
@@ -130,52 +151,31 @@ class ServerMetrics:
         self._counted_prompts: set[str] = set()
         self._num_tokens: dict[str, dict[int, int]] = {}  # request -> sequence index -> tokens
 
-    def _spec_counters(self, stats: dict[str, Any]) -> list[tuple[str, Counter]]:
-        """(stats key, counter) of speculative decoding, made (at 0) the first time the
-        engine's stats carry them; [] while they do not."""
-        if self._spec is None:
-            if "spec_decode_num_drafts" not in stats:
+    def _lazy_counters(
+        self, name: str, stats: dict[str, Any], specs: tuple[tuple[str, str, str], ...]
+    ) -> list[tuple[str, Counter]]:
+        """(stats key, counter) of a feature's counters, made (at 0) the first time the
+        engine's stats carry the first key of ``specs`` ((stats key, metric name, help));
+        [] while they do not (a server without the feature exports none, as vLLM)."""
+        made = self._lazy.get(name)
+        if made is None:
+            if specs[0][0] not in stats:
                 return []
-            c = self._counter
-            self._spec = [
-                ("spec_decode_num_drafts",
-                 c("vllm:spec_decode_num_drafts", "Request-steps that verified draft tokens.")),
-                ("spec_decode_num_draft_tokens",
-                 c("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")),
-                ("spec_decode_num_accepted_tokens",
-                 c("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")),
-            ]  # fmt: skip
-            self.spec_accepted_pos = c(
+            made = self._lazy[name] = [(k, self._counter(m, h)) for k, m, h in specs]
+            for _, metric in made:
+                self._l(metric)
+        return made
+
+    def _spec_counters(self, stats: dict[str, Any]) -> list[tuple[str, Counter]]:
+        """Speculative decoding's counters (``_lazy_counters``), and the per-position one."""
+        made = self._lazy_counters("spec", stats, _SPEC_COUNTERS)
+        if made and self.spec_accepted_pos is None:
+            self.spec_accepted_pos = self._counter(
                 "vllm:spec_decode_num_accepted_tokens_per_pos",
                 "Draft tokens accepted at each position of a draft.",
                 ("position",),
             )
-            for _, metric in self._spec:
-                self._l(metric)
-        return self._spec
-
-    def _offload_counters(self, stats: dict[str, Any]) -> list[tuple[str, Counter]]:
-        """(stats key, counter) of the host KV tier (``kv_offloading_size``), made (at 0) the
-        first time the engine's stats carry them; [] while they do not."""
-        if self._offload is None:
-            if "offload_hit_tokens" not in stats:
-                return []
-            c = self._counter
-            self._offload = [
-                ("offload_queried_tokens",
-                 c("pagedllm:kv_offload_queries", "Tokens looked up in the host KV tier.")),
-                ("offload_hit_tokens",
-                 c("pagedllm:kv_offload_hits", "Tokens loaded from the host KV tier.")),
-                ("offload_saved_blocks",
-                 c("pagedllm:kv_offload_saved_blocks", "Blocks copied to the host KV tier.")),
-                ("offload_bytes_moved",
-                 c("pagedllm:kv_offload_bytes", "Bytes copied to and from the host KV tier.")),
-                ("offload_copy_host_s",
-                 c("pagedllm:kv_offload_copy_seconds", "Host time of the tier's copies.")),
-            ]  # fmt: skip
-            for _, metric in self._offload:
-                self._l(metric)
-        return self._offload
+        return made
 
     def _l(self, metric: Any, **extra: str) -> Any:
         """The metric's child for this model (and ``extra`` labels), looked up once:
@@ -200,7 +200,7 @@ class ServerMetrics:
             ("kvc_compressions", self.kvc_compressions),
             ("kvc_evicted_kvs", self.kvc_evicted),
             *self._spec_counters(stats),
-            *self._offload_counters(stats),
+            *self._lazy_counters("offload", stats, _OFFLOAD_COUNTERS),
         ):
             value = float(stats.get(key, 0))
             delta = value - self._last.get(key, 0.0)
