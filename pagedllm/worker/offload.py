@@ -50,6 +50,7 @@ class OffloadWorker(KVConnectorWorker):
         self.cuda = self.device.type == "cuda"
         self.host: list[torch.Tensor] = []
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
+        self._load_s = 0.0  # host time of the loads of the step being launched
 
     @classmethod
     def for_runner(cls, runner: Any) -> OffloadWorker:
@@ -66,9 +67,6 @@ class OffloadWorker(KVConnectorWorker):
         ]
         return role
 
-    def _host_tensors(self) -> list[torch.Tensor]:
-        return self.host
-
     def before_forward(self, so: Any, metadata: OffloadMetadata | None, batch: StepBatch) -> None:
         """Copy the step's loads into their device blocks (before the forward pass reads
         them)."""
@@ -77,7 +75,7 @@ class OffloadWorker(KVConnectorWorker):
         t0 = time.perf_counter()
         src = torch.tensor([h for h, _ in metadata.loads])
         dst = torch.tensor([d for _, d in metadata.loads], device=self.device)
-        for dev, host in zip(self.runner.kv_layout.tensors, self._host_tensors()):
+        for dev, host in zip(self.runner.kv_layout.tensors, self.host):
             if self.cuda:
                 staged = torch.empty(
                     (host.shape[0], len(src), *host.shape[2:]), dtype=host.dtype, pin_memory=True
@@ -92,7 +90,7 @@ class OffloadWorker(KVConnectorWorker):
         """Start the step's saves (see the module docstring); the pending report."""
         if metadata is None:
             return None
-        report = OffloadReport(loaded=len(metadata.loads), host_s=getattr(self, "_load_s", 0.0))
+        report = OffloadReport(loaded=len(metadata.loads), host_s=self._load_s)
         self._load_s = 0.0
         host_ids = torch.tensor([h for _, h in metadata.saves], dtype=torch.long)
         buffers: list[torch.Tensor] = []
@@ -127,7 +125,7 @@ class OffloadWorker(KVConnectorWorker):
             t0 = time.perf_counter()
             if pending.event is not None:
                 pending.event.synchronize()
-            for host, buf in zip(self._host_tensors(), pending.buffers):
+            for host, buf in zip(self.host, pending.buffers):
                 host.index_copy_(1, pending.host_ids, buf)
             pending.report.host_s += time.perf_counter() - t0
         return pending.report
