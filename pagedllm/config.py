@@ -316,6 +316,11 @@ def parse_names(text: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
+def _with_offload(names: tuple[str, ...], offload: bool) -> tuple[str, ...]:
+    """The connectors named, plus the host tier's when ``kv_offloading_size`` is set (once)."""
+    return names + ("offload",) * (offload and "offload" not in names)
+
+
 def kv_connector_names(
     kvc_config: KVCompressConfig | None, extra: tuple[str, ...] = ()
 ) -> tuple[str, ...]:
@@ -523,12 +528,12 @@ class EngineArgs:
                 maxpool_metrics=bool(self.maxpool_metrics),
                 maxpool_kernel=self.maxpool_kernel,
             ),
-            kv_connectors=(
+            kv_connectors=_with_offload(
                 parse_names(self.kv_connectors)
                 if isinstance(self.kv_connectors, str)
-                else tuple(self.kv_connectors)
-            )
-            + ("offload",) * bool(offload),
+                else tuple(self.kv_connectors),
+                bool(offload),
+            ),
             structured_outputs_config=so_config,
             speculative_config=spec_config,
             draft_model_config=(

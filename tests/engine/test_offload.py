@@ -241,3 +241,13 @@ def test_the_chat_replay_benchmark_runs_every_turn(tiny_models):
     assert r["requests"] == 6 * 3 and r["offload_hit_tokens"] > 0
     assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
     assert r["last_prompt_tokens_mean"] == 64 + 3 * 16 + 2 * 4
+
+
+def test_naming_the_connector_too_makes_one_tier(tiny_models):
+    """kv_connectors='offload' beside kv_offloading_size: one tier; named without a size:
+    refused with the field named."""
+    llm = _llm(tiny_models, kv_offloading_size=0.01, kv_connectors="offload")
+    roles = llm.llm_engine.engine_core.scheduler.connectors
+    assert [type(c).__name__ for c in roles] == ["OffloadScheduler"]
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        _llm(tiny_models, kv_connectors="offload")
