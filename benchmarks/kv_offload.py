@@ -1,12 +1,14 @@
 """The host KV tier (``kv_offloading_size``) on a multi-turn chat replay: TTFT and throughput
 with the tier off, on, and with the whole working set in the device pool (the ceiling).
 
-The workload (seeded random token ids): ``--conversations`` users, each a closed loop of
-``--turns`` turns; every conversation starts with the same ``--system-len``-token system prompt
-and its own ``--turn-len``-token message; each later turn's prompt is the previous prompt, its
-answer (``--output-len`` tokens, EOS ignored) and a new ``--turn-len``-token message. All
-conversations run at once (each has one request in flight), so TTFT includes queueing; the
-throughput is output tokens over the replay's time.
+The workload (seeded random token ids): ``--conversations`` conversations of ``--turns``
+turns; every conversation starts with the same ``--system-len``-token system prompt and its own
+``--turn-len``-token message; each later turn's prompt is the previous prompt, its answer
+(``--output-len`` tokens, EOS ignored) and a new ``--turn-len``-token message. ``--concurrency``
+clients take the conversations in turn (round robin: a conversation's next turn comes after
+every other conversation's turn, so its history has left a pool smaller than the working set
+by then; a user reading and typing), each with one request in flight, so TTFT includes
+queueing; the throughput is output tokens over the replay's time.
 
 The device pool holds ``--pool-fraction`` of the working set (the system prompt once, plus
 every conversation's last prompt and answer), in blocks (``num_gpu_blocks_override``: the same
@@ -28,6 +30,7 @@ import multiprocessing
 import os
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +84,7 @@ def replay(a: argparse.Namespace, mode: str) -> dict:
         device=a.device,
         seed=0,
         max_model_len=a.max_model_len,
-        max_num_seqs=a.conversations,
+        max_num_seqs=a.concurrency,
         num_gpu_blocks_override=max(pool_tokens // BLOCK, 1),
         enable_prefix_caching=True,
         **kw,
@@ -112,8 +115,9 @@ def replay(a: argparse.Namespace, mode: str) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     t0 = time.perf_counter()
-    for c in range(a.conversations):
-        submit(c)
+    ready = deque(range(a.conversations))  # conversations whose next turn may go, in turn
+    for _ in range(min(a.concurrency, a.conversations)):
+        submit(ready.popleft())
     answers: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -129,7 +133,9 @@ def replay(a: argparse.Namespace, mode: str) -> dict:
                 turn[c] += 1
                 if turn[c] < a.turns:
                     convs[c] = convs[c] + answers.pop(rid) + text(a.turn_len)
-                    submit(c)
+                    ready.append(c)
+                if ready:  # the client takes the next conversation's turn
+                    submit(ready.popleft())
     elapsed = time.perf_counter() - t0
     stats = engine.engine_core.stats()
     prompt_tokens = sum(len(convs[c]) for c in range(a.conversations))  # (last turns only)
@@ -156,13 +162,17 @@ def replay(a: argparse.Namespace, mode: str) -> dict:
 
 
 def _device_name(device: str) -> str:
-    import platform
+    """The GPU's name, or the CPU's model name (as the CPU benchmarks name their files)."""
+    import re
 
     import torch
 
     if device == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    return platform.processor() or platform.machine()
+    from benchmarks.throughput import device_info
+
+    cpu = re.sub(r"\((R|TM)\)", "", device_info().get("cpu_model", "cpu"))
+    return re.sub(r"[^A-Za-z0-9]+", "_", cpu).strip("_")
 
 
 def main() -> None:
@@ -172,6 +182,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--conversations", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=8, help="clients (requests in flight)")
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--system-len", type=int, default=2000)
     ap.add_argument("--turn-len", type=int, default=200)

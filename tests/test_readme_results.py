@@ -131,6 +131,24 @@ def test_benchmark_d_h100_ceiling_table_quotes_its_file() -> None:
         assert f"{run['speedup_output']:.2f}x at {cr}x" in top, cr
 
 
+def test_host_tier_cpu_table_quotes_its_file() -> None:
+    bench = BENCH_README.read_text()
+    d = _load("kv_offload_smollm2-135m-instruct-f32_Intel_Xeon_Processor.json")
+    for mode, label in (("off", "tier off"), ("on", "tier on"), ("ceiling", "everything fits")):
+        r = d["runs"][mode]
+        cells = (
+            f"| {r['output_tokens_per_s']:.1f} | {r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f} "
+            f"| {r.get('offload_hit_tokens', 0):,} |"
+        )
+        assert cells in _row(bench, f"{label} |"), cells
+    ratios = d["ratios"]
+    quoted = (
+        f"TTFT p50 is {ratios['ttft_p50_on_over_off']:.2f}x the tier-off run's and the throughput "
+        f"{ratios['throughput_on_over_off']:.2f}x, {ratios['throughput_on_over_ceiling']:.1%}"
+    )
+    assert quoted in _flat(bench)
+
+
 def test_cpu_table_and_overheads_quote_the_result_files() -> None:
     bench = BENCH_README.read_text()
     top = _flat((ROOT / "README.md").read_text())

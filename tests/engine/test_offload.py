@@ -233,7 +233,8 @@ def test_the_chat_replay_benchmark_runs_every_turn(tiny_models):
 
     a = argparse.Namespace(
         model=tiny_models("llama"), load_format="auto", dtype="float32", device="cpu",
-        conversations=6, turns=3, system_len=64, turn_len=16, output_len=4, pool_fraction=0.5,
+        conversations=6, concurrency=2, turns=3, system_len=64, turn_len=16, output_len=4,
+        pool_fraction=0.5,
         max_model_len=256, seed=0,
     )  # fmt: skip
     assert working_set_tokens(a) == 64 + 6 * 3 * 20
