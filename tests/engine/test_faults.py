@@ -122,6 +122,27 @@ def test_failed_step_ends_its_requests_and_engine_serves_on(
     _fault_and_recover(engine, reference, seam, at)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("seam", ["launch_forward", "resolve"])
+def test_failed_step_with_the_host_kv_tier(
+    tiny_models,  # noqa: ANN001
+    reference: dict[str, list[int]],
+    async_scheduling: bool,
+    seam: str,
+) -> None:
+    """The same with the host tier on (``kv_offloading_size``): the saves of the failed step
+    (blocks maybe never written) leave the tier, nothing stays in flight, and the requests
+    sent again get the reference tokens."""
+    from pagedllm.core.sched.offload import OffloadScheduler
+
+    engine = _engine(tiny_models, async_scheduling=async_scheduling, kv_offloading_size=0.01)
+    _fault_and_recover(engine, reference, seam, 1)
+    (tier,) = [c for c in engine.engine_core.scheduler.connectors if c.name == "offload"]
+    assert isinstance(tier, OffloadScheduler)
+    assert not tier.busy and not tier.landing and not tier.planned.loads
+    assert tier.saved_blocks > 0
+
+
 def test_failed_step_with_the_hybrid_kv_manager(tiny_models) -> None:  # noqa: ANN001
     """The same with sliding-window layers (Gemma 3: the hybrid manager, several KV groups
     in one pool with a null block, a prefix cache per group)."""
