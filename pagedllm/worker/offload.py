@@ -90,7 +90,7 @@ class OffloadWorker(KVConnectorWorker):
         """Start the step's saves (see the module docstring); the pending report."""
         if metadata is None:
             return None
-        report = OffloadReport(loaded=len(metadata.loads), host_s=self._load_s)
+        report = OffloadReport(host_s=self._load_s)
         self._load_s = 0.0
         host_ids = torch.tensor([h for _, h in metadata.saves], dtype=torch.long)
         buffers: list[torch.Tensor] = []
@@ -112,7 +112,6 @@ class OffloadWorker(KVConnectorWorker):
                     event.record(self.side)
             else:
                 buffers = gathered
-            report.saved = len(metadata.saves)
             report.host_s += time.perf_counter() - t0
         return PendingSaves(host_ids, buffers, event, report)
 

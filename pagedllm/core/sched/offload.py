@@ -75,10 +75,8 @@ class OffloadMetadata:
 
 @dataclass
 class OffloadReport:
-    """What the worker role copied in one step, and the host time its copies took."""
+    """The host time one step's copies took (what they copied, the metadata says)."""
 
-    loaded: int = 0
-    saved: int = 0
     host_s: float = 0.0
 
 
@@ -115,8 +113,9 @@ class OffloadScheduler(KVConnectorScheduler):
         # a table's prefix-cache key: the block hash, (group, hash) for the hybrid's groups > 0
         self.entries: OrderedDict = OrderedDict()
         self.busy: dict[int, int] = {}  # host block -> copies in flight (landing or loading)
-        self.landing: dict = {}  # host block -> the key its save (not back yet) brings
-        self.landing_hashes: set = set()
+        # host block -> the key its save (not back yet) brings; a key is landing when its
+        # entry's host block is here (a busy block is never handed to another key)
+        self.landing: dict = {}
         self.saved_upto: dict[str, int] = {}  # request -> its blocks before this considered
         self.asked: dict[str, int] = {}  # request -> tokens its last admission looked up
         self.planned: OffloadMetadata = OffloadMetadata()
@@ -144,10 +143,10 @@ class OffloadScheduler(KVConnectorScheduler):
         if self.entries:
             # every table's block (a window group's too: loaded whole, the runner's next
             # step drops what left the window)
-            entries, landing = self.entries, self.landing_hashes
+            entries, landing = self.entries, self.landing
             for h in self.tables[0]._block_hashes(request)[first:last]:
                 keys = [m._key(h) for m in self.tables]
-                if any(k not in entries or k in landing for k in keys):
+                if any(k not in entries or entries[k] in landing for k in keys):
                     break
                 n += 1
         if n:
@@ -238,7 +237,6 @@ class OffloadScheduler(KVConnectorScheduler):
                 continue
             entries[key] = host
             self.landing[host] = key
-            self.landing_hashes.add(key)
             self.busy[host] = self.busy.get(host, 0) + 1
             meta.saves.append((device[i], host))
 
@@ -250,7 +248,7 @@ class OffloadScheduler(KVConnectorScheduler):
         for host, _ in metadata.loads:
             self._release(host)
         for _, host in metadata.saves:
-            self.landing_hashes.discard(self.landing.pop(host, None))
+            self.landing.pop(host, None)
             self._release(host)
         self.saved_blocks += len(metadata.saves)
         if output is not None:
@@ -282,20 +280,18 @@ class OffloadScheduler(KVConnectorScheduler):
                 del self.entries[h]
                 self.free.append(host)
         self.landing.clear()
-        self.landing_hashes.clear()
         self.busy.clear()
         self.planned = OffloadMetadata()
         self.saved_upto.clear()
 
     def stats(self) -> dict[str, float]:
-        block_bytes = self.block_bytes
         return {
             "offload_hit_tokens": self.hit_tokens,
             "offload_queried_tokens": self.queried_tokens,
             "offload_loaded_blocks": self.loaded_blocks,
             "offload_saved_blocks": self.saved_blocks,
             "offload_skipped_saves": self.skipped_saves,
-            "offload_bytes_moved": (self.loaded_blocks + self.saved_blocks) * block_bytes,
+            "offload_bytes_moved": (self.loaded_blocks + self.saved_blocks) * self.block_bytes,
             "offload_copy_host_s": self.host_s,
             "offload_host_blocks_used": len(self.entries),
         }
