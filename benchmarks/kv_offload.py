@@ -31,7 +31,9 @@ import os
 import sys
 import time
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,36 +49,25 @@ def working_set_tokens(a: argparse.Namespace) -> int:
     return a.system_len + a.conversations * per_conv
 
 
-def kv_bytes_per_token(model: str, load_format: str, dtype_bytes: int) -> int:
-    """K and V of every layer for one token, from the model's config."""
-    from pagedllm.model.loader import detect_load_format, load_hf_config, resolve_model_path
+def kv_bytes_per_token(args: Any) -> int:
+    """K and V of every layer for one token: the engine config's model shape and dtype."""
+    import torch
 
-    fmt = detect_load_format(model, load_format)
-    cfg = load_hf_config(resolve_model_path(model, fmt), fmt)
-    cfg = getattr(cfg, "text_config", None) or cfg
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+    mc = args.create_engine_config().model_config
+    elem = torch.empty(0, dtype=mc.torch_dtype).element_size()
+    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
 
 
 def replay(a: argparse.Namespace, mode: str) -> dict:
     """One mode's replay in this process: the engine, the closed loops, the numbers."""
-    import torch
-
     from pagedllm import SamplingParams
     from pagedllm.config import EngineArgs
     from pagedllm.engine.llm_engine import LLMEngine
 
     ws = working_set_tokens(a)
-    dtype_bytes = torch.empty(0, dtype=getattr(torch, a.dtype)).element_size()
-    per_token = kv_bytes_per_token(a.model, a.load_format, dtype_bytes)
     pool_tokens = (
         ws + a.conversations * BLOCK * 2 if mode == "ceiling" else int(ws * a.pool_fraction)
     )
-    kw: dict = {}
-    if mode == "on":
-        kw["kv_offloading_size"] = 1.25 * ws * per_token / 2**30
     args = EngineArgs(
         model=a.model,
         load_format=a.load_format,
@@ -87,10 +78,12 @@ def replay(a: argparse.Namespace, mode: str) -> dict:
         max_num_seqs=a.concurrency,
         num_gpu_blocks_override=max(pool_tokens // BLOCK, 1),
         enable_prefix_caching=True,
-        **kw,
     )
+    per_token = kv_bytes_per_token(args)
+    if mode == "on":
+        args = replace(args, kv_offloading_size=1.25 * ws * per_token / 2**30)
     engine = LLMEngine.from_engine_args(args)
-    vocab = int(getattr(engine.input_processor, "vocab_size", 0) or 1000)
+    vocab = engine.input_processor.vocab_size
     rng = np.random.default_rng(a.seed)
 
     def text(n: int) -> list[int]:
@@ -100,8 +93,7 @@ def replay(a: argparse.Namespace, mode: str) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True)
     convs = [system + text(a.turn_len) for _ in range(a.conversations)]
     turn = [0] * a.conversations
-    sent: dict[str, float] = {}
-    first: dict[str, float] = {}
+    sent: dict[str, float] = {}  # request -> when it was sent
     ttft: list[float] = []
     out_tokens = 0
 
@@ -123,9 +115,8 @@ def replay(a: argparse.Namespace, mode: str) -> dict:
         for o in engine.step():
             rid = o.request_id
             toks = list(o.outputs[0].token_ids)
-            if toks and rid not in first:
-                first[rid] = time.perf_counter()
-                ttft.append(first[rid] - sent[rid])
+            if toks and rid in sent:  # its first tokens
+                ttft.append(time.perf_counter() - sent.pop(rid))
             answers.setdefault(rid, []).extend(toks)
             if o.finished:
                 c = int(rid.split("-")[0])
@@ -145,7 +136,7 @@ def replay(a: argparse.Namespace, mode: str) -> dict:
         "pool_tokens": pool_tokens,
         "working_set_tokens": ws,
         "kv_bytes_per_token": per_token,
-        "tier_gib": kw.get("kv_offloading_size", 0.0),
+        "tier_gib": args.kv_offloading_size or 0.0,
         "requests": len(ttft),
         "elapsed_s": elapsed,
         "output_tokens_per_s": out_tokens / elapsed,
