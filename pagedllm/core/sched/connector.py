@@ -14,15 +14,16 @@ comes back in ``ModelRunnerOutput.kv_connector_output[name]`` to ``update_from_o
 scheduler and the model runner call the roles at the hooks below and know nothing else of the
 feature. KV-Compress is the first user (``core/sched/kvc.py`` and ``kvcompress/runner.py``).
 
-How the next users plug in (the same hooks, nothing new in ``scheduler.py``/``model_runner.py``):
+How the other users plug in:
 
-- **A host KV tier (offload).** Scheduler role: on ``add_request`` / ``num_new_tokens`` it
-  looks the prompt's block hashes up in the host tier and, on a hit, lets the request skip
-  those tokens once their blocks are loaded; ``build_metadata`` lists (host block -> device
-  block) loads for the requests admitted and (device -> host) saves of the full blocks the
-  step computed; ``on_free`` keeps what it saved. Worker role: ``before_forward`` starts the
-  loads (waiting on them before the first layer reads them), ``after_forward`` starts the
-  saves on a side stream and reports in ``finish`` which completed.
+- **The host KV tier** (``offload``: ``core/sched/offload.py``, ``worker/offload.py``). A hit
+  in the tier extends the device prefix hit at admission, so the scheduler asks the roles
+  there (``external_hit``: the tokens a role can bring; ``external_alloc``: the device blocks
+  allocated for them, to fill this step) and counts those tokens computed - skipping them
+  through ``num_new_tokens`` would leave them without blocks. ``build_metadata`` lists the
+  step's loads and the saves of the full blocks its requests hold; the worker role loads
+  before the forward pass and saves after it (a side stream on a GPU), ``finish`` when the
+  copies are done.
 - **Prefill/decode disaggregation.** On a producer, ``build_metadata`` names the requests
   whose prompt finished this step and where their KV goes; the worker role sends the blocks
   in ``after_forward`` and reports the transfers done, and ``on_free`` holds a request's
