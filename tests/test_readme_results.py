@@ -131,22 +131,40 @@ def test_benchmark_d_h100_ceiling_table_quotes_its_file() -> None:
         assert f"{run['speedup_output']:.2f}x at {cr}x" in top, cr
 
 
-def test_host_tier_cpu_table_quotes_its_file() -> None:
-    bench = BENCH_README.read_text()
-    d = _load("kv_offload_smollm2-135m-instruct-f32_Intel_Xeon_Processor.json")
-    for mode, label in (("off", "tier off"), ("on", "tier on"), ("ceiling", "everything fits")):
-        r = d["runs"][mode]
-        cells = (
-            f"| {r['output_tokens_per_s']:.1f} | {r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f} "
-            f"| {r.get('offload_hit_tokens', 0):,} |"
-        )
-        assert cells in _row(bench, f"{label} |"), cells
-    ratios = d["ratios"]
-    quoted = (
-        f"TTFT p50 is {ratios['ttft_p50_on_over_off']:.2f}x the tier-off run's and the throughput "
-        f"{ratios['throughput_on_over_off']:.2f}x, {ratios['throughput_on_over_ceiling']:.1%}"
+def test_host_tier_tables_quote_their_files() -> None:
+    bench = _flat(BENCH_README.read_text())
+    tables = (
+        ("kv_offload_smollm2-135m-instruct-f32_Intel_Xeon_Processor.json", ""),
+        ("kv_offload_qwen3-0.6b_NVIDIA_H100_80GB_HBM3.json", "Qwen3-0.6B, "),
+        ("kv_offload_llama-3.1-8b_NVIDIA_H100_80GB_HBM3.json", "Llama-3.1-8B, "),
     )
-    assert quoted in _flat(bench)
+    for name, shape in tables:
+        d = _load(name)
+        for mode, label in (("off", "tier off"), ("on", "tier on"), ("ceiling", "everything fits")):
+            r = d["runs"][mode]
+            row = (
+                f"| {shape}{label} | {r['output_tokens_per_s']:.1f} "
+                f"| {r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f} "
+                f"| {r.get('offload_hit_tokens', 0):,} |"
+            )
+            assert row in bench, row
+    cpu = _load(tables[0][0])["ratios"]
+    quoted = (
+        f"TTFT p50 is {cpu['ttft_p50_on_over_off']:.2f}x the tier-off run's and the throughput "
+        f"{cpu['throughput_on_over_off']:.2f}x, {cpu['throughput_on_over_ceiling']:.1%}"
+    )
+    assert quoted in bench
+    big = _load(tables[2][0])["ratios"]
+    quoted = (
+        f"TTFT p50 is {big['ttft_p50_on_over_off']:.2f}x the tier-off run's and the throughput "
+        f"{big['throughput_on_over_off']:.2f}x, {big['throughput_on_over_ceiling']:.1%}"
+    )
+    assert quoted in bench
+    small = _load(tables[1][0])["ratios"]
+    quoted = f"TTFT p50 {small['ttft_p50_on_over_off']:.2f}x the tier-off run's (the ~1,000 tokens"
+    assert quoted in bench
+    assert f"throughput {small['throughput_on_over_off']:.2f}x, " in bench
+    assert f"{small['throughput_on_over_ceiling']:.1%} of everything-fits" in bench
 
 
 def test_cpu_table_and_overheads_quote_the_result_files() -> None:

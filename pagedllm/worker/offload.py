@@ -1,22 +1,26 @@
 """The host KV tier (``kv_offloading_size``), worker role: the host copies of KV blocks and the
 copies between them and the device cache (the bookkeeping: ``core/sched/offload.py``).
 
-Host memory: one tensor per device cache tensor, ``[2, num_host_blocks, *page]`` (pinned on
-a GPU), so that host block h of every tensor holds what device block d of the same tensor held.
+Host memory: one byte tensor ``[num_host_blocks, block_bytes]`` (pinned on a GPU), block-major:
+host block h holds, one after another, the K and V pages of one block id in every device cache
+tensor (``[2, *page]`` each). A block is one contiguous run of bytes (1.8 MiB for Qwen3-0.6B),
+so a copy over PCIe moves a block, or a run of consecutive blocks, in one transfer, where a
+layer-major host copy would move one 32 KiB page per layer and K/V.
 
-- Loads, before the forward pass: the host blocks are gathered on the host (into pinned
-  memory on a GPU), copied to the device without a host sync, and scattered into their
-  device blocks on the compute stream, which the forward pass then reads.
-- Saves, after the forward pass: the device blocks are gathered on the compute stream (after
-  the forward wrote them; a later step's writes come after the gather), then copied to pinned
-  host memory on a side stream, overlapping the next steps; the copy is waited for and
-  scattered into the host blocks when the step resolves (``finish``), before the scheduler
-  counts the entries as loadable.
-On a CPU the copies are plain ``index_copy_`` calls made at once.
+- Loads, before the forward pass: the host blocks are copied into a device staging buffer
+  (one asynchronous copy per run of consecutive host ids, on the compute stream: no host
+  sync), then scattered into each cache tensor's device blocks, which the forward pass reads.
+- Saves, after the forward pass: the device blocks are gathered into a staging buffer on the
+  compute stream (after the forward wrote them; a later step's writes come after the gather),
+  then copied straight into their host blocks on a side stream, overlapping the next steps;
+  ``finish`` (when the step resolves) waits for that copy before the scheduler counts the
+  entries as loadable.
+On a CPU the copies are ``index_select`` / ``index_copy_`` calls made at once.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,13 +33,25 @@ from pagedllm.worker.kv_connector import KVConnectorWorker, StepBatch
 
 @dataclass
 class PendingSaves:
-    """A step's saves in flight: host block ids, one pinned buffer per cache tensor, the side
-    stream's event after the copies (None on a CPU: already done)."""
+    """A step's saves in flight: the side stream's event after the copies (None on a CPU or
+    with nothing to save: already done) and the step's report."""
 
-    host_ids: torch.Tensor
-    buffers: list[torch.Tensor]
     event: Any
     report: OffloadReport
+
+
+def host_runs(host_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first host id, first position, length) of each run of consecutive host ids.
+
+    Example: [7, 8, 9, 3, 4] -> [(7, 0, 3), (3, 3, 2)]: two copies instead of five."""
+    runs: list[tuple[int, int, int]] = []
+    for i, h in enumerate(host_ids):
+        if runs and runs[-1][0] + runs[-1][2] == h:
+            first, pos, n = runs[-1]
+            runs[-1] = (first, pos, n + 1)
+        else:
+            runs.append((h, i, 1))
+    return runs
 
 
 class OffloadWorker(KVConnectorWorker):
@@ -48,24 +64,41 @@ class OffloadWorker(KVConnectorWorker):
         self.num_host_blocks = num_host_blocks
         self.device: torch.device = runner.device
         self.cuda = self.device.type == "cuda"
-        self.host: list[torch.Tensor] = []
+        self.dtype: torch.dtype = runner.model_config.torch_dtype
+        self.elem = torch.empty(0, dtype=self.dtype).element_size()
+        # (byte offset, page shape) of each cache tensor's [2, *page] in a host block
+        self.pages: list[tuple[int, tuple[int, ...]]] = []
+        self.block_bytes = 0
+        self.host = torch.empty(0, dtype=torch.uint8)  # [num_host_blocks, block_bytes]
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
         self._load_s = 0.0  # host time of the loads of the step being launched
 
     @classmethod
     def for_runner(cls, runner: Any) -> OffloadWorker:
-        """The role with its host tensors allocated now, at start-up (pinning GiBs takes
-        seconds: not in a request's first step), shaped as the device cache's will be."""
+        """The role with its host memory allocated now, at start-up (pinning GiBs takes
+        seconds: not in a request's first step), laid out for the device cache's tensors."""
         groups = runner.kv_groups
         role = cls(runner, runner.cache_config.kv_offloading_bytes // groups.block_bytes)
-        dtype = runner.model_config.torch_dtype
-        role.host = [
-            torch.zeros(
-                2, role.num_host_blocks, *spec.page_shape, dtype=dtype, pin_memory=role.cuda
-            )
-            for spec in groups.tensor_specs()
-        ]
+        offset = 0
+        for spec in groups.tensor_specs():
+            role.pages.append((offset, tuple(spec.page_shape)))
+            offset += 2 * math.prod(spec.page_shape) * role.elem
+        role.block_bytes = offset
+        role.host = torch.empty(
+            role.num_host_blocks, offset, dtype=torch.uint8, pin_memory=role.cuda
+        )
         return role
+
+    def _views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Each cache tensor's pages in a block-major byte buffer ``[n, block_bytes]``, as
+        ``[2, n, *page]`` views of the cache's dtype (what ``index_copy_(1, ...)`` takes)."""
+        n = buf.shape[0]
+        views = []
+        for offset, page in self.pages:
+            size = 2 * math.prod(page) * self.elem
+            part = buf[:, offset : offset + size].view(self.dtype).view(n, 2, *page)
+            views.append(part.transpose(0, 1))
+        return views
 
     def before_forward(self, so: Any, metadata: OffloadMetadata | None, batch: StepBatch) -> None:
         """Copy the step's loads into their device blocks (before the forward pass reads
@@ -73,17 +106,20 @@ class OffloadWorker(KVConnectorWorker):
         if metadata is None or not metadata.loads:
             return
         t0 = time.perf_counter()
-        src = torch.tensor([h for h, _ in metadata.loads])
+        host_ids = [h for h, _ in metadata.loads]
         dst = torch.tensor([d for _, d in metadata.loads], device=self.device)
-        for dev, host in zip(self.runner.kv_layout.tensors, self.host):
-            if self.cuda:
-                staged = torch.empty(
-                    (host.shape[0], len(src), *host.shape[2:]), dtype=host.dtype, pin_memory=True
-                )
-                torch.index_select(host, 1, src, out=staged)
-                dev.index_copy_(1, dst, staged.to(self.device, non_blocking=True))
-            else:
-                dev.index_copy_(1, dst, host.index_select(1, src))
+        if self.cuda:
+            staged = torch.empty(
+                len(host_ids), self.block_bytes, dtype=torch.uint8, device=self.device
+            )  # [n, block_bytes]
+            for first, pos, n in host_runs(host_ids):
+                staged[pos : pos + n].copy_(self.host[first : first + n], non_blocking=True)
+            sources = self._views(staged)
+        else:
+            src = torch.tensor(host_ids)
+            sources = [v.index_select(1, src) for v in self._views(self.host)]
+        for dev, source in zip(self.runner.kv_layout.tensors, sources):
+            dev.index_copy_(1, dst, source)
         self._load_s = time.perf_counter() - t0
 
     def after_forward(self, so: Any, metadata: OffloadMetadata | None) -> PendingSaves | None:
@@ -92,39 +128,39 @@ class OffloadWorker(KVConnectorWorker):
             return None
         report = OffloadReport(host_s=self._load_s)
         self._load_s = 0.0
-        host_ids = torch.tensor([h for _, h in metadata.saves], dtype=torch.long)
-        buffers: list[torch.Tensor] = []
         event = None
         if metadata.saves:
             t0 = time.perf_counter()
+            host_ids = [h for _, h in metadata.saves]
             src = torch.tensor([d for d, _ in metadata.saves], device=self.device)
-            gathered = [t.index_select(1, src) for t in self.runner.kv_layout.tensors]
+            tensors = self.runner.kv_layout.tensors
             if self.cuda:
                 assert self.side is not None
+                staged = torch.empty(
+                    len(host_ids), self.block_bytes, dtype=torch.uint8, device=self.device
+                )  # [n, block_bytes]
+                for dev, view in zip(tensors, self._views(staged)):
+                    view.copy_(dev.index_select(1, src))
                 self.side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self.side):
-                    for g in gathered:
-                        g.record_stream(self.side)
-                        buf = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
-                        buf.copy_(g, non_blocking=True)
-                        buffers.append(buf)
+                    staged.record_stream(self.side)
+                    for first, pos, n in host_runs(host_ids):
+                        self.host[first : first + n].copy_(staged[pos : pos + n], non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(self.side)
             else:
-                buffers = gathered
+                dst = torch.tensor(host_ids)
+                for dev, view in zip(tensors, self._views(self.host)):
+                    view.index_copy_(1, dst, dev.index_select(1, src))
             report.host_s += time.perf_counter() - t0
-        return PendingSaves(host_ids, buffers, event, report)
+        return PendingSaves(event, report)
 
     def finish(self, pending: PendingSaves | None) -> OffloadReport | None:
-        """Wait for the step's saves to reach pinned memory and put them in their host
-        blocks; the report."""
+        """Wait for the step's saves to reach their host blocks; the report."""
         if pending is None:
             return None
-        if pending.buffers:
+        if pending.event is not None:
             t0 = time.perf_counter()
-            if pending.event is not None:
-                pending.event.synchronize()
-            for host, buf in zip(self.host, pending.buffers):
-                host.index_copy_(1, pending.host_ids, buf)
+            pending.event.synchronize()
             pending.report.host_s += time.perf_counter() - t0
         return pending.report
