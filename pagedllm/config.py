@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.core.kv_transfer.config import KVTransferConfig
 from pagedllm.sampling_params import check_compression_rate
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.structured_output.params import MAX_JSON_WHITESPACE, MAX_JSON_WHITESPACE_SETTING
@@ -95,6 +96,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space_bytes: int = 0  # host memory for swapped-out blocks
     kv_offloading_bytes: int = 0  # the host KV tier of the prefix cache (0: none)
+    kv_transfer: KVTransferConfig | None = None  # prefill/decode disaggregation (None: off)
     preemption_mode: str = "recompute"  # recompute | swap | auto
     # sliding-window layers keep the whole context, as full attention does (vLLM's flag)
     disable_hybrid_kv_cache_manager: bool = False
@@ -316,9 +318,14 @@ def parse_names(text: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
-def _with_offload(names: tuple[str, ...], offload: bool) -> tuple[str, ...]:
-    """The connectors named, plus the host tier's when ``kv_offloading_size`` is set (once)."""
-    return names + ("offload",) * (offload and "offload" not in names)
+def _with_offload(
+    names: tuple[str, ...], offload: bool, transfer: bool = False
+) -> tuple[str, ...]:
+    """The connectors named, plus the host tier's when ``kv_offloading_size`` is set and the
+    KV transfer's when ``kv_transfer_config`` is (once each, the transfer's last: a request
+    takes its prefix from the device, then the host tier, then the transfer)."""
+    names = names + ("offload",) * (offload and "offload" not in names)
+    return names + ("kv_transfer",) * (transfer and "kv_transfer" not in names)
 
 
 def kv_connector_names(
@@ -345,6 +352,9 @@ class EngineArgs:
     swap_space: float = 0.0  # GiB of host memory for swap preemption
     # GiB of host memory for prefix blocks the device cache gives up (vLLM's name; None: off)
     kv_offloading_size: float | None = None
+    # prefill/decode disaggregation, vLLM's JSON: {"kv_role": "kv_producer" | "kv_consumer" |
+    # "kv_both", ...} (core/kv_transfer/config.py); None: off
+    kv_transfer_config: dict | str | KVTransferConfig | None = None
     preemption_mode: str = "recompute"
     disable_hybrid_kv_cache_manager: bool = False
     max_num_seqs: int = 256
@@ -431,6 +441,12 @@ class EngineArgs:
             )
         if offload and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size needs enable_prefix_caching=True.")
+        transfer = KVTransferConfig.parse(self.kv_transfer_config, self.tensor_parallel_size)
+        if transfer is not None and self.enable_kvc:
+            raise ValueError(
+                "kv_transfer_config does not work with KV-Compress yet (per-head blocks); "
+                "use one or the other."
+            )
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(
@@ -486,6 +502,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 swap_space_bytes=int(self.swap_space * 2**30),
                 kv_offloading_bytes=int((offload or 0) * 2**30),
+                kv_transfer=transfer,
                 preemption_mode=self.preemption_mode,
                 disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
             ),
@@ -533,6 +550,7 @@ class EngineArgs:
                 if isinstance(self.kv_connectors, str)
                 else tuple(self.kv_connectors),
                 bool(offload),
+                transfer is not None,
             ),
             structured_outputs_config=so_config,
             speculative_config=spec_config,

@@ -77,6 +77,18 @@ _OFFLOAD_COUNTERS = (
 )  # fmt: skip
 
 
+_TRANSFER_COUNTERS = (
+    ("kv_transfer_sent", "pagedllm:kv_transfer_sent",
+     "Prompts whose KV this engine handed over (a KV producer)."),
+    ("kv_transfer_received_tokens", "pagedllm:kv_transfer_received_tokens",
+     "Prompt tokens whose KV came from a producer instead of being computed."),
+    ("kv_transfer_refused", "pagedllm:kv_transfer_refused",
+     "Requests refused because their KV transfer was missing, truncated or foreign."),
+    ("kv_transfer_send_failures", "pagedllm:kv_transfer_send_failures",
+     "KV transfers this engine could not write."),
+)  # fmt: skip
+
+
 class ServerMetrics:
     """The server's Prometheus metrics; ``record`` is an ``AsyncLLM`` stat logger."""
 
@@ -201,6 +213,7 @@ class ServerMetrics:
             ("kvc_evicted_kvs", self.kvc_evicted),
             *self._spec_counters(stats),
             *self._lazy_counters("offload", stats, _OFFLOAD_COUNTERS),
+            *self._lazy_counters("kv_transfer", stats, _TRANSFER_COUNTERS),
         ):
             value = float(stats.get(key, 0))
             delta = value - self._last.get(key, 0.0)

@@ -48,3 +48,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why the engine ended the request early (e.g. a bad grammar)
+    # prefill/decode disaggregation: what a producer's finished request gives the consumer
+    kv_transfer_params: dict | None = None

@@ -34,7 +34,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(mc, tokenizer, config.kvc_config.enabled)
         eos = self.input_processor.eos_token_id
         self.engine_core = EngineCore(config, {eos} if eos is not None else set(), tokenizer)
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, config.cache_config.kv_transfer)
         self._ids = itertools.count()
         # process a step's outputs during the next one (see step); LLM.generate turns it on
         self.defer_outputs = False

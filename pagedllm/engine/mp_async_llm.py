@@ -94,7 +94,7 @@ class MPAsyncLLM(AsyncLLMBase):
             InputProcessor(mc, tokenizer, config.kvc_config.enabled),
             stat_loggers,
         )
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, config.cache_config.kv_transfer)
         self.index = 0
         if attach is None:
             eos = self.input_processor.eos_token_id

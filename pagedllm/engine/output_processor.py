@@ -59,8 +59,12 @@ class RequestState:
 class OutputProcessor:
     """Per-request detokenization and assembly of RequestOutput objects."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, kv_transfer: Any = None) -> None:
         self.tokenizer = tokenizer
+        # a KV producer's KVTransferConfig: its finished requests name their transfer
+        self.kv_transfer = (
+            kv_transfer if kv_transfer is not None and kv_transfer.is_producer else None
+        )
         self.states: dict[str, RequestState] = {}
 
     def _new_seq(self, index: int, prompt_token_ids: list[int], params: SamplingParams) -> SeqState:
@@ -316,4 +320,16 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             metrics=metrics,
+            kv_transfer_params=self._transfer(state) if finished and self.kv_transfer else None,
         )
+
+    def _transfer(self, state: RequestState) -> dict | None:
+        """A producer's finished request that asked to hand its KV over: where it went."""
+        from pagedllm.core.kv_transfer.scheduler import producer_params, transfer_params
+
+        params = transfer_params(state.params)
+        if not params or not params.get("do_remote_decode"):
+            return None
+        if any(s.finish_reason == "abort" for s in state.seqs):
+            return None
+        return producer_params(self.kv_transfer, state.request_id)

@@ -125,6 +125,11 @@ _HELP = {
     "structured_outputs_disable_any_whitespace": "Structured outputs: compact JSON, no "
     "whitespace at all, for requests that do not set disable_any_whitespace (the same as "
     "--structured-outputs-max-whitespace 0).",
+    "kv_transfer_config": "Prefill/decode disaggregation, as vLLM's JSON: "
+    '\'{"kv_role": "kv_producer"}\' (computes prompts and hands their KV over), "kv_consumer" '
+    '(continues requests from a producer\'s KV) or "kv_both"; engines of one host, through '
+    "shared memory (\"kv_buffer_path\", default /dev/shm/pagedllm-kv); 'pagedllm proxy' puts "
+    "one endpoint in front of a pair (default: off).",
     "speculative_config": "Speculative decoding, as vLLM's JSON: "
     '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (prompt lookup), '
     '"ngram_gpu" (the same lookup on the device: steps stay asynchronous) '
@@ -153,6 +158,7 @@ _METAVARS = {
     "kv_cache_memory_bytes": "BYTES",
     "max_cache_tokens": "N",
     "speculative_config": "JSON",
+    "kv_transfer_config": "JSON",
     "kv_connectors": "NAME,...",
 }
 
@@ -352,6 +358,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="Apply the chat template first.")
     add_engine_args(gen)
 
+    proxy = sub.add_parser(
+        "proxy",
+        help="One OpenAI-compatible endpoint in front of prefill and decode engines "
+        "(--kv-transfer-config).",
+        formatter_class=HelpFormatter,
+    )
+    from pagedllm.entrypoints.proxy import add_arguments as add_proxy_arguments
+
+    add_proxy_arguments(proxy)
     sub.add_parser(
         "bench",
         help="Run a benchmark: 'pagedllm bench NAME [args]'; 'pagedllm bench --help' lists them.",
@@ -517,6 +532,10 @@ def main(argv: list[str] | None = None) -> int:
             from pagedllm.entrypoints.openai.server import run_server
 
             return run_server(ns)
+        if ns.command == "proxy":
+            from pagedllm.entrypoints.proxy import run_proxy
+
+            return run_proxy(ns)
         return _generate(ns)
     except (ValueError, FileNotFoundError) as e:
         print(f"pagedllm {ns.command}: error: {e}", file=sys.stderr)

@@ -54,6 +54,32 @@ def host_runs(host_ids: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def page_layout(kv_groups: Any, dtype: torch.dtype) -> tuple[list[tuple[int, tuple]], int]:
+    """(byte offset, page shape) of each cache tensor's ``[2, *page]`` in a block-major
+    block, and the block's bytes. Example: two layers of [16, 8, 128] bf16 pages -> [(0, ...),
+    (65536, ...)], 131072."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    pages, offset = [], 0
+    for spec in kv_groups.tensor_specs():
+        pages.append((offset, tuple(spec.page_shape)))
+        offset += 2 * math.prod(spec.page_shape) * elem
+    return pages, offset
+
+
+def block_views(
+    pages: list[tuple[int, tuple]], dtype: torch.dtype, buf: torch.Tensor
+) -> list[torch.Tensor]:
+    """Each cache tensor's pages in a block-major byte buffer ``[n, block_bytes]``, as
+    ``[2, n, *page]`` views of the cache's dtype (what ``index_copy_(1, ...)`` takes)."""
+    n, views = buf.shape[0], []
+    elem = torch.empty(0, dtype=dtype).element_size()
+    for offset, page in pages:
+        size = 2 * math.prod(page) * elem
+        part = buf[:, offset : offset + size].view(dtype).view(n, 2, *page)
+        views.append(part.transpose(0, 1))
+    return views
+
+
 class OffloadWorker(KVConnectorWorker):
     """Copies between the device KV cache and its host tier (see the module docstring)."""
 
@@ -65,7 +91,6 @@ class OffloadWorker(KVConnectorWorker):
         self.device: torch.device = runner.device
         self.cuda = self.device.type == "cuda"
         self.dtype: torch.dtype = runner.model_config.torch_dtype
-        self.elem = torch.empty(0, dtype=self.dtype).element_size()
         # (byte offset, page shape) of each cache tensor's [2, *page] in a host block
         self.pages: list[tuple[int, tuple[int, ...]]] = []
         self.block_bytes = 0
@@ -79,26 +104,11 @@ class OffloadWorker(KVConnectorWorker):
         seconds: not in a request's first step), laid out for the device cache's tensors."""
         groups = runner.kv_groups
         role = cls(runner, runner.cache_config.kv_offloading_bytes // groups.block_bytes)
-        offset = 0
-        for spec in groups.tensor_specs():
-            role.pages.append((offset, tuple(spec.page_shape)))
-            offset += 2 * math.prod(spec.page_shape) * role.elem
-        role.block_bytes = offset
+        role.pages, role.block_bytes = page_layout(groups, role.dtype)
         role.host = torch.empty(
-            role.num_host_blocks, offset, dtype=torch.uint8, pin_memory=role.cuda
+            role.num_host_blocks, role.block_bytes, dtype=torch.uint8, pin_memory=role.cuda
         )
         return role
-
-    def _views(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        """Each cache tensor's pages in a block-major byte buffer ``[n, block_bytes]``, as
-        ``[2, n, *page]`` views of the cache's dtype (what ``index_copy_(1, ...)`` takes)."""
-        n = buf.shape[0]
-        views = []
-        for offset, page in self.pages:
-            size = 2 * math.prod(page) * self.elem
-            part = buf[:, offset : offset + size].view(self.dtype).view(n, 2, *page)
-            views.append(part.transpose(0, 1))
-        return views
 
     def before_forward(self, so: Any, metadata: OffloadMetadata | None, batch: StepBatch) -> None:
         """Copy the step's loads into their device blocks (before the forward pass reads
@@ -114,10 +124,12 @@ class OffloadWorker(KVConnectorWorker):
             )  # [n, block_bytes]
             for first, pos, n in host_runs(host_ids):
                 staged[pos : pos + n].copy_(self.host[first : first + n], non_blocking=True)
-            sources = self._views(staged)
+            sources = block_views(self.pages, self.dtype, staged)
         else:
             src = torch.tensor(host_ids)
-            sources = [v.index_select(1, src) for v in self._views(self.host)]
+            sources = [
+                v.index_select(1, src) for v in block_views(self.pages, self.dtype, self.host)
+            ]
         for dev, source in zip(self.runner.kv_layout.tensors, sources):
             dev.index_copy_(1, dst, source)
         self._load_s = time.perf_counter() - t0
@@ -139,7 +151,7 @@ class OffloadWorker(KVConnectorWorker):
                 staged = torch.empty(
                     len(host_ids), self.block_bytes, dtype=torch.uint8, device=self.device
                 )  # [n, block_bytes]
-                for dev, view in zip(tensors, self._views(staged)):
+                for dev, view in zip(tensors, block_views(self.pages, self.dtype, staged)):
                     view.copy_(dev.index_select(1, src))
                 self.side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self.side):
@@ -150,7 +162,7 @@ class OffloadWorker(KVConnectorWorker):
                     event.record(self.side)
             else:
                 dst = torch.tensor(host_ids)
-                for dev, view in zip(tensors, self._views(self.host)):
+                for dev, view in zip(tensors, block_views(self.pages, self.dtype, self.host)):
                     view.index_copy_(1, dst, dev.index_select(1, src))
             report.host_s += time.perf_counter() - t0
         return PendingSaves(event, report)

@@ -38,9 +38,8 @@ from pagedllm.core.kv_cache.spec import KVCacheGroups
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.beams import BeamManager
 from pagedllm.core.sched.checks import check_admissible, check_stop
-from pagedllm.core.sched.connector import ConnectorContext, make_scheduler_roles
+from pagedllm.core.sched.connector import ConnectorContext, make_scheduler_roles, role_configs
 from pagedllm.core.sched.groups import SequenceGroups, num_sequences
-from pagedllm.core.sched.offload import offload_config
 from pagedllm.core.sched.output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -113,25 +112,23 @@ class Scheduler:
         self._host_draft_steps: set[int] = set()
         # Requests finished since the last schedule(): the runner drops their state.
         self.finished_req_ids: set[str] = set()
-        # Requests the runner holds state for (scheduled at least once since last (re)start).
-        self._runner_has: set[str] = set()
+        self._runner_has: set[str] = set()  # requests the runner holds state for
         self.num_preemptions = 0
         # Live requests that need their sampled tokens on the host before their next step
-        # (see Request.needs_host_tokens): while any exists, the engine runs synchronously.
+        # (Request.needs_host_tokens): while any exists, the engine runs synchronously.
         self._sync_ids: set[str] = set()
-        # The Request objects of each scheduled step, in batch order, until its update (two
-        # steps are in flight under async scheduling; a request that finished may have a
-        # token in flight while a new request already uses its id).
+        # The Request objects of each scheduled step, in batch order, until its update (two in
+        # flight under async scheduling; a finished request's token may be in flight while a
+        # new request already uses its id).
         self._in_flight: dict[int, list[Request]] = {}
         self._step_ids = itertools.count()
-        # what changes a KV cache's life: scheduler roles called at the hooks below
-        # (core/sched/connector.py), KV-Compress's first when it is on
+        # what changes a KV cache's life: roles called at the hooks below (sched/connector.py)
         context = ConnectorContext(
             self.kv_cache_manager, self.requests, self.running, self.waiting, self._runner_has,
             scheduler_config,
         )  # fmt: skip
         names = kv_connector_names(kvc_config, kv_connectors)
-        configs = {"kvcompress": kvc_config, "offload": offload_config(cache_config, kv_groups)}
+        configs = role_configs(kvc_config, cache_config, kv_groups)
         self.connectors = make_scheduler_roles(names, context, configs)
         # the roles that may shorten a request's tokens (the rest are skipped per request)
         self._cutters = [c for c in self.connectors if c.cuts_tokens]
@@ -368,7 +365,10 @@ class Scheduler:
                 assert new_blocks is not None  # _swap_in checked the room
             else:
                 computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-                ext = sum(c.external_hit(request, num_hit) for c in self.connectors)  # host tier
+                ext, hits = 0, []  # KV roles bring (host tier, transfer), each after the last's
+                for c in self.connectors:
+                    hits.append((c, num_hit + ext, c.external_hit(request, num_hit + ext)))
+                    ext += hits[-1][2]
                 num_new = request.num_tokens - num_hit - ext
                 if not self.config.enable_chunked_prefill and num_new > budget:
                     break
@@ -394,8 +394,8 @@ class Scheduler:
                 if look:
                     draft_requests[request.request_id] = look
                 self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
-                for c in self.connectors if ext else ():
-                    c.external_alloc(request, num_hit, ext)  # (its loads: this step's)
+                for c, first, n in (h for h in hits if h[2]):
+                    c.external_alloc(request, first, n)  # (its loads: this step's)
                 num_hit += ext
             self.waiting.remove(request)
             if request.num_cached_tokens < 0:

@@ -26,6 +26,7 @@ from pagedllm.entrypoints.openai.serving import (
     Started,
     clamp_logprob,
     off_loop,
+    transfer_field,
 )
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -175,6 +176,7 @@ class ServingChat(ServingBase):
             "model": self.model_name,
             "choices": choices,
             "usage": self.usage(results, req.n),
+            **transfer_field(results),
         }
 
     def _stream(

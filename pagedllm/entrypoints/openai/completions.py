@@ -22,6 +22,7 @@ from pagedllm.entrypoints.openai.serving import (
     Started,
     clamp_logprob,
     off_loop,
+    transfer_field,
 )
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -55,6 +56,11 @@ class ServingCompletion(ServingBase):
         params = req.to_sampling_params()
         best_of = params.best_of or params.n
         self.check_num_seqs(best_of, "best_of" if best_of > params.n else "n")
+        if req.kv_transfer_params and len(req.prompts()) > 1:
+            raise RequestError(
+                "kv_transfer_params needs a single prompt (one KV transfer per request).",
+                param="kv_transfer_params",
+            )
         return self.tokenize(req, req.max_tokens), params
 
     async def create(self, req: CompletionRequest) -> dict[str, Any] | SSEStream:
@@ -108,6 +114,7 @@ class ServingCompletion(ServingBase):
             "model": self.model_name,
             "choices": choices,
             "usage": self.usage(results, req.n),
+            **transfer_field(results),
         }
 
     def _prompt_text(self, text: str | None, ids: list[int]) -> str:

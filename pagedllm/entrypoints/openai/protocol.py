@@ -4,7 +4,7 @@ Fields are OpenAI's plus vLLM's extras (``top_k, min_p, repetition_penalty, min_
 ignore_eos, stop_token_ids, allowed_token_ids, bad_words, skip_special_tokens,
 spaces_between_special_tokens, include_stop_str_in_output, echo, add_generation_prompt,
 continue_final_message, add_special_tokens, priority, cache_salt, chat_template,
-chat_template_kwargs``), beam search
+chat_template_kwargs, kv_transfer_params``), beam search
 (``use_beam_search, length_penalty, early_stopping``, with ``n`` the beam width) and
 structured outputs (``response_format``, ``guided_json, guided_regex, guided_choice,
 guided_grammar``, ``structured_outputs``; see ``structured.py``).
@@ -106,6 +106,10 @@ class _SamplingFields(OpenAIBaseModel):
     compression_rate: float | None = None
     protected_window_size: int | None = None
     compress_once: bool | None = None
+    # prefill/decode disaggregation (a server started with --kv-transfer-config; the proxy
+    # fills it in): {"do_remote_decode": true} on the prefill side, the prefill response's
+    # kv_transfer_params on the decode side
+    kv_transfer_params: dict[str, Any] | None = None
 
     # the request field the structured-output constraint came from (for error messages)
     _structured_field: str | None = PrivateAttr(None)
@@ -164,6 +168,11 @@ class _SamplingFields(OpenAIBaseModel):
                 compression_rate=self.compression_rate,
                 protected_window_size=self.protected_window_size,
                 compress_once=self.compress_once,
+                extra_args=(
+                    {"kv_transfer_params": self.kv_transfer_params}
+                    if self.kv_transfer_params
+                    else None
+                ),
             )
         except ValueError as e:
             raise RequestError(str(e), param=param_of(str(e))) from e
@@ -186,6 +195,7 @@ class _SamplingFields(OpenAIBaseModel):
             ("allowed_token_ids", self.allowed_token_ids is not None),
             ("bad_words", bool(self.bad_words)),
             ("cache_salt", self.cache_salt is not None),
+            ("kv_transfer_params", self.kv_transfer_params is not None),
         ]
         for name, bad in unsupported:
             if bad:

@@ -84,6 +84,7 @@ class Collected:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    kv_transfer_params: dict | None = None  # a KV producer's: where the prompt's KV went
 
     def add(self, out: RequestOutput) -> None:
         for c in out.outputs:
@@ -92,6 +93,7 @@ class Collected:
             self.prompt_logprobs = out.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         self.error = out.error or self.error
+        self.kv_transfer_params = out.kv_transfer_params or self.kv_transfer_params
 
     def ordered(self, n: int) -> list[Choice]:
         """The first ``n`` choices by index (beam search: the n best hypotheses)."""
@@ -140,10 +142,19 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | 
 
 def engine_error(message: str) -> RequestError:
     """The HTTP error for a request the engine ended early: 400 if its grammar was invalid
-    (the compiler's message), else 500."""
+    (the compiler's message) or the engine core refused it as invalid (a ValueError at
+    admission, e.g. a KV transfer that is missing), else 500."""
     if message.startswith(("invalid ", "JSON schema is ")):  # GrammarCompileError
         return RequestError(compile_error_message(message))
+    if message.startswith("ValueError: "):
+        return RequestError(message.removeprefix("ValueError: "))
     return RequestError(message, status_code=500, err_type="InternalServerError")
+
+
+def transfer_field(results: list[Collected]) -> dict[str, Any]:
+    """A KV producer's response field ``kv_transfer_params`` (vLLM's), when it has one."""
+    params = next((r.kv_transfer_params for r in results if r.kv_transfer_params), None)
+    return {"kv_transfer_params": params} if params else {}
 
 
 def internal_error(e: BaseException) -> RequestError:

@@ -1,0 +1,415 @@
+"""Prefill/decode disaggregation, scheduler role: the KV connector ``kv_transfer`` (its worker
+role: ``pagedllm/worker/kv_transfer.py``; the file format: ``files.py``; the seam:
+``core/sched/connector.py``).
+
+A request says what it wants in ``SamplingParams.extra_args["kv_transfer_params"]`` (vLLM's
+key; the proxy fills it in):
+
+- ``{"do_remote_decode": true}`` on a producer: compute the prompt and hand its KV over.
+  Every step, the full prompt blocks the step completes are written through to the request's
+  transfer file (``build_metadata`` lists (row, device block) pairs; the worker role writes
+  them after the forward pass), so a window group's blocks are written while the window still
+  holds them; the step that completes the prompt also finalizes the file. The response then
+  carries ``{"do_remote_prefill": true, "remote_engine_id", "remote_block_file"}``
+  (``producer_params``), which the proxy passes on to the consumer.
+- ``{"do_remote_prefill": true, ...}`` on a consumer: ``add_request`` claims the file, checks
+  it (this model's layout, the request's own prompt, not truncated) and refuses the request
+  with the reason (ValueError: the engine answers that request with an error, the others go
+  on) when the transfer is missing, truncated or foreign. At admission ``external_hit`` offers
+  the consecutive blocks after the device prefix hit (and a host tier's) that the file holds
+  in every group: a consumer that caches a prefix reads only the rest. ``external_alloc``
+  plans their loads, which the worker role makes before the step's forward pass; the file is
+  deleted then (or when the request ends first).
+
+A producer deletes its own transfers that nobody claimed within ``kv_transfer_timeout``
+(the consumer died, or the proxy gave up); a consumer whose producer died finds no file and
+fails that request alone.
+
+Example (block size 16, a 40-token prompt, the consumer caching the first block): the
+producer writes rows 0 and 1 in the prompt's step; the consumer's device hit is 16 tokens,
+``external_hit`` gives 16 more (block 1), and the consumer computes tokens 32..39 - its last
+token is always computed, for its logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pagedllm.core.kv_cache.hybrid import HybridKVCacheManager
+from pagedllm.core.kv_cache.manager import KVCacheManager
+from pagedllm.core.kv_transfer.config import KVTransferConfig
+from pagedllm.core.kv_transfer.files import (
+    TransferHeader,
+    layout_of,
+    rank_path,
+    read_header,
+    token_digest,
+    transfer_name,
+)
+from pagedllm.core.request import Request
+from pagedllm.core.sched.connector import ConnectorContext, KVConnectorScheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVTransferRoleConfig:
+    """The transfer config and what the rows' layout is for this engine's KV groups."""
+
+    transfer: KVTransferConfig
+    layout: str
+    block_bytes: int
+
+
+def kv_transfer_role_config(transfer: KVTransferConfig | None, kv_groups: Any) -> Any:
+    """The role's config (None when the engine has no ``kv_transfer_config``)."""
+    if transfer is None or kv_groups is None:
+        return None
+    return KVTransferRoleConfig(
+        transfer, layout_of(kv_groups, transfer.tp_size), kv_groups.block_bytes
+    )
+
+
+def transfer_params(request_params: Any) -> dict | None:
+    """The ``kv_transfer_params`` of a request's sampling params (None: none)."""
+    extra = getattr(request_params, "extra_args", None)
+    params = extra.get("kv_transfer_params") if isinstance(extra, dict) else None
+    if params is not None and not isinstance(params, dict):
+        raise ValueError("kv_transfer_params must be an object.")
+    return params
+
+
+def producer_params(transfer: KVTransferConfig, request_id: str) -> dict:
+    """What a producer's response gives the proxy for the consumer."""
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": transfer.engine_id,
+        "remote_block_file": transfer_name(transfer.engine_id, request_id),
+    }
+
+
+@dataclass
+class Send:
+    """A producer request's transfer: its file (before the rank suffix), its header, the
+    blocks planned so far, whether the file exists and whether it is published."""
+
+    name: str
+    header: TransferHeader
+    planned: int = 0
+    created: bool = False
+    done: bool = False
+
+
+@dataclass
+class Receive:
+    """A consumer request's claimed transfer: its files' paths template (``{rank}``), where
+    the rows start, and which (group, block) rows hold KV."""
+
+    path: str
+    header: TransferHeader
+    mask: np.ndarray  # [num_groups, num_blocks] bool
+    first: int = 0  # the first block its external hit took (set by external_hit)
+
+
+@dataclass
+class TransferLoad:
+    """Rows of one claimed transfer to copy into device blocks before the forward pass; the
+    files are deleted after."""
+
+    path: str  # with "{rank}"
+    rows_offset: int
+    num_rows: int
+    rows: list[tuple[int, int]]  # (row, device block)
+
+
+@dataclass
+class TransferSave:
+    """Rows of one producer transfer to write after the forward pass; ``header``: create the
+    file first; ``final``: the prompt is complete, publish it."""
+
+    path: str  # with "{rank}", before ".tmp"
+    header: TransferHeader | None
+    mask_offset: int
+    rows_offset: int
+    num_rows: int
+    rows: list[tuple[int, int]]  # (row, device block)
+    final: bool
+
+
+@dataclass
+class TransferMetadata:
+    loads: list[TransferLoad] = field(default_factory=list)
+    saves: list[TransferSave] = field(default_factory=list)
+
+
+class KVTransferScheduler(KVConnectorScheduler):
+    """Producer and consumer bookkeeping (see the module docstring)."""
+
+    name = "kv_transfer"
+
+    def __init__(self, context: ConnectorContext, config: KVTransferRoleConfig | None) -> None:
+        super().__init__(context)
+        if config is None:
+            raise ValueError("the 'kv_transfer' KV connector needs kv_transfer_config.")
+        kv = context.kv_manager
+        if type(kv) is KVCacheManager:
+            self.tables: list[KVCacheManager] = [kv]
+        elif type(kv) is HybridKVCacheManager:
+            self.tables = list(kv.groups)
+        else:
+            raise ValueError(
+                "kv_transfer_config does not work with KV-Compress's per-head blocks yet."
+            )
+        self.kv = kv
+        self.transfer = config.transfer
+        self.layout = config.layout
+        self.block_bytes = config.block_bytes
+        self.block_size = kv.block_size
+        self.budget = context.scheduler_config.max_num_batched_tokens
+        null = kv.block_pool.null_block
+        self.null_id = -1 if null is None else null.block_id
+        self.dir = config.transfer.kv_buffer_path
+        os.makedirs(self.dir, exist_ok=True)
+        self.sends: dict[str, Send] = {}
+        self.receives: dict[str, Receive] = {}
+        self.planned = TransferMetadata()
+        self._next_sweep = 0.0
+        self.sent_transfers = 0
+        self.received_tokens = 0
+        self.refused_transfers = 0
+        self.send_failures = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        """Start a producer's transfer, or claim and check a consumer's (ValueError: the
+        request fails alone, with the reason)."""
+        params = transfer_params(request.sampling_params)
+        if not params or request.seq_index:
+            return
+        rid = request.request_id
+        if params.get("do_remote_decode"):
+            if not self.transfer.is_producer:
+                raise ValueError(
+                    "kv_transfer_params.do_remote_decode: this engine is not a KV producer "
+                    f"(kv_role {self.transfer.kv_role!r})."
+                )
+            n = request.num_prompt_tokens // self.block_size
+            header = TransferHeader(
+                self.layout, self.block_size, self.block_bytes, len(self.tables), n,
+                token_digest(request.prompt_token_ids[: n * self.block_size]),
+            )  # fmt: skip
+            self.sends[rid] = Send(transfer_name(self.transfer.engine_id, rid), header)
+        elif params.get("do_remote_prefill"):
+            if not self.transfer.is_consumer:
+                raise ValueError(
+                    "kv_transfer_params.do_remote_prefill: this engine is not a KV consumer "
+                    f"(kv_role {self.transfer.kv_role!r})."
+                )
+            self.receives[rid] = self._claim(request, params)
+
+    def _claim(self, request: Request, params: dict) -> Receive:
+        name = params.get("remote_block_file")
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+            raise ValueError(
+                "kv_transfer_params.remote_block_file must be the producer's file name, got "
+                f"{name!r}."
+            )
+        # claimed: "<name>.r<rank>.<this engine's id>" (the producer's sweep leaves it)
+        claimed = rank_path(self.dir, name, "{rank}") + f".{self.transfer.engine_id}"
+        taken: list[str] = []
+        try:
+            for r in range(self.transfer.tp_size):
+                try:
+                    os.rename(rank_path(self.dir, name, r), claimed.format(rank=r))
+                except FileNotFoundError:
+                    raise ValueError(
+                        f"the KV transfer {name} is not in {self.dir}: the prefill engine "
+                        "failed or timed out, or another request took it."
+                    ) from None
+                taken.append(claimed.format(rank=r))
+            header, mask = read_header(taken[0])
+            for path in taken[1:]:
+                other, other_mask = read_header(path)
+                if other != header:
+                    raise ValueError(f"the KV transfer {name}'s ranks disagree.")
+                mask &= other_mask
+            if header.layout != self.layout:
+                raise ValueError(
+                    f"the KV transfer {name} was computed by an engine with another KV "
+                    f"layout ({header.layout}, this engine: {self.layout}): not the same "
+                    "model, dtype, block size or tensor-parallel size."
+                )
+            n = header.num_blocks * header.block_size
+            prompt = request.prompt_token_ids
+            if n > len(prompt) or token_digest(prompt[:n]) != header.tokens:
+                raise ValueError(f"the KV transfer {name} is of another prompt.")
+        except ValueError:
+            self.refused_transfers += 1
+            for path in taken:
+                _unlink(path)
+            raise
+        return Receive(claimed, header, mask)
+
+    # ------------------------------------------------------------------ admission
+    def external_hit(self, request: Request, num_device_hit: int) -> int:
+        """Tokens after ``num_device_hit`` (block-aligned) whose blocks the transfer holds in
+        every group, consecutively, up to the last full block before the prompt's last
+        token; no more than the free blocks hold beside a chunk."""
+        got = self.receives.get(request.request_id)
+        if got is None:
+            return 0
+        bs = self.block_size
+        first = num_device_hit // bs
+        last = min(got.header.num_blocks, (request.num_tokens - 1) // bs)
+        n = 0
+        while first + n < last and got.mask[:, first + n].all():
+            n += 1
+        n = cap_to_free(self.kv, len(self.tables), self.budget, request, num_device_hit, n)
+        got.first = first
+        return n * bs
+
+    def external_alloc(self, request: Request, num_device_hit: int, num_tokens: int) -> None:
+        """Plan the loads of the ``num_tokens`` tokens after ``num_device_hit`` into the
+        request's new device blocks (this step, before the forward pass)."""
+        got = self.receives.pop(request.request_id)
+        bs, nb = self.block_size, got.header.num_blocks
+        first, n = num_device_hit // bs, num_tokens // bs
+        rows = []
+        for g, m in enumerate(self.tables):
+            device = m.get_block_ids(request.request_id)[first : first + n]
+            rows += [(g * nb + first + i, d) for i, d in enumerate(device)]
+        h = got.header
+        self.planned.loads.append(TransferLoad(got.path, h.rows_offset(), h.num_rows, rows))
+        self.received_tokens += num_tokens
+
+    # ---------------------------------------------------------------------- steps
+    def begin_step(self) -> None:
+        """Now and then, delete this producer's transfers nobody claimed in time."""
+        now = time.monotonic()
+        if self.transfer.is_producer and now >= self._next_sweep:
+            self._next_sweep = now + min(10.0, self.transfer.kv_transfer_timeout / 4)
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Names: "<name>.r<rank>" published, "...tmp" being written (a live request's are
+        skipped), "...<consumer id>" claimed: the consumer's, deleted only far past the
+        timeout (its consumer died holding it)."""
+        prefix, now = f"{self.transfer.engine_id}-", time.time()
+        live = {s.name for s in self.sends.values() if not s.done}
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return
+        for name in names:
+            base, _, rest = name.partition(".kv.r")
+            if not name.startswith(prefix) or not rest or base + ".kv" in live:
+                continue
+            path = os.path.join(self.dir, name)
+            try:
+                age = now - os.stat(path).st_mtime
+            except OSError:
+                continue
+            claimed = "." in rest and not rest.endswith(".tmp")
+            if age > self.transfer.kv_transfer_timeout * (10 if claimed else 1):
+                _unlink(path)
+
+    def build_metadata(
+        self, num_scheduled: Mapping[str, int], new_req_ids: Sequence[str]
+    ) -> TransferMetadata | None:
+        """The step's loads (planned at admission) and the producer rows it completes."""
+        meta, self.planned = self.planned, TransferMetadata()
+        bs = self.block_size
+        for rid, send in self.sends.items():
+            n = num_scheduled.get(rid)
+            if n is None or send.done:
+                continue
+            request, h = self.context.requests[rid], send.header
+            computed = request.num_computed_tokens + n
+            full = min(computed // bs, h.num_blocks)
+            rows = []
+            for g, m in enumerate(self.tables):
+                device = m.get_block_ids(rid)
+                rows += [
+                    (g * h.num_blocks + i, device[i])
+                    for i in range(send.planned, full)
+                    if device[i] != self.null_id  # (a window group's block that left)
+                ]
+            send.done = computed >= request.num_prompt_tokens
+            path = rank_path(self.dir, send.name, "{rank}")
+            meta.saves.append(
+                TransferSave(
+                    path, None if send.created else h, h.mask_offset(), h.rows_offset(),
+                    h.num_rows, rows, send.done,
+                )
+            )  # fmt: skip
+            send.created, send.planned = True, full
+            self.sent_transfers += send.done
+        return meta if meta.loads or meta.saves else None
+
+    def update(self, metadata: TransferMetadata | None, output: Any | None) -> None:
+        """Count the writes the worker role could not make (the consumer will find no file
+        and fail that request)."""
+        if output:
+            self.send_failures += len(output)
+            logger.warning("KV transfers not written: %s", ", ".join(output))
+
+    # ------------------------------------------------------------------ requests
+    def on_preempt(self, request: Request, swapped: bool) -> None:
+        """A producer request recomputed keeps its written rows (the same KV); a consumer
+        request that had not loaded yet keeps its claim."""
+
+    def on_free(self, request: Request) -> None:
+        """A producer's unfinished file goes (the worker role skips its later writes); a
+        consumer's claimed file nobody loaded goes."""
+        rid = request.request_id
+        send = self.sends.pop(rid, None)
+        if send is not None and send.created and not send.done:
+            for r in range(self.transfer.tp_size):
+                _unlink(rank_path(self.dir, send.name, r) + ".tmp")
+        got = self.receives.pop(rid, None)
+        if got is not None:  # ended before its first step: nobody will load it
+            for r in range(self.transfer.tp_size):
+                _unlink(got.path.format(rank=r))
+
+    def reset(self) -> None:
+        """A step failed: its requests end (on_free drops their state)."""
+        self.planned = TransferMetadata()
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "kv_transfer_sent": self.sent_transfers,
+            "kv_transfer_received_tokens": self.received_tokens,
+            "kv_transfer_refused": self.refused_transfers,
+            "kv_transfer_send_failures": self.send_failures,
+        }
+
+
+def cap_to_free(kv: Any, num_tables: int, budget: int, request: Request, hit: int, n: int) -> int:
+    """At most ``n`` external blocks after ``hit`` tokens such that they and the request's
+    first chunk fit the free blocks of every table (the loaded blocks are allocated at once,
+    in every table: else a window group's whole prompt could outgrow a pool sized for its
+    window, and the request wait forever).
+
+    Example: 29 free, 2 tables (14 each), a budget of 32, 300 tokens after the hit, 13
+    blocks offered -> 13 + 2 > 14: 12 blocks, and a chunk of 32 (the hit's own blocks may be
+    among the free ones, cached: not for these)."""
+    bs = kv.block_size
+    avail = (kv.num_free_blocks() - hit // bs * num_tables) // num_tables
+    left = request.num_tokens - hit
+    while n and n + -(-min(budget, left - n * bs) // bs) > avail:
+        n -= 1
+    return n
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

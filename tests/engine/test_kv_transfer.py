@@ -1,0 +1,207 @@
+"""Prefill/decode disaggregation (``kv_transfer_config``, issue 54): a producer engine computes
+the prompt and hands its KV over through shared-memory files, a consumer engine continues from
+it. The pair's greedy tokens and logprobs equal one engine's on every architecture; a consumer
+that caches a prefix reads only the rest; a transfer that is missing, truncated, of another
+prompt or of another model fails its request alone, with the reason; settings are checked."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.kv_transfer.scheduler import KVTransferScheduler
+
+BLOCK = 16
+HANDOVER = SamplingParams(
+    temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}
+)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 500, size=n).tolist()
+
+
+def _llm(tiny_models: Callable[[str], str], arch: str, role: str | None, buf: Path,
+         **kw: Any) -> LLM:  # fmt: skip
+    kw = {"max_model_len": 256, "num_gpu_blocks_override": 64, "max_num_seqs": 4, **kw}
+    if role is not None:
+        kw["kv_transfer_config"] = {"kv_role": role, "kv_buffer_path": str(buf),
+                                    "engine_id": role.split("_")[1]}  # fmt: skip
+    return LLM(tiny_models(arch), dtype="float32", seed=0, device="cpu", **kw)
+
+
+def _decode(params: dict | None, n: int = 12) -> SamplingParams:
+    extra = {"kv_transfer_params": params} if params is not None else None
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0,
+                          extra_args=extra)  # fmt: skip
+
+
+def _tokens(out: Any) -> tuple[list[int], list[float]]:
+    c = out.outputs[0]
+    return list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
+
+
+def _role(llm: LLM) -> KVTransferScheduler:
+    core = llm.llm_engine.engine_core
+    return next(c for c in core.scheduler.connectors if isinstance(c, KVTransferScheduler))
+
+
+def _hand_over(producer: LLM, prompts: list[list[int]]) -> list[dict]:
+    outs = producer.generate([{"prompt_token_ids": p} for p in prompts], HANDOVER,
+                             use_tqdm=False)  # fmt: skip
+    return [o.kv_transfer_params for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
+def test_a_prefill_decode_pair_equals_one_engine(tiny_models, tmp_path, arch):
+    """Three prompts (150, 37 and 16 tokens: a partial last block, one of a block and less
+    than a prompt's last token) prefilled by the producer (chunks of 32 tokens: Gemma 3's
+    window layers drop blocks while the prompt runs) and decoded by the consumer: the tokens
+    and logprobs of one engine, the consumer computing only each prompt's tail."""
+    prompts = [_prompt(1, 150), _prompt(2, 37), _prompt(3, 16)]
+    kw = {"max_num_batched_tokens": 32}
+    producer = _llm(tiny_models, arch, "kv_producer", tmp_path, **kw)
+    consumer = _llm(tiny_models, arch, "kv_consumer", tmp_path, **kw)
+    params = _hand_over(producer, prompts)
+    assert params[0] == {
+        "do_remote_prefill": True, "remote_engine_id": "producer",
+        "remote_block_file": params[0]["remote_block_file"],
+    }  # fmt: skip
+    assert sorted(os.listdir(tmp_path)) == sorted(p["remote_block_file"] + ".r0" for p in params)
+    got = consumer.generate([{"prompt_token_ids": p} for p in prompts],
+                            [_decode(p) for p in params], use_tqdm=False)  # fmt: skip
+    ref = _llm(tiny_models, arch, None, tmp_path, **kw).generate(
+        [{"prompt_token_ids": p} for p in prompts], _decode(None), use_tqdm=False
+    )
+    for g, r in zip(got, ref):
+        (toks, lps), (ref_toks, ref_lps) = _tokens(g), _tokens(r)
+        assert toks == ref_toks
+        np.testing.assert_allclose(lps, ref_lps, rtol=1e-5, atol=1e-5)
+    # (150 - 1) // 16 = 9 blocks, (37 - 1) // 16 = 2, (16 - 1) // 16 = 0
+    assert _role(consumer).received_tokens == (9 + 2) * BLOCK
+    assert os.listdir(tmp_path) == []  # the consumer deleted what it read
+
+
+def test_a_consumer_with_the_prefix_cached_reads_only_the_rest(tiny_models, tmp_path):
+    """The consumer served a 100-token prompt before; a 150-token prompt that starts with it
+    hits its 6 cached blocks and takes blocks 6..8 from the transfer."""
+    shared = _prompt(4, 100)
+    prompt = shared + _prompt(5, 50)
+    producer = _llm(tiny_models, "llama", "kv_producer", tmp_path)
+    consumer = _llm(tiny_models, "llama", "kv_consumer", tmp_path)
+    consumer.generate([{"prompt_token_ids": shared}], _decode(None, 1), use_tqdm=False)
+    (params,) = _hand_over(producer, [prompt])
+    (got,) = consumer.generate([{"prompt_token_ids": prompt}], _decode(params), use_tqdm=False)
+    assert got.num_cached_tokens == 6 * BLOCK + 3 * BLOCK
+    assert _role(consumer).received_tokens == 3 * BLOCK
+    (ref,) = _llm(tiny_models, "llama", None, tmp_path).generate(
+        [{"prompt_token_ids": prompt}], _decode(None), use_tqdm=False
+    )
+    assert _tokens(got)[0] == _tokens(ref)[0]
+
+
+def _refused(consumer: LLM, prompt: list[int], params: dict) -> str:
+    with pytest.raises(ValueError) as e:
+        consumer.generate([{"prompt_token_ids": prompt}], _decode(params), use_tqdm=False)
+    return str(e.value)
+
+
+def test_a_bad_transfer_fails_its_request_alone(tiny_models, tmp_path):
+    """Missing (the producer died or timed out), truncated (it died while writing), of another
+    prompt, taken twice, or a file name with a path: each request is refused with the reason,
+    its claimed file is gone, and the consumer then serves a good transfer exactly."""
+    prompts = [_prompt(s, 150) for s in (6, 7, 8)]
+    producer = _llm(tiny_models, "llama", "kv_producer", tmp_path)
+    consumer = _llm(tiny_models, "llama", "kv_consumer", tmp_path)
+    a, b, c = _hand_over(producer, prompts)
+    missing = {**a, "remote_block_file": "producer-gone.kv"}
+    assert "is not in" in _refused(consumer, prompts[0], missing)
+    path = tmp_path / (b["remote_block_file"] + ".r0")
+    path.write_bytes(path.read_bytes()[:-100])
+    assert "truncated" in _refused(consumer, prompts[1], b)
+    assert "another prompt" in _refused(consumer, prompts[1], c)  # c is prompts[2]'s
+    assert "is not in" in _refused(consumer, prompts[2], c)  # (the last refusal deleted it)
+    assert "file name" in _refused(consumer, prompts[0], {**a, "remote_block_file": "../x"})
+    assert _role(consumer).refused_transfers == 4  # (a bad name is refused before a claim)
+    assert sorted(os.listdir(tmp_path)) == [a["remote_block_file"] + ".r0"]
+    (got,) = consumer.generate([{"prompt_token_ids": prompts[0]}], _decode(a), use_tqdm=False)
+    (ref,) = _llm(tiny_models, "llama", None, tmp_path).generate(
+        [{"prompt_token_ids": prompts[0]}], _decode(None), use_tqdm=False
+    )
+    assert _tokens(got)[0] == _tokens(ref)[0]
+    assert _role(consumer).received_tokens == 9 * BLOCK
+
+
+def test_a_transfer_of_another_model_shape_is_refused(tiny_models, tmp_path):
+    """A producer of another architecture (another KV layout): refused, naming the layouts."""
+    prompt = _prompt(9, 60)
+    (params,) = _hand_over(_llm(tiny_models, "qwen3", "kv_producer", tmp_path), [prompt])
+    consumer = _llm(tiny_models, "llama", "kv_consumer", tmp_path)
+    assert "another KV layout" in _refused(consumer, prompt, params)
+
+
+def test_unclaimed_transfers_expire_and_roles_are_checked(tiny_models, tmp_path):
+    """A producer deletes its transfers nobody claimed within kv_transfer_timeout; a consumer
+    refuses do_remote_decode and a producer do_remote_prefill; bad configs name the field."""
+    producer = _llm(tiny_models, "llama", "kv_producer", tmp_path,
+                    kv_transfer_config={"kv_role": "kv_producer", "kv_buffer_path": str(tmp_path),
+                                        "engine_id": "p", "kv_transfer_timeout": 0.01})  # fmt: skip
+    (params,) = _hand_over(producer, [_prompt(10, 40)])
+    old = tmp_path / (params["remote_block_file"] + ".r0")
+    os.utime(old, (0, 0))
+    role = _role(producer)
+    role._next_sweep = 0.0
+    _hand_over(producer, [_prompt(11, 40)])  # its step sweeps
+    assert not old.exists() and len(os.listdir(tmp_path)) == 1
+    with pytest.raises(ValueError, match="not a KV producer"):
+        _llm(tiny_models, "llama", "kv_consumer", tmp_path).generate(
+            [{"prompt_token_ids": _prompt(12, 20)}], HANDOVER, use_tqdm=False
+        )
+    with pytest.raises(ValueError, match="not a KV consumer"):
+        producer.generate([{"prompt_token_ids": _prompt(12, 20)}], _decode(params),
+                          use_tqdm=False)  # fmt: skip
+    for bad, field in (
+        ({"kv_role": "prefill"}, "kv_role"),
+        ({"kv_role": "kv_both", "kv_connector": "NixlConnector"}, "kv_connector"),
+        ({"kv_role": "kv_both", "kv_transfer_timeout": 0}, "kv_transfer_timeout"),
+        ({"kv_role": "kv_both", "engine_id": "a/b"}, "engine_id"),
+        ({"kv_role": "kv_both", "colour": 1}, "unknown keys"),
+        ("{not json", "not valid JSON"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            LLM(tiny_models("llama"), device="cpu", kv_transfer_config=bad)
+    with pytest.raises(ValueError, match="KV-Compress"):
+        LLM(tiny_models("llama"), device="cpu", enable_kvc=True,
+            kv_transfer_config={"kv_role": "kv_both"})  # fmt: skip
+
+
+def test_a_pair_with_tensor_parallelism(tiny_models, tmp_path):
+    """TP=2 on both sides (gloo): each rank writes and reads its own shard's file; the tokens
+    are one engine's."""
+    prompt = _prompt(13, 100)
+    kw = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    producer = _llm(tiny_models, "llama", "kv_producer", tmp_path, **kw)
+    try:
+        (params,) = _hand_over(producer, [prompt])
+        assert sorted(os.listdir(tmp_path)) == [
+            params["remote_block_file"] + f".r{r}" for r in range(2)
+        ]
+    finally:
+        producer.llm_engine.engine_core.shutdown()
+    consumer = _llm(tiny_models, "llama", "kv_consumer", tmp_path, **kw)
+    try:
+        (got,) = consumer.generate([{"prompt_token_ids": prompt}], _decode(params),
+                                   use_tqdm=False)  # fmt: skip
+        assert _role(consumer).received_tokens == 6 * BLOCK
+    finally:
+        consumer.llm_engine.engine_core.shutdown()
+    (ref,) = _llm(tiny_models, "llama", None, tmp_path).generate(
+        [{"prompt_token_ids": prompt}], _decode(None), use_tqdm=False
+    )
+    assert _tokens(got)[0] == _tokens(ref)[0]
