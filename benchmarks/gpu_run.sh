@@ -95,6 +95,11 @@ one() {
       python benchmarks/kv_offload.py --model "${OFFLOAD_MODEL:-qwen3-0.6b}" --load-format dummy \
         --device cuda --conversations "${OFFLOAD_CONVS:-64}" --turns "${OFFLOAD_TURNS:-8}" \
         --out "$OUT" ;;
+    pd-transfer)  # prefill/decode disaggregation on one GPU: colocated, producer, consumer
+      df -h /dev/shm /tmp | sed 's/^/  /'
+      python benchmarks/pd_transfer.py --model "${PD_MODEL:-qwen3-0.6b}" --load-format dummy \
+        --device cuda --num-prompts "${PD_PROMPTS:-16}" --input-len "${PD_LEN:-4000}" \
+        ${PD_BUFFER:+--buffer "$PD_BUFFER"} --out "$OUT" ;;
     kvc-d-quick) python benchmarks/kvcompress_throughput.py --model qwen3-0.6b --num-prompts 64 \
         --input-len 2000 --output-len 200 --max-model-len 4096 --kv-cache-memory-bytes 1073741824 \
         --rates "${KVC_RATES:-8,64}" --out "$OUT" | grep -v "^ " ;;

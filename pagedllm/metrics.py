@@ -86,6 +86,12 @@ _TRANSFER_COUNTERS = (
      "Requests refused because their KV transfer was missing, truncated or foreign."),
     ("kv_transfer_send_failures", "pagedllm:kv_transfer_send_failures",
      "KV transfers this engine could not write."),
+    ("kv_transfer_bytes", "pagedllm:kv_transfer_bytes",
+     "Bytes of KV written to and read from transfers."),
+    ("kv_transfer_load_s", "pagedllm:kv_transfer_load_seconds",
+     "Host time of reading transfers into the KV cache (the steps wait for it)."),
+    ("kv_transfer_save_s", "pagedllm:kv_transfer_save_seconds",
+     "Host time of writing transfers."),
 )  # fmt: skip
 
 

@@ -19,7 +19,6 @@ The HTTP client is the standard library's (one blocking call per request on a wo
 so the proxy needs only the server's packages.
 """
 
-from __future__ import annotations
 
 import argparse
 import asyncio

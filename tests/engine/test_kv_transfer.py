@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.kv_transfer.scheduler import KVTransferScheduler
@@ -205,3 +206,31 @@ def test_a_pair_with_tensor_parallelism(tiny_models, tmp_path):
         [{"prompt_token_ids": prompt}], _decode(None), use_tqdm=False
     )
     assert _tokens(got)[0] == _tokens(ref)[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_on_a_gpu_a_pair_equals_one_engine(tiny_models, tmp_path, arch):
+    """Two engines sharing one GPU (async scheduling, CUDA graphs): the producer's rows are
+    gathered on the device and written from pinned memory, the consumer's go back through
+    pinned memory. The reference is one engine that ran the prompts once, as the producer did,
+    and then hits its own prefix cache, computing each prompt's tail as the consumer does
+    (the same kernels on the same shapes: a GPU's sums depend on them): the consumer's tokens
+    and logprobs are that engine's, so the KV that crossed is the KV it cached."""
+    prompts = [_prompt(20, 150), _prompt(21, 70)]
+    kw = {"device": "cuda", "max_num_batched_tokens": 32}
+    producer = _llm(tiny_models, arch, "kv_producer", tmp_path, **kw)
+    consumer = _llm(tiny_models, arch, "kv_consumer", tmp_path, **kw)
+    params = _hand_over(producer, prompts)
+    got = consumer.generate([{"prompt_token_ids": p} for p in prompts],
+                            [_decode(p) for p in params], use_tqdm=False)  # fmt: skip
+    one = _llm(tiny_models, arch, None, tmp_path, **kw)
+    first = SamplingParams(temperature=0.0, max_tokens=1)
+    one.generate([{"prompt_token_ids": p} for p in prompts], first, use_tqdm=False)
+    ref = one.generate([{"prompt_token_ids": p} for p in prompts], _decode(None), use_tqdm=False)
+    for g, r in zip(got, ref):
+        assert g.num_cached_tokens == r.num_cached_tokens
+        (toks, lps), (ref_toks, ref_lps) = _tokens(g), _tokens(r)
+        assert toks == ref_toks
+        np.testing.assert_allclose(lps, ref_lps, rtol=1e-5, atol=1e-5)
+    assert _role(consumer).received_tokens == (9 + 4) * BLOCK

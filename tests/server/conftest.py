@@ -39,6 +39,7 @@ class LiveServer:
     model: str
     max_model_len: int
     log_path: Path
+    pid: int = 0  # the server process (a test that kills it)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -138,7 +139,7 @@ def live_server(log_path: Path, extra_args: tuple[str, ...] = ()) -> Iterator[Li
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server did not start:\n{log_path.read_text()}")
             time.sleep(0.5)
-        yield LiveServer(url, API_KEY, MODEL_NAME, MAX_MODEL_LEN, log_path)
+        yield LiveServer(url, API_KEY, MODEL_NAME, MAX_MODEL_LEN, log_path, proc.pid)
     finally:
         stop_process(proc, 20)
         log.close()

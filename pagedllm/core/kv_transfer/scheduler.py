@@ -144,6 +144,19 @@ class TransferSave:
 
 
 @dataclass
+class TransferReport:
+    """One step's copies on one rank (rank 0's reach the scheduler): host seconds and bytes
+    of the loads (read from files into the device cache) and of the saves (waiting for the
+    gathered rows, then writing them into files), and the saves that failed (by file name)."""
+
+    load_s: float = 0.0
+    load_bytes: int = 0
+    save_s: float = 0.0
+    save_bytes: int = 0
+    failed: list[str] = field(default_factory=list)
+
+
+@dataclass
 class TransferMetadata:
     loads: list[TransferLoad] = field(default_factory=list)
     saves: list[TransferSave] = field(default_factory=list)
@@ -185,6 +198,9 @@ class KVTransferScheduler(KVConnectorScheduler):
         self.received_tokens = 0
         self.refused_transfers = 0
         self.send_failures = 0
+        self.load_s = 0.0
+        self.save_s = 0.0
+        self.bytes_moved = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -353,12 +369,17 @@ class KVTransferScheduler(KVConnectorScheduler):
             self.sent_transfers += send.done
         return meta if meta.loads or meta.saves else None
 
-    def update(self, metadata: TransferMetadata | None, output: Any | None) -> None:
-        """Count the writes the worker role could not make (the consumer will find no file
-        and fail that request)."""
-        if output:
-            self.send_failures += len(output)
-            logger.warning("KV transfers not written: %s", ", ".join(output))
+    def update(self, metadata: TransferMetadata | None, output: TransferReport | None) -> None:
+        """Add the step's copy times and bytes; count the writes the worker role could not
+        make (the consumer will find no file and fail that request)."""
+        if output is None:
+            return
+        self.load_s += output.load_s
+        self.save_s += output.save_s
+        self.bytes_moved += output.load_bytes + output.save_bytes
+        if output.failed:
+            self.send_failures += len(output.failed)
+            logger.warning("KV transfers not written: %s", ", ".join(output.failed))
 
     # ------------------------------------------------------------------ requests
     def on_preempt(self, request: Request, swapped: bool) -> None:
@@ -388,6 +409,9 @@ class KVTransferScheduler(KVConnectorScheduler):
             "kv_transfer_received_tokens": self.received_tokens,
             "kv_transfer_refused": self.refused_transfers,
             "kv_transfer_send_failures": self.send_failures,
+            "kv_transfer_load_s": self.load_s,
+            "kv_transfer_save_s": self.save_s,
+            "kv_transfer_bytes": self.bytes_moved,
         }
 
 

@@ -24,12 +24,15 @@ How the other users plug in:
   step's loads and the saves of the full blocks its requests hold; the worker role loads
   before the forward pass and saves after it (a side stream on a GPU), ``finish`` when the
   copies are done.
-- **Prefill/decode disaggregation.** On a producer, ``build_metadata`` names the requests
-  whose prompt finished this step and where their KV goes; the worker role sends the blocks
-  in ``after_forward`` and reports the transfers done, and ``on_free`` holds a request's
-  blocks until its transfer landed. On a consumer, ``num_new_tokens`` returns 0 for a request
-  whose KV is still arriving (it waits without a token budget) and ``wants_results_first``
-  lets the engine take a step's results as soon as a transfer completes.
+- **Prefill/decode disaggregation** (``kv_transfer``: ``core/kv_transfer/``,
+  ``worker/kv_transfer.py``). On a producer, ``build_metadata`` lists the full prompt blocks
+  each step completes (written through, as the host tier's saves: a window group's blocks are
+  written while the window holds them), the worker role writes them into the request's
+  transfer file after the forward pass and publishes it in ``finish``, before the step's
+  results leave the engine; the blocks are freed as usual. On a consumer, ``add_request``
+  claims and checks the transfer (a bad one refuses the request alone), and
+  ``external_hit`` / ``external_alloc`` bring its blocks after the device's and the host
+  tier's hits, as the tier does: each role's hit starts where the ones before it end.
 
 Rules every role keeps: a hook is cheap when the feature has nothing to do (the hot path of a
 decode step calls ``num_new_tokens`` only for roles that override it); the metadata is plain
@@ -125,13 +128,15 @@ class KVConnectorScheduler:
         return num_new
 
     def external_hit(self, request: Request, num_device_hit: int) -> int:
-        """Tokens after the device prefix hit (``num_device_hit``) whose KV this role can
-        bring instead of computing them (a multiple of the block size; 0: none)."""
+        """Tokens after the first ``num_device_hit`` (the device prefix hit and the hits of
+        the roles before this one) whose KV this role can bring instead of computing them (a
+        multiple of the block size; 0: none)."""
         return 0
 
     def external_alloc(self, request: Request, num_device_hit: int, num_tokens: int) -> None:
         """The scheduler admitted the request with device blocks for the ``num_tokens`` tokens
-        of ``external_hit`` and counts them computed: plan filling them this step."""
+        this role's ``external_hit`` offered after the first ``num_device_hit`` and counts them
+        computed: plan filling them this step (called only when ``num_tokens`` > 0)."""
 
     def on_preempt(self, request: Request, swapped: bool) -> None:
         """The request was preempted (its blocks swapped out, or freed for recompute)."""
