@@ -167,6 +167,36 @@ def test_host_tier_tables_quote_their_files() -> None:
     assert f"{small['throughput_on_over_ceiling']:.1%} of everything-fits" in bench
 
 
+def test_disaggregation_tables_quote_their_files() -> None:
+    bench = _flat(BENCH_README.read_text())
+    for name, label in (("qwen3-0.6b", "Qwen3-0.6B"), ("llama-3.1-8b", "Llama-3.1-8B")):
+        d = _load(f"pd_transfer_{name}_NVIDIA_H100_80GB_HBM3.json")
+        sm, rates = d["summary"], d["runs"]["consumer"]["copy_rates_gb_s"]
+        row = (
+            f"| {label} | {sm['producer_over_colocated_prefill']:.2f}x "
+            f"| {sm['consumer_first_tokens_over_colocated']:.2f}x "
+            f"| {sm['save_gb_s']:.2f} ({sm['save_over_slowest_copy']:.0%}) "
+            f"| {sm['load_gb_s']:.2f} ({sm['load_over_slowest_copy']:.0%}) "
+            f"| {rates['file_write']:.1f} / {rates['file_read']:.1f} / "
+            f"{rates['host_to_device']:.0f} | {sm['requests_equal']} of 16 |"
+        )
+        assert row in bench, row
+    big = _load("pd_transfer_llama-3.1-8b_NVIDIA_H100_80GB_HBM3.json")["summary"]
+    assert f"{big['requests_equal']} of 16 consumer requests" in bench
+    assert f"after {big['mean_tokens_before_a_difference']:.0f} tokens on average" in bench
+    mixed = _load("pd_mixed_SmolLM2-135M-Instruct_Intel_Xeon_Processor.json")["runs"]
+    for col, pd in zip(mixed["colocated"], mixed["pd"]):
+        row = (
+            f"| {col['rate']:g} | {col['chat']['tpot_p99_s']:.3f} / {pd['chat']['tpot_p99_s']:.3f} "
+            f"| {col['chat']['ttft_p99_s']:.2f} / {pd['chat']['ttft_p99_s']:.2f} "
+            f"| {col['long']['ttft_p99_s']:.2f} / {pd['long']['ttft_p99_s']:.2f} |"
+        )
+        assert row in bench, row
+    last_col, last_pd = mixed["colocated"][-1], mixed["pd"][-1]
+    ratio = last_pd["chat"]["tpot_p99_s"] / last_col["chat"]["tpot_p99_s"]
+    assert f"chat TPOT p99 at {ratio:.2f}x the colocated engine's" in bench
+
+
 def test_cpu_table_and_overheads_quote_the_result_files() -> None:
     bench = BENCH_README.read_text()
     top = _flat((ROOT / "README.md").read_text())

@@ -34,7 +34,8 @@ def _llm(tiny_models: Callable[[str], str], arch: str, role: str | None, buf: Pa
     if role is not None:
         kw["kv_transfer_config"] = {"kv_role": role, "kv_buffer_path": str(buf),
                                     "engine_id": role.split("_")[1]}  # fmt: skip
-    return LLM(tiny_models(arch), dtype="float32", seed=0, device="cpu", **kw)
+    kw.setdefault("device", "cpu")
+    return LLM(tiny_models(arch), dtype="float32", seed=0, **kw)
 
 
 def _decode(params: dict | None, n: int = 12) -> SamplingParams:
