@@ -122,8 +122,13 @@ class CacheConfig:
             raise ValueError(
                 f"kv_offloading_size must be non-negative, got {self.kv_offloading_bytes!r}."
             )
-        if self.preemption_mode == "swap" and self.swap_space_bytes == 0:
-            raise ValueError("preemption_mode 'swap' needs swap_space > 0 (GiB of host memory).")
+        if self.preemption_mode == "swap" and not (
+            self.swap_space_bytes or self.kv_offloading_bytes
+        ):
+            raise ValueError(
+                "preemption_mode 'swap' needs swap_space > 0 (GiB of host memory) or "
+                "kv_offloading_size (the host tier)."
+            )
 
 
 @dataclass(frozen=True)
@@ -318,9 +323,7 @@ def parse_names(text: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
-def _with_offload(
-    names: tuple[str, ...], offload: bool, transfer: bool = False
-) -> tuple[str, ...]:
+def _with_offload(names: tuple[str, ...], offload: bool, transfer: bool = False) -> tuple[str, ...]:
     """The connectors named, plus the host tier's when ``kv_offloading_size`` is set and the
     KV transfer's when ``kv_transfer_config`` is (once each, the transfer's last: a request
     takes its prefix from the device, then the host tier, then the transfer)."""

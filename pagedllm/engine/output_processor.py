@@ -327,7 +327,10 @@ class OutputProcessor:
         """A producer's finished request that asked to hand its KV over: where it went."""
         from pagedllm.core.kv_transfer.scheduler import producer_params, transfer_params
 
-        params = transfer_params(state.params)
+        try:
+            params = transfer_params(state.params)
+        except ValueError:  # (the engine refused the request for it)
+            return None
         if not params or not params.get("do_remote_decode"):
             return None
         if any(s.finish_reason == "abort" for s in state.seqs):

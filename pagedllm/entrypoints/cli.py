@@ -68,7 +68,8 @@ _HELP = {
     "first) or sjf (shortest uncached prompt first, with aging).",
     "sjf_aging_rate": "sjf: tokens of rank a request gains per second of waiting.",
     "preemption_mode": "What preemption does to a victim's KV cache: recompute, swap (to "
-    "--swap-space host memory) or auto (the cheaper of the two per victim).",
+    "--swap-space host memory, or through the --kv-offloading-size tier when it holds the "
+    "victim's blocks) or auto (the cheaper of the two per victim).",
     "disable_hybrid_kv_cache_manager": "Keep the whole context in sliding-window layers' KV "
     "cache too, instead of only their window.",
     "seed": "Random seed of the engine (for requests without a seed of their own).",

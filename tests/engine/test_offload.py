@@ -224,6 +224,34 @@ def test_a_preempted_request_resumes_from_the_tier(tiny_models):
     assert got == run(_llm(tiny_models, **kw))
 
 
+def test_preemption_by_swap_goes_through_the_tier(tiny_models):
+    """preemption_mode 'swap' with the tier on: the tier is the swap space (no swap_space
+    needed); a victim whose full blocks it holds is preempted without a second copy and
+    resumes loading them, with the tokens of the engine that swaps to a host pool of its own.
+    A tier that lacks a victim's blocks (too small to hold them) leaves it to swap."""
+    prompts = [_prompt(s, 60) for s in (92, 93)]
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    kw = {"num_gpu_blocks_override": 12, "preemption_mode": "swap"}
+
+    def run(llm: LLM) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    llm = _llm(tiny_models, kv_offloading_size=0.01, **kw)
+    got = run(llm)
+    sched = llm.llm_engine.engine_core.scheduler
+    assert sched.num_preemptions > 0 and sched.num_swaps == 0
+    assert _tier(llm).hit_tokens > 0
+    ref = _llm(tiny_models, swap_space=0.01, **kw)
+    assert run(ref) == got
+    assert ref.llm_engine.engine_core.scheduler.num_swaps > 0
+    # a tier of 2 blocks holds no victim's chain: swapping, as without it
+    block_gib = _tier(llm).block_bytes / 2**30
+    small = _llm(tiny_models, kv_offloading_size=2 * block_gib, swap_space=0.01, **kw)
+    assert run(small) == got
+    assert small.llm_engine.engine_core.scheduler.num_swaps > 0
+
+
 def test_the_chat_replay_benchmark_runs_every_turn(tiny_models):
     """benchmarks/kv_offload.py at a tiny scale, the tier on: every conversation runs every
     turn (closed loops), later turns load their history from the tier, TTFTs are measured."""

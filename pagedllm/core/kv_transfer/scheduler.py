@@ -54,7 +54,7 @@ from pagedllm.core.kv_transfer.files import (
     transfer_name,
 )
 from pagedllm.core.request import Request
-from pagedllm.core.sched.connector import ConnectorContext, KVConnectorScheduler
+from pagedllm.core.sched.connector import ConnectorContext, KVConnectorScheduler, cap_to_free
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,6 @@ class Receive:
     path: str
     header: TransferHeader
     mask: np.ndarray  # [num_groups, num_blocks] bool
-    first: int = 0  # the first block its external hit took (set by external_hit)
 
 
 @dataclass
@@ -288,7 +287,6 @@ class KVTransferScheduler(KVConnectorScheduler):
         while first + n < last and got.mask[:, first + n].all():
             n += 1
         n = cap_to_free(self.kv, len(self.tables), self.budget, request, num_device_hit, n)
-        got.first = first
         return n * bs
 
     def external_alloc(self, request: Request, num_device_hit: int, num_tokens: int) -> None:
@@ -413,23 +411,6 @@ class KVTransferScheduler(KVConnectorScheduler):
             "kv_transfer_save_s": self.save_s,
             "kv_transfer_bytes": self.bytes_moved,
         }
-
-
-def cap_to_free(kv: Any, num_tables: int, budget: int, request: Request, hit: int, n: int) -> int:
-    """At most ``n`` external blocks after ``hit`` tokens such that they and the request's
-    first chunk fit the free blocks of every table (the loaded blocks are allocated at once,
-    in every table: else a window group's whole prompt could outgrow a pool sized for its
-    window, and the request wait forever).
-
-    Example: 29 free, 2 tables (14 each), a budget of 32, 300 tokens after the hit, 13
-    blocks offered -> 13 + 2 > 14: 12 blocks, and a chunk of 32 (the hit's own blocks may be
-    among the free ones, cached: not for these)."""
-    bs = kv.block_size
-    avail = (kv.num_free_blocks() - hit // bs * num_tables) // num_tables
-    left = request.num_tokens - hit
-    while n and n + -(-min(budget, left - n * bs) // bs) > avail:
-        n -= 1
-    return n
 
 
 def _unlink(path: str) -> None:

@@ -198,6 +198,23 @@ class KVConnectorScheduler:
         return {}
 
 
+def cap_to_free(kv: Any, num_tables: int, budget: int, request: Request, hit: int, n: int) -> int:
+    """At most ``n`` external blocks after ``hit`` tokens such that they and the request's
+    first chunk fit the free blocks of every table (the loaded blocks are allocated at once,
+    in every table: else a window group's whole prompt could outgrow a pool sized for its
+    window, and the request wait forever).
+
+    Example: 29 free, 2 tables (14 each), a budget of 32, 300 tokens after the hit, 13
+    blocks offered -> 13 + 2 > 14: 12 blocks, and a chunk of 32 (the hit's own blocks may be
+    among the free ones, cached: not for these)."""
+    bs = kv.block_size
+    avail = (kv.num_free_blocks() - hit // bs * num_tables) // num_tables
+    left = request.num_tokens - hit
+    while n and n + -(-min(budget, left - n * bs) // bs) > avail:
+        n -= 1
+    return n
+
+
 @dataclass(frozen=True)
 class ConnectorContext:
     """What a scheduler role may read of the scheduler: its KV manager, its live requests

@@ -36,7 +36,7 @@ from typing import Any
 from pagedllm.core.kv_cache.hybrid import HybridKVCacheManager
 from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.request import Request
-from pagedllm.core.sched.connector import ConnectorContext, KVConnectorScheduler
+from pagedllm.core.sched.connector import ConnectorContext, KVConnectorScheduler, cap_to_free
 
 
 @dataclass(frozen=True)
@@ -149,18 +149,8 @@ class OffloadScheduler(KVConnectorScheduler):
                 if any(k not in entries or entries[k] in landing for k in keys):
                     break
                 n += 1
-        if n:
-            # the loaded blocks are allocated at once with the first chunk, in every table:
-            # no more than the free blocks hold beside a chunk (else a window group's whole
-            # prompt could outgrow a pool sized for its window, and the request wait forever)
-            # Example: 29 free, 2 tables (14 each), a budget of 32, 300 tokens after the
-            # device hit, 13 blocks in the tier -> 13 + 2 > 14: 12 blocks, and a chunk of 32
-            # (the device hit's blocks may be among the free ones, cached: not for these)
-            free = self.kv.num_free_blocks() - first * len(self.tables)
-            avail = free // len(self.tables)
-            left = request.num_tokens - num_device_hit
-            while n and n + -(-min(self.budget, left - n * bs) // bs) > avail:
-                n -= 1
+        if n:  # (the loaded blocks are allocated at once, in every table: cap_to_free)
+            n = cap_to_free(self.kv, len(self.tables), self.budget, request, num_device_hit, n)
         return n * bs
 
     def external_alloc(self, request: Request, num_device_hit: int, num_tokens: int) -> None:
@@ -262,6 +252,17 @@ class OffloadScheduler(KVConnectorScheduler):
             self.busy.pop(host, None)
 
     # ------------------------------------------------------------------ requests
+    def may_swap(self, request: Request) -> bool:
+        """The tier is the swap space: a victim whose computed full blocks the tier holds
+        (written through, or landing) is preempted by recompute and resumes loading them
+        (only its last partial block is computed again); one with blocks the tier lacks (a
+        skipped save, an eviction) swaps as the preemption mode says."""
+        if not self.kv.uses_prefix_cache(request):
+            return True
+        full = request.num_computed_tokens // self.block_size
+        hashes = self.tables[0]._block_hashes(request)[:full]
+        return any(m._key(h) not in self.entries for h in hashes for m in self.tables)
+
     def on_preempt(self, request: Request, swapped: bool) -> None:
         """A recomputed request saves again from its first block (hashes already held are
         skipped)."""
