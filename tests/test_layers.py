@@ -58,6 +58,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "pagedllm.outputs",
             "pagedllm.structured_output.params",
             "pagedllm.spec_decode.config",
+            "pagedllm.core.kv_transfer.config",
         ),
     ),
     ("config", ("pagedllm.config",)),

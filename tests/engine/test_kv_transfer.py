@@ -108,6 +108,33 @@ def test_a_consumer_with_the_prefix_cached_reads_only_the_rest(tiny_models, tmp_
     assert _tokens(got)[0] == _tokens(ref)[0]
 
 
+def test_a_consumer_takes_its_device_then_its_host_tier_then_the_transfer(tiny_models, tmp_path):
+    """A consumer with a host tier served a 100-token prompt, then others that pushed it out
+    of its 24-block device pool: a 150-token prompt starting with it takes its 6 blocks from
+    the tier and blocks 6..8 from the transfer (the hits chain: each role's starts where the
+    ones before end), with one engine's tokens."""
+    from pagedllm.core.sched.offload import OffloadScheduler
+
+    shared = _prompt(30, 100)
+    prompt = shared + _prompt(31, 50)
+    producer = _llm(tiny_models, "llama", "kv_producer", tmp_path)
+    consumer = _llm(tiny_models, "llama", "kv_consumer", tmp_path, kv_offloading_size=0.01,
+                    num_gpu_blocks_override=24, max_num_seqs=1)  # fmt: skip
+    for p in [shared] + [_prompt(s, 150) for s in (32, 33, 34)]:
+        consumer.generate([{"prompt_token_ids": p}], _decode(None, 1), use_tqdm=False)
+    (params,) = _hand_over(producer, [prompt])
+    (got,) = consumer.generate([{"prompt_token_ids": prompt}], _decode(params), use_tqdm=False)
+    core = consumer.llm_engine.engine_core
+    tier = next(c for c in core.scheduler.connectors if isinstance(c, OffloadScheduler))
+    assert tier.hit_tokens == 6 * BLOCK
+    assert _role(consumer).received_tokens == 3 * BLOCK
+    assert got.num_cached_tokens == 9 * BLOCK
+    (ref,) = _llm(tiny_models, "llama", None, tmp_path).generate(
+        [{"prompt_token_ids": prompt}], _decode(None), use_tqdm=False
+    )
+    assert _tokens(got)[0] == _tokens(ref)[0]
+
+
 def _refused(consumer: LLM, prompt: list[int], params: dict) -> str:
     with pytest.raises(ValueError) as e:
         consumer.generate([{"prompt_token_ids": prompt}], _decode(params), use_tqdm=False)

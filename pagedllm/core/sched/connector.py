@@ -229,18 +229,6 @@ class ConnectorContext:
     scheduler_config: Any
 
 
-def role_configs(kvc_config: Any, cache_config: Any, kv_groups: Any) -> dict[str, Any]:
-    """Each built-in role's own config, from the engine's (None where a role is off)."""
-    from pagedllm.core.kv_transfer.scheduler import kv_transfer_role_config
-    from pagedllm.core.sched.offload import offload_config
-
-    return {
-        "kvcompress": kvc_config,
-        "offload": offload_config(cache_config, kv_groups),
-        "kv_transfer": kv_transfer_role_config(cache_config.kv_transfer, kv_groups),
-    }
-
-
 def make_scheduler_roles(
     names: Sequence[str], context: ConnectorContext, configs: Mapping[str, Any]
 ) -> list[KVConnectorScheduler]:

@@ -38,7 +38,7 @@ from pagedllm.core.kv_cache.spec import KVCacheGroups
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.beams import BeamManager
 from pagedllm.core.sched.checks import check_admissible, check_stop
-from pagedllm.core.sched.connector import ConnectorContext, make_scheduler_roles, role_configs
+from pagedllm.core.sched.connector import ConnectorContext, make_scheduler_roles
 from pagedllm.core.sched.groups import SequenceGroups, num_sequences
 from pagedllm.core.sched.output import (
     CachedRequestData,
@@ -48,6 +48,7 @@ from pagedllm.core.sched.output import (
     SchedulerOutput,
 )
 from pagedllm.core.sched.policy import Now, RankedQueue, make_policy
+from pagedllm.core.sched.roles import role_configs
 from pagedllm.core.sched.spec import SpecDecoding
 from pagedllm.core.sched.structured import GrammarBook
 
@@ -114,8 +115,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self._runner_has: set[str] = set()  # requests the runner holds state for
         self.num_preemptions = 0
-        # Live requests that need their sampled tokens on the host before their next step
-        # (Request.needs_host_tokens): while any exists, the engine runs synchronously.
+        # Live requests needing host tokens (Request.needs_host_tokens): steps run synchronously
         self._sync_ids: set[str] = set()
         # The Request objects of each scheduled step, in batch order, until its update (two in
         # flight under async scheduling; a finished request's token may be in flight while a
