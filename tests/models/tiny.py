@@ -47,6 +47,15 @@ def _config(arch: str):  # noqa: ANN202
             ],
             hidden_activation="gelu_pytorch_tanh",
         )
+    if arch == "qwen3_moe":  # 8 experts, top-2, layer 1 dense (mlp_only_layers)
+        return tf.Qwen3MoeConfig(
+            **{**_COMMON, "num_hidden_layers": 3, "head_dim": 32},
+            moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+        )  # fmt: skip
+    if arch == "mixtral":  # 4 experts, top-2
+        return tf.MixtralConfig(**{**_COMMON, "sliding_window": None}, num_local_experts=4,
+                                num_experts_per_tok=2)  # fmt: skip
     raise ValueError(arch)
 
 
@@ -56,6 +65,8 @@ _MODEL_CLASSES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 

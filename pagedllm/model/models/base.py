@@ -74,6 +74,10 @@ class CausalLM(nn.Module):
             name = self.normalize_name(ckpt_name)
             if name is None:
                 continue
+            special = self.load_special(name, tensor, params)
+            if special is not None:
+                loaded.add(special)
+                continue
             for fused, part, shard in self.packed_modules:
                 if f".{part}." in name:
                     target = name.replace(f".{part}.", f".{fused}.")
@@ -101,6 +105,13 @@ class CausalLM(nn.Module):
         missing = [n for n in params if n not in loaded and not self._is_tied(n)]
         if missing:
             raise ValueError(f"checkpoint has no weights for {missing[:5]} ({len(missing)} in all)")
+
+    def load_special(
+        self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]
+    ) -> str | None:
+        """A model's own mapping for a checkpoint tensor (e.g. one expert's weight into the
+        stacked experts): the parameter it loaded, or None to go the usual way."""
+        return None
 
     def _is_tied(self, name: str) -> bool:
         return self.tie_word_embeddings and name == "lm_head.weight"

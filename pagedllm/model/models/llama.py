@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -130,17 +131,17 @@ class LlamaDecoderLayer(nn.Module):
     """
 
     def __init__(
-        self, config: Any, layer_idx: int, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool
+        self,
+        config: Any,
+        layer_idx: int,
+        dtype: torch.dtype,
+        qkv_bias: bool,
+        qk_norm: bool,
+        make_mlp: Callable[[Any, int, torch.dtype], nn.Module],
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, dtype, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(
-            config.hidden_size,
-            config.intermediate_size,
-            config.hidden_act,
-            bool(getattr(config, "mlp_bias", False)),
-            dtype,
-        )
+        self.mlp = make_mlp(config, layer_idx, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -159,14 +160,33 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp.forward_add_norm(h, residual, next_norm)
 
 
-class LlamaModel(nn.Module):
-    """Embeddings, decoder layers and the final norm."""
+def dense_mlp(config: Any, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+    """A layer's dense MLP (its config's intermediate size and activation)."""
+    return LlamaMLP(
+        config.hidden_size,
+        config.intermediate_size,
+        config.hidden_act,
+        bool(getattr(config, "mlp_bias", False)),
+        dtype,
+    )
 
-    def __init__(self, config: Any, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool) -> None:
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers and the final norm; ``make_mlp(config, layer, dtype)``
+    builds each layer's MLP (a mixture of experts in the MoE models)."""
+
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        qkv_bias: bool,
+        qk_norm: bool,
+        make_mlp: Callable[[Any, int, torch.dtype], nn.Module] = dense_mlp,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, qkv_bias, qk_norm)
+            LlamaDecoderLayer(config, i, dtype, qkv_bias, qk_norm, make_mlp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -190,12 +210,13 @@ class LlamaForCausalLM(CausalLM):
 
     qkv_bias = False
     qk_norm = False
+    make_mlp = staticmethod(dense_mlp)  # each layer's MLP (MoE models: experts)
 
     def __init__(self, config: Any, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(config, dtype, self.qkv_bias, self.qk_norm)
+        self.model = LlamaModel(config, dtype, self.qkv_bias, self.qk_norm, self.make_mlp)
         self.lm_head = LMHead(
             config.vocab_size,
             config.hidden_size,

@@ -1,0 +1,169 @@
+"""Mixture-of-experts layers: the router's top-k and the experts' stacked weights.
+
+``FusedMoE`` holds every expert of a layer in two tensors, ``w13 [E, 2 * I, H]`` (gate then up,
+as one matmul) and ``w2 [E, H, I]`` (down). Each token goes to its router's ``top_k`` experts;
+the output is the routing-weighted sum of their ``down(act(gate(x)) * up(x))``. Under tensor
+parallelism each rank holds every expert's slice of the intermediate size (``I / tp``, the
+column split of gate/up and the row split of down, as a dense MLP splits), and the ranks'
+partial outputs are summed by one all-reduce.
+
+The experts run by ``fused_experts``: on a GPU one Triton grouped GEMM per projection for all
+experts (``pagedllm/ops/fused_moe.py``), elsewhere the reference, which loops over the
+experts a batch touches (each expert's tokens gathered, one matmul each, the weighted
+results added back in expert order, as HF's modeling code does).
+
+Example (4 tokens, E = 4, top-2): token 0 -> experts (2, 0) with weights (0.7, 0.3), ...;
+expert 0 computes the rows of every token that chose it, in one matmul; each token's output
+is 0.7 * expert2(x0) + 0.3 * expert0(x0).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pagedllm.distributed.parallel_state import all_reduce, tp_info
+from pagedllm.model.layers.activation import get_act_and_mul
+from pagedllm.model.layers.linear import ReplicatedLinear, _divide
+from pagedllm.model.layers.norm import RMSNorm
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts (float32), the ``top_k`` largest, renormalized to sum to 1
+    when ``renormalize``: (weights [T, k] in ``weights_dtype``, expert ids [T, k] int64)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(weights_dtype), ids
+
+
+def fused_experts_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    act: str = "silu",
+) -> torch.Tensor:
+    """The reference: x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [T, k] -> [T, H].
+    Experts in ascending order, each over the (token, slot) pairs that chose it."""
+    act_and_mul = get_act_and_mul(act)
+    out = torch.zeros_like(x)
+    num_experts = w13.shape[0]
+    counts = torch.bincount(ids.flatten(), minlength=num_experts)
+    for e in torch.nonzero(counts).flatten().tolist():
+        token, slot = torch.where(ids == e)
+        h = act_and_mul(F.linear(x[token], w13[e]))  # [n, I]
+        y = F.linear(h, w2[e]) * weights[token, slot, None]  # [n, H]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    act: str = "silu",
+) -> torch.Tensor:
+    """The experts' weighted outputs (see the module docstring): Triton on a GPU for SiLU
+    experts, the reference elsewhere."""
+    if x.is_cuda and act == "silu":
+        from pagedllm.ops.fused_moe import fused_moe
+
+        return fused_moe(x, w13, w2, weights, ids)
+    return fused_experts_ref(x, w13, w2, weights, ids, act)
+
+
+class FusedMoE(nn.Module):
+    """Every expert of one layer, stacked (see the module docstring). ``weight_loader(param,
+    tensor, (expert, shard))`` takes one checkpoint tensor of one expert: shard 0 gate, 1 up
+    (into ``w13``), 2 down (into ``w2``); a fused checkpoint tensor of every expert comes with
+    ``(None, shard)``."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden: int,
+        intermediate: int,
+        renormalize: bool,
+        act: str,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        _, tp = tp_info()
+        self.num_experts, self.top_k, self.renormalize, self.act = (
+            num_experts, top_k, renormalize, act,
+        )  # fmt: skip
+        self.intermediate = _divide(intermediate, tp, "moe intermediate size")
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * self.intermediate, hidden, dtype=dtype),
+            requires_grad=False,
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, hidden, self.intermediate, dtype=dtype), requires_grad=False
+        )
+        for p in (self.w13, self.w2):
+            p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int | None, int]
+    ) -> None:
+        expert, which = shard
+        rank, tp = tp_info()
+        n = self.intermediate
+        if which == 2:  # down: [H, I] per expert, split along I
+            part = loaded.chunk(tp, dim=-1)[rank] if tp > 1 else loaded
+            dst = param.data if expert is None else param.data[expert]
+        else:  # gate or up: [I, H] per expert, split along I, placed at its half of w13
+            part = loaded.chunk(tp, dim=-2)[rank] if tp > 1 else loaded
+            rows = slice(which * n, (which + 1) * n)
+            dst = param.data[:, rows] if expert is None else param.data[expert, rows]
+        if dst.shape != part.shape:
+            raise ValueError(
+                f"expert weight shape mismatch: expected {tuple(dst.shape)}, "
+                f"got {tuple(part.shape)}"
+            )
+        dst.copy_(part)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x [T, H], router_logits [T, E] -> [T, H] (this rank's part under TP)."""
+        weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
+        return fused_experts(x, self.w13, self.w2, weights, ids, self.act)
+
+
+class SparseMoeBlock(nn.Module):
+    """The router (a replicated linear to E logits) and the experts, in place of a dense MLP;
+    ``gate`` and ``experts`` are the checkpoint's names."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        intermediate: int,
+        renormalize: bool,
+        act: str,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.gate = ReplicatedLinear(hidden, num_experts, False, dtype)
+        self.experts = FusedMoE(num_experts, top_k, hidden, intermediate, renormalize, act, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, hidden]
+        out = self.experts(x, self.gate(x))
+        return all_reduce(out) if tp_info()[1] > 1 else out
+
+    def forward_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm(self(x), residual)``: the block's output added to the residual stream and
+        normed, as a dense MLP's ``forward_add_norm``."""
+        return norm(self(x), residual)

@@ -1,0 +1,104 @@
+"""Mixture-of-experts decoders on the Llama family's attention: Qwen3-MoE and Mixtral.
+
+Each model differs from its dense sibling only in its MLP (``layers/moe.py``): a router over
+``E`` experts and the top-k experts' weighted outputs. Checkpoints keep one tensor per expert
+and projection (``mlp.experts.<e>.gate_proj.weight`` in Qwen3-MoE, ``block_sparse_moe.
+experts.<e>.w1.weight`` in Mixtral; w1 gate, w3 up, w2 down), which ``load_special`` places
+into the stacked ``w13`` / ``w2``; a checkpoint already stacked (``experts.gate_up_proj``,
+``experts.down_proj``, as transformers 5 holds them in memory) loads as it is.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.model.layers.moe import SparseMoeBlock
+from pagedllm.model.models.llama import LlamaForCausalLM, Qwen3ForCausalLM, dense_mlp
+
+# (prefix, expert, projection) of one expert's tensor; projection names of both families
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_SHARD = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+# transformers 5's stacked names: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]
+_STACKED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+class MoEWeights:
+    """``load_special`` for expert tensors (a mixin of the MoE model classes)."""
+
+    def load_special(
+        self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]
+    ) -> str | None:
+        m = _EXPERT.fullmatch(name)
+        if m is not None:
+            prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+            shard = _SHARD[proj]
+            target = f"{prefix}.{'w2' if shard == 2 else 'w13'}"
+            param = self._param(params, target, name)
+            param.weight_loader(param, tensor, (expert, shard))  # type: ignore[attr-defined]
+            return target
+        m = _STACKED.fullmatch(name)
+        if m is not None:
+            prefix, which = m.groups()
+            if which == "down_proj":
+                param = self._param(params, f"{prefix}.w2", name)
+                param.weight_loader(param, tensor, (None, 2))  # type: ignore[attr-defined]
+                return f"{prefix}.w2"
+            param = self._param(params, f"{prefix}.w13", name)
+            gate, up = tensor.chunk(2, dim=-2)
+            param.weight_loader(param, gate, (None, 0))  # type: ignore[attr-defined]
+            param.weight_loader(param, up, (None, 1))  # type: ignore[attr-defined]
+            return f"{prefix}.w13"
+        return None
+
+    @staticmethod
+    def _param(params: dict[str, nn.Parameter], target: str, name: str) -> nn.Parameter:
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no parameter")
+        return params[target]
+
+
+def _qwen3_moe_mlp(config: Any, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+    """Experts on the layers HF's Qwen3-MoE gives them (every ``decoder_sparse_step``-th,
+    not in ``mlp_only_layers``), a dense MLP on the others."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    sparse = (
+        layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+        and config.num_experts > 0
+        and (layer_idx + 1) % step == 0
+    )
+    if not sparse:
+        return dense_mlp(config, layer_idx, dtype)
+    return SparseMoeBlock(
+        config.hidden_size, config.num_experts, config.num_experts_per_tok,
+        config.moe_intermediate_size, bool(config.norm_topk_prob), config.hidden_act, dtype,
+    )  # fmt: skip
+
+
+def _mixtral_mlp(config: Any, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+    """Experts on every layer; the top-k weights always renormalized."""
+    return SparseMoeBlock(
+        config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
+        config.intermediate_size, True, config.hidden_act, dtype,
+    )  # fmt: skip
+
+
+class Qwen3MoeForCausalLM(MoEWeights, Qwen3ForCausalLM):
+    """Qwen3-MoE (Qwen3-30B-A3B: 48 layers, 128 experts, top-8): Qwen3's attention, experts
+    in the MLPs."""
+
+    make_mlp = staticmethod(_qwen3_moe_mlp)
+
+
+class MixtralForCausalLM(MoEWeights, LlamaForCausalLM):
+    """Mixtral (8x7B: 8 experts, top-2): Mistral's attention, experts in every MLP (the
+    checkpoint's ``block_sparse_moe`` is our ``mlp``)."""
+
+    make_mlp = staticmethod(_mixtral_mlp)
+
+    def normalize_name(self, name: str) -> str | None:
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        return super().normalize_name(name)

@@ -1,0 +1,110 @@
+"""Mixture-of-experts models (issue 55): Qwen3-MoE (with a dense layer among the sparse ones)
+and Mixtral on tiny random configs give HF transformers' greedy tokens and top logprobs, also
+with chunked prefill and prefix caching; tensor parallelism 2 (gloo) gives one rank's tokens;
+a checkpoint whose experts are stacked (transformers 5's in-memory names) loads the same
+weights as one with a tensor per expert."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from tests.models.tiny import hf_greedy
+
+ARCHS = ["qwen3_moe", "mixtral"]
+MAX_NEW = 12
+PROMPT_LENS = [3, 17, 40, 33, 64]
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, size=n).tolist() for n in PROMPT_LENS]
+
+
+def _generate(llm: LLM, prompts: list[list[int]], logprobs: int | None = None) -> list:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=logprobs)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_and_logprobs_equal_hf(tiny_models, arch):
+    path = tiny_models(arch)
+    ref_tokens, ref_lps = hf_greedy(path, _prompts(), MAX_NEW)
+    outs = _generate(LLM(path, dtype="float32", device="cpu", max_model_len=256), _prompts(), 5)
+    assert [o.outputs[0].token_ids for o in outs] == ref_tokens
+    for out, lps in zip(outs, ref_lps):
+        for pos, (tok, d) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+            top_vals, top_ids = lps[pos].topk(5)
+            for tid, val in zip(top_ids.tolist(), top_vals.tolist()):
+                assert abs(d[tid].logprob - val) < 1e-3, (pos, tid)
+            assert d[tok].rank == 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_and_prefix_caching_equal_hf(tiny_models, arch):
+    """Chunks of 16 tokens, then the same prompts again (prefix-cache hits)."""
+    path = tiny_models(arch)
+    ref_tokens, _ = hf_greedy(path, _prompts(), MAX_NEW)
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=256,
+              max_num_batched_tokens=16, enable_chunked_prefill=True)  # fmt: skip
+    for _ in range(2):
+        assert [o.outputs[0].token_ids for o in _generate(llm, _prompts())] == ref_tokens
+    assert llm.llm_engine.engine_core.stats()["prefix_cache_hits"] > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tensor_parallel_2_equals_one_rank(tiny_models, arch):
+    """Each rank holds every expert's half of the intermediate size; one all-reduce sums."""
+    path = tiny_models(arch)
+    kw = {"dtype": "float32", "device": "cpu", "max_model_len": 256,
+          "kv_cache_memory_bytes": 32 << 20}  # fmt: skip
+    one = [o.outputs[0].token_ids for o in _generate(LLM(path, **kw), _prompts())]
+    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="mp", **kw)
+    try:
+        two = [o.outputs[0].token_ids for o in _generate(llm, _prompts())]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert two == one
+
+
+def test_stacked_expert_tensors_load_as_per_expert_ones(tiny_models):
+    """experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I] (no '.weight')."""
+    from safetensors.torch import load_file
+
+    from pagedllm.model.models.moe import Qwen3MoeForCausalLM
+
+    path = tiny_models("qwen3_moe")
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=256)
+    ours = llm.llm_engine.engine_core.model_runner.model
+    tensors = load_file(f"{path}/model.safetensors")
+    stacked: dict[str, torch.Tensor] = {}
+    for layer in (0, 2):  # the sparse layers (1 is dense)
+        pre = f"model.layers.{layer}.mlp.experts"
+        gate = torch.stack([tensors.pop(f"{pre}.{e}.gate_proj.weight") for e in range(8)])
+        up = torch.stack([tensors.pop(f"{pre}.{e}.up_proj.weight") for e in range(8)])
+        stacked[f"{pre}.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        stacked[f"{pre}.down_proj"] = torch.stack(
+            [tensors.pop(f"{pre}.{e}.down_proj.weight") for e in range(8)]
+        )
+    fresh = Qwen3MoeForCausalLM(ours.config, torch.float32)
+    fresh.load_weights(list(tensors.items()) + list(stacked.items()))
+    for name in ("model.layers.0.mlp.experts.w13", "model.layers.2.mlp.experts.w2"):
+        torch.testing.assert_close(dict(fresh.named_parameters())[name],
+                                   dict(ours.named_parameters())[name], rtol=0, atol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("name,billions", [("qwen3-30b-a3b", 30.53), ("mixtral-8x7b", 46.70)])
+def test_the_builtin_shapes_have_their_published_sizes(name, billions):
+    """``load_format='dummy'`` shapes for speed runs: built on the meta device (no memory),
+    their parameter counts are the published models'."""
+    import transformers as tf
+
+    from pagedllm.model.loader import resolve_model_path
+    from pagedllm.model.registry import get_model_class
+
+    config = tf.AutoConfig.from_pretrained(resolve_model_path(name, "dummy"))
+    with torch.device("meta"):
+        model = get_model_class(config)(config, torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)
