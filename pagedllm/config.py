@@ -198,6 +198,8 @@ class ParallelConfig:
     # GPUs: NCCL for every all-reduce, not the symmetric-memory kernel
     # (``distributed/parallel_state.py``)
     disable_custom_all_reduce: bool = False
+    # mixtures of experts: whole experts split over the tensor-parallel ranks (vLLM's flag)
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
@@ -380,6 +382,9 @@ class EngineArgs:
     # None: "mp" with tensor_parallel_size > 1 (a worker process per rank), else "uni"
     distributed_executor_backend: str | None = None
     disable_custom_all_reduce: bool = False
+    # mixtures of experts: whole experts split over the tensor-parallel ranks, not each
+    # expert's intermediate size (vLLM's flag; over data-parallel cores: not yet)
+    enable_expert_parallel: bool = False
     cpu_threads: int | None = None
     cpu_threads_bind: str = "none"
     # KV-Compress (``KVCompressConfig``; the fork's flag names)
@@ -456,6 +461,12 @@ class EngineArgs:
                 f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}."
             )
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.enable_expert_parallel and self.data_parallel_size > 1:
+            raise ValueError(
+                "enable_expert_parallel splits the experts over tensor_parallel_size ranks; "
+                "over data-parallel engine cores (data_parallel_size > 1) it is not supported "
+                "yet."
+            )
         if backend is None:
             backend = "mp" if self.tensor_parallel_size > 1 else "uni"
         so_config = self._structured_outputs_config()
@@ -534,6 +545,7 @@ class EngineArgs:
                 data_parallel_size=self.data_parallel_size,
                 distributed_executor_backend=backend,
                 disable_custom_all_reduce=bool(self.disable_custom_all_reduce),
+                enable_expert_parallel=bool(self.enable_expert_parallel),
             ),
             kvc_config=KVCompressConfig(
                 enabled=bool(self.enable_kvc),

@@ -66,6 +66,23 @@ def tp_info() -> tuple[int, int]:
     return _rank, _world
 
 
+_expert_parallel = False
+
+
+def set_expert_parallel(enabled: bool) -> None:
+    """``enable_expert_parallel``: a mixture of experts splits its experts over the
+    tensor-parallel ranks (each holds E / world whole experts) instead of every expert's
+    intermediate size."""
+    global _expert_parallel
+    _expert_parallel = enabled
+
+
+def ep_info() -> tuple[int, int]:
+    """(rank, size) of the expert-parallel group: the tensor-parallel group's when expert
+    parallelism is on, else (0, 1)."""
+    return (_rank, _world) if _expert_parallel else (0, 1)
+
+
 class _SymmAllReduce:
     """The all-reduce through a symmetric-memory buffer (see the module docstring): ``x`` is
     copied into this rank's buffer, reduced there by the two-shot kernel, copied back."""

@@ -126,6 +126,9 @@ _HELP = {
     "structured_outputs_disable_any_whitespace": "Structured outputs: compact JSON, no "
     "whitespace at all, for requests that do not set disable_any_whitespace (the same as "
     "--structured-outputs-max-whitespace 0).",
+    "enable_expert_parallel": "Mixtures of experts: split whole experts over the "
+    "--tensor-parallel-size ranks (each holds E / N experts; one all-reduce sums their "
+    "outputs) instead of every expert's intermediate size.",
     "kv_transfer_config": "Prefill/decode disaggregation, as vLLM's JSON: "
     '\'{"kv_role": "kv_producer"}\' (computes prompts and hands their KV over), "kv_consumer" '
     '(continues requests from a producer\'s KV) or "kv_both"; engines of one host, through '

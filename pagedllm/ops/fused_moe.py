@@ -68,6 +68,7 @@ def _grouped_gemm_kernel(
     block_expert_ptr,  # [P / BLOCK_M]
     total_ptr,  # [1] padded total
     num_pairs,
+    num_experts,
     N,
     K,
     stride_am,
@@ -92,7 +93,9 @@ def _grouped_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # expert num_experts: "not here" (expert parallelism): zeros, no weight read
+    k_end = tl.where(e < num_experts, K, 0)
+    for k0 in range(0, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(
@@ -141,7 +144,7 @@ def grouped_gemm(
     grid = (sorted_ids.numel() // block_m, triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, w, c, weights if weights is not None else c, sorted_ids, block_expert, total,
-        num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        num_pairs, w.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         A_DIV=a_div, MUL_WEIGHT=weights is not None, UPCAST=a.device.type == "cpu",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
@@ -156,13 +159,14 @@ def fused_moe(
     ids: torch.Tensor,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], routing weights and
-    expert ids [T, k] -> [T, H]: sum_j weights[t, j] * down_e(silu(gate_e(x)) * up_e(x))."""
+    expert ids [T, k] -> [T, H]: sum_j weights[t, j] * down_e(silu(gate_e(x)) * up_e(x)); an
+    id of E is "not here" (expert parallelism: another rank's expert) and adds zero."""
     t, k = ids.shape
     num_experts = w13.shape[0]
     num_pairs = t * k
     block_m = _block_m(num_pairs, num_experts)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    aligned = moe_align(ids, num_experts, block_m)
+    aligned = moe_align(ids, num_experts + 1, block_m)  # (+1: the "not here" bucket)
     inter = grouped_gemm(x, w13, aligned, num_pairs, k, block_m)  # [T * k, 2I]
     h = act_and_mul(inter, "silu")  # [T * k, I]
     flat_w = weights.reshape(-1).contiguous()

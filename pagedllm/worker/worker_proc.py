@@ -60,7 +60,11 @@ class Worker:
     ) -> None:
         import torch
 
-        from pagedllm.distributed.parallel_state import init_custom_all_reduce, init_tensor_parallel
+        from pagedllm.distributed.parallel_state import (
+            init_custom_all_reduce,
+            init_tensor_parallel,
+            set_expert_parallel,
+        )
         from pagedllm.worker.cpu_threads import apply_cpu_threads
         from pagedllm.worker.model_runner import ModelRunner
 
@@ -72,6 +76,7 @@ class Worker:
         init_tensor_parallel(
             rank, world, init_method, "cuda" if device.startswith("cuda") else "cpu"
         )
+        set_expert_parallel(config.parallel_config.enable_expert_parallel)
         if device.startswith("cuda") and not config.parallel_config.disable_custom_all_reduce:
             init_custom_all_reduce(torch.device("cuda", torch.cuda.current_device()))
         self.rank = rank

@@ -53,3 +53,25 @@ def test_fused_moe_matches_reference(dtype, tokens, hidden, inter, experts, top_
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
     if skew:
         assert torch.bincount(ids.flatten().cpu(), minlength=experts).min() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:1], ids=str)
+def test_pairs_of_experts_elsewhere_add_nothing(dtype) -> None:
+    """Expert parallelism: a pair whose expert is another rank's has the id E ("not here");
+    the kernel skips it, as the reference does, and a token whose experts are all elsewhere
+    gets zeros."""
+    gen = torch.Generator().manual_seed(7)
+    tokens, hidden, inter, experts, top_k = 9, 32, 32, 4, 2
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / 6).to(DEVICE, dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / 6).to(DEVICE, dtype)
+    weights, ids = route(torch.randn(tokens, 2 * experts, generator=gen).to(DEVICE, dtype),
+                         top_k, True, dtype)  # fmt: skip
+    ids = torch.where(ids < experts, ids, experts)  # experts 4..7 live on another rank
+    ids[0] = experts
+    got = fused_moe(x, w13, w2, weights, ids)
+    ref = fused_experts_ref(x.float(), w13.float(), w2.float(), weights.float(), ids)
+    assert (ids == experts).any() and (ids < experts).any()
+    assert torch.all(got[0] == 0)
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)

@@ -69,6 +69,26 @@ def test_tensor_parallel_2_equals_one_rank(tiny_models, arch):
     assert two == one
 
 
+@pytest.mark.parametrize("arch,ranks", [("qwen3_moe", 2), ("qwen3_moe", 4), ("mixtral", 4)])
+def test_expert_parallel_equals_one_rank(tiny_models, arch, ranks):
+    """enable_expert_parallel over 2 or 4 ranks (gloo): each holds E / n whole experts (one
+    each for Mixtral's 4 over 4), routes every token and computes its own experts' pairs; the
+    all-reduce sums the ranks' parts. The tokens are one rank's."""
+    path = tiny_models(arch)
+    kw = {"dtype": "float32", "device": "cpu", "max_model_len": 256,
+          "kv_cache_memory_bytes": 32 << 20}  # fmt: skip
+    one = [o.outputs[0].token_ids for o in _generate(LLM(path, **kw), _prompts())]
+    llm = LLM(path, tensor_parallel_size=ranks, distributed_executor_backend="mp",
+              enable_expert_parallel=True, **kw)  # fmt: skip
+    try:
+        got = [o.outputs[0].token_ids for o in _generate(llm, _prompts())]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert got == one
+    with pytest.raises(ValueError, match="data-parallel"):
+        LLM(path, enable_expert_parallel=True, data_parallel_size=2, **kw)
+
+
 def test_stacked_expert_tensors_load_as_per_expert_ones(tiny_models):
     """experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I] (no '.weight')."""
     from safetensors.torch import load_file
@@ -108,3 +128,40 @@ def test_the_builtin_shapes_have_their_published_sizes(name, billions):
     with torch.device("meta"):
         model = get_model_class(config)(config, torch.bfloat16)
     assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+@pytest.mark.parametrize("ranks,expert_parallel", [(2, True), (4, True), (2, False)])
+def test_the_ranks_parts_sum_to_the_whole_layer(monkeypatch, ranks, expert_parallel):
+    """Each rank's FusedMoE, loaded from the whole checkpoint tensors, holds its share (E / n
+    whole experts with expert parallelism, every expert's I / n otherwise), and the ranks'
+    partial outputs sum to the one-rank layer's (what the all-reduce does)."""
+    from pagedllm.distributed import parallel_state as ps
+    from pagedllm.model.layers.moe import FusedMoE
+
+    experts, top_k, hidden, inter = 8, 2, 32, 16
+    gen = torch.Generator().manual_seed(3)
+    gate = torch.randn(experts, inter, hidden, generator=gen) / 6
+    up = torch.randn(experts, inter, hidden, generator=gen) / 6
+    down = torch.randn(experts, hidden, inter, generator=gen) / 4
+    x = torch.randn(7, hidden, generator=gen)
+    logits = torch.randn(7, experts, generator=gen)
+
+    def layer() -> FusedMoE:
+        moe = FusedMoE(experts, top_k, hidden, inter, True, "silu", torch.float32)
+        for e in range(experts):
+            for tensor, shard, param in ((gate[e], 0, moe.w13), (up[e], 1, moe.w13),
+                                         (down[e], 2, moe.w2)):  # fmt: skip
+                moe.weight_loader(param, tensor, (e, shard))
+        return moe
+
+    whole = layer()(x, logits)
+    parts = []
+    monkeypatch.setattr(ps, "_expert_parallel", expert_parallel)
+    for rank in range(ranks):
+        monkeypatch.setattr(ps, "_rank", rank)
+        monkeypatch.setattr(ps, "_world", ranks)
+        moe = layer()
+        local = experts // ranks if expert_parallel else experts
+        assert moe.w13.shape == (local, 2 * (inter if expert_parallel else inter // ranks), hidden)
+        parts.append(moe(x, logits))
+    torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-6)

@@ -5,7 +5,12 @@ as one matmul) and ``w2 [E, H, I]`` (down). Each token goes to its router's ``to
 the output is the routing-weighted sum of their ``down(act(gate(x)) * up(x))``. Under tensor
 parallelism each rank holds every expert's slice of the intermediate size (``I / tp``, the
 column split of gate/up and the row split of down, as a dense MLP splits), and the ranks'
-partial outputs are summed by one all-reduce.
+partial outputs are summed by one all-reduce. With expert parallelism
+(``enable_expert_parallel``) rank r holds whole experts ``[r * E / n, (r + 1) * E / n)``
+instead: every rank routes every token (the attention before it is tensor-parallel, so the
+ranks hold the same tokens), computes the pairs of its own experts, and the same all-reduce
+sums the ranks' parts. A pair whose expert lives elsewhere gets the id ``E_local`` ("not
+here"), which the experts skip.
 
 The experts run by ``fused_experts``: on a GPU one Triton grouped GEMM per projection for all
 experts (``pagedllm/ops/fused_moe.py``), elsewhere the reference, which loops over the
@@ -23,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pagedllm.distributed.parallel_state import all_reduce, tp_info
+from pagedllm.distributed.parallel_state import all_reduce, ep_info, tp_info
 from pagedllm.model.layers.activation import get_act_and_mul
 from pagedllm.model.layers.linear import ReplicatedLinear, _divide
 from pagedllm.model.layers.norm import RMSNorm
@@ -50,11 +55,12 @@ def fused_experts_ref(
     act: str = "silu",
 ) -> torch.Tensor:
     """The reference: x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [T, k] -> [T, H].
-    Experts in ascending order, each over the (token, slot) pairs that chose it."""
+    Experts in ascending order, each over the (token, slot) pairs that chose it; id ``E``
+    is "not here" (expert parallelism) and adds nothing."""
     act_and_mul = get_act_and_mul(act)
     out = torch.zeros_like(x)
     num_experts = w13.shape[0]
-    counts = torch.bincount(ids.flatten(), minlength=num_experts)
+    counts = torch.bincount(ids.flatten(), minlength=num_experts + 1)[:num_experts]
     for e in torch.nonzero(counts).flatten().tolist():
         token, slot = torch.where(ids == e)
         h = act_and_mul(F.linear(x[token], w13[e]))  # [n, I]
@@ -98,16 +104,29 @@ class FusedMoE(nn.Module):
     ) -> None:
         super().__init__()
         _, tp = tp_info()
+        ep_rank, ep = ep_info()
         self.num_experts, self.top_k, self.renormalize, self.act = (
             num_experts, top_k, renormalize, act,
         )  # fmt: skip
-        self.intermediate = _divide(intermediate, tp, "moe intermediate size")
+        if ep > 1:  # whole experts per rank, each whole
+            if num_experts % ep:
+                raise ValueError(
+                    f"the model's {num_experts} experts do not split over "
+                    f"{ep} expert-parallel ranks."
+                )
+            self.num_local = num_experts // ep
+            self.intermediate = intermediate
+        else:
+            self.num_local = num_experts
+            self.intermediate = _divide(intermediate, tp, "moe intermediate size")
+        self.first = ep_rank * self.num_local  # the global id of this rank's first expert
         self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * self.intermediate, hidden, dtype=dtype),
+            torch.empty(self.num_local, 2 * self.intermediate, hidden, dtype=dtype),
             requires_grad=False,
         )
         self.w2 = nn.Parameter(
-            torch.empty(num_experts, hidden, self.intermediate, dtype=dtype), requires_grad=False
+            torch.empty(self.num_local, hidden, self.intermediate, dtype=dtype),
+            requires_grad=False,
         )
         for p in (self.w13, self.w2):
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -117,6 +136,14 @@ class FusedMoE(nn.Module):
     ) -> None:
         expert, which = shard
         rank, tp = tp_info()
+        if ep_info()[1] > 1:  # whole experts: this rank's, none of the others'
+            tp = 1
+            if expert is None:
+                loaded = loaded[self.first : self.first + self.num_local]
+            elif not self.first <= expert < self.first + self.num_local:
+                return
+            else:
+                expert -= self.first
         n = self.intermediate
         if which == 2:  # down: [H, I] per expert, split along I
             part = loaded.chunk(tp, dim=-1)[rank] if tp > 1 else loaded
@@ -135,6 +162,9 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H] (this rank's part under TP)."""
         weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
+        if self.num_local < self.num_experts:  # expert parallelism: the others' are not here
+            local = ids - self.first
+            ids = torch.where((local >= 0) & (local < self.num_local), local, self.num_local)
         return fused_experts(x, self.w13, self.w2, weights, ids, self.act)
 
 
