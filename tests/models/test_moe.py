@@ -165,3 +165,31 @@ def test_the_ranks_parts_sum_to_the_whole_layer(monkeypatch, ranks, expert_paral
         assert moe.w13.shape == (local, 2 * (inter if expert_parallel else inter // ranks), hidden)
         parts.append(moe(x, logits))
     torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "engine_kw",
+    [
+        {"enable_kvc": True},  # KV-Compress with a budget above every length: evicts nothing
+        {
+            "speculative_config": {
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_max": 3,
+            }
+        },  # fmt: skip
+    ],
+    ids=["kvcompress", "ngram"],
+)
+def test_kv_compress_and_speculative_decoding_see_only_attention(tiny_models, engine_kw):
+    """The KV side does not care what the MLP is: KV-Compress (no eviction under the budget)
+    and n-gram drafts verified by the MoE model give HF's greedy tokens."""
+    path = tiny_models("qwen3_moe")
+    prompts = _prompts()
+    ref_tokens, _ = hf_greedy(path, prompts, MAX_NEW)
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=256, **engine_kw)
+    budget = 200 if "enable_kvc" in engine_kw else None
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
+                            max_cache_tokens=budget)  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref_tokens
