@@ -42,7 +42,6 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.core.kv_cache.hybrid import HybridKVCacheManager
 from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.kv_transfer.config import KVTransferConfig
 from pagedllm.core.kv_transfer.files import (
@@ -54,7 +53,12 @@ from pagedllm.core.kv_transfer.files import (
     transfer_name,
 )
 from pagedllm.core.request import Request
-from pagedllm.core.sched.connector import ConnectorContext, KVConnectorScheduler, cap_to_free
+from pagedllm.core.sched.connector import (
+    ConnectorContext,
+    KVConnectorScheduler,
+    block_tables,
+    cap_to_free,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -171,14 +175,7 @@ class KVTransferScheduler(KVConnectorScheduler):
         if config is None:
             raise ValueError("the 'kv_transfer' KV connector needs kv_transfer_config.")
         kv = context.kv_manager
-        if type(kv) is KVCacheManager:
-            self.tables: list[KVCacheManager] = [kv]
-        elif type(kv) is HybridKVCacheManager:
-            self.tables = list(kv.groups)
-        else:
-            raise ValueError(
-                "kv_transfer_config does not work with KV-Compress's per-head blocks yet."
-            )
+        self.tables: list[KVCacheManager] = block_tables(kv, "kv_transfer_config")
         self.kv = kv
         self.transfer = config.transfer
         self.layout = config.layout

@@ -198,6 +198,20 @@ class KVConnectorScheduler:
         return {}
 
 
+def block_tables(kv: Any, flag: str) -> list[Any]:
+    """The managers whose block tables a role that copies whole blocks works on: the plain
+    manager, or each group's of the hybrid one; ValueError naming ``flag`` for KV-Compress's
+    per-head blocks."""
+    from pagedllm.core.kv_cache.hybrid import HybridKVCacheManager
+    from pagedllm.core.kv_cache.manager import KVCacheManager
+
+    if type(kv) is KVCacheManager:
+        return [kv]
+    if type(kv) is HybridKVCacheManager:
+        return list(kv.groups)
+    raise ValueError(f"{flag} does not work with KV-Compress's per-head blocks yet.")
+
+
 def cap_to_free(kv: Any, num_tables: int, budget: int, request: Request, hit: int, n: int) -> int:
     """At most ``n`` external blocks after ``hit`` tokens such that they and the request's
     first chunk fit the free blocks of every table (the loaded blocks are allocated at once,

@@ -33,10 +33,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.core.kv_cache.hybrid import HybridKVCacheManager
 from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.request import Request
-from pagedllm.core.sched.connector import ConnectorContext, KVConnectorScheduler, cap_to_free
+from pagedllm.core.sched.connector import (
+    ConnectorContext,
+    KVConnectorScheduler,
+    block_tables,
+    cap_to_free,
+)
 
 
 @dataclass(frozen=True)
@@ -91,14 +95,7 @@ class OffloadScheduler(KVConnectorScheduler):
         if config is None:
             raise ValueError("the 'offload' KV connector needs kv_offloading_size (GiB).")
         kv = context.kv_manager
-        if type(kv) is KVCacheManager:
-            self.tables: list[KVCacheManager] = [kv]
-        elif type(kv) is HybridKVCacheManager:
-            self.tables = list(kv.groups)
-        else:
-            raise ValueError(
-                "kv_offloading_size does not work with KV-Compress's per-head blocks yet."
-            )
+        self.tables: list[KVCacheManager] = block_tables(kv, "kv_offloading_size")
         if not kv.enable_caching:
             raise ValueError("kv_offloading_size needs enable_prefix_caching=True.")
         self.kv = kv
