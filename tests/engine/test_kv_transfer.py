@@ -90,6 +90,27 @@ def test_a_prefill_decode_pair_equals_one_engine(tiny_models, tmp_path, arch):
     assert os.listdir(tmp_path) == []  # the consumer deleted what it read
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_transfers_go_through_the_ring_a_block_at_a_time(tiny_models, tmp_path, monkeypatch, arch):
+    """A ring buffer of one row: every read and write is a chunk of one block (the path of a
+    transfer larger than the ring); the tokens are still one engine's."""
+    from pagedllm.worker.kv_transfer import KVTransferWorker
+
+    monkeypatch.setattr(KVTransferWorker, "RING_BYTES", 1)
+    prompts = [_prompt(40, 150), _prompt(41, 70)]
+    kw = {"max_num_batched_tokens": 32}
+    producer = _llm(tiny_models, arch, "kv_producer", tmp_path, **kw)
+    consumer = _llm(tiny_models, arch, "kv_consumer", tmp_path, **kw)
+    params = _hand_over(producer, prompts)
+    got = consumer.generate([{"prompt_token_ids": p} for p in prompts],
+                            [_decode(p) for p in params], use_tqdm=False)  # fmt: skip
+    ref = _llm(tiny_models, arch, None, tmp_path, **kw).generate(
+        [{"prompt_token_ids": p} for p in prompts], _decode(None), use_tqdm=False
+    )
+    assert [_tokens(g)[0] for g in got] == [_tokens(r)[0] for r in ref]
+    assert _role(consumer).received_tokens == (9 + 4) * BLOCK
+
+
 def test_a_consumer_with_the_prefix_cached_reads_only_the_rest(tiny_models, tmp_path):
     """The consumer served a 100-token prompt before; a 150-token prompt that starts with it
     hits its 6 cached blocks and takes blocks 6..8 from the transfer."""
