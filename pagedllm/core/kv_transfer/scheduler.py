@@ -246,6 +246,7 @@ class KVTransferScheduler(KVConnectorScheduler):
                         "failed or timed out, or another request took it."
                     ) from None
                 taken.append(claimed.format(rank=r))
+                os.utime(taken[-1])  # (the producer's sweep counts a claim's age from now)
             header, mask = read_header(taken[0])
             for path in taken[1:]:
                 other, other_mask = read_header(path)
@@ -262,11 +263,13 @@ class KVTransferScheduler(KVConnectorScheduler):
             prompt = request.prompt_token_ids
             if n > len(prompt) or token_digest(prompt[:n]) != header.tokens:
                 raise ValueError(f"the KV transfer {name} is of another prompt.")
-        except ValueError:
+        except (ValueError, OSError) as e:
             self.refused_transfers += 1
             for path in taken:
                 _unlink(path)
-            raise
+            if isinstance(e, ValueError):
+                raise
+            raise ValueError(f"the KV transfer {name} could not be read: {e}") from None
         return Receive(claimed, header, mask)
 
     # ------------------------------------------------------------------ admission
