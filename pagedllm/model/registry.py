@@ -11,6 +11,7 @@ _ARCHS = {
     "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("moe", "Qwen3MoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("moe", "Qwen2MoeForCausalLM"),
     "MixtralForCausalLM": ("moe", "MixtralForCausalLM"),
 }
 _MODEL_TYPES = {
@@ -21,6 +22,7 @@ _MODEL_TYPES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
 }
 

@@ -1,8 +1,9 @@
-"""Mixture-of-experts models (issue 55): Qwen3-MoE (with a dense layer among the sparse ones)
-and Mixtral on tiny random configs give HF transformers' greedy tokens and top logprobs, also
-with chunked prefill and prefix caching; tensor parallelism 2 (gloo) gives one rank's tokens;
-a checkpoint whose experts are stacked (transformers 5's in-memory names) loads the same
-weights as one with a tensor per expert."""
+"""Mixture-of-experts models (issue 55): Qwen3-MoE (with a dense layer among the sparse ones),
+Qwen2-MoE (a gated shared expert) and Mixtral on tiny random configs give HF transformers'
+greedy tokens and top logprobs, also with chunked prefill and prefix caching; tensor
+parallelism 2 and expert parallelism 2 / 4 (gloo) give one rank's tokens; KV-Compress and
+speculative decoding see only attention; a checkpoint whose experts are stacked
+(transformers 5's in-memory names) loads the same weights as one with a tensor per expert."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from tests.models.tiny import hf_greedy
 
-ARCHS = ["qwen3_moe", "mixtral"]
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]
 MAX_NEW = 12
 PROMPT_LENS = [3, 17, 40, 33, 64]
 
@@ -69,7 +70,9 @@ def test_tensor_parallel_2_equals_one_rank(tiny_models, arch):
     assert two == one
 
 
-@pytest.mark.parametrize("arch,ranks", [("qwen3_moe", 2), ("qwen3_moe", 4), ("mixtral", 4)])
+@pytest.mark.parametrize(
+    "arch,ranks", [("qwen3_moe", 2), ("qwen3_moe", 4), ("qwen2_moe", 2), ("mixtral", 4)]
+)
 def test_expert_parallel_equals_one_rank(tiny_models, arch, ranks):
     """enable_expert_parallel over 2 or 4 ranks (gloo): each holds E / n whole experts (one
     each for Mixtral's 4 over 4), routes every token and computes its own experts' pairs; the

@@ -53,6 +53,13 @@ def _config(arch: str):  # noqa: ANN202
             moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
         )  # fmt: skip
+    if arch == "qwen2_moe":  # 8 experts, top-2, not renormalized, a gated shared expert
+        return tf.Qwen2MoeConfig(
+            **{**_COMMON, "tie_word_embeddings": False}, moe_intermediate_size=32,
+            shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+            norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+            use_sliding_window=False,
+        )  # fmt: skip
     if arch == "mixtral":  # 4 experts, top-2
         return tf.MixtralConfig(**{**_COMMON, "sliding_window": None}, num_local_experts=4,
                                 num_experts_per_tok=2)  # fmt: skip
@@ -66,6 +73,7 @@ _MODEL_CLASSES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
 }
 

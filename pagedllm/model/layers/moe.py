@@ -170,7 +170,8 @@ class FusedMoE(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """The router (a replicated linear to E logits) and the experts, in place of a dense MLP;
-    ``gate`` and ``experts`` are the checkpoint's names."""
+    ``gate`` and ``experts`` are the checkpoint's names. ``shared_expert`` (Qwen2-MoE): a dense
+    MLP every token goes through, scaled by ``sigmoid(shared_expert_gate(x))``, added."""
 
     def __init__(
         self,
@@ -181,15 +182,23 @@ class SparseMoeBlock(nn.Module):
         renormalize: bool,
         act: str,
         dtype: torch.dtype,
+        shared_expert: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.gate = ReplicatedLinear(hidden, num_experts, False, dtype)
         self.experts = FusedMoE(num_experts, top_k, hidden, intermediate, renormalize, act, dtype)
+        self.shared_expert = shared_expert
+        if shared_expert is not None:
+            self.shared_expert_gate = ReplicatedLinear(hidden, 1, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden]
         out = self.experts(x, self.gate(x))
-        return all_reduce(out) if tp_info()[1] > 1 else out
+        if tp_info()[1] > 1:
+            out = all_reduce(out)
+        if self.shared_expert is not None:  # (its down projection sums its own ranks)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
     def forward_add_norm(
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm

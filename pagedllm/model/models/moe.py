@@ -1,4 +1,5 @@
-"""Mixture-of-experts decoders on the Llama family's attention: Qwen3-MoE and Mixtral.
+"""Mixture-of-experts decoders on the Llama family's attention: Qwen3-MoE, Qwen2-MoE (with a
+shared expert) and Mixtral.
 
 Each model differs from its dense sibling only in its MLP (``layers/moe.py``): a router over
 ``E`` experts and the top-k experts' weighted outputs. Checkpoints keep one tensor per expert
@@ -17,7 +18,13 @@ import torch
 from torch import nn
 
 from pagedllm.model.layers.moe import SparseMoeBlock
-from pagedllm.model.models.llama import LlamaForCausalLM, Qwen3ForCausalLM, dense_mlp
+from pagedllm.model.models.llama import (
+    LlamaForCausalLM,
+    LlamaMLP,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    dense_mlp,
+)
 
 # (prefix, expert, projection) of one expert's tensor; projection names of both families
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
@@ -61,9 +68,10 @@ class MoEWeights:
         return params[target]
 
 
-def _qwen3_moe_mlp(config: Any, layer_idx: int, dtype: torch.dtype) -> nn.Module:
-    """Experts on the layers HF's Qwen3-MoE gives them (every ``decoder_sparse_step``-th,
-    not in ``mlp_only_layers``), a dense MLP on the others."""
+def _qwen_moe_mlp(config: Any, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+    """Experts on the layers HF's Qwen-MoE models give them (every ``decoder_sparse_step``-th,
+    not in ``mlp_only_layers``), a dense MLP on the others; a shared expert where the config
+    sizes one (Qwen2-MoE)."""
     step = getattr(config, "decoder_sparse_step", 1) or 1
     sparse = (
         layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
@@ -72,9 +80,14 @@ def _qwen3_moe_mlp(config: Any, layer_idx: int, dtype: torch.dtype) -> nn.Module
     )
     if not sparse:
         return dense_mlp(config, layer_idx, dtype)
+    shared = None
+    if getattr(config, "shared_expert_intermediate_size", 0):
+        shared = LlamaMLP(config.hidden_size, config.shared_expert_intermediate_size,
+                          config.hidden_act, False, dtype)  # fmt: skip
     return SparseMoeBlock(
         config.hidden_size, config.num_experts, config.num_experts_per_tok,
         config.moe_intermediate_size, bool(config.norm_topk_prob), config.hidden_act, dtype,
+        shared,
     )  # fmt: skip
 
 
@@ -90,7 +103,14 @@ class Qwen3MoeForCausalLM(MoEWeights, Qwen3ForCausalLM):
     """Qwen3-MoE (Qwen3-30B-A3B: 48 layers, 128 experts, top-8): Qwen3's attention, experts
     in the MLPs."""
 
-    make_mlp = staticmethod(_qwen3_moe_mlp)
+    make_mlp = staticmethod(_qwen_moe_mlp)
+
+
+class Qwen2MoeForCausalLM(MoEWeights, Qwen2ForCausalLM):
+    """Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention (q/k/v biases),
+    experts plus a gated shared expert in the MLPs."""
+
+    make_mlp = staticmethod(_qwen_moe_mlp)
 
 
 class MixtralForCausalLM(MoEWeights, LlamaForCausalLM):
