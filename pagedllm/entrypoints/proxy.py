@@ -19,7 +19,6 @@ The HTTP client is the standard library's (one blocking call per request on a wo
 so the proxy needs only the server's packages.
 """
 
-
 import argparse
 import asyncio
 import itertools
