@@ -4,6 +4,12 @@ Each step must at least read every weight once and the live KV cache of its requ
 bound) and do 2 x params FLOPs per token plus the attention FLOPs (compute bound). The ideal
 step time is the larger of bytes / bandwidth and FLOPs / peak FLOP/s; the ideal run time is the
 sum over the steps the engine actually took. achieved fraction = ideal time / measured time.
+
+A mixture of experts reads, in each MoE layer, only the experts its step's tokens touch, and
+does each token's FLOPs over its k experts only. The experts touched by T tokens are counted
+as their expected number under uniform routing, E (1 - (1 - k / E)^T) per layer (random dummy
+weights route all but uniformly; a real router's skew touches fewer, so this roofline is then
+a little lenient). Example: 128 experts, top-8: 1 token touches 8, 16 tokens 82.4, 256 all 128.
 """
 
 from __future__ import annotations
@@ -23,13 +29,38 @@ class StepRecord:
 
 
 @dataclass
+class MoELayerCost:
+    """One mixture-of-experts layer: its experts, top-k, and one expert's bytes and params."""
+
+    num_experts: int
+    top_k: int
+    expert_bytes: int
+    expert_params: int
+
+    def touched(self, num_tokens: int) -> float:
+        """Expected experts touched by ``num_tokens`` tokens under uniform routing."""
+        e, k = self.num_experts, min(self.top_k, self.num_experts)
+        return e * (1.0 - (1.0 - k / e) ** num_tokens)
+
+
+@dataclass
 class ModelCost:
-    """Bytes and FLOPs of a model: weights, KV bytes per token, attention FLOPs per key."""
+    """Bytes and FLOPs of a model: weights, KV bytes per token, attention FLOPs per key; for a
+    mixture of experts, its MoE layers (their experts are in the totals too)."""
 
     weight_bytes: int
     num_params: int
     kv_bytes_per_token: int
     attn_flops_per_query_key: int  # 4 x num_layers x num_heads x head_dim
+    moe_layers: list[MoELayerCost] = field(default_factory=list)
+
+    def step_weights(self, num_tokens: int) -> tuple[float, float]:
+        """(weight bytes read, params used per token) of a step of ``num_tokens`` tokens."""
+        nbytes, params = float(self.weight_bytes), float(self.num_params)
+        for m in self.moe_layers:
+            nbytes -= (m.num_experts - m.touched(num_tokens)) * m.expert_bytes
+            params -= (m.num_experts - min(m.top_k, m.num_experts)) * m.expert_params
+        return nbytes, params
 
 
 @dataclass
@@ -54,7 +85,14 @@ def model_cost(model: torch.nn.Module, dtype: torch.dtype) -> ModelCost:
     layers = model.attention_layers()  # type: ignore[operator]
     kv = sum(2 * a.num_kv_heads * a.head_dim * elem for a in layers)
     attn = sum(4 * a.num_heads * a.head_dim for a in layers)
-    return ModelCost(num_params * elem, num_params, kv, attn)
+    from pagedllm.model.layers.moe import FusedMoE
+
+    moe = []
+    for m in model.modules():
+        if isinstance(m, FusedMoE):
+            per_expert = (m.w13.numel() + m.w2.numel()) // m.num_local
+            moe.append(MoELayerCost(m.num_local, m.top_k, per_expert * elem, per_expert))
+    return ModelCost(num_params * elem, num_params, kv, attn, moe)
 
 
 def roofline(
@@ -65,10 +103,11 @@ def roofline(
     for s in steps:
         ctx = sum(s.seq_lens)
         toks = sum(s.num_tokens)
-        nbytes = cost.weight_bytes + ctx * cost.kv_bytes_per_token
+        weights, params = cost.step_weights(toks)
+        nbytes = weights + ctx * cost.kv_bytes_per_token
         # attention: each query token attends to (on average) its own context
         attn = sum(n * (sl - n / 2) for n, sl in zip(s.num_tokens, s.seq_lens))
-        flops = 2 * cost.num_params * toks + cost.attn_flops_per_query_key * attn
+        flops = 2 * params * toks + cost.attn_flops_per_query_key * attn
         m, c = nbytes / bandwidth, flops / peak_flops
         r.memory_s += m
         r.compute_s += c

@@ -196,3 +196,31 @@ def test_kv_compress_and_speculative_decoding_see_only_attention(tiny_models, en
                             max_cache_tokens=budget)  # fmt: skip
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref_tokens
+
+
+def test_the_roofline_counts_the_experts_a_step_touches(tiny_models):
+    """``pagedllm bench``'s roofline of a mixture of experts: a one-token step reads the dense
+    weights and k experts per MoE layer and does 2 x (dense + k experts) FLOPs a token; a
+    step of many tokens reads every expert; a dense model's cost is unchanged."""
+    from pagedllm.bench.roofline import StepRecord, model_cost, roofline
+
+    llm = LLM(tiny_models("qwen3_moe"), dtype="float32", device="cpu", max_model_len=64)
+    model = llm.llm_engine.engine_core.model_runner.model
+    cost = model_cost(model, torch.float32)
+    assert len(cost.moe_layers) == 2  # layers 0 and 2 (1 is dense)
+    layer = cost.moe_layers[0]
+    assert (layer.num_experts, layer.top_k) == (8, 2)
+    assert layer.expert_params == 3 * 32 * 64  # gate, up, down of 32 x 64
+    experts = 2 * 8 * layer.expert_bytes
+    one_bytes, one_params = cost.step_weights(1)
+    assert one_bytes == pytest.approx(cost.weight_bytes - experts + 2 * 2 * layer.expert_bytes)
+    assert one_params == cost.num_params - 2 * 6 * layer.expert_params
+    assert cost.step_weights(10_000)[0] == pytest.approx(cost.weight_bytes)
+    r = roofline([StepRecord([1], [10])], cost, 1e9, 1e12)
+    assert r.bytes_read == pytest.approx(one_bytes + 10 * cost.kv_bytes_per_token)
+    dense = model_cost(LLM(tiny_models("qwen3"), dtype="float32", device="cpu",
+                           max_model_len=64).llm_engine.engine_core.model_runner.model,
+                       torch.float32)  # fmt: skip
+    assert dense.moe_layers == [] and dense.step_weights(1) == (
+        dense.weight_bytes, dense.num_params,
+    )  # fmt: skip
