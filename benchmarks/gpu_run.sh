@@ -81,6 +81,10 @@ one() {
       done
       for d in "$OUT"/ab_*; do echo "$d"; summary "$d"; done ;;
     bench-b) python benchmarks/gpu_suite.py bench-b --out "$OUT" | tail -40 ;;
+    bench-b-moe)  # Benchmark B on a mixture of experts (MOE_MODEL), HF's MoE on MOE_PEER_B prompts
+      python benchmarks/gpu_suite.py bench-b --b-model "${MOE_MODEL:-qwen3-30b-a3b}" \
+        --num-b "${MOE_NUM_B:-1000}" --peer-b "${MOE_PEER_B:-16}" --out "$OUT" | tail -40 ;;
+    tests-moe) $PYTEST tests/kernels/test_fused_moe.py tests/models/test_moe.py ;;
     extras) python benchmarks/gpu_suite.py extras --out "$OUT" | tail -40 ;;
     structured) python benchmarks/gpu_suite.py extras --only-structured --out "$OUT" | tail -30 ;;
     # the server against the in-process engine

@@ -334,13 +334,20 @@ def bench_a(args: argparse.Namespace) -> dict:
     return result
 
 
+def _b_label(model: str) -> str:
+    """Benchmark B's label: "B-llama8b" for its own shape, "B-<shape>" for another (--b-model,
+    e.g. the mixture of experts qwen3-30b-a3b)."""
+    return "B-llama8b" if model == "llama-3.1-8b" else f"B-{model}"
+
+
 def bench_b(args: argparse.Namespace) -> dict:
-    """Llama-3.1-8B shape, bf16, 1,000 prompts: input 1024 / output 128 and input 128 / output
-    1024. pagedllm builds the random weights itself (--load-format dummy); the HF peers run the
-    same shape with HF's own random init (speed does not depend on the values) on a subset."""
+    """Llama-3.1-8B shape (or --b-model's), bf16, 1,000 prompts: input 1024 / output 128 and
+    input 128 / output 1024. pagedllm builds the random weights itself (--load-format dummy);
+    the HF peers run the same shape with HF's own random init (speed does not depend on the
+    values) on a subset."""
     import transformers as tf
 
-    result: dict = {**provenance("B-llama8b"), "model": "llama-3.1-8b"}
+    result: dict = {**provenance(_b_label(args.b_model)), "model": args.b_model}
     bw = measure_copy_bandwidth(torch.device("cuda"))
     flops = measure_matmul_flops(torch.device("cuda"))
     result["copy_bandwidth_GBps"] = bw / 1e9
@@ -350,7 +357,7 @@ def bench_b(args: argparse.Namespace) -> dict:
         shapes = [tuple(map(int, x.split("x"))) for x in args.b_shapes.split(",")]
     _bench_b_engine(args, result, shapes, bw, flops)
     if not args.skip_peers:
-        config = tf.AutoConfig.from_pretrained(os.path.join(CONFIGS, "llama-3.1-8b"))
+        config = tf.AutoConfig.from_pretrained(os.path.join(CONFIGS, args.b_model))
         with torch.device("cuda"):
             model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
         model.generation_config.eos_token_id = None
@@ -372,7 +379,7 @@ def bench_b(args: argparse.Namespace) -> dict:
 
 
 def _bench_b_engine(args, result, shapes, bw, flops) -> None:  # noqa: ANN001
-    llm = LLM("llama-3.1-8b", load_format="dummy", dtype="bfloat16", max_model_len=2048,
+    llm = LLM(args.b_model, load_format="dummy", dtype="bfloat16", max_model_len=2048,
               max_num_seqs=256, gpu_memory_utilization=0.85)
     for n_in, n_out in shapes:
         rng = np.random.default_rng(0)
@@ -615,6 +622,8 @@ def main() -> None:
     p.add_argument("--skip-peers", action="store_true")
     p.add_argument("--eager-too", action="store_true")
     p.add_argument("--b-shapes", default="", help="bench-b: e.g. 128x1024 (default both)")
+    p.add_argument("--b-model", default="llama-3.1-8b",
+                   help="bench-b: a built-in shape (e.g. qwen3-30b-a3b, a mixture of experts)")
     p.add_argument("--sync-too", action="store_true", help="also without async scheduling")
     p.add_argument("--time-device", action="store_true", help="CUDA events around each step")
     p.add_argument("--only-structured", action="store_true")
@@ -626,7 +635,9 @@ def main() -> None:
     part = args.part + ("_structured" if args.only_structured else "")
     files = {part: result}
     if args.part == "bench-b":  # one file per workload: gpu_bench-b-1024-128_<device>.json
-        files = {"bench-b-" + k.split("-", 2)[2]: v for k, v in split_b(result).items()}
+        label = _b_label(args.b_model)  # (another shape: gpu_bench-b-<shape>-1024-128_...)
+        tag = "" if label == "B-llama8b" else f"-{args.b_model}"
+        files = {f"bench-b{tag}-{k[len(label) + 1 :]}": v for k, v in split_b(result).items()}
     for name, res in files.items():
         path = os.path.join(args.out, f"gpu_{name}_{device_tag()}.json")
         with open(path, "w") as f:
