@@ -85,6 +85,10 @@ one() {
       python benchmarks/gpu_suite.py bench-b --b-model "${MOE_MODEL:-qwen3-30b-a3b}" \
         --num-b "${MOE_NUM_B:-1000}" --peer-b "${MOE_PEER_B:-16}" --out "$OUT" | tail -40 ;;
     tests-moe) $PYTEST tests/kernels/test_fused_moe.py tests/models/test_moe.py ;;
+    tune-moe)  # the fused MoE's block sizes for MOE_MODEL on this GPU (copy the table into
+      # pagedllm/ops/fused_moe_configs.json to use it)
+      python benchmarks/tune_fused_moe.py --model "${MOE_MODEL:-qwen3-30b-a3b}" \
+        --out "$OUT/fused_moe_configs.json" ;;
     extras) python benchmarks/gpu_suite.py extras --out "$OUT" | tail -40 ;;
     structured) python benchmarks/gpu_suite.py extras --only-structured --out "$OUT" | tail -30 ;;
     # the server against the in-process engine

@@ -19,10 +19,20 @@ Example (E = 3, k = 1, 5 tokens routed to experts [2, 0, 2, 2, 1], BLOCK_M = 2):
 [1, 1, 3] pad to [2, 2, 4]; sorted pairs [1, -, 4, -, 0, 2, 3, -] (- = none); blocks 0..3 use
 experts [0, 1, 2, 2]; the padded total is 8 of at most 5 + 3 * 1 = 8 rows.
 
+Block sizes: a table tuned per device and shape (``fused_moe_configs.json`` beside this file,
+written by ``benchmarks/tune_fused_moe.py``: for each token count measured, ``block_m`` and each
+GEMM's ``block_n``, ``block_k``, warps and stages), the nearest token count's entry; without an
+entry, the defaults of ``default_config``.
+
 This module imports Triton at import time: import it only where Triton is installed.
 """
 
 from __future__ import annotations
+
+import functools
+import json
+import os
+import re
 
 import torch
 import triton
@@ -121,10 +131,46 @@ def _grouped_gemm_kernel(
     )
 
 
-def _block_m(num_pairs: int, num_experts: int) -> int:
-    """Rows per block: small when each expert gets few pairs (decode), else 64."""
+CONFIG_FILE = os.path.join(os.path.dirname(__file__), "fused_moe_configs.json")
+GemmConfig = dict  # {"block_n", "block_k", "num_warps", "num_stages"}
+
+
+def default_config(num_pairs: int, num_experts: int) -> dict:
+    """Block sizes without a tuned entry: rows per block small when each expert gets few
+    pairs (decode), else 64; 64 x 32 tiles, 4 warps."""
     per_expert = num_pairs / max(num_experts, 1)
-    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+    gemm = {"block_n": 64, "block_k": 32, "num_warps": 4, "num_stages": 2}
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+    return {"block_m": block_m, "up": dict(gemm), "down": dict(gemm)}
+
+
+def config_key(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: str) -> str:
+    """The table's key of a shape on a device. Example: (128, 2048, 768, bf16, 'NVIDIA H100
+    80GB HBM3') -> 'E128_H2048_I768_bfloat16_NVIDIA_H100_80GB_HBM3'."""
+    name = re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_")
+    return f"E{num_experts}_H{hidden}_I{inter}_{str(dtype).removeprefix('torch.')}_{name}"
+
+
+@functools.lru_cache(maxsize=1)
+def _table(path: str = CONFIG_FILE) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def moe_config(
+    num_tokens: int, num_pairs: int, num_experts: int, hidden: int, inter: int,
+    dtype: torch.dtype, device: torch.device,
+) -> dict:  # fmt: skip
+    """The tuned entry of the nearest measured token count, else ``default_config``."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    entries = _table().get(config_key(num_experts, hidden, inter, dtype, name))
+    if entries:
+        nearest = min(entries, key=lambda m: abs(int(m) - num_tokens))
+        return entries[nearest]
+    return default_config(num_pairs, num_experts)
 
 
 def grouped_gemm(
@@ -135,18 +181,21 @@ def grouped_gemm(
     a_div: int,
     block_m: int,
     weights: torch.Tensor | None = None,
+    gemm: GemmConfig | None = None,
 ) -> torch.Tensor:
     """c[p] = a[p // a_div] @ w[expert(p)]^T (times ``weights[p]``): [num_pairs, N]."""
     sorted_ids, block_expert, total = aligned
     _, n, k = w.shape
+    gemm = gemm or default_config(num_pairs, w.shape[0])["up"]
     c = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
-    block_n, block_k = 64, 32
+    block_n = gemm["block_n"]
     grid = (sorted_ids.numel() // block_m, triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, w, c, weights if weights is not None else c, sorted_ids, block_expert, total,
         num_pairs, w.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         A_DIV=a_div, MUL_WEIGHT=weights is not None, UPCAST=a.device.type == "cpu",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=gemm["block_k"],
+        num_warps=gemm["num_warps"], num_stages=gemm["num_stages"],
     )  # fmt: skip
     return c
 
@@ -157,18 +206,21 @@ def fused_moe(
     w2: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], routing weights and
     expert ids [T, k] -> [T, H]: sum_j weights[t, j] * down_e(silu(gate_e(x)) * up_e(x)); an
-    id of E is "not here" (expert parallelism: another rank's expert) and adds zero."""
+    id of E is "not here" (expert parallelism: another rank's expert) and adds zero.
+    ``config``: block sizes (``moe_config``'s shape; default: the tuned table's or defaults)."""
     t, k = ids.shape
-    num_experts = w13.shape[0]
+    num_experts, hidden = w13.shape[0], w13.shape[2]
     num_pairs = t * k
-    block_m = _block_m(num_pairs, num_experts)
+    cfg = config or moe_config(t, num_pairs, num_experts, hidden, w2.shape[2], x.dtype, x.device)
+    block_m = cfg["block_m"]
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     aligned = moe_align(ids, num_experts + 1, block_m)  # (+1: the "not here" bucket)
-    inter = grouped_gemm(x, w13, aligned, num_pairs, k, block_m)  # [T * k, 2I]
+    inter = grouped_gemm(x, w13, aligned, num_pairs, k, block_m, None, cfg["up"])  # [T*k, 2I]
     h = act_and_mul(inter, "silu")  # [T * k, I]
     flat_w = weights.reshape(-1).contiguous()
-    y = grouped_gemm(h, w2, aligned, num_pairs, 1, block_m, flat_w)  # [T * k, H]
+    y = grouped_gemm(h, w2, aligned, num_pairs, 1, block_m, flat_w, cfg["down"])  # [T*k, H]
     return y.view(t, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -75,3 +75,20 @@ def test_pairs_of_experts_elsewhere_add_nothing(dtype) -> None:
     assert torch.all(got[0] == 0)
     tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}[dtype]
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+def test_the_tuned_table_is_found_and_its_entries_run(tmp_path, monkeypatch) -> None:
+    """benchmarks/tune_fused_moe.py --smoke (a tiny shape, two tiles, checked against the
+    reference) writes entries that moe_config finds by shape and device, the nearest token
+    count's; a shape the table lacks gets the defaults."""
+    import argparse
+
+    from benchmarks.tune_fused_moe import tune
+    from pagedllm.ops import fused_moe as fm
+
+    table = tune(argparse.Namespace(smoke=True, dtype="bfloat16", tokens="1,5", model=""))
+    (key,) = table
+    monkeypatch.setattr(fm, "_table", lambda: table)
+    got = fm.moe_config(4, 8, 8, 64, 32, torch.bfloat16, DEVICE)
+    assert got == table[key]["5"]  # 4 tokens: 5 is nearer than 1
+    assert fm.moe_config(4, 8, 16, 64, 32, torch.bfloat16, DEVICE) == fm.default_config(8, 16)
