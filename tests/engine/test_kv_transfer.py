@@ -283,3 +283,22 @@ def test_on_a_gpu_a_pair_equals_one_engine(tiny_models, tmp_path, arch):
         assert toks == ref_toks
         np.testing.assert_allclose(lps, ref_lps, rtol=1e-5, atol=1e-5)
     assert _role(consumer).received_tokens == (9 + 4) * BLOCK
+
+
+def test_parallel_sampling_on_the_consumer_equals_one_engine(tiny_models, tmp_path):
+    """n = 3 seeded samples on the consumer: the request loads the transfer once, its
+    sequences fork from it; each sample is one engine's."""
+    prompt = _prompt(50, 150)
+    producer = _llm(tiny_models, "llama", "kv_producer", tmp_path)
+    consumer = _llm(tiny_models, "llama", "kv_consumer", tmp_path)
+    (params,) = _hand_over(producer, [prompt])
+    sp = {"temperature": 0.8, "seed": 7, "max_tokens": 10, "n": 3, "ignore_eos": True}
+    extra = {"kv_transfer_params": params}
+    (got,) = consumer.generate([{"prompt_token_ids": prompt}],
+                               SamplingParams(**sp, extra_args=extra), use_tqdm=False)  # fmt: skip
+    (ref,) = _llm(tiny_models, "llama", None, tmp_path).generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(**sp), use_tqdm=False
+    )
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in ref.outputs]
+    assert len({tuple(c.token_ids) for c in got.outputs}) == 3
+    assert _role(consumer).received_tokens == 9 * BLOCK
