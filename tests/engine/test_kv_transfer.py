@@ -302,3 +302,35 @@ def test_parallel_sampling_on_the_consumer_equals_one_engine(tiny_models, tmp_pa
     assert [c.token_ids for c in got.outputs] == [c.token_ids for c in ref.outputs]
     assert len({tuple(c.token_ids) for c in got.outputs}) == 3
     assert _role(consumer).received_tokens == 9 * BLOCK
+
+
+@pytest.mark.parametrize(
+    "consumer_kw",
+    [
+        {"async_scheduling": True},
+        {
+            "speculative_config": {
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_max": 3,
+            }
+        },  # fmt: skip
+    ],
+    ids=["async", "ngram"],
+)
+def test_a_consumer_with_async_scheduling_or_drafts_equals_one_engine(tiny_models, tmp_path,
+                                                                      consumer_kw):  # fmt: skip
+    """The loads happen in the step that admits the request, whatever runs around it: under
+    async scheduling, or with n-gram drafts verified after the transfer, the tokens are one
+    engine's."""
+    prompts = [_prompt(60, 150), _prompt(61, 90)]
+    producer = _llm(tiny_models, "llama", "kv_producer", tmp_path)
+    consumer = _llm(tiny_models, "llama", "kv_consumer", tmp_path, **consumer_kw)
+    params = _hand_over(producer, prompts)
+    got = consumer.generate([{"prompt_token_ids": p} for p in prompts],
+                            [_decode(p) for p in params], use_tqdm=False)  # fmt: skip
+    ref = _llm(tiny_models, "llama", None, tmp_path).generate(
+        [{"prompt_token_ids": p} for p in prompts], _decode(None), use_tqdm=False
+    )
+    assert [_tokens(g)[0] for g in got] == [_tokens(r)[0] for r in ref]
+    assert _role(consumer).received_tokens == (9 + 5) * BLOCK
