@@ -47,24 +47,14 @@ def _port() -> int:
 @contextlib.contextmanager
 def _process(cmd: list[str], url: str, log: Path) -> Iterator[str]:
     """``cmd`` running until ``url``/health answers 200; yields ``url``."""
-    import httpx
-
-    from pagedllm.utils.child import stop_process
+    from pagedllm.utils.child import stop_process, wait_healthy
 
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
         try:
-            deadline = time.monotonic() + 600
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{cmd[3]} did not start:\n{log.read_text()[-2000:]}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
+            if not wait_healthy(proc, url, 600):
+                raise RuntimeError(f"{cmd[3]} did not start:\n{log.read_text()[-2000:]}")
             yield url
         finally:
             stop_process(proc, 20)

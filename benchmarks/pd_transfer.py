@@ -47,6 +47,7 @@ ROLES = {"producer": "kv_producer", "consumer": "kv_consumer"}
 
 def phase(a: argparse.Namespace, name: str, params: list[dict] | None) -> dict:
     """One phase in this process (see the module docstring)."""
+    from benchmarks.kv_offload import _device_name
     from pagedllm import SamplingParams
     from pagedllm.config import EngineArgs
     from pagedllm.engine.llm_engine import LLMEngine
@@ -140,12 +141,6 @@ def copy_rates(device: str, directory: str, nbytes: int = 256 << 20) -> dict[str
     rates["file_read"] = rate(lambda: np.copyto(dst, file), sync)
     os.unlink(path)
     return rates
-
-
-def _device_name(device: str) -> str:
-    from benchmarks.kv_offload import _device_name as name
-
-    return name(device)
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ import numpy as np
 
 from pagedllm.bench import _http_client
 from pagedllm.bench._http_client import RawClient
-from pagedllm.utils.child import stop_process
+from pagedllm.utils.child import stop_process, wait_healthy
 
 WORDS = (
     "the of and to in is was for on are with as by at from this that have not but they his "
@@ -657,8 +657,6 @@ def summarize(results: list[RequestResult], elapsed: float,
 @contextmanager
 def spawned_server(args: argparse.Namespace) -> Iterator[str]:
     """``pagedllm serve --server-args`` on a free loopback port; yields its ``/v1`` URL."""
-    import httpx
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -670,16 +668,8 @@ def spawned_server(args: argparse.Namespace) -> Iterator[str]:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start (log: {log.name})")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        if not wait_healthy(proc, url, 300):
+            raise RuntimeError(f"server did not start (log: {log.name})")
         yield f"{url}/v1"
     finally:
         stop_process(proc, 20)

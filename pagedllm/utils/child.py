@@ -99,3 +99,22 @@ def stop_process(proc: subprocess.Popen, timeout: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> bool:
+    """Poll ``url``/health until it answers 200 (True), or until ``proc`` exits or
+    ``timeout`` seconds pass (False): a started server or proxy is ready to serve."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    return False

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.utils.child import stop_process
+from pagedllm.utils.child import stop_process, wait_healthy
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -126,19 +126,11 @@ def live_server(log_path: Path, extra_args: tuple[str, ...] = ()) -> Iterator[Li
     log = open(log_path, "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
     try:
-        while True:
+        if not wait_healthy(proc, url, 300):
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited ({proc.returncode}):\n{log_path.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start:\n{log_path.read_text()}")
-            time.sleep(0.5)
+            raise RuntimeError(f"server did not start:\n{log_path.read_text()}")
         yield LiveServer(url, API_KEY, MODEL_NAME, MAX_MODEL_LEN, log_path, proc.pid)
     finally:
         stop_process(proc, 20)

@@ -11,13 +11,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from pagedllm.utils.child import stop_process
+from pagedllm.utils.child import stop_process, wait_healthy
 from tests.server.conftest import API_KEY, MODEL_NAME, ROOT, LiveServer, _free_port, live_server
 
 httpx = pytest.importorskip("httpx")
@@ -36,16 +35,7 @@ def _proxy(prefill: str, decode: str, log: Path) -> Iterator[str]:
                                 stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert proc.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.3)
+            assert wait_healthy(proc, url, 60), log.read_text()
             yield url
         finally:
             stop_process(proc, 10)
