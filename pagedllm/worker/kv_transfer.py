@@ -4,9 +4,8 @@ the transfer files (the bookkeeping: ``core/kv_transfer/scheduler.py``; the form
 
 Every copy goes through a ring of two host buffers (``RING_BYTES`` each, pinned on a GPU),
 made once: a chunk of rows at a time, one buffer filled while the other's copy to or from
-the device is in flight. (The first H100 runs pinned a buffer of the request's size per
-request, 500 MB for a 4,000-token Llama-3.1-8B prompt, and moved 2.1-2.7 GB/s where the
-machine copies files at ~10; the ring is not measured on a GPU yet.)
+the device is in flight. Pinning memory runs at a few GB/s: a buffer of the request's size
+per copy (500 MB for a 4,000-token Llama-3.1-8B prompt) would cost more than the copy.
 
 - Loads (consumer), before the forward pass: each chunk is read from the claimed file (one
   read per run of consecutive rows) into a ring buffer, copied to the device (no host sync)
@@ -16,10 +15,10 @@ machine copies files at ~10; the ring is not measured on a GPU yet.)
   the scheduler) each chunk is copied into a ring buffer on a side stream (the next step's
   forward pass is not waited for) and written into the file (one write per run); the file
   is published (renamed from ``.tmp``) before the response that names it leaves the engine.
-Plain reads and writes, not memory maps: the first touch of a mapped page costs a fault
-(the H100 run of the mapped version moved 1.4-1.8 GB/s), and a full disk is an error to
-report, not a SIGBUS. A write that fails (the request was aborted and its file deleted, a
-full disk) is reported by name, never raised: it fails that transfer only.
+Plain reads and writes, not memory maps: the first touch of a mapped page costs a fault,
+and a full disk is an error to report, not a SIGBUS. A write that fails (the request was
+aborted and its file deleted, a full disk) is reported by name, never raised: it fails that
+transfer only.
 """
 
 from __future__ import annotations

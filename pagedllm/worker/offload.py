@@ -8,7 +8,7 @@ so a copy over PCIe moves a block, or a run of consecutive blocks, in one transf
 layer-major host copy would move one 32 KiB page per layer and K/V. On a CPU there is no bus
 to cross: the host tensors have the device cache's own layout (one ``[2, num_host_blocks,
 *page]`` per cache tensor), whose gathers copy contiguous pages (a block-major buffer's
-strided views made the CPU replay's TTFT p50 0.71x tier-off where this layout gives 0.46x).
+views are strided, and gathering through them made the tier's loads slower on a CPU).
 
 - Loads, before the forward pass: the host blocks are copied into a device staging buffer
   (one asynchronous copy per run of consecutive host ids, on the compute stream: no host
