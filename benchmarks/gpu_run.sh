@@ -103,6 +103,7 @@ one() {
       python benchmarks/kv_offload.py --model "${OFFLOAD_MODEL:-qwen3-0.6b}" --load-format dummy \
         --device cuda --conversations "${OFFLOAD_CONVS:-64}" --turns "${OFFLOAD_TURNS:-8}" \
         --out "$OUT" ;;
+    tests-pd) $PYTEST tests/engine/test_kv_transfer.py -k gpu ;;
     pd-transfer)  # prefill/decode disaggregation on one GPU: colocated, producer, consumer
       df -h /dev/shm /tmp | sed 's/^/  /'
       python benchmarks/pd_transfer.py --model "${PD_MODEL:-qwen3-0.6b}" --load-format dummy \

@@ -87,7 +87,8 @@ def _grouped_gemm_kernel(
     stride_cm,
     A_DIV: tl.constexpr,  # the row of A of pair p: p // A_DIV
     MUL_WEIGHT: tl.constexpr,
-    UPCAST: tl.constexpr,  # dots in fp32 (the CPU interpreter mis-computes bf16 dots)
+    IEEE: tl.constexpr,  # dots in IEEE fp32: float32 inputs (no TF32), or the CPU
+    # interpreter (it mis-computes bf16 dots)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -118,8 +119,8 @@ def _grouped_gemm_kernel(
             mask=col_ok[None, :] & k_ok[:, None],
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]: w[e, n, k] transposed
-        if UPCAST:
-            acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
+        if IEEE:
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(a, w)
     if MUL_WEIGHT:
@@ -188,12 +189,13 @@ def grouped_gemm(
     _, n, k = w.shape
     gemm = gemm or default_config(num_pairs, w.shape[0])["up"]
     c = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    ieee = a.device.type == "cpu" or a.dtype == torch.float32
     block_n = gemm["block_n"]
     grid = (sorted_ids.numel() // block_m, triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, w, c, weights if weights is not None else c, sorted_ids, block_expert, total,
         num_pairs, w.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-        A_DIV=a_div, MUL_WEIGHT=weights is not None, UPCAST=a.device.type == "cpu",
+        A_DIV=a_div, MUL_WEIGHT=weights is not None, IEEE=ieee,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=gemm["block_k"],
         num_warps=gemm["num_warps"], num_stages=gemm["num_stages"],
     )  # fmt: skip

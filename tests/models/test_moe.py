@@ -43,6 +43,24 @@ def test_greedy_tokens_and_logprobs_equal_hf(tiny_models, arch):
             assert d[tok].rank == 1
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_on_a_gpu_greedy_tokens_and_logprobs_equal_hf(tiny_models, arch):
+    """The Triton fused MoE with CUDA graphs and chunked prefill (float32: IEEE dots), twice
+    (the second time from the prefix cache): HF's tokens and top logprobs on the CPU."""
+    path = tiny_models(arch)
+    ref_tokens, ref_lps = hf_greedy(path, _prompts(), MAX_NEW)
+    llm = LLM(path, dtype="float32", device="cuda", max_model_len=256, max_num_batched_tokens=32)
+    for _ in range(2):
+        outs = _generate(llm, _prompts(), 5)
+        assert [o.outputs[0].token_ids for o in outs] == ref_tokens
+        for out, lps in zip(outs, ref_lps):
+            for pos, d in enumerate(out.outputs[0].logprobs):
+                top_vals, top_ids = lps[pos].topk(5)
+                for tid, val in zip(top_ids.tolist(), top_vals.tolist()):
+                    assert abs(d[tid].logprob - val) < 1e-3, (pos, tid)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_chunked_prefill_and_prefix_caching_equal_hf(tiny_models, arch):
     """Chunks of 16 tokens, then the same prompts again (prefix-cache hits)."""
