@@ -198,8 +198,19 @@ class ParallelConfig:
     # GPUs: NCCL for every all-reduce, not the symmetric-memory kernel
     # (``distributed/parallel_state.py``)
     disable_custom_all_reduce: bool = False
-    # mixtures of experts: whole experts split over the tensor-parallel ranks (vLLM's flag)
+    # mixtures of experts: whole experts split over the tensor-parallel ranks, or over the
+    # data-parallel engine cores when data_parallel_size > 1 (vLLM's flag)
     enable_expert_parallel: bool = False
+    # one engine core's place among the data-parallel cores, and the local ports of their
+    # groups: the experts' exchange and the step agreement (set by the front end)
+    data_parallel_rank: int = 0
+    data_parallel_master_port: int = 0
+    data_parallel_rpc_port: int = 0
+
+    @property
+    def dp_expert_parallel(self) -> bool:
+        """Whether the data-parallel cores share their experts (and step together)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
     def __post_init__(self) -> None:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
@@ -383,7 +394,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     disable_custom_all_reduce: bool = False
     # mixtures of experts: whole experts split over the tensor-parallel ranks, not each
-    # expert's intermediate size (vLLM's flag; over data-parallel cores: not yet)
+    # expert's intermediate size, or over the data-parallel engine cores (vLLM's flag)
     enable_expert_parallel: bool = False
     cpu_threads: int | None = None
     cpu_threads_bind: str = "none"
@@ -461,16 +472,23 @@ class EngineArgs:
                 f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}."
             )
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        if self.enable_expert_parallel and self.data_parallel_size > 1:
+        dp_ep = self.enable_expert_parallel and self.data_parallel_size > 1
+        if dp_ep and self.tensor_parallel_size > 1:
             raise ValueError(
-                "enable_expert_parallel splits the experts over tensor_parallel_size ranks; "
-                "over data-parallel engine cores (data_parallel_size > 1) it is not supported "
-                "yet."
+                "enable_expert_parallel with data_parallel_size > 1 splits the experts over "
+                "the data-parallel engine cores, each of tensor_parallel_size 1; "
+                "tensor_parallel_size > 1 inside each core is not supported with it yet."
             )
         if backend is None:
             backend = "mp" if self.tensor_parallel_size > 1 else "uni"
         so_config = self._structured_outputs_config()
         spec_config = self._speculative_config()
+        if dp_ep and spec_config is not None and spec_config.method == "draft_model":
+            raise ValueError(
+                "speculative_config method 'draft_model' cannot be combined with "
+                "enable_expert_parallel over data-parallel engine cores (yet): the draft "
+                "model's passes are not agreed between the cores; use 'ngram' or 'suffix'."
+            )
 
         device = self.device
         if device == "auto":
@@ -527,8 +545,12 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
                 sjf_aging_rate=self.sjf_aging_rate,
+                # the cores of expert parallelism over data parallelism agree on each step
+                # before it runs (engine/dp_sync.py): synchronous steps
                 async_scheduling=(
-                    device == "cuda" if self.async_scheduling is None else self.async_scheduling
+                    device == "cuda" and not dp_ep
+                    if self.async_scheduling is None
+                    else self.async_scheduling and not dp_ep
                 ),
                 grammar_process=(
                     device == "cuda" if self.grammar_process is None else self.grammar_process
@@ -536,7 +558,9 @@ class EngineArgs:
             ),
             device_config=DeviceConfig(
                 device=device,
-                enforce_eager=self.enforce_eager,
+                # a core's MoE exchange pads to the step's largest core, which a decode graph
+                # of a fixed size cannot follow: eager forward passes
+                enforce_eager=self.enforce_eager or dp_ep,
                 cpu_threads=self.cpu_threads,
                 cpu_threads_bind=self.cpu_threads_bind,
             ),

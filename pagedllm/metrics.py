@@ -19,7 +19,11 @@ vLLM names: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 exports none of them.
 
 pagedllm names: ``pagedllm:kv_cache_free_blocks``, ``pagedllm:kv_cache_total_blocks`` (so a
-probe can check that every block came back), ``pagedllm:engine_steps_total``.
+probe can check that every block came back), ``pagedllm:engine_steps_total``; with a mixture of
+experts ``pagedllm:moe_expert_pairs_total{expert}`` ((token, expert) pairs each expert computed,
+summed over the MoE layers: the load per expert; read from the device at most once a second),
+and with expert parallelism over data-parallel cores ``pagedllm:dp_idle_steps_total`` (steps a
+core joined with no tokens of its own).
 
 ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` count prompt tokens
 looked up in / found in the prefix cache when a request is admitted (the scheduler's
@@ -95,6 +99,12 @@ _TRANSFER_COUNTERS = (
 )  # fmt: skip
 
 
+_DP_COUNTERS = (
+    ("dp_idle_steps", "pagedllm:dp_idle_steps",
+     "Steps a data-parallel core joined with no tokens of its own (expert parallelism)."),
+)  # fmt: skip
+
+
 class ServerMetrics:
     """The server's Prometheus metrics; ``record`` is an ``AsyncLLM`` stat logger."""
 
@@ -138,6 +148,7 @@ class ServerMetrics:
         self._counter = counter
         self._lazy: dict[str, list[tuple[str, Counter]]] = {}  # (the host KV tier's too)
         self.spec_accepted_pos: Counter | None = None
+        self.expert_pairs: Counter | None = None  # a mixture of experts' (made when reported)
         self.ttft = hist(
             "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
         )
@@ -220,6 +231,7 @@ class ServerMetrics:
             *self._spec_counters(stats),
             *self._lazy_counters("offload", stats, _OFFLOAD_COUNTERS),
             *self._lazy_counters("kv_transfer", stats, _TRANSFER_COUNTERS),
+            *self._lazy_counters("dp", stats, _DP_COUNTERS),
         ):
             value = float(stats.get(key, 0))
             delta = value - self._last.get(key, 0.0)
@@ -230,6 +242,20 @@ class ServerMetrics:
             key = f"spec_pos_{pos}"
             delta = float(value) - self._last.get(key, 0.0)
             child = self._l(self.spec_accepted_pos, position=str(pos))  # 0 until it moves
+            if delta > 0:
+                child.inc(delta)
+            self._last[key] = float(value)
+        pairs = stats.get("moe_expert_pairs")
+        if pairs is not None and self.expert_pairs is None:
+            self.expert_pairs = self._counter(
+                "pagedllm:moe_expert_pairs",
+                "(Token, expert) pairs each expert computed, over the MoE layers.",
+                ("expert",),
+            )
+        for expert, value in enumerate(pairs or ()):
+            key = f"expert_{expert}"
+            delta = float(value) - self._last.get(key, 0.0)
+            child = self._l(self.expert_pairs, expert=str(expert))
             if delta > 0:
                 child.inc(delta)
             self._last[key] = float(value)

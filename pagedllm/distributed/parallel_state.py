@@ -78,8 +78,13 @@ def set_expert_parallel(enabled: bool) -> None:
 
 
 def ep_info() -> tuple[int, int]:
-    """(rank, size) of the expert-parallel group: the tensor-parallel group's when expert
-    parallelism is on, else (0, 1)."""
+    """(rank, size) of the expert-parallel group: the data-parallel engine cores' when they
+    share their experts (``distributed/expert_parallel.py``), else the tensor-parallel
+    group's when expert parallelism is on, else (0, 1)."""
+    from pagedllm.distributed.expert_parallel import dp_ep_info
+
+    if dp_ep_info()[1] > 1:
+        return dp_ep_info()
     return (_rank, _world) if _expert_parallel else (0, 1)
 
 

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.output import EngineCoreOutput, SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
+from pagedllm.engine.dp_sync import DPStepSync
 from pagedllm.worker.executor import Executor, UniProcExecutor, make_executor
 
 if TYPE_CHECKING:
@@ -22,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 #: Steps in a row that may fail before the engine gives up (``EngineCore.step_failed``).
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+#: Seconds between two readings of a mixture of experts' per-expert load (a device sync).
+EXPERT_LOAD_PERIOD_S = 1.0
 
 
 @dataclass
@@ -49,6 +55,7 @@ class EngineCore:
         self, config: EngineConfig, eos_token_ids: set[int] | None = None, tokenizer: object = None
     ) -> None:
         self.config = config
+        self.dp_sync: DPStepSync | None = None
         self.executor: Executor = make_executor(config, eos_token_ids)
         try:
             executor = self.executor
@@ -70,6 +77,15 @@ class EngineCore:
                 spec_config=config.speculative_config,
                 kv_connectors=config.kv_connectors,
             )
+            # expert parallelism over data-parallel cores: each step agreed with the others
+            pc = config.parallel_config
+            if pc.dp_expert_parallel:
+                self.dp_sync = DPStepSync(
+                    pc.data_parallel_rank,
+                    pc.data_parallel_size,
+                    "127.0.0.1",
+                    pc.data_parallel_rpc_port,
+                )
         except BaseException:
             self.executor.shutdown()
             raise
@@ -84,6 +100,10 @@ class EngineCore:
         self.max_consecutive_failures = MAX_CONSECUTIVE_STEP_FAILURES
         self.tokenizer = tokenizer
         self.async_scheduling = config.scheduler_config.async_scheduling
+        # a mixture of experts' load per expert (``expert_load``), taken from the workers
+        self._has_experts = True  # until the executor says the model has none
+        self._expert_load: np.ndarray | None = None
+        self._load_taken = 0.0
         # async scheduling: the launched step (its executor handle) whose results are not yet
         # applied
         self._pending: tuple[SchedulerOutput, Any] | None = None
@@ -205,6 +225,9 @@ class EngineCore:
         forward pass (which reads N's tokens on the device). Sync: submitted and collected at
         once, the tokens of the last step going with the next step's grammar step.
         """
+        if self.dp_sync is not None and not self.has_unfinished_requests():
+            self._dp_agree(None)  # nothing here: the other cores' steps still need this one
+            return []
         self.num_steps += 1
         if self.async_scheduling and not self.scheduler.needs_sync:
             self.num_async_steps += 1
@@ -258,6 +281,8 @@ class EngineCore:
             return outputs
         scheduler_output = self.scheduler.schedule()
         executor = self.executor
+        if self.dp_sync is not None:
+            self._dp_agree(scheduler_output)
         if not scheduler_output.structured_requests:
             if after_launch is None:
                 runner_output = executor.execute_model(scheduler_output)
@@ -310,6 +335,35 @@ class EngineCore:
         self._pending = launched
         return outputs
 
+    def _dp_agree(self, scheduler_output: SchedulerOutput | None) -> None:
+        """Expert parallelism over data-parallel cores: agree on this step with the other
+        cores (``engine/dp_sync.py``) and give the step every core's token count; a core
+        with no tokens of its own joins the MoE layers' exchanges. Once a core has stopped,
+        a step with work raises RuntimeError (this core can no longer compute it: its
+        experts are a part) and an idle one does nothing."""
+        sync = self.dp_sync
+        assert sync is not None
+        mine = scheduler_output.total_num_scheduled_tokens if scheduler_output else 0
+        counts = sync.agree(mine)
+        if sync.stopped and scheduler_output is not None:
+            raise RuntimeError(
+                "another data-parallel engine core stopped: the experts it held are gone."
+            )
+        if scheduler_output is not None:
+            scheduler_output.dp_step_tokens = tuple(counts)
+        if mine == 0 and any(counts):
+            self.executor.execute_dp_idle(counts)
+
+    def dp_stop(self) -> None:
+        """Tell the other data-parallel cores this one is leaving (a no-op without them)."""
+        sync = self.dp_sync
+        if sync is not None and not sync.stopped:
+            try:
+                sync.agree(0, stopping=True)
+            except Exception:  # a peer already gone: nothing to tell it
+                logger.warning("data-parallel cores: the last agreement failed", exc_info=True)
+            sync.stopped = True
+
     def _submit_grammars(self, step: Any, fill_ids: list[int]) -> None:
         """Start the grammar step whose bitmask ``step``'s sampling waits for."""
         self.scheduler.grammar_book.grammars.submit(fill_ids)
@@ -346,7 +400,29 @@ class EngineCore:
         stats["num_steps"] = self.num_steps
         stats["num_async_steps"] = self.num_async_steps
         stats["num_results_first"] = self.num_results_first
+        if self._has_experts and time.monotonic() - self._load_taken >= EXPERT_LOAD_PERIOD_S:
+            self.expert_load()
+        if self._expert_load is not None:  # a mixture of experts: pairs per expert
+            stats["moe_expert_pairs"] = self._expert_load.sum(axis=0).tolist()
+        if self.dp_sync is not None:
+            stats["dp_idle_steps"] = self.dp_sync.num_idle_steps
         return stats
+
+    def expert_load(self) -> np.ndarray | None:
+        """The (token, expert) pairs each expert of each MoE layer has computed on this core
+        since it started ``[layers, E]`` (padding rows not counted; under expert parallelism
+        only this core's experts); None for a dense model. It waits for the device: the
+        stats take it at most every ``EXPERT_LOAD_PERIOD_S``."""
+        self._load_taken = time.monotonic()
+        if not self._has_experts:
+            return None
+        load = self.executor.expert_load()
+        if load is None:
+            self._has_experts = False
+            return None
+        taken = np.asarray(load, dtype=np.int64)
+        self._expert_load = taken if self._expert_load is None else self._expert_load + taken
+        return self._expert_load
 
     def request_ids(self) -> list[str]:
         """The ids callers gave the requests in the scheduler (a request with n > 1 or a beam
@@ -356,7 +432,9 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
-        """Stop the grammar worker process, if one runs, and the executor's workers."""
+        """Stop the grammar worker process, if one runs, and the executor's workers (first
+        telling the other data-parallel cores, if any, that this one is leaving)."""
+        self.dp_stop()
         try:
             if self.scheduler.grammar_book.grammars is not None:
                 self.scheduler.grammar_book.grammars.close()

@@ -43,12 +43,18 @@ def _stop(proc: subprocess.Popen, chan: Channel, timeout: float) -> None:
 class EngineCoreClient:
     """Starts ``python -m pagedllm.engine.core_proc`` and sends it the config; returns once the
     core reports ready (``info``: pid, num_blocks, token_capacity, max_num_seqs, stats,
-    build_seconds), raising RuntimeError with the child's traceback if it failed, died or
-    took longer than ``PAGEDLLM_WORKER_START_TIMEOUT`` (300 s). A finalizer stops the process
+    build_seconds; with ``wait=False`` at once, and ``wait_ready()`` waits), raising
+    RuntimeError with the child's traceback if it failed, died or took longer than
+    ``PAGEDLLM_WORKER_START_TIMEOUT`` (300 s). A finalizer stops the process
     if this object is dropped without ``shutdown()``, and at interpreter exit."""
 
     def __init__(
-        self, config: EngineConfig, eos_token_id: int | None, num_front_ends: int = 1
+        self,
+        config: EngineConfig,
+        eos_token_id: int | None,
+        num_front_ends: int = 1,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
     ) -> None:
         t0 = time.monotonic()
         # the channels of the other front ends (API server processes): their ends stay here
@@ -63,18 +69,31 @@ class EngineCoreClient:
                 # its own loop runs the forward passes: OpenMP threads that spin between the
                 # ops of a step, rather than sleep, start each op sooner
                 passive_omp=False,
+                env_extra=env,
             )
         finally:
             for _, theirs in pairs:
                 theirs.close()
         self._finalizer = weakref.finalize(self, _stop, self.proc, self.chan, _STOP_TIMEOUT_S)
+        self._t0 = t0
+        self.info: dict[str, Any] = {}
         try:
             self.chan.send(("init", config, eos_token_id))
-            self.info: dict[str, Any] = self._wait_ready(start_timeout())
         except BaseException:
             self._finalizer()
             raise
-        self.startup_seconds = time.monotonic() - t0
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait for the core's "ready" (``info``); ``wait=False`` at construction leaves this
+        to the caller (several cores start at once; they may wait for each other)."""
+        try:
+            self.info = self._wait_ready(start_timeout())
+        except BaseException:
+            self._finalizer()
+            raise
+        self.startup_seconds = time.monotonic() - self._t0
 
     def _wait_ready(self, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout

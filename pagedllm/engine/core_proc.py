@@ -32,6 +32,10 @@ survive (``MAX_CONSECUTIVE_STEP_FAILURES`` in a row, or broken workers). It igno
 a signal to the whole process group must not end it under its front ends, which stop it in
 order.
 
+Expert parallelism over data-parallel cores: every iteration of the loop agrees on a step
+with the other cores (``engine/dp_sync.py``), also when this core has no work (then it joins
+the others' MoE exchanges); idle, it waits for commands at most ``IDLE_POLL_S``.
+
 Several front ends (``pagedllm serve --api-server-count N``): the core serves N channels; a
 request's outputs go to the front end that sent it, the stats and a step's failure to all.
 """
@@ -51,6 +55,7 @@ from typing import Any
 
 from pagedllm.core.request import Request
 from pagedllm.core.sched.output import EngineCoreOutput, pack_outputs
+from pagedllm.engine.dp_sync import IDLE_POLL_S
 from pagedllm.utils.channel import Channel, encode
 from pagedllm.utils.child import child_channel
 from pagedllm.utils.loop_clock import LoopClock
@@ -136,16 +141,19 @@ class EngineCoreProc:
         for c in self.clients:
             c.flush()
 
-    def _receive(self, busy: bool) -> list[tuple[int, Any]]:
+    def _receive(self, busy: bool, idle_wait: float | None = None) -> list[tuple[int, Any]]:
         """The commands that have arrived, with their front end: at once while requests run;
-        when idle, waiting for one (after the queued outputs are out). EOFError when a front
-        end closed its channel."""
+        when idle, waiting for one (after the queued outputs are out), for at most
+        ``idle_wait`` s if given. EOFError when a front end closed its channel."""
         socks = [c.sock for c in self.clients]
         pending = [c.sock for c in self.clients if c.wbuf]
         if busy:
             ready = select.select(socks, [], [], 0.0)[0]
         else:
-            ready, writable, _ = select.select(socks, pending, [], None if not pending else _POLL_S)
+            wait = _POLL_S if pending else None
+            if idle_wait is not None:
+                wait = idle_wait if wait is None else min(wait, idle_wait)
+            ready, writable, _ = select.select(socks, pending, [], wait)
             if writable:
                 self.flush()
         msgs: list[tuple[int, Any]] = []
@@ -159,10 +167,14 @@ class EngineCoreProc:
         goes: the process exits and they see the end of theirs)."""
         core = self.core
         clock = LoopClock("engine core", ("wait", "commands", "step", "send"))
+        # expert parallelism over data-parallel cores: every iteration agrees with the other
+        # cores (engine/dp_sync.py), idle or not; an idle core polls its front ends
+        dp = getattr(core, "dp_sync", None) is not None
+        idle_wait = IDLE_POLL_S if dp else None
         while True:
             self.flush()
             try:
-                msgs = self._receive(core.has_unfinished_requests())
+                msgs = self._receive(core.has_unfinished_requests(), idle_wait)
             except (EOFError, OSError):
                 return  # a front end is gone
             clock.lap("wait")
@@ -181,9 +193,14 @@ class EngineCoreProc:
                     return
                 self.send_outputs(outputs)
                 clock.lap("send", count=True)
-            elif msgs:
-                self.broadcast(("out", [], core.stats()))
-                clock.lap("send")
+            else:
+                if dp:  # the other cores' step, which this one joins with no tokens
+                    self.step()
+                    if self.dead:
+                        return
+                if msgs:
+                    self.broadcast(("out", [], core.stats()))
+                    clock.lap("send")
 
     def send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         """One "out" message per front end: its requests' outputs and the stats."""

@@ -27,11 +27,11 @@ On GPUs core i sees GPUs [i * tp, (i + 1) * tp) (``CUDA_VISIBLE_DEVICES`` of its
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
+import dataclasses
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from pagedllm.beam_search import BeamSearchParams
@@ -46,6 +46,7 @@ from pagedllm.engine.async_llm import (
 from pagedllm.engine.mp_async_llm import MPAsyncLLM
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -109,22 +110,23 @@ def _core_env(config: EngineConfig, index: int) -> dict[str, str] | None:
     return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
 
 
-@contextlib.contextmanager
-def _env(values: dict[str, str] | None) -> Iterator[None]:
-    """``os.environ`` with ``values`` set while a core process starts (it inherits them)."""
-    if not values:
-        yield
-        return
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def _core_configs(config: EngineConfig) -> list[EngineConfig]:
+    """Each core's config: its data-parallel rank, and with expert parallelism the local
+    ports of the cores' groups (``distributed/expert_parallel.py``, ``engine/dp_sync.py``)."""
+    pc = config.parallel_config
+    ports = {}
+    if pc.dp_expert_parallel:
+        master = free_port()
+        rpc = free_port()
+        while rpc == master:
+            rpc = free_port()
+        ports = {"data_parallel_master_port": master, "data_parallel_rpc_port": rpc}
+    return [
+        dataclasses.replace(
+            config, parallel_config=dataclasses.replace(pc, data_parallel_rank=i, **ports)
+        )
+        for i in range(pc.data_parallel_size)
+    ]
 
 
 class DPAsyncLLM(AsyncLLMBase):
@@ -132,11 +134,18 @@ class DPAsyncLLM(AsyncLLMBase):
 
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None) -> None:
         n = config.parallel_config.data_parallel_size
+        configs = _core_configs(config)
+        # the cores start at once (each loads the model; with expert parallelism each waits
+        # for the others to join the experts' group), from this thread: a core process dies
+        # with the thread that started it (PR_SET_PDEATHSIG)
         cores: list[MPAsyncLLM] = []
         try:
             for i in range(n):
-                with _env(_core_env(config, i)):
-                    cores.append(MPAsyncLLM(config))
+                cores.append(
+                    MPAsyncLLM(configs[i], core_env=_core_env(config, i), defer_ready=True)
+                )
+            for core in cores:
+                core.finish_start()
         except BaseException:
             for core in cores:
                 core.shutdown()

@@ -79,11 +79,15 @@ class MPAsyncLLM(AsyncLLMBase):
         stat_loggers: list[StatLogger] | None = None,
         api_server_count: int = 1,
         attach: tuple[Channel, dict[str, Any], int] | None = None,
+        core_env: dict[str, str] | None = None,
+        defer_ready: bool = False,
     ) -> None:
         """Start an engine core process with channels for ``api_server_count`` front ends
         (this one, and the others in ``core.extra_channels`` to hand to API server
-        processes); or, with ``attach`` = (channel, the core's info, index), be front end
-        ``index`` of a core another process started."""
+        processes), ``core_env`` set in its environment; or, with ``attach`` = (channel,
+        the core's info, index), be front end ``index`` of a core another process started.
+        ``defer_ready``: return once the core process is started; ``finish_start()`` waits
+        for it to be ready (several cores then start at once)."""
         mc = config.model_config
         tokenizer = load_tokenizer(
             mc.model, mc.tokenizer if mc.tokenizer != mc.model else None, mc.load_format
@@ -99,18 +103,12 @@ class MPAsyncLLM(AsyncLLMBase):
         if attach is None:
             eos = self.input_processor.eos_token_id
             self.core: EngineCoreClient | AttachedCore = EngineCoreClient(
-                config, eos, api_server_count
+                config, eos, api_server_count, core_env, wait=not defer_ready
             )
         else:
             chan, info, self.index = attach
             self.core = AttachedCore(chan, info)
         self.core.chan.grow_buffers()
-        info = self.core.info
-        self.num_blocks: int = info["num_blocks"]
-        self.token_capacity: int = info["token_capacity"]
-        self.max_num_seqs: int = info["max_num_seqs"]
-        self.startup_seconds = self.core.startup_seconds
-        self._stats = {**info["stats"], "num_streams": 0}
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
@@ -126,6 +124,19 @@ class MPAsyncLLM(AsyncLLMBase):
         # the loop's time: handling the core's messages (outputs, detokenization, delivery)
         # vs everything else (HTTP, SSE); logged with PAGEDLLM_LOOP_STATS=SECONDS
         self._clock = LoopClock("front end", ("rest of the event loop", "core messages"))
+        if not defer_ready:
+            self.finish_start()
+
+    def finish_start(self) -> None:
+        """Wait for the core to be ready and take its start-up info."""
+        if isinstance(self.core, EngineCoreClient) and not self.core.info:
+            self.core.wait_ready()
+        info = self.core.info
+        self.num_blocks: int = info["num_blocks"]
+        self.token_capacity: int = info["token_capacity"]
+        self.max_num_seqs: int = info["max_num_seqs"]
+        self.startup_seconds = self.core.startup_seconds
+        self._stats = {**info["stats"], "num_streams": 0}
         # The objects of start-up (torch, transformers, the tokenizer: millions) would be
         # walked by every full collection, a pause of up to a second for every stream and
         # every request arriving then. Frozen, they are skipped (the engine core does the

@@ -128,7 +128,8 @@ _HELP = {
     "--structured-outputs-max-whitespace 0).",
     "enable_expert_parallel": "Mixtures of experts: split whole experts over the "
     "--tensor-parallel-size ranks (each holds E / N experts; one all-reduce sums their "
-    "outputs) instead of every expert's intermediate size.",
+    "outputs) instead of every expert's intermediate size; with --data-parallel-size N over "
+    "the N engine cores (their MoE layers exchange tokens; the cores step together).",
     "kv_transfer_config": "Prefill/decode disaggregation, as vLLM's JSON: "
     '\'{"kv_role": "kv_producer"}\' (computes prompts and hands their KV over), "kv_consumer" '
     '(continues requests from a producer\'s KV) or "kv_both"; engines of one host, through '

@@ -21,15 +21,21 @@ _PR_SET_PDEATHSIG = 1
 
 
 def start_child(
-    module: str, device: str, extra_fds: tuple[int, ...] = (), passive_omp: bool = True
+    module: str,
+    device: str,
+    extra_fds: tuple[int, ...] = (),
+    passive_omp: bool = True,
+    env_extra: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen, Channel]:
     """Run ``python -m module FD [EXTRA_FD ...]``; the process and our end of its channel.
-    ``extra_fds`` are inherited by the child and named after FD on its command line.
+    ``extra_fds`` are inherited by the child and named after FD on its command line;
+    ``env_extra``: variables set in the child's environment only.
     ``passive_omp``: on a CPU, OpenMP threads sleep after each parallel region (see below);
     off for a process whose own loop runs the forward passes (the engine core)."""
     ours, theirs = socket.socketpair()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
+    env.update(env_extra or {})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     if device == "cpu" and passive_omp:
         # The child's forward passes and other processes' loops take turns on the same

@@ -104,6 +104,16 @@ class Executor(ABC):
         """After a failed step: every worker forgets its requests and the steps it launched
         (``ModelRunner.reset_requests``); raises if the executor is broken."""
 
+    @abstractmethod
+    def execute_dp_idle(self, counts: list[int]) -> None:
+        """Expert parallelism over data-parallel cores, a step where this core has no tokens
+        and another has: join each MoE layer's exchange (``ModelRunner.execute_dp_idle``)."""
+
+    @abstractmethod
+    def expert_load(self) -> list[list[int]] | None:
+        """The (token, expert) pairs each expert computed since the last call, per MoE
+        layer ``[layers][E]``, over the ranks; None for a model without experts."""
+
     def shutdown(self) -> None:  # noqa: B027 - an in-process executor holds nothing to free
         """Free the workers; safe to call twice."""
 
@@ -158,6 +168,12 @@ class UniProcExecutor(Executor):
     def reset_requests(self) -> None:
         self.runner.reset_requests()
 
+    def execute_dp_idle(self, counts: list[int]) -> None:
+        self.runner.execute_dp_idle(counts)
+
+    def expert_load(self) -> list[list[int]] | None:
+        return self.runner.expert_load()
+
 
 def plain_grammar(grammar_step: GrammarStep | None) -> tuple | None:
     """A grammar step as plain data for another process: (fill ids, a numpy copy of just the
@@ -194,6 +210,16 @@ class WorkerGroupExecutor(Executor):
 
     def swap_is_cheaper(self) -> bool:
         return bool(self._call("swap_is_cheaper")[0])
+
+    def execute_dp_idle(self, counts: list[int]) -> None:
+        self._call("execute_dp_idle", counts)
+
+    def expert_load(self) -> list[list[int]] | None:
+        """The ranks' counts summed (each counts only what it computed)."""
+        loads = self._call("expert_load")
+        if loads[0] is None:
+            return None
+        return [[sum(c) for c in zip(*layer)] for layer in zip(*loads)]
 
 
 def make_executor(config: EngineConfig, eos_token_ids: set[int] | None = None) -> Executor:

@@ -19,7 +19,8 @@ from pagedllm.core.kv_cache.spec import (
     group_layers,
 )
 from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.distributed.parallel_state import tp_info
+from pagedllm.distributed import expert_parallel
+from pagedllm.distributed.parallel_state import ep_info, tp_info
 from pagedllm.kv_layout import KVCacheLayout
 from pagedllm.model.loader import build_model
 from pagedllm.sample.sampler import Sampler, SamplerOutput
@@ -125,6 +126,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids or set()
         torch.manual_seed(config.model_config.seed)
         self.generator = torch.Generator(device=self.device).manual_seed(config.model_config.seed)
+        # expert parallelism over data-parallel cores: join the cores' MoE group (or nothing)
+        expert_parallel.join_from_config(config.parallel_config, self.device.type)
         self.model = build_model(self.model_config, str(self.device))
         # KV connectors' worker roles (worker/kv_connector.py); one may own the KV layout
         roles = worker_roles(config.kv_connector_names)
@@ -292,6 +295,8 @@ class ModelRunner:
         nb = -(-int(n_sched.max()) // self.block_size)
         ib.block_table[:, rows, :nb] = np.arange(nb) % num_blocks
         inputs = self.inputs.prepare(rows, n_sched)
+        if expert_parallel.dp_ep_info()[1] > 1:  # every core profiles the same pass at once
+            expert_parallel.set_step_tokens([num_tokens] * expert_parallel.dp_ep_info()[1])
         self.kv_layout.begin_dummy(inputs, rows, n_sched, num_blocks)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         if self.drafter is not None:
@@ -381,6 +386,26 @@ class ModelRunner:
             ib.remove_request(rid)
         self._unresolved = None
 
+    @torch.inference_mode()
+    def execute_dp_idle(self, counts: list[int]) -> None:
+        """Expert parallelism over data-parallel cores: this core has no tokens this step,
+        another has ``counts``: each MoE layer's exchange, with zero rows of this core's
+        (``MoEWeights.dp_idle_forward``). No attention, no KV cache, no sampling."""
+        expert_parallel.set_step_tokens(counts)
+        self.model.dp_idle_forward()
+
+    def expert_load(self) -> list[list[int]] | None:
+        """The (token, expert) pairs each expert computed here since the last call, per MoE
+        layer ``[layers][E]`` (waits for the device); None for a dense model. Without expert
+        parallelism every tensor-parallel rank computes every pair: rank 0 alone counts."""
+        take = getattr(self.model, "take_expert_load", None)
+        if take is None:
+            return None
+        load = take().cpu()  # [layers, E]
+        if ep_info()[1] == 1 and tp_info()[0] > 0:
+            load.zero_()
+        return load.tolist()
+
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
         for rid in so.finished_req_ids:
@@ -421,6 +446,8 @@ class ModelRunner:
         self.kv_layout.swap(so.blocks_to_swap_out, so.blocks_to_swap_in)
         self.kv_layout.copy_blocks(so.blocks_to_copy)
         self._update_states(so)
+        if so.dp_step_tokens:
+            expert_parallel.set_step_tokens(so.dp_step_tokens)
         if so.total_num_scheduled_tokens == 0:
             step = LaunchedStep.nothing()
             self._after_forward(so, step)

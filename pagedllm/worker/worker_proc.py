@@ -5,7 +5,8 @@ Started as ``python -m pagedllm.worker.worker_proc FD``, FD being one end of a s
 ``__main__`` is imported again. Messages in:
     ("init", config, eos_token_ids, rank, world_size, init_method)   first, once: joins the
                                  tensor-parallel group (world_size > 1), builds the ModelRunner
-    ("call", name, args)         a start-up method of the runner (``CALLS``); replies
+    ("call", name, args)         a runner method of ``CALLS`` (start-up, and the MoE calls
+                                 between steps); replies
     ("forward", step_id, scheduler_output)    launch_forward; no reply
     ("sample", step_id, grammar)    launch_sample; grammar: None or (fill_ids, mask array)
     ("step", step_id, scheduler_output)    launch_forward, then launch_sample without a
@@ -40,6 +41,8 @@ CALLS = frozenset(
         "capture_cuda_graphs",
         "initialize_swap_space",
         "swap_is_cheaper",
+        "execute_dp_idle",
+        "expert_load",
     }
 )
 

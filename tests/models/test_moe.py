@@ -106,8 +106,97 @@ def test_expert_parallel_equals_one_rank(tiny_models, arch, ranks):
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert got == one
-    with pytest.raises(ValueError, match="data-parallel"):
-        LLM(path, enable_expert_parallel=True, data_parallel_size=2, **kw)
+
+
+def _core_expert_load(core):  # noqa: ANN001, ANN202 - runs in an engine core process
+    return core.expert_load().tolist()
+
+
+def _core_idle_steps(core):  # noqa: ANN001, ANN202
+    return core.dp_sync.num_idle_steps
+
+
+def _fed_tokens(prompts: list[list[int]]) -> int:
+    """Tokens each forward pass computed in all: every prompt token, and every generated
+    token but the last (it is never fed back)."""
+    return sum(len(p) for p in prompts) + len(prompts) * (MAX_NEW - 1)
+
+
+@pytest.mark.parametrize(
+    "arch,cores", [("qwen3_moe", 2), ("qwen2_moe", 2), ("mixtral", 4)]
+)  # fmt: skip
+def test_expert_parallel_over_data_parallel_cores_equals_one_engine(tiny_models, arch, cores):
+    """data_parallel_size 2 / 4 with enable_expert_parallel (gloo): each engine core holds
+    E / N whole experts, attention is the core's own; the MoE layers gather every core's
+    tokens, compute their experts' pairs and reduce-scatter the sums back. A core whose
+    requests have finished, or that has none (one prompt alone, on one core), joins the
+    others' steps with no tokens. The tokens are one engine's; the cores' per-expert counts
+    add up to k pairs per fed token and MoE layer (the padding rows of the exchange count
+    nowhere), each core counting only its own experts."""
+    path = tiny_models(arch)
+    kw = {"dtype": "float32", "device": "cpu", "max_model_len": 256,
+          "kv_cache_memory_bytes": 32 << 20}  # fmt: skip
+    prompts = _prompts()
+    one = [o.outputs[0].token_ids for o in _generate(LLM(path, **kw), prompts)]
+    llm = LLM(path, data_parallel_size=cores, enable_expert_parallel=True, **kw)
+    engine = llm.llm_engine
+    try:
+        got = [o.outputs[0].token_ids for o in _generate(llm, prompts)]
+        idle_before = sum(engine._run(c.call_in_core(_core_idle_steps)) for c in engine.llm.cores)
+        alone = _generate(llm, prompts[:1])[0].outputs[0].token_ids  # (3 tokens: no cache hit)
+        loads = [np.array(engine._run(c.call_in_core(_core_expert_load))) for c in engine.llm.cores]
+        idle = [engine._run(c.call_in_core(_core_idle_steps)) for c in engine.llm.cores]
+    finally:
+        engine.shutdown()
+    assert got == one and alone == one[0]
+    top_k = 2
+    experts = loads[0].shape[1]
+    for i, load in enumerate(loads):  # [moe layers, E]: only core i's experts
+        mine = np.zeros(experts, dtype=bool)
+        mine[i * experts // cores : (i + 1) * experts // cores] = True
+        assert load[:, ~mine].sum() == 0 and load[:, mine].sum() > 0
+    total = sum(loads)
+    fed = _fed_tokens(prompts) + _fed_tokens(prompts[:1])
+    np.testing.assert_array_equal(total.sum(axis=1), top_k * fed)
+    assert sum(idle) - idle_before >= MAX_NEW  # the other cores joined the lone prompt's steps
+
+
+def test_expert_parallel_over_data_parallel_cores_refuses_what_it_cannot_do(tiny_models):
+    """Tensor parallelism inside each core and a draft model are refused, the field named;
+    CUDA graphs and async scheduling are off (the cores agree on each step first)."""
+    from pagedllm.config import EngineArgs
+
+    path = tiny_models("qwen3_moe")
+    kw = {"model": path, "device": "cpu", "enable_expert_parallel": True, "data_parallel_size": 2}
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineArgs(tensor_parallel_size=2, **kw).create_engine_config()
+    draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineArgs(speculative_config=draft, **kw).create_engine_config()
+    config = EngineArgs(async_scheduling=True, **kw).create_engine_config()
+    assert config.parallel_config.dp_expert_parallel
+    assert not config.scheduler_config.async_scheduling
+    assert config.device_config.enforce_eager
+
+
+def test_the_expert_load_counts_each_pair_once(tiny_models):
+    """One engine: every MoE layer's counts add up to k pairs per fed token (prefix-cache
+    hits are not fed again), and the stats carry the per-expert sums."""
+    path = tiny_models("qwen3_moe")
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=256)
+    core = llm.llm_engine.engine_core
+    prompts = _prompts()
+    _generate(llm, prompts)
+    load = core.expert_load()  # [moe layers, E]
+    assert load.shape == (2, 8)
+    np.testing.assert_array_equal(load.sum(axis=1), 2 * _fed_tokens(prompts))
+    assert core.stats()["moe_expert_pairs"] == load.sum(axis=0).tolist()
+    hits = core.stats()["prefix_cache_hits"]
+    _generate(llm, prompts)
+    hits = core.stats()["prefix_cache_hits"] - hits
+    np.testing.assert_array_equal(
+        core.expert_load().sum(axis=1), 2 * (2 * _fed_tokens(prompts) - hits)
+    )
 
 
 def test_stacked_expert_tensors_load_as_per_expert_ones(tiny_models):
@@ -242,3 +331,22 @@ def test_the_roofline_counts_the_experts_a_step_touches(tiny_models):
     assert dense.moe_layers == [] and dense.step_weights(1) == (
         dense.weight_bytes, dense.num_params,
     )  # fmt: skip
+
+
+def test_the_server_exports_the_load_per_expert():
+    """``pagedllm:moe_expert_pairs_total{expert}`` follows the engine's cumulative counts
+    (absent for a dense model), ``pagedllm:dp_idle_steps_total`` the idle steps."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import generate_latest
+
+    from pagedllm.metrics import ServerMetrics
+
+    m = ServerMetrics("tiny")
+    m.record({"num_running_reqs": 0}, [])
+    assert "moe_expert" not in generate_latest(m.registry).decode()
+    m.record({"moe_expert_pairs": [4, 0, 2], "dp_idle_steps": 1}, [])
+    m.record({"moe_expert_pairs": [6, 0, 2], "dp_idle_steps": 3}, [])
+    text = generate_latest(m.registry).decode()
+    assert 'pagedllm:moe_expert_pairs_total{expert="0",model_name="tiny"} 6.0' in text
+    assert 'pagedllm:moe_expert_pairs_total{expert="1",model_name="tiny"} 0.0' in text
+    assert 'pagedllm:dp_idle_steps_total{model_name="tiny"} 3.0' in text

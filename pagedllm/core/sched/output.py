@@ -50,6 +50,9 @@ class SchedulerOutput:
     # pairs in, before the forward pass.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # expert parallelism over data-parallel engine cores: every core's tokens this step
+    # (engine/dp_sync.py), which the MoE layers' exchange pads to; () otherwise
+    dp_step_tokens: tuple[int, ...] = ()
     # Copy-on-write: (src, dst) device blocks to copy before the forward pass.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Structured outputs: the grammar keys (Request.grammar_key) of the scheduled requests

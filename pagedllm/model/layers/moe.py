@@ -12,6 +12,15 @@ ranks hold the same tokens), computes the pairs of its own experts, and the same
 sums the ranks' parts. A pair whose expert lives elsewhere gets the id ``E_local`` ("not
 here"), which the experts skip.
 
+Over data-parallel engine cores (``data_parallel_size`` with ``enable_expert_parallel``)
+each core holds E / N whole experts and the block exchanges tokens with the other cores: every
+core's rows gathered, each core's experts computed on all of them, the partial outputs summed
+and scattered back (``distributed/expert_parallel.py``).
+
+Each layer counts the (token, expert) pairs its experts computed (``FusedMoE.expert_load``,
+on the device: no sync), padding rows excluded: a CUDA graph's padding rows (slot -1, known
+from ``moe_forward_context``) and the data-parallel exchange's.
+
 The experts run by ``fused_experts``: on a GPU one Triton grouped GEMM per projection for all
 experts (``pagedllm/ops/fused_moe.py``), elsewhere the reference, which loops over the
 experts a batch touches (each expert's tokens gathered, one matmul each, the weighted
@@ -24,14 +33,32 @@ is 0.7 * expert2(x0) + 0.3 * expert0(x0).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pagedllm.distributed.expert_parallel import dp_ep_info, dp_gather, dp_reduce_scatter
 from pagedllm.distributed.parallel_state import all_reduce, ep_info, tp_info
 from pagedllm.model.layers.activation import get_act_and_mul
 from pagedllm.model.layers.linear import ReplicatedLinear, _divide
 from pagedllm.model.layers.norm import RMSNorm
+
+_rows_valid: torch.Tensor | None = None  # [T] bool: the forward pass's rows that are tokens
+
+
+@contextlib.contextmanager
+def moe_forward_context(valid: torch.Tensor | None) -> Iterator[None]:
+    """While a forward pass runs: which of its rows are tokens (``valid [T]`` bool; None:
+    all), for the expert-load counts. A CUDA graph captures the mask's computation."""
+    global _rows_valid
+    saved, _rows_valid = _rows_valid, valid
+    try:
+        yield
+    finally:
+        _rows_valid = saved
 
 
 def route(
@@ -130,6 +157,10 @@ class FusedMoE(nn.Module):
         )
         for p in (self.w13, self.w2):
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        # pairs computed by each local expert so far (+1: the "not here" bucket, dropped)
+        self.register_buffer(
+            "expert_load", torch.zeros(self.num_local + 1, dtype=torch.int64), persistent=False
+        )
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int | None, int]
@@ -159,13 +190,29 @@ class FusedMoE(nn.Module):
             )
         dst.copy_(part)
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """x [T, H], router_logits [T, E] -> [T, H] (this rank's part under TP)."""
+    def forward(
+        self, x: torch.Tensor, router_logits: torch.Tensor, valid: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, H], router_logits [T, E] -> [T, H] (this rank's part under TP or EP).
+        ``valid [T]`` bool: the rows that are tokens (padding rows are computed by no
+        expert; None: every row)."""
         weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
         if self.num_local < self.num_experts:  # expert parallelism: the others' are not here
             local = ids - self.first
             ids = torch.where((local >= 0) & (local < self.num_local), local, self.num_local)
+        if valid is not None:
+            ids = torch.where(valid[:, None], ids, self.num_local)
+        flat = ids.flatten()
+        self.expert_load.scatter_add_(0, flat, torch.ones_like(flat))
         return fused_experts(x, self.w13, self.w2, weights, ids, self.act)
+
+    def take_load(self) -> torch.Tensor:
+        """The pairs each of this layer's E experts computed here since the last call
+        ``[E]`` (zeros for other ranks' experts), and the count starts again."""
+        load = torch.zeros(self.num_experts, dtype=torch.int64, device=self.expert_load.device)
+        load[self.first : self.first + self.num_local] = self.expert_load[:-1]
+        self.expert_load.zero_()
+        return load
 
 
 class SparseMoeBlock(nn.Module):
@@ -193,9 +240,13 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden]
-        out = self.experts(x, self.gate(x))
-        if tp_info()[1] > 1:
-            out = all_reduce(out)
+        if dp_ep_info()[1] > 1:  # every core's rows; this core's experts; the sums back
+            rows, valid = dp_gather(x)  # [N * T_max, hidden], [N * T_max]
+            out = dp_reduce_scatter(self.experts(rows, self.gate(rows), valid))  # [T, hidden]
+        else:
+            out = self.experts(x, self.gate(x), _rows_valid)
+            if tp_info()[1] > 1:
+                out = all_reduce(out)
         if self.shared_expert is not None:  # (its down projection sums its own ranks)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

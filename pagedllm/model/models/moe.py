@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.model.layers.moe import SparseMoeBlock
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.model.layers.moe import SparseMoeBlock, moe_forward_context
 from pagedllm.model.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
@@ -34,7 +35,37 @@ _STACKED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
 class MoEWeights:
-    """``load_special`` for expert tensors (a mixin of the MoE model classes)."""
+    """What the MoE model classes add to their dense siblings (a mixin): ``load_special``
+    for expert tensors, the padding-row mask of the expert-load counts, the counts, and the
+    data-parallel exchange of a core with nothing to compute."""
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """The dense model's forward pass, its rows' validity known to the MoE layers (a CUDA
+        graph's padding rows have slot -1)."""
+        slots = metadata.slot_mapping
+        valid = None
+        if slots is not None and slots.dim() == 1 and slots.shape[0] == input_ids.shape[0]:
+            valid = slots >= 0
+        with moe_forward_context(valid):
+            return super().forward(input_ids, positions, metadata)  # type: ignore[misc]
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        modules = self.modules()  # type: ignore[attr-defined]
+        return [m for m in modules if isinstance(m, SparseMoeBlock)]
+
+    def take_expert_load(self) -> torch.Tensor:
+        """The (token, expert) pairs each expert computed here since the last call, per MoE
+        layer: ``[num_moe_layers, E]`` on the device (other ranks' experts: zeros)."""
+        return torch.stack([b.experts.take_load() for b in self.moe_blocks()])
+
+    def dp_idle_forward(self) -> None:
+        """A core with no tokens this step: each MoE layer's exchange with zero rows of its
+        own, in layer order (the other cores' rows still reach its experts)."""
+        for block in self.moe_blocks():
+            w13 = block.experts.w13  # [E_local, 2I, H]
+            block(torch.empty(0, w13.shape[2], dtype=w13.dtype, device=w13.device))
 
     def load_special(
         self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]
