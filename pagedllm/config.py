@@ -206,6 +206,11 @@ class ParallelConfig:
     data_parallel_rank: int = 0
     data_parallel_master_port: int = 0
     data_parallel_rpc_port: int = 0
+    # dual-batch overlap (worker/ubatch.py): a step as two micro-batches, one's MoE exchange
+    # behind the other's compute, when a core's batch has at least these tokens
+    enable_dbo: bool = False
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
 
     @property
     def dp_expert_parallel(self) -> bool:
@@ -396,6 +401,10 @@ class EngineArgs:
     # mixtures of experts: whole experts split over the tensor-parallel ranks, not each
     # expert's intermediate size, or over the data-parallel engine cores (vLLM's flag)
     enable_expert_parallel: bool = False
+    # dual-batch overlap of expert parallelism over data-parallel cores (vLLM's flags)
+    enable_dbo: bool = False
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
     cpu_threads: int | None = None
     cpu_threads_bind: str = "none"
     # KV-Compress (``KVCompressConfig``; the fork's flag names)
@@ -479,6 +488,22 @@ class EngineArgs:
                 "the data-parallel engine cores, each of tensor_parallel_size 1; "
                 "tensor_parallel_size > 1 inside each core is not supported with it yet."
             )
+        _positive_int("dbo_decode_token_threshold", self.dbo_decode_token_threshold)
+        _positive_int("dbo_prefill_token_threshold", self.dbo_prefill_token_threshold)
+        if self.enable_dbo:
+            if not dp_ep:
+                raise ValueError(
+                    "enable_dbo overlaps the MoE exchanges of expert parallelism over "
+                    "data-parallel engine cores: it needs enable_expert_parallel and "
+                    "data_parallel_size > 1."
+                )
+            others = {"enable_kvc": self.enable_kvc, "speculative_config": self.speculative_config,
+                      "kv_offloading_size": self.kv_offloading_size,
+                      "kv_transfer_config": self.kv_transfer_config,
+                      "kv_connectors": self.kv_connectors}  # fmt: skip
+            for name, value in others.items():
+                if value:
+                    raise ValueError(f"enable_dbo cannot be combined with {name} (yet).")
         if backend is None:
             backend = "mp" if self.tensor_parallel_size > 1 else "uni"
         so_config = self._structured_outputs_config()
@@ -570,6 +595,9 @@ class EngineArgs:
                 distributed_executor_backend=backend,
                 disable_custom_all_reduce=bool(self.disable_custom_all_reduce),
                 enable_expert_parallel=bool(self.enable_expert_parallel),
+                enable_dbo=bool(self.enable_dbo),
+                dbo_decode_token_threshold=self.dbo_decode_token_threshold,
+                dbo_prefill_token_threshold=self.dbo_prefill_token_threshold,
             ),
             kvc_config=KVCompressConfig(
                 enabled=bool(self.enable_kvc),

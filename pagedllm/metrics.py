@@ -23,7 +23,8 @@ probe can check that every block came back), ``pagedllm:engine_steps_total``; wi
 experts ``pagedllm:moe_expert_pairs_total{expert}`` ((token, expert) pairs each expert computed,
 summed over the MoE layers: the load per expert; read from the device at most once a second),
 and with expert parallelism over data-parallel cores ``pagedllm:dp_idle_steps_total`` (steps a
-core joined with no tokens of its own).
+core joined with no tokens of its own) and ``pagedllm:dbo_steps_total`` (steps run as two
+overlapped micro-batches).
 
 ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` count prompt tokens
 looked up in / found in the prefix cache when a request is admitted (the scheduler's
@@ -102,6 +103,7 @@ _TRANSFER_COUNTERS = (
 _DP_COUNTERS = (
     ("dp_idle_steps", "pagedllm:dp_idle_steps",
      "Steps a data-parallel core joined with no tokens of its own (expert parallelism)."),
+    ("dbo_steps", "pagedllm:dbo_steps", "Steps run as two overlapped micro-batches."),
 )  # fmt: skip
 
 

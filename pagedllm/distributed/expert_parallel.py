@@ -27,6 +27,7 @@ A world of 1 (no group joined) makes every function here the identity.
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -34,8 +35,16 @@ import torch
 
 COLLECTIVE_TIMEOUT_S = 120
 _rank, _size = 0, 1
-_counts: tuple[int, ...] = ()  # each core's tokens this step
-_valid: torch.Tensor | None = None  # [N * T_max] bool: the gathered rows that are tokens
+
+
+class _StepState(threading.local):
+    """Per thread: dual-batch overlap runs each micro-batch in a thread of its own."""
+
+    counts: tuple[int, ...] = ()  # each core's tokens in this (micro-)batch
+    valid: torch.Tensor | None = None  # [N * T_max] bool: the gathered rows that are tokens
+
+
+_step = _StepState()
 
 
 def init_dp_expert_parallel(rank: int, size: int, init_method: str, device_type: str) -> None:
@@ -74,35 +83,44 @@ def dp_ep_info() -> tuple[int, int]:
 
 
 def set_step_tokens(counts: tuple[int, ...] | list[int]) -> None:
-    """Every core's token count of the step about to run (the same list on every core)."""
-    global _counts, _valid
-    _counts = tuple(int(c) for c in counts)
-    _valid = None
+    """Every core's token count of the (micro-)batch about to run on this thread (the same
+    list on every core)."""
+    _step.counts = tuple(int(c) for c in counts)
+    _step.valid = None
 
 
 def step_tokens() -> tuple[int, ...]:
-    return _counts
+    return _step.counts
+
+
+def _wait(work: Any) -> None:
+    """Wait for an asynchronous collective; under dual-batch overlap the other micro-batch
+    runs first (``worker/ubatch.py``: its compute overlaps this transfer)."""
+    from pagedllm.worker.ubatch import yield_to_other
+
+    yield_to_other()
+    work.wait()
 
 
 def dp_gather(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """This core's rows ``x [T, H]`` -> every core's rows ``[N * T_max, H]`` (each core's
     block padded with zeros to ``T_max``) and which of them are tokens ``[N * T_max]``."""
-    global _valid
     import torch.distributed as dist
 
-    t_max = max(_counts)
+    counts = _step.counts
+    t_max = max(counts)
     t, h = x.shape
-    assert t == _counts[_rank], (t, _counts)
+    assert t == counts[_rank], (t, counts)
     padded = x if t == t_max else torch.cat([x, x.new_zeros(t_max - t, h)])
     out = x.new_empty(_size * t_max, h)
     # (torch 2.13 renames all_gather_into_tensor all_gather_single)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, padded.contiguous())
-    if _valid is None or _valid.device != x.device:
+    _wait(gather(out, padded.contiguous(), async_op=True))
+    if _step.valid is None or _step.valid.device != x.device:
         # Example: counts [3, 1] -> [T, T, T, T, F, F]
-        rows = torch.arange(t_max).repeat(_size) < torch.tensor(_counts).repeat_interleave(t_max)
-        _valid = rows.to(x.device)
-    return out, _valid
+        rows = torch.arange(t_max).repeat(_size) < torch.tensor(counts).repeat_interleave(t_max)
+        _step.valid = rows.to(x.device)
+    return out, _step.valid
 
 
 def dp_reduce_scatter(y: torch.Tensor) -> torch.Tensor:
@@ -113,5 +131,5 @@ def dp_reduce_scatter(y: torch.Tensor) -> torch.Tensor:
     t_max = y.shape[0] // _size
     out = y.new_empty(t_max, y.shape[1])
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, y.contiguous())
-    return out[: _counts[_rank]]
+    _wait(scatter(out, y.contiguous(), async_op=True))
+    return out[: _step.counts[_rank]]

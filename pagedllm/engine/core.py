@@ -16,6 +16,7 @@ from pagedllm.core.sched.output import EngineCoreOutput, SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.engine.dp_sync import DPStepSync
 from pagedllm.worker.executor import Executor, UniProcExecutor, make_executor
+from pagedllm.worker.ubatch import ubatch_split
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -343,23 +344,36 @@ class EngineCore:
         experts are a part) and an idle one does nothing."""
         sync = self.dp_sync
         assert sync is not None
-        mine = scheduler_output.total_num_scheduled_tokens if scheduler_output else 0
-        counts = sync.agree(mine)
-        if sync.stopped and scheduler_output is not None:
+        so = scheduler_output
+        n_sched = list(so.num_scheduled_tokens.values()) if so is not None else []
+        mine = sum(n_sched)
+        split, overlap = (mine, 0), False
+        pc = self.config.parallel_config
+        if pc.enable_dbo and mine > 0:  # micro-batches a and b (worker/ubatch.py)
+            r = ubatch_split(n_sched)
+            decode = all(n == 1 for n in n_sched)
+            threshold = pc.dbo_decode_token_threshold if decode else pc.dbo_prefill_token_threshold
+            overlap = r > 0 and mine >= threshold
+            if overlap:
+                split = (sum(n_sched[:r]), sum(n_sched[r:]))
+        agreed = sync.agree(split, overlap)
+        if sync.stopped and so is not None:
             raise RuntimeError(
                 "another data-parallel engine core stopped: the experts it held are gone."
             )
-        if scheduler_output is not None:
-            scheduler_output.dp_step_tokens = tuple(counts)
-        if mine == 0 and any(counts):
-            self.executor.execute_dp_idle(counts)
+        ub = (tuple(agreed.ubatches[0]), tuple(agreed.ubatches[1])) if agreed.ubatches else None
+        if so is not None:
+            so.dp_step_tokens = tuple(agreed.counts)
+            so.dp_ubatch_tokens = ub
+        if mine == 0 and any(agreed.counts):
+            self.executor.execute_dp_idle(agreed.counts, ub)
 
     def dp_stop(self) -> None:
         """Tell the other data-parallel cores this one is leaving (a no-op without them)."""
         sync = self.dp_sync
         if sync is not None and not sync.stopped:
             try:
-                sync.agree(0, stopping=True)
+                sync.agree((0, 0), stopping=True)
             except Exception:  # a peer already gone: nothing to tell it
                 logger.warning("data-parallel cores: the last agreement failed", exc_info=True)
             sync.stopped = True
@@ -406,6 +420,7 @@ class EngineCore:
             stats["moe_expert_pairs"] = self._expert_load.sum(axis=0).tolist()
         if self.dp_sync is not None:
             stats["dp_idle_steps"] = self.dp_sync.num_idle_steps
+            stats["dbo_steps"] = self.dp_sync.num_overlapped_steps
         return stats
 
     def expert_load(self) -> np.ndarray | None:

@@ -9,6 +9,10 @@ layers' exchanges: ``ModelRunner.execute_dp_idle``). This is vLLM's DP coordinat
 one collective per step: an idle core polls its front end with a short timeout
 (``IDLE_POLL_S``), so a request reaching any core starts the others within that time.
 
+Dual-batch overlap (``--enable-dbo``, ``worker/ubatch.py``): each core also sends its tokens
+split into two micro-batches and whether it wants the step overlapped; the step is, on
+every core, only if no core with tokens said no.
+
 Stopping: a core leaving (shutdown) says so in its last ``agree``; every core then stops
 joining collectives (``stopped``), so none waits on a core that is gone.
 
@@ -18,12 +22,22 @@ port), on the CPU whatever the device: it decides what the device does next.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
 IDLE_POLL_S = 0.005  # how long an idle core waits for a command before agreeing again
 TIMEOUT_S = 120
+
+
+@dataclass
+class Agreement:
+    """What the cores agreed on for one step: each core's tokens, and with dual-batch
+    overlap each core's tokens in micro-batches a and b (None: one batch)."""
+
+    counts: list[int]
+    ubatches: tuple[list[int], list[int]] | None
 
 
 class DPStepSync:
@@ -40,24 +54,37 @@ class DPStepSync:
         self.stopped = False
         self.num_agreed = 0  # agreements so far
         self.num_idle_steps = 0  # steps this core joined with no tokens of its own
+        self.num_overlapped_steps = 0  # steps run as two micro-batches (dual-batch overlap)
 
-    def agree(self, num_tokens: int, stopping: bool = False) -> list[int]:
-        """Every core's token count of the step (``num_tokens`` is this core's); after a
-        core said ``stopping`` (this one or another), ``stopped`` and no counts ([0, ...]).
+    def agree(
+        self, split: tuple[int, int], overlap: bool = False, stopping: bool = False
+    ) -> Agreement:
+        """Every core's tokens of the step, from this core's ``split`` (its tokens in
+        micro-batches a and b, ``worker/ubatch.py``; (n, 0) without dual-batch overlap) and
+        whether it wants the step ``overlap``-ped; a core with tokens that does not want it
+        vetoes it. After a core said ``stopping`` (this one or another): ``stopped``, and
+        no tokens anywhere.
 
-        Example (3 cores): core 1 sends [0, 5, 0 | 0], the others theirs; the sum is
-        [2, 5, 0 | 0]: core 2 joins a step of 5 rows from core 1 and 2 from core 0."""
+        Example (3 cores, no overlap): core 1 sends a [0, 5, 0], b [0, 0, 0], veto 1, stop
+        0; the sum is a [2, 5, 0], ...: core 2 joins a step of 5 rows from core 1 and 2
+        from core 0."""
+        n = self.size
         if self.stopped:
-            return [0] * self.size
-        vec = torch.zeros(self.size + 1, dtype=torch.int64)  # [counts..., stopping]
-        vec[self.rank] = num_tokens
-        vec[self.size] = int(stopping)
+            return Agreement([0] * n, None)
+        vec = torch.zeros(2 * n + 2, dtype=torch.int64)  # [a..., b..., vetoes, stopping]
+        vec[self.rank], vec[n + self.rank] = split
+        vec[2 * n] = int(sum(split) > 0 and not overlap)
+        vec[2 * n + 1] = int(stopping)
         self.group.allreduce([vec]).wait()
         self.num_agreed += 1
-        if vec[self.size] > 0:
+        if vec[2 * n + 1] > 0:
             self.stopped = True
-            return [0] * self.size
-        counts = vec[: self.size].tolist()
-        if num_tokens == 0 and any(counts):
+            return Agreement([0] * n, None)
+        a, b = vec[:n].tolist(), vec[n : 2 * n].tolist()
+        counts = [x + y for x, y in zip(a, b)]
+        if sum(split) == 0 and any(counts):
             self.num_idle_steps += 1
-        return counts
+        if vec[2 * n] == 0 and any(counts):
+            self.num_overlapped_steps += 1
+            return Agreement(counts, (a, b))
+        return Agreement(counts, None)

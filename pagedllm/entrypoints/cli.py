@@ -130,6 +130,12 @@ _HELP = {
     "--tensor-parallel-size ranks (each holds E / N experts; one all-reduce sums their "
     "outputs) instead of every expert's intermediate size; with --data-parallel-size N over "
     "the N engine cores (their MoE layers exchange tokens; the cores step together).",
+    "enable_dbo": "Dual-batch overlap (expert parallelism over data-parallel cores): run a "
+    "step as two micro-batches, one's MoE token exchange hidden behind the other's compute.",
+    "dbo_decode_token_threshold": "Dual-batch overlap: the fewest tokens of a decode-only "
+    "batch that is split in two.",
+    "dbo_prefill_token_threshold": "Dual-batch overlap: the fewest tokens of a batch with "
+    "prompt tokens that is split in two.",
     "kv_transfer_config": "Prefill/decode disaggregation, as vLLM's JSON: "
     '\'{"kv_role": "kv_producer"}\' (computes prompts and hands their KV over), "kv_consumer" '
     '(continues requests from a producer\'s KV) or "kv_both"; engines of one host, through '

@@ -105,9 +105,10 @@ class Executor(ABC):
         (``ModelRunner.reset_requests``); raises if the executor is broken."""
 
     @abstractmethod
-    def execute_dp_idle(self, counts: list[int]) -> None:
+    def execute_dp_idle(self, counts: list[int], ubatches: Any = None) -> None:
         """Expert parallelism over data-parallel cores, a step where this core has no tokens
-        and another has: join each MoE layer's exchange (``ModelRunner.execute_dp_idle``)."""
+        and another has: join each MoE layer's exchange (``ModelRunner.execute_dp_idle``;
+        ``ubatches``: the micro-batches' counts under dual-batch overlap)."""
 
     @abstractmethod
     def expert_load(self) -> list[list[int]] | None:
@@ -168,8 +169,8 @@ class UniProcExecutor(Executor):
     def reset_requests(self) -> None:
         self.runner.reset_requests()
 
-    def execute_dp_idle(self, counts: list[int]) -> None:
-        self.runner.execute_dp_idle(counts)
+    def execute_dp_idle(self, counts: list[int], ubatches: Any = None) -> None:
+        self.runner.execute_dp_idle(counts, ubatches)
 
     def expert_load(self) -> list[list[int]] | None:
         return self.runner.expert_load()
@@ -211,8 +212,8 @@ class WorkerGroupExecutor(Executor):
     def swap_is_cheaper(self) -> bool:
         return bool(self._call("swap_is_cheaper")[0])
 
-    def execute_dp_idle(self, counts: list[int]) -> None:
-        self._call("execute_dp_idle", counts)
+    def execute_dp_idle(self, counts: list[int], ubatches: Any = None) -> None:
+        self._call("execute_dp_idle", counts, ubatches)
 
     def expert_load(self) -> list[list[int]] | None:
         """The ranks' counts summed (each counts only what it computed)."""

@@ -35,6 +35,7 @@ from pagedllm.worker.kv_connector import StepBatch, worker_roles
 from pagedllm.worker.prompt_logprobs import prompt_logprobs
 from pagedllm.worker.sample_plan import SamplePlan, plan_samples
 from pagedllm.worker.sampling_inputs import build_sampling_metadata
+from pagedllm.worker.ubatch import forward_overlapped, idle_overlapped
 
 if TYPE_CHECKING:
     from pagedllm.structured_output.grammars import GrammarStep
@@ -387,10 +388,13 @@ class ModelRunner:
         self._unresolved = None
 
     @torch.inference_mode()
-    def execute_dp_idle(self, counts: list[int]) -> None:
+    def execute_dp_idle(self, counts: list[int], ubatches: Any = None) -> None:
         """Expert parallelism over data-parallel cores: this core has no tokens this step,
         another has ``counts``: each MoE layer's exchange, with zero rows of this core's
-        (``MoEWeights.dp_idle_forward``). No attention, no KV cache, no sampling."""
+        (``MoEWeights.dp_idle_forward``; twice, overlapped, with ``ubatches``: the
+        micro-batches' counts). No attention, no KV cache, no sampling."""
+        if ubatches:
+            return idle_overlapped(self.model, ubatches)
         expert_parallel.set_step_tokens(counts)
         self.model.dp_idle_forward()
 
@@ -399,12 +403,8 @@ class ModelRunner:
         layer ``[layers][E]`` (waits for the device); None for a dense model. Without expert
         parallelism every tensor-parallel rank computes every pair: rank 0 alone counts."""
         take = getattr(self.model, "take_expert_load", None)
-        if take is None:
-            return None
-        load = take().cpu()  # [layers, E]
-        if ep_info()[1] == 1 and tp_info()[0] > 0:
-            load.zero_()
-        return load.tolist()
+        counts_here = ep_info()[1] > 1 or tp_info()[0] == 0
+        return None if take is None else (take().cpu() * counts_here).tolist()  # [layers, E]
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
@@ -485,7 +485,8 @@ class ModelRunner:
             assert unverified is not None
             dd_state = self._device_draft_inputs(so, inputs, rows, n_sched, unverified)
         timing = self.profiler.begin_step() if self.profiler is not None else None
-        hidden = self._forward(inputs)  # [num_tokens, hidden]
+        ub = so.dp_ubatch_tokens  # dual-batch overlap (worker/ubatch.py)
+        hidden = forward_overlapped(self, rows, n_sched, ub) if ub else self._forward(inputs)
         if self.drafter is not None and not so.spec_paused:
             self._mirror(so, rows, n_sched, seq_lens, inputs)  # the draft model's KVs
         qsl = inputs.metadata.query_start_loc_np

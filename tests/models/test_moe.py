@@ -161,9 +161,45 @@ def test_expert_parallel_over_data_parallel_cores_equals_one_engine(tiny_models,
     assert sum(idle) - idle_before >= MAX_NEW  # the other cores joined the lone prompt's steps
 
 
+def _core_overlapped_steps(core):  # noqa: ANN001, ANN202
+    return core.dp_sync.num_overlapped_steps
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_dual_batch_overlap_equals_one_engine(tiny_models, arch):
+    """enable_dbo (thresholds of 1 token): each core runs its batch as two micro-batches in
+    two threads that take turns at the MoE exchanges. Core 0 gets prompts 0, 2, 4 and core 1
+    prompts 1, 3 (the router alternates), which stop after 3 tokens: then core 1 joins core
+    0's overlapped steps with two empty micro-batches. The tokens are one engine's."""
+    path = tiny_models(arch)
+    kw = {"dtype": "float32", "device": "cpu", "max_model_len": 256,
+          "kv_cache_memory_bytes": 32 << 20}  # fmt: skip
+    prompts = _prompts(3)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3 if i % 2 else MAX_NEW, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    one = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(reqs, params, use_tqdm=False)]
+    llm = LLM(path, data_parallel_size=2, enable_expert_parallel=True, enable_dbo=True,
+              dbo_decode_token_threshold=1, dbo_prefill_token_threshold=1, **kw)  # fmt: skip
+    engine = llm.llm_engine
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(reqs, params, use_tqdm=False)]
+        cores = engine.llm.cores
+        overlapped = [engine._run(c.call_in_core(_core_overlapped_steps)) for c in cores]
+        idle = [engine._run(c.call_in_core(_core_idle_steps)) for c in cores]
+    finally:
+        engine.shutdown()
+    assert got == one
+    assert overlapped[0] == overlapped[1] > 0  # the cores agree on every step
+    assert idle[1] > 0 and idle[0] == 0
+
+
 def test_expert_parallel_over_data_parallel_cores_refuses_what_it_cannot_do(tiny_models):
-    """Tensor parallelism inside each core and a draft model are refused, the field named;
-    CUDA graphs and async scheduling are off (the cores agree on each step first)."""
+    """Tensor parallelism inside each core and a draft model are refused, the field named,
+    and so is dual-batch overlap without these cores or with KV-Compress; CUDA graphs and
+    async scheduling are off (the cores agree on each step first)."""
     from pagedllm.config import EngineArgs
 
     path = tiny_models("qwen3_moe")
@@ -173,6 +209,12 @@ def test_expert_parallel_over_data_parallel_cores_refuses_what_it_cannot_do(tiny
     draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="draft_model"):
         EngineArgs(speculative_config=draft, **kw).create_engine_config()
+    with pytest.raises(ValueError, match="enable_kvc"):
+        EngineArgs(enable_dbo=True, enable_kvc=True, **kw).create_engine_config()
+    with pytest.raises(ValueError, match="enable_dbo.*data_parallel_size"):
+        EngineArgs(model=path, device="cpu", enable_dbo=True).create_engine_config()
+    with pytest.raises(ValueError, match="dbo_decode_token_threshold"):
+        EngineArgs(enable_dbo=True, dbo_decode_token_threshold=0, **kw).create_engine_config()
     config = EngineArgs(async_scheduling=True, **kw).create_engine_config()
     assert config.parallel_config.dp_expert_parallel
     assert not config.scheduler_config.async_scheduling

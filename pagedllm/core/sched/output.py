@@ -53,6 +53,9 @@ class SchedulerOutput:
     # expert parallelism over data-parallel engine cores: every core's tokens this step
     # (engine/dp_sync.py), which the MoE layers' exchange pads to; () otherwise
     dp_step_tokens: tuple[int, ...] = ()
+    # and with dual-batch overlap every core's tokens in micro-batches a and b
+    # (worker/ubatch.py); None: one batch
+    dp_ubatch_tokens: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     # Copy-on-write: (src, dst) device blocks to copy before the forward pass.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Structured outputs: the grammar keys (Request.grammar_key) of the scheduled requests
