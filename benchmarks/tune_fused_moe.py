@@ -52,7 +52,9 @@ def timed(fn, cuda: bool) -> float:  # noqa: ANN001
     return 1e6 * (time.perf_counter() - t)
 
 
-def tune(a: argparse.Namespace) -> dict:
+def tune(a: argparse.Namespace, save=None) -> dict:  # noqa: ANN001
+    """The table's entries of ``a``'s shape on this device; ``save(table)`` is called after
+    each token count (a run cut short keeps what it measured)."""
     import torch
 
     from pagedllm.model.layers.moe import fused_experts_ref, route
@@ -99,6 +101,8 @@ def tune(a: argparse.Namespace) -> dict:
         torch.testing.assert_close(got, ref, atol=5e-2, rtol=5e-2)
         entries[str(t)] = {**cfg, "us": round(us, 2)}
         print(t, json.dumps(entries[str(t)]), flush=True)
+        if save is not None:
+            save({config_key(experts, hidden, inter, dtype, name): entries})
     return {config_key(experts, hidden, inter, dtype, name): entries}
 
 
@@ -118,11 +122,14 @@ def main() -> None:
         if not a.smoke:
             sys.exit("tuning needs a GPU (or --smoke, in Triton's interpreter)")
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    table = tune(a)
     out = Path(a.out)
     merged = json.loads(out.read_text()) if out.exists() else {}
-    merged.update(table)
-    out.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+
+    def save(table: dict) -> None:
+        merged.update(table)
+        out.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+
+    tune(a, save)
     print("wrote", out)
 
 
