@@ -123,22 +123,28 @@ def _fed_tokens(prompts: list[list[int]]) -> int:
 
 
 @pytest.mark.parametrize(
-    "arch,cores", [("qwen3_moe", 2), ("qwen2_moe", 2), ("mixtral", 4)]
+    "arch,cores,backend",
+    [("qwen3_moe", 2, "uni"), ("qwen2_moe", 2, "uni"), ("mixtral", 4, "uni"),
+     ("qwen3_moe", 2, "mp")],
 )  # fmt: skip
-def test_expert_parallel_over_data_parallel_cores_equals_one_engine(tiny_models, arch, cores):
+def test_expert_parallel_over_data_parallel_cores_equals_one_engine(
+    tiny_models, arch, cores, backend
+):
     """data_parallel_size 2 / 4 with enable_expert_parallel (gloo): each engine core holds
     E / N whole experts, attention is the core's own; the MoE layers gather every core's
     tokens, compute their experts' pairs and reduce-scatter the sums back. A core whose
     requests have finished, or that has none (one prompt alone, on one core), joins the
     others' steps with no tokens. The tokens are one engine's; the cores' per-expert counts
     add up to k pairs per fed token and MoE layer (the padding rows of the exchange count
-    nowhere), each core counting only its own experts."""
+    nowhere), each core counting only its own experts. With the "mp" executor the model of
+    each core is in a worker process, which joins the experts' group."""
     path = tiny_models(arch)
     kw = {"dtype": "float32", "device": "cpu", "max_model_len": 256,
           "kv_cache_memory_bytes": 32 << 20}  # fmt: skip
     prompts = _prompts()
     one = [o.outputs[0].token_ids for o in _generate(LLM(path, **kw), prompts)]
-    llm = LLM(path, data_parallel_size=cores, enable_expert_parallel=True, **kw)
+    llm = LLM(path, data_parallel_size=cores, enable_expert_parallel=True,
+              distributed_executor_backend=backend, **kw)  # fmt: skip
     engine = llm.llm_engine
     try:
         got = [o.outputs[0].token_ids for o in _generate(llm, prompts)]
