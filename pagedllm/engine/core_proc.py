@@ -164,7 +164,14 @@ class EngineCoreProc:
 
     def run(self) -> None:
         """Serve until "shutdown" or the end of a front end's channel (then every front end
-        goes: the process exits and they see the end of theirs)."""
+        goes: the process exits and they see the end of theirs), also found when writing to
+        it fails."""
+        try:
+            self._run()
+        except (BrokenPipeError, ConnectionResetError):
+            return  # a front end is gone
+
+    def _run(self) -> None:
         core = self.core
         clock = LoopClock("engine core", ("wait", "commands", "step", "send"))
         # expert parallelism over data-parallel cores: every iteration agrees with the other

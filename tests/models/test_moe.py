@@ -199,7 +199,7 @@ def test_dual_batch_overlap_equals_one_engine(tiny_models, arch):
         engine.shutdown()
     assert got == one
     assert overlapped[0] == overlapped[1] > 0  # the cores agree on every step
-    assert idle[1] > 0 and idle[0] == 0
+    assert idle[1] > 0  # (core 0 too may wait a step for its first request to arrive)
 
 
 def test_expert_parallel_over_data_parallel_cores_refuses_what_it_cannot_do(tiny_models):
