@@ -95,8 +95,8 @@ def step_tokens() -> tuple[int, ...]:
 
 def _wait(work: Any) -> None:
     """Wait for an asynchronous collective; under dual-batch overlap the other micro-batch
-    runs first (``worker/ubatch.py``: its compute overlaps this transfer)."""
-    from pagedllm.worker.ubatch import yield_to_other
+    runs first (``distributed/turns.py``: its compute overlaps this transfer)."""
+    from pagedllm.distributed.turns import yield_to_other
 
     yield_to_other()
     work.wait()

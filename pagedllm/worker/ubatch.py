@@ -5,8 +5,8 @@ Under expert parallelism over data-parallel cores every MoE layer waits for two 
 the gather of every core's rows and the reduce-scatter of the sums
 (``distributed/expert_parallel.py``). With two micro-batches, ``a`` (the first requests of
 the batch) and ``b`` (the rest), each runs its forward pass in a thread of its own, one thread
-at a time: a micro-batch that has started a collective hands the turn to the other
-(``yield_to_other``) and waits for its transfer only when the turn comes back. So while
+at a time (``distributed/turns.py``): a micro-batch that has started a collective hands the
+turn to the other and waits for its transfer only when the turn comes back. So while
 ``a``'s tokens travel, ``b`` computes its attention or experts, and the other way round:
 
     a: attn0 | gather ~~~~~~~~~~~~ | experts0 | scatter ~~~~~~~~~~~~ | attn1 ...
@@ -24,11 +24,9 @@ tokens has two requests or more and at least the threshold's tokens.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from typing import Any
 
-_current: threading.local = threading.local()  # .baton, .index: the thread's micro-batch
+from pagedllm.distributed.turns import run_overlapped
 
 
 def ubatch_split(n_sched: list[int]) -> int:
@@ -43,80 +41,6 @@ def ubatch_split(n_sched: list[int]) -> int:
         if 2 * acc >= total:
             return i + 1
     return len(n_sched) - 1
-
-
-class _Baton:
-    """Whose turn it is: micro-batch 0 or 1 (a finished one never gets the turn back)."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.turn = 0
-        self.done = [False, False]
-
-    def wait_turn(self, me: int) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: self.turn == me)
-
-    def give(self, me: int) -> None:
-        """Hand the turn to the other micro-batch (unless it has finished) and wait for it
-        to come back."""
-        other = 1 - me
-        with self.cond:
-            if self.done[other]:
-                return
-            self.turn = other
-            self.cond.notify_all()
-            self.cond.wait_for(lambda: self.turn == me)
-
-    def finish(self, me: int) -> None:
-        with self.cond:
-            self.done[me] = True
-            self.turn = 1 - me
-            self.cond.notify_all()
-
-
-def yield_to_other() -> None:
-    """Called after starting a collective: under dual-batch overlap the other micro-batch
-    runs until it starts one (or ends); otherwise nothing."""
-    baton = getattr(_current, "baton", None)
-    if baton is not None:
-        baton.give(_current.index)
-
-
-def run_overlapped(first: Callable[[], Any], second: Callable[[], Any]) -> tuple[Any, Any]:
-    """Run two micro-batches' forward passes, taking turns at their collectives (see the
-    module docstring); their results. An exception in either is raised here (the other is
-    let run to its end first: the cores' collectives must still match)."""
-    baton = _Baton()
-    results: list[Any] = [None, None]
-    errors: list[BaseException | None] = [None, None]
-
-    def body(index: int, fn: Callable[[], Any]) -> None:
-        import torch
-
-        _current.baton, _current.index = baton, index
-        try:
-            baton.wait_turn(index)
-            with torch.inference_mode():  # (thread-local, as the current CUDA stream)
-                results[index] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised by the caller's thread
-            errors[index] = e
-        finally:
-            _current.baton = None
-            baton.finish(index)
-
-    threads = [
-        threading.Thread(target=body, args=(i, fn), name=f"pagedllm-ubatch-{i}", daemon=True)
-        for i, fn in enumerate((first, second))
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for e in errors:
-        if e is not None:
-            raise e
-    return results[0], results[1]
 
 
 def forward_overlapped(runner: Any, rows: Any, n_sched: Any, ubatches: Any) -> Any:
