@@ -463,7 +463,8 @@ def split_b(result: dict) -> dict[str, dict]:
         out[name] = {
             **common,
             "benchmark": name,
-            "workload": {"model": "llama-3.1-8b shape, random weights, bf16",
+            "workload": {"model": f"{result.get('model', 'llama-3.1-8b')} shape, random "
+                         "weights, bf16",
                          "num_prompts": part["num_prompts"], "input_len": n_in,
                          "output_len": n_out, "ignore_eos": True},
             "output_tokens_per_s": part["output_tokens_per_s"],

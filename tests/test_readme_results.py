@@ -239,3 +239,15 @@ def test_named_result_files_exist_and_no_name_carries_a_commit() -> None:
     assert not missing, missing
     hashed = [p.name for p in RESULTS.iterdir() if re.search(r"(^|_)[0-9a-f]{7,40}(_|\.)", p.name)]
     assert not hashed, hashed
+
+
+def test_mixture_of_experts_table_quotes_its_files() -> None:
+    bench = _flat(BENCH_README.read_text())
+    for shape, label in (("1024-128", "1024 in / 128 out"), ("128-1024", "128 in / 1024 out")):
+        d = _load(f"gpu_bench-b-qwen3-30b-a3b-{shape}_NVIDIA_H100_80GB_HBM3.json")
+        phases = d["details"]["phases"]
+        row = (
+            f"| {label} | {d['output_tokens_per_s']:,.0f} | {d['roofline_fraction']:.1%} "
+            f"| {phases['decode']['fraction']:.1%} | {phases['prefill']['fraction']:.1%} |"
+        )
+        assert row in bench, row
