@@ -206,6 +206,8 @@ class ParallelConfig:
     data_parallel_rank: int = 0
     data_parallel_master_port: int = 0
     data_parallel_rpc_port: int = 0
+    # how those cores' MoE layers exchange tokens (distributed/expert_parallel.py)
+    all2all_backend: str = "allgather_reducescatter"
     # dual-batch overlap (worker/ubatch.py): a step as two micro-batches, one's MoE exchange
     # behind the other's compute, when a core's batch has at least these tokens
     enable_dbo: bool = False
@@ -401,6 +403,9 @@ class EngineArgs:
     # mixtures of experts: whole experts split over the tensor-parallel ranks, not each
     # expert's intermediate size, or over the data-parallel engine cores (vLLM's flag)
     enable_expert_parallel: bool = False
+    # expert parallelism over data-parallel cores: "allgather_reducescatter" (every core's
+    # tokens to every core) or "alltoallv" (each token to its experts' cores only)
+    all2all_backend: str = "allgather_reducescatter"
     # dual-batch overlap of expert parallelism over data-parallel cores (vLLM's flags)
     enable_dbo: bool = False
     dbo_decode_token_threshold: int = 32
@@ -487,6 +492,11 @@ class EngineArgs:
                 "enable_expert_parallel with data_parallel_size > 1 splits the experts over "
                 "the data-parallel engine cores, each of tensor_parallel_size 1; "
                 "tensor_parallel_size > 1 inside each core is not supported with it yet."
+            )
+        if self.all2all_backend not in ("allgather_reducescatter", "alltoallv"):
+            raise ValueError(
+                "all2all_backend must be 'allgather_reducescatter' or 'alltoallv', got "
+                f"{self.all2all_backend!r}."
             )
         _positive_int("dbo_decode_token_threshold", self.dbo_decode_token_threshold)
         _positive_int("dbo_prefill_token_threshold", self.dbo_prefill_token_threshold)
@@ -595,6 +605,7 @@ class EngineArgs:
                 distributed_executor_backend=backend,
                 disable_custom_all_reduce=bool(self.disable_custom_all_reduce),
                 enable_expert_parallel=bool(self.enable_expert_parallel),
+                all2all_backend=self.all2all_backend,
                 enable_dbo=bool(self.enable_dbo),
                 dbo_decode_token_threshold=self.dbo_decode_token_threshold,
                 dbo_prefill_token_threshold=self.dbo_prefill_token_threshold,

@@ -34,7 +34,9 @@ from typing import Any
 import torch
 
 COLLECTIVE_TIMEOUT_S = 120
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "alltoallv")
 _rank, _size = 0, 1
+_backend = "allgather_reducescatter"
 
 
 class _StepState(threading.local):
@@ -67,14 +69,23 @@ def init_dp_expert_parallel(rank: int, size: int, init_method: str, device_type:
 def join_from_config(parallel_config: Any, device_type: str) -> None:
     """Join the cores' group if ``parallel_config`` shares the experts over data-parallel
     cores (``ParallelConfig.dp_expert_parallel``; the front end set the rank and port)."""
+    global _backend
     pc = parallel_config
     if pc.dp_expert_parallel:
+        _backend = pc.all2all_backend
         init_dp_expert_parallel(
             pc.data_parallel_rank,
             pc.data_parallel_size,
             f"tcp://127.0.0.1:{pc.data_parallel_master_port}",
             device_type,
         )
+
+
+def all2all_backend() -> str:
+    """How the MoE layers exchange tokens: "allgather_reducescatter" (the module docstring's
+    steps) or "alltoallv" (each token only to the cores of its experts:
+    ``layers/moe.py``'s ``_dispatch_combine``, over ``dp_exchange_rows``)."""
+    return _backend
 
 
 def dp_ep_info() -> tuple[int, int]:
@@ -133,3 +144,25 @@ def dp_reduce_scatter(y: torch.Tensor) -> torch.Tensor:
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     _wait(scatter(out, y.contiguous(), async_op=True))
     return out[: _step.counts[_rank]]
+
+
+def dp_exchange_rows(
+    tensors: list[torch.Tensor], send_counts: torch.Tensor, recv_counts: torch.Tensor | None = None
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """All-to-all of rows with uneven splits: each tensor's first ``send_counts[c]`` rows go
+    to core 0's... in core order (``[sum(send_counts), ...]``); what every core sent this one,
+    in core order, and the counts received ``[N]`` (exchanged first unless given). The
+    splits are read on the host: a device sync per call."""
+    import torch.distributed as dist
+
+    if recv_counts is None:
+        recv_counts = torch.empty_like(send_counts)
+        _wait(dist.all_to_all_single(recv_counts, send_counts, async_op=True))
+    send, recv = send_counts.tolist(), recv_counts.tolist()
+    outs = []
+    for t in tensors:
+        out = t.new_empty(sum(recv), *t.shape[1:])
+        work = dist.all_to_all_single(out, t.contiguous(), recv, send, async_op=True)
+        _wait(work)
+        outs.append(out)
+    return outs, recv_counts

@@ -130,6 +130,10 @@ _HELP = {
     "--tensor-parallel-size ranks (each holds E / N experts; one all-reduce sums their "
     "outputs) instead of every expert's intermediate size; with --data-parallel-size N over "
     "the N engine cores (their MoE layers exchange tokens; the cores step together).",
+    "all2all_backend": "Expert parallelism over data-parallel cores: how the MoE layers "
+    "exchange tokens: 'allgather_reducescatter' (every core's tokens to every core; the "
+    "default) or 'alltoallv' (each token only to the cores of its experts; a host sync per "
+    "layer).",
     "enable_dbo": "Dual-batch overlap (expert parallelism over data-parallel cores): run a "
     "step as two micro-batches, one's MoE token exchange hidden behind the other's compute.",
     "dbo_decode_token_threshold": "Dual-batch overlap: the fewest tokens of a decode-only "

@@ -123,12 +123,15 @@ def _fed_tokens(prompts: list[list[int]]) -> int:
 
 
 @pytest.mark.parametrize(
-    "arch,cores,backend",
-    [("qwen3_moe", 2, "uni"), ("qwen2_moe", 2, "uni"), ("mixtral", 4, "uni"),
-     ("qwen3_moe", 2, "mp")],
+    "arch,cores,backend,a2a",
+    [("qwen3_moe", 2, "uni", "allgather_reducescatter"),
+     ("qwen2_moe", 2, "uni", "allgather_reducescatter"),
+     ("mixtral", 4, "uni", "allgather_reducescatter"),
+     ("qwen3_moe", 2, "mp", "allgather_reducescatter"),
+     ("mixtral", 4, "uni", "alltoallv"), ("qwen2_moe", 2, "uni", "alltoallv")],
 )  # fmt: skip
 def test_expert_parallel_over_data_parallel_cores_equals_one_engine(
-    tiny_models, arch, cores, backend
+    tiny_models, arch, cores, backend, a2a
 ):
     """data_parallel_size 2 / 4 with enable_expert_parallel (gloo): each engine core holds
     E / N whole experts, attention is the core's own; the MoE layers gather every core's
@@ -137,14 +140,16 @@ def test_expert_parallel_over_data_parallel_cores_equals_one_engine(
     others' steps with no tokens. The tokens are one engine's; the cores' per-expert counts
     add up to k pairs per fed token and MoE layer (the padding rows of the exchange count
     nowhere), each core counting only its own experts. With the "mp" executor the model of
-    each core is in a worker process, which joins the experts' group."""
+    each core is in a worker process, which joins the experts' group. With "alltoallv" each
+    token goes only to the cores of its experts (Mixtral's top-2 over 4 cores: to 2 of 4),
+    its routing with it, and the partial outputs come back the same way."""
     path = tiny_models(arch)
     kw = {"dtype": "float32", "device": "cpu", "max_model_len": 256,
           "kv_cache_memory_bytes": 32 << 20}  # fmt: skip
     prompts = _prompts()
     one = [o.outputs[0].token_ids for o in _generate(LLM(path, **kw), prompts)]
     llm = LLM(path, data_parallel_size=cores, enable_expert_parallel=True,
-              distributed_executor_backend=backend, **kw)  # fmt: skip
+              distributed_executor_backend=backend, all2all_backend=a2a, **kw)  # fmt: skip
     engine = llm.llm_engine
     try:
         got = [o.outputs[0].token_ids for o in _generate(llm, prompts)]
@@ -171,8 +176,10 @@ def _core_overlapped_steps(core):  # noqa: ANN001, ANN202
     return core.dp_sync.num_overlapped_steps
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
-def test_dual_batch_overlap_equals_one_engine(tiny_models, arch):
+@pytest.mark.parametrize(
+    "arch,a2a", [("qwen3_moe", "allgather_reducescatter"), ("qwen2_moe", "alltoallv")]
+)
+def test_dual_batch_overlap_equals_one_engine(tiny_models, arch, a2a):
     """enable_dbo (thresholds of 1 token): each core runs its batch as two micro-batches in
     two threads that take turns at the MoE exchanges. Core 0 gets prompts 0, 2, 4 and core 1
     prompts 1, 3 (the router alternates), which stop after 3 tokens: then core 1 joins core
@@ -188,7 +195,8 @@ def test_dual_batch_overlap_equals_one_engine(tiny_models, arch):
     reqs = [{"prompt_token_ids": p} for p in prompts]
     one = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(reqs, params, use_tqdm=False)]
     llm = LLM(path, data_parallel_size=2, enable_expert_parallel=True, enable_dbo=True,
-              dbo_decode_token_threshold=1, dbo_prefill_token_threshold=1, **kw)  # fmt: skip
+              dbo_decode_token_threshold=1, dbo_prefill_token_threshold=1,
+              all2all_backend=a2a, **kw)  # fmt: skip
     engine = llm.llm_engine
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(reqs, params, use_tqdm=False)]
@@ -219,6 +227,8 @@ def test_expert_parallel_over_data_parallel_cores_refuses_what_it_cannot_do(tiny
         EngineArgs(enable_dbo=True, enable_kvc=True, **kw).create_engine_config()
     with pytest.raises(ValueError, match="enable_dbo.*data_parallel_size"):
         EngineArgs(model=path, device="cpu", enable_dbo=True).create_engine_config()
+    with pytest.raises(ValueError, match="all2all_backend"):
+        EngineArgs(all2all_backend="pplx", **kw).create_engine_config()
     with pytest.raises(ValueError, match="dbo_decode_token_threshold"):
         EngineArgs(enable_dbo=True, dbo_decode_token_threshold=0, **kw).create_engine_config()
     config = EngineArgs(async_scheduling=True, **kw).create_engine_config()

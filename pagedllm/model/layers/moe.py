@@ -40,7 +40,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pagedllm.distributed.expert_parallel import dp_ep_info, dp_gather, dp_reduce_scatter
+from pagedllm.distributed.expert_parallel import (
+    all2all_backend,
+    dp_ep_info,
+    dp_exchange_rows,
+    dp_gather,
+    dp_reduce_scatter,
+)
 from pagedllm.distributed.parallel_state import all_reduce, ep_info, tp_info
 from pagedllm.model.layers.activation import get_act_and_mul
 from pagedllm.model.layers.linear import ReplicatedLinear, _divide
@@ -197,11 +203,21 @@ class FusedMoE(nn.Module):
         ``valid [T]`` bool: the rows that are tokens (padding rows are computed by no
         expert; None: every row)."""
         weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
-        if self.num_local < self.num_experts:  # expert parallelism: the others' are not here
-            local = ids - self.first
-            ids = torch.where((local >= 0) & (local < self.num_local), local, self.num_local)
+        ids = self.local_ids(ids)
         if valid is not None:
             ids = torch.where(valid[:, None], ids, self.num_local)
+        return self.compute(x, weights, ids)
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids [T, k] -> this rank's (``num_local``: "not here")."""
+        if self.num_local == self.num_experts:
+            return ids
+        local = ids - self.first  # expert parallelism: the others' are not here
+        return torch.where((local >= 0) & (local < self.num_local), local, self.num_local)
+
+    def compute(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on ``x [T, H]`` with routing ``weights`` and local ``ids``
+        ``[T, k]``, their pairs counted: ``[T, H]``."""
         flat = ids.flatten()
         self.expert_load.scatter_add_(0, flat, torch.ones_like(flat))
         return fused_experts(x, self.w13, self.w2, weights, ids, self.act)
@@ -213,6 +229,34 @@ class FusedMoE(nn.Module):
         load[self.first : self.first + self.num_local] = self.expert_load[:-1]
         self.expert_load.zero_()
         return load
+
+
+def _dispatch_combine(x: torch.Tensor, logits: torch.Tensor, experts: FusedMoE) -> torch.Tensor:
+    """Expert parallelism over data-parallel cores, "alltoallv": each token goes only to the
+    cores holding one of its k experts (once per core), with its routing there; each core
+    computes what it received; the partial outputs come back the same way and are summed.
+
+    Example (2 cores, 4 experts, 2 each, k = 2): token 0 -> experts (1, 3): rows to core 0
+    (ids (1, -), "-": not there) and core 1 (ids (-, 1): its expert 3 is its local 1); token
+    1 -> experts (0, 1): one row to core 0 only (ids (0, 1)). A core's rows go out ordered
+    by destination, come back in the same order, and are added to their tokens in float32."""
+    n = dp_ep_info()[1]
+    t, k = x.shape[0], experts.top_k
+    weights, ids = route(logits, k, experts.renormalize, x.dtype)  # [T, k] each
+    owner = ids // experts.num_local  # [T, k]: the core of each pair's expert
+    sends = (owner[:, :, None] == torch.arange(n, device=x.device)).any(1)  # [T, n]
+    dst, token = torch.nonzero(sends.T, as_tuple=True)  # rows by destination core
+    local = ids[token] - (dst * experts.num_local)[:, None]  # [rows, k]
+    here = (local >= 0) & (local < experts.num_local)
+    local = torch.where(here, local, experts.num_local)  # the receiver's local ids
+    routing = torch.cat([local.to(torch.float32), weights[token].to(torch.float32)], 1)
+    send_counts = torch.bincount(dst, minlength=n)
+    (rx, rrouting), recv_counts = dp_exchange_rows([x[token], routing], send_counts)
+    out_rows = experts.compute(rx, rrouting[:, k:].to(x.dtype), rrouting[:, :k].long())
+    (back,), _ = dp_exchange_rows([out_rows], recv_counts, send_counts)  # rows as sent
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, token, back.float())
+    return out.to(x.dtype)
 
 
 class SparseMoeBlock(nn.Module):
@@ -240,7 +284,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden]
-        if dp_ep_info()[1] > 1:  # every core's rows; this core's experts; the sums back
+        if dp_ep_info()[1] > 1 and all2all_backend() == "alltoallv":
+            out = _dispatch_combine(x, self.gate(x), self.experts)  # [T, hidden]
+        elif dp_ep_info()[1] > 1:  # every core's rows; this core's experts; the sums back
             rows, valid = dp_gather(x)  # [N * T_max, hidden], [N * T_max]
             out = dp_reduce_scatter(self.experts(rows, self.gate(rows), valid))  # [T, hidden]
         else:
