@@ -13,7 +13,8 @@ or decode URLs are taken in turn (round robin).
 
 Failures stay with their request: a prefill engine's error answer is passed back as it is
 (a bad request is the client's 400), an engine that does not answer gives 502 with an OpenAI
-error body naming it, and the other engine goes on serving.
+error body naming it, and the other engine goes on serving. A streaming client that goes away
+closes the proxy's connection to the decode engine, which aborts the request.
 
 The HTTP client is the standard library's (one blocking call per request on a worker thread),
 so the proxy needs only the server's packages.
@@ -26,7 +27,7 @@ import json
 import logging
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -134,10 +135,14 @@ def build_app(proxy: Proxy) -> Any:
                 data = await asyncio.to_thread(resp.read)
             return JSONResponse(_json_or_error(data, resp.status), resp.status)
 
-        def lines() -> Iterator[bytes]:
-            with resp:
-                while line := resp.readline():
+        async def lines() -> AsyncIterator[bytes]:
+            # a client that goes away cancels this generator: the decode engine's response
+            # is closed, and that engine, seeing its client gone, aborts the request
+            try:
+                while line := await asyncio.to_thread(resp.readline):
                     yield line
+            finally:
+                resp.close()
 
         return StreamingResponse(lines(), media_type="text/event-stream")
 

@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation over HTTP (issue 54): two ``pagedllm serve`` processes (a
 ``kv_producer`` and a ``kv_consumer`` sharing a transfer directory) behind ``pagedllm proxy``
 answer as one engine does; a transfer that is missing or truncated fails its request with a
-400 and the consumer goes on; a killed decode engine and a killed prefill engine each give
-the proxy's client a 502 while the other engine goes on serving."""
+400 and the consumer goes on; a streaming client that hangs up ends its decode; a killed
+decode engine and a killed prefill engine each give the proxy's client a 502 while the other
+engine goes on serving."""
 
 from __future__ import annotations
 
@@ -11,13 +12,22 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pagedllm.utils.child import stop_process, wait_healthy
-from tests.server.conftest import API_KEY, MODEL_NAME, ROOT, LiveServer, _free_port, live_server
+from tests.server.conftest import (
+    API_KEY,
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    ROOT,
+    LiveServer,
+    _free_port,
+    live_server,
+)
 
 httpx = pytest.importorskip("httpx")
 
@@ -116,6 +126,26 @@ def test_a_missing_or_truncated_transfer_is_a_400_and_the_consumer_goes_on(pair)
     assert (
         _completion(proxy)["choices"][0]["text"] == _completion(producer.url)["choices"][0]["text"]
     )
+
+
+def test_a_streaming_client_that_goes_away_ends_its_decode(pair):
+    """A client reads the first chunk of a long stream through the proxy and hangs up: the
+    decode engine aborts the request (had it generated to its end, it would count as
+    "length", not "abort")."""
+    _, consumer, proxy = pair
+    aborted = consumer.metric("vllm:request_success_total", finished_reason="abort")
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": MAX_MODEL_LEN - 64,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", proxy + "/v1/completions", json=body, headers=headers,
+                      timeout=120) as r:  # fmt: skip
+        assert r.status_code == 200
+        next(r.iter_lines())
+    deadline = time.monotonic() + 20
+    while consumer.metric("vllm:request_success_total", finished_reason="abort") == aborted:
+        assert time.monotonic() < deadline, "the decode engine did not abort the request"
+        time.sleep(0.2)
+    consumer.wait_idle()
 
 
 def test_a_killed_decode_engine_leaves_the_prefill_engine_serving(pair, tmp_path):

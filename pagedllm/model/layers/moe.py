@@ -34,6 +34,7 @@ is 0.7 * expert2(x0) + 0.3 * expert0(x0).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -52,19 +53,26 @@ from pagedllm.model.layers.activation import get_act_and_mul
 from pagedllm.model.layers.linear import ReplicatedLinear, _divide
 from pagedllm.model.layers.norm import RMSNorm
 
-_rows_valid: torch.Tensor | None = None  # [T] bool: the forward pass's rows that are tokens
+
+class _ForwardRows(threading.local):
+    """Per thread (dual-batch overlap runs a forward pass per thread): the forward pass's
+    rows that are tokens, ``[T]`` bool (None: all)."""
+
+    valid: torch.Tensor | None = None
+
+
+_rows = _ForwardRows()
 
 
 @contextlib.contextmanager
 def moe_forward_context(valid: torch.Tensor | None) -> Iterator[None]:
     """While a forward pass runs: which of its rows are tokens (``valid [T]`` bool; None:
     all), for the expert-load counts. A CUDA graph captures the mask's computation."""
-    global _rows_valid
-    saved, _rows_valid = _rows_valid, valid
+    saved, _rows.valid = _rows.valid, valid
     try:
         yield
     finally:
-        _rows_valid = saved
+        _rows.valid = saved
 
 
 def route(
@@ -290,7 +298,7 @@ class SparseMoeBlock(nn.Module):
             rows, valid = dp_gather(x)  # [N * T_max, hidden], [N * T_max]
             out = dp_reduce_scatter(self.experts(rows, self.gate(rows), valid))  # [T, hidden]
         else:
-            out = self.experts(x, self.gate(x), _rows_valid)
+            out = self.experts(x, self.gate(x), _rows.valid)
             if tp_info()[1] > 1:
                 out = all_reduce(out)
         if self.shared_expert is not None:  # (its down projection sums its own ranks)
