@@ -12,6 +12,7 @@ Messages in:
     ("add", id, token_ids, params, priority, arrival_time, cache_salt)
     ("beam", id, token_ids, params, beam_params, arrival_time)
     ("abort", ids)  /  ("stop", ids)         end requests (client gone / a stop string)
+    ("wake",)                                nothing (ends an idle wait: expert parallelism)
     ("utility", call_id, name, args)         "prepare_structured", "compile" (on a helper
                                              thread), "call" (fn(core), between steps)
     ("shutdown",)
@@ -34,7 +35,9 @@ order.
 
 Expert parallelism over data-parallel cores: every iteration of the loop agrees on a step
 with the other cores (``engine/dp_sync.py``), also when this core has no work (then it joins
-the others' MoE exchanges); idle, it waits for commands at most ``IDLE_POLL_S``.
+the others' MoE exchanges at once); when no core has work it waits for commands at most
+``DPStepSync.idle_wait()``. ("wake",) from a front end (sent to every core with each new
+request) only ends that wait.
 
 Several front ends (``pagedllm serve --api-server-count N``): the core serves N channels; a
 request's outputs go to the front end that sent it, the stats and a step's failure to all.
@@ -55,7 +58,6 @@ from typing import Any
 
 from pagedllm.core.request import Request
 from pagedllm.core.sched.output import EngineCoreOutput, pack_outputs
-from pagedllm.engine.dp_sync import IDLE_POLL_S
 from pagedllm.utils.channel import Channel, encode
 from pagedllm.utils.child import child_channel
 from pagedllm.utils.loop_clock import LoopClock
@@ -176,12 +178,16 @@ class EngineCoreProc:
         clock = LoopClock("engine core", ("wait", "commands", "step", "send"))
         # expert parallelism over data-parallel cores: every iteration agrees with the other
         # cores (engine/dp_sync.py), idle or not; an idle core polls its front ends
-        dp = getattr(core, "dp_sync", None) is not None
-        idle_wait = IDLE_POLL_S if dp else None
+        sync = getattr(core, "dp_sync", None)
         while True:
             self.flush()
+            busy = core.has_unfinished_requests()
+            idle_wait = None
+            if sync is not None:  # another core's work: join its next step at once
+                busy = busy or sync.others_busy
+                idle_wait = sync.idle_wait()
             try:
-                msgs = self._receive(core.has_unfinished_requests(), idle_wait)
+                msgs = self._receive(busy, idle_wait)
             except (EOFError, OSError):
                 return  # a front end is gone
             clock.lap("wait")
@@ -201,7 +207,7 @@ class EngineCoreProc:
                 self.send_outputs(outputs)
                 clock.lap("send", count=True)
             else:
-                if dp:  # the other cores' step, which this one joins with no tokens
+                if sync is not None:  # the other cores' step, joined with no tokens
                     self.step()
                     if self.dead:
                         return
@@ -276,6 +282,8 @@ class EngineCoreProc:
                 core.abort_requests(msg[1])
             else:
                 core.finish_requests_stopped(msg[1])
+        elif kind == "wake":  # expert parallelism: another core has a request
+            pass
         elif kind == "utility":
             self._utility(client, *msg[1:])
         elif kind == "bad message":

@@ -221,8 +221,14 @@ class DPAsyncLLM(AsyncLLMBase):
             raise ValueError(f"request_id {rid!r} is already in use.")
         key = self.router.key(ids, cache_salt_of(prompt, params))
         live = [c.is_running for c in self.cores]
-        core = self.cores[self.router.pick(key, self.loads(), live)]
-        return await core._queue(prompt, text, ids, params, rid, priority, output_kind)
+        index = self.router.pick(key, self.loads(), live)
+        core = self.cores[index]
+        stream = await core._queue(prompt, text, ids, params, rid, priority, output_kind)
+        if self.config.parallel_config.dp_expert_parallel:  # the others join its steps now
+            for i, other in enumerate(self.cores):
+                if i != index and other.is_running:
+                    other.wake()
+        return stream
 
     def abort_nowait(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

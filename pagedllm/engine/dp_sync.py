@@ -6,8 +6,11 @@ it runs. Each engine core calls ``agree`` once per loop iteration, whether it ha
 with the tokens it scheduled: the call returns every core's count. A step where every count
 is 0 runs nowhere; otherwise every core runs it (a core with 0 tokens only joins the MoE
 layers' exchanges: ``ModelRunner.execute_dp_idle``). This is vLLM's DP coordinator reduced to
-one collective per step: an idle core polls its front end with a short timeout
-(``IDLE_POLL_S``), so a request reaching any core starts the others within that time.
+one collective per step. A core with no work of its own whose last agreement had work
+elsewhere (``others_busy``) agrees again at once; when no core has work, each waits for a
+command at most ``idle_wait()`` (5 ms, 50 ms after a second of idleness) between
+agreements, and the front end sends every core a "wake" with each request it routes, so the
+others join the core that got it at once.
 
 Dual-batch overlap (``--enable-dbo``, ``worker/ubatch.py``): each core also sends its tokens
 split into two micro-batches and whether it wants the step overlapped; the step is, on
@@ -22,12 +25,18 @@ port), on the CPU whatever the device: it decides what the device does next.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
-IDLE_POLL_S = 0.005  # how long an idle core waits for a command before agreeing again
+# how long a core waits for a command before agreeing again when no core has work: short
+# right after work, longer once everything has been idle a while (the front end also wakes
+# every core when it sends one a request, so this bounds only a missed wake)
+IDLE_POLL_S = 0.005
+IDLE_POLL_LONG_S = 0.05
+IDLE_AFTER_S = 1.0
 TIMEOUT_S = 120
 
 
@@ -55,6 +64,16 @@ class DPStepSync:
         self.num_agreed = 0  # agreements so far
         self.num_idle_steps = 0  # steps this core joined with no tokens of its own
         self.num_overlapped_steps = 0  # steps run as two micro-batches (dual-batch overlap)
+        self.others_busy = False  # the last agreement had work on another core
+        self._last_work = time.monotonic()  # when an agreement last had work anywhere
+
+    def idle_wait(self) -> float:
+        """How long to wait for a command before the next agreement when this core has no
+        work (0 while another core has: its step must not wait for this one)."""
+        if self.others_busy:
+            return 0.0
+        idle = time.monotonic() - self._last_work
+        return IDLE_POLL_S if idle < IDLE_AFTER_S else IDLE_POLL_LONG_S
 
     def agree(
         self, split: tuple[int, int], overlap: bool = False, stopping: bool = False
@@ -82,6 +101,9 @@ class DPStepSync:
             return Agreement([0] * n, None)
         a, b = vec[:n].tolist(), vec[n : 2 * n].tolist()
         counts = [x + y for x, y in zip(a, b)]
+        self.others_busy = any(c for i, c in enumerate(counts) if i != self.rank)
+        if any(counts):
+            self._last_work = time.monotonic()
         if sum(split) == 0 and any(counts):
             self.num_idle_steps += 1
         if vec[2 * n] == 0 and any(counts):

@@ -305,6 +305,11 @@ class MPAsyncLLM(AsyncLLMBase):
 
     # ------------------------------------------------------------------ transport
 
+    def wake(self) -> None:
+        """End the core's idle wait (expert parallelism over data-parallel cores: another
+        core got a request, whose steps this core must join)."""
+        self._send(("wake",))
+
     def _send(self, msg: Any) -> None:
         """Queue one message to the core and write what the socket takes now. Before a loop
         is bound (start-up), a blocking write."""
