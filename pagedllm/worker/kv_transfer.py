@@ -34,6 +34,7 @@ import torch
 
 from pagedllm.core.kv_transfer.scheduler import TransferMetadata, TransferReport, TransferSave
 from pagedllm.distributed.parallel_state import tp_info
+from pagedllm.utils.pinned import PinnedRing
 from pagedllm.worker.kv_connector import KVConnectorWorker, StepBatch
 from pagedllm.worker.offload import block_views, host_runs, page_layout
 
@@ -59,6 +60,7 @@ class KVTransferWorker(KVConnectorWorker):
         self.runner = runner
         self.device: torch.device = runner.device
         self.cuda = self.device.type == "cuda"
+        self.ids = PinnedRing(self.device, 1024)  # block ids to the device without a wait
         self.dtype: torch.dtype = runner.model_config.torch_dtype
         self.pages, self.block_bytes = page_layout(runner.kv_groups, self.dtype)
         self.rank = tp_info()[0]
@@ -123,7 +125,7 @@ class KVTransferWorker(KVConnectorWorker):
                     rows = buf.to(self.device, non_blocking=True) if self.cuda else buf
                     self._copied(j, stream)
                     j += 1
-                    dst = torch.tensor([d for _, d in chunk], device=self.device)
+                    dst = self.ids.ship(np.fromiter((d for _, d in chunk), np.int64))
                     for dev, src in zip(tensors, block_views(self.pages, self.dtype, rows)):
                         dev.index_copy_(1, dst, src)
                     nbytes += buf.numel()
@@ -145,7 +147,7 @@ class KVTransferWorker(KVConnectorWorker):
         tensors = self.runner.kv_layout.tensors
         gathered, event = [], None
         for save in metadata.saves:
-            src = torch.tensor([d for _, d in save.rows], dtype=torch.long, device=self.device)
+            src = self.ids.ship(np.fromiter((d for _, d in save.rows), np.int64))
             rows = torch.empty(len(save.rows), self.block_bytes, dtype=torch.uint8,
                                device=self.device)  # fmt: skip
             for dev, view in zip(tensors, block_views(self.pages, self.dtype, rows)):

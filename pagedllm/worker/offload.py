@@ -28,9 +28,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedllm.core.sched.offload import OffloadMetadata, OffloadReport
+from pagedllm.utils.pinned import PinnedRing
 from pagedllm.worker.kv_connector import KVConnectorWorker, StepBatch
 
 
@@ -93,6 +95,8 @@ class OffloadWorker(KVConnectorWorker):
         self.num_host_blocks = num_host_blocks
         self.device: torch.device = runner.device
         self.cuda = self.device.type == "cuda"
+        # block ids to the device without waiting for it (a pageable copy would)
+        self.ids = PinnedRing(self.device, 1024)
         self.dtype: torch.dtype = runner.model_config.torch_dtype
         # (byte offset, page shape) of each cache tensor's [2, *page] in a host block
         self.pages: list[tuple[int, tuple[int, ...]]] = []
@@ -127,7 +131,7 @@ class OffloadWorker(KVConnectorWorker):
             return
         t0 = time.perf_counter()
         host_ids = [h for h, _ in metadata.loads]
-        dst = torch.tensor([d for _, d in metadata.loads], device=self.device)
+        dst = self.ids.ship(np.fromiter((d for _, d in metadata.loads), np.int64))
         if self.cuda:
             staged = torch.empty(
                 len(host_ids), self.block_bytes, dtype=torch.uint8, device=self.device
@@ -152,7 +156,7 @@ class OffloadWorker(KVConnectorWorker):
         if metadata.saves:
             t0 = time.perf_counter()
             host_ids = [h for _, h in metadata.saves]
-            src = torch.tensor([d for d, _ in metadata.saves], device=self.device)
+            src = self.ids.ship(np.fromiter((d for d, _ in metadata.saves), np.int64))
             tensors = self.runner.kv_layout.tensors
             if self.cuda:
                 assert self.side is not None
