@@ -7,13 +7,14 @@ and the thread count (``torch.set_num_threads``) defaults to that set's size. Th
 syntax and which CPUs a rank gets: ``utils/cpus.py``.
 
 Example: usable CPUs 0-7, world 2, bind "auto" -> rank 0 on 0-3, rank 1 on 4-7, 4 threads
-each.
+each. The world is every rank of every data-parallel core (``host_rank``): cores that each
+took every CPU oversubscribed the host (a tiny model's DP 2 on 2 CPUs ran 6-60x slower).
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.utils.cpus import cpus_for_rank
 
@@ -39,3 +40,12 @@ def apply_cpu_threads(device_config: DeviceConfig, rank: int, world: int) -> int
     if threads is not None:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+def host_rank(parallel_config: Any, tp_rank: int) -> tuple[int, int]:
+    """(rank, world) of a tensor-parallel rank among every rank of every data-parallel core
+    on this host: the cores share its CPUs as their ranks do. Example: data parallelism 2,
+    tensor parallelism 2: core 1's rank 0 is rank 2 of 4."""
+    pc = parallel_config
+    tp = pc.tensor_parallel_size
+    return pc.data_parallel_rank * tp + tp_rank, pc.data_parallel_size * tp

@@ -128,9 +128,10 @@ class UniProcExecutor(Executor):
         from pagedllm.worker.model_runner import ModelRunner
 
         if config.device_config.device == "cpu":  # --cpu-threads / --cpu-threads-bind
-            from pagedllm.worker.cpu_threads import apply_cpu_threads
+            from pagedllm.worker.cpu_threads import apply_cpu_threads, host_rank
 
-            apply_cpu_threads(config.device_config, 0, 1)  # (no-op when neither is set)
+            # (alone on the host and neither set: a no-op; a data-parallel core: its share)
+            apply_cpu_threads(config.device_config, *host_rank(config.parallel_config, 0))
         self.runner: ModelRunner = ModelRunner(config, eos_token_ids)
         self.device_type = self.runner.device.type
         self.max_num_reqs = self.runner.input_batch.max_num_reqs

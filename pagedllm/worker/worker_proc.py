@@ -68,14 +68,14 @@ class Worker:
             init_tensor_parallel,
             set_expert_parallel,
         )
-        from pagedllm.worker.cpu_threads import apply_cpu_threads
+        from pagedllm.worker.cpu_threads import apply_cpu_threads, host_rank
         from pagedllm.worker.model_runner import ModelRunner
 
         device = config.device_config.device
         if device.startswith("cuda") and world > 1:
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        if not device.startswith("cuda"):  # the ranks share the host's cores
-            apply_cpu_threads(config.device_config, rank, world)
+        if not device.startswith("cuda"):  # the ranks (of every core) share the host's cores
+            apply_cpu_threads(config.device_config, *host_rank(config.parallel_config, rank))
         init_tensor_parallel(
             rank, world, init_method, "cuda" if device.startswith("cuda") else "cpu"
         )

@@ -88,3 +88,33 @@ def test_tensor_parallel_ranks_bound_to_their_cpus(tiny_models) -> None:  # noqa
     per = len(USABLE) // 2
     want = [USABLE[:per], USABLE[per : 2 * per]]
     assert [parse_cpu_list(x) for x in got["seen"]] == want
+
+
+def _threads_and_cpus(core) -> tuple[int, list[int]]:  # noqa: ANN001 - in a core process
+    import torch
+
+    return torch.get_num_threads(), sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("bind", ["none", "auto"])
+def test_data_parallel_cores_share_the_host(tiny_models, bind) -> None:  # noqa: ANN001
+    """Two data-parallel cores on the CPU: each runs on its share of the host, as two
+    tensor-parallel ranks do: half the usable CPUs' threads unbound, its own half bound
+    ("auto"), not every core on every CPU (their threads oversubscribed the host)."""
+    if len(USABLE) < 2:
+        pytest.skip("needs two usable CPUs")
+    from pagedllm import LLM
+
+    if "OMP_NUM_THREADS" in os.environ and bind == "none":
+        pytest.skip("OMP_NUM_THREADS decides the thread count")
+    llm = LLM(tiny_models("llama"), dtype="float32", device="cpu", max_model_len=128,
+              data_parallel_size=2, cpu_threads_bind=bind)  # fmt: skip
+    engine = llm.llm_engine
+    try:
+        seen = [engine._run(c.call_in_core(_threads_and_cpus)) for c in engine.llm.cores]
+    finally:
+        engine.shutdown()
+    per = len(USABLE) // 2
+    assert [threads for threads, _ in seen] == [per, per]
+    if bind == "auto":
+        assert [cpus for _, cpus in seen] == [USABLE[:per], USABLE[per : 2 * per]]
