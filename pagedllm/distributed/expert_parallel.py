@@ -22,7 +22,8 @@ rows 4 and 5 padding; core 0 computes its experts' pairs of rows 0..3, core 1 it
 pairs of the same rows; the reduce-scatter gives core 0 rows 0..2 and core 1 rows 3..5, of
 which core 1 keeps row 3.
 
-A world of 1 (no group joined) makes every function here the identity.
+Without a group (``dp_ep_info()`` (0, 1)) the MoE block takes its one-rank path and
+nothing here is called.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from typing import Any
 import torch
 
 COLLECTIVE_TIMEOUT_S = 120
-ALL2ALL_BACKENDS = ("allgather_reducescatter", "alltoallv")
 _rank, _size = 0, 1
 _backend = "allgather_reducescatter"
 
