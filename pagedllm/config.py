@@ -185,6 +185,9 @@ class DeviceConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}.")
 
 
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "alltoallv")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor and data parallel sizes (data parallelism: engine cores behind one server,
@@ -231,6 +234,24 @@ class ParallelConfig:
             raise ValueError(
                 "distributed_executor_backend 'uni' runs one rank; tensor_parallel_size > 1 "
                 "needs 'mp'."
+            )
+        if self.dp_expert_parallel and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_expert_parallel with data_parallel_size > 1 splits the experts over "
+                "the data-parallel engine cores, each of tensor_parallel_size 1; "
+                "tensor_parallel_size > 1 inside each core is not supported with it yet."
+            )
+        if self.all2all_backend not in ALL2ALL_BACKENDS:
+            raise ValueError(
+                f"all2all_backend must be one of {ALL2ALL_BACKENDS}, got {self.all2all_backend!r}."
+            )
+        _positive_int("dbo_decode_token_threshold", self.dbo_decode_token_threshold)
+        _positive_int("dbo_prefill_token_threshold", self.dbo_prefill_token_threshold)
+        if self.enable_dbo and not self.dp_expert_parallel:
+            raise ValueError(
+                "enable_dbo overlaps the MoE exchanges of expert parallelism over "
+                "data-parallel engine cores: it needs enable_expert_parallel and "
+                "data_parallel_size > 1."
             )
 
 
@@ -487,26 +508,7 @@ class EngineArgs:
             )
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         dp_ep = self.enable_expert_parallel and self.data_parallel_size > 1
-        if dp_ep and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "enable_expert_parallel with data_parallel_size > 1 splits the experts over "
-                "the data-parallel engine cores, each of tensor_parallel_size 1; "
-                "tensor_parallel_size > 1 inside each core is not supported with it yet."
-            )
-        if self.all2all_backend not in ("allgather_reducescatter", "alltoallv"):
-            raise ValueError(
-                "all2all_backend must be 'allgather_reducescatter' or 'alltoallv', got "
-                f"{self.all2all_backend!r}."
-            )
-        _positive_int("dbo_decode_token_threshold", self.dbo_decode_token_threshold)
-        _positive_int("dbo_prefill_token_threshold", self.dbo_prefill_token_threshold)
-        if self.enable_dbo:
-            if not dp_ep:
-                raise ValueError(
-                    "enable_dbo overlaps the MoE exchanges of expert parallelism over "
-                    "data-parallel engine cores: it needs enable_expert_parallel and "
-                    "data_parallel_size > 1."
-                )
+        if self.enable_dbo:  # (the parallel fields alone: ParallelConfig checks them)
             others = {"enable_kvc": self.enable_kvc, "speculative_config": self.speculative_config,
                       "kv_offloading_size": self.kv_offloading_size,
                       "kv_transfer_config": self.kv_transfer_config,

@@ -100,10 +100,6 @@ def set_step_tokens(counts: tuple[int, ...] | list[int]) -> None:
     _step.valid = None
 
 
-def step_tokens() -> tuple[int, ...]:
-    return _step.counts
-
-
 def _wait(work: Any) -> None:
     """Wait for an asynchronous collective; under dual-batch overlap the other micro-batch
     runs first (``distributed/turns.py``: its compute overlaps this transfer)."""

@@ -61,7 +61,6 @@ class DPStepSync:
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("dp_step", store), rank, size, timeout)
         self._store = store  # (kept alive: the group talks through it)
         self.stopped = False
-        self.num_agreed = 0  # agreements so far
         self.num_idle_steps = 0  # steps this core joined with no tokens of its own
         self.num_overlapped_steps = 0  # steps run as two micro-batches (dual-batch overlap)
         self.others_busy = False  # the last agreement had work on another core
@@ -95,7 +94,6 @@ class DPStepSync:
         vec[2 * n] = int(sum(split) > 0 and not overlap)
         vec[2 * n + 1] = int(stopping)
         self.group.allreduce([vec]).wait()
-        self.num_agreed += 1
         if vec[2 * n + 1] > 0:
             self.stopped = True
             return Agreement([0] * n, None)
