@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 # the values the engine accepts (its CLI flags and the benchmarks' offer them as choices)
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+# the KV cache's storage: auto = the model's dtype; fp8 (= fp8_e4m3): e4m3 with a scale per
+# layer, KV head and K/V (pagedllm/kv_layout.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # how the engine core reaches the model: in its own process, or one worker process per rank
@@ -100,8 +103,23 @@ class CacheConfig:
     preemption_mode: str = "recompute"  # recompute | swap | auto
     # sliding-window layers keep the whole context, as full attention does (vLLM's flag)
     disable_hybrid_kv_cache_manager: bool = False
+    cache_dtype: str = "auto"  # auto | fp8 (KV_CACHE_DTYPES; the alias resolved by EngineArgs)
+    # fp8: each layer's K/V scales per KV head from the first step with real tokens (else 1.0,
+    # or the checkpoint's k_scale / v_scale)
+    calculate_kv_scales: bool = False
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the KV cache is stored in float8 e4m3 (``kv_layout.kv_cache_dtype``)."""
+        return self.cache_dtype == "fp8"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in ("auto", "fp8"):
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}."
+            )
+        if self.calculate_kv_scales and not self.fp8:
+            raise ValueError("calculate_kv_scales needs kv_cache_dtype 'fp8'.")
         bs = self.block_size
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two from 1 to 256, got {bs!r}.")
@@ -401,6 +419,9 @@ class EngineArgs:
     kv_transfer_config: dict | str | KVTransferConfig | None = None
     preemption_mode: str = "recompute"
     disable_hybrid_kv_cache_manager: bool = False
+    # the KV cache's dtype: auto (the model's) or fp8 / fp8_e4m3 (half the bytes a token)
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False  # fp8: scales from the first step's K/V (else 1.0)
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
@@ -483,6 +504,21 @@ class EngineArgs:
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space!r}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}."
+            )
+        cache_dtype = "auto" if self.kv_cache_dtype == "auto" else "fp8"
+        if cache_dtype == "fp8" and self.enable_kvc:
+            raise ValueError(
+                "kv_cache_dtype 'fp8' does not work with KV-Compress yet (its per-head kernels "
+                "read 16- and 32-bit caches); use one or the other."
+            )
+        if self.calculate_kv_scales and self.kv_transfer_config:
+            raise ValueError(
+                "calculate_kv_scales cannot be combined with kv_transfer_config: each instance "
+                "would quantize with scales of its own first prompts; leave the scales fixed."
+            )
         offload = self.kv_offloading_size
         if offload is not None and (
             isinstance(offload, bool) or not isinstance(offload, (int, float)) or offload <= 0
@@ -574,6 +610,8 @@ class EngineArgs:
                 kv_transfer=transfer,
                 preemption_mode=self.preemption_mode,
                 disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
+                cache_dtype=cache_dtype,
+                calculate_kv_scales=self.calculate_kv_scales,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

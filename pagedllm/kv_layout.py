@@ -12,6 +12,15 @@ One object owns it, so no other module computes a slot:
 
 The attention backends get their slots and key positions from here; the Triton kernels take
 the tensors and the block tables and apply the same arithmetic on the device.
+
+fp8 caches (``--kv-cache-dtype fp8``): the tensors are ``torch.float8_e4m3fn``, half the bytes
+of bfloat16. Each attention layer holds ``kv_scale`` [2, num_kv_heads] float32 (0 = K, 1 = V):
+a cached element is ``fp8(clamp(x / scale, -448, 448))`` and reads back as ``fp8 * scale``.
+The scales are 1.0 (vLLM's default), the checkpoint's ``k_scale`` / ``v_scale`` where it has
+them, or (``calculate_kv_scales``) set once from the first step with real tokens:
+max |K| / 200 and max |V| / 100 per KV head (vLLM's constants: K may grow 2.2x, V 4.5x past
+the first prompt's largest before it clips at 448). Block copies and swaps move bytes
+(``uint8`` views: PyTorch has no indexed copy of float8 on a CPU).
 """
 
 from __future__ import annotations
@@ -49,12 +58,76 @@ def slot_mapping(
     return blocks.astype(np.int64) * block_size + positions % block_size
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+K_SCALE_CONSTANT = 200.0  # calculate_kv_scales: scale = max |K| / 200 (vLLM's constant)
+V_SCALE_CONSTANT = 100.0
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether a cache of ``dtype`` stores scaled float8 (see the module docstring)."""
+    return dtype == FP8
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as uint8 where it is float8 (for indexed copies), else ``t`` itself."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
+
+
+def kv_cache_dtype(fp8: bool, model_config: Any, device: torch.device) -> torch.dtype:
+    """The cache tensors' dtype: the model's, or float8 e4m3 (``kv_cache_dtype`` fp8), which
+    a GPU reads only from compute capability 8.9 (Ada, Hopper) on."""
+    if not fp8:
+        return model_config.torch_dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(
+            "kv_cache_dtype 'fp8' needs a GPU of compute capability 8.9 or newer (Ada, "
+            "Hopper): the attention kernels convert float8 e4m3 in registers."
+        )
+    return FP8
+
+
+def copy_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the byte movers index a cache of ``dtype`` as (``as_bytes``)."""
+    return torch.uint8 if is_fp8(dtype) else dtype
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8(clamp(x / scale, -448, 448)); x [n, num_kv_heads, head_dim], scale [num_kv_heads].
+    Example: scale 0.5, x 1.3 -> 2.6 -> e4m3 2.5 (reads back as 1.25)."""
+    return (x.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cached K or V rows [..., num_kv_heads, head_dim] in ``dtype``: times ``scale``
+    [num_kv_heads] where the cache is fp8, else a plain cast."""
+    if not is_fp8(x.dtype):
+        return x.to(dtype)
+    assert scale is not None, "an fp8 cache needs its scales"
+    return (x.float() * scale[:, None]).to(dtype)
+
+
+def calibrate_scales(kv_scale: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """``kv_scale`` [2, num_kv_heads] from one step's K and V [n, num_kv_heads, head_dim]:
+    max |K| / K_SCALE_CONSTANT and max |V| / V_SCALE_CONSTANT per KV head (a head of zeros
+    keeps a tiny positive scale). In place: a captured CUDA graph reads the new values."""
+    k_amax = key.detach().abs().amax(dim=(0, 2)).float()  # [num_kv_heads]
+    v_amax = value.detach().abs().amax(dim=(0, 2)).float()
+    kv_scale[0].copy_((k_amax / K_SCALE_CONSTANT).clamp_(min=1e-6))
+    kv_scale[1].copy_((v_amax / V_SCALE_CONSTANT).clamp_(min=1e-6))
+
+
 def write_kv_ref(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Reference KV write: kv_cache[0/1].view(-1, kvh, d)[slot] = key/value[t]; slot -1 skipped.
 
-    key/value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [n] (n <= num_tokens)."""
+    key/value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [n] (n <= num_tokens);
+    an fp8 cache quantizes with ``kv_scale`` [2, num_kv_heads]."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
     v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
@@ -63,17 +136,31 @@ def write_kv_ref(
     if bool((slots < 0).any()):
         keep = slots >= 0
         slots, key, value = slots[keep], key[:n][keep], value[:n][keep]
-    k_flat.index_copy_(0, slots, key[: slots.shape[0]].to(k_flat.dtype))
-    v_flat.index_copy_(0, slots, value[: slots.shape[0]].to(v_flat.dtype))
+    key, value = key[: slots.shape[0]], value[: slots.shape[0]]
+    if is_fp8(kv_cache.dtype):
+        assert kv_scale is not None, "an fp8 cache needs its scales"
+        key, value = quantize_fp8(key, kv_scale[0]), quantize_fp8(value, kv_scale[1])
+    as_bytes(k_flat).index_copy_(0, slots, as_bytes(key.to(k_flat.dtype)))
+    as_bytes(v_flat).index_copy_(0, slots, as_bytes(value.to(v_flat.dtype)))
 
 
 class KVCacheLayout:
     """The KV cache tensors of one device, their host (swap) copies, and block arithmetic."""
 
-    def __init__(self, groups: KVCacheGroups, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        groups: KVCacheGroups,
+        dtype: torch.dtype,
+        device: torch.device,
+        calculate_scales: bool = False,
+    ) -> None:
         self.groups = groups
-        self.dtype = dtype
+        self.dtype = dtype  # the cache tensors' (torch.float8_e4m3fn for an fp8 cache)
         self.device = device
+        # fp8: each attention layer's [2, num_kv_heads] float32 scales, made at the first bind
+        self.scales: list[torch.Tensor] = []
+        # calculate_kv_scales: the next eager forward pass with real tokens sets them
+        self.calibrate_pending = calculate_scales and is_fp8(dtype)
         self.block_size = groups.block_size
         self.num_groups = groups.num_groups
         self.num_blocks = 0
@@ -106,19 +193,37 @@ class KVCacheLayout:
     def allocate_host(self, num_blocks: int) -> None:
         """Host blocks for swap preemption (pinned when the device is a GPU)."""
         pin = self.device.type == "cuda"
-        self.host_tensors = self._make(num_blocks, "cpu", pin) if num_blocks > 0 else []
+        host = self._make(num_blocks, "cpu", pin) if num_blocks > 0 else []
+        self.host_tensors = [as_bytes(t) for t in host]  # indexed like copy_tensors
 
     def release(self) -> None:
         self.tensors = []
         self.num_blocks = 0
 
+    @property
+    def copy_tensors(self) -> list[torch.Tensor]:
+        """The cache tensors as the byte movers (swap, the host tier, KV transfer) index them:
+        uint8 views of an fp8 cache, else the tensors themselves."""
+        return [as_bytes(t) for t in self.tensors]
+
     def bind(self, layers: list[torch.nn.Module]) -> None:
-        """Give each attention layer its index, its group and its cache tensor."""
+        """Give each attention layer its index, its group and its cache tensor, and with an
+        fp8 cache its scales (``kv_scale``: the checkpoint's where it gave some, else 1.0;
+        kept across re-binds); other caches get ``kv_scale`` None."""
         where = self.groups.layer_position()
+        fp8 = is_fp8(self.dtype)
+        if fp8 and not self.scales:
+            for layer in layers:
+                scale = torch.ones(2, layer.num_kv_heads, dtype=torch.float32)
+                ckpt = getattr(layer, "checkpoint_kv_scale", None)
+                if ckpt is not None:
+                    scale.copy_(ckpt)
+                self.scales.append(scale.to(self.device))
         for i, layer in enumerate(layers):
             g, j = where[i]
             layer.layer_idx, layer.kv_group = i, g
             layer.kv_cache = self.tensors[j] if self.tensors else torch.empty(0)
+            layer.kv_scale = self.scales[i] if fp8 else None
 
     # --------------------------------------------------------------- whole blocks
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -127,7 +232,7 @@ class KVCacheLayout:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for cache in self.tensors:
+        for cache in self.copy_tensors:
             cache.index_copy_(1, dst, cache.index_select(1, src))
 
     def swap(self, out_pairs: list[tuple[int, int]], in_pairs: list[tuple[int, int]]) -> None:
@@ -136,12 +241,12 @@ class KVCacheLayout:
         if out_pairs:
             src = torch.tensor([d for d, _ in out_pairs], device=self.device)
             dst = torch.tensor([h for _, h in out_pairs])
-            for dev, host in zip(self.tensors, self.host_tensors):
+            for dev, host in zip(self.copy_tensors, self.host_tensors):
                 host.index_copy_(1, dst, dev.index_select(1, src).cpu())
         if in_pairs:
             src = torch.tensor([h for h, _ in in_pairs])
             dst = torch.tensor([d for _, d in in_pairs], device=self.device)
-            for dev, host in zip(self.tensors, self.host_tensors):
+            for dev, host in zip(self.copy_tensors, self.host_tensors):
                 dev.index_copy_(1, dst, host.index_select(1, src).to(self.device))
 
     # ------------------------------------------------------- the runner's layout hooks
@@ -181,7 +286,11 @@ class KVCacheLayout:
         """After the profiling pass."""
 
     def finish_metadata(self, md: Any) -> None:
-        """Before an eager forward pass (a CUDA-graph replay skips it): nothing here."""
+        """Before an eager forward pass (a CUDA-graph replay skips it): the first one with
+        real tokens calibrates an fp8 cache's scales where ``calculate_kv_scales`` asks."""
+        if self.calibrate_pending and md.num_actual_tokens > 0:
+            md.calibrate_kv_scales = True
+            self.calibrate_pending = False
 
     def capture_graphs(self, runner: Any) -> bool:
         """Capture this layout's own CUDA graphs on ``runner``; False: the runner's plain

@@ -46,6 +46,9 @@ class AttentionMetadata:
     # KV-Compress: the layer's scores and the step's scoring plan (kvcompress/attention.py);
     # then slot_mapping is [T, H], block_tables [R, H, max_blocks] and seq_lens [R, H]
     kvc: Any = None
+    # fp8 caches with calculate_kv_scales: this pass sets every layer's scales from its K/V
+    # before writing them (kv_layout.calibrate_scales; the first eager pass with real tokens)
+    calibrate_kv_scales: bool = False
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata a layer of KV-cache group ``group`` attends with."""

@@ -59,6 +59,13 @@ _HELP = {
     "kv_offloading_size": "Host memory in GiB for a second tier of the prefix cache: full "
     "blocks are copied there as they are computed and loaded back on a prefix hit the GPU "
     "cache no longer holds (pinned on a GPU; default: off).",
+    "kv_cache_dtype": "KV-cache storage: auto (the model's dtype) or fp8 (alias fp8_e4m3: "
+    "float8 e4m3, half the bytes of bfloat16, with a scale per layer, KV head and K/V - the "
+    "checkpoint's k_scale / v_scale where it has them, else 1.0, or see "
+    "--calculate-kv-scales).",
+    "calculate_kv_scales": "fp8 KV cache: set each layer's scales per KV head from the first "
+    "step with real tokens (the largest |K| over 200 and |V| over 100, vLLM's constants) "
+    "instead of 1.0.",
     "max_num_seqs": "Most requests in one batch.",
     "max_num_batched_tokens": "Token budget of one engine step (default: 2048 on a CPU, 8192 "
     "on a GPU; at least --max-model-len without chunked prefill).",
@@ -155,6 +162,7 @@ _ALIASES = {"enable_kvc": ["--enable-kvcompress"]}
 _CHOICES = {
     "kvc_method": ("kvcompress", "uniform", "random"),
     "dtype": _config.DTYPES,
+    "kv_cache_dtype": _config.KV_CACHE_DTYPES,
     "device": _config.DEVICES,
     "load_format": _config.LOAD_FORMATS,
     "scheduling_policy": ("fcfs", "priority", "sjf"),

@@ -347,6 +347,7 @@ class KVCTorchBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        kv_scale: torch.Tensor | None = None,  # fp8 caches: not with KV-Compress (config.py)
     ) -> torch.Tensor:
         assert key is not None and value is not None
         t, hq, d = query.shape

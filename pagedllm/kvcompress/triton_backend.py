@@ -59,6 +59,7 @@ class KVCTritonBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        kv_scale: torch.Tensor | None = None,  # fp8 caches: not with KV-Compress (config.py)
     ) -> torch.Tensor:
         t, hq, d = query.shape
         info: KVCLayerInfo = metadata.kvc

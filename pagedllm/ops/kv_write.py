@@ -41,6 +41,9 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,  # next power of two >= HEAD_DIM
     BLOCK_SIZE: tl.constexpr,
+    scale_ptr=None,  # QUANT: [2, num_kv_heads] float32, K's scales then V's
+    num_kv_heads=0,
+    QUANT: tl.constexpr = False,  # fp8 cache: store clamp(x / scale, -448, 448)
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -54,6 +57,9 @@ def _write_kv_kernel(
     k = tl.load(key_ptr + t64 * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + t64 * stride_vt + h * stride_vh + d, mask=mask)
     dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
+    if QUANT:
+        k = tl.clamp(k.to(tl.float32) / tl.load(scale_ptr + h), -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) / tl.load(scale_ptr + num_kv_heads + h), -448.0, 448.0)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -63,12 +69,13 @@ def write_kv_cache(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [n] int64, n <= num_tokens; -1 = skip
+    kv_scale: torch.Tensor | None = None,  # [2, num_kv_heads] float32: an fp8 cache's scales
 ) -> None:
     """kv_cache[0/1] at slot_mapping[t] = key/value[t] for t < len(slot_mapping); -1 skipped.
 
     Same semantics as :func:`write_kv_cache_ref`. ``key``/``value`` may be strided views (e.g.
     slices of a fused QKV projection) as long as their last dimension is contiguous; the values
-    are cast to the cache dtype.
+    are cast to the cache dtype (an fp8 cache: fp8(clamp(x / scale, -448, 448))).
     """
     n = slot_mapping.shape[0]
     if n == 0:
@@ -98,5 +105,8 @@ def write_kv_cache(
         HEAD_DIM=head_dim,
         HEAD_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=kv_cache.shape[2],
+        scale_ptr=kv_scale,
+        num_kv_heads=num_kv_heads,
+        QUANT=kv_scale is not None and kv_cache.dtype == torch.float8_e4m3fn,
         num_warps=1 if head_dim <= 128 else 2,
     )

@@ -156,8 +156,8 @@ def _attend_tiles(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if UPCAST:
             pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        else:  # (an fp8 cache's V in the query's dtype: the dot stays 16-bit)
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, l_i, m_i
@@ -305,6 +305,8 @@ def _unified_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     DECODE: tl.constexpr,  # every q_len <= 1: program r is request r's only tile
+    scale_ptr=None,  # QUANT: [2, num_kv_heads] float32, an fp8 cache's K then V scales
+    QUANT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -329,12 +331,16 @@ def _unified_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    if QUANT:  # q . (k_fp8 * s_k) = (q . k_fp8) * s_k: K's scale joins the softmax scale
+        qk_scale = qk_scale * tl.load(scale_ptr + kvh)
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr,
         bt_ptr + r.to(tl.int64) * stride_bt, kvh * stride_ch, tile_lo, tile_hi, first_pos, key_end,
         window, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
         PRECISION,
     )  # fmt: skip
+    if QUANT:  # sum p (v_fp8 * s_v) = s_v * sum p v_fp8
+        acc = acc * tl.load(scale_ptr + tl.num_programs(1) + kvh)
     _store_tile(out_ptr, acc, l_i, tok, head, d, io_mask, stride_ot, stride_oh)
 
 
@@ -367,6 +373,8 @@ def _split_kernel(
     TILE_N: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    scale_ptr=None,  # QUANT: [2, num_kv_heads] float32 (as the unified kernel's)
+    QUANT: tl.constexpr = False,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -402,12 +410,16 @@ def _split_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    if QUANT:  # K's scale joins the softmax scale (see the unified kernel)
+        qk_scale = qk_scale * tl.load(scale_ptr + kvh)
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr,
         bt_ptr + r.to(tl.int64) * stride_bt, kvh * stride_ch, tile_lo, tile_hi, pos, seq_len,
         window, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
         PRECISION,
     )  # fmt: skip
+    if QUANT:  # every split's part times V's scale: the reduce's sums stay linear
+        acc = acc * tl.load(scale_ptr + tl.num_programs(1) + kvh)
     # Example: NUM_HEADS 32, NUM_SPLITS 8, r 2, head 5, s 3 -> row (2 * 32 + 5) * 8 + 3.
     row = (r.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + s  # [BLOCK_M]
     tl.store(part_m_ptr + row, m_i, mask=row_mask)
@@ -573,12 +585,16 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     num_splits: int | None = None,  # force a path: 1 = unified, > 1 (power of 2) = split-K
     tile_config: TileConfig | None = None,  # override the launch shape (tuning)
+    kv_scale: torch.Tensor | None = None,  # [2, num_kv_heads] float32: an fp8 cache's scales
 ) -> torch.Tensor:
     """Causal paged attention for a flattened mixed batch; returns [num_tokens, H, D].
 
     Dispatch (host ints only): decode-only batches that under-fill the GPU take the split-K
     path (see :func:`choose_num_splits`), everything else the unified kernel. Rows past
-    ``query_start_loc[-1]`` are left as they were in ``out``.
+    ``query_start_loc[-1]`` are left as they were in ``out``. An fp8 cache
+    (``torch.float8_e4m3fn``) is read as fp8 * ``kv_scale``: K and V converted to the
+    query's dtype in registers, K's scale folded into the softmax scale, V's applied to each
+    program's output.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -595,6 +611,10 @@ def paged_attention(
     assert out.stride(2) == 1
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    quant = kv_cache.dtype == torch.float8_e4m3fn
+    if quant and (kv_scale is None or kv_scale.shape != (2, num_kv_heads)):
+        raise ValueError("paged_attention: an fp8 cache needs kv_scale [2, num_kv_heads]")
+    scales = {"scale_ptr": kv_scale, "QUANT": True} if quant else {}
     window = int(sliding_window) if sliding_window else 0
     qk_scale = float(scale) * LOG2E
     head_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on a GPU
@@ -633,7 +653,7 @@ def paged_attention(
             NUM_SPLITS=num_splits, G=g, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
             BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(g)), TILE_N=tile_n,
             UPCAST=upcast, PRECISION=precision, num_warps=cfg.num_warps,
-            num_stages=cfg.split_num_stages,
+            num_stages=cfg.split_num_stages, **scales,
         )  # fmt: skip
         _reduce_kernel[(num_reqs, num_heads)](
             out, part_acc, part_m, part_l, query_start_loc, out.stride(0), out.stride(1),
@@ -651,7 +671,7 @@ def paged_attention(
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), G=g,
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_Q=block_q, TILE_N=tile_n, UPCAST=upcast, PRECISION=precision, DECODE=decode,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **scales,
     )  # fmt: skip
     return out
 
@@ -664,9 +684,11 @@ def paged_attention_ref(
     block_tables: torch.Tensor,  # [num_reqs, max_blocks]
     scale: float,
     sliding_window: int | None = None,
+    kv_scale: torch.Tensor | None = None,  # [2, num_kv_heads]: an fp8 cache's scales
 ) -> torch.Tensor:
     """Plain PyTorch reference in float32, one request at a time; returns [num_tokens, H, D]
-    float32 (rows of no request are 0). Slow and simple on purpose."""
+    float32 (rows of no request are 0). Slow and simple on purpose. An fp8 cache reads as
+    fp8 * ``kv_scale``."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     g = num_heads // num_kv_heads
@@ -683,8 +705,11 @@ def paged_attention_ref(
         k_pos = torch.arange(seq_len, device=query.device)
         # Example: block_size 4, table [7, 2], positions [0..5] -> slots [28..31, 8, 9]
         slots = tables[r, k_pos // block_size] * block_size + k_pos % block_size
-        k = k_flat[slots].float().repeat_interleave(g, dim=1)  # [seq_len, H, D]
-        v = v_flat[slots].float().repeat_interleave(g, dim=1)
+        k = k_flat[slots].float()  # [seq_len, num_kv_heads, D]
+        v = v_flat[slots].float()
+        if kv_scale is not None and kv_cache.dtype == torch.float8_e4m3fn:
+            k, v = k * kv_scale[0, :, None].float(), v * kv_scale[1, :, None].float()
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [seq_len, H, D]
         q = query[start:end].float()  # [q_len, H, D]
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
         vis = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]

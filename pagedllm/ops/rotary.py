@@ -49,6 +49,8 @@ def _rope_heads(
     HEADS_PAD: tl.constexpr,  # next power of two >= n_heads
     HAS_NORM: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
+    scale_ptr=None,  # QUANT: [n_heads] float32 (an fp8 cache's K scales)
+    QUANT: tl.constexpr = False,  # store fp8(clamp(x / scale, -448, 448))
 ):
     """Norm and rotate the ``n_heads`` heads of one token as one [HEADS_PAD, HALF_PAD] tile."""
     h = tl.arange(0, HEADS_PAD)[:, None]
@@ -72,8 +74,14 @@ def _rope_heads(
             x2 = ((x2 * rstd).to(a.dtype).to(tl.float32) * w2).to(a.dtype).to(tl.float32)
     dst = dst_ptr + h * dst_stride_h + d
     out_ty = dst_ptr.dtype.element_ty
-    tl.store(dst, (x1 * cos - x2 * sin).to(a.dtype).to(out_ty), mask=mask & store)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(a.dtype).to(out_ty), mask=mask & store)
+    y1 = (x1 * cos - x2 * sin).to(a.dtype)
+    y2 = (x2 * cos + x1 * sin).to(a.dtype)
+    if QUANT:  # rounded to the model's dtype first, as write_kv_ref quantizes
+        s = tl.load(scale_ptr + h, mask=h < n_heads, other=1.0)  # [HEADS_PAD, 1]
+        y1 = tl.clamp(y1.to(tl.float32) / s, -448.0, 448.0)
+        y2 = tl.clamp(y2.to(tl.float32) / s, -448.0, 448.0)
+    tl.store(dst, y1.to(out_ty), mask=mask & store)
+    tl.store(dst + HALF, y2.to(out_ty), mask=mask & store)
 
 
 # the step's token count (num_slots) and its positions / slots (views of step buffers) vary:
@@ -119,6 +127,8 @@ def _rope_kernel(
     BLOCK_SIZE: tl.constexpr = 16,
     PER_HEAD: tl.constexpr = False,  # slot_ptr is [num_slots, num_kv_heads]: a slot per head
     stride_st=0,  # PER_HEAD: the slot list's token stride
+    scale_ptr=None,  # QUANT: [2, num_kv_heads] float32 (an fp8 cache's K, then V scales)
+    QUANT: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF_PAD)[None, :]
@@ -158,14 +168,21 @@ def _rope_kernel(
         _rope_heads(
             k_ptr + t * stride_kt, ko_ptr + row, stride_kh, stride_ch, num_kv_heads, slot >= 0,
             kw_ptr, cos, sin, eps, offset, HALF, HALF_PAD, K_HEADS_PAD, HAS_NORM, HAS_OFFSET,
+            scale_ptr, QUANT,
         )  # fmt: skip
         h = tl.arange(0, K_HEADS_PAD)[:, None]
         vmask = (h < num_kv_heads) & (d < HALF) & (slot >= 0)
         src = v_ptr + t * stride_vt + h * stride_vh + d
         dst = v_cache_ptr + row + h * stride_ch + d
         out_ty = v_cache_ptr.dtype.element_ty
-        tl.store(dst, tl.load(src, mask=vmask).to(out_ty), mask=vmask)
-        tl.store(dst + HALF, tl.load(src + HALF, mask=vmask).to(out_ty), mask=vmask)
+        v1 = tl.load(src, mask=vmask)
+        v2 = tl.load(src + HALF, mask=vmask)
+        if QUANT:
+            vs = tl.load(scale_ptr + num_kv_heads + h, mask=h < num_kv_heads, other=1.0)
+            v1 = tl.clamp(v1.to(tl.float32) / vs, -448.0, 448.0)
+            v2 = tl.clamp(v2.to(tl.float32) / vs, -448.0, 448.0)
+        tl.store(dst, v1.to(out_ty), mask=vmask)
+        tl.store(dst + HALF, v2.to(out_ty), mask=vmask)
     else:
         _rope_heads(
             k_ptr + t * stride_kt, ko_ptr + t * num_kv_heads * (2 * HALF), stride_kh, 2 * HALF,
@@ -248,6 +265,7 @@ def rope_and_cache(
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     offset: float = 0.0,
+    kv_scale: torch.Tensor | None = None,  # [2, num_kv_heads] float32: an fp8 cache's scales
 ) -> torch.Tensor:
     """:func:`rope`, with the rotated K and V written straight into the paged cache at
     ``slot_mapping`` (as :func:`pagedllm.ops.kv_write.write_kv_cache` would, slot -1 and tokens
@@ -256,7 +274,8 @@ def rope_and_cache(
 
     KV-Compress's per-head cache (``kv_cache`` [2, num_blocks, block_size, head_dim], one KV
     head per block) takes ``slot_mapping`` [n, num_kv_heads] (any token stride): each head of
-    each token goes to its own slot."""
+    each token goes to its own slot. An fp8 cache (``torch.float8_e4m3fn``, not per head)
+    stores fp8(clamp(x / scale, -448, 448)) with ``kv_scale``."""
     _check(q, k, cos_sin, q_weight, k_weight)
     if v.shape != k.shape or v.stride(-1) != 1:
         raise ValueError(f"rope_and_cache: v {tuple(v.shape)} must match k {tuple(k.shape)}")
@@ -283,5 +302,9 @@ def rope_and_cache(
             "BLOCK_SIZE": kv_cache.shape[2], "PER_HEAD": per_head,
             "stride_st": slot_mapping.stride(0) if per_head else 0,
         }  # fmt: skip
+        if kv_cache.dtype == torch.float8_e4m3fn:
+            if per_head or kv_scale is None:
+                raise ValueError("rope_and_cache: an fp8 cache needs kv_scale (not per head)")
+            kv.update(scale_ptr=kv_scale, QUANT=True)
         _launch(positions, q, k, q_out, k_cache, cos_sin, q_weight, k_weight, eps, offset, kv)
     return q_out

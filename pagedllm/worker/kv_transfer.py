@@ -34,6 +34,7 @@ import torch
 
 from pagedllm.core.kv_transfer.scheduler import TransferMetadata, TransferReport, TransferSave
 from pagedllm.distributed.parallel_state import tp_info
+from pagedllm.kv_layout import copy_dtype
 from pagedllm.utils.pinned import PinnedRing
 from pagedllm.worker.kv_connector import KVConnectorWorker, StepBatch
 from pagedllm.worker.offload import block_views, host_runs, page_layout
@@ -61,7 +62,7 @@ class KVTransferWorker(KVConnectorWorker):
         self.device: torch.device = runner.device
         self.cuda = self.device.type == "cuda"
         self.ids = PinnedRing(self.device, 1024)  # block ids to the device without a wait
-        self.dtype: torch.dtype = runner.model_config.torch_dtype
+        self.dtype: torch.dtype = copy_dtype(runner.kv_dtype)  # uint8 for an fp8 cache
         self.pages, self.block_bytes = page_layout(runner.kv_groups, self.dtype)
         self.rank = tp_info()[0]
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
@@ -109,7 +110,7 @@ class KVTransferWorker(KVConnectorWorker):
         if metadata is None or not metadata.loads:
             return
         t0, nbytes, j = time.perf_counter(), 0, 0
-        tensors = self.runner.kv_layout.tensors
+        tensors = self.runner.kv_layout.copy_tensors
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
         for load in metadata.loads:
             path = load.path.format(rank=self.rank)
@@ -144,7 +145,7 @@ class KVTransferWorker(KVConnectorWorker):
         self._load = (0.0, 0)
         if metadata is None or not metadata.saves:
             return PendingWrites([], None, report) if report.load_bytes else None
-        tensors = self.runner.kv_layout.tensors
+        tensors = self.runner.kv_layout.copy_tensors
         gathered, event = [], None
         for save in metadata.saves:
             src = self.ids.ship(np.fromiter((d for _, d in save.rows), np.int64))

@@ -21,7 +21,7 @@ from pagedllm.core.kv_cache.spec import (
 from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed import expert_parallel
 from pagedllm.distributed.parallel_state import ep_info, tp_info
-from pagedllm.kv_layout import KVCacheLayout
+from pagedllm.kv_layout import KVCacheLayout, kv_cache_dtype
 from pagedllm.model.loader import build_model
 from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.utils.pinned import copy_to_host
@@ -141,7 +141,9 @@ class ModelRunner:
         self.drafter: Drafter | None = None  # speculative decoding with a draft model
         if config.draft_model_config is not None:
             self.drafter = Drafter(config.draft_model_config, self.device, self.backend)
-        elem = torch.empty(0, dtype=self.model_config.torch_dtype).element_size()
+        # the model's dtype, or float8 e4m3 (kv_cache_dtype fp8: see kv_layout.py)
+        self.kv_dtype = kv_cache_dtype(config.cache_config.fp8, self.model_config, self.device)
+        elem = torch.empty(0, dtype=self.kv_dtype).element_size()
         self.kv_groups = (
             layout_role.kv_groups(self.model.attention_layers(), self.block_size, elem)
             if layout_role
@@ -157,9 +159,8 @@ class ModelRunner:
         self._connector_of = {c.name: c for c in self.connectors}
         self.kv_layout: Any = next((c for c in self.connectors if c.owns_layout), None)
         if self.kv_layout is None:
-            self.kv_layout = KVCacheLayout(
-                self.kv_groups, self.model_config.torch_dtype, self.device
-            )
+            calibrate = config.cache_config.calculate_kv_scales
+            self.kv_layout = KVCacheLayout(self.kv_groups, self.kv_dtype, self.device, calibrate)
         self.kv_layout.bind(self._attention_layers())
         self.sampler = Sampler()
         spec = config.speculative_config

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.sched.offload import OffloadMetadata, OffloadReport
+from pagedllm.kv_layout import copy_dtype
 from pagedllm.utils.pinned import PinnedRing
 from pagedllm.worker.kv_connector import KVConnectorWorker, StepBatch
 
@@ -97,7 +98,7 @@ class OffloadWorker(KVConnectorWorker):
         self.cuda = self.device.type == "cuda"
         # block ids to the device without waiting for it (a pageable copy would)
         self.ids = PinnedRing(self.device, 1024)
-        self.dtype: torch.dtype = runner.model_config.torch_dtype
+        self.dtype: torch.dtype = copy_dtype(runner.kv_dtype)  # uint8 for an fp8 cache
         # (byte offset, page shape) of each cache tensor's [2, *page] in a host block
         self.pages: list[tuple[int, tuple[int, ...]]] = []
         self.block_bytes = 0
@@ -142,7 +143,7 @@ class OffloadWorker(KVConnectorWorker):
         else:
             src = torch.tensor(host_ids)
             sources = [h.index_select(1, src) for h in self.host_tensors]
-        for dev, source in zip(self.runner.kv_layout.tensors, sources):
+        for dev, source in zip(self.runner.kv_layout.copy_tensors, sources):
             dev.index_copy_(1, dst, source)
         self._load_s = time.perf_counter() - t0
 
@@ -157,7 +158,7 @@ class OffloadWorker(KVConnectorWorker):
             t0 = time.perf_counter()
             host_ids = [h for _, h in metadata.saves]
             src = self.ids.ship(np.fromiter((d for d, _ in metadata.saves), np.int64))
-            tensors = self.runner.kv_layout.tensors
+            tensors = self.runner.kv_layout.copy_tensors
             if self.cuda:
                 assert self.side is not None
                 staged = torch.empty(

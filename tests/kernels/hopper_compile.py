@@ -68,6 +68,7 @@ def compile_one(
 
 
 BF16, F32, I32, I64, I8 = "*bf16", "*fp32", "*i32", "*i64", "*i8"
+FP8 = "*fp8e4nv"
 ATTN = dict(G=4, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64, UPCAST=False,
             PRECISION="tf32")  # fmt: skip
 # chunks of paged.LONG_CHUNK tokens or more on Hopper
@@ -142,25 +143,38 @@ def _paged_variants() -> list[tuple[str, object, dict, dict]]:
         value_ptr=BF16, slot_ptr=I64, pos_ptr=I64, k_ptr=BF16, qo_ptr=BF16, ko_ptr=BF16,
         cs_ptr=F32, qw_ptr=BF16, kw_ptr=BF16, v_ptr=BF16,
     )  # fmt: skip
+    # fp8 caches (kv_cache_dtype fp8): e4m3 K/V and their [2, kv_heads] float32 scales
+    fp8 = dict(ptrs, k_cache_ptr=FP8, v_cache_ptr=FP8, ko_ptr=FP8, scale_ptr=F32)
+    plain, quant = dict(scale_ptr=None), dict(QUANT=True)
     out = []
     for decode in (False, True):
         c = dict(ATTN, BLOCK_M=64, BLOCK_Q=16, DECODE=decode)
-        out.append((f"paged unified decode={decode}", paged._unified_kernel, ptrs, c))
+        name = f"paged unified decode={decode}"
+        out.append((name, paged._unified_kernel, ptrs, dict(c, **plain)))
+        out.append((f"paged unified fp8 decode={decode}", paged._unified_kernel, fp8,
+                    dict(c, **quant)))  # fmt: skip
     out.append(("paged unified long chunks", paged._unified_kernel, ptrs,
-                dict(ATTN, **LONG, DECODE=False)))  # fmt: skip
-    out.append(("paged split", paged._split_kernel, ptrs,
-                dict(ATTN, BLOCK_M=16, NUM_HEADS=32, NUM_SPLITS=8)))  # fmt: skip
+                dict(ATTN, **LONG, DECODE=False, **plain)))  # fmt: skip
+    out.append(("paged unified fp8 long chunks", paged._unified_kernel, fp8,
+                dict(ATTN, **LONG, DECODE=False, **quant)))  # fmt: skip
+    split = dict(ATTN, BLOCK_M=16, NUM_HEADS=32, NUM_SPLITS=8)
+    out.append(("paged split", paged._split_kernel, ptrs, dict(split, **plain)))
+    out.append(("paged split fp8", paged._split_kernel, fp8, dict(split, **quant)))
     out.append(("paged reduce", paged._reduce_kernel, ptrs,
                 dict(NUM_HEADS=32, NUM_SPLITS=8, HEAD_DIM=128, HEAD_PAD=128)))  # fmt: skip
-    out.append(("kv write", kv_write._write_kv_kernel, ptrs,
-                dict(HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16)))  # fmt: skip
+    write = dict(HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16)
+    out.append(("kv write", kv_write._write_kv_kernel, ptrs, dict(write, **plain)))
+    out.append(("kv write fp8", kv_write._write_kv_kernel, fp8, dict(write, **quant)))
     rope = dict(HALF=64, HALF_PAD=64, Q_HEADS_PAD=32, K_HEADS_PAD=8, HAS_OFFSET=False)
-    no_kv = dict(v_ptr=None, v_cache_ptr=None, slot_ptr=None)
+    no_kv = dict(v_ptr=None, v_cache_ptr=None, slot_ptr=None, **plain)
     out.append(("rope", rotary._rope_kernel, ptrs, dict(rope, HAS_NORM=False, WRITE_KV=False,
                                                        **no_kv)))  # fmt: skip
     for per_head in (False, True):
         c = dict(rope, HAS_NORM=True, WRITE_KV=True, BLOCK_SIZE=16, PER_HEAD=per_head)
-        out.append((f"rope norm + kv write per_head={per_head}", rotary._rope_kernel, ptrs, c))
+        out.append((f"rope norm + kv write per_head={per_head}", rotary._rope_kernel, ptrs,
+                    dict(c, **plain)))  # fmt: skip
+    c = dict(rope, HAS_NORM=True, WRITE_KV=True, BLOCK_SIZE=16, PER_HEAD=False, **quant)
+    out.append(("rope norm + kv write fp8", rotary._rope_kernel, fp8, c))
     return out
 
 

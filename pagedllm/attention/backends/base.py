@@ -19,6 +19,8 @@ class AttentionBackend(ABC):
     reads KV head h // (num_heads // num_kv_heads)). Returns [num_tokens, num_heads * head_dim].
 
     ``kv_cache`` layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V).
+    An fp8 cache (``torch.float8_e4m3fn``) comes with ``kv_scale`` [2, num_kv_heads] float32:
+    K/V are written as fp8(x / scale) and read as fp8 * scale (``pagedllm/kv_layout.py``).
 
     A backend with ``fuses_rope`` lets the attention layer rotate q/k with the kernel that
     also writes K/V into the cache (:func:`pagedllm.ops.rotary.rope_and_cache`); it then gets
@@ -38,4 +40,5 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        kv_scale: torch.Tensor | None = None,  # [2, num_kv_heads] float32: fp8 caches only
     ) -> torch.Tensor: ...

@@ -20,23 +20,27 @@ from torch.nn import functional as F
 
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.kv_layout import token_slots, write_kv_ref
+from pagedllm.kv_layout import dequantize, is_fp8, token_slots, write_kv_ref
 
 _CPU = torch.device("cpu")
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """``write_kv_ref``, through the compiled row copy on a CPU where it is built
     (``pagedllm/ops/cpu.write_kv``: a row copy per token, without the reference's masking and
-    two indexed copies, whose dispatch outweighs a decode step's few rows)."""
-    if kv_cache.device.type == "cpu":
+    two indexed copies, whose dispatch outweighs a decode step's few rows; not for fp8)."""
+    if kv_cache.device.type == "cpu" and not is_fp8(kv_cache.dtype):
         from pagedllm.ops.cpu import write_kv
 
         if write_kv(key, value, kv_cache, slot_mapping):
             return
-    write_kv_ref(key, value, kv_cache, slot_mapping)
+    write_kv_ref(key, value, kv_cache, slot_mapping, kv_scale)
 
 
 def _decode_kernel(dtype: torch.dtype | None = None) -> object | None:
@@ -128,9 +132,13 @@ class TorchNativeBackend(AttentionBackend):
         md.plan[key] = plan
         return plan
 
-    def _sdpa_prefill(self, md: AttentionMetadata, plan: dict, window: int | None) -> list:
+    def _sdpa_prefill(
+        self, md: AttentionMetadata, plan: dict, window: int | None, fp8: bool = False
+    ) -> list:
         """The SDPA calls of the step's prefill chunks (planned at the first layer that
-        needs them): (start, end, slots or None, mask or None) a chunk."""
+        needs them): (start, end, slots or None, mask or None) a chunk. An fp8 cache's chunks
+        all read their keys from the cache (as the GPU kernels do), so a prompt attends to the
+        same quantized K/V whether it is cached, chunked or recomputed."""
         if plan["prefill"] is not None:
             return plan["prefill"]
         qsl, seq_lens = md.query_start_loc_np, md.seq_lens_np
@@ -140,7 +148,7 @@ class TorchNativeBackend(AttentionBackend):
         for r in plan["prefill_reqs"]:
             start, end, seq_len = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
             ctx = seq_len - (end - start)
-            if ctx == 0 and window is None:
+            if ctx == 0 and window is None and not fp8:
                 plan["prefill"].append((start, end, None, None))  # pure causal over new keys
                 continue
             k_pos = np.arange(seq_len)
@@ -162,11 +170,14 @@ class TorchNativeBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        kv_scale: torch.Tensor | None = None,  # [2, num_kv_heads] float32: fp8 caches only
     ) -> torch.Tensor:
         assert key is not None and value is not None, "this backend does not fuse rope"
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key.shape[1]
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scale)
+        fp8 = is_fp8(kv_cache.dtype)
+        k_scale, v_scale = (kv_scale[0], kv_scale[1]) if kv_scale is not None else (None, None)
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
         plan = self._plan(metadata, sliding_window, query.device, kv_cache.dtype)
@@ -190,8 +201,8 @@ class TorchNativeBackend(AttentionBackend):
             v = v_flat.index_select(0, slots).view(b, s_max, num_kv_heads, head_dim)
             o = F.scaled_dot_product_attention(
                 q,
-                k.transpose(1, 2).to(q.dtype),
-                v.transpose(1, 2).to(q.dtype),
+                dequantize(k, k_scale, q.dtype).transpose(1, 2),
+                dequantize(v, v_scale, q.dtype).transpose(1, 2),
                 attn_mask=mask,
                 scale=scale,
                 enable_gqa=gqa,
@@ -204,7 +215,7 @@ class TorchNativeBackend(AttentionBackend):
             return out.view(num_tokens, num_heads * head_dim)
         # [1, heads, len, head_dim]: 4-D inputs take torch's flash-attention CPU kernel (several
         # times faster), 3-D ones its math fallback; so bfloat16 attends in bfloat16 here
-        for start, end, slots, mask in self._sdpa_prefill(metadata, plan, sliding_window):
+        for start, end, slots, mask in self._sdpa_prefill(metadata, plan, sliding_window, fp8):
             q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
             if slots is None:
                 k, v = key[start:end], value[start:end]
@@ -217,8 +228,8 @@ class TorchNativeBackend(AttentionBackend):
                     enable_gqa=gqa,
                 )[0]
             else:
-                k = k_flat.index_select(0, slots).to(q.dtype)
-                v = v_flat.index_select(0, slots).to(q.dtype)
+                k = dequantize(k_flat.index_select(0, slots), k_scale, q.dtype)
+                v = dequantize(v_flat.index_select(0, slots), v_scale, q.dtype)
                 o = F.scaled_dot_product_attention(
                     q,
                     k.transpose(0, 1)[None],

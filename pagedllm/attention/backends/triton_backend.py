@@ -48,11 +48,12 @@ class TritonBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        kv_scale: torch.Tensor | None = None,  # [2, num_kv_heads] float32: fp8 caches only
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = query.shape
         if key is not None:  # else the fused rope kernel wrote them
             assert value is not None
-            write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+            write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scale)
         num_splits = self.num_splits
         if num_splits is not None and metadata.max_query_len > 1:
             num_splits = 1  # split-K takes decode-only batches
@@ -67,5 +68,6 @@ class TritonBackend(AttentionBackend):
             scale,
             sliding_window,
             num_splits=num_splits,
+            kv_scale=kv_scale,
         )  # [num_tokens, num_heads, head_dim]
         return out.view(num_tokens, num_heads * head_dim)

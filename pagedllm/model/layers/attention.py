@@ -7,6 +7,7 @@ from torch import nn
 
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kv_layout import calibrate_scales
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding
 
@@ -30,6 +31,10 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor = torch.empty(0)  # [2, num_blocks, block_size, kvh, d]
+        # an fp8 cache's scales [2, kvh] float32 (bound with the cache; None: not fp8), and
+        # the checkpoint's k_scale / v_scale, where it has them, that the binding starts from
+        self.kv_scale: torch.Tensor | None = None
+        self.checkpoint_kv_scale: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
         # set by the runner's KV-cache layout (pagedllm/kv_layout.py): the layer's index among
         # the model's attention layers and its KV-cache group
@@ -52,6 +57,7 @@ class Attention(nn.Module):
         one) the rotation is the kernel that also writes K/V into the cache."""
         # q: [num_tokens, num_heads(, *) head_dim], k/v: [num_tokens, num_kv_heads(, *) head_dim]
         assert self.backend is not None, "attention backend not bound (model runner does it)"
+        calibrate = metadata.calibrate_kv_scales and self.kv_scale is not None
         metadata = metadata.for_group(self.kv_group)
         n = q.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
@@ -59,15 +65,24 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         key: torch.Tensor | None = k
         value: torch.Tensor | None = v
+        if calibrate:  # the scales from the K/V as cached (rotated, normed), then written
+            assert self.kv_scale is not None
+            if rotary is not None:
+                assert positions is not None
+                q, key = rotary(positions, q, k, q_norm, k_norm)
+                rotary = None
+            calibrate_scales(self.kv_scale, key, v)
         if rotary is not None:
             assert positions is not None
             if self.backend.fuses_rope:
                 q = rotary.rotate_and_cache(
-                    positions, q, k, v, self.kv_cache, metadata.slot_mapping, q_norm, k_norm
-                )
+                    positions, q, k, v, self.kv_cache, metadata.slot_mapping, q_norm, k_norm,
+                    self.kv_scale,
+                )  # fmt: skip
                 key = value = None  # already in the cache
             else:
                 q, key = rotary(positions, q, k, q_norm, k_norm)
         return self.backend.forward(
-            q, key, value, self.kv_cache, metadata, self.scale, self.sliding_window
-        )
+            q, key, value, self.kv_cache, metadata, self.scale, self.sliding_window,
+            self.kv_scale,
+        )  # fmt: skip

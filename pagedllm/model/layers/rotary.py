@@ -104,13 +104,17 @@ class RotaryEmbedding(nn.Module):
         slot_mapping: torch.Tensor,
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
+        kv_scale: torch.Tensor | None = None,  # [2, num_kv_heads]: an fp8 cache's scales
     ) -> torch.Tensor:
         """GPU only: :meth:`forward` with the rotated K and V written into ``kv_cache`` at
         ``slot_mapping`` in the same Triton kernel; returns the rotated q."""
         from pagedllm.ops.rotary import rope_and_cache
 
         norm_args = _norm_args(q_norm, k_norm)
-        return rope_and_cache(positions, q, k, v, self.cos_sin, kv_cache, slot_mapping, *norm_args)
+        return rope_and_cache(
+            positions, q, k, v, self.cos_sin, kv_cache, slot_mapping, *norm_args,
+            kv_scale=kv_scale,
+        )  # fmt: skip
 
 
 def _norm_args(q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> tuple:

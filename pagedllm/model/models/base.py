@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.distributed.parallel_state import tp_info
+
+# fp8 checkpoints' KV-cache scales (compressed-tensors / llm-compressor: per layer, or per
+# KV head): "model.layers.3.self_attn.k_scale"; q_scale and prob_scale are not used here
+_KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale$")
+_UNUSED_SCALES = (".q_scale", ".prob_scale")
 
 
 class CausalLM(nn.Module):
@@ -71,6 +78,12 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for ckpt_name, tensor in weights:
+            kv_scale = _KV_SCALE.search(ckpt_name)
+            if kv_scale is not None:
+                self._load_kv_scale(int(kv_scale[1]), kv_scale[2], tensor)
+                continue
+            if ckpt_name.endswith(_UNUSED_SCALES):
+                continue
             name = self.normalize_name(ckpt_name)
             if name is None:
                 continue
@@ -105,6 +118,31 @@ class CausalLM(nn.Module):
         missing = [n for n in params if n not in loaded and not self._is_tied(n)]
         if missing:
             raise ValueError(f"checkpoint has no weights for {missing[:5]} ({len(missing)} in all)")
+
+    def _load_kv_scale(self, layer: int, which: str, tensor: torch.Tensor) -> None:
+        """A checkpoint's K or V cache scale of attention layer ``layer``: one value, or one
+        per KV head (this rank's share under tensor parallelism); the fp8 cache starts from
+        it (``kv_layout.KVCacheLayout.bind``); other caches do not use it."""
+        attn = self.attention_layers()[layer]
+        if attn.checkpoint_kv_scale is None:
+            attn.checkpoint_kv_scale = torch.ones(2, attn.num_kv_heads)
+        values = tensor.detach().float().flatten().cpu()
+        kvh = attn.num_kv_heads
+        rank, tp = tp_info()
+        if values.numel() == kvh * tp:
+            # Example: 8 KV heads over tp 2 -> rank 1 takes heads 4..7 (a KV head on several
+            # ranks, tp > heads: rank r holds head r * heads // tp)
+            values = values[rank * kvh : (rank + 1) * kvh]
+        elif values.numel() > 1 and values.numel() < tp and tp % values.numel() == 0:
+            values = values[rank * values.numel() // tp : rank * values.numel() // tp + 1]
+        if values.numel() not in (1, kvh):
+            raise ValueError(
+                f"layers.{layer}.self_attn.{which}_scale has {values.numel()} values; expected "
+                f"1 or one per KV head ({kvh * tp})"
+            )
+        if not bool((values > 0).all()) or not bool(torch.isfinite(values).all()):
+            raise ValueError(f"layers.{layer}.self_attn.{which}_scale must be positive")
+        attn.checkpoint_kv_scale[0 if which == "k" else 1] = values
 
     def load_special(
         self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]
