@@ -77,13 +77,18 @@ class Roofline:
     details: dict = field(default_factory=dict)
 
 
-def model_cost(model: torch.nn.Module, dtype: torch.dtype) -> ModelCost:
+def model_cost(
+    model: torch.nn.Module, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+) -> ModelCost:
+    """Bytes and FLOPs of ``model`` with weights of ``dtype`` and a KV cache of ``kv_dtype``
+    (default: ``dtype``; fp8 caches read one byte an element)."""
     params = list(model.parameters())
     uniq = {p.data_ptr(): p for p in params}.values()  # tied weights counted once
     num_params = sum(p.numel() for p in uniq)
     elem = torch.empty(0, dtype=dtype).element_size()
+    kv_elem = torch.empty(0, dtype=kv_dtype or dtype).element_size()
     layers = model.attention_layers()  # type: ignore[operator]
-    kv = sum(2 * a.num_kv_heads * a.head_dim * elem for a in layers)
+    kv = sum(2 * a.num_kv_heads * a.head_dim * kv_elem for a in layers)
     attn = sum(4 * a.num_heads * a.head_dim for a in layers)
     from pagedllm.model.layers.moe import FusedMoE
 
