@@ -114,8 +114,14 @@ def main() -> None:
     flops = measure_matmul_flops(torch.device("cuda"))
     result["copy_bandwidth_GBps"] = bw / 1e9
     result["matmul_bf16_TFLOPs"] = flops / 1e12
-    engines = {kv: run_engine(args, kv, shapes, bw, flops) for kv in ("auto", "fp8")}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"fp8_kv_bench-b_{device_tag()}.json")
+    engines: dict = {}
     result["engines"] = engines
+    for kv in ("auto", "fp8"):  # each engine's numbers saved as they come (a time limit)
+        engines[kv] = run_engine(args, kv, shapes, bw, flops)
+        with open(path + ".partial", "w") as f:
+            json.dump(result, f, indent=1)
     for n_in, n_out in shapes:
         key = f"in{n_in}_out{n_out}"
         a, b = engines["auto"][key], engines["fp8"][key]
@@ -149,8 +155,6 @@ def main() -> None:
             print(json.dumps({key: result[key]}), flush=True)
         del model
         free_mem()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"fp8_kv_bench-b_{device_tag()}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print("wrote", path)
