@@ -164,6 +164,17 @@ def _attend_tiles(
 
 
 @triton.jit
+def _fp16_query(q, UPCAST: tl.constexpr):
+    """An fp8 cache's query tile in float16 (clamped to its range): e4m3 K and V convert to
+    float16 in one instruction per pair (to bfloat16 it takes several), and the dots and the
+    probabilities then run in float16 (3 more mantissa bits than bfloat16). The CPU
+    interpreter's dots stay in float32 (UPCAST)."""
+    if UPCAST:
+        return q
+    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
+@triton.jit
 def _query_tile(
     q_ptr, q_start, q_len, ctx, local, kvh, window, stride_qt, stride_qh,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -333,6 +344,7 @@ def _unified_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     if QUANT:  # q . (k_fp8 * s_k) = (q . k_fp8) * s_k: K's scale joins the softmax scale
         qk_scale = qk_scale * tl.load(scale_ptr + kvh)
+        q = _fp16_query(q, UPCAST)
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr,
         bt_ptr + r.to(tl.int64) * stride_bt, kvh * stride_ch, tile_lo, tile_hi, first_pos, key_end,
@@ -412,6 +424,7 @@ def _split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     if QUANT:  # K's scale joins the softmax scale (see the unified kernel)
         qk_scale = qk_scale * tl.load(scale_ptr + kvh)
+        q = _fp16_query(q, UPCAST)
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr,
         bt_ptr + r.to(tl.int64) * stride_bt, kvh * stride_ch, tile_lo, tile_hi, pos, seq_len,
