@@ -97,9 +97,9 @@ def llm() -> LLM:
     return LLM(smollm2_gguf_path(), dtype="float32", max_model_len=1024, seed=0)
 
 
-def test_200_constrained_requests_all_valid(llm):
+def test_100_constrained_requests_all_valid(llm):
     prompts, params, checks = [], [], []
-    for i in range(200):
+    for i in range(100):
         kind = i % 4
         if kind == 0 or kind == 1:
             schema = SCHEMAS[i % len(SCHEMAS)]

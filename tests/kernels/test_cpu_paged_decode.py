@@ -111,6 +111,48 @@ def test_amx_shapes_match_reference(dtype, heads: int, kv_heads: int, head_dim: 
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 40)])
+def test_fp8_cache_matches_reference(dtype, heads: int, kv_heads: int, head_dim: int) -> None:  # noqa: ANN001
+    """An fp8 cache (its bytes through the kernel's table, times each KV head's K and V
+    scales) against the reference over the dequantized cache; every e4m3 byte but NaN's
+    decodes as torch does; a missing or mis-shaped kv_scale is refused."""
+    from pagedllm.kv_layout import FP8, dequantize
+
+    ext = _ext()
+    g = torch.Generator().manual_seed(heads + head_dim)
+    bs, num_blocks, B = 16, 48, 5
+    lens = torch.tensor([1, 15, 16, 70, 100], dtype=torch.int32)
+    kv_scale = torch.rand(2, kv_heads, generator=g) + 0.05
+    k8 = (torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g) * 40).to(FP8)
+    v8 = (torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g) * 40).to(FP8)
+    tables = torch.randperm(num_blocks, generator=g)[: B * 7].view(B, 7).to(torch.int32)
+    q = torch.randn(B, heads, head_dim, generator=g).to(dtype)
+    k = dequantize(k8, kv_scale[0], torch.float32)
+    v = dequantize(v8, kv_scale[1], torch.float32)
+    for window in (0, 20):
+        got = ext.paged_decode(q, k8, v8, tables, lens, head_dim**-0.5, window,
+                               kv_scale=kv_scale)  # fmt: skip
+        want = _reference(q, k, v, tables, lens, head_dim**-0.5, window)
+        # (float32: scores up to ~50, a peaked softmax summed in another order than SDPA's,
+        # as in the sharp case above)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    # the table: every byte (but the two NaNs) as torch decodes it, through a one-key context
+    every = torch.arange(256, dtype=torch.uint8)
+    every = every[(every != 0x7F) & (every != 0xFF)].view(FP8)  # [254]
+    kc = torch.zeros(1, bs, 1, 254, dtype=FP8)
+    vc = torch.zeros(1, bs, 1, 254, dtype=FP8)
+    vc[0, 0, 0] = every
+    ones = torch.ones(2, 1)
+    got = ext.paged_decode(torch.zeros(1, 1, 254), kc, vc, torch.zeros(1, 1, dtype=torch.int32),
+                           torch.ones(1, dtype=torch.int32), 1.0, 0, kv_scale=ones)  # fmt: skip
+    assert torch.equal(got[0, 0], every.float())
+    with pytest.raises(RuntimeError, match="kv_scale"):
+        ext.paged_decode(q.float(), k8, v8, tables, lens, 1.0, 0)
+
+
 def test_amx_path_where_the_cpu_has_it() -> None:
     """On a Linux CPU with AMX-BF16 the kernel was built with its AMX path and may use it."""
     ext = _ext()

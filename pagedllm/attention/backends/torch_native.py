@@ -1,7 +1,8 @@
 """Paged attention in plain PyTorch: the CPU backend and the reference for the GPU kernels.
 
 Decode rows (one query token per request) of a step are attended by the compiled kernel of
-``pagedllm/ops/cpu`` where it is built (float32 and bfloat16 caches; see ``kernels_enabled``),
+``pagedllm/ops/cpu`` where it is built (float32, bfloat16 and fp8 caches; see
+``kernels_enabled``),
 which reads K and V from their blocks in place, the query heads of a KV head together; else in
 one batched SDPA call over keys gathered from their blocks. The prefill chunks of a step go
 to the compiled ``paged_prefill`` in one call (bfloat16 and float32 on CPUs with AVX512-BF16;
@@ -121,7 +122,7 @@ class TorchNativeBackend(AttentionBackend):
                 torch.from_numpy(valid)[:, None, None, :].to(device),  # [B, 1, 1, s_max]
                 s_max,
             )
-        if len(pre) > 0 and on_cpu and _decode_kernel(dtype) is not None:
+        if len(pre) > 0 and on_cpu and _decode_kernel(dtype) is not None and not is_fp8(dtype):
             # the compiled prefill kernel (it may still decline: then the SDPA plan below)
             plan["prefill_kernel"] = (
                 torch.from_numpy(qsl[pre].astype(np.int64)),
@@ -187,8 +188,9 @@ class TorchNativeBackend(AttentionBackend):
             _, rows, tables, lens = plan["decode"]
             every = rows.shape[0] == num_tokens  # a step of decodes only: rows 0 .. T - 1
             q = query if every else query.index_select(0, rows)  # [B, num_heads, head_dim]
+            extra = {"kv_scale": kv_scale} if fp8 else {}  # fp8: bytes through a table
             o = _decode_kernel(kv_cache.dtype).paged_decode(  # type: ignore[union-attr]
-                q, kv_cache[0], kv_cache[1], tables, lens, scale, sliding_window or 0
+                q, kv_cache[0], kv_cache[1], tables, lens, scale, sliding_window or 0, **extra
             )
             if every:
                 return o.view(num_tokens, num_heads * head_dim)

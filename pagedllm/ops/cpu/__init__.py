@@ -100,14 +100,15 @@ def kernels_off() -> bool:
 
 def kernels_enabled(dtype: Any = None) -> bool:
     """Whether the attention backend uses the compiled kernels for a cache of ``dtype``: for
-    float32 and bfloat16 (the dtypes the kernel has), unless ``PAGEDLLM_CPU_KERNELS=0``. It
-    computes in float32 and reads the cache in place, the query heads of a KV head together
-    (torch's bfloat16 SDPA is several times slower than its float32 one)."""
+    float32 and bfloat16 (the dtypes the kernel has), and the decode kernel for float8 e4m3
+    (its bytes through a table, times the K / V scales), unless ``PAGEDLLM_CPU_KERNELS=0``.
+    It computes in float32 and reads the cache in place, the query heads of a KV head
+    together (torch's bfloat16 SDPA is several times slower than its float32 one)."""
     import torch
 
     if kernels_off():
         return False
-    return dtype in (torch.float32, torch.bfloat16)
+    return dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 
 
 def cpu_ops(build: bool = True) -> Any:

@@ -42,6 +42,25 @@ namespace {
 
 inline float to_float(float x) { return x; }
 
+// float8 e4m3fn caches (kv_cache_dtype fp8) hold their bytes as uint8: a 256-entry table of
+// their values (sign, 4 exponent bits of bias 7, 3 mantissa bits; exponent 0 subnormal;
+// 0x7f / 0xff NaN, which the writes never store: they clamp at 448)
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float x = e == 0 ? std::ldexp(m / 8.f, -6) : std::ldexp(1.f + m / 8.f, e - 7);
+      if (e == 15 && m == 7) x = std::numeric_limits<float>::quiet_NaN();
+      v[b] = (b & 128) ? -x : x;
+    }
+  }
+};
+inline float to_float(uint8_t x) {
+  static const Fp8Table table;
+  return table.v[x];
+}
+
 // float32 caches are read in place; bfloat16 ones are widened into a small buffer first
 template <typename T>
 inline const float* widen(const T* src, float* buf, int64_t n) {
@@ -447,16 +466,20 @@ inline void prefetch_rows(const T* k, const T* v, int64_t rows, int64_t row_byte
     }
 }
 
-template <typename T>
-void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
+// T: the query's dtype; C: the cache's (T, or uint8_t for an fp8 cache, whose rows are widened
+// through the table and whose K / V scales per KV head, k_scale / v_scale, go into the query
+// and the output)
+template <typename T, typename C = T>
+void decode_kernel(const T* q, const C* kc, const C* vc, const int32_t* tables,
                    const int32_t* lens, T* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
                    int64_t bs, int64_t max_blocks, float scale, int64_t window,
-                   bool allow_amx) {
+                   bool allow_amx, const float* k_scale = nullptr,
+                   const float* v_scale = nullptr) {
   const int64_t G = H / KVH;
   const int64_t row_stride = KVH * D;  // one token's K (or V) for all KV heads
   const bool vec = kAvx512 && D % 16 == 0;
   // bfloat16 caches: keys read in place by VDPBF16PS, values widened 16 at a time
-  constexpr bool is_bf16 = std::is_same_v<T, at::BFloat16>;
+  constexpr bool is_bf16 = std::is_same_v<C, at::BFloat16>;
   const bool dp = is_bf16 && kAvx512Bf16 && D % 32 == 0;
   // AMX (bfloat16 tile products): a block's scores for all G query heads in one product
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
@@ -493,15 +516,16 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
     const int64_t walk_len = static_cast<int64_t>(walk.size());
     int64_t pos = 0;  // the walk's current block
     constexpr int64_t kFar = 3;
-    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-    const int64_t stride_bytes = row_stride * static_cast<int64_t>(sizeof(T));
+    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
+    const int64_t stride_bytes = row_stride * static_cast<int64_t>(sizeof(C));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / KVH, h = item % KVH;
       const int64_t len = lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const float qscale = k_scale ? scale * k_scale[h] : scale;  // q . (k s_k) = (q s_k) . k
       for (int64_t g = 0; g < G; ++g) {
         const T* qs = q + (b * H + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qs[d]) * scale;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qs[d]) * qscale;
       }
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
       if (amx) {
@@ -517,8 +541,8 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
         const int64_t block = tables[b * max_blocks + start / bs];
         const int64_t lo = std::max(start, first) - start;  // valid slots [lo, hi)
         const int64_t hi = std::min(start + bs, len) - start;
-        const T* kb = kc + block * bs * row_stride + h * D;
-        const T* vb = vc + block * bs * row_stride + h * D;
+        const C* kb = kc + block * bs * row_stride + h * D;
+        const C* vb = vc + block * bs * row_stride + h * D;
         // Blocks ahead on the walk, fetched while this one is worked on (their place in the
         // cache is a table lookup away, which the hardware prefetcher cannot follow; without
         // this the loads stall much of the kernel's time): the next one into L1 (float32; L2
@@ -612,7 +636,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
       }
       for (int64_t g = 0; g < G; ++g) {
         T* os = out + (b * H + h * G + g) * D;
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        const float inv = (l[g] > 0.f ? 1.f / l[g] : 0.f) * (v_scale ? v_scale[h] : 1.f);
         const float* a = acc.data() + g * D;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
         if (amx || inplace_v) a = (acc_to_dims(a, dims.data(), D), dims.data());
@@ -675,9 +699,12 @@ torch::Tensor argmax_last(torch::Tensor x) {
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                           int64_t window, bool allow_amx) {
+                           int64_t window, bool allow_amx,
+                           c10::optional<torch::Tensor> kv_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the cache differ in dtype");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 || q.scalar_type() == k_cache.scalar_type(),
+              "q and the cache differ in dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache not contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
@@ -689,7 +716,28 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head shapes do not match");
   TORCH_CHECK(bs <= 64, "block_size above 64");
   auto out = torch::empty_like(q);
-  if (q.scalar_type() == at::kFloat) {
+  if (fp8) {  // e4m3 bytes; kv_scale [2, KVH] float32: K's scales, then V's
+    TORCH_CHECK(kv_scale.has_value() && kv_scale->scalar_type() == at::kFloat &&
+                    kv_scale->numel() == 2 * KVH && kv_scale->is_contiguous(),
+                "an fp8 cache needs kv_scale [2, num_kv_heads] float32");
+    const auto* kb = reinterpret_cast<const uint8_t*>(k_cache.data_ptr());
+    const auto* vb = reinterpret_cast<const uint8_t*>(v_cache.data_ptr());
+    const float* ks = kv_scale->data_ptr<float>();
+    if (q.scalar_type() == at::kFloat) {
+      decode_kernel<float, uint8_t>(q.data_ptr<float>(), kb, vb,
+                                    block_tables.data_ptr<int32_t>(),
+                                    seq_lens.data_ptr<int32_t>(), out.data_ptr<float>(), B, H,
+                                    KVH, D, bs, block_tables.size(1),
+                                    static_cast<float>(scale), window, false, ks, ks + KVH);
+    } else if (q.scalar_type() == at::kBFloat16) {
+      decode_kernel<at::BFloat16, uint8_t>(
+          q.data_ptr<at::BFloat16>(), kb, vb, block_tables.data_ptr<int32_t>(),
+          seq_lens.data_ptr<int32_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, D, bs,
+          block_tables.size(1), static_cast<float>(scale), window, false, ks, ks + KVH);
+    } else {
+      TORCH_CHECK(false, "paged_decode over an fp8 cache takes float32 or bfloat16 queries");
+    }
+  } else if (q.scalar_type() == at::kFloat) {
     decode_kernel<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
                          v_cache.data_ptr<float>(), block_tables.data_ptr<int32_t>(),
                          seq_lens.data_ptr<int32_t>(), out.data_ptr<float>(), B, H, KVH, D, bs,
@@ -1554,7 +1602,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, "Rotary embedding of [tokens, heads, D], float32 or bfloat16");
   m.def("paged_decode", &paged_decode, "Decode attention over the paged KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("window"), py::arg("allow_amx") = true);
+        py::arg("seq_lens"), py::arg("scale"), py::arg("window"), py::arg("allow_amx") = true,
+        py::arg("kv_scale") = py::none());
   m.def("paged_prefill", &paged_prefill,
         "Prefill attention over the paged KV cache, bfloat16 (CPU); False where not built",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("q_starts"),
