@@ -251,3 +251,39 @@ def test_mixture_of_experts_table_quotes_its_files() -> None:
             f"| {phases['decode']['fraction']:.1%} | {phases['prefill']['fraction']:.1%} |"
         )
         assert row in bench, row
+
+
+def test_fp8_kv_tables_quote_their_files() -> None:
+    """The fp8 KV cache's quality table (CPU) and speed table (H100), in the benchmarks
+    README, are their files' numbers; the top README quotes the loss and the speed-ups."""
+    bench = _flat(BENCH_README.read_text())
+    top = _flat((ROOT / "README.md").read_text())
+    q = _load("fp8_kv_quality_cpu.json")
+    for m in q["models"]:
+        for name, v in m["methods"].items():
+            if name == "auto":
+                row = f"| {m['model']} | auto | {v['mean_nll']:.4f} | - | - | - |"
+            else:
+                loss, agree = v["loss_vs_auto"], v["agreement"]
+                lo, hi = loss["ci95"]
+                row = (
+                    f"| {m['model']} | {name} | {v['mean_nll']:.4f} | {loss['relative']:+.2%} "
+                    f"[{lo:+.2%}, {hi:+.2%}] | {agree['exact_outputs']:.0%} "
+                    f"| {agree['prefix_fraction']:.0%} |"
+                )
+            assert row in bench, row
+        fp8 = m["methods"]["fp8"]["loss_vs_auto"]["relative"]
+        assert f"{fp8:.2%}" in top
+    b = _load("fp8_kv_bench-b_NVIDIA_H100_80GB_HBM3.json")
+    labels = {"in1024_out128": "1024 in / 128 out", "in128_out1024": "128 in / 1024 out"}
+    for key, label in labels.items():
+        r = b[key]
+        most, roof = r["max_decode_batch"], r["roofline_fraction"]
+        row = (
+            f"| {label} | {r['bf16_output_tokens_per_s']:,.0f} "
+            f"| {r['fp8_output_tokens_per_s']:,.0f} | {r['fp8_over_bf16']:.2f}x "
+            f"| {most['bf16']} / {most['fp8']} | {roof['bf16']:.1%} / {roof['fp8']:.1%} "
+            f"| {r['hf_generate']['output_tokens_per_s']:,.0f} |"
+        )
+        assert row in bench, row
+        assert f"{r['fp8_over_bf16']:.2f}x" in top
