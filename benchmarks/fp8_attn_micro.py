@@ -22,6 +22,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_suite import device_tag, provenance  # noqa: E402
+from benchmarks.kernels import bench  # noqa: E402
 from pagedllm.bench.roofline import measure_copy_bandwidth  # noqa: E402
 from pagedllm.kv_layout import FP8  # noqa: E402
 from pagedllm.ops.paged_attention import (  # noqa: E402
@@ -29,23 +30,6 @@ from pagedllm.ops.paged_attention import (  # noqa: E402
     choose_num_splits,
     paged_attention,
 )
-
-
-def bench(fn, iters: int = 50) -> float:  # noqa: ANN001
-    """Median seconds of ``fn`` over CUDA-event-timed calls after a warm-up."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main() -> None:
@@ -77,8 +61,9 @@ def main() -> None:
                 cfg = TileConfig(block_m=16, tile_n=tile)
 
                 inputs = (q, cache, qsl, lens, tables, 1, args.ctx, d**-0.5)
-                s = bench(lambda x=inputs, c=cfg, k=kv_scale: paged_attention(
-                    *x, tile_config=c, kv_scale=k))  # fmt: skip
+                # CUDA-graph replays, L2 flushed between runs (benchmarks/kernels.py)
+                s = 1e-3 * bench(lambda x=inputs, c=cfg, k=kv_scale: paged_attention(
+                    *x, tile_config=c, kv_scale=k), dev)  # fmt: skip
                 rows.append({"batch": batch, "ctx": args.ctx, "cache": name, "tile_n": tile,
                              "num_splits": splits, "us": s * 1e6,
                              "kv_GBps": kv_bytes / s / 1e9,

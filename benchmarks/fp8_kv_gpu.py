@@ -31,10 +31,9 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_suite import (  # noqa: E402
-    CONFIGS,
-    _hf_random,
     device_tag,
     free_mem,
+    hf_peer,
     phase_split,
     provenance,
 )
@@ -149,11 +148,7 @@ def main() -> None:
             "roofline_fraction": {"bf16": a["roofline_fraction"], "fp8": b["roofline_fraction"]},
         }
     if args.peer_num:
-        import transformers as tf
-
-        config = tf.AutoConfig.from_pretrained(os.path.join(CONFIGS, args.model))
-        model = _hf_random(tf, config)
-        model.generation_config.eos_token_id = None
+        model = hf_peer(args.model)
         for n_in, n_out in shapes:
             rng = np.random.default_rng(0)
             sub = [rng.integers(100, 128000, size=n_in).tolist() for _ in range(args.peer_num)]

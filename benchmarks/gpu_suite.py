@@ -346,8 +346,6 @@ def bench_b(args: argparse.Namespace) -> dict:
     input 128 / output 1024. pagedllm builds the random weights itself (--load-format dummy);
     the HF peers run the same shape with HF's own random init (speed does not depend on the
     values) on a subset."""
-    import transformers as tf
-
     result: dict = {**provenance(_b_label(args.b_model)), "model": args.b_model}
     bw = measure_copy_bandwidth(torch.device("cuda"))
     flops = measure_matmul_flops(torch.device("cuda"))
@@ -358,9 +356,7 @@ def bench_b(args: argparse.Namespace) -> dict:
         shapes = [tuple(map(int, x.split("x"))) for x in args.b_shapes.split(",")]
     _bench_b_engine(args, result, shapes, bw, flops)
     if not args.skip_peers:
-        config = tf.AutoConfig.from_pretrained(os.path.join(CONFIGS, args.b_model))
-        model = _hf_random(tf, config)
-        model.generation_config.eos_token_id = None
+        model = hf_peer(args.b_model)
         for n_in, n_out in shapes:
             rng = np.random.default_rng(0)
             sub = [rng.integers(100, 128000, size=n_in).tolist() for _ in range(args.peer_b)]
@@ -376,6 +372,16 @@ def bench_b(args: argparse.Namespace) -> dict:
                 save_partial(args, "bench-b", result)
                 free_mem()
     return result
+
+
+def hf_peer(shape: str):  # noqa: ANN201
+    """HF transformers' model of a built-in shape (``pagedllm/model/configs``), random bf16
+    weights on the GPU (``_hf_random``), generating past any EOS: Benchmark B's peer."""
+    import transformers as tf
+
+    model = _hf_random(tf, tf.AutoConfig.from_pretrained(os.path.join(CONFIGS, shape)))
+    model.generation_config.eos_token_id = None
+    return model
 
 
 def _hf_random(tf, config):  # noqa: ANN001, ANN202
