@@ -185,6 +185,10 @@ def main() -> None:
     from pagedllm.bench.throughput import device_name
 
     device = device_name(torch.device(args.device))
+    if args.device == "cpu" and os.path.exists("/proc/cpuinfo"):  # the model, not "x86_64"
+        names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                 if ln.startswith("model name")]  # fmt: skip
+        device = names[0] if names else device
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                                 text=True, check=False).stdout.strip() or None  # fmt: skip
