@@ -6,6 +6,7 @@ Decode rows (one query token per request) of a step are attended by the compiled
 which reads K and V from their blocks in place, the query heads of a KV head together; else in
 one batched SDPA call over keys gathered from their blocks. The prefill chunks of a step go
 to the compiled ``paged_prefill`` in one call (bfloat16 and float32 on CPUs with AVX512-BF16;
+an fp8 cache's chunks read their blocks dequantized into a small cache of the query's dtype;
 AMX tiles in bfloat16 where there are: the keys and values read from their blocks, laid out
 once per KV head for all its query heads); elsewhere each chunk gets its own SDPA call (or,
 for a first chunk on a full-attention layer, plain causal SDPA over its new keys without
@@ -53,6 +54,19 @@ def _decode_kernel(dtype: torch.dtype | None = None) -> object | None:
     return cpu_ops() if kernels_enabled(dtype) else None
 
 
+def _local_tables(
+    tables: np.ndarray, seq_lens: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(tables over a small cache of only the blocks they use, those blocks' ids): an fp8
+    cache's prefill chunks read their blocks dequantized into it.
+    Example: tables [[7, 3], [3, 9]], lengths [20, 5], bs 16 -> blocks [3, 7] (row 1 uses
+    only its first), tables [[1, 0], [0, 0]]."""
+    used = np.arange(tables.shape[1])[None, :] < -(-seq_lens[:, None] // block_size)
+    blocks = np.unique(tables[used]).astype(np.int64)
+    local = np.where(used, np.searchsorted(blocks, tables), 0).astype(np.int32)
+    return np.ascontiguousarray(local), blocks
+
+
 def _visible(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
     # [num_queries, num_keys] bool: causal, within the window when one is given
     vis = k_pos[None, :] <= q_pos[:, None]
@@ -95,6 +109,7 @@ class TorchNativeBackend(AttentionBackend):
             "prefill_reqs": pre,
             "prefill": None,
             "prefill_kernel": None,
+            "prefill_blocks": None,  # fp8: the blocks the prefill kernel reads, dequantized
             "device": device,
         }
         if len(dec) > 0 and on_cpu and _decode_kernel(dtype) is not None:
@@ -122,13 +137,17 @@ class TorchNativeBackend(AttentionBackend):
                 torch.from_numpy(valid)[:, None, None, :].to(device),  # [B, 1, 1, s_max]
                 s_max,
             )
-        if len(pre) > 0 and on_cpu and _decode_kernel(dtype) is not None and not is_fp8(dtype):
+        if len(pre) > 0 and on_cpu and _decode_kernel(dtype) is not None:
             # the compiled prefill kernel (it may still decline: then the SDPA plan below)
+            tables = np.ascontiguousarray(block_tables[pre], dtype=np.int32)
+            if is_fp8(dtype):  # it reads the chunks' blocks, dequantized, from a small cache
+                tables, blocks = _local_tables(tables, seq_lens[pre], bs)
+                plan["prefill_blocks"] = torch.from_numpy(blocks)
             plan["prefill_kernel"] = (
                 torch.from_numpy(qsl[pre].astype(np.int64)),
                 torch.from_numpy(q_lens[pre].astype(np.int32)),
                 torch.from_numpy(seq_lens[pre].astype(np.int32)),
-                torch.from_numpy(np.ascontiguousarray(block_tables[pre], dtype=np.int32)),
+                torch.from_numpy(tables),
             )
         md.plan[key] = plan
         return plan
@@ -211,10 +230,16 @@ class TorchNativeBackend(AttentionBackend):
             )  # [B, num_heads, 1, head_dim]
             out.index_copy_(0, rows, o.squeeze(2))
         kp = plan["prefill_kernel"]
-        if kp is not None and _decode_kernel(kv_cache.dtype).paged_prefill(  # type: ignore[union-attr]
-            query, kv_cache[0], kv_cache[1], *kp, scale, sliding_window or 0, out
-        ):
-            return out.view(num_tokens, num_heads * head_dim)
+        if kp is not None:
+            kc, vc = kv_cache[0], kv_cache[1]
+            blocks = plan["prefill_blocks"]
+            if blocks is not None:  # fp8: the blocks the chunks read, in the query's dtype
+                kc = dequantize(kc.index_select(0, blocks), k_scale, query.dtype)
+                vc = dequantize(vc.index_select(0, blocks), v_scale, query.dtype)
+            if _decode_kernel(kv_cache.dtype).paged_prefill(  # type: ignore[union-attr]
+                query, kc, vc, *kp, scale, sliding_window or 0, out
+            ):
+                return out.view(num_tokens, num_heads * head_dim)
         # [1, heads, len, head_dim]: 4-D inputs take torch's flash-attention CPU kernel (several
         # times faster), 3-D ones its math fallback; so bfloat16 attends in bfloat16 here
         for start, end, slots, mask in self._sdpa_prefill(metadata, plan, sliding_window, fp8):
