@@ -287,3 +287,20 @@ def test_fp8_kv_tables_quote_their_files() -> None:
         )
         assert row in bench, row
         assert f"{r['fp8_over_bf16']:.2f}x" in top
+
+
+def test_fp8_micro_table_quotes_its_file() -> None:
+    """The fp8 decode kernel's table (H100) is its file's rows (bf16 at 64-key tiles, fp8 at
+    both), and its file has the fp8 default's tile beating 64."""
+    bench = _flat(BENCH_README.read_text())
+    rows = _load("fp8_attn_micro_NVIDIA_H100_80GB_HBM3.json")["rows"]
+    for r in rows:
+        if r["cache"] == "bf16" and r["tile_n"] != 64:
+            continue
+        row = (
+            f"| {r['batch']} | {r['cache']} | {r['tile_n']} | {r['us']:.0f} "
+            f"| {r['fraction_of_copy_bw']:.1%} |"
+        )
+        assert row in bench, row
+    fp8 = {(r["batch"], r["tile_n"]): r["us"] for r in rows if r["cache"] == "fp8"}
+    assert all(fp8[b, 128] < fp8[b, 64] for b, _ in fp8)

@@ -565,7 +565,8 @@ def default_tile_config(
     device: torch.device | None = None,
     itemsize: int = 2,
 ) -> TileConfig:
-    """Defaults by head size and batch kind (decode-only batches get 16-row tiles).
+    """Defaults by head size and batch kind (decode-only batches get 16-row tiles; over an
+    fp8 cache, ``itemsize`` 1, 128-key tiles).
 
     Picked by the GPU kernels benchmark's sweep (``benchmarks/README.md``; head_dim 128,
     GQA 4, bf16). A batch with a chunk of ``LONG_CHUNK`` tokens or more (head_dim <= 128,
@@ -576,6 +577,11 @@ def default_tile_config(
     """
     tile_n = 64 if head_pad <= 128 else 32
     if decode:
+        # fp8 caches (itemsize 1): 128 keys a tile, the bytes of 64 bf16 keys a loop step
+        # (benchmarks/fp8_attn_micro.py, H100, 256 requests x 1,024 keys: 250 us against 314
+        # with 64; the bf16 cache 367)
+        if itemsize == 1 and head_pad <= 128:
+            tile_n = 128
         return TileConfig(block_m=16, tile_n=tile_n)
     if head_pad <= 128:
         long = max_query_len >= LONG_CHUNK and itemsize <= 2

@@ -151,15 +151,16 @@ def _paged_variants() -> list[tuple[str, object, dict, dict]]:
         c = dict(ATTN, BLOCK_M=64, BLOCK_Q=16, DECODE=decode)
         name = f"paged unified decode={decode}"
         out.append((name, paged._unified_kernel, ptrs, dict(c, **plain)))
+        # (decode over fp8: 128-key tiles, paged.default_tile_config)
         out.append((f"paged unified fp8 decode={decode}", paged._unified_kernel, fp8,
-                    dict(c, **quant)))  # fmt: skip
+                    dict(c, **quant, **({"TILE_N": 128} if decode else {}))))  # fmt: skip
     out.append(("paged unified long chunks", paged._unified_kernel, ptrs,
                 dict(ATTN, **LONG, DECODE=False, **plain)))  # fmt: skip
     out.append(("paged unified fp8 long chunks", paged._unified_kernel, fp8,
                 dict(ATTN, **LONG, DECODE=False, **quant)))  # fmt: skip
     split = dict(ATTN, BLOCK_M=16, NUM_HEADS=32, NUM_SPLITS=8)
     out.append(("paged split", paged._split_kernel, ptrs, dict(split, **plain)))
-    out.append(("paged split fp8", paged._split_kernel, fp8, dict(split, **quant)))
+    out.append(("paged split fp8", paged._split_kernel, fp8, dict(split, **quant, TILE_N=128)))
     out.append(("paged reduce", paged._reduce_kernel, ptrs,
                 dict(NUM_HEADS=32, NUM_SPLITS=8, HEAD_DIM=128, HEAD_PAD=128)))  # fmt: skip
     write = dict(HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16)
