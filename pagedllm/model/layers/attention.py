@@ -71,7 +71,8 @@ class Attention(nn.Module):
                 assert positions is not None
                 q, key = rotary(positions, q, k, q_norm, k_norm)
                 rotary = None
-            calibrate_scales(self.kv_scale, key, v)
+            real = metadata.num_actual_tokens  # (rows past it: padding, never cached)
+            calibrate_scales(self.kv_scale, key[:real], v[:real])
         if rotary is not None:
             assert positions is not None
             if self.backend.fuses_rope:
