@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kv_layout import is_fp8
 from pagedllm.kv_layout import write_kv_ref as write_kv_cache_ref
 
 __all__ = ["write_kv_cache", "write_kv_cache_ref"]
@@ -89,6 +90,9 @@ def write_kv_cache(
         value = value.contiguous()
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    quant = is_fp8(kv_cache.dtype)
+    if quant and kv_scale is None:
+        raise ValueError("write_kv_cache: an fp8 cache needs kv_scale [2, num_kv_heads]")
     _write_kv_kernel[(n, num_kv_heads)](
         key,
         value,
@@ -107,6 +111,6 @@ def write_kv_cache(
         BLOCK_SIZE=kv_cache.shape[2],
         scale_ptr=kv_scale,
         num_kv_heads=num_kv_heads,
-        QUANT=kv_scale is not None and kv_cache.dtype == torch.float8_e4m3fn,
+        QUANT=quant,
         num_warps=1 if head_dim <= 128 else 2,
     )

@@ -50,6 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kv_layout import dequantize, is_fp8
+
 __all__ = [
     "TileConfig",
     "choose_num_splits",
@@ -578,8 +580,7 @@ def default_tile_config(
     tile_n = 64 if head_pad <= 128 else 32
     if decode:
         # fp8 caches (itemsize 1): 128 keys a tile, the bytes of 64 bf16 keys a loop step
-        # (benchmarks/fp8_attn_micro.py, H100, 256 requests x 1,024 keys: 250 us against 314
-        # with 64; the bf16 cache 367)
+        # (faster than 64: benchmarks/fp8_attn_micro.py)
         if itemsize == 1 and head_pad <= 128:
             tile_n = 128
         return TileConfig(block_m=16, tile_n=tile_n)
@@ -611,8 +612,8 @@ def paged_attention(
     Dispatch (host ints only): decode-only batches that under-fill the GPU take the split-K
     path (see :func:`choose_num_splits`), everything else the unified kernel. Rows past
     ``query_start_loc[-1]`` are left as they were in ``out``. An fp8 cache
-    (``torch.float8_e4m3fn``) is read as fp8 * ``kv_scale``: K and V converted to the
-    query's dtype in registers, K's scale folded into the softmax scale, V's applied to each
+    (``torch.float8_e4m3fn``) is read as fp8 * ``kv_scale``: K and V converted to float16 in
+    registers (the query too), K's scale folded into the softmax scale, V's applied to each
     program's output.
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -630,7 +631,7 @@ def paged_attention(
     assert out.stride(2) == 1
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
-    quant = kv_cache.dtype == torch.float8_e4m3fn
+    quant = is_fp8(kv_cache.dtype)
     if quant and (kv_scale is None or kv_scale.shape != (2, num_kv_heads)):
         raise ValueError("paged_attention: an fp8 cache needs kv_scale [2, num_kv_heads]")
     scales = {"scale_ptr": kv_scale, "QUANT": True} if quant else {}
@@ -716,6 +717,7 @@ def paged_attention_ref(
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     tables = block_tables.long()
+    k_scale, v_scale = (kv_scale[0], kv_scale[1]) if kv_scale is not None else (None, None)
     out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device)
     for r, seq_len in enumerate(lens):
         start, end = qsl[r], qsl[r + 1]
@@ -724,10 +726,8 @@ def paged_attention_ref(
         k_pos = torch.arange(seq_len, device=query.device)
         # Example: block_size 4, table [7, 2], positions [0..5] -> slots [28..31, 8, 9]
         slots = tables[r, k_pos // block_size] * block_size + k_pos % block_size
-        k = k_flat[slots].float()  # [seq_len, num_kv_heads, D]
-        v = v_flat[slots].float()
-        if kv_scale is not None and kv_cache.dtype == torch.float8_e4m3fn:
-            k, v = k * kv_scale[0, :, None].float(), v * kv_scale[1, :, None].float()
+        k = dequantize(k_flat[slots], k_scale, torch.float32)  # [seq_len, num_kv_heads, D]
+        v = dequantize(v_flat[slots], v_scale, torch.float32)
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [seq_len, H, D]
         q = query[start:end].float()  # [q_len, H, D]
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kv_layout import is_fp8
+
 
 @triton.jit
 def _rope_heads(
@@ -302,7 +304,7 @@ def rope_and_cache(
             "BLOCK_SIZE": kv_cache.shape[2], "PER_HEAD": per_head,
             "stride_st": slot_mapping.stride(0) if per_head else 0,
         }  # fmt: skip
-        if kv_cache.dtype == torch.float8_e4m3fn:
+        if is_fp8(kv_cache.dtype):
             if per_head or kv_scale is None:
                 raise ValueError("rope_and_cache: an fp8 cache needs kv_scale (not per head)")
             kv.update(scale_ptr=kv_scale, QUANT=True)

@@ -89,6 +89,8 @@ def test_write_kv_cache_fp8(dtype: torch.dtype) -> None:
     untouched = torch.ones(nb * bs, dtype=torch.bool)
     untouched[[5, 17, 40, 63, 2, 90, 91]] = False
     assert (got.view(2, nb * bs, -1)[:, untouched.to(DEVICE)].float() == 0).all()
+    with pytest.raises(ValueError, match="kv_scale"):  # an fp8 cache is never written unscaled
+        write_kv_cache(key, value, got, slots)
 
 
 @pytest.mark.parametrize("norm", [False, True])
