@@ -24,6 +24,15 @@ DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 # the KV cache's storage: auto = the model's dtype; fp8 (= fp8_e4m3): e4m3 with a scale per
 # layer, KV head and K/V (pagedllm/kv_layout.py)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def _kv_cache_dtype(name: str) -> str:
+    """``kv_cache_dtype`` resolved: "auto", or "fp8" for either fp8 name; ValueError else."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}.")
+    return "auto" if name == "auto" else "fp8"
+
+
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # how the engine core reaches the model: in its own process, or one worker process per rank
@@ -103,7 +112,7 @@ class CacheConfig:
     preemption_mode: str = "recompute"  # recompute | swap | auto
     # sliding-window layers keep the whole context, as full attention does (vLLM's flag)
     disable_hybrid_kv_cache_manager: bool = False
-    cache_dtype: str = "auto"  # auto | fp8 (KV_CACHE_DTYPES; the alias resolved by EngineArgs)
+    cache_dtype: str = "auto"  # auto | fp8 (any of KV_CACHE_DTYPES; fp8_e4m3 becomes fp8)
     # fp8: each layer's K/V scales per KV head from the first step with real tokens (else 1.0,
     # or the checkpoint's k_scale / v_scale)
     calculate_kv_scales: bool = False
@@ -114,10 +123,7 @@ class CacheConfig:
         return self.cache_dtype == "fp8"
 
     def __post_init__(self) -> None:
-        if self.cache_dtype not in ("auto", "fp8"):
-            raise ValueError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}."
-            )
+        object.__setattr__(self, "cache_dtype", _kv_cache_dtype(self.cache_dtype))
         if self.calculate_kv_scales and not self.fp8:
             raise ValueError("calculate_kv_scales needs kv_cache_dtype 'fp8'.")
         bs = self.block_size
@@ -504,11 +510,7 @@ class EngineArgs:
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space!r}.")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}."
-            )
-        cache_dtype = "auto" if self.kv_cache_dtype == "auto" else "fp8"
+        cache_dtype = _kv_cache_dtype(self.kv_cache_dtype)
         if cache_dtype == "fp8" and self.enable_kvc:
             raise ValueError(
                 "kv_cache_dtype 'fp8' does not work with KV-Compress yet (its per-head kernels "
