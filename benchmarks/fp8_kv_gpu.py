@@ -106,23 +106,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--peer-num", type=int, default=32, help="HF peer prompts (0: none)")
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--fp8-decode-tile", type=int, default=0,
-                    help="keys per tile of decode-only steps over an fp8 cache (0: the "
-                    "engine's default; benchmarks/fp8_attn_micro.py compares them)")  # fmt: skip
     args = ap.parse_args()
-    if args.fp8_decode_tile:
-        import pagedllm.ops.paged_attention as pa
-
-        default = pa.default_tile_config
-
-        def tiles(head_pad, decode, max_query_len=0, device=None, itemsize=2):  # noqa: ANN001, ANN202
-            cfg = default(head_pad, decode, max_query_len, device, itemsize)
-            if decode and itemsize == 1:
-                cfg = pa.TileConfig(cfg.block_m, args.fp8_decode_tile, cfg.num_warps,
-                                    cfg.num_stages, cfg.split_num_stages)  # fmt: skip
-            return cfg
-
-        pa.default_tile_config = tiles
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     result: dict = {**provenance("fp8-kv-B"), "model": args.model, "args": vars(args)}
     bw = measure_copy_bandwidth(torch.device("cuda"))

@@ -109,8 +109,7 @@ one() {
     fp8-micro) python benchmarks/fp8_attn_micro.py --tiles "${FP8_TILES:-32,64,128}" --out "$OUT" ;;
     fp8-b)  # Benchmark B's shapes, bf16 vs fp8 KV at equal KV memory (FP8_* knobs)
       python benchmarks/fp8_kv_gpu.py --num "${FP8_PROMPTS:-500}" --kv-gib "${FP8_KV_GIB:-12}" \
-        --peer-num "${FP8_PEER:-32}" --fp8-decode-tile "${FP8_TILE:-0}" \
-        --shapes "${FP8_SHAPES:-1024x128,128x1024}" --out "$OUT" ;;
+        --peer-num "${FP8_PEER:-32}" --shapes "${FP8_SHAPES:-1024x128,128x1024}" --out "$OUT" ;;
     pd-transfer)  # prefill/decode disaggregation on one GPU: colocated, producer, consumer
       df -h /dev/shm /tmp | sed 's/^/  /'
       python benchmarks/pd_transfer.py --model "${PD_MODEL:-qwen3-0.6b}" --load-format dummy \
