@@ -240,6 +240,9 @@ class ParallelConfig:
     enable_dbo: bool = False
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
+    # decode context parallelism: each KV head's tokens split over this many of the
+    # tensor-parallel ranks that would each hold a copy (``attention/dcp.py``)
+    decode_context_parallel_size: int = 1
 
     @property
     def dp_expert_parallel(self) -> bool:
@@ -249,6 +252,13 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _positive_int("data_parallel_size", self.data_parallel_size)
+        _positive_int("decode_context_parallel_size", self.decode_context_parallel_size)
+        if self.tensor_parallel_size % self.decode_context_parallel_size:
+            raise ValueError(
+                f"decode_context_parallel_size ({self.decode_context_parallel_size}) must "
+                f"divide tensor_parallel_size ({self.tensor_parallel_size}): its ranks are "
+                "tensor-parallel ranks."
+            )
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(
                 f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
@@ -458,6 +468,9 @@ class EngineArgs:
     enable_dbo: bool = False
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
+    # decode context parallelism (vLLM's name): a KV head that tensor parallelism copies onto
+    # several ranks has its tokens split over N of them instead (N <= tp / num_kv_heads)
+    decode_context_parallel_size: int = 1
     cpu_threads: int | None = None
     cpu_threads_bind: str = "none"
     # KV-Compress (``KVCompressConfig``; the fork's flag names)
@@ -599,6 +612,9 @@ class EngineArgs:
             served_model_name=self.served_model_name or os.path.basename(self.model.rstrip("/")),
         )
         _check_tensor_parallel(model_config, self.tensor_parallel_size, bool(self.enable_kvc))
+        dcp = self.decode_context_parallel_size
+        if dcp != 1:
+            self._check_decode_context_parallel(model_config, spec_config)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -637,7 +653,8 @@ class EngineArgs:
                 device=device,
                 # a core's MoE exchange pads to the step's largest core, which a decode graph
                 # of a fixed size cannot follow: eager forward passes
-                enforce_eager=self.enforce_eager or dp_ep,
+                # (and decode context parallelism: its attention is not graph-captured yet)
+                enforce_eager=self.enforce_eager or dp_ep or dcp > 1,
                 cpu_threads=self.cpu_threads,
                 cpu_threads_bind=self.cpu_threads_bind,
             ),
@@ -651,6 +668,7 @@ class EngineArgs:
                 enable_dbo=bool(self.enable_dbo),
                 dbo_decode_token_threshold=self.dbo_decode_token_threshold,
                 dbo_prefill_token_threshold=self.dbo_prefill_token_threshold,
+                decode_context_parallel_size=self.decode_context_parallel_size,
             ),
             kvc_config=KVCompressConfig(
                 enabled=bool(self.enable_kvc),
@@ -680,6 +698,39 @@ class EngineArgs:
                 else None
             ),
         )
+
+    def _check_decode_context_parallel(
+        self, model: ModelConfig, spec: SpeculativeConfig | None
+    ) -> None:
+        """ValueError naming decode_context_parallel_size unless its ranks hold copies of
+        the same KV heads (vLLM's bound: 1 <= dcp <= tp / num_kv_heads, here dcp dividing
+        it, so a group of dcp consecutive ranks shares its KV heads) and the engine's other
+        features can split a request's tokens over ranks."""
+        dcp, tp = self.decode_context_parallel_size, self.tensor_parallel_size
+        _positive_int("decode_context_parallel_size", dcp)
+        kv = model.num_kv_heads
+        if tp % dcp or kv >= tp and dcp > 1 or kv < tp and (tp // kv) % dcp:
+            raise ValueError(
+                f"decode_context_parallel_size ({dcp}) must divide tensor_parallel_size / "
+                f"num_kv_heads ({tp} / {kv}): it splits the tokens of a KV head that tensor "
+                "parallelism copies onto several ranks, over those ranks."
+            )
+        others = {  # (KV-Compress needs each KV head on one rank: _check_tensor_parallel)
+            "kv_transfer_config": self.kv_transfer_config,
+            "kv_offloading_size": self.kv_offloading_size,
+            "kv_connectors": self.kv_connectors,
+            "enable_dbo": self.enable_dbo,
+        }
+        if spec is not None:  # the draft model's and the device lookup's own KV writes
+            others[f"speculative_config method {spec.method!r}"] = spec.method in (
+                "draft_model",
+                "ngram_gpu",
+            )
+        for name, value in others.items():
+            if value:
+                raise ValueError(
+                    f"decode_context_parallel_size > 1 cannot be combined with {name} (yet)."
+                )
 
     def _speculative_config(self) -> SpeculativeConfig | None:
         """The speculative config these arguments ask for (ValueError if invalid, or if it

@@ -58,6 +58,43 @@ def slot_mapping(
     return blocks.astype(np.int64) * block_size + positions % block_size
 
 
+# Decode context parallelism (``decode_context_parallel_size`` D): the D ranks of a DCP group
+# share the block tables, and rank r stores the positions p with p % D == r, its j-th such
+# position at local index j = p // D. A table's block spans ``block_size`` (B) positions, and
+# each rank's page holds its B / D of them: local index j sits in block table[j // (B / D)]
+# at offset j % (B / D), so a rank's share is a plain paged cache of block size B / D over the
+# same tables (position p = j * D + r lies in block (j * D + r) // B = j // (B / D)).
+# Example: D 2, B 4, table [7, 3]: positions 0..7 -> ranks 0 1 0 1 0 1 0 1; rank 1 holds
+# positions 1, 3 in block 7 (offsets 0, 1) and 5, 7 in block 3.
+
+
+def dcp_local_lens(seq_lens: np.ndarray, rank: int, size: int) -> np.ndarray:
+    """How many of the first ``seq_lens`` positions DCP rank ``rank`` of ``size`` stores:
+    the p < L with p % size == rank. Example: size 2, L [1, 4, 5] -> rank 0 [1, 2, 3],
+    rank 1 [0, 2, 2]."""
+    return np.maximum(np.asarray(seq_lens) - rank + size - 1, 0) // size
+
+
+def dcp_slot_mapping(
+    block_tables: np.ndarray,
+    token_rows: np.ndarray,
+    positions: np.ndarray,
+    block_size: int,
+    rank: int,
+    size: int,
+) -> np.ndarray:
+    """``slot_mapping`` for DCP rank ``rank`` of ``size``: the slots of its own positions in
+    its pages of ``block_size // size`` tokens, -1 (no write) for the other ranks'.
+
+    Example: size 2, bs 4 (pages of 2), table [7, 3], positions [4, 5]: both local index 2
+    -> block table[2 // 2] = 3, offset 0 -> slot 6; rank 0 [6, -1], rank 1 [-1, 6]."""
+    page = block_size // size
+    local = positions // size  # [num_tokens]
+    blocks = block_tables[:, token_rows, local // page]  # [G, num_tokens]
+    slots = blocks.astype(np.int64) * page + local % page
+    return np.where(positions % size == rank, slots, -1)
+
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 K_SCALE_CONSTANT = 200.0  # calculate_kv_scales: scale = max |K| / 200 (vLLM's constant)

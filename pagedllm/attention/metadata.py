@@ -49,6 +49,11 @@ class AttentionMetadata:
     # fp8 caches with calculate_kv_scales: this pass sets every layer's scales from its K/V
     # before writing them (kv_layout.calibrate_scales; the first eager pass with real tokens)
     calibrate_kv_scales: bool = False
+    # decode context parallelism: (this rank, ranks) of the DCP group. Then each rank stores
+    # every ranks-th position (``kv_layout.dcp_slot_mapping``): slot_mapping holds this
+    # rank's slots (-1 for the others'), block_size is a page's tokens (the scheduler's block
+    # size / ranks), seq_lens stay whole (the queries' positions); ``attention/dcp.py``
+    dcp: tuple[int, int] | None = None
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata a layer of KV-cache group ``group`` attends with."""

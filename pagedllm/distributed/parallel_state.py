@@ -400,3 +400,61 @@ def all_gather_stack(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_world)]
     dist.all_gather(parts, x.contiguous())
     return torch.stack(parts)
+
+
+# ------------------------------------------------------------ decode context parallelism
+# ``decode_context_parallel_size`` D: groups of D consecutive tensor-parallel ranks, which
+# hold the same KV heads (``QKVParallelLinear`` gives rank r KV head r * kv // tp), each
+# storing every D-th token of every request (``kv_layout.dcp_slot_mapping``).
+# Example: tp 4, one KV head, D 2 -> groups {0, 1} and {2, 3}; rank 3 is DCP rank 1 of 2.
+_dcp_group: object | None = None
+_dcp_rank, _dcp_size = 0, 1
+
+
+def init_decode_context_parallel(size: int) -> None:
+    """Make the DCP groups of ``size`` consecutive ranks (every rank calls this, after
+    ``init_tensor_parallel``, as ``new_group`` needs); a size of 1 needs none."""
+    global _dcp_group, _dcp_rank, _dcp_size
+    _dcp_group, _dcp_rank, _dcp_size = None, 0, 1
+    if size == 1:
+        return
+    if _world % size:
+        raise ValueError(f"decode_context_parallel_size {size} must divide {_world} ranks.")
+    import torch.distributed as dist
+
+    for first in range(0, _world, size):  # every rank creates every group, in one order
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= _rank < first + size:
+            _dcp_group = group
+    _dcp_rank, _dcp_size = _rank % size, size
+
+
+def dcp_info() -> tuple[int, int]:
+    """(rank, size) of this process's decode-context-parallel group; (0, 1) without one."""
+    return _dcp_rank, _dcp_size
+
+
+def dcp_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """The DCP ranks' ``x`` stacked along a new first dimension, rank 0's first:
+    [D, *x.shape] (``[1, ...]`` without DCP)."""
+    if _dcp_size == 1:
+        return x[None]
+    import torch.distributed as dist
+
+    out = x.new_empty(_dcp_size * x.shape[0], *x.shape[1:])  # (gloo: ranks along dim 0)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x.contiguous(), group=_dcp_group)
+    return out.view(_dcp_size, *x.shape)
+
+
+def dcp_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [D, *shape] summed over the DCP ranks; this rank's slice ``[rank]`` of the sum
+    (``x[0]`` without DCP)."""
+    if _dcp_size == 1:
+        return x[0]
+    import torch.distributed as dist
+
+    out = x.new_empty(x.shape[1:])
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, x.reshape(-1, *x.shape[2:]), group=_dcp_group)
+    return out

@@ -77,6 +77,7 @@ class EngineCore:
                 kvc_config=config.kvc_config,
                 spec_config=config.speculative_config,
                 kv_connectors=config.kv_connectors,
+                context_parallel=config.parallel_config.decode_context_parallel_size,
             )
             # expert parallelism over data-parallel cores: each step agreed with the others
             pc = config.parallel_config

@@ -87,6 +87,11 @@ _HELP = {
     "weights on the model's config (a folder or a built-in name such as qwen3-0.6b).",
     "tensor_parallel_size": "Tensor-parallel ranks: the model's heads, MLP and vocabulary "
     "split over N worker processes (GPUs with NCCL, or CPU processes with gloo).",
+    "decode_context_parallel_size": "Decode context parallelism: where tensor parallelism "
+    "copies a KV head onto several ranks (fewer KV heads than ranks), split its tokens over N "
+    "of them instead (interleaved; each attends over its share, the results merged by "
+    "log-sum-exp): N times the context in the same memory. N must divide "
+    "--tensor-parallel-size / the model's KV heads.",
     "data_parallel_size": "Data-parallel engine cores behind one server (each its own "
     "process, KV cache and --tensor-parallel-size ranks); requests routed by prefix-cache "
     "affinity, then load (pagedllm serve only).",
@@ -158,7 +163,7 @@ _HELP = {
     'or \'{"method": "suffix"}\' (suffix decoding); greedy outputs and sampling distributions '
     "are those without it (default: off).",
 }
-_ALIASES = {"enable_kvc": ["--enable-kvcompress"]}
+_ALIASES = {"enable_kvc": ["--enable-kvcompress"], "decode_context_parallel_size": ["-dcp"]}
 _CHOICES = {
     "kvc_method": ("kvcompress", "uniform", "random"),
     "dtype": _config.DTYPES,

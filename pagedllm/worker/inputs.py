@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.kv_layout import slot_mapping
+from pagedllm.kv_layout import dcp_slot_mapping, slot_mapping
 from pagedllm.worker.input_batch import InputBatch
 
 
@@ -32,9 +32,18 @@ class InputPreparer:
     async scheduling step N+1 is prepared while step N's copy may still be queued.
     """
 
-    def __init__(self, batch: InputBatch, max_num_tokens: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        batch: InputBatch,
+        max_num_tokens: int,
+        device: torch.device,
+        dcp: tuple[int, int] = (0, 1),
+    ) -> None:
         self.batch = batch
         self.device = device
+        # decode context parallelism: (this rank, ranks); the batch's tables are the
+        # scheduler's, this rank stores every ranks-th position (kv_layout.dcp_slot_mapping)
+        self.dcp = dcp
         r = batch.max_num_reqs
         # ids, positions, slots per token; qsl, seq_lens, block table per request
         # (+ the caller's extras: up to 3 arrays, the first of up to one entry per token - the
@@ -68,7 +77,11 @@ class InputPreparer:
         token_rows = rows[req_idx]
         positions = ib.num_computed_tokens[token_rows] + offsets
         input_ids = ib.token_ids[token_rows, positions]
-        slots = slot_mapping(ib.block_table, token_rows, positions, bs)  # [G, num_tokens]
+        dcp_rank, dcp_size = self.dcp
+        if dcp_size == 1:
+            slots = slot_mapping(ib.block_table, token_rows, positions, bs)  # [G, num_tokens]
+        else:
+            slots = dcp_slot_mapping(ib.block_table, token_rows, positions, bs, *self.dcp)
         seq_lens = ib.num_computed_tokens[rows] + n_sched
         qsl = np.zeros(len(rows) + 1, dtype=np.int64)
         qsl[1:] = cu
@@ -98,9 +111,10 @@ class InputPreparer:
             block_tables=bt_t[0],
             max_query_len=int(n_sched.max()),
             max_seq_len=int(seq_lens.max()),
-            block_size=bs,
+            block_size=bs // dcp_size,
             query_start_loc_np=qsl,
             seq_lens_np=seq_lens,
+            dcp=self.dcp if dcp_size > 1 else None,
         )
         md.plan["block_tables_np"] = block_tables[0]
         if num_groups > 1:

@@ -20,7 +20,7 @@ from pagedllm.core.kv_cache.spec import (
 )
 from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed import expert_parallel
-from pagedllm.distributed.parallel_state import ep_info, tp_info
+from pagedllm.distributed.parallel_state import dcp_info, ep_info, tp_info
 from pagedllm.kv_layout import KVCacheLayout, kv_cache_dtype
 from pagedllm.model.loader import build_model
 from pagedllm.sample.sampler import Sampler, SamplerOutput
@@ -121,7 +121,8 @@ class ModelRunner:
         self.model_config = config.model_config
         self.cache_config = config.cache_config
         self.device = torch.device(config.device_config.device)
-        self.block_size = config.cache_config.block_size
+        self.dcp = dcp_info()  # decode context parallelism: a table's block spans dcp pages
+        self.block_size = config.cache_config.block_size * self.dcp[1]
         self.max_model_len = config.model_config.max_model_len
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         self.eos_token_ids = eos_token_ids or set()
@@ -175,7 +176,7 @@ class ModelRunner:
                 int(spec.prompt_lookup_max),  # type: ignore[arg-type]
                 self.device,
             )
-        self.inputs = InputPreparer(self.input_batch, self.max_num_tokens, self.device)
+        self.inputs = InputPreparer(self.input_batch, self.max_num_tokens, self.device, self.dcp)
         self.graph_runner: CUDAGraphRunner | None = None
         self._unresolved: LaunchedStep | None = None  # the last launched step, until resolved
         self.bitmask = BitmaskApplier(self.device, self.input_batch.max_num_reqs)
@@ -193,7 +194,7 @@ class ModelRunner:
     def _group_kv_layers(self, elem: int) -> KVCacheGroups:
         specs: list[KVCacheSpec] = []
         for a in self._attention_layers():
-            shape = (self.block_size, a.num_kv_heads, a.head_dim, elem)
+            shape = (self.block_size, a.num_kv_heads, a.head_dim, elem, self.dcp[1])
             if a.sliding_window:
                 specs.append(SlidingWindowSpec(*shape, sliding_window=int(a.sliding_window)))
             else:
@@ -224,8 +225,7 @@ class ModelRunner:
         )
 
     def _max_useful_blocks(self) -> int:
-        """Blocks max_num_seqs full-length requests could ever hold (+ the null block of a
-        sliding-window group)."""
+        """Blocks max_num_seqs full-length requests could ever hold (+ a null block)."""
         per_req = self._blocks_per_request()
         return self.config.scheduler_config.max_num_seqs * per_req + int(self.kv_groups.is_hybrid)
 

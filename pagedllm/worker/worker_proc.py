@@ -65,6 +65,7 @@ class Worker:
 
         from pagedllm.distributed.parallel_state import (
             init_custom_all_reduce,
+            init_decode_context_parallel,
             init_tensor_parallel,
             set_expert_parallel,
         )
@@ -79,6 +80,7 @@ class Worker:
         init_tensor_parallel(
             rank, world, init_method, "cuda" if device.startswith("cuda") else "cpu"
         )
+        init_decode_context_parallel(config.parallel_config.decode_context_parallel_size)
         set_expert_parallel(config.parallel_config.enable_expert_parallel)
         if device.startswith("cuda") and not config.parallel_config.disable_custom_all_reduce:
             init_custom_all_reduce(torch.device("cuda", torch.cuda.current_device()))

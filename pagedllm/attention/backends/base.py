@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kv_layout import write_kv_ref
 
 
 class AttentionBackend(ABC):
@@ -42,3 +43,15 @@ class AttentionBackend(ABC):
         sliding_window: int | None,
         kv_scale: torch.Tensor | None = None,  # [2, num_kv_heads] float32: fp8 caches only
     ) -> torch.Tensor: ...
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64; -1: skip
+        kv_scale: torch.Tensor | None = None,
+    ) -> None:
+        """Only ``forward``'s first half: the rows into the cache (decode context
+        parallelism attends on its own, ``attention/dcp.py``)."""
+        write_kv_ref(key, value, kv_cache, slot_mapping, kv_scale)

@@ -29,21 +29,29 @@ def cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class KVCacheSpec:
     """One attention layer's KV cache: ``block_size`` tokens x ``num_kv_heads`` x
-    ``head_dim`` for K and for V, ``dtype_bytes`` bytes an element."""
+    ``head_dim`` for K and for V, ``dtype_bytes`` bytes an element.
+
+    Decode context parallelism (``context_parallel`` D > 1): a block spans ``block_size``
+    positions of a request, of which each of the D ranks stores every D-th
+    (``kv_layout.dcp_slot_mapping``): a rank's page is ``block_size / D`` tokens. The
+    scheduler counts blocks of ``block_size`` tokens, so the same pages hold D times the
+    context."""
 
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int
+    context_parallel: int = 1
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one block of this layer (K and V)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """Bytes of one block of this layer (K and V) on one rank."""
+        tokens = self.block_size // self.context_parallel
+        return 2 * tokens * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
     def page_shape(self) -> tuple[int, int, int]:
-        return (self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.block_size // self.context_parallel, self.num_kv_heads, self.head_dim)
 
     def max_blocks_needed(self, num_tokens: int, max_chunk: int) -> int:
         """Blocks a request of ``num_tokens`` tokens holds at most in this layer's table."""
@@ -190,7 +198,11 @@ def group_layers(specs: list[KVCacheSpec], hybrid: bool = True) -> KVCacheGroups
     all_full = all(isinstance(s, FullAttentionSpec) for s in kinds)
     if all_full or not same_pages or not hybrid:
         full = FullAttentionSpec(
-            first.block_size, first.num_kv_heads, first.head_dim, first.dtype_bytes
+            first.block_size,
+            first.num_kv_heads,
+            first.head_dim,
+            first.dtype_bytes,
+            first.context_parallel,
         )
         group = KVCacheGroup(full, tuple(range(len(specs))))
         return KVCacheGroups((group,), len(specs), layer_specs)

@@ -1,19 +1,18 @@
 """The iteration-level scheduler.
 
-THE RULE. There is no prefill phase and no decode phase. Every request has
-``num_computed_tokens`` (tokens whose K/V are in the cache) and ``num_tokens`` (prompt + output
-so far). Each step hands out one token budget, ``max_num_batched_tokens``, so that requests catch
-up: first the running requests, in policy order (a decode needs 1 token, an unfinished prompt
-gets the rest of the budget, chunked), then the waiting requests, in policy order, while the
-budget, ``max_num_seqs`` and the KV cache allow. When a running request cannot get a block, the
-running request ranked last (for FCFS: the most recently arrived) is preempted: by recompute
-(its blocks are freed, ``num_computed_tokens`` goes back to 0; with prefix caching its full
-blocks stay cached, so resuming is mostly a cache hit) or by swap (its blocks are copied to host
-memory and back on resume); it waits again at the place its rank gives it (for FCFS: the
-front). No waiting request is admitted in a step whose running phase preempted. Under the
-priority policy a waiting request may, before the running phase, preempt running requests of
-a strictly larger priority value when memory or max_num_seqs is short (see
-``_preempt_for_priority``).
+THE RULE. There is no prefill phase and no decode phase. Every request has ``num_computed_tokens``
+(tokens whose K/V are in the cache) and ``num_tokens`` (prompt + output so far). Each step hands
+out one token budget, ``max_num_batched_tokens``, so that requests catch up: first the running
+requests, in policy order (a decode needs 1 token, an unfinished prompt gets the rest of the
+budget, chunked), then the waiting requests, in policy order, while the budget, ``max_num_seqs``
+and the KV cache allow. When a running request cannot get a block, the running request ranked last
+(for FCFS: the most recently arrived) is preempted: by recompute (its blocks are freed,
+``num_computed_tokens`` goes back to 0; with prefix caching its full blocks stay cached, so
+resuming is mostly a cache hit) or by swap (its blocks are copied to host memory and back on
+resume); it waits again at the place its rank gives it (for FCFS: the front). No waiting request is
+admitted in a step whose running phase preempted. Under the priority policy a waiting request may,
+before the running phase, preempt running requests of a strictly larger priority value when memory
+or max_num_seqs is short (see ``_preempt_for_priority``).
 
 Swap or recompute (``preemption_mode``): 'recompute'; 'swap' (falls back to recompute when the
 swap space is full); 'auto' swaps when moving a token's KV out and back costs less than
@@ -72,6 +71,7 @@ class Scheduler:
         kvc_config: KVCompressConfig | None = None,
         spec_config: SpeculativeConfig | None = None,
         kv_connectors: tuple[str, ...] = (),
+        context_parallel: int = 1,  # DCP ranks: a block spans a page of each
     ) -> None:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
@@ -81,7 +81,7 @@ class Scheduler:
         self.kv_cache_manager = make_kv_cache_manager(
             kv_groups,
             num_blocks,
-            cache_config.block_size,
+            cache_config.block_size * context_parallel,
             cache_config.enable_prefix_caching,
             num_host_blocks,
             scheduler_config.max_num_batched_tokens,

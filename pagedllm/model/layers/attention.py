@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backends.base import AttentionBackend
+from pagedllm.attention.dcp import dcp_attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kv_layout import calibrate_scales
 from pagedllm.model.layers.norm import RMSNorm
@@ -83,6 +84,15 @@ class Attention(nn.Module):
                 key = value = None  # already in the cache
             else:
                 q, key = rotary(positions, q, k, q_norm, k_norm)
+        if metadata.dcp is not None:  # this rank stores a share of the tokens: attention/dcp.py
+            if key is not None:
+                assert value is not None
+                self.backend.write_kv(
+                    key, value, self.kv_cache, metadata.slot_mapping, self.kv_scale
+                )
+            return dcp_attention(
+                q, self.kv_cache, metadata, self.scale, self.sliding_window, self.kv_scale
+            )
         return self.backend.forward(
             q, key, value, self.kv_cache, metadata, self.scale, self.sliding_window,
             self.kv_scale,

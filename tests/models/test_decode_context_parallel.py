@@ -1,0 +1,153 @@
+"""Decode context parallelism on the CPU (issue 56): ``decode_context_parallel_size`` 2 and 4
+over gloo give the greedy tokens of one rank on every architecture (sliding windows
+included), with chunked prefill, prefix hits, preemption and speculative decoding; the same
+KV memory holds D times the tokens; settings it cannot serve are refused with the field
+named.
+
+The models have fewer KV heads than ranks (that is where DCP applies: tensor parallelism would
+copy each KV head onto tp / num_kv_heads ranks). fp32 tiny random models, as the tensor-
+parallel tests: the merged attention adds the ranks' shares in another order than one
+softmax, and the peaky tiny models' greedy tokens agree exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineArgs
+from tests.models.tiny import make_tiny_model
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts(n: int = 5, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    prompts = [{"prompt_token_ids": rng.integers(3, 500, int(rng.integers(8, 40))).tolist()}
+               for _ in range(n)]  # fmt: skip
+    # a prefix hit: the first prompt again, longer
+    return prompts + [{"prompt_token_ids": prompts[0]["prompt_token_ids"] + [5, 6, 7]}]
+
+
+def _engine(path: str, tp: int, dcp: int, **kw: object) -> LLM:
+    kw.setdefault("kv_cache_memory_bytes", 32 << 20)
+    return LLM(path, dtype="float32", device="cpu", max_model_len=256, tensor_parallel_size=tp,
+               decode_context_parallel_size=dcp, **kw)  # fmt: skip
+
+
+def _tokens(llm: LLM, prompts: list, params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def one_kv_head(tmp_path_factory):
+    """arch -> a tiny model of that architecture with one KV head."""
+    made: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in made:
+            made[arch] = make_tiny_model(
+                arch, str(tmp_path_factory.mktemp(arch)), num_key_value_heads=1
+            )
+        return made[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dcp2_equals_one_rank_every_arch(one_kv_head, arch: str) -> None:
+    """Two ranks share the one KV head's tokens (each stores every other position), with a
+    16-token budget (prompts in chunks) and a prefix hit."""
+    path = one_kv_head(arch)
+    prompts = _prompts()
+    kw = {"max_num_batched_tokens": 16}
+    want = _tokens(_engine(path, 1, 1, **kw), prompts)
+    llm = _engine(path, 2, 2, **kw)
+    assert _tokens(llm, prompts) == want
+    assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.block_size == 32
+
+
+@pytest.mark.parametrize(("kv_heads", "tp", "dcp"), [(1, 4, 4), (2, 4, 2)], ids=["dcp4", "2x2"])
+def test_dcp4_and_two_groups(tmp_path, kv_heads: int, tp: int, dcp: int) -> None:
+    """One KV head over 4 ranks, each a quarter of the tokens; two KV heads over 4 ranks,
+    two groups of two (ranks 0-1 share KV head 0, ranks 2-3 KV head 1)."""
+    path = make_tiny_model("qwen3", str(tmp_path / "m"), num_key_value_heads=kv_heads)
+    prompts = _prompts(4, seed=1)
+    want = _tokens(_engine(path, 1, 1, max_num_batched_tokens=16), prompts)
+    assert _tokens(_engine(path, tp, dcp, max_num_batched_tokens=16), prompts) == want
+
+
+def test_capacity_grows_and_long_requests_fit(one_kv_head) -> None:
+    """At equal KV memory DCP 2 holds twice the tokens: 6 blocks of 16 tokens (96) cannot
+    hold a 120-token request, 6 blocks of 32 (192) can; with more requests than fit at once,
+    preemption and recompute keep the tokens of one rank."""
+    path = one_kv_head("llama")
+    tp2 = _engine(path, 2, 1, num_gpu_blocks_override=6)
+    dcp2 = _engine(path, 2, 2, num_gpu_blocks_override=6, max_num_batched_tokens=16)
+    capacity = [
+        (m.num_blocks, m.block_size)
+        for m in (x.llm_engine.engine_core.scheduler.kv_cache_manager for x in (tp2, dcp2))
+    ]
+    assert capacity == [(6, 16), (6, 32)]
+    long = [{"prompt_token_ids": list(range(3, 103))}]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    with pytest.raises(ValueError, match="KV cache"):
+        tp2.generate(long, sp, use_tqdm=False)
+    one = _engine(path, 1, 1)
+    assert _tokens(dcp2, long, sp) == _tokens(one, long, sp)
+    prompts = _prompts(6, seed=3)  # 7 requests of 8-40 tokens + 24 each: more than 192
+    assert _tokens(dcp2, prompts) == _tokens(one, prompts)
+    assert dcp2.llm_engine.engine_core.scheduler.num_preemptions > 0
+
+
+def test_speculative_decoding_rows(one_kv_head) -> None:
+    """n-gram drafts: verification rows of several tokens, attended over the split keys."""
+    path = one_kv_head("qwen2")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1}  # fmt: skip
+    prompts = [{"prompt_token_ids": [7, 8, 9, 10] * 6 + [11]}, *_prompts(2, seed=4)]
+    want = _tokens(_engine(path, 1, 1), prompts)
+    assert _tokens(_engine(path, 2, 2, speculative_config=spec), prompts) == want
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"tensor_parallel_size": 2, "decode_context_parallel_size": 2},
+         r"must divide tensor_parallel_size / num_kv_heads \(2 / 2\)"),
+        ({"tensor_parallel_size": 2, "decode_context_parallel_size": 4},
+         r"decode_context_parallel_size \(4\) must"),
+        ({"tensor_parallel_size": 1, "decode_context_parallel_size": 0},
+         "decode_context_parallel_size"),
+    ],
+    ids=["kv-heads-not-copied", "more-than-tp", "zero"],
+)  # fmt: skip
+def test_refused_shapes(tiny_models, kw: dict, match: str) -> None:
+    """The tiny llama has 2 KV heads: at tp 2 each rank holds its own, nothing to split."""
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=tiny_models("llama"), device="cpu", **kw).create_engine_config()
+
+
+@pytest.mark.parametrize(
+    ("extra", "name"),
+    [
+        ({"kv_transfer_config": {"kv_role": "kv_both"}}, "kv_transfer_config"),
+        ({"kv_offloading_size": 1}, "kv_offloading_size"),
+        ({"speculative_config": {"method": "ngram_gpu", "num_speculative_tokens": 2}},
+         "ngram_gpu"),
+    ],
+)  # fmt: skip
+def test_refused_combinations(one_kv_head, extra: dict, name: str) -> None:
+    args = EngineArgs(model=one_kv_head("llama"), device="cpu", tensor_parallel_size=2,
+                      decode_context_parallel_size=2, **extra)  # fmt: skip
+    with pytest.raises(ValueError, match=f"decode_context_parallel_size > 1 .*{name}"):
+        args.create_engine_config()
+
+
+def test_cli_flag() -> None:
+    from pagedllm.entrypoints.cli import build_parser
+
+    ns = build_parser().parse_args(["serve", "m", "--tensor-parallel-size", "4", "-dcp", "2"])
+    assert ns.decode_context_parallel_size == 2
