@@ -106,6 +106,8 @@ one() {
     tests-pd) $PYTEST tests/engine/test_kv_transfer.py -k gpu ;;
     tests-fp8)  # fp8 KV caches: the kernels, then the engine (HF equality suite untouched)
       $PYTEST tests/kernels/test_fp8_kv.py tests/models/test_fp8_kv.py ;;
+    tests-dcp)  # decode context parallelism's Triton kernels against the PyTorch reference
+      $PYTEST tests/kernels/test_dcp_attention.py ;;
     fp8-micro) python benchmarks/fp8_attn_micro.py --tiles "${FP8_TILES:-32,64,128}" --out "$OUT" ;;
     fp8-b)  # Benchmark B's shapes, bf16 vs fp8 KV at equal KV memory (FP8_* knobs)
       python benchmarks/fp8_kv_gpu.py --num "${FP8_PROMPTS:-500}" --kv-gib "${FP8_KV_GIB:-12}" \

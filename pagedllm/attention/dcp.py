@@ -24,8 +24,10 @@ Example: D 2, a decode at position 4 (keys 0..4): rank 0 attends keys 0, 2, 4 (l
 rank 1 keys 1, 3 (local 0..1); softmax over all five = the two partial softmaxes, each
 weighted by its share exp(lse_r - L) of the total mass.
 
-Here step 2 is written in PyTorch (float32 scores, one call per request): the reference and
-the CPU path, also used on a GPU (eager steps; a fused Triton kernel is not built yet).
+On a CPU, steps 2 and 3 are PyTorch (float32 scores, one call per request: also the
+reference); on a GPU, step 2 is a Triton kernel on the unified paged kernel's tiling and the
+weights of step 3 one fused kernel before the reduce-scatter (``ops/dcp_attention.py``).
+GPU steps run eagerly under DCP (not captured in CUDA graphs yet).
 """
 
 from __future__ import annotations
@@ -128,5 +130,16 @@ def dcp_attention(
     n, heads, head_dim = query.shape
     group_q = dcp_all_gather(query)  # [D, num_tokens, H, head_dim]
     group_q = group_q.transpose(0, 1).reshape(n, -1, head_dim)  # [num_tokens, D * H, d]
-    out, lse = attend_local(group_q, kv_cache, md, scale, window, kv_scale)
-    return merge(out, lse).to(query.dtype).view(n, heads * head_dim)
+    if query.is_cuda:  # the Triton kernels (ops/dcp_attention.py)
+        from pagedllm.ops.dcp_attention import dcp_combine, dcp_paged_attention
+
+        assert md.dcp is not None
+        rank, size = md.dcp
+        out, lse = dcp_paged_attention(
+            group_q, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables,
+            md.max_query_len, rank, size, scale, window, kv_scale,
+        )  # fmt: skip
+        merged = dcp_reduce_scatter(dcp_combine(out, dcp_all_gather(lse), rank))
+    else:
+        merged = merge(*attend_local(group_q, kv_cache, md, scale, window, kv_scale))
+    return merged.to(query.dtype).view(n, heads * head_dim)
