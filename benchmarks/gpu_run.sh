@@ -108,6 +108,9 @@ one() {
       $PYTEST tests/kernels/test_fp8_kv.py tests/models/test_fp8_kv.py ;;
     tests-dcp)  # decode context parallelism's Triton kernels against the PyTorch reference
       $PYTEST tests/kernels/test_dcp_attention.py ;;
+    dcp-2gpu)  # 2+ GPUs: the longest context and TPOT at DCP 1 vs 2 (8B shape, DCP_* knobs)
+      python benchmarks/dcp_gpu.py --tp "${DCP_TP:-2}" --dcp "${DCP_SIZES:-1,2}" \
+        --kv-heads "${DCP_KV_HEADS:-1}" --kv-gib "${DCP_KV_GIB:-1}" --out "$OUT" ;;
     fp8-micro) python benchmarks/fp8_attn_micro.py --tiles "${FP8_TILES:-32,64,128}" --out "$OUT" ;;
     fp8-b)  # Benchmark B's shapes, bf16 vs fp8 KV at equal KV memory (FP8_* knobs)
       python benchmarks/fp8_kv_gpu.py --num "${FP8_PROMPTS:-500}" --kv-gib "${FP8_KV_GIB:-12}" \

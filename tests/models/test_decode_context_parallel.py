@@ -112,6 +112,21 @@ def test_speculative_decoding_rows(one_kv_head) -> None:
     assert _tokens(_engine(path, 2, 2, speculative_config=spec), prompts) == want
 
 
+def test_fp8_cache_and_forked_sequences(one_kv_head) -> None:
+    """An fp8 cache (each rank quantizes its own positions with the shared scales) and n = 2
+    seeded samples (forked blocks copied on each rank) give one rank's tokens."""
+    path = one_kv_head("qwen3")
+    prompts = _prompts(3, seed=5)
+    params = [GREEDY, SamplingParams(temperature=1.0, n=2, seed=11, max_tokens=16)]
+    outs = []
+    for tp, dcp in ((1, 1), (2, 2)):
+        llm = _engine(path, tp, dcp, kv_cache_dtype="fp8", max_num_batched_tokens=16)
+        got = llm.generate(prompts, [params[i % 2] for i in range(len(prompts))], use_tqdm=False)
+        outs.append([[list(c.token_ids) for c in o.outputs] for o in got])
+    assert outs[0] == outs[1]
+    assert len(outs[1][1]) == 2
+
+
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
