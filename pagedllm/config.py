@@ -709,7 +709,7 @@ class EngineArgs:
         dcp, tp = self.decode_context_parallel_size, self.tensor_parallel_size
         _positive_int("decode_context_parallel_size", dcp)
         kv = model.num_kv_heads
-        if tp % dcp or kv >= tp and dcp > 1 or kv < tp and (tp // kv) % dcp:
+        if tp % dcp or (kv >= tp and dcp > 1) or (kv < tp and (tp // kv) % dcp):
             raise ValueError(
                 f"decode_context_parallel_size ({dcp}) must divide tensor_parallel_size / "
                 f"num_kv_heads ({tp} / {kv}): it splits the tokens of a KV head that tensor "

@@ -77,7 +77,7 @@ class InputPreparer:
         token_rows = rows[req_idx]
         positions = ib.num_computed_tokens[token_rows] + offsets
         input_ids = ib.token_ids[token_rows, positions]
-        dcp_rank, dcp_size = self.dcp
+        dcp_size = self.dcp[1]
         if dcp_size == 1:
             slots = slot_mapping(ib.block_table, token_rows, positions, bs)  # [G, num_tokens]
         else:
