@@ -524,11 +524,6 @@ class EngineArgs:
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space!r}.")
         cache_dtype = _kv_cache_dtype(self.kv_cache_dtype)
-        if cache_dtype == "fp8" and self.enable_kvc:
-            raise ValueError(
-                "kv_cache_dtype 'fp8' does not work with KV-Compress yet (its per-head kernels "
-                "read 16- and 32-bit caches); use one or the other."
-            )
         if self.calculate_kv_scales and self.kv_transfer_config:
             raise ValueError(
                 "calculate_kv_scales cannot be combined with kv_transfer_config: each instance "
@@ -583,6 +578,11 @@ class EngineArgs:
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if cache_dtype == "fp8" and self.enable_kvc and device == "cuda":
+            raise ValueError(
+                "kv_cache_dtype 'fp8' does not work with KV-Compress on a GPU yet (its "
+                "per-head Triton kernels read 16- and 32-bit caches; the CPU path reads fp8)."
+            )
         load_format = detect_load_format(self.model, self.load_format)
         hf_config = load_hf_config(resolve_model_path(self.model, load_format), load_format)
         dtype = _resolve_dtype(self.dtype, hf_config, load_format, device)

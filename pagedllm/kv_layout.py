@@ -181,6 +181,38 @@ def write_kv_ref(
     as_bytes(v_flat).index_copy_(0, slots, as_bytes(value.to(v_flat.dtype)))
 
 
+class KVScales:
+    """An fp8 cache's scales: one [2, num_kv_heads] float32 tensor per attention layer (0 = K,
+    1 = V), the checkpoint's where it gave some, else 1.0, made at the first ``bind`` and kept
+    across re-binds; with ``calculate`` (``calculate_kv_scales``) the first eager forward pass
+    with real tokens sets them (``finish_metadata``). Another dtype: no scales, and the layers'
+    ``kv_scale`` is None. Both layouts own one (this module's and KV-Compress's)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, calculate: bool = False) -> None:
+        self.fp8 = is_fp8(dtype)
+        self.device = device
+        self.scales: list[torch.Tensor] = []
+        self.calibrate_pending = calculate and self.fp8
+
+    def bind(self, layers: list[torch.nn.Module]) -> None:
+        """Set each attention layer's ``kv_scale`` (its scales, or None)."""
+        if self.fp8 and not self.scales:
+            for layer in layers:
+                scale = torch.ones(2, layer.num_kv_heads, dtype=torch.float32)
+                ckpt = getattr(layer, "checkpoint_kv_scale", None)
+                if ckpt is not None:
+                    scale.copy_(ckpt)
+                self.scales.append(scale.to(self.device))
+        for i, layer in enumerate(layers):
+            layer.kv_scale = self.scales[i] if self.fp8 else None
+
+    def finish_metadata(self, md: Any) -> None:
+        """Mark the first eager pass with real tokens to calibrate (``calculate``)."""
+        if self.calibrate_pending and md.num_actual_tokens > 0:
+            md.calibrate_kv_scales = True
+            self.calibrate_pending = False
+
+
 class KVCacheLayout:
     """The KV cache tensors of one device, their host (swap) copies, and block arithmetic."""
 
@@ -194,10 +226,7 @@ class KVCacheLayout:
         self.groups = groups
         self.dtype = dtype  # the cache tensors' (torch.float8_e4m3fn for an fp8 cache)
         self.device = device
-        # fp8: each attention layer's [2, num_kv_heads] float32 scales, made at the first bind
-        self.scales: list[torch.Tensor] = []
-        # calculate_kv_scales: the next eager forward pass with real tokens sets them
-        self.calibrate_pending = calculate_scales and is_fp8(dtype)
+        self.kv_scales = KVScales(dtype, device, calculate_scales)
         self.block_size = groups.block_size
         self.num_groups = groups.num_groups
         self.num_blocks = 0
@@ -248,19 +277,16 @@ class KVCacheLayout:
         fp8 cache its scales (``kv_scale``: the checkpoint's where it gave some, else 1.0;
         kept across re-binds); other caches get ``kv_scale`` None."""
         where = self.groups.layer_position()
-        fp8 = is_fp8(self.dtype)
-        if fp8 and not self.scales:
-            for layer in layers:
-                scale = torch.ones(2, layer.num_kv_heads, dtype=torch.float32)
-                ckpt = getattr(layer, "checkpoint_kv_scale", None)
-                if ckpt is not None:
-                    scale.copy_(ckpt)
-                self.scales.append(scale.to(self.device))
+        self.kv_scales.bind(layers)
         for i, layer in enumerate(layers):
             g, j = where[i]
             layer.layer_idx, layer.kv_group = i, g
             layer.kv_cache = self.tensors[j] if self.tensors else torch.empty(0)
-            layer.kv_scale = self.scales[i] if fp8 else None
+
+    @property
+    def scales(self) -> list[torch.Tensor]:
+        """An fp8 cache's scales, one [2, num_kv_heads] per attention layer ([] otherwise)."""
+        return self.kv_scales.scales
 
     # --------------------------------------------------------------- whole blocks
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -325,9 +351,7 @@ class KVCacheLayout:
     def finish_metadata(self, md: Any) -> None:
         """Before an eager forward pass (a CUDA-graph replay skips it): the first one with
         real tokens calibrates an fp8 cache's scales where ``calculate_kv_scales`` asks."""
-        if self.calibrate_pending and md.num_actual_tokens > 0:
-            md.calibrate_kv_scales = True
-            self.calibrate_pending = False
+        self.kv_scales.finish_metadata(md)
 
     def capture_graphs(self, runner: Any) -> bool:
         """Capture this layout's own CUDA graphs on ``runner``; False: the runner's plain

@@ -31,6 +31,7 @@ from torch.nn import functional as F
 
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kv_layout import as_bytes, quantize_fp8
 from pagedllm.kvcompress.evict import head_slots, maxpool_scores
 
 
@@ -56,6 +57,7 @@ class VerifyQueries:
     lse: dict[int, torch.Tensor | None] = field(default_factory=dict)
     scale: dict[int, float] = field(default_factory=dict)
     window: dict[int, int | None] = field(default_factory=dict)
+    k_scale: dict[int, torch.Tensor | None] = field(default_factory=dict)  # fp8: K's [H]
 
     def keep(
         self,
@@ -64,10 +66,12 @@ class VerifyQueries:
         lse: torch.Tensor | None,  # [V, Hq]
         scale: float,
         window: int | None,
+        kv_scale: torch.Tensor | None = None,  # fp8 caches: the layer's [2, H]
     ) -> None:
         """A compressible layer's queries of the kept rows (and their normalizers)."""
         self.q[layer], self.lse[layer] = q, lse
         self.scale[layer], self.window[layer] = scale, window
+        self.k_scale[layer] = None if kv_scale is None else kv_scale[0]
 
 
 @dataclass
@@ -166,6 +170,20 @@ class KVCLayerInfo:
     layer: int = 0  # the layer's index (``VerifyQueries`` keeps its queries by it)
 
 
+def head_values(
+    flat: torch.Tensor,  # [num_slots, d] K or V of the cache
+    slots: torch.Tensor,  # [..., H, S]
+    scale: torch.Tensor | None,  # [H] an fp8 cache's scales of K or V; None: not fp8
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The K or V rows at ``slots`` [..., H, S, d] in ``dtype``: an fp8 cache's times each
+    head's scale (``kv_layout``: cached as fp8(x / scale))."""
+    x = flat[slots]
+    if scale is None:
+        return x.to(dtype)
+    return (x.float() * scale.view(-1, 1, 1)).to(dtype)
+
+
 def decode_attention(
     query: torch.Tensor,  # [B, Hq, d]
     k_flat: torch.Tensor,  # [num_slots, d]
@@ -179,6 +197,7 @@ def decode_attention(
     max_len: int | None = None,
     positions: torch.Tensor | None = None,  # [num_slots]; needed with a window
     q_pos: torch.Tensor | None = None,  # [B] the queries' positions; needed with a window
+    kv_scale: torch.Tensor | None = None,  # [2, H] float32: an fp8 cache's scales
 ) -> torch.Tensor:
     """One query per row over its heads' keys; returns [B, Hq, d]. A window keeps the keys
     whose position p satisfies q_pos - window < p (compacted heads are not in position
@@ -194,8 +213,9 @@ def decode_attention(
     if window is not None:
         assert positions is not None and q_pos is not None
         valid = valid & (positions[slots].long() > q_pos.long()[:, None, None] - window)
-    k = k_flat[slots].to(torch.float32)  # [B, H, S, d]
-    v = v_flat[slots].to(torch.float32)
+    k_scale, v_scale = (None, None) if kv_scale is None else kv_scale
+    k = head_values(k_flat, slots, k_scale, torch.float32)  # [B, H, S, d]
+    v = head_values(v_flat, slots, v_scale, torch.float32)
     q = query.view(b, h, g, d).to(torch.float32)
     logits = torch.einsum("bhgd,bhsd->bhgs", q, k) * scale
     logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
@@ -221,6 +241,7 @@ def prefill_attention(
     maxpool_kernel: int = 0,
     max_len: int | None = None,
     positions: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,  # [2, H] float32: an fp8 cache's scales
 ) -> torch.Tensor:
     """A chunk of queries of one request over its heads' keys; returns [q_len, Hq, d]. With
     ``scores``, the last ``collect`` queries' squared probabilities (summed over them and the
@@ -239,8 +260,9 @@ def prefill_attention(
         k_pos = positions[slots].long()  # [H, S]
         q_pos = k_pos.gather(1, q_idx.clamp(min=0))  # the new keys are the queries' own
         vis &= k_pos[:, None, :] > q_pos[..., None] - window
-    k = k_flat[slots].to(query.dtype)  # [H, S, d]
-    v = v_flat[slots].to(query.dtype)
+    k_scale, v_scale = (None, None) if kv_scale is None else kv_scale
+    k = head_values(k_flat, slots, k_scale, query.dtype)  # [H, S, d]
+    v = head_values(v_flat, slots, v_scale, query.dtype)
     q = query.view(q_len, h, g, d).permute(1, 2, 0, 3)  # [H, G, q_len, d]
     o = F.scaled_dot_product_attention(
         q,
@@ -293,6 +315,7 @@ def prefill_window_scores_batched(
     max_len: int,  # a host bound on lens
     window: int | None = None,
     positions: torch.Tensor | None = None,  # [num_slots]; needed with a window
+    k_scale: torch.Tensor | None = None,  # [H] float32: an fp8 cache's K scales
 ) -> None:
     """The prompt's scores (``add_window_scores``) of every chunk that ends its prompt in a
     step, for a chunk whose output another kernel computed (the GPU path; full-attention
@@ -320,7 +343,7 @@ def prefill_window_scores_batched(
         q_pos = k_pos.gather(2, q_idx.clamp(0, max_len - 1))  # [R, H, C] the queries' own
         vis &= k_pos[:, :, None, :] > q_pos[..., None] - window
     q = query[last_rows].view(r, c, h, hq // h, d).float()  # [R, C, H, G, d]
-    k = k_flat[slots].float()  # [R, H, S, d]
+    k = head_values(k_flat, slots, k_scale, torch.float32)  # [R, H, S, d]
     logits = torch.einsum("rchgd,rhsd->rhgcs", q, k) * scale
     logits = logits.masked_fill(~vis[:, :, None], float("-inf"))
     prob = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # padded queries: all 0
@@ -347,14 +370,14 @@ class KVCTorchBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
-        kv_scale: torch.Tensor | None = None,  # fp8 caches: not with KV-Compress (config.py)
+        kv_scale: torch.Tensor | None = None,  # [2, H] float32: an fp8 cache's scales
     ) -> torch.Tensor:
         assert key is not None and value is not None
         t, hq, d = query.shape
         info: KVCLayerInfo = metadata.kvc
         k_flat = kv_cache[0].view(-1, d)
         v_flat = kv_cache[1].view(-1, d)
-        write_head_kv(key, value, k_flat, v_flat, metadata.slot_mapping)
+        write_head_kv(key, value, k_flat, v_flat, metadata.slot_mapping, kv_scale)
         plan = info.plan
         scores = info.scores if info.compressible else None
         bs = metadata.block_size
@@ -376,6 +399,7 @@ class KVCTorchBackend(AttentionBackend):
                 max_len=plan.bound(plan.decode, query.device),
                 positions=info.positions,
                 q_pos=info.token_positions[rows] if sliding_window is not None else None,
+                kv_scale=kv_scale,
             )
         for r in plan.prefill.tolist():
             a, b = int(qsl[r]), int(qsl[r + 1])
@@ -394,10 +418,11 @@ class KVCTorchBackend(AttentionBackend):
                 plan.maxpool_kernel,
                 max_len=plan.bound(np.array([r]), query.device),
                 positions=info.positions,
+                kv_scale=kv_scale,
             )
         if plan.stash is not None and scores is not None:  # verify rows: scored next step
             q = query[plan.tensors["stash_rows"]]
-            plan.stash.keep(info.layer, q, None, scale, sliding_window)
+            plan.stash.keep(info.layer, q, None, scale, sliding_window, kv_scale)
         return out.view(t, hq * d)
 
 
@@ -407,9 +432,14 @@ def write_head_kv(
     k_flat: torch.Tensor,  # [num_slots, d]
     v_flat: torch.Tensor,
     slots: torch.Tensor,  # [T, H] int64
+    kv_scale: torch.Tensor | None = None,  # [2, H] float32: an fp8 cache's scales
 ) -> None:
-    """Store each new token's K/V of every head at its slot in that head's table."""
+    """Store each new token's K/V of every head at its slot in that head's table (an fp8
+    cache: fp8(x / scale) per head, ``kv_layout.quantize_fp8``)."""
     d = key.shape[-1]
     flat = slots.reshape(-1)
-    k_flat.index_copy_(0, flat, key.reshape(-1, d).to(k_flat.dtype))
-    v_flat.index_copy_(0, flat, value.reshape(-1, d).to(v_flat.dtype))
+    if kv_scale is not None:
+        key, value = quantize_fp8(key, kv_scale[0]), quantize_fp8(value, kv_scale[1])
+    # (uint8 views of an fp8 cache: no indexed copy of float8 on a CPU)
+    as_bytes(k_flat).index_copy_(0, flat, as_bytes(key.reshape(-1, d).to(k_flat.dtype)))
+    as_bytes(v_flat).index_copy_(0, flat, as_bytes(value.reshape(-1, d).to(v_flat.dtype)))

@@ -32,6 +32,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import KVCompressConfig
 from pagedllm.core.kv_cache.head_paged import HeadBlocks, HeadTable
 from pagedllm.core.kv_cache.spec import HeadPagedSpec, cdiv
+from pagedllm.kv_layout import KVScales, as_bytes
 from pagedllm.kvcompress.attention import (
     KVCLayerInfo,
     KVCStepPlan,
@@ -59,13 +60,16 @@ class HeadPagedCache:
         max_model_len: int,
         windows: list[int | None],
         shard: HeadShard | None = None,
+        calculate_scales: bool = False,
     ) -> None:
         self.spec = spec
         # this rank's share of the heads (tensor parallelism; one rank: all of them)
         self.shard = shard or HeadShard(0, 1, spec.num_layers, spec.num_kv_heads)
         self.kvc = kvc
-        self.dtype = dtype
+        self.dtype = dtype  # torch.float8_e4m3fn for an fp8 cache
         self.device = device
+        # an fp8 cache's scales per layer and KV head (kv_layout.KVScales: the same rules)
+        self.kv_scales = KVScales(dtype, device, calculate_scales)
         self.block_size = spec.block_size
         self.num_layers = spec.num_layers
         self.num_kv_heads = spec.num_kv_heads
@@ -150,7 +154,9 @@ class HeadPagedCache:
         self.kv = self.scores = self.positions = torch.empty(0)
 
     def bind(self, layers: list[torch.nn.Module]) -> None:
-        """Layer i reads ``metadata.groups[i]`` (its own tables) and the one cache tensor."""
+        """Layer i reads ``metadata.groups[i]`` (its own tables) and the one cache tensor;
+        with an fp8 cache its scales (``kv_scale`` [2, its KV heads])."""
+        self.kv_scales.bind(layers)
         for i, layer in enumerate(layers):
             layer.layer_idx = layer.kv_group = i
             layer.kv_cache = self.kv
@@ -158,7 +164,8 @@ class HeadPagedCache:
     def _views(self, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         kv, scores, pos = tensors
         bs = self.block_size
-        return [kv, scores.view(-1, bs), pos.view(-1, bs)]  # each indexed by block on dim -2/0
+        # each indexed by block on dim -2/0 (an fp8 cache as bytes: no float8 index_copy_ on CPUs)
+        return [as_bytes(kv), scores.view(-1, bs), pos.view(-1, bs)]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Block src -> dst: K, V, scores and positions (a fork's copy-on-write)."""
@@ -347,7 +354,9 @@ class HeadPagedCache:
 
     def finish_metadata(self, md: AttentionMetadata) -> None:
         """Give each layer its metadata (``md.groups``) for an eager forward pass of the step
-        ``prepare_step`` planned (a CUDA-graph replay needs none: it has its own)."""
+        ``prepare_step`` planned (a CUDA-graph replay needs none: it has its own); the first
+        with real tokens calibrates an fp8 cache's scales where ``calculate_kv_scales`` asks."""
+        self.kv_scales.finish_metadata(md)
         if md.groups is None:
             slots, rows_t, positions, plan = md.plan["kvc"]
             if not plan.tensors:  # the step's index tensors, shared by every layer
@@ -449,6 +458,7 @@ class HeadPagedCache:
                     q, k_flat, tables[rows_t], lens[rows_t], q_rows_t,
                     mask_t.view(len(sel), c).bool(), bs, scale, self.scores, 0, max_len,
                     window=stash.window[layer], positions=self.positions,
+                    k_scale=stash.k_scale.get(layer),
                 )  # fmt: skip
 
     # ----------------------------------------------------------------- eviction

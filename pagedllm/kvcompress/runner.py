@@ -86,12 +86,13 @@ class KVCompressWorker(HeadPagedCache, KVConnectorWorker):
         worker = cls(
             spec,
             runner.config.kvc_config,
-            runner.model_config.torch_dtype,
+            runner.kv_dtype,  # the model's, or float8 e4m3 (kv_cache_dtype fp8)
             runner.device,
             runner.config.scheduler_config.max_num_seqs,
             runner.max_model_len,
             [a.sliding_window or None for a in runner.model.attention_layers()],
             HeadShard(*tp_info(), spec.num_layers, spec.num_kv_heads),
+            runner.cache_config.calculate_kv_scales,
         )
         worker.batch = runner.input_batch
         return worker

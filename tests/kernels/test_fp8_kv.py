@@ -201,3 +201,55 @@ def test_torch_native_fp8() -> None:
         b.query[:n], cache, qsl, b.seq_lens, b.block_tables, d**-0.5, kv_scale=kv_scale
     )
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_compress_torch_path_reads_each_heads_scale() -> None:
+    """KV-Compress's per-head cache in fp8 (the CPU path, ``kvcompress/attention.py``):
+    ``write_head_kv`` quantizes each head's K and V with that head's scales, and decode,
+    prefill and the prompt's window scores read fp8 x scale, so outputs and scores equal
+    those over a float32 cache holding the same dequantized values. The two heads' scales
+    differ 40-fold: a head read with the other's would not match."""
+    from pagedllm.kvcompress.attention import (
+        decode_attention,
+        prefill_attention,
+        prefill_window_scores_batched,
+        write_head_kv,
+    )
+    from pagedllm.kvcompress.evict import head_slots
+
+    torch.manual_seed(0)
+    h, g, d, bs, num_blocks, n = 2, 2, 16, 4, 12, 10
+    kv_scale = torch.tensor([[0.05, 2.0], [0.03, 1.5]])  # [2, H]
+    key = torch.randn(n, h, d) * torch.tensor([3.0, 100.0])[None, :, None]
+    value = torch.randn(n, h, d) * torch.tensor([2.0, 80.0])[None, :, None]
+    tables = torch.tensor([[[0, 3, 5], [1, 2, 4]]], dtype=torch.int32)  # [1, H, 3]
+    lens = torch.tensor([[n, n]])
+    slots, _ = head_slots(tables, lens, n, bs)  # [1, H, n]
+    slots = slots[0].T.contiguous()  # [n, H]: token t's slot in each head
+    fp8 = torch.zeros(2, num_blocks, bs, d, dtype=FP8)
+    f32 = torch.zeros(2, num_blocks, bs, d)
+    write_head_kv(key, value, fp8[0].view(-1, d), fp8[1].view(-1, d), slots, kv_scale)
+    deq_k = dequantize(quantize_fp8(key, kv_scale[0]), kv_scale[0], torch.float32)
+    deq_v = dequantize(quantize_fp8(value, kv_scale[1]), kv_scale[1], torch.float32)
+    write_head_kv(deq_k, deq_v, f32[0].view(-1, d), f32[1].view(-1, d), slots)
+    caches = {"fp8": (fp8, kv_scale), "f32": (f32, None)}
+    q_dec = torch.randn(1, h * g, d)
+    q_pre = torch.randn(4, h * g, d)  # the last 4 tokens as a prefill chunk
+    got = {}
+    for name, (cache, sc) in caches.items():
+        k_flat, v_flat = cache[0].view(-1, d), cache[1].view(-1, d)
+        s_dec = torch.zeros(num_blocks * bs)
+        s_pre = torch.zeros(num_blocks * bs)
+        s_win = torch.zeros(num_blocks * bs)
+        o_dec = decode_attention(q_dec, k_flat, v_flat, tables, lens, bs, 0.2, scores=s_dec,
+                                 kv_scale=sc)  # fmt: skip
+        o_pre = prefill_attention(q_pre, k_flat, v_flat, tables[0], lens[0], bs, 0.2,
+                                  scores=s_pre, collect=3, kv_scale=sc)  # fmt: skip
+        prefill_window_scores_batched(
+            q_pre, k_flat, tables, lens, torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=bool),
+            bs, 0.2, s_win, 0, n, k_scale=None if sc is None else sc[0],
+        )  # fmt: skip
+        got[name] = (o_dec, o_pre, s_dec, s_pre, s_win)
+    for a, b in zip(got["fp8"], got["f32"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert got["f32"][2].abs().sum() > 0 and got["f32"][4].abs().sum() > 0

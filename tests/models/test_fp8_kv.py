@@ -221,8 +221,9 @@ def test_bad_settings_are_refused_with_the_field_named(tiny_models):
         _llm(path, kv_cache_dtype="fp16")
     with pytest.raises(ValueError, match="calculate_kv_scales"):
         _llm(path, calculate_kv_scales=True)
-    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'.*KV-Compress"):
-        _llm(path, kv_cache_dtype="fp8", enable_kvc=True, compression_rate=2)
+    if torch.cuda.is_available():  # (the CPU path reads fp8 per-head caches: tested below)
+        with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'.*KV-Compress on a GPU"):
+            _llm(path, kv_cache_dtype="fp8", enable_kvc=True, compression_rate=2)
     # the alias is the same cache
     llm = _llm(path, kv_cache_dtype="fp8_e4m3")
     assert _runner(llm).kv_caches[0].dtype == torch.float8_e4m3fn
@@ -253,3 +254,40 @@ def test_tensor_parallel_ranks_take_their_heads_scales(tiny_models, tmp_path):
     assert tokens(_llm(swapped, **kw)) != one  # the scales matter: the test can fail
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     assert tokens(_llm(path, speculative_config=spec, **kw)) == one
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp8 + KV-Compress: the CPU path only")
+@pytest.mark.parametrize(
+    "engine_kw",
+    [dict(max_num_batched_tokens=16),
+     dict(block_size=8, num_gpu_blocks_override=70, preemption_mode="swap", swap_space=0.01)],
+    ids=["chunked", "swap"],
+)  # fmt: skip
+def test_kv_compress_over_fp8(tiny_models, engine_kw):
+    """KV-Compress keeps its per-head blocks in fp8 (``kvcompress/attention.py``): without
+    eviction it gives the plain fp8 cache's tokens and logprobs (the same bytes, scales set
+    from the same first step), also through chunked prefill and swap preemption (whole
+    blocks moved as bytes); with a budget it evicts and compacts the fp8 blocks, keeps the
+    budget and its tables whole (``check_integrity``)."""
+    path = tiny_models("llama")
+    prompts = _prompts()
+    kw = dict(kv_cache_dtype="fp8", calculate_kv_scales=True, **engine_kw)
+    plain = _run(_llm(path, **kw), prompts)
+    kvc = _llm(path, enable_kvc=True, **kw)
+    lax = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0,
+                         max_cache_tokens=200)  # fmt: skip
+    got = _run(kvc, prompts, lax)
+    for (t1, lp1), (t2, lp2) in zip(plain, got):
+        assert t1 == t2
+        np.testing.assert_allclose(lp1, lp2, atol=1e-4)
+    runner = _runner(kvc)
+    assert runner.kv_layout.kv.dtype == torch.float8_e4m3fn
+    assert all(not bool((s == 1).all()) for s in runner.kv_layout.kv_scales.scales)
+    if "swap_space" in engine_kw:
+        assert kvc.llm_engine.engine_core.scheduler.num_preemptions > 0
+    tight = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                           max_cache_tokens=12, protected_window_size=4)  # fmt: skip
+    outs = kvc.generate([{"prompt_token_ids": p} for p in prompts], tight, use_tqdm=False)
+    kvc.llm_engine.engine_core.check_integrity()
+    kv = kvc.llm_engine.engine_core.scheduler.kv_cache_manager
+    assert kv.num_evicted_kvs > 0 and all(len(o.outputs[0].token_ids) == 24 for o in outs)
