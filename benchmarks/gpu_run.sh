@@ -123,6 +123,13 @@ one() {
     kvc-d-quick) python benchmarks/kvcompress_throughput.py --model qwen3-0.6b --num-prompts 64 \
         --input-len 2000 --output-len 200 --max-model-len 4096 --kv-cache-memory-bytes 1073741824 \
         --rates "${KVC_RATES:-8,64}" --out "$OUT" | grep -v "^ " ;;
+    kvc-d-fp8)  # kvc-d-quick's workload with the bf16 cache, then the fp8 cache (one call)
+      for kv in auto fp8; do
+        python benchmarks/kvcompress_throughput.py --model qwen3-0.6b --num-prompts 64 \
+          --input-len 2000 --output-len 200 --max-model-len 4096 \
+          --kv-cache-memory-bytes 1073741824 --rates "${KVC_RATES:-8,64}" --kv-cache-dtype $kv \
+          --out "$OUT" | grep -v "^ "
+      done ;;
     kvc-d-prefix)  # a 1,000-token prefix every prompt shares, prefix caching on and off
       python benchmarks/kvcompress_throughput.py --num-prompts "${KVC_PROMPTS:-256}" \
         --prefix-len "${KVC_PREFIX:-1000}" --rates "${KVC_RATES-64}" \

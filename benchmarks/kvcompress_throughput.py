@@ -11,7 +11,8 @@ output tok/s and peak concurrency against cr (the fork's ``throughput_by_cr``).
 
     python benchmarks/kvcompress_throughput.py --rates 64,8 --out DIR
 
-The result is ``kvcompress_throughput_<model>_in<input>[_prefix<n>]_<cache>_<device>.json``;
+The result is ``kvcompress_throughput_<model>_in<input>[_prefix<n>]_<cache>[_fp8]_<device>.json``
+(``_fp8``: ``--kv-cache-dtype fp8``, every run's cache in float8 e4m3);
 runs compared with an earlier file's uncompressed run (``--baseline-json``: a device call too
 short for the uncompressed run and every rate) add their rates to the name (``_cr64_cr4``).
 """
@@ -48,6 +49,7 @@ def _args(a: argparse.Namespace, **over: object) -> argparse.Namespace:
     ns.prefix_len = a.prefix_len
     ns.max_num_batched_tokens = a.max_num_batched_tokens
     ns.gpu_memory_utilization = 0.9
+    ns.kv_cache_dtype = a.kv_cache_dtype
     for k, v in over.items():
         setattr(ns, k, v)
     return ns
@@ -110,7 +112,8 @@ def save(a: argparse.Namespace, input_len: int, runs: dict[str, dict]) -> Path:
     if a.baseline_json:  # the rest of a comparison whose uncompressed run is another file's
         rates = "".join(f"_cr{float(r):g}" for r in a.rates.split(",") if r)
     tok = f"_tok{a.max_num_batched_tokens}" if a.max_num_batched_tokens else ""
-    name = f"kvcompress_throughput_{model}_in{input_len}{prefix}_{cap}{tok}{rates}_{device}"
+    kv = "_fp8" if a.kv_cache_dtype.startswith("fp8") else ""
+    name = f"kvcompress_throughput_{model}_in{input_len}{prefix}_{cap}{tok}{kv}{rates}_{device}"
     out = Path(a.out) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {k: _summary(v) for k, v in runs.items()}
@@ -237,6 +240,7 @@ def main() -> None:
     ap.add_argument(
         "--kv-cache-memory-bytes", type=int, default=4 << 30, help="0: uncapped (what the GPU has)"
     )
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (every run)")
     ap.add_argument("--rates", default="1,2,4,8,16,32,64")
     ap.add_argument("--eager-rates", default="", help="also run these rates without graphs")
     ap.add_argument("--prefix-len", type=int, default=0, help="a prefix every prompt shares")

@@ -578,11 +578,6 @@ class EngineArgs:
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        if cache_dtype == "fp8" and self.enable_kvc and device == "cuda":
-            raise ValueError(
-                "kv_cache_dtype 'fp8' does not work with KV-Compress on a GPU yet (its "
-                "per-head Triton kernels read 16- and 32-bit caches; the CPU path reads fp8)."
-            )
         load_format = detect_load_format(self.model, self.load_format)
         hf_config = load_hf_config(resolve_model_path(self.model, load_format), load_format)
         dtype = _resolve_dtype(self.dtype, hf_config, load_format, device)

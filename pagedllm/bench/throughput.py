@@ -32,6 +32,7 @@ from pagedllm.bench.roofline import (
     model_cost,
     roofline,
 )
+from pagedllm.config import KV_CACHE_DTYPES
 from pagedllm.worker.profiler import DeviceTimer
 
 
@@ -152,6 +153,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="KV-cache size in bytes, on any device (default: the engine's: on a GPU what "
         "--gpu-memory-utilization leaves, on a CPU 2 GiB).",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="KV-cache storage: auto (the model's dtype) or fp8 (float8 e4m3, scales 1.0).",
     )
     # KV-Compress (the paper's throughput experiment)
     p.add_argument(
@@ -458,6 +465,7 @@ def run(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.async_scheduling is not None:
         kwargs["async_scheduling"] = args.async_scheduling
@@ -569,7 +577,7 @@ def run(args: argparse.Namespace) -> dict:
     assert n_out == sum(out_lens), "every request must produce exactly its output length"
     bw = measure_copy_bandwidth(device)
     flops = measure_matmul_flops(device, mc.torch_dtype)
-    cost = model_cost(runner.model, mc.torch_dtype) if runner is not None else None
+    cost = model_cost(runner.model, mc.torch_dtype, runner.kv_dtype) if runner is not None else None
     roof = roofline(rec.steps, cost, bw, flops) if cost is not None else None
     result = {
         "engine": "pagedllm",
@@ -578,6 +586,7 @@ def run(args: argparse.Namespace) -> dict:
         "triton": _triton_version(),
         "model": args.model,
         "dtype": mc.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "num_params": cost.num_params if cost is not None else None,
         "tensor_parallel_size": args.tensor_parallel_size,
         "cuda_graphs": device.type == "cuda" and not args.enforce_eager,

@@ -17,6 +17,9 @@ place, through index tensors made once a step (``KVCStepPlan.tensors``), and the
 tables through table-row indices: no per-layer gather, scatter or permutation.
 A compacted sliding-window layer (only when every layer has a window, Mistral v0.1) is not in
 position order: its decode rows take the torch path, which applies the window by position.
+An fp8 cache (``kv_cache_dtype fp8``): the kernels read the stored e4m3 codes in the query's
+dtype; each query head is multiplied by its KV head's K scale first (the logits, hence the
+softmax and the scores, are those over fp8 x scale) and each output by the V scale after.
 
 Importing this module imports Triton; the runner imports it only on a GPU.
 """
@@ -59,7 +62,33 @@ class KVCTritonBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
-        kv_scale: torch.Tensor | None = None,  # fp8 caches: not with KV-Compress (config.py)
+        kv_scale: torch.Tensor | None = None,  # [2, H] float32: an fp8 cache's scales
+    ) -> torch.Tensor:
+        if kv_scale is None:
+            return self._forward(query, key, value, kv_cache, metadata, scale, sliding_window)
+        # an fp8 cache: q . (k s_k) = (q s_k) . k and sum p (v s_v) = s_v sum p v per KV head,
+        # so the kernels read the stored codes (and score with the same logits)
+        t, hq, d = query.shape
+        g = hq // kv_scale.shape[1]
+        k_scale = kv_scale[0].repeat_interleave(g)[None, :, None]  # [1, Hq, 1]
+        v_scale = kv_scale[1].repeat_interleave(g)[None, :, None]
+        if key is not None:  # a caller that did not write them with the rotation
+            assert value is not None
+            write_head_kv(key, value, kv_cache[0].view(-1, d), kv_cache[1].view(-1, d),
+                          metadata.slot_mapping, kv_scale)  # fmt: skip
+        out = self._forward((query.float() * k_scale).to(query.dtype), None, None, kv_cache,
+                            metadata, scale, sliding_window)  # fmt: skip
+        return (out.view(t, hq, d).float() * v_scale).to(query.dtype).view(t, hq * d)
+
+    def _forward(
+        self,
+        query: torch.Tensor,  # [T, Hq, d]
+        key: torch.Tensor | None,  # [T, H, d]
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, d]
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
     ) -> torch.Tensor:
         t, hq, d = query.shape
         info: KVCLayerInfo = metadata.kvc

@@ -154,14 +154,21 @@ def _rope_kernel(
         _rope_heads(
             k_ptr + t * stride_kt, ko_ptr + rows, stride_kh, 0, num_kv_heads, ok,
             kw_ptr, cos, sin, eps, offset, HALF, HALF_PAD, K_HEADS_PAD, HAS_NORM, HAS_OFFSET,
+            scale_ptr, QUANT,
         )  # fmt: skip
         h = hh[:, None]
         vmask = (h < num_kv_heads) & (d < HALF) & ok
         src = v_ptr + t * stride_vt + h * stride_vh + d
         dst = v_cache_ptr + rows + d
         out_ty = v_cache_ptr.dtype.element_ty
-        tl.store(dst, tl.load(src, mask=vmask).to(out_ty), mask=vmask)
-        tl.store(dst + HALF, tl.load(src + HALF, mask=vmask).to(out_ty), mask=vmask)
+        v1 = tl.load(src, mask=vmask)
+        v2 = tl.load(src + HALF, mask=vmask)
+        if QUANT:  # each head's own V scale
+            vs = tl.load(scale_ptr + num_kv_heads + h, mask=h < num_kv_heads, other=1.0)
+            v1 = tl.clamp(v1.to(tl.float32) / vs, -448.0, 448.0)
+            v2 = tl.clamp(v2.to(tl.float32) / vs, -448.0, 448.0)
+        tl.store(dst, v1.to(out_ty), mask=vmask)
+        tl.store(dst + HALF, v2.to(out_ty), mask=vmask)
     elif WRITE_KV:
         slot = tl.load(slot_ptr + t, mask=t < num_slots, other=-1).to(tl.int64)
         # Example: BLOCK_SIZE 16, slot 37 -> block 2, offset 5. Slot -1 gives a negative row
@@ -305,8 +312,8 @@ def rope_and_cache(
             "stride_st": slot_mapping.stride(0) if per_head else 0,
         }  # fmt: skip
         if is_fp8(kv_cache.dtype):
-            if per_head or kv_scale is None:
-                raise ValueError("rope_and_cache: an fp8 cache needs kv_scale (not per head)")
+            if kv_scale is None:
+                raise ValueError("rope_and_cache: an fp8 cache needs kv_scale")
             kv.update(scale_ptr=kv_scale, QUANT=True)
         _launch(positions, q, k, q_out, k_cache, cos_sin, q_weight, k_weight, eps, offset, kv)
     return q_out

@@ -120,6 +120,34 @@ def test_rope_and_cache_fp8(norm: bool) -> None:
         rope_and_cache(pos, q, k, v, cos_sin, got, slots, w, w)
 
 
+def test_rope_and_cache_fp8_per_head() -> None:
+    """KV-Compress's per-head cache: the fused rotary kernel writes each (token, KV head)'s
+    rotated K and its V at that head's own slot, quantized with that head's scales, as
+    rope + ``write_head_kv`` do."""
+    from pagedllm.kvcompress.attention import write_head_kv
+
+    t, h, kvh, d, bs, nb = 6, 4, 2, 32, 4, 10
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(t, h, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    k = (torch.randn(t, kvh, d, generator=gen) * 4).to(torch.bfloat16).to(DEVICE)
+    v = torch.randn(t, kvh, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    pos = torch.tensor([0, 3, 9, 10, 30, 31], device=DEVICE)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(64).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
+    slots = torch.tensor([[1, 20], [5, 33], [-1, -1], [8, 2], [12, 39], [16, 30]],
+                         device=DEVICE)  # [T, H]: a slot per head (-1: no write)  # fmt: skip
+    kv_scale = torch.tensor([[0.02, 0.5], [0.01, 0.3]], device=DEVICE)
+    got = torch.zeros(2, nb, bs, d, dtype=FP8, device=DEVICE)
+    rope_and_cache(pos, q, k, v, cos_sin, got, slots, kv_scale=kv_scale)
+    _, k_rot = rope(pos, q, k, cos_sin)
+    want = torch.zeros_like(got)
+    ok = (slots >= 0).all(1)
+    write_head_kv(k_rot[ok], v[ok], want[0].view(-1, d), want[1].view(-1, d), slots[ok],
+                  kv_scale)  # fmt: skip
+    _close_fp8(got, want)
+
+
 def _fp8_batch(q_lens, ctx, dtype, seed, heads=4, kvh=2, d=32, bs=16):
     b = make_batch(q_lens, ctx, heads, kvh, d, bs, dtype, seed=seed, pad_tokens=2)
     kv_scale = _scales(kvh, seed)

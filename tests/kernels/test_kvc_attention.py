@@ -863,6 +863,37 @@ def test_backend_matches_torch(
     torch.testing.assert_close(got_scores, ref_scores, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "q_lens,window,compressible",
+    [([1, 6, 1, 3], None, True), ([1, 1, 1], None, True), ([5, 1, 2], 4, False)],
+    ids=["mixed", "decode-only", "window"],
+)
+def test_backend_matches_torch_fp8(q_lens: list[int], window: int | None,
+                                   compressible: bool) -> None:  # fmt: skip
+    """An fp8 per-head cache (its codes as stored, each KV head with its own K and V scale,
+    40x apart): KVCTritonBackend (the query scaled by K's scale, the output by V's) against
+    KVCTorchBackend (fp8 x scale per head): the same cache after the step's write, the same
+    output and scores."""
+    from pagedllm.kv_layout import FP8
+
+    num_heads, h, d, bs = 8, 2, 64, BLOCK_SIZES[0]
+    ctx = torch.tensor([[3, 20], [0, 0], [17, 5], [9, 40]], dtype=torch.int32)[: len(q_lens)]
+    if not compressible:
+        ctx = ctx[:, :1].expand(-1, h).contiguous()
+    kv_scale = torch.tensor([[0.05, 2.0], [0.03, 1.2]])  # [2, H]
+    results = []
+    for backend, dev in ((KVCTorchBackend(), torch.device("cpu")), (KVCTritonBackend(), DEVICE)):
+        query, key, value, kv, md = _kvc_step(q_lens, ctx, num_heads, d, bs, compressible, dev)
+        kv = kv.nan_to_num(0.0).to(FP8)  # the stored codes
+        key, value = key * 4, value * 3
+        out = backend.forward(query, key, value, kv, md, d**-0.5, window, kv_scale.to(dev))
+        results.append((out.cpu(), kv.cpu().view(torch.uint8), md.kvc.scores.cpu()))
+    (ref, ref_kv, ref_scores), (got, got_kv, got_scores) = results
+    assert torch.equal(got_kv, ref_kv)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_scores, ref_scores, atol=1e-6, rtol=1e-5)
+
+
 def test_verify_rows_keep_their_queries_and_score_as_decode_steps() -> None:
     """Rows verifying drafts (speculative decoding) score nothing in their step; both
     backends keep their queries (the Triton one with the prefill kernel's softmax

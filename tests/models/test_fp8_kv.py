@@ -221,9 +221,6 @@ def test_bad_settings_are_refused_with_the_field_named(tiny_models):
         _llm(path, kv_cache_dtype="fp16")
     with pytest.raises(ValueError, match="calculate_kv_scales"):
         _llm(path, calculate_kv_scales=True)
-    if torch.cuda.is_available():  # (the CPU path reads fp8 per-head caches: tested below)
-        with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'.*KV-Compress on a GPU"):
-            _llm(path, kv_cache_dtype="fp8", enable_kvc=True, compression_rate=2)
     # the alias is the same cache
     llm = _llm(path, kv_cache_dtype="fp8_e4m3")
     assert _runner(llm).kv_caches[0].dtype == torch.float8_e4m3fn
@@ -256,7 +253,6 @@ def test_tensor_parallel_ranks_take_their_heads_scales(tiny_models, tmp_path):
     assert tokens(_llm(path, speculative_config=spec, **kw)) == one
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="fp8 + KV-Compress: the CPU path only")
 @pytest.mark.parametrize(
     "engine_kw",
     [dict(max_num_batched_tokens=16),

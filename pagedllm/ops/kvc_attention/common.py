@@ -248,7 +248,8 @@ def _attend_tiles(
         if UPCAST:
             pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
         else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            # (an fp8 cache's V in the query's dtype: fp8 is storage, the dot stays 16-bit)
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, l_i, m_i
