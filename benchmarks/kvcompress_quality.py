@@ -90,7 +90,8 @@ def build_tasks(tok: Any, lengths: list[int], args: argparse.Namespace) -> list[
 
 def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
     """``"kvcompress+kvc_num_sinks=4+maxpool_kernel=3"`` -> ("kvcompress", engine arguments):
-    a method and the engine arguments of a variant of it (integers, floats, true/false)."""
+    a method and the engine arguments of a variant of it (integers, floats, true/false, else
+    text: ``kvcompress+kv_cache_dtype=fp8``)."""
     name, *pairs = spec.split("+")
     kw: dict[str, Any] = {}
     for pair in pairs:
@@ -104,7 +105,10 @@ def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
             try:
                 kw[key] = int(val)
             except ValueError:
-                kw[key] = float(val)
+                try:
+                    kw[key] = float(val)
+                except ValueError:
+                    kw[key] = val
     return name, kw
 
 

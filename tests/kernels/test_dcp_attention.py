@@ -122,9 +122,9 @@ def test_shares_merge_to_full_attention(size: int, window: int | None, fp8: bool
         torch.testing.assert_close(merged[a:e], want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("fp8", [False, True], ids=["16bit", "fp8"])
+@pytest.mark.parametrize(
+    ("size", "window", "fp8"), [(2, None, False), (4, 5, False), (2, 5, True), (4, None, True)]
+)
 def test_triton_kernels_equal_the_reference(size: int, window: int | None, fp8: bool) -> None:
     """The GPU path (``ops/dcp_attention.py``): each rank's output and lse equal
     ``attend_local``'s, and the fused weights equal the formula; bfloat16 on a GPU, float32
