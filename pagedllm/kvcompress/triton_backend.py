@@ -64,28 +64,26 @@ class KVCTritonBackend(AttentionBackend):
         sliding_window: int | None,
         kv_scale: torch.Tensor | None = None,  # [2, H] float32: an fp8 cache's scales
     ) -> torch.Tensor:
-        if kv_scale is None:
-            return self._forward(query, key, value, kv_cache, metadata, scale, sliding_window)
-        # an fp8 cache: q . (k s_k) = (q s_k) . k and sum p (v s_v) = s_v sum p v per KV head,
-        # so the kernels read the stored codes (and score with the same logits)
         t, hq, d = query.shape
-        g = hq // kv_scale.shape[1]
-        k_scale = kv_scale[0].repeat_interleave(g)[None, :, None]  # [1, Hq, 1]
-        v_scale = kv_scale[1].repeat_interleave(g)[None, :, None]
         if key is not None:  # a caller that did not write them with the rotation
             assert value is not None
             write_head_kv(key, value, kv_cache[0].view(-1, d), kv_cache[1].view(-1, d),
                           metadata.slot_mapping, kv_scale)  # fmt: skip
-        out = self._forward((query.float() * k_scale).to(query.dtype), None, None, kv_cache,
-                            metadata, scale, sliding_window)  # fmt: skip
-        return (out.view(t, hq, d).float() * v_scale).to(query.dtype).view(t, hq * d)
+        if kv_scale is None:
+            return self._attend(query, kv_cache, metadata, scale, sliding_window)
+        # an fp8 cache: q . (k s_k) = (q s_k) . k and sum p (v s_v) = s_v sum p v per KV head,
+        # so the kernels read the stored codes (and score with the same logits)
+        g = hq // kv_scale.shape[1]
+        k_scale = kv_scale[0].repeat_interleave(g)[None, :, None]  # [1, Hq, 1]
+        v_scale = kv_scale[1].repeat_interleave(g)[None, :, None]
+        q = (query.float() * k_scale).to(query.dtype)
+        out = self._attend(q, kv_cache, metadata, scale, sliding_window).view(t, hq, d)
+        return (out.float() * v_scale).to(query.dtype).view(t, hq * d)
 
-    def _forward(
+    def _attend(
         self,
         query: torch.Tensor,  # [T, Hq, d]
-        key: torch.Tensor | None,  # [T, H, d]
-        value: torch.Tensor | None,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, d]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, d]; the step's K/V written
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
@@ -94,9 +92,6 @@ class KVCTritonBackend(AttentionBackend):
         info: KVCLayerInfo = metadata.kvc
         k_flat = kv_cache[0].view(-1, d)
         v_flat = kv_cache[1].view(-1, d)
-        if key is not None:  # a caller that did not write them with the rotation
-            assert value is not None
-            write_head_kv(key, value, k_flat, v_flat, metadata.slot_mapping)
         plan = info.plan
         scores = info.scores if info.compressible else None
         bs = metadata.block_size

@@ -44,6 +44,9 @@ class AttentionBackend(ABC):
         kv_scale: torch.Tensor | None = None,  # [2, num_kv_heads] float32: fp8 caches only
     ) -> torch.Tensor: ...
 
+    # the KV write of ``forward``: (key, value, kv_cache, slot_mapping, kv_scale) -> None
+    _kv_write = staticmethod(write_kv_ref)
+
     def write_kv(
         self,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -54,4 +57,4 @@ class AttentionBackend(ABC):
     ) -> None:
         """Only ``forward``'s first half: the rows into the cache (decode context
         parallelism attends on its own, ``attention/dcp.py``)."""
-        write_kv_ref(key, value, kv_cache, slot_mapping, kv_scale)
+        self._kv_write(key, value, kv_cache, slot_mapping, kv_scale)

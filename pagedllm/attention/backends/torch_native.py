@@ -80,15 +80,7 @@ class TorchNativeBackend(AttentionBackend):
 
     name = "torch_native"
 
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        kv_scale: torch.Tensor | None = None,
-    ) -> None:
-        write_kv_cache(key, value, kv_cache, slot_mapping, kv_scale)
+    _kv_write = staticmethod(write_kv_cache)
 
     def _plan(
         self,

@@ -35,19 +35,10 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     fuses_rope = True
+    _kv_write = staticmethod(write_kv_cache)
 
     def __init__(self, num_splits: int | None = None) -> None:
         self.num_splits = num_splits
-
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        kv_scale: torch.Tensor | None = None,
-    ) -> None:
-        write_kv_cache(key, value, kv_cache, slot_mapping, kv_scale)
 
     def forward(
         self,
