@@ -106,6 +106,9 @@ one() {
     tests-pd) $PYTEST tests/engine/test_kv_transfer.py -k gpu ;;
     tests-fp8)  # fp8 KV caches: the kernels, then the engine (HF equality suite untouched)
       $PYTEST tests/kernels/test_fp8_kv.py tests/models/test_fp8_kv.py ;;
+    tests-fp8-kvc)  # fp8 caches under KV-Compress: the per-head kernels, then the engine
+      $PYTEST tests/kernels/test_fp8_kv.py && $PYTEST tests/kernels/test_kvc_attention.py -k fp8 \
+        && $PYTEST tests/models/test_fp8_kv.py -k kv_compress ;;
     tests-dcp)  # decode context parallelism's Triton kernels against the PyTorch reference
       $PYTEST tests/kernels/test_dcp_attention.py ;;
     dcp-2gpu)  # 2+ GPUs: the longest context and TPOT at DCP 1 vs 2 (8B shape, DCP_* knobs)
