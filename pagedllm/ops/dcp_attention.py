@@ -33,7 +33,7 @@ from pagedllm.ops.paged_attention import (
     default_tile_config,
 )
 
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)  # (a global a kernel reads must be a constexpr)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "rank"])

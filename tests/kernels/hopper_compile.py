@@ -23,6 +23,7 @@ from triton.compiler import ASTSource
 import pagedllm.ops.activation as act
 import pagedllm.ops.all_reduce_norm as arn
 import pagedllm.ops.bitmask as bitmask
+import pagedllm.ops.dcp_attention as dcp
 import pagedllm.ops.kv_write as kv_write
 import pagedllm.ops.kvc_attention.decode as kvc_decode
 import pagedllm.ops.kvc_attention.decode_split as kvc_split
@@ -131,6 +132,21 @@ def _kvc_variants() -> list[tuple[str, object, dict, dict]]:
     out.append(("kvc step advance", kvc_step._advance_kernel, step,
                 dict(BLOCK_LH=256, BLOCK_E=256)))  # fmt: skip
     out.append(("kvc step slots", kvc_step._slots_kernel, step, dict(BS=16, BLOCK_LH=256)))
+    # fp8 caches: the same kernels over e4m3 K/V (converted to the query's dtype in registers)
+    fp8 = dict(ptrs, k_cache_ptr=FP8, v_cache_ptr=FP8)
+    c = dict(ATTN, BLOCK_M=16, SCORES=True, ROW_FLAGS=True, Q_ROWS=False)
+    out.append(("kvc decode fp8 scores", kvc_decode._decode_kernel, fp8, c))
+    c = dict(c, LONG_SPLITS=8, SPLIT_PAD=8, LONG_TILES=16, **long)
+    out.append(("kvc decode fp8 long heads", kvc_decode._decode_kernel, fp8, c))
+    out.append(("kvc split fp8", kvc_split._split_kernel, fp8, dict(split, MIN_TILES=1)))
+    out.append(("kvc long heads' splits fp8", kvc_split._long_split_kernel, fp8,
+                dict(split, SPLIT_PAD=8, **long)))  # fmt: skip
+    out.append(("kvc long heads' scores fp8", kvc_split._long_score_kernel, fp8,
+                dict(split, ROW_FLAGS=True, **long)))  # fmt: skip
+    out.append(("kvc prefill lse fp8", kvc_prefill._prefill_kernel, dict(fp8, lse_ptr=F32),
+                dict(prefill, STORE_LSE=True)))  # fmt: skip
+    out.append(("kvc window scores fp8", kvc_window._window_score_kernel, dict(win, **fp8),
+                dict(ATTN, C=32, BLOCK_M=128, POOL=True)))  # fmt: skip
     return out
 
 
@@ -174,8 +190,19 @@ def _paged_variants() -> list[tuple[str, object, dict, dict]]:
         c = dict(rope, HAS_NORM=True, WRITE_KV=True, BLOCK_SIZE=16, PER_HEAD=per_head)
         out.append((f"rope norm + kv write per_head={per_head}", rotary._rope_kernel, ptrs,
                     dict(c, **plain)))  # fmt: skip
-    c = dict(rope, HAS_NORM=True, WRITE_KV=True, BLOCK_SIZE=16, PER_HEAD=False, **quant)
-    out.append(("rope norm + kv write fp8", rotary._rope_kernel, fp8, c))
+    for per_head in (False, True):
+        c = dict(rope, HAS_NORM=True, WRITE_KV=True, BLOCK_SIZE=16, PER_HEAD=per_head, **quant)
+        out.append((f"rope norm + kv write fp8 per_head={per_head}", rotary._rope_kernel, fp8, c))
+    # decode context parallelism: a rank's share with its lse (float32 out), and the weights
+    dcp_ptrs = dict(ptrs, out_ptr=F32, lse_ptr=F32)
+    for decode in (False, True):
+        c = dict(ATTN, DCP=2, BLOCK_M=64, BLOCK_Q=16, DECODE=decode)
+        out.append((f"dcp attention decode={decode}", dcp._dcp_kernel, dcp_ptrs,
+                    dict(c, **plain)))  # fmt: skip
+        out.append((f"dcp attention fp8 decode={decode}", dcp._dcp_kernel,
+                    dict(fp8, out_ptr=F32, lse_ptr=F32), dict(c, **quant)))  # fmt: skip
+    out.append(("dcp combine", dcp._combine_kernel, dict(dst_ptr=F32, out_ptr=F32, lse_ptr=F32),
+                dict(DCP=2, DCP_PAD=2, H=16, HEAD_DIM=128, HEAD_PAD=128)))  # fmt: skip
     return out
 
 
@@ -219,7 +246,7 @@ def uncovered(todo: list) -> list[str]:
     """Kernels (``*_kernel`` JIT functions) of the imported ops modules with no variant here:
     a new kernel must be added to ``variants``."""
     kvc = (kvc_decode, kvc_split, kvc_prefill, kvc_window, kvc_step)
-    modules = (act, arn, bitmask, kv_write, *kvc, paged, rms, rotary, drafts)
+    modules = (act, arn, bitmask, dcp, kv_write, *kvc, paged, rms, rotary, drafts)
     have = {id(fn) for _, fn, _, _ in todo}
     return [
         f"{m.__name__}.{name}"
