@@ -289,6 +289,30 @@ def test_fp8_kv_tables_quote_their_files() -> None:
         assert f"{r['fp8_over_bf16']:.2f}x" in top
 
 
+def test_fp8_kv_compress_quality_table_quotes_its_files() -> None:
+    """The fp8 + KV-Compress quality rows (benchmarks README) are their files' numbers: each
+    file's KV-Compress run against its fp8 variant, at every rate both ran."""
+    bench = _flat(BENCH_README.read_text())
+    names = re.findall(r"(kvcompress_quality_fp8\w*_cpu\.json)", bench)
+    assert len(set(names)) == 4
+    for name in set(names):
+        d = _load(name)
+        s, comp = d["summary"]["methods"], d["comparison_vs_kvcompress"]
+        variant = next(k for k in s if k.startswith("kvcompress+"))
+        for length, r in itertools.product(d["lengths"], set(s["kvcompress"]) & set(s[variant])):
+            a, b, c = s["kvcompress"][r], s[variant][r], comp[variant][r]
+            lo, hi = c["ci"]
+            row = (
+                f"| {d['model']} | {variant.split('+', 1)[1].replace('+', ', ')} | {length:,} "
+                f"| {float(r):g}x | {a['avg']['mean']:.1%} [{a['avg']['ci'][0]:.1%}, "
+                f"{a['avg']['ci'][1]:.1%}] | {b['avg']['mean']:.1%} [{b['avg']['ci'][0]:.1%}, "
+                f"{b['avg']['ci'][1]:.1%}] | {-c['avg_diff'] * 100 + 0.0:+.1f} "
+                f"[{-hi * 100 + 0.0:+.1f}, {-lo * 100 + 0.0:+.1f}] "
+                f"| {a['nll']['mean']:.4f} / {b['nll']['mean']:.4f} |"
+            )
+            assert row in bench, row
+
+
 def test_fp8_micro_table_quotes_its_file() -> None:
     """The fp8 decode kernel's table (H100) is its file's rows (bf16 at 64-key tiles, fp8 at
     both), and its file has the fp8 default's tile beating 64."""
