@@ -14,7 +14,10 @@ over 8 KV heads, head_dim 128, hidden 4,096, block 16, bf16). Run in a process w
 
 from __future__ import annotations
 
+import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -257,20 +260,28 @@ def uncovered(todo: list) -> list[str]:
     ]  # fmt: skip
 
 
+def _lower(i: int) -> str:
+    """Variant ``i`` of ``variants()`` lowered: its report line (a worker process's job)."""
+    name, fn, pointers, constexprs = variants()[i]
+    launch = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
+    try:
+        compile_one(fn, pointers, constexprs, **launch)
+        return f"{name}: ok"
+    except Exception as e:  # report every variant, then fail
+        return f"{name}: FAILED {type(e).__name__}: {e}"
+
+
 def main() -> int:
     todo = variants()
     missing = uncovered(todo)
     for name in missing:
         print(f"{name}: no variant in hopper_compile.py", flush=True)
-    failed = len(missing)
-    for name, fn, pointers, constexprs in todo:
-        launch = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
-        try:
-            compile_one(fn, pointers, constexprs, **launch)
-            print(f"{name}: ok", flush=True)
-        except Exception as e:  # report every variant, then fail
-            failed += 1
-            print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+    # one process per core: each lowering is single-threaded (forked workers: no re-import)
+    with ProcessPoolExecutor(os.cpu_count() or 1, mp_context=get_context("fork")) as pool:
+        lines = list(pool.map(_lower, range(len(todo))))
+    for line in lines:
+        print(line, flush=True)
+    failed = len(missing) + sum(": FAILED " in line for line in lines)
     print(f"compiled {len(todo) - failed + len(missing)} of {len(todo) + len(missing)}")
     return 1 if failed else 0
 
