@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm.attention.backends.torch_native import visible_keys
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed.parallel_state import dcp_all_gather, dcp_reduce_scatter
 from pagedllm.kv_layout import dcp_local_lens, dequantize, token_slots
@@ -62,9 +63,7 @@ def _plan(md: AttentionMetadata, window: int | None, device: torch.device) -> li
         if window is not None:  # keys older than every row's window are never read
             keep = k_pos > q_pos[0] - window
             local, k_pos = local[keep], k_pos[keep]
-        vis = k_pos[None, :] <= q_pos[:, None]  # [Q, K] causal, by position
-        if window is not None:
-            vis &= k_pos[None, :] > q_pos[:, None] - window
+        vis = visible_keys(q_pos, k_pos, window)  # [Q, K] by position
         slots = token_slots(tables[r], local, md.block_size)
         plan.append(
             (start, end, torch.from_numpy(slots).to(device), torch.from_numpy(vis).to(device))

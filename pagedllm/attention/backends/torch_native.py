@@ -67,7 +67,9 @@ def _local_tables(
     return np.ascontiguousarray(local), blocks
 
 
-def _visible(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
+def visible_keys(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
+    """Which keys (by position) each query row (by position) attends: causal, and inside the
+    window when there is one (also decode context parallelism's rule, ``attention/dcp.py``)."""
     # [num_queries, num_keys] bool: causal, within the window when one is given
     vis = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
@@ -179,7 +181,7 @@ class TorchNativeBackend(AttentionBackend):
                 first = max(0, ctx - window + 1)
                 k_pos = k_pos[first:]
             slots = torch.from_numpy(token_slots(block_tables[r], k_pos, bs)).to(plan["device"])
-            mask = torch.from_numpy(_visible(q_pos, k_pos, window))[None, None]
+            mask = torch.from_numpy(visible_keys(q_pos, k_pos, window))[None, None]
             plan["prefill"].append((start, end, slots, mask.to(plan["device"])))
         return plan["prefill"]
 
