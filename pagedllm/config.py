@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.kv_transfer.config import KVTransferConfig
+from pagedllm.lora.config import LoRAConfig, LoRAModulePath, lora_config_from
 from pagedllm.sampling_params import check_compression_rate
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.structured_output.params import MAX_JSON_WHITESPACE, MAX_JSON_WHITESPACE_SETTING
@@ -386,6 +387,8 @@ class EngineConfig:
     # the draft model of speculative_config method "draft_model" (dtype and context length
     # the target's); None otherwise
     draft_model_config: ModelConfig | None = None
+    # LoRA adapters (pagedllm/lora); None: off
+    lora_config: LoRAConfig | None = None
 
     @property
     def kv_connector_names(self) -> tuple[str, ...]:
@@ -493,6 +496,13 @@ class EngineArgs:
     # speculative decoding: vLLM's dict (or its JSON text), e.g. {"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_max": 4}; None: off
     speculative_config: dict | str | SpeculativeConfig | None = None
+    # LoRA adapters (``LoRAConfig``, vLLM's flags): adapters loaded at start as 'name=path' or
+    # vLLM's JSON; distinct adapters in one step; their largest rank; adapters kept loaded
+    enable_lora: bool = False
+    lora_modules: list[str | dict | LoRAModulePath] | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -607,6 +617,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or os.path.basename(self.model.rstrip("/")),
         )
         _check_tensor_parallel(model_config, self.tensor_parallel_size, bool(self.enable_kvc))
+        lora_config = lora_config_from(self, hf_config)
         dcp = self.decode_context_parallel_size
         if dcp != 1:
             self._check_decode_context_parallel(model_config, spec_config)
@@ -692,6 +703,7 @@ class EngineArgs:
                 if spec_config is not None and spec_config.method == "draft_model"
                 else None
             ),
+            lora_config=lora_config,
         )
 
     def _check_decode_context_parallel(

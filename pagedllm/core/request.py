@@ -5,8 +5,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.lora.request import LoRARequest
 
 
 class RequestStatus(IntEnum):
@@ -124,6 +128,7 @@ class Request:
         self.grammar_key: int | None = None
         self.error: str | None = None  # why the engine ended the request (e.g. bad grammar)
         self.cache_salt: str | None = None  # isolates this tenant's prefix-cache entries
+        self.lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

@@ -46,9 +46,11 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.beam_search import BeamSearchParams
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -207,6 +209,7 @@ class _Add:
     priority: int
     done: concurrent.futures.Future[None]
     output_kind: str = "delta"
+    lora_request: LoRARequest | None = None
 
 
 @dataclasses.dataclass
@@ -257,10 +260,14 @@ class AsyncLLMBase:
         self._ids += 1
         return f"{prefix}-{self._ids}"
 
-    def validate(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int]]:
+    def validate(
+        self, prompt: Any, params: SamplingParams, lora_request: LoRARequest | None = None
+    ) -> tuple[str | None, list[int]]:
         """Tokenize and check one prompt in the caller's thread: (prompt text, token ids).
         Raises ValueError naming the field. (The input processor only reads the tokenizer.)"""
-        req, text = self.input_processor.process("validate", prompt, params)
+        req, text = self.input_processor.process(
+            "validate", prompt, params, lora_request=lora_request
+        )
         return text, list(req.prompt_token_ids)
 
     async def add_request(
@@ -270,21 +277,26 @@ class AsyncLLMBase:
         request_id: str | None = None,
         priority: int = 0,
         output_kind: str = "delta",
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate and queue a request; returns its output stream.
 
         ``prompt`` may be a dict with a ``cache_salt`` (a string isolating this tenant's
         prefix-cache entries). ``output_kind`` "delta" (default) streams what each step added;
         "final" yields one output at the end (for ``best_of > n``: the n best, re-indexed).
+        ``lora_request``: the LoRA adapter to run it with (None: the base model); one not
+        loaded yet is loaded when the request reaches the engine.
         Raises ValueError (nothing queued) on bad input, EngineDeadError if the engine stopped.
         """
         if output_kind not in ("delta", "final"):
             raise ValueError(f"output_kind must be 'delta' or 'final', got {output_kind!r}.")
         self._check_running()
-        text, ids = self.validate(prompt, params)
+        text, ids = self.validate(prompt, params, lora_request)
         if params.structured_outputs is not None:
             await asyncio.wrap_future(self.prepare_structured_outputs())
-        return await self._queue(prompt, text, ids, params, request_id, priority, output_kind)
+        return await self._queue(
+            prompt, text, ids, params, request_id, priority, output_kind, lora_request
+        )
 
     async def add_beam_request(
         self, prompt: Any, params: BeamSearchParams, request_id: str | None = None
@@ -306,8 +318,27 @@ class AsyncLLMBase:
         request_id: str | None,
         priority: int,
         output_kind: str,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Hand a validated request to the engine; its stream."""
+        raise NotImplementedError
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and list a LoRA adapter in the engine (between steps); False if it is already
+        loaded. ValueError naming the adapter if it cannot be used."""
+        return await self._in_core(partial(_add_lora, lora_request))
+
+    async def remove_lora(self, lora: int | str) -> bool:
+        """Unlist a LoRA adapter by id or name; False if none is listed so. Its weights are
+        freed once no running request uses it."""
+        return await self._in_core(partial(_remove_lora, lora))
+
+    async def list_loras(self) -> list[LoRARequest]:
+        """The engine's listed LoRA adapters, by id."""
+        return await self._in_core(_list_loras)
+
+    async def _in_core(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(engine_core)`` run by the engine between steps; its result."""
         raise NotImplementedError
 
     def prepare_structured_outputs(self) -> concurrent.futures.Future[Any]:
@@ -329,10 +360,14 @@ class AsyncLLMBase:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Delta outputs of one request. Raises ValueError at the first ``__anext__`` (before
-        any output) on bad input. Closing the generator early aborts the request."""
-        stream = await self.add_request(prompt, params, request_id, priority)
+        """Delta outputs of one request (``lora_request``: its LoRA adapter). Raises
+        ValueError at the first ``__anext__`` (before any output) on bad input. Closing the
+        generator early aborts the request."""
+        stream = await self.add_request(
+            prompt, params, request_id, priority, lora_request=lora_request
+        )
         try:
             async for out in stream:
                 yield out
@@ -359,6 +394,18 @@ class AsyncLLMBase:
     def _check_running(self) -> None:
         if not self.is_running:
             raise EngineDeadError("the engine is not running.")
+
+
+def _add_lora(lora_request: LoRARequest, core: Any) -> bool:
+    return core.add_lora(lora_request)
+
+
+def _remove_lora(lora: int | str, core: Any) -> bool:
+    return core.remove_lora(lora)
+
+
+def _list_loras(core: Any) -> list[LoRARequest]:
+    return core.list_loras()
 
 
 def cache_salt_of(prompt: Any, params: SamplingParams | BeamSearchParams) -> str | None:
@@ -421,6 +468,7 @@ class AsyncLLM(AsyncLLMBase):
         request_id: str | None,
         priority: int,
         output_kind: str,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         request_id = request_id or self.new_request_id()
         loop = asyncio.get_running_loop()
@@ -430,7 +478,7 @@ class AsyncLLM(AsyncLLMBase):
         salt = cache_salt_of(prompt, params)
         if salt is not None:
             engine_prompt["cache_salt"] = salt
-        self._submit(_Add(stream, engine_prompt, params, priority, done, output_kind))
+        self._submit(_Add(stream, engine_prompt, params, priority, done, output_kind, lora_request))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -466,6 +514,9 @@ class AsyncLLM(AsyncLLMBase):
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         if self._thread.is_alive():
             self._submit(_Abort(ids))
+
+    async def _in_core(self, fn: Callable[[Any], Any]) -> Any:
+        return await self.call_in_engine(lambda engine: fn(engine.engine_core))
 
     async def call_in_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps; returns its result."""
@@ -562,7 +613,9 @@ class AsyncLLM(AsyncLLMBase):
             elif "cache_salt" in cmd.prompt:
                 self._add_salted(rid, cmd)
             else:
-                self.engine.add_request(rid, cmd.prompt, cmd.params, cmd.priority, cmd.output_kind)
+                self.engine.add_request(
+                    rid, cmd.prompt, cmd.params, cmd.priority, cmd.output_kind, cmd.lora_request
+                )
         except Exception as e:  # ValueError from validation, or anything else: this request only
             cmd.done.set_exception(e)
             return []
@@ -578,7 +631,9 @@ class AsyncLLM(AsyncLLMBase):
         assert isinstance(cmd.params, SamplingParams)
         if engine.output_processor.has(rid):
             raise ValueError(f"request_id {rid!r} is already in use.")
-        request, text = engine.input_processor.process(rid, cmd.prompt, cmd.params, cmd.priority)
+        request, text = engine.input_processor.process(
+            rid, cmd.prompt, cmd.params, cmd.priority, lora_request=cmd.lora_request
+        )
         request.cache_salt = cmd.prompt["cache_salt"]
         engine.engine_core.add_request(request)
         engine.output_processor.add_request(

@@ -15,12 +15,14 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.output import EngineCoreOutput, SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.engine.dp_sync import DPStepSync
+from pagedllm.lora.registry import LoRARegistry, make_lora_registry
 from pagedllm.worker.executor import Executor, UniProcExecutor, make_executor
 from pagedllm.worker.ubatch import ubatch_split
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from pagedllm.lora.request import LoRARequest
     from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -78,7 +80,10 @@ class EngineCore:
                 spec_config=config.speculative_config,
                 kv_connectors=config.kv_connectors,
                 context_parallel=config.parallel_config.decode_context_parallel_size,
+                max_loras=config.lora_config.max_loras if config.lora_config else 0,
             )
+            # LoRA adapters: loaded here, sent to the workers (None without enable_lora)
+            self.loras = make_lora_registry(config, self.executor, self.scheduler)
             # expert parallelism over data-parallel cores: each step agreed with the others
             pc = config.parallel_config
             if pc.dp_expert_parallel:
@@ -168,9 +173,30 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError if it could never be served (nothing is queued then)."""
+        if request.lora_request is not None:  # its adapter, loaded now if it is not yet
+            self._lora_registry().acquire(request.lora_request)
         if request.sampling_params.structured_outputs is not None:
             self.structured_output_manager()
         self.scheduler.add_request(request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and list a LoRA adapter (``LoRARegistry.add``); False if already loaded.
+        ValueError for a bad adapter (named in the message) or an engine without LoRA."""
+        return self._lora_registry().add(lora_request)
+
+    def remove_lora(self, lora: int | str) -> bool:
+        """Unlist a LoRA adapter by id or name; False if none is listed so. Its weights go
+        once no live request uses it."""
+        return self._lora_registry().remove(lora)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The listed LoRA adapters, by id ([] without LoRA)."""
+        return [] if self.loras is None else self.loras.list()
+
+    def _lora_registry(self) -> LoRARegistry:
+        if self.loras is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora.")
+        return self.loras
 
     def add_beam_request(self, request: Request, params, eos_ids: set[int]) -> None:  # noqa: ANN001
         """Queue a beam search whose first beam is ``request``."""

@@ -9,7 +9,7 @@ strings or formats HTTP: the front end does (``engine/mp_async_llm.py``).
 Messages in:
     ("init", config, eos_token_id)           first, once; replies ("ready", info) or
                                              ("failed", traceback)
-    ("add", id, token_ids, params, priority, arrival_time, cache_salt)
+    ("add", id, token_ids, params, priority, arrival_time, cache_salt, lora_request)
     ("beam", id, token_ids, params, beam_params, arrival_time)
     ("abort", ids)  /  ("stop", ids)         end requests (client gone / a stop string)
     ("wake",)                                nothing (ends an idle wait: expert parallelism)
@@ -261,10 +261,11 @@ class EngineCoreProc:
         if kind in ("add", "beam") and len(self.clients) > 1:
             self._owner[msg[1]] = client
         if kind == "add":
-            _, rid, ids, params, priority, arrival, salt = msg
+            _, rid, ids, params, priority, arrival, salt, lora = msg
             try:
                 request = self._request(rid, ids, params, priority, arrival)
                 request.cache_salt = salt
+                request.lora_request = lora
                 core.add_request(request)
             except Exception as e:  # the front end checked already; this request only
                 self._refuse(rid, e, client)

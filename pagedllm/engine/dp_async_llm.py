@@ -214,6 +214,7 @@ class DPAsyncLLM(AsyncLLMBase):
         request_id: str | None,
         priority: int,
         output_kind: str,
+        lora_request: Any = None,  # (LoRA is refused with data parallelism: config.py)
     ) -> RequestStream:
         self._check_running()
         rid = request_id or self.new_request_id()
@@ -223,7 +224,9 @@ class DPAsyncLLM(AsyncLLMBase):
         live = [c.is_running for c in self.cores]
         index = self.router.pick(key, self.loads(), live)
         core = self.cores[index]
-        stream = await core._queue(prompt, text, ids, params, rid, priority, output_kind)
+        stream = await core._queue(
+            prompt, text, ids, params, rid, priority, output_kind, lora_request
+        )
         if self.config.parallel_config.dp_expert_parallel:  # the others join its steps now
             for i, other in enumerate(self.cores):
                 if i != index and other.is_running:

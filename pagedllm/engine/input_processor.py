@@ -7,6 +7,7 @@ from typing import Any
 
 from pagedllm.config import ModelConfig
 from pagedllm.core.request import Request
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any] | list[int]
@@ -16,10 +17,15 @@ class InputProcessor:
     """Tokenizes, validates and clamps; every problem is a ValueError naming the field."""
 
     def __init__(
-        self, model_config: ModelConfig, tokenizer: Any, kvc_enabled: bool = False
+        self,
+        model_config: ModelConfig,
+        tokenizer: Any,
+        kvc_enabled: bool = False,
+        lora_enabled: bool = False,
     ) -> None:
         self.model_config = model_config
         self.kvc_enabled = kvc_enabled  # KV-Compress fields are accepted
+        self.lora_enabled = lora_enabled  # requests may name a LoRA adapter
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
         self.eos_token_id = self._eos_id()
@@ -107,10 +113,19 @@ class InputProcessor:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[Request, str | None]:
-        """A ready Request (with its own copy of the params) and the prompt text."""
+        """A ready Request (with its own copy of the params) and the prompt text;
+        ``lora_request``: its LoRA adapter (the engine loads it when the request arrives)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params)}.")
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(
+                    f"lora_request must be a LoRARequest, got {type(lora_request).__name__}."
+                )
+            if not self.lora_enabled:
+                raise ValueError("lora_request needs an engine started with enable_lora.")
         if params.uses_kvc_fields and not self.kvc_enabled:
             field = next(
                 f
@@ -150,4 +165,5 @@ class InputProcessor:
             if not isinstance(salt, str) or not salt:
                 raise ValueError("cache_salt must be a non-empty string.")
             req.cache_salt = salt
+        req.lora_request = lora_request
         return req, text

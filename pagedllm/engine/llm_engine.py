@@ -10,6 +10,7 @@ from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core import EngineCore, StepFailure
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.lora.request import LoRARequest
 from pagedllm.model.loader import load_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, beam_sampling_params
@@ -31,7 +32,9 @@ class LLMEngine:
                 mc.model, mc.tokenizer if mc.tokenizer != mc.model else None, mc.load_format
             )
         self.tokenizer = tokenizer
-        self.input_processor = InputProcessor(mc, tokenizer, config.kvc_config.enabled)
+        self.input_processor = InputProcessor(
+            mc, tokenizer, config.kvc_config.enabled, config.lora_config is not None
+        )
         eos = self.input_processor.eos_token_id
         self.engine_core = EngineCore(config, {eos} if eos is not None else set(), tokenizer)
         self.output_processor = OutputProcessor(tokenizer, config.cache_config.kv_transfer)
@@ -54,11 +57,15 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         output_kind: str = "final",
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue one request. Raises ValueError (nothing queued) on bad input."""
+        """Validate and queue one request (``lora_request``: its LoRA adapter, None for the
+        base model). Raises ValueError (nothing queued) on bad input."""
         if self.output_processor.has(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        request, text = self.input_processor.process(request_id, prompt, params, priority)
+        request, text = self.input_processor.process(
+            request_id, prompt, params, priority, lora_request=lora_request
+        )
         self.engine_core.add_request(request)
         self.output_processor.add_request(
             request_id, text, request.prompt_token_ids, request.sampling_params, output_kind
@@ -76,6 +83,18 @@ class LLMEngine:
         eos = self.input_processor.eos_token_id
         self.engine_core.add_beam_request(request, params, {eos} if eos is not None else set())
         self.output_processor.add_request(request_id, text, request.prompt_token_ids, sp)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and list a LoRA adapter (``EngineCore.add_lora``); False if already loaded."""
+        return self.engine_core.add_lora(lora_request)
+
+    def remove_lora(self, lora: int | str) -> bool:
+        """Unlist a LoRA adapter by id or name (``EngineCore.remove_lora``)."""
+        return self.engine_core.remove_lora(lora)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The listed LoRA adapters, by id."""
+        return self.engine_core.list_loras()
 
     def check_structured_outputs(self, params: SamplingParams) -> None:
         """Compile a request's grammar now (cached for when it runs); ValueError with the

@@ -54,6 +54,7 @@ from pagedllm.engine.async_llm import (
 from pagedllm.engine.core_client import AttachedCore, EngineCoreClient
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.lora.request import LoRARequest
 from pagedllm.model.loader import load_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, beam_sampling_params
@@ -92,10 +93,11 @@ class MPAsyncLLM(AsyncLLMBase):
         tokenizer = load_tokenizer(
             mc.model, mc.tokenizer if mc.tokenizer != mc.model else None, mc.load_format
         )
+        lora = config.lora_config is not None
         super().__init__(
             config,
             tokenizer,
-            InputProcessor(mc, tokenizer, config.kvc_config.enabled),
+            InputProcessor(mc, tokenizer, config.kvc_config.enabled, lora),
             stat_loggers,
         )
         self.output_processor = OutputProcessor(tokenizer, config.cache_config.kv_transfer)
@@ -211,6 +213,7 @@ class MPAsyncLLM(AsyncLLMBase):
         request_id: str | None,
         priority: int,
         output_kind: str,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         self._attach()
         self._check_running()
@@ -225,7 +228,9 @@ class MPAsyncLLM(AsyncLLMBase):
                 f"({self.max_num_seqs})."
             )
         sp = beam_sampling_params(params) if beam else params
-        request, _ = self.input_processor.process(rid, {"prompt_token_ids": ids}, sp, priority)
+        request, _ = self.input_processor.process(
+            rid, {"prompt_token_ids": ids}, sp, priority, lora_request=lora_request
+        )
         # the scheduler's own admission check, against the capacity the core reported: a
         # request it would refuse is a ValueError here, before anything is sent
         check_admissible(
@@ -238,7 +243,7 @@ class MPAsyncLLM(AsyncLLMBase):
         if beam:
             self._send(("beam", rid, ids, sp, params, request.arrival_time))
         else:
-            self._send(("add", rid, ids, sp, priority, request.arrival_time, salt))
+            self._send(("add", rid, ids, sp, priority, request.arrival_time, salt, lora_request))
         return stream
 
     def abort_nowait(self, request_id: str | list[str]) -> None:
@@ -279,6 +284,9 @@ class MPAsyncLLM(AsyncLLMBase):
         self._attach()
         self._check_running()
         return await asyncio.wrap_future(self._utility("call", fn))
+
+    async def _in_core(self, fn: Callable[[Any], Any]) -> Any:
+        return await self.call_in_core(fn)
 
     def _utility(self, name: str, *args: Any) -> concurrent.futures.Future[Any]:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()

@@ -162,8 +162,19 @@ _HELP = {
     '"ngram_gpu" (the same lookup on the device: steps stay asynchronous) '
     'or \'{"method": "suffix"}\' (suffix decoding); greedy outputs and sampling distributions '
     "are those without it (default: off).",
+    "enable_lora": "Serve LoRA adapters (PEFT folders) beside the base model: per request, "
+    "several adapters and the base model in one batch.",
+    "lora_modules": "LoRA adapters to load at start, each 'name=path' or vLLM's JSON "
+    '\'{"name": ..., "path": ..., "base_model_name": ...}\' (needs --enable-lora; default: '
+    "none).",
+    "max_loras": "LoRA: the most distinct adapters in one batch (the device's adapter slots; a "
+    "request whose adapter would be one more waits).",
+    "max_lora_rank": "LoRA: the largest adapter rank accepted (the slots are sized for it).",
+    "max_cpu_loras": "LoRA: adapters kept loaded in host memory; one more drops the least "
+    "recently used idle one (default: --max-loras).",
 }
 _ALIASES = {"enable_kvc": ["--enable-kvcompress"], "decode_context_parallel_size": ["-dcp"]}
+_NARGS = {"lora_modules": "+"}  # (several values after one flag, as vLLM's)
 _CHOICES = {
     "kvc_method": ("kvcompress", "uniform", "random"),
     "dtype": _config.DTYPES,
@@ -188,6 +199,7 @@ _METAVARS = {
     "speculative_config": "JSON",
     "kv_transfer_config": "JSON",
     "kv_connectors": "NAME,...",
+    "lora_modules": "NAME=PATH",
 }
 
 
@@ -251,6 +263,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)
             continue
         kwargs["type"] = _TYPES.get(type_name.rstrip("]"), str)
+        if f.name in _NARGS:
+            kwargs["nargs"] = _NARGS[f.name]
         if _CHOICES.get(f.name):
             kwargs["choices"] = list(_CHOICES[f.name])
         else:

@@ -9,6 +9,7 @@ from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchS
 from pagedllm.config import EngineArgs
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics_reader import Metric, metrics_from_stats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -56,9 +57,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; results in input order. All requests are
-        validated before any is queued, so a bad one raises ValueError and runs nothing."""
+        validated before any is queued, so a bad one raises ValueError and runs nothing.
+        ``lora_request``: one LoRA adapter for every prompt, or one (or None: the base model)
+        per prompt; they run in one batch."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -75,14 +79,37 @@ class LLM:
         prios = priority or [0] * len(prompts)
         if len(prios) != len(prompts):
             raise ValueError("priority must have one entry per prompt.")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError("lora_request must be one LoRARequest or one per prompt.")
         engine = self.llm_engine
-        for p, sp in zip(prompts, params):  # validate all first
-            engine.input_processor.process("validate", p, sp)
+        for p, sp, lr in zip(prompts, params, loras):  # validate all first
+            engine.input_processor.process("validate", p, sp, lora_request=lr)
             engine.check_structured_outputs(sp)
+        for lr in dict.fromkeys(lr for lr in loras if lr is not None):  # (bad ones: here)
+            engine.add_lora(lr)
         ids = [engine.next_request_id() for _ in prompts]
-        for rid, p, sp, pr in zip(ids, prompts, params, prios):
-            engine.add_request(rid, p, sp, priority=pr)
+        for rid, p, sp, pr, lr in zip(ids, prompts, params, prios, loras):
+            adapter = {"lora_request": lr} if lr is not None else {}  # (DPLLMEngine: none)
+            engine.add_request(rid, p, sp, priority=pr, **adapter)
         return self._run_engine(ids, use_tqdm)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and list a LoRA adapter (a PEFT folder), as vLLM's ``LLM.add_lora``; False if
+        it is already loaded. ValueError naming the adapter if it cannot be used."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora: int | str) -> bool:
+        """Unlist a LoRA adapter by ``lora_int_id`` or ``lora_name``; False if none is listed
+        so. Its weights are freed once no running request uses it."""
+        return self.llm_engine.remove_lora(lora)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The listed LoRA adapters (loaded at start, by ``add_lora`` or by a request), by id."""
+        return self.llm_engine.list_loras()
 
     def beam_search(
         self,

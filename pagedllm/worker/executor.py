@@ -15,6 +15,7 @@ from pagedllm.config import EXECUTOR_BACKENDS, EngineConfig
 from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
+    from pagedllm.lora.peft_loader import LoRAWeights
     from pagedllm.structured_output.grammars import GrammarStep
     from pagedllm.worker.model_runner import ModelRunner
 
@@ -115,6 +116,18 @@ class Executor(ABC):
         """The (token, expert) pairs each expert computed since the last call, per MoE
         layer ``[layers][E]``, over the ranks; None for a model without experts."""
 
+    def add_lora(self, weights: LoRAWeights) -> None:
+        """Send a LoRA adapter's tensors to every worker (``LoRAWorker.add``)."""
+        self._lora_call("add", weights)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Drop a LoRA adapter on every worker (``LoRAWorker.remove``)."""
+        self._lora_call("remove", lora_int_id)
+
+    @abstractmethod
+    def _lora_call(self, name: str, *args: Any) -> None:
+        """Call the ``LoRAWorker`` method ``name`` on every worker."""
+
     def shutdown(self) -> None:  # noqa: B027 - an in-process executor holds nothing to free
         """Free the workers; safe to call twice."""
 
@@ -176,6 +189,9 @@ class UniProcExecutor(Executor):
     def expert_load(self) -> list[list[int]] | None:
         return self.runner.expert_load()
 
+    def _lora_call(self, name: str, *args: Any) -> None:
+        getattr(self.runner.lora, name)(*args)
+
 
 def plain_grammar(grammar_step: GrammarStep | None) -> tuple | None:
     """A grammar step as plain data for another process: (fill ids, a numpy copy of just the
@@ -215,6 +231,9 @@ class WorkerGroupExecutor(Executor):
 
     def execute_dp_idle(self, counts: list[int], ubatches: Any = None) -> None:
         self._call("execute_dp_idle", counts, ubatches)
+
+    def _lora_call(self, name: str, *args: Any) -> None:
+        self._call(f"lora.{name}", *args)
 
     def expert_load(self) -> list[list[int]] | None:
         """The ranks' counts summed (each counts only what it computed)."""

@@ -74,6 +74,7 @@ class InputBatch:
         self.epoch = np.zeros(max_num_reqs, dtype=np.int64)
         # beam search: the scheduler, not the sampler, chooses the row's next token
         self.external = np.zeros(max_num_reqs, dtype=bool)
+        self.lora_ids = np.zeros(max_num_reqs, dtype=np.int64)  # LoRA adapter (0: none)
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
         #: rows whose request asked for prompt logprobs (none: a step skips looking for them)
         self.num_prompt_logprobs = 0
@@ -103,6 +104,7 @@ class InputBatch:
         self.num_prompt_logprobs += new.sampling_params.prompt_logprobs is not None
         self.columns.write(row, new.sampling_params)
         self.external[row] = new.sampling_params.external_tokens
+        self.lora_ids[row] = new.lora_int_id
         self.epoch[row] += 1
         self.req_ids[row] = new.req_id
         self.req_id_to_row[new.req_id] = row

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +42,8 @@ class InputPreparer:
     ) -> None:
         self.batch = batch
         self.device = device
+        # LoRA (``pagedllm/lora/worker.py``): told each step's rows, to set adapter slots
+        self.lora: Any = None
         # decode context parallelism: (this rank, ranks); the batch's tables are the
         # scheduler's, this rank stores every ranks-th position (kv_layout.dcp_slot_mapping)
         self.dcp = dcp
@@ -67,6 +70,8 @@ class InputPreparer:
         ``num_computed_tokens`` on; ``extra`` int arrays (at most 3: the first no longer than
         the step's tokens, the others than ``rows``) travel in the same host-to-device copy."""
         ib = self.batch
+        if self.lora is not None:
+            self.lora.prepare(ib.lora_ids[rows], n_sched)
         bs = ib.block_size
         cu = np.cumsum(n_sched)
         total = int(cu[-1])

@@ -22,6 +22,7 @@ from pagedllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed import expert_parallel
 from pagedllm.distributed.parallel_state import dcp_info, ep_info, tp_info
 from pagedllm.kv_layout import KVCacheLayout, kv_cache_dtype
+from pagedllm.lora.worker import make_lora_worker
 from pagedllm.model.loader import build_model
 from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.utils.pinned import copy_to_host
@@ -177,6 +178,7 @@ class ModelRunner:
                 self.device,
             )
         self.inputs = InputPreparer(self.input_batch, self.max_num_tokens, self.device, self.dcp)
+        self.lora = make_lora_worker(config, self.model, self.inputs)  # None without LoRA
         self.graph_runner: CUDAGraphRunner | None = None
         self._unresolved: LaunchedStep | None = None  # the last launched step, until resolved
         self.bitmask = BitmaskApplier(self.device, self.input_batch.max_num_reqs)
@@ -455,9 +457,7 @@ class ModelRunner:
             return step
         ib = self.input_batch
         req_ids = list(so.num_scheduled_tokens.keys())
-        rows = np.fromiter(
-            (ib.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
-        )
+        rows = np.fromiter((ib.req_id_to_row[r] for r in req_ids), np.int64, len(req_ids))
         n_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         dd = self.device_drafts
         unverified = None

@@ -43,6 +43,8 @@ CALLS = frozenset(
         "swap_is_cheaper",
         "execute_dp_idle",
         "expert_load",
+        "lora.add",  # LoRA: an adapter's tensors to hold (``lora/worker.py``), and its removal
+        "lora.remove",
     }
 )
 
@@ -124,7 +126,10 @@ class Worker:
         if kind == "call":
             if msg[1] not in CALLS:
                 raise ValueError(f"not a worker call: {msg[1]!r}")
-            result = getattr(runner, msg[1])(*msg[2])
+            target: Any = runner
+            for part in msg[1].split("."):  # "lora.add": the runner's LoRA worker's method
+                target = getattr(target, part)
+            result = target(*msg[2])
             if msg[1] == "initialize_swap_space" and runner.device.type == "cuda":
                 # the last start-up call: freeze the heap, as the engine core does (its
                 # reason: a full collection's pause, here on every rank, between steps)

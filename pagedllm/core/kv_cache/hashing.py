@@ -27,6 +27,18 @@ def hash_block(
     return BlockHash(h.digest(), tuple(token_ids))
 
 
+def block_hash_extra(request: object) -> str | None:
+    """What a request's first block hash carries beside its tokens: its ``cache_salt`` and its
+    LoRA adapter's key, so that two tenants, or two adapters (or an adapter and the base
+    model), never share KV blocks, while requests with the same salt and adapter do.
+    Example: salt "t1", adapter 3 'sql' at /a -> "t1|lora:3:sql:/a"; neither -> None."""
+    salt = getattr(request, "cache_salt", None)
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return salt
+    return f"{salt or ''}|{lora.cache_key()}"
+
+
 def hash_request_blocks(
     token_ids: Sequence[int],
     block_size: int,

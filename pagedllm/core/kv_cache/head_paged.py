@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedllm.core.kv_cache.block import BlockHash
-from pagedllm.core.kv_cache.hashing import hash_request_blocks
+from pagedllm.core.kv_cache.hashing import block_hash_extra, hash_request_blocks
 from pagedllm.core.kv_cache.id_pool import make_id_pool
 from pagedllm.core.kv_cache.interface import KVCacheManagerBase
 from pagedllm.core.kv_cache.spec import HeadPagedSpec, cdiv
@@ -383,7 +383,7 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         as it grows)."""
         hashes = self.req_hashes.setdefault(request.request_id, [])
         return hash_request_blocks(
-            request.all_token_ids, self.block_size, hashes, getattr(request, "cache_salt", None)
+            request.all_token_ids, self.block_size, hashes, block_hash_extra(request)
         )
 
     def _lookup(self, request: Request) -> list[BlockHash]:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from pagedllm.core.kv_cache.block import BlockHash, KVCacheBlock
 from pagedllm.core.kv_cache.block_pool import BlockPool
-from pagedllm.core.kv_cache.hashing import hash_request_blocks
+from pagedllm.core.kv_cache.hashing import block_hash_extra, hash_request_blocks
 from pagedllm.core.kv_cache.interface import KVCacheManagerBase
 from pagedllm.core.kv_cache.spec import cdiv
 from pagedllm.core.kv_cache.swap import SwapSpace
@@ -65,7 +65,7 @@ class KVCacheManager(KVCacheManagerBase):
             request.all_token_ids,
             self.block_size,
             hashes,
-            getattr(request, "cache_salt", None),
+            block_hash_extra(request),
         )
 
     def _key(self, block_hash: BlockHash) -> BlockHash | tuple:

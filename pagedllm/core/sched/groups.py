@@ -71,6 +71,7 @@ class SequenceGroups:
             child.max_tokens = parent.max_tokens
             child.parent_id, child.seq_index = parent.request_id, i
             child.cache_salt = parent.cache_salt
+            child.lora_request = parent.lora_request
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = max(parent.num_cached_tokens, 0)
             child.status = RequestStatus.RUNNING

@@ -20,6 +20,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]  # per KV-cache group, in table order
     num_computed_tokens: int
+    lora_int_id: int = 0  # its LoRA adapter (0: the base model)
 
 
 @dataclass

@@ -39,6 +39,7 @@ from pagedllm.core.sched.beams import BeamManager
 from pagedllm.core.sched.checks import check_admissible, check_stop
 from pagedllm.core.sched.connector import ConnectorContext, make_scheduler_roles
 from pagedllm.core.sched.groups import SequenceGroups, num_sequences
+from pagedllm.core.sched.lora import LoRAAdmission, lora_id_of
 from pagedllm.core.sched.output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -72,6 +73,7 @@ class Scheduler:
         spec_config: SpeculativeConfig | None = None,
         kv_connectors: tuple[str, ...] = (),
         context_parallel: int = 1,  # DCP ranks: a block spans a page of each
+        max_loras: int = 0,  # LoRA: distinct adapters among the running requests (0: no LoRA)
     ) -> None:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
@@ -132,6 +134,7 @@ class Scheduler:
         self.connectors = make_scheduler_roles(names, context, configs)
         # the roles that may shorten a request's tokens (the rest are skipped per request)
         self._cutters = [c for c in self.connectors if c.cuts_tokens]
+        self.loras = LoRAAdmission(max_loras)  # LoRA: max_loras adapters (core/sched/lora.py)
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -497,15 +500,9 @@ class Scheduler:
         replaced = self.kv_cache_manager.take_replaced(rid)
         appended, request.pending_runner_tokens = request.pending_runner_tokens, []
         if rid in self._runner_has:
-            cached_reqs.append(
-                CachedRequestData(
-                    rid,
-                    self.kv_cache_manager.new_block_ids(new_blocks),
-                    request.num_computed_tokens,
-                    replaced,
-                    appended,
-                )
-            )
+            new_ids = self.kv_cache_manager.new_block_ids(new_blocks)
+            computed = request.num_computed_tokens
+            cached_reqs.append(CachedRequestData(rid, new_ids, computed, replaced, appended))
             return
         self._runner_has.add(rid)
         new_reqs.append(
@@ -516,6 +513,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_table(rid),
                 num_computed_tokens=request.num_computed_tokens,
+                lora_int_id=lora_id_of(request),
             )
         )
 
@@ -533,9 +531,10 @@ class Scheduler:
         """The best-ranked waiting request whose grammar (if any) is ready: a request still
         compiling its grammar waits without blocking the others."""
         for request in self.waiting:
-            # a request preempted while its last token is in flight waits for that token
+            # a request preempted while its last token is in flight waits for that token;
+            # one whose LoRA adapter would exceed max_loras waits too
             if request.status != RequestStatus.WAITING_FOR_GRAMMAR and (
-                request.num_output_placeholders == 0
+                request.num_output_placeholders == 0 and self.loras.fits(request, self.running)
             ):
                 return request
         return None

@@ -11,6 +11,8 @@ tp / num_kv_heads ranks (replicated). On one rank every layer holds the whole we
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -32,6 +34,8 @@ class LinearBase(nn.Module):
     plain copy; forward then runs oneDNN's matmul on it."""
 
     _packed: torch.Tensor | None = None
+    # LoRA adapters (``pagedllm/lora/layers.py``): adds each token's x A^T B^T to the output
+    lora: Any = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -52,8 +56,10 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            return packed_linear(x, self._packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            out = packed_linear(x, self._packed, self.bias)
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
     def pack_for_cpu(self) -> bool:
         """Pack the loaded weight for oneDNN (see the class docstring); False where it does
@@ -117,7 +123,8 @@ class RowParallelLinear(LinearBase):
         if tp_info()[1] == 1:
             return super().forward(x)
         out = linear_all_reduce(x, self.weight)
-        return out if self.bias is None else out + self.bias
+        out = out if self.bias is None else out + self.bias
+        return out if self.lora is None else self.lora(x, out)
 
     def forward_add_norm(
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, slot: int
@@ -127,7 +134,7 @@ class RowParallelLinear(LinearBase):
         kernel sums the ranks' partial outputs, adds and normalizes
         (``linear_all_reduce_add_rms_norm``: ``slot`` must alternate between consecutive
         calls); elsewhere the layer, then the norm."""
-        if self.bias is None and tp_info()[1] > 1:
+        if self.bias is None and self.lora is None and tp_info()[1] > 1:
             out = linear_all_reduce_add_rms_norm(
                 x, self.weight, residual, norm.weight, norm.eps, norm.offset, slot
             )
