@@ -16,6 +16,16 @@ from pagedllm.lora.ops import Groups
 from pagedllm.utils.pinned import PinnedRing
 
 
+def segments(token_slots: np.ndarray, max_loras: int) -> tuple[np.ndarray, ...]:
+    """(token ids sorted by slot, each slot's start in that order, its count); tokens of slot
+    -1 are left out. Example (2 slots): [1, -1, 0, 1] -> [2, 0, 3], [0, 1], [1, 2]."""
+    slots = np.asarray(token_slots, dtype=np.int64)
+    order = np.argsort(slots, kind="stable")
+    order = order[slots[order] >= 0]
+    counts = np.bincount(slots[order], minlength=max_loras)
+    return order, np.cumsum(counts) - counts, counts
+
+
 class LoRABatch:
     """The step's tokens by adapter slot (see the module docstring); one object shared by the
     LoRA layers of a model and set once per step by ``LoRAWorker.prepare``."""
@@ -34,13 +44,9 @@ class LoRABatch:
         """Group the step's tokens by slot ([T] slots, -1 for the base model). Example
         (2 slots): [1, -1, 0, 1] -> groups [(0, [2]), (1, [0, 3])]; meta [2, 0, 3, ... | 0, 1
         | 1, 2]."""
-        slots = np.asarray(token_slots, dtype=np.int64)
-        if len(slots) > self.max_num_tokens:
-            raise ValueError(f"{len(slots)} tokens, more than {self.max_num_tokens}")
-        order = np.argsort(slots, kind="stable")
-        order = order[slots[order] >= 0]  # tokens of the base model are in no segment
-        counts = np.bincount(slots[order], minlength=self.max_loras)
-        starts = np.cumsum(counts) - counts
+        if len(token_slots) > self.max_num_tokens:
+            raise ValueError(f"{len(token_slots)} tokens, more than {self.max_num_tokens}")
+        order, starts, counts = segments(token_slots, self.max_loras)
         present = np.nonzero(counts)[0]
         if not self.cuda:
             self.groups = [
