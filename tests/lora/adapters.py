@@ -7,8 +7,13 @@ import json
 import os
 import shutil
 
+import numpy as np
 import torch
 
+from pagedllm import LLM, SamplingParams
+
+MAX_NEW = 10
+PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -86,3 +91,18 @@ def edit_config(adapter: str, out: str, **changes: object) -> str:
     with open(path, "w") as f:
         json.dump(cfg, f)
     return out
+
+
+def prompts(n: int = 3, seed: int = 0) -> list[list[int]]:
+    """Prompts of 5, 23 and 40 tokens (the last: 5 full blocks of 8)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, size=k).tolist() for k in (5, 23, 40)[:n]]
+
+
+def tokens(outs) -> list[list[int]]:  # noqa: ANN001
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def engine(path: str, **kw) -> LLM:  # noqa: ANN003
+    """The tests' engine: float32, blocks of 8 tokens."""
+    return LLM(path, dtype="float32", max_model_len=256, block_size=8, **kw)

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.lora.adapters import ALL, make_adapter, merged_copy
+from tests.lora.adapters import (
+    ALL,
+    MAX_NEW,
+    PARAMS,
+    engine,
+    make_adapter,
+    merged_copy,
+    peft_greedy,
+    prompts,
+    tokens,
+)
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +30,19 @@ def lora_setup(tiny_models, tmp_path_factory):
     }  # fmt: skip
     merged = {n: merged_copy(base, p, str(root / f"{n}-merged")) for n, p in adapters.items()}
     return base, adapters, merged
+
+
+@pytest.fixture(scope="session")
+def references(lora_setup):
+    """name -> greedy tokens of ``prompts()``: the merged checkpoints (and the base model) run
+    alone by pagedllm, and HF + PEFT's (unmerged), which must agree; each adapter changes
+    the base model's tokens."""
+    base, adapters, merged = lora_setup
+    ps = prompts()
+    ours = {"base": tokens(engine(base).generate(ps, PARAMS, use_tqdm=False))}
+    for name, path in merged.items():
+        ours[name] = tokens(engine(path).generate(ps, PARAMS, use_tqdm=False))
+    for name, path in adapters.items():
+        assert peft_greedy(base, path, ps, MAX_NEW) == ours[name], name
+        assert ours[name] != ours["base"], f"adapter {name} changes nothing"
+    return ours
