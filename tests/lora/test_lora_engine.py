@@ -139,3 +139,21 @@ def test_lora_arguments_are_checked(lora_setup):
     llm = _engine(base)
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate([[5, 6]], PARAMS, lora_request=LoRARequest("a1", 1, adapters["a1"]))
+
+
+def test_tensor_parallel_2_shards_the_adapters(lora_setup, references):
+    """Two CPU ranks (gloo): column-parallel layers keep their rows of B, row-parallel ones
+    their columns of A with the shrink summed over the ranks; the mixed batch's tokens are
+    the references'."""
+    base, adapters, _ = lora_setup
+    reqs = {n: LoRARequest(n, i, p) for i, (n, p) in enumerate(adapters.items(), start=1)}
+    llm = _engine(base, enable_lora=True, max_loras=2, tensor_parallel_size=2)
+    try:
+        names = ["a1", "a2", "base"]
+        batch = [p for p in _prompts() for _ in names]
+        loras = [reqs.get(n) for _ in _prompts() for n in names]
+        got = _tokens(llm.generate(batch, PARAMS, use_tqdm=False, lora_request=loras))
+        for j, name in enumerate(names * 3):
+            assert got[j] == references[name][j // 3], (j, name)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
