@@ -126,6 +126,10 @@ class Request:
         # structured output: the key of its matcher in the engine's Grammars (a serial number:
         # unique even when a finished request's id is used again; cheap to send each step)
         self.grammar_key: int | None = None
+        # structured output after reasoning: the token that ends the thinking (``</think>``)
+        # while the request has not sampled it; its grammar applies from the next token on
+        so = sampling_params.structured_outputs
+        self.reasoning_end_token_id: int | None = so.reasoning_end_token_id if so else None
         self.error: str | None = None  # why the engine ended the request (e.g. bad grammar)
         self.cache_salt: str | None = None  # isolates this tenant's prefix-cache entries
         self.lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)

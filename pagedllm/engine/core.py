@@ -173,10 +173,17 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError if it could never be served (nothing is queued then)."""
+        so = request.sampling_params.structured_outputs
+        if so is not None:
+            if so.reasoning_end_token_id is not None and self.config.speculative_config:
+                raise ValueError(
+                    "structured_outputs.reasoning_end_token_id (structured outputs after "
+                    "reasoning) is not supported with speculative decoding: drafts would cross "
+                    "the end of the thinking unconstrained."
+                )
+            self.structured_output_manager()
         if request.lora_request is not None:  # its adapter, loaded now if it is not yet
             self._lora_registry().acquire(request.lora_request)
-        if request.sampling_params.structured_outputs is not None:
-            self.structured_output_manager()
         self.scheduler.add_request(request)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:

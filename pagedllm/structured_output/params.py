@@ -30,6 +30,10 @@ class StructuredOutputsParams:
     # where the engine's is 0), so a weak model cannot wander in tabs and newlines for ever;
     # None (not set) the engine's setting (``--structured-outputs-max-whitespace``)
     disable_any_whitespace: bool | None = None
+    # Reasoning models (a server's ``--reasoning-parser``): the constraint starts after this
+    # token (``</think>``); the tokens before it, and it, are sampled freely. None: from the
+    # first token. Not part of the compile key: the grammar is the same.
+    reasoning_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
         given = [
@@ -53,6 +57,12 @@ class StructuredOutputsParams:
                 raise ValueError("structured_outputs.choice must contain non-empty strings.")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError("structured_outputs.json must be a JSON schema (object or string).")
+        if self.reasoning_end_token_id is not None and (
+            isinstance(self.reasoning_end_token_id, bool)
+            or not isinstance(self.reasoning_end_token_id, int)
+            or self.reasoning_end_token_id < 0
+        ):
+            raise ValueError("structured_outputs.reasoning_end_token_id must be a token id.")
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
@@ -89,7 +99,8 @@ class StructuredOutputsParams:
         if isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            known = {"json", "json_object", "regex", "grammar", "choice", "disable_any_whitespace"}
+            known = {"json", "json_object", "regex", "grammar", "choice", "disable_any_whitespace",
+                     "reasoning_end_token_id"}  # fmt: skip
             unknown = set(value) - known
             if unknown:
                 raise ValueError(f"structured_outputs has unknown fields {sorted(unknown)}.")

@@ -7,6 +7,10 @@ token it samples is accepted by that matcher (before or during ``update_from_out
 of parallel sampling forks the matcher, and the end of the request drops it. A token the
 matcher rejects comes back a step later as an error for the request.
 
+A reasoning model's request (``reasoning_end_token_id`` set) thinks before it answers: until it
+samples that token (``</think>``) it gets no bitmask row and its tokens are not accepted, so
+the grammar constrains the answer only (vLLM's rule). The end token itself is not accepted.
+
 ``GrammarBook`` owns all of that state; the scheduler calls it at those points and keeps none
 of it. It holds no queue: what to do with a request whose grammar failed (remove it from the
 waiting queue, free it, report it) stays with the scheduler.
@@ -113,7 +117,11 @@ class GrammarBook:
             return keys, idx
         spec_tokens = spec_tokens or {}
         for i, (r, n) in enumerate(zip(batch, num_scheduled)):
-            if r.grammar_key is not None and r.num_computed_tokens + n >= r.num_tokens:
+            if (
+                r.grammar_key is not None
+                and r.reasoning_end_token_id is None  # (still thinking: unconstrained)
+                and r.num_computed_tokens + n >= r.num_tokens
+            ):
                 drafts = spec_tokens.get(r.request_id)
                 keys.append(SpecFill(r.grammar_key, tuple(drafts)) if drafts else r.grammar_key)
                 idx.append(i)
@@ -144,6 +152,10 @@ class GrammarBook:
         the grammar may end (the request then finishes with reason 'stop'). A token the grammar
         rejects comes back from ``Grammars`` a step later (``apply_step``)."""
         if request.grammar_key is None or request.is_finished:
+            return False
+        if request.reasoning_end_token_id is not None:  # thinking: the grammar waits
+            if token == request.reasoning_end_token_id:
+                request.reasoning_end_token_id = None
             return False
         if not self._tokens_sent:
             assert self.grammars is not None
