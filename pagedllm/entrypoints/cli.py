@@ -35,6 +35,8 @@ from typing import Any
 
 from pagedllm import config as _config
 from pagedllm.config import EngineArgs, engine_args_from, parse_names
+from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS as REASONING_PARSER_NAMES
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 
 _HELP = {
     "model": "HF model folder or .gguf file, the same as the positional MODEL (default: the "
@@ -318,6 +320,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="TEMPLATE",
         help="Chat template: a Jinja file or inline text (default: the tokenizer's own).",
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Let the model decide when to call tools (tool_choice "auto", the default when a '
+        "request has tools): the calls it writes are found by --tool-call-parser.",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSER_NAMES),
+        help="The format the model writes tool calls in: hermes (Qwen2.5/Qwen3, Hermes), "
+        "llama3_json (Llama 3.x), mistral (default: none; tool_choice auto is then refused).",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSER_NAMES),
+        help="Split the model's thinking (<think>...</think>) into reasoning_content: qwen3, "
+        "deepseek_r1. Structured outputs then constrain the answer after the thinking "
+        "(default: none, the thinking stays in content).",
     )
     serve.add_argument(
         "--max-request-body-bytes",

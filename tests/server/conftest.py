@@ -139,8 +139,10 @@ def live_server(log_path: Path, extra_args: tuple[str, ...] = ()) -> Iterator[Li
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """``pagedllm serve`` on the packaged SmolLM2-135M-Instruct GGUF, with an API key."""
-    with live_server(tmp_path_factory.mktemp("server") / "server.log") as srv:
+    """``pagedllm serve`` on the packaged SmolLM2-135M-Instruct GGUF, with an API key and
+    tool calling (hermes-format calls found under tool_choice "auto")."""
+    tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    with live_server(tmp_path_factory.mktemp("server") / "server.log", tools) as srv:
         yield srv
 
 

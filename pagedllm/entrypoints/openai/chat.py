@@ -7,6 +7,11 @@ server's ``--chat-template`` (a file path or an inline Jinja string), the tokeni
 ``n`` > 1 answers n choices (each streamed with its ``index``, each opened by its own role
 chunk); ``use_beam_search`` answers the n best hypotheses of a width-n beam search
 (non-streaming only); structured outputs and ``cache_salt`` work as in completions.
+
+Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``; ``tool`` messages and assistant
+``tool_calls`` in the history) and reasoning output (``reasoning_content``) are shaped per
+choice by ``tools.ChoiceShaper``; the server's ``--enable-auto-tool-choice``,
+``--tool-call-parser`` and ``--reasoning-parser`` choose the formats (see ``tools.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,11 @@ from typing import Any
 from pagedllm.engine.async_llm import AsyncLLMBase
 from pagedllm.entrypoints.openai.errors import RequestError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
+from pagedllm.entrypoints.openai.reasoning import (
+    ReasoningSplitter,
+    end_token_id,
+    get_reasoning_format,
+)
 from pagedllm.entrypoints.openai.serving import (
     Choice,
     Collected,
@@ -28,8 +38,17 @@ from pagedllm.entrypoints.openai.serving import (
     off_loop,
     transfer_field,
 )
+from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
+from pagedllm.entrypoints.openai.tools import (
+    ChoiceShaper,
+    Shaped,
+    ToolMode,
+    parse_tools,
+    resolve_tool_choice,
+)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.params import StructuredOutputsParams
 
 # Keyword arguments of apply_chat_template that chat_template_kwargs may not override.
 _RESERVED_TEMPLATE_KWARGS = {
@@ -51,7 +70,9 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 class ServingChat(ServingBase):
-    """Chat completions on top of ``ServingBase``."""
+    """Chat completions on top of ``ServingBase``. ``tool_call_parser`` and
+    ``reasoning_parser`` are the server's flags (names; ValueError for an unknown one, or a
+    reasoning format the tokenizer cannot spell in one token)."""
 
     def __init__(
         self,
@@ -59,9 +80,33 @@ class ServingChat(ServingBase):
         model_name: str,
         chat_template: str | None = None,
         longest_token: concurrent.futures.Future[int] | None = None,
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         super().__init__(llm, model_name, longest_token)
         self.chat_template = chat_template
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser.")
+        self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.enable_auto_tools = enable_auto_tool_choice
+        self.reasoning = get_reasoning_format(reasoning_parser) if reasoning_parser else None
+        self.reasoning_end_id = (
+            end_token_id(self.reasoning, self.tokenizer) if self.reasoning else None
+        )
+
+    def tool_mode(self, req: ChatCompletionRequest) -> ToolMode:
+        """The request's tools and tool_choice, checked (400 naming the field)."""
+        return resolve_tool_choice(parse_tools(req.tools), req.tool_choice,
+                                   req.parallel_tool_calls, self.enable_auto_tools)  # fmt: skip
+
+    def shaper(self, mode: ToolMode, prompt_text: str | None) -> ChoiceShaper | None:
+        """A choice's shaper, or None where its text goes out as it comes (no tools in play,
+        no reasoning parser)."""
+        if mode.kind == "none" and self.reasoning is None:
+            return None
+        parser = self.tool_parser() if self.tool_parser is not None else None
+        return ChoiceShaper(mode, parser, self.reasoning, prompt_text)
 
     def render(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
         """(prompt text, token ids) of the conversation under the chat template."""
@@ -78,6 +123,9 @@ class ServingChat(ServingBase):
             for k, v in (req.chat_template_kwargs or {}).items()
             if k not in _RESERVED_TEMPLATE_KWARGS
         }
+        tools = parse_tools(req.tools)
+        if tools:
+            kwargs["tools"] = [t.to_openai() for t in tools]
         try:
             text = self.tokenizer.apply_chat_template(
                 req.conversation(),
@@ -99,9 +147,25 @@ class ServingChat(ServingBase):
     def prepare(self, req: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
         """Check, render and tokenize: (prompt text, ids, sampling params)."""
         self.check_model(req.model)
+        mode = self.tool_mode(req)
         params = req.to_sampling_params()
         self.check_num_seqs(req.n, "n")
         text, ids = self._render_checked(req, req.max_new_tokens())
+        if mode.constrained:
+            if params.structured_outputs is not None:
+                raise RequestError(
+                    f"{req.structured_field} can not be combined with tool_choice "
+                    f"{mode.kind!r} (the tool call is the structured output).",
+                    param="tool_choice",
+                )
+            params.structured_outputs = StructuredOutputsParams(json=mode.schema())
+            req.set_structured_field("tools")
+        elif mode.kind == "auto" and self.tool_parser and self.tool_parser.needs_special_tokens:
+            params.skip_special_tokens = False  # the parser reads its special-token markers
+        so = params.structured_outputs
+        if so is not None and self.reasoning is not None:
+            if ReasoningSplitter(self.reasoning, text).in_reasoning:  # the answer comes later
+                so.reasoning_end_token_id = self.reasoning_end_id
         try:
             self.llm.validate({"prompt": text, "prompt_token_ids": ids}, params)
         except ValueError as e:
@@ -136,22 +200,31 @@ class ServingChat(ServingBase):
         started = await self.start([(text, ids)], params, rid, req.priority, req.cache_salt,
                                    req.n)  # fmt: skip
         created = now()
+        mode = self.tool_mode(req)
         if req.stream:
-            return self._stream(req, started, rid, created)
-        return self._response(req, await self.collect(started), rid, created)
+            return self._stream(req, started, rid, created, mode)
+        return self._response(req, await self.collect(started), rid, created, mode)
 
     async def _beam_search(self, req: ChatCompletionRequest) -> dict[str, Any]:
         self.check_model(req.model)
+        if self.tool_mode(req).kind != "none":
+            raise RequestError("tool calls are not supported with use_beam_search.",
+                               param="tool_choice")  # fmt: skip
         req.to_beam_search_params(1)  # checks the fields before the template is rendered
         self.check_num_seqs(req.n, "n")
         text, ids = await off_loop(self._render_checked, req, req.max_new_tokens())
         params = req.to_beam_search_params(self.max_model_len - len(ids))
         rid = random_id("chatcmpl")
         started = await self.start([(text, ids)], params, rid, n=req.n)
-        return self._response(req, await self.collect(started), rid, now())
+        return self._response(req, await self.collect(started), rid, now(), ToolMode("none"))
 
     def _response(
-        self, req: ChatCompletionRequest, results: list[Collected], rid: str, created: int
+        self,
+        req: ChatCompletionRequest,
+        results: list[Collected],
+        rid: str,
+        created: int,
+        mode: ToolMode,
     ) -> dict[str, Any]:
         (r,) = results
         choices = []
@@ -159,13 +232,22 @@ class ServingChat(ServingBase):
             logprobs = None
             if req.logprobs:
                 logprobs = {"content": self._logprobs(c, req.top_logprobs or 0)}
-            message = {"role": self._role(req), "content": self._echo_text(req) + c.text}
+            shaper = self.shaper(mode, r.prompt_text)
+            finish_reason = c.finish_reason
+            if shaper is None:
+                message = {"role": self._role(req), "content": self._echo_text(req) + c.text}
+            else:
+                shaper.feed(c.text)
+                shaper.finish()
+                message = shaper.message(self._role(req), self._echo_text(req),
+                                         req.include_reasoning)  # fmt: skip
+                finish_reason = shaper.finish_reason(finish_reason)
             choices.append(
                 {
                     "index": c.index,
                     "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason,
                 }
             )
@@ -180,8 +262,15 @@ class ServingChat(ServingBase):
         }
 
     def _stream(
-        self, req: ChatCompletionRequest, started: list[Started], rid: str, created: int
+        self,
+        req: ChatCompletionRequest,
+        started: list[Started],
+        rid: str,
+        created: int,
+        mode: ToolMode,
     ) -> SSEStream:
+        shapers: dict[int, ChoiceShaper | None] = {}
+
         def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, fr: Any = None,
                   sr: Any = None) -> dict[str, Any]:  # fmt: skip
             c: dict[str, Any] = {
@@ -219,8 +308,29 @@ class ServingChat(ServingBase):
             logprobs = None
             if req.logprobs:
                 logprobs = {"content": self._logprobs(Choice.of(c), req.top_logprobs or 0)}
-            delta = {"content": c.text} if c.text else {}
-            return [chunk(c.index, delta, logprobs, c.finish_reason, c.stop_reason)]
+            if c.index not in shapers:
+                shapers[c.index] = self.shaper(mode, s.prompt_text)
+            shaper = shapers[c.index]
+            if shaper is None:
+                delta = {"content": c.text} if c.text else {}
+                return [chunk(c.index, delta, logprobs, c.finish_reason, c.stop_reason)]
+            shaped = shaper.feed(c.text) if c.text else Shaped()
+            if c.finish_reason is not None:
+                end = shaper.finish()
+                shaped.reasoning += end.reasoning
+                shaped.content += end.content
+                shaped.tool_calls += end.tool_calls
+            delta: dict[str, Any] = {}
+            if shaped.reasoning and req.include_reasoning:
+                delta["reasoning_content"] = shaped.reasoning
+            if shaped.content:
+                delta["content"] = shaped.content
+            if shaped.tool_calls:
+                delta["tool_calls"] = shaped.tool_calls
+            fr = shaper.finish_reason(c.finish_reason)
+            if not delta and fr is None and logprobs is None:
+                return []
+            return [chunk(c.index, delta, logprobs, fr, c.stop_reason)]
 
         usage_chunk = self.usage_chunk(rid, "chat.completion.chunk", created)
         return self.stream_events(

@@ -19,6 +19,7 @@ pydantic models when streaming one chunk per token).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -125,6 +126,10 @@ class _SamplingFields(OpenAIBaseModel):
     def structured_field(self) -> str | None:
         """The field that asked for structured outputs (set by ``to_sampling_params``)."""
         return self._structured_field
+
+    def set_structured_field(self, name: str) -> None:
+        """The grammar came from ``name`` (e.g. ``tools``: a required or named tool call)."""
+        self._structured_field = name
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None, best_of: int | None = None,
@@ -279,11 +284,16 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(OpenAIBaseModel):
-    """One message; ``content`` is a string or a list of ``{"type": "text", "text": ...}``."""
+    """One message; ``content`` is a string or a list of ``{"type": "text", "text": ...}``.
+    An assistant message may carry the ``tool_calls`` it made (and ``reasoning_content``), a
+    ``tool`` message the ``tool_call_id`` it answers."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         """The text of the content (text parts joined with newlines)."""
@@ -309,9 +319,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = "none"
+    # None: OpenAI's default, "auto" when tools are given, else "none" (see tools.py)
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     # vLLM extras
+    include_reasoning: bool = True  # reasoning_content in the reply (--reasoning-parser)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -327,8 +339,6 @@ class ChatCompletionRequest(_SamplingFields):
         self._check_common()
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs set to true.", param="top_logprobs")
-        if self.tools and self.tool_choice not in (None, "none"):
-            raise RequestError("tool calling is not supported yet.", param="tools")
         if self.continue_final_message and self.add_generation_prompt:
             raise RequestError(
                 "continue_final_message and add_generation_prompt can not both be true.",
@@ -352,14 +362,40 @@ class ChatCompletionRequest(_SamplingFields):
         return self._beam_params(max_tokens, self.n, bool(self.logprobs))
 
     def conversation(self) -> list[dict[str, Any]]:
-        """The messages as plain dicts for the chat template."""
+        """The messages as plain dicts for the chat template. An assistant's tool calls keep
+        their shape, with ``arguments`` decoded from JSON text to an object (what templates
+        such as Qwen's and Llama's expect; vLLM does the same)."""
         conv = []
-        for m in self.messages:
+        for i, m in enumerate(self.messages):
             d: dict[str, Any] = {"role": m.role, "content": m.text()}
             if m.name is not None:
                 d["name"] = m.name
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            if m.reasoning_content is not None:
+                d["reasoning_content"] = m.reasoning_content
+            if m.tool_calls:
+                d["tool_calls"] = [_template_call(c, i) for c in m.tool_calls]
             conv.append(d)
         return conv
+
+
+def _template_call(call: dict[str, Any], index: int) -> dict[str, Any]:
+    """One tool call of message ``index`` for the chat template; 400 naming ``messages``."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise RequestError(f"messages[{index}].tool_calls: each call needs function.name.",
+                           param="messages")  # fmt: skip
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise RequestError(
+                f"messages[{index}].tool_calls: arguments of {fn['name']!r} are not JSON: {e}.",
+                param="messages",
+            ) from e
+    return {**call, "type": call.get("type", "function"), "function": {**fn, "arguments": args}}
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: ``build_app(async_llm, args)`` and ``run_server(args)``.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (and
+``GET``/``DELETE /v1/responses/{id}``, see ``responses.py``), ``GET /v1/models``,
 ``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``.
 With an API key (``--api-key`` or ``PAGEDLLM_API_KEY``) every ``/v1`` route needs
 ``Authorization: Bearer <key>`` (401 otherwise); the others stay open, as in vLLM.
@@ -84,6 +85,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     now,
 )
+from pagedllm.entrypoints.openai.responses import ResponsesRequest, ServingResponses
 from pagedllm.entrypoints.openai.serving import SSEStream, internal_error, off_loop
 from pagedllm.entrypoints.openai.shutdown import (
     Drain,
@@ -222,8 +224,9 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
 
     ``args`` is any object with (all optional) attributes ``served_model_name``, ``api_key``
     (``PAGEDLLM_API_KEY`` is used when it is unset), ``chat_template`` (path or Jinja text),
-    ``max_log_len``. The app adds a ``ServerMetrics`` stat logger to ``async_llm`` and, when
-    xgrammar is installed, starts creating the structured-output manager on a helper thread.
+    ``enable_auto_tool_choice``, ``tool_call_parser``, ``reasoning_parser``, ``max_log_len``.
+    The app adds a ``ServerMetrics`` stat logger to ``async_llm`` and, when xgrammar is
+    installed, starts creating the structured-output manager on a helper thread.
     """
     model_name = (
         getattr(args, "served_model_name", None) or async_llm.model_config.served_model_name
@@ -236,8 +239,17 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
         async_llm.prepare_structured_outputs()  # tokenizer info ready before the first request
     drain = Drain(async_llm)
     completions = ServingCompletion(async_llm, model_name)
-    chat = ServingChat(async_llm, model_name, chat_template, completions.longest_token)
+    chat = ServingChat(
+        async_llm,
+        model_name,
+        chat_template,
+        completions.longest_token,
+        enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+    )
     completions.track = chat.track = drain.track
+    responses_api = ServingResponses(chat)
     tokenizer = async_llm.tokenizer
     max_model_len = async_llm.model_config.max_model_len
     created = now()
@@ -292,6 +304,20 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
     async def create_chat_completion(request: Request) -> Response:
         req = await parse_body(request, ChatCompletionRequest)
         return await handle(request, chat.create(req), bool(req.stream))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        req = await parse_body(request, ResponsesRequest)
+        return await handle(request, responses_api.create(req), req.stream)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses_api.store.get(response_id)[0])
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> JSONResponse:
+        responses_api.store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     async def handle(request: Request, work: Awaitable[Any], stream: bool) -> Response:
         try:
@@ -369,7 +395,8 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
     install_request_bodies(
         app,
         {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-         "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest},
+         "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest,
+         "/detokenize": DetokenizeRequest},
         extra=[ChatCompletionChunk],
     )  # fmt: skip
     return app

@@ -1,0 +1,289 @@
+"""Tool-call parsers (``--tool-call-parser``, vLLM's names): the calls a model writes in its own
+format, found in its output, as whole replies and as streamed deltas.
+
+- ``hermes`` (Qwen2.5, Qwen3, Hermes 2/3): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n
+  </tool_call>``, any number of them, text before them is content.
+- ``llama3_json`` (Llama 3.1/3.2/3.3): the output is one or more JSON objects
+  ``{"name": ..., "parameters": {...}}`` separated by ``;``, optionally after
+  ``<|python_tag|>``; an output that does not open with one of those is all content.
+- ``mistral``: content, then ``[TOOL_CALLS]`` and either a JSON list of ``{"name", "arguments"}``
+  (tokenizers up to v7) or ``name[ARGS]{...}`` per call (v11 and later).
+
+A parser reads one choice's text delta by delta (``feed``) and hands back the content that is
+certainly not part of a call, and each call once it is complete (a streamed call arrives in one
+delta with its whole arguments, which OpenAI's format allows). Text that might open a call is
+held back until the next delta decides. A call that does not parse is given back as content,
+tags and all, so nothing the model wrote is lost (issue: "a reply whose content carries the
+text").
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def tool_call_id() -> str:
+    """An id for a call the server found (vLLM's form)."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def mistral_tool_call_id() -> str:
+    """Mistral's chat templates accept 9 alphanumeric characters only."""
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
+@dataclass
+class ToolCall:
+    """One function call: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=tool_call_id)
+
+    def to_openai(self) -> dict[str, Any]:
+        """OpenAI's ``message.tool_calls[i]``."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+def _call_of(obj: Any, args_keys: tuple[str, ...] = ("arguments",)) -> ToolCall | None:
+    """A ToolCall from a decoded ``{"name": ..., <args key>: {...}}``, or None if malformed."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args: Any = {}
+    for key in args_keys:
+        if key in obj:
+            args = obj[key]
+            break
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``.
+    Example: ("Sure <tool", "<tool_call>") -> 5."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ToolParser:
+    """Finds the tool calls in one choice's output. Subclasses implement ``feed``/``finish``."""
+
+    name = ""
+    # the format's markers are special tokens: the detokenizer must keep them
+    needs_special_tokens = False
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        """(content, completed calls) that ``delta`` settles."""
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content, calls) from what was held back, at the end of the output."""
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """A whole output as (content, calls)."""
+        c1, t1 = self.feed(text)
+        c2, t2 = self.finish()
+        return c1 + c2, t1 + t2
+
+
+class HermesToolParser(ToolParser):
+    """``<tool_call>{json}</tool_call>`` blocks anywhere in the output."""
+
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._in_call = False
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        self._buf += delta
+        content, calls = "", []
+        while True:
+            if not self._in_call:
+                i = self._buf.find(self.OPEN)
+                if i < 0:
+                    hold = _held_prefix(self._buf, self.OPEN)
+                    content += self._buf[: len(self._buf) - hold]
+                    self._buf = self._buf[len(self._buf) - hold :]
+                    return content, calls
+                content += self._buf[:i]
+                self._buf = self._buf[i + len(self.OPEN) :]
+                self._in_call = True
+            j = self._buf.find(self.CLOSE)
+            if j < 0:
+                return content, calls
+            body, self._buf = self._buf[:j], self._buf[j + len(self.CLOSE) :]
+            self._in_call = False
+            call = _decode_one(body)
+            if call is None:
+                content += self.OPEN + body + self.CLOSE
+            else:
+                calls.append(call)
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        rest, self._buf = self._buf, ""
+        if not self._in_call:
+            return rest, []
+        self._in_call = False  # an unclosed call (the output was cut, or stopped at the tag)
+        call = _decode_one(rest)
+        return ("", [call]) if call is not None else (self.OPEN + rest, [])
+
+
+def _decode_one(body: str) -> ToolCall | None:
+    try:
+        return _call_of(json.loads(body))
+    except json.JSONDecodeError:
+        return None
+
+
+def _decode_many(text: str, args_keys: tuple[str, ...], sep: str = ";") -> list[ToolCall] | None:
+    """Consecutive JSON objects separated by ``sep`` and whitespace (or a JSON list of them)
+    as calls; None if any part is not a call."""
+    dec = json.JSONDecoder()
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(items, list) or not items:
+            return None
+        calls = [_call_of(x, args_keys) for x in items]
+        return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
+    calls: list[ToolCall] = []
+    pos = 0
+    while pos < len(text):
+        try:
+            obj, end = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return None
+        call = _call_of(obj, args_keys)
+        if call is None:
+            return None
+        calls.append(call)
+        pos = end
+        while pos < len(text) and (text[pos].isspace() or text[pos] == sep):
+            pos += 1
+    return calls or None
+
+
+class Llama3JsonToolParser(ToolParser):
+    """The whole output is the calls (JSON objects, ``;``-separated), or it is all content."""
+
+    name = "llama3_json"
+    needs_special_tokens = True
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._mode = "deciding"  # -> "content" | "calls"
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        self._buf += delta
+        if self._mode == "deciding":
+            head = self._buf.lstrip()
+            if head.startswith((self.TAG, "{")):
+                self._mode = "calls"
+            elif not head or self.TAG.startswith(head):
+                return "", []
+            else:
+                self._mode = "content"
+        if self._mode == "calls":
+            return "", []  # decided at the end (the arguments may hold anything)
+        out, self._buf = self._buf, ""
+        return out, []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        rest, self._buf = self._buf, ""
+        if self._mode != "calls":
+            return rest, []
+        body = rest.lstrip()
+        body = body[len(self.TAG) :] if body.startswith(self.TAG) else body
+        calls = _decode_many(body, ("parameters", "arguments"))
+        return ("", calls) if calls else (rest, [])
+
+
+class MistralToolParser(ToolParser):
+    """Content, then ``[TOOL_CALLS]`` and the calls to the end of the output."""
+
+    name = "mistral"
+    needs_special_tokens = True
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._in_calls = False
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        self._buf += delta
+        if self._in_calls:
+            return "", []
+        i = self._buf.find(self.TAG)
+        if i >= 0:
+            content, self._buf = self._buf[:i], self._buf[i + len(self.TAG) :]
+            self._in_calls = True
+            return content, []
+        hold = _held_prefix(self._buf, self.TAG)
+        content = self._buf[: len(self._buf) - hold]
+        self._buf = self._buf[len(self._buf) - hold :]
+        return content, []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        rest, self._buf = self._buf, ""
+        if not self._in_calls:
+            return rest, []
+        calls = self._parse_calls(rest)
+        if not calls:
+            return self.TAG + rest, []
+        for c in calls:
+            c.id = mistral_tool_call_id()
+        return "", calls
+
+    def _parse_calls(self, body: str) -> list[ToolCall] | None:
+        if self.ARGS not in body:  # up to v7: a JSON list (or objects)
+            return _decode_many(body, ("arguments", "parameters"))
+        calls = []  # v11+: name[ARGS]{...}, each call after its own [TOOL_CALLS]
+        for part in body.split(self.TAG):
+            name, sep, args = part.partition(self.ARGS)
+            if not sep:
+                return None
+            call = _call_of({"name": name.strip(), "arguments": args.strip()})
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+}
+
+
+def get_tool_parser(name: str) -> type[ToolParser]:
+    """The parser class of ``--tool-call-parser name``; ValueError naming the choices."""
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        raise ValueError(
+            f"--tool-call-parser: unknown parser {name!r}; choose one of "
+            f"{', '.join(sorted(TOOL_PARSERS))}."
+        ) from None
