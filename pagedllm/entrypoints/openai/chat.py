@@ -198,7 +198,7 @@ class ServingChat(ServingBase):
         await self.check_structured(params, req.structured_field)
         rid = random_id("chatcmpl")
         started = await self.start([(text, ids)], params, rid, req.priority, req.cache_salt,
-                                   req.n)  # fmt: skip
+                                   req.n, lora_request=self.check_model(req.model))  # fmt: skip
         created = now()
         mode = self.tool_mode(req)
         if req.stream:
@@ -215,7 +215,8 @@ class ServingChat(ServingBase):
         text, ids = await off_loop(self._render_checked, req, req.max_new_tokens())
         params = req.to_beam_search_params(self.max_model_len - len(ids))
         rid = random_id("chatcmpl")
-        started = await self.start([(text, ids)], params, rid, n=req.n)
+        started = await self.start([(text, ids)], params, rid, n=req.n,
+                                   lora_request=self.check_model(req.model))  # fmt: skip
         return self._response(req, await self.collect(started), rid, now(), ToolMode("none"))
 
     def _response(
@@ -249,9 +250,10 @@ class ServingChat(ServingBase):
                     "logprobs": logprobs,
                     "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason,
+                    **({"token_ids": c.token_ids} if req.return_token_ids else {}),
                 }
             )
-        return {
+        body = {
             "id": rid,
             "object": "chat.completion",
             "created": created,
@@ -260,6 +262,9 @@ class ServingChat(ServingBase):
             "usage": self.usage(results, req.n),
             **transfer_field(results),
         }
+        if req.return_token_ids:  # vLLM's extra
+            body["prompt_token_ids"] = r.prompt_token_ids
+        return body
 
     def _stream(
         self,

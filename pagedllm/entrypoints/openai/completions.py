@@ -72,7 +72,8 @@ class ServingCompletion(ServingBase):
         rid = random_id("cmpl")
         best_of = (params.best_of or params.n) > params.n  # the engine picks the n best at the end
         started = await self.start(prompts, params, rid, req.priority, req.cache_salt, req.n,
-                                   "final" if best_of else "delta")  # fmt: skip
+                                   "final" if best_of else "delta",
+                                   self.check_model(req.model))  # fmt: skip
         created = now()
         if req.stream:
             return self._stream(req, started, rid, created)
@@ -84,7 +85,8 @@ class ServingCompletion(ServingBase):
         self.check_num_seqs(params.beam_width, "best_of" if req.best_of else "n")
         prompts = await off_loop(self.tokenize, req, params.max_tokens)
         rid = random_id("cmpl")
-        started = await self.start(prompts, params, rid, n=req.n)
+        started = await self.start(prompts, params, rid, n=req.n,
+                                   lora_request=self.check_model(req.model))  # fmt: skip
         return self._response(req, await self.collect(started), rid, now())
 
     def _response(
@@ -98,15 +100,17 @@ class ServingCompletion(ServingBase):
                     text = self._prompt_text(r.prompt_text, r.prompt_token_ids) + c.text
                 if req.logprobs is not None:
                     logprobs = self._logprobs(r, c, req.logprobs, req.echo, 0)
-                choices.append(
-                    {
-                        "index": p * req.n + c.index,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                )
+                choice = {
+                    "index": p * req.n + c.index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                if req.return_token_ids:  # vLLM's extra
+                    choice["prompt_token_ids"] = r.prompt_token_ids
+                    choice["token_ids"] = c.token_ids
+                choices.append(choice)
         return {
             "id": rid,
             "object": "text_completion",

@@ -111,6 +111,8 @@ class _SamplingFields(OpenAIBaseModel):
     # fills it in): {"do_remote_decode": true} on the prefill side, the prefill response's
     # kv_transfer_params on the decode side
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's extra: the prompt's and each choice's token ids in a (non-streamed) reply
+    return_token_ids: bool = False
 
     # the request field the structured-output constraint came from (for error messages)
     _structured_field: str | None = PrivateAttr(None)
@@ -415,6 +417,15 @@ class TokenizeRequest(OpenAIBaseModel):
         if self.messages is not None and not self.messages:
             raise RequestError("messages must not be empty.", "messages")
         return self
+
+
+class LoRAAdapterRequest(OpenAIBaseModel):
+    """``POST /v1/load_lora_adapter`` (name and PEFT folder) and ``/v1/unload_lora_adapter``
+    (name)."""
+
+    lora_name: str | None = None
+    lora_path: str | None = None
+    base_model_name: str | None = None
 
 
 class DetokenizeRequest(OpenAIBaseModel):

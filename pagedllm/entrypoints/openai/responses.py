@@ -273,8 +273,9 @@ class ServingResponses:
             text, ids, params = await off_loop(self.chat.prepare, creq)
             await self.chat.check_structured(params, creq.structured_field)
             rid = random_id("resp")
+            lora = self.chat.check_model(creq.model)
             started = await self.chat.start([(text, ids)], params, rid, creq.priority,
-                                            creq.cache_salt)  # fmt: skip
+                                            creq.cache_salt, lora_request=lora)  # fmt: skip
         except RequestError as e:
             e.param = _PARAMS.get(e.param or "", e.param)
             raise

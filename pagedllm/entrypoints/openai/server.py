@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server: ``build_app(async_llm, args)`` and ``run_server(args)``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (and
-``GET``/``DELETE /v1/responses/{id}``, see ``responses.py``), ``GET /v1/models``,
+``GET``/``DELETE /v1/responses/{id}``, see ``responses.py``), ``GET /v1/models`` (the base
+model and its LoRA adapters; ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+where the environment allows, see ``models.py``),
 ``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``.
 With an API key (``--api-key`` or ``PAGEDLLM_API_KEY``) every ``/v1`` route needs
 ``Authorization: Bearer <key>`` (401 otherwise); the others stay open, as in vLLM.
@@ -56,7 +58,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -67,6 +69,7 @@ from pagedllm.engine.async_llm import AsyncLLM, AsyncLLMBase, EngineDeadError, E
 from pagedllm.entrypoints.openai.chat import ServingChat, load_chat_template
 from pagedllm.entrypoints.openai.completions import ServingCompletion
 from pagedllm.entrypoints.openai.errors import RequestError, error_response
+from pagedllm.entrypoints.openai.models import ServingModels, runtime_updates_allowed
 from pagedllm.entrypoints.openai.openapi import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -82,6 +85,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoRAAdapterRequest,
     TokenizeRequest,
     now,
 )
@@ -249,6 +253,8 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
         reasoning_parser=getattr(args, "reasoning_parser", None),
     )
     completions.track = chat.track = drain.track
+    models = ServingModels(async_llm, model_name)
+    completions.models = chat.models = models
     responses_api = ServingResponses(chat)
     tokenizer = async_llm.tokenizer
     max_model_len = async_llm.model_config.max_model_len
@@ -333,16 +339,20 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
 
     @app.get("/v1/models", responses=responses(ModelList))
     async def list_models() -> JSONResponse:
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "pagedllm",
-            "root": model_name,  # not the weights' path on the server's disk
-            "parent": None,
-            "max_model_len": max_model_len,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        # (root: the served name, not the weights' path on the server's disk)
+        return JSONResponse({"object": "list", "data": models.cards(created, max_model_len)})
+
+    if runtime_updates_allowed():
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            body = await parse_body(request, LoRAAdapterRequest)
+            return PlainTextResponse(await models.load(body.model_dump()))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            body = await parse_body(request, LoRAAdapterRequest)
+            return PlainTextResponse(await models.unload(body.model_dump()))
 
     @app.get("/health", responses={200: {"description": "Ready"},
                                    503: {"description": "Draining or engine down"}})  # fmt: skip

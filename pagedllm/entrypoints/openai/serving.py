@@ -21,8 +21,10 @@ from typing import Any
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.engine.async_llm import AsyncLLMBase, EngineDeadError, EngineError, RequestStream
 from pagedllm.entrypoints.openai.errors import ErrorResponse, RequestError
+from pagedllm.entrypoints.openai.models import ServingModels
 from pagedllm.entrypoints.openai.protocol import param_of
 from pagedllm.entrypoints.openai.structured import compile_error_message
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -203,6 +205,7 @@ class ServingBase:
         )
         # called with every engine request this handler starts (the server's drain tracks them)
         self.track: Callable[[RequestStream], None] = lambda stream: None
+        self.models: ServingModels | None = None  # the base model and its adapters (server)
 
     def check_text_fits(self, num_chars: int, param: str) -> None:
         """400 before tokenizing when ``num_chars`` characters cannot fit the context: each
@@ -219,8 +222,11 @@ class ServingBase:
                 param=param,
             )
 
-    def check_model(self, model: str | None) -> None:
-        """404 (vLLM's message) when the body names a model this server does not serve."""
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter the body's ``model`` names (None: the base model); 404 (vLLM's
+        message) when it names a model this server does not serve."""
+        if self.models is not None:
+            return self.models.resolve(model)
         if model is not None and model != self.model_name:
             raise RequestError(
                 f"The model `{model}` does not exist.",
@@ -228,6 +234,7 @@ class ServingBase:
                 status_code=404,
                 err_type="NotFoundError",
             )
+        return None
 
     def check_length(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
         """400 when the prompt (plus ``max_tokens`` if given) exceeds the context (vLLM)."""
@@ -279,20 +286,25 @@ class ServingBase:
         cache_salt: str | None = None,
         n: int = 1,
         output_kind: str = "delta",
+        lora_request: LoRARequest | None = None,
     ) -> list[Started]:
         """Queue one engine request per prompt (all or none: a failure aborts the started).
-        ``n`` is how many choices each prompt answers."""
+        ``n`` is how many choices each prompt answers; ``lora_request`` the adapter."""
         started: list[Started] = []
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
                 if isinstance(params, BeamSearchParams):
+                    if lora_request is not None:
+                        raise RequestError("use_beam_search is not supported with a LoRA "
+                                           "adapter.", param="use_beam_search")  # fmt: skip
                     stream = await self.llm.add_beam_request(prompt, params, rid)
                 else:
                     if cache_salt is not None:
                         prompt["cache_salt"] = cache_salt
-                    stream = await self.llm.add_request(prompt, params, rid, priority, output_kind)
+                    stream = await self.llm.add_request(prompt, params, rid, priority, output_kind,
+                                                        lora_request=lora_request)  # fmt: skip
                 self.track(stream)
                 started.append(Started(i, stream, text, ids, n))
         except ValueError as e:
