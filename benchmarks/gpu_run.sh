@@ -109,6 +109,8 @@ one() {
     tests-fp8-kvc)  # fp8 caches under KV-Compress: the per-head kernels, then the engine
       $PYTEST tests/kernels/test_fp8_kv.py && $PYTEST tests/kernels/test_kvc_attention.py -k fp8 \
         && $PYTEST tests/models/test_fp8_kv.py -k kv_compress ;;
+    tests-lora)  # the LoRA shrink/expand Triton kernels against the PyTorch reference
+      $PYTEST tests/kernels/test_lora_kernels.py ;;
     tests-dcp)  # decode context parallelism's Triton kernels against the PyTorch reference
       $PYTEST tests/kernels/test_dcp_attention.py ;;
     dcp-2gpu)  # 2+ GPUs: the longest context and TPOT at DCP 1 vs 2 (8B shape, DCP_* knobs)

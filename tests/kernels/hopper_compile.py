@@ -33,6 +33,7 @@ import pagedllm.ops.kvc_attention.decode_split as kvc_split
 import pagedllm.ops.kvc_attention.prefill as kvc_prefill
 import pagedllm.ops.kvc_attention.window_scores as kvc_window
 import pagedllm.ops.kvc_step as kvc_step
+import pagedllm.ops.lora as lora
 import pagedllm.ops.paged_attention as paged
 import pagedllm.ops.rms_norm as rms
 import pagedllm.ops.rotary as rotary
@@ -210,7 +211,8 @@ def _paged_variants() -> list[tuple[str, object, dict, dict]]:
 
 
 def _other_variants() -> list[tuple[str, object, dict, dict]]:
-    """Norms, activations, the grammar bitmask, the device drafts, the fused all-reduce."""
+    """Norms, activations, the grammar bitmask, LoRA, the device drafts, the fused
+    all-reduce."""
     ptrs = dict(
         x_ptr=BF16, y_ptr=BF16, w_ptr=BF16, r_ptr=BF16, s_ptr=BF16, logits_ptr=F32,
         mask_ptr=I32, rows_ptr=I64, buf_ptrs=I64, pad_ptrs=I64,
@@ -234,6 +236,14 @@ def _other_variants() -> list[tuple[str, object, dict, dict]]:
         meta_ptr=I64, accepted_ptr=I64, drafts_ptr=I32, nvalid_ptr=I64, used_ptr=I32,
         valid_ptr=I8, samples_ptr=I64, hist_ptr=I32, lens_ptr=I64, acc_ptr=I64, bonus_ptr=I64,
     )  # fmt: skip
+    for dtype, f32 in ((BF16, False), (F32, True)):
+        lp = dict(x_ptr=dtype, a_ptr=dtype, s_ptr=F32, meta_ptr=I64)
+        for bm in (16, 64):
+            out.append((f"lora shrink BLOCK_M={bm} f32={f32}", lora._shrink_kernel, lp,
+                        dict(R=16, BLOCK_M=bm, BLOCK_K=64, F32=f32)))  # fmt: skip
+            ep = dict(s_ptr=F32, b_ptr=dtype, out_ptr=dtype, meta_ptr=I64, sub_ptr=I64)
+            out.append((f"lora expand BLOCK_M={bm} f32={f32}", lora._expand_kernel, ep,
+                        dict(R=16, BLOCK_M=bm, BLOCK_N=64, F32=f32)))  # fmt: skip
     out.append(("drafts prepare", drafts._prepare_kernel, spec, dict(K=4, BLOCK_K=8)))
     out.append(("drafts verify", drafts._verify_kernel, spec,
                 dict(K=4, BLOCK_K=8, MAX_N=4, BLOCK_N=4, BLOCK_W=1024, LOOKUP=True)))  # fmt: skip
@@ -249,7 +259,7 @@ def uncovered(todo: list) -> list[str]:
     """Kernels (``*_kernel`` JIT functions) of the imported ops modules with no variant here:
     a new kernel must be added to ``variants``."""
     kvc = (kvc_decode, kvc_split, kvc_prefill, kvc_window, kvc_step)
-    modules = (act, arn, bitmask, dcp, kv_write, *kvc, paged, rms, rotary, drafts)
+    modules = (act, arn, bitmask, dcp, kv_write, *kvc, lora, paged, rms, rotary, drafts)
     have = {id(fn) for _, fn, _, _ in todo}
     return [
         f"{m.__name__}.{name}"
