@@ -116,7 +116,7 @@ def test_errors_and_the_store(server: LiveServer) -> None:
     url = f"{server.url}/v1/responses"
     with httpx.Client(headers=server.headers, timeout=60) as http:
         cases: list[tuple[dict[str, Any], int, str | None]] = [
-            ({"input": "hi", "previous_response_id": "resp_nope"}, 404, "response_id"),
+            ({"input": "hi", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
             ({"input": [{"type": "image_generation_call"}]}, 400, "input"),
             ({"input": []}, 400, "input"),
             ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools"),

@@ -234,7 +234,11 @@ class ServingResponses:
             raise RequestError("background responses are not supported.", param="background")
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
-            history = list(self.store.get(req.previous_response_id)[1])
+            try:
+                history = list(self.store.get(req.previous_response_id)[1])
+            except RequestError as e:
+                e.param = "previous_response_id"
+                raise
         conversation = history + input_messages(req.input)
         messages = conversation
         if req.instructions:
