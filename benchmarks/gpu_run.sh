@@ -111,6 +111,8 @@ one() {
         && $PYTEST tests/models/test_fp8_kv.py -k kv_compress ;;
     tests-lora)  # the LoRA shrink/expand Triton kernels against the PyTorch reference
       $PYTEST tests/kernels/test_lora_kernels.py ;;
+    lora-a)  # Benchmark A's workload: the base model, then 4 and 16 rank-16 adapters mixed
+      python benchmarks/lora_gpu.py --adapters "${LORA_ADAPTERS:-4,16}" --out "$OUT" ;;
     tests-dcp)  # decode context parallelism's Triton kernels against the PyTorch reference
       $PYTEST tests/kernels/test_dcp_attention.py ;;
     dcp-2gpu)  # 2+ GPUs: the longest context and TPOT at DCP 1 vs 2 (8B shape, DCP_* knobs)
