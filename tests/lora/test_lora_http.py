@@ -60,6 +60,7 @@ def test_adapters_by_model_name(lora_setup, references, monkeypatch) -> None:  #
                     "model": "a2", "messages": [{"role": "user", "content": "hi"}],
                     "max_tokens": 2})  # fmt: skip
                 assert chat.status_code == 200, chat.text
+                assert chat.json()["model"] == "a2"  # the adapter's name, as vLLM replies
 
                 bad = [
                     ({"lora_name": "a2", "lora_path": adapters["a2"]}, 400, "lora_name"),

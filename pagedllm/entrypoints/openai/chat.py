@@ -257,7 +257,7 @@ class ServingChat(ServingBase):
             "id": rid,
             "object": "chat.completion",
             "created": created,
-            "model": self.model_name,
+            "model": self.reply_model(req.model),
             "choices": choices,
             "usage": self.usage(results, req.n),
             **transfer_field(results),
@@ -282,7 +282,7 @@ class ServingChat(ServingBase):
                 "id": rid,
                 "object": "chat.completion.chunk",
                 "created": created,
-                "model": self.model_name,
+                "model": self.reply_model(req.model),
                 "choices": [
                     {
                         "index": index,
@@ -337,7 +337,7 @@ class ServingChat(ServingBase):
                 return []
             return [chunk(c.index, delta, logprobs, fr, c.stop_reason)]
 
-        usage_chunk = self.usage_chunk(rid, "chat.completion.chunk", created)
+        usage_chunk = self.usage_chunk(rid, "chat.completion.chunk", created, req.model)
         return self.stream_events(
             started,
             make_chunks,

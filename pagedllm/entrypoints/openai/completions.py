@@ -115,7 +115,7 @@ class ServingCompletion(ServingBase):
             "id": rid,
             "object": "text_completion",
             "created": created,
-            "model": self.model_name,
+            "model": self.reply_model(req.model),
             "choices": choices,
             "usage": self.usage(results, req.n),
             **transfer_field(results),
@@ -134,7 +134,7 @@ class ServingCompletion(ServingBase):
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
-                "model": self.model_name,
+                "model": self.reply_model(req.model),
                 "choices": [
                     {
                         "index": index,
@@ -167,7 +167,7 @@ class ServingCompletion(ServingBase):
             offsets[index] = offset + len(text)
             return [chunk(index, text, logprobs, c.finish_reason, c.stop_reason)]
 
-        usage_chunk = self.usage_chunk(rid, "text_completion", created)
+        usage_chunk = self.usage_chunk(rid, "text_completion", created, req.model)
         return self.stream_events(
             started,
             make_chunks,

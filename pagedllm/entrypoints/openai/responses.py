@@ -308,7 +308,7 @@ class ServingResponses:
             "incomplete_details": None,
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
-            "model": self.chat.model_name,
+            "model": self.chat.reply_model(req.model),
             "output": [],
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,

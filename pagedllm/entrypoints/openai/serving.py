@@ -236,6 +236,13 @@ class ServingBase:
             )
         return None
 
+    def reply_model(self, model: str | None) -> str:
+        """The ``model`` a reply names: the adapter the request named (vLLM's), else the base
+        model's served name."""
+        if self.models is not None and model in self.models.adapters:
+            return model  # type: ignore[return-value]
+        return self.model_name
+
     def check_length(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
         """400 when the prompt (plus ``max_tokens`` if given) exceeds the context (vLLM)."""
         if num_prompt > self.max_model_len or (
@@ -344,7 +351,7 @@ class ServingBase:
         )
 
     def usage_chunk(
-        self, rid: str, obj: str, created: int
+        self, rid: str, obj: str, created: int, model: str | None = None
     ) -> Callable[[dict[str, Any]], dict[str, Any]]:
         """The closing stream chunk that carries only usage (``obj`` is the chunk's object)."""
 
@@ -353,7 +360,7 @@ class ServingBase:
                 "id": rid,
                 "object": obj,
                 "created": created,
-                "model": self.model_name,
+                "model": self.reply_model(model),
                 "choices": [],
                 "usage": usage,
             }
