@@ -59,13 +59,22 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "pagedllm.structured_output.params",
             "pagedllm.spec_decode.config",
             "pagedllm.core.kv_transfer.config",
+            "pagedllm.lora.request",
         ),
     ),
-    ("config", ("pagedllm.config",)),
-    ("features", ("pagedllm.spec_decode", "pagedllm.structured_output")),
+    ("config", ("pagedllm.config", "pagedllm.lora", "pagedllm.lora.config")),
+    (
+        "features",
+        (
+            "pagedllm.spec_decode",
+            "pagedllm.structured_output",
+            "pagedllm.lora.peft_loader",
+            "pagedllm.lora.registry",
+        ),
+    ),
     ("core", ("pagedllm.core",)),
     ("layout", ("pagedllm.kv_layout",)),
-    ("ops", ("pagedllm.ops",)),
+    ("ops", ("pagedllm.ops", "pagedllm.lora.ops")),
     (
         "layers",
         (
@@ -74,10 +83,11 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "pagedllm.sample",
             "pagedllm.structured_output.bitmask",
             "pagedllm.spec_decode.ngram_gpu",
+            "pagedllm.lora.batch",
         ),
     ),
-    ("model", ("pagedllm.model",)),
-    ("worker", ("pagedllm.worker",)),
+    ("model", ("pagedllm.model", "pagedllm.lora.layers")),
+    ("worker", ("pagedllm.worker", "pagedllm.lora.worker")),
     ("kvcompress", ("pagedllm.kvcompress",)),
     ("engine", ("pagedllm.engine",)),
     (
@@ -100,6 +110,7 @@ LAZY_FACTORIES: set[tuple[str, str]] = {
     ("pagedllm.config", "EngineArgs.create_engine_config"),
     ("pagedllm.config", "_draft_model_config"),
     ("pagedllm.config", "engine_args_from"),
+    ("pagedllm.lora.config", "lora_config_from"),  # the same, for LoRA's architecture check
 }
 
 # Strongly connected components of the import graph (module-level and function-level imports

@@ -139,6 +139,8 @@ def lora_config_from(args: Any, hf_config: Any) -> LoRAConfig | None:
         max_cpu_loras=args.max_cpu_loras,
         lora_modules=tuple(mods or ()),
     )
+    # lazy factory: the model registry imports torch; importing the config must stay cheap
+    # (EngineArgs.create_engine_config, the only caller, is one too)
     from pagedllm.model.registry import resolve_architecture
 
     architecture = resolve_architecture(hf_config)
