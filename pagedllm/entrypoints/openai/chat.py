@@ -41,7 +41,6 @@ from pagedllm.entrypoints.openai.serving import (
 from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 from pagedllm.entrypoints.openai.tools import (
     ChoiceShaper,
-    Shaped,
     ToolMode,
     parse_tools,
     resolve_tool_choice,
@@ -319,12 +318,7 @@ class ServingChat(ServingBase):
             if shaper is None:
                 delta = {"content": c.text} if c.text else {}
                 return [chunk(c.index, delta, logprobs, c.finish_reason, c.stop_reason)]
-            shaped = shaper.feed(c.text) if c.text else Shaped()
-            if c.finish_reason is not None:
-                end = shaper.finish()
-                shaped.reasoning += end.reasoning
-                shaped.content += end.content
-                shaped.tool_calls += end.tool_calls
+            shaped = shaper.step(c.text, c.finish_reason is not None)
             delta: dict[str, Any] = {}
             if shaped.reasoning and req.include_reasoning:
                 delta["reasoning_content"] = shaped.reasoning

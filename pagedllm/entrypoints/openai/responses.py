@@ -404,13 +404,8 @@ class ServingResponses:
                 result.add(out)
                 for c in out.outputs:
                     tokens += len(c.token_ids)
-                    shaped = shaper.feed(c.text) if c.text else Shaped()
-                    if c.finish_reason is not None:
-                        end = shaper.finish()
-                        shaped.reasoning += end.reasoning
-                        shaped.content += end.content
-                        shaped.tool_calls += end.tool_calls
-                    for e in writer.write(shaped, shaper):
+                    shaped = shaper.step(c.text, c.finish_reason is not None)
+                    for e in writer.write(shaped):
                         yield e
                 if out.error is not None:
                     err = engine_error(out.error)
@@ -465,7 +460,7 @@ class _ItemWriter:
         self.ids: dict[str, str] = {}
         self._calls = 0
 
-    def write(self, shaped: Shaped, shaper: ChoiceShaper) -> list[str]:
+    def write(self, shaped: Shaped) -> list[str]:
         ev: list[str] = []
         if shaped.reasoning:
             ev += self._open("reasoning", "rs")

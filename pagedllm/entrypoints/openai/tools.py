@@ -232,6 +232,16 @@ class ChoiceShaper:
         self._add_reasoning(reasoning)
         return out
 
+    def step(self, text: str, finished: bool) -> Shaped:
+        """One streamed delta of the choice: its text fed, and the rest when it ``finished``."""
+        out = self.feed(text) if text else Shaped()
+        if finished:
+            end = self.finish()
+            out.reasoning += end.reasoning
+            out.content += end.content
+            out.tool_calls += end.tool_calls
+        return out
+
     def finish(self) -> Shaped:
         """The rest, at the end of the output."""
         reasoning = ""
