@@ -113,6 +113,8 @@ one() {
       $PYTEST tests/kernels/test_lora_kernels.py ;;
     lora-a)  # Benchmark A's workload: the base model, then 4 and 16 rank-16 adapters mixed
       python benchmarks/lora_gpu.py --adapters "${LORA_ADAPTERS:-4,16}" --out "$OUT" ;;
+    tools-required)  # free decoding vs tool_choice required's grammar (needs xgrammar in .whl/)
+      python benchmarks/tools_gpu.py --num-prompts "${TOOLS_PROMPTS:-256}" --out "$OUT" ;;
     tests-dcp)  # decode context parallelism's Triton kernels against the PyTorch reference
       $PYTEST tests/kernels/test_dcp_attention.py ;;
     dcp-2gpu)  # 2+ GPUs: the longest context and TPOT at DCP 1 vs 2 (8B shape, DCP_* knobs)

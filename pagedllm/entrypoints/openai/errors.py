@@ -7,22 +7,9 @@ from __future__ import annotations
 from pydantic import BaseModel
 from starlette.responses import JSONResponse
 
+from pagedllm.entrypoints.openai.request_error import RequestError
 
-class RequestError(Exception):
-    """A client error: becomes an OpenAI error body with ``status_code``."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        status_code: int = 400,
-        err_type: str = "BadRequestError",
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status_code = status_code
-        self.err_type = err_type
+__all__ = ["ErrorInfo", "ErrorResponse", "RequestError", "error_response"]
 
 
 class ErrorInfo(BaseModel):

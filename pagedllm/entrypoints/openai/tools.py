@@ -25,8 +25,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.entrypoints.openai.errors import RequestError
 from pagedllm.entrypoints.openai.reasoning import ReasoningFormat, ReasoningSplitter
+from pagedllm.entrypoints.openai.request_error import RequestError
 from pagedllm.entrypoints.openai.tool_parsers import ToolCall, ToolParser
 
 

@@ -1,0 +1,94 @@
+"""Tool calling's cost on a GPU: the same prompts decoded freely ("no tools") and under
+``tool_choice="required"``'s grammar (the JSON list of calls the server constrains a required
+tool call to, built by ``entrypoints/openai/tools.py`` from two function tools), in one
+process, output tokens per second of each and their ratio:
+
+    python benchmarks/tools_gpu.py --num-prompts 256 --max-tokens 256 --out DIR
+
+Qwen3-0.6B shape, random bf16 weights, prompts of 100-1024 random tokens. The tools' string
+arguments have no length bound, so a random model's constrained output runs to ``max_tokens``
+like the free one (the run records both token counts). Needs xgrammar (carried as a wheel).
+The issue's goal: required >= 0.9x no tools. The JSON lands in DIR as
+``tools_required_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.gpu_suite import free_mem, make_hf_model, provenance  # noqa: E402
+from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm.bench.throughput import make_workload  # noqa: E402
+from pagedllm.entrypoints.openai.tools import parse_tools, resolve_tool_choice  # noqa: E402
+from pagedllm.structured_output.params import StructuredOutputsParams  # noqa: E402
+
+TOOLS = [
+    {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string"},
+                                         "top_k": {"type": "integer"}},
+        "required": ["query", "top_k"]}}},
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"},
+                                         "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"]}}},
+]  # fmt: skip
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int, grammar: bool) -> dict:
+    so = None
+    if grammar:
+        mode = resolve_tool_choice(parse_tools(TOOLS), "required", None, False)
+        so = StructuredOutputsParams(json=mode.schema())
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=not grammar,
+                            structured_outputs=so)  # fmt: skip
+    warm = [[7] * len(p) for p in prompts[:32]]
+    llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    torch.cuda.synchronize()
+    el = time.perf_counter() - t
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    by_length = sum(o.outputs[0].finish_reason == "length" for o in outs)
+    return {"grammar": "tool_choice required" if grammar else "none", "elapsed_s": el,
+            "output_tokens": produced, "output_tokens_per_s": produced / el,
+            "finished_by_length": by_length}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
+    prompts, _ = make_workload(args.num_prompts, 562, 562, 462 / 562, 151936, seed=0)
+    llm = LLM(path, dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
+              gpu_memory_utilization=0.85)  # fmt: skip
+    runs = [run(llm, prompts, args.max_tokens, g) for g in (False, True)]
+    del llm
+    free_mem()
+    device = torch.cuda.get_device_name()
+    ratio = runs[1]["output_tokens_per_s"] / runs[0]["output_tokens_per_s"]
+    result = {**provenance("tools-required"), "device": device,
+              "workload": {"model": "qwen3-0.6b shape, random weights, bf16",
+                           "num_prompts": args.num_prompts, "input_len": "100-1024",
+                           "max_tokens": args.max_tokens, "tools": TOOLS},
+              "runs": runs, "ratio_required_to_none": ratio,
+              "goal": "required >= 0.9x no tools", "goal_met": ratio >= 0.9}  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"tools_required_{device.replace(' ', '_')}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(runs, indent=1), "ratio", ratio)
+
+
+if __name__ == "__main__":
+    main()
