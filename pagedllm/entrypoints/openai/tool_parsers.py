@@ -273,6 +273,132 @@ class MistralToolParser(ToolParser):
         return calls
 
 
+def _string_end(t: str, i: int) -> int | None:
+    """Index after the JSON string starting at ``t[i]`` (a quote), None if it is not closed."""
+    j = i + 1
+    while j < len(t):
+        if t[j] == "\\":
+            j += 2
+            continue
+        if t[j] == '"':
+            return j + 1
+        j += 1
+    return None
+
+
+def _value_end(t: str, i: int) -> int | None:
+    """Index after the JSON value starting at ``t[i]``, None if the text ends inside it (a
+    number or literal at the very end counts as unfinished: more digits may come)."""
+    if t[i] == '"':
+        return _string_end(t, i)
+    if t[i] in "{[":
+        depth, j = 0, i
+        while j < len(t):
+            c = t[j]
+            if c == '"':
+                end = _string_end(t, j)
+                if end is None:
+                    return None
+                j = end
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return None
+    j = i
+    while j < len(t) and t[j] not in ",}] \t\r\n":
+        j += 1
+    return j if j < len(t) else None
+
+
+class RequiredListStream:
+    """The calls of a ``tool_choice="required"`` output - a JSON list of ``{"name": ...,
+    "parameters": {...}}`` - streamed: a call opens once its name is read, then its
+    arguments (the raw JSON text of ``parameters``) follow as the model writes them.
+
+    Example: after ``[{"name": "f", "parameters": {"x": 1`` call 0 is open with arguments
+    ``{"x": 1`` sent so far; ``}}, {"na`` completes them (``{"x": 1}``) and opens nothing yet.
+    The text is scanned again from the start at each delta (outputs are short)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls: list[ToolCall] = []
+        self._sent: list[int] = []  # characters of each call's arguments sent
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        """The OpenAI stream deltas (``tool_calls`` entries) that ``delta`` adds."""
+        self.text += delta
+        out: list[dict[str, Any]] = []
+        for k, (name, args) in enumerate(self._scan()):
+            if name is None:
+                break  # calls open in order: a later one waits for this one's name
+            if k == len(self.calls):
+                self.calls.append(ToolCall(name, ""))
+                self._sent.append(0)
+                out.append({"index": k, "id": self.calls[k].id, "type": "function",
+                            "function": {"name": name, "arguments": ""}})  # fmt: skip
+            new = args[self._sent[k] :]
+            if new:
+                self.calls[k].arguments += new
+                self._sent[k] = len(args)
+                if out and out[-1]["index"] == k:
+                    out[-1]["function"]["arguments"] += new
+                else:
+                    out.append({"index": k, "function": {"arguments": new}})
+        return out
+
+    def _scan(self) -> list[tuple[str | None, str]]:
+        """(name if read, arguments text so far) of each item begun."""
+        t, items = self.text, []
+        i = t.find("[")
+        if i < 0:
+            return items
+        i += 1
+        while True:
+            while i < len(t) and (t[i].isspace() or t[i] == ","):
+                i += 1
+            if i >= len(t) or t[i] != "{":
+                return items
+            i += 1
+            name: str | None = None
+            args = ""
+            items.append((name, args))
+            while True:
+                while i < len(t) and (t[i].isspace() or t[i] == ","):
+                    i += 1
+                if i >= len(t):
+                    return items
+                if t[i] == "}":
+                    i += 1
+                    break
+                key_end = _string_end(t, i) if t[i] == '"' else None
+                if key_end is None:
+                    return items
+                key = t[i + 1 : key_end - 1]
+                i = key_end
+                while i < len(t) and (t[i].isspace() or t[i] == ":"):
+                    i += 1
+                if i >= len(t):
+                    return items
+                end = _value_end(t, i)
+                if key == "parameters":
+                    args = t[i:end] if end is not None else t[i:]
+                elif key == "name" and end is not None:
+                    try:
+                        value = json.loads(t[i:end])
+                    except json.JSONDecodeError:
+                        value = None
+                    name = value if isinstance(value, str) else None
+                items[-1] = (name, args)
+                if end is None:
+                    return items
+                i = end
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
 }

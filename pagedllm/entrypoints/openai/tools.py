@@ -21,13 +21,12 @@ constraints above, like any structured output, apply to the answer after it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.entrypoints.openai.reasoning import ReasoningFormat, ReasoningSplitter
 from pagedllm.entrypoints.openai.request_error import RequestError
-from pagedllm.entrypoints.openai.tool_parsers import ToolCall, ToolParser
+from pagedllm.entrypoints.openai.tool_parsers import RequiredListStream, ToolCall, ToolParser
 
 
 @dataclass(frozen=True)
@@ -154,35 +153,6 @@ def resolve_tool_choice(
     return ToolMode(tool_choice, tuple(tools), None, parallel)
 
 
-class _RequiredStream:
-    """The calls of a ``required`` output as each list item's object closes. Example: after
-    ``[{"name": "f", "parameters": {"x": 1}}, {"na`` the first call is out, the second waits."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self._pos = 0  # where the next item may start
-        self._dec = json.JSONDecoder()
-
-    def feed(self, delta: str) -> list[ToolCall]:
-        self.text += delta
-        calls = []
-        t = self.text
-        while True:
-            p = self._pos
-            while p < len(t) and (t[p].isspace() or t[p] in "[,"):
-                p += 1
-            if p >= len(t) or t[p] != "{":
-                return calls
-            try:
-                obj, end = self._dec.raw_decode(t, p)
-            except json.JSONDecodeError:
-                return calls  # not closed yet
-            self._pos = end
-            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
-                args = json.dumps(obj.get("parameters", {}), ensure_ascii=False)
-                calls.append(ToolCall(obj["name"], args))
-
-
 @dataclass
 class Shaped:
     """What one delta (or a whole output) of a choice adds to the reply."""
@@ -200,8 +170,8 @@ class ChoiceShaper:
 
     Streamed tool calls use OpenAI's delta form: a call opens with ``{"index", "id", "type",
     "function": {"name", "arguments"}}`` and later deltas of the same index add to its
-    ``arguments`` (a named call streams its arguments as they come; a parsed or required call
-    arrives whole)."""
+    ``arguments`` (named and required calls stream their arguments as they come; a call the
+    parser finds in the model's own format arrives whole)."""
 
     def __init__(
         self,
@@ -217,7 +187,7 @@ class ChoiceShaper:
         self.reasoning_text: str | None = None  # None: the output had no thinking part
         self.content = ""
         self._named: ToolCall | None = None
-        self._required = _RequiredStream() if mode.kind == "required" else None
+        self._required = RequiredListStream() if mode.kind == "required" else None
 
     @property
     def tools_called(self) -> bool:
@@ -274,12 +244,13 @@ class ChoiceShaper:
             return out
         if kind == "required":
             assert self._required is not None
-            new = self._required.feed(text)
-            if final and not self.calls and not new:  # cut before a call closed: keep the text
+            deltas = self._required.feed(text)
+            if final and not self._required.calls:  # cut before a call opened: keep the text
                 out.content = self._required.text
                 self.content += out.content
                 return out
-            self._add_calls(new, out)
+            self.calls = list(self._required.calls)
+            out.tool_calls += deltas
             return out
         if self.parser is not None:
             content, calls = self.parser.feed(text)
