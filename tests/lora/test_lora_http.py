@@ -110,3 +110,4 @@ def test_runtime_routes_need_the_environment(lora_setup, monkeypatch) -> None:  
         asyncio.run(run())
     finally:
         llm.shutdown()
+

@@ -255,3 +255,35 @@ def test_openapi_documents_bodies_and_responses(llm: AsyncLLM, monkeypatch) -> N
     openapi.TokenizeResponse.model_validate(tok.json())
     detok = _call(app, "POST", "/detokenize", json={"tokens": tok.json()["tokens"]})
     openapi.DetokenizeResponse.model_validate(detok.json())
+
+
+def test_return_token_ids_streamed_and_not(llm: AsyncLLM) -> None:
+    """vLLM's ``return_token_ids``: a streamed reply's chunks add up to the non-streamed
+    reply's token ids, and the prompt's ids come with it (completions and chat)."""
+    app = build_app(llm)
+    comp = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            for path, body in (("/v1/completions", comp), ("/v1/chat/completions", chat)):
+                whole = (await c.post(path, json=body)).json()
+                ids = whole["choices"][0]["token_ids"]
+                prompt = whole.get("prompt_token_ids") or whole["choices"][0][
+                    "prompt_token_ids"]  # fmt: skip
+                assert len(ids) == 6 and prompt
+                got, got_prompt = [], None
+                text = (await c.post(path, json={**body, "stream": True})).text
+                for line in text.splitlines():
+                    if line.startswith("data: {"):
+                        d = json.loads(line[6:])
+                        got_prompt = got_prompt or d.get("prompt_token_ids") or next(
+                            (ch.get("prompt_token_ids") for ch in d["choices"]), None)
+                        for ch in d["choices"]:
+                            got += ch.get("token_ids", [])
+                assert got == ids and got_prompt == prompt, path
+
+    asyncio.run(run())

@@ -301,13 +301,16 @@ class ServingChat(ServingBase):
             echo = self._echo_text(req)
             for i in range(req.n):  # each choice opens with its role (as vLLM does)
                 chunks.append(chunk(i, {"role": self._role(req), "content": ""}))
+                if req.return_token_ids:  # vLLM's extra: the prompt's ids on the first chunk
+                    chunks[-1]["prompt_token_ids"] = s.prompt_token_ids
                 if echo:
                     chunks.append(chunk(i, {"content": echo}))
             return chunks
 
         def make_chunks(s: Started, c: CompletionOutput, out: RequestOutput
                         ) -> list[dict[str, Any]]:  # fmt: skip
-            if not c.text and c.finish_reason is None and not (req.logprobs and c.token_ids):
+            wants_ids = (req.logprobs or req.return_token_ids) and c.token_ids
+            if not c.text and c.finish_reason is None and not wants_ids:
                 return []
             logprobs = None
             if req.logprobs:
@@ -315,9 +318,12 @@ class ServingChat(ServingBase):
             if c.index not in shapers:
                 shapers[c.index] = self.shaper(mode, s.prompt_text)
             shaper = shapers[c.index]
+            ids = {"token_ids": list(c.token_ids)} if req.return_token_ids else {}
             if shaper is None:
                 delta = {"content": c.text} if c.text else {}
-                return [chunk(c.index, delta, logprobs, c.finish_reason, c.stop_reason)]
+                made = chunk(c.index, delta, logprobs, c.finish_reason, c.stop_reason)
+                made["choices"][0].update(ids)
+                return [made]
             shaped = shaper.step(c.text, c.finish_reason is not None)
             delta: dict[str, Any] = {}
             if shaped.reasoning and req.include_reasoning:
@@ -327,9 +333,11 @@ class ServingChat(ServingBase):
             if shaped.tool_calls:
                 delta["tool_calls"] = shaped.tool_calls
             fr = shaper.finish_reason(c.finish_reason)
-            if not delta and fr is None and logprobs is None:
+            if not delta and fr is None and logprobs is None and not ids:
                 return []
-            return [chunk(c.index, delta, logprobs, fr, c.stop_reason)]
+            made = chunk(c.index, delta, logprobs, fr, c.stop_reason)
+            made["choices"][0].update(ids)
+            return [made]
 
         usage_chunk = self.usage_chunk(rid, "chat.completion.chunk", created, req.model)
         return self.stream_events(

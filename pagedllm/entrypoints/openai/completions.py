@@ -152,7 +152,8 @@ class ServingCompletion(ServingBase):
         def make_chunks(s: Started, c: CompletionOutput, out: RequestOutput
                         ) -> list[dict[str, Any]]:  # fmt: skip
             index = s.choice_index(c.index)
-            echo_now = req.echo and index not in offsets
+            first = index not in offsets
+            echo_now = req.echo and first
             offset = offsets.setdefault(index, 0)
             text = c.text
             col = Collected(s.prompt_text, s.prompt_token_ids)
@@ -160,12 +161,18 @@ class ServingCompletion(ServingBase):
                 text = self._prompt_text(s.prompt_text, s.prompt_token_ids) + text
                 col.prompt_logprobs = out.prompt_logprobs
             if not text and c.finish_reason is None and (req.logprobs is None or not c.token_ids):
-                return []
+                if not (req.return_token_ids and c.token_ids):
+                    return []
             logprobs = None
             if req.logprobs is not None:
                 logprobs = self._logprobs(col, Choice.of(c), req.logprobs, echo_now, offset)
             offsets[index] = offset + len(text)
-            return [chunk(index, text, logprobs, c.finish_reason, c.stop_reason)]
+            made = chunk(index, text, logprobs, c.finish_reason, c.stop_reason)
+            if req.return_token_ids:  # vLLM's: the prompt's ids ride on a choice's first chunk
+                if first:
+                    made["choices"][0]["prompt_token_ids"] = s.prompt_token_ids
+                made["choices"][0]["token_ids"] = list(c.token_ids)
+            return [made]
 
         usage_chunk = self.usage_chunk(rid, "text_completion", created, req.model)
         return self.stream_events(

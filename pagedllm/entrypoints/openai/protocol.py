@@ -111,7 +111,8 @@ class _SamplingFields(OpenAIBaseModel):
     # fills it in): {"do_remote_decode": true} on the prefill side, the prefill response's
     # kv_transfer_params on the decode side
     kv_transfer_params: dict[str, Any] | None = None
-    # vLLM's extra: the prompt's and each choice's token ids in a (non-streamed) reply
+    # vLLM's extra: the prompt's and each choice's token ids in the reply (streamed: each
+    # chunk's new ids, the prompt's on a choice's first chunk)
     return_token_ids: bool = False
 
     # the request field the structured-output constraint came from (for error messages)
