@@ -205,3 +205,8 @@ def test_bad_tool_requests_are_400s_naming_the_field(server: LiveServer) -> None
         ok = http.post(url, json={**base, "tools": TOOLS, "tool_choice": "required",
                                   "max_tokens": 120})  # fmt: skip
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["tool_calls"]
+        # the reply is what /openapi.json documents, tool calls included
+        from pagedllm.entrypoints.openai import openapi
+
+        msg = openapi.ChatCompletionResponse.model_validate(ok.json()).choices[0].message
+        assert msg.tool_calls and msg.tool_calls[0].function.name in SCHEMAS

@@ -76,9 +76,26 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str | None = None  # (a streamed call's later deltas carry only arguments)
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A function call in a reply (``tool_calls[i]``); streamed, ``index`` says which call a
+    delta adds to and only its first delta has ``id``, ``type`` and the name."""
+
+    index: int | None = None
+    id: str | None = None
+    type: str | None = None  # "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None  # --reasoning-parser
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -105,6 +122,8 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
