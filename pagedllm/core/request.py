@@ -130,6 +130,9 @@ class Request:
         # while the request has not sampled it; its grammar applies from the next token on
         so = sampling_params.structured_outputs
         self.reasoning_end_token_id: int | None = so.reasoning_end_token_id if so else None
+        # ... and, before its first token, the token that would open the thinking (None: the
+        # output starts inside it)
+        self.reasoning_start_token_id: int | None = so.reasoning_start_token_id if so else None
         self.error: str | None = None  # why the engine ended the request (e.g. bad grammar)
         self.cache_salt: str | None = None  # isolates this tenant's prefix-cache entries
         self.lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)

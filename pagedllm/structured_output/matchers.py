@@ -12,7 +12,9 @@ Operations, applied in the order the scheduler issued them (tuples, so they pick
     ("drop", key)                       the request ended
 A key names one request's matcher (the scheduler's ``Request.grammar_key``). A request that
 verifies draft tokens (speculative decoding) is filled as ``SpecFill(key, drafts)``: one
-bitmask row per position, each after the drafts before it (see ``MatcherSet.fill``).
+bitmask row per position, each after the drafts before it (see ``MatcherSet.fill``); one whose
+first token may open its thinking as ``OpenFill(key, token)``: the grammar's row plus that
+token.
 In the worker process, ``grammar`` in "add" is the cache key of a grammar sent before by
 ("grammar", spec_key, serialized_json), and ("forget", spec_key) frees one; ``GrammarWorkerState``
 resolves them.
@@ -31,6 +33,14 @@ class SpecFill(NamedTuple):
 
     key: Hashable
     drafts: tuple[int, ...]
+
+
+class OpenFill(NamedTuple):
+    """A fill entry for a request whose first token may open its thinking (Qwen3's
+    ``<think>``): its grammar's first mask row, plus ``token``."""
+
+    key: Hashable
+    token: int
 
 
 def fill_rows(entries: Sequence[Any]) -> int:
@@ -105,6 +115,16 @@ class MatcherSet:
             if isinstance(entry, SpecFill):
                 self._fill_spec(entry, out, row)
                 row += 1 + len(entry.drafts)
+                continue
+            if isinstance(entry, OpenFill):  # the grammar's row, and the thinking's opener
+                m = self.matchers.get(entry.key)
+                if m is None or m.is_terminated():
+                    out[row] = -1
+                else:
+                    m.fill_next_token_bitmask(out, row)
+                    word, bit = divmod(entry.token, 32)
+                    out[row, word] |= (1 << bit) if bit < 31 else -(1 << 31)  # (int32 words)
+                row += 1
                 continue
             m = self.matchers.get(entry)
             if m is None or m.is_terminated():

@@ -34,6 +34,11 @@ class StructuredOutputsParams:
     # token (``</think>``); the tokens before it, and it, are sampled freely. None: from the
     # first token. Not part of the compile key: the grammar is the same.
     reasoning_end_token_id: int | None = None
+    # With it: the token that opens the thinking (``<think>``) when the output may or may not
+    # think (Qwen3): if the first token is another, there is no thinking and the grammar starts
+    # with that token (judged by the matcher after the fact). None: the output starts inside
+    # the thinking.
+    reasoning_start_token_id: int | None = None
 
     def __post_init__(self) -> None:
         given = [
@@ -57,12 +62,14 @@ class StructuredOutputsParams:
                 raise ValueError("structured_outputs.choice must contain non-empty strings.")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError("structured_outputs.json must be a JSON schema (object or string).")
-        if self.reasoning_end_token_id is not None and (
-            isinstance(self.reasoning_end_token_id, bool)
-            or not isinstance(self.reasoning_end_token_id, int)
-            or self.reasoning_end_token_id < 0
-        ):
-            raise ValueError("structured_outputs.reasoning_end_token_id must be a token id.")
+        for name in ("reasoning_end_token_id", "reasoning_start_token_id"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"structured_outputs.{name} must be a token id.")
+        if self.reasoning_start_token_id is not None and self.reasoning_end_token_id is None:
+            raise ValueError(
+                "structured_outputs.reasoning_start_token_id needs reasoning_end_token_id."
+            )
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
@@ -100,7 +107,7 @@ class StructuredOutputsParams:
             return value
         if isinstance(value, dict):
             known = {"json", "json_object", "regex", "grammar", "choice", "disable_any_whitespace",
-                     "reasoning_end_token_id"}  # fmt: skip
+                     "reasoning_end_token_id", "reasoning_start_token_id"}  # fmt: skip
             unknown = set(value) - known
             if unknown:
                 raise ValueError(f"structured_outputs has unknown fields {sorted(unknown)}.")

@@ -10,6 +10,10 @@ matcher rejects comes back a step later as an error for the request.
 A reasoning model's request (``reasoning_end_token_id`` set) thinks before it answers: until it
 samples that token (``</think>``) it gets no bitmask row and its tokens are not accepted, so
 the grammar constrains the answer only (vLLM's rule). The end token itself is not accepted.
+Where the output may not think at all (``reasoning_start_token_id``, ``<think>``: Qwen3), its
+first token decides, sampled under the grammar's first mask plus the start token
+(``OpenFill``): the start token opens the thinking; any other token is the answer's first,
+accepted by the matcher in the update (the step's tokens are then not sent ahead).
 
 ``GrammarBook`` owns all of that state; the scheduler calls it at those points and keeps none
 of it. It holds no queue: what to do with a request whose grammar failed (remove it from the
@@ -24,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from pagedllm.structured_output.matchers import SpecFill
+from pagedllm.structured_output.matchers import OpenFill, SpecFill
 
 if TYPE_CHECKING:
     from pagedllm.structured_output.grammars import Grammars, GrammarStep
@@ -117,14 +121,16 @@ class GrammarBook:
             return keys, idx
         spec_tokens = spec_tokens or {}
         for i, (r, n) in enumerate(zip(batch, num_scheduled)):
-            if (
-                r.grammar_key is not None
-                and r.reasoning_end_token_id is None  # (still thinking: unconstrained)
-                and r.num_computed_tokens + n >= r.num_tokens
-            ):
-                drafts = spec_tokens.get(r.request_id)
-                keys.append(SpecFill(r.grammar_key, tuple(drafts)) if drafts else r.grammar_key)
-                idx.append(i)
+            if r.grammar_key is None or r.num_computed_tokens + n < r.num_tokens:
+                continue
+            if r.reasoning_end_token_id is not None:  # thinking (or about to choose)
+                if r.reasoning_start_token_id is not None:  # the first token: answer or <think>
+                    keys.append(OpenFill(r.grammar_key, r.reasoning_start_token_id))
+                    idx.append(i)
+                continue  # thinking: unconstrained
+            drafts = spec_tokens.get(r.request_id)
+            keys.append(SpecFill(r.grammar_key, tuple(drafts)) if drafts else r.grammar_key)
+            idx.append(i)
         return keys, idx
 
     def send_tokens(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
@@ -134,7 +140,7 @@ class GrammarBook:
         if (
             runner_output.forked_token_ids
             or tokens is None
-            or any(isinstance(key, SpecFill) for key in so.structured_requests)
+            or any(isinstance(key, (SpecFill, OpenFill)) for key in so.structured_requests)
         ):
             return  # the update orders the forks and the tokens (and accepts drafts)
         assert self.grammars is not None
@@ -153,11 +159,16 @@ class GrammarBook:
         rejects comes back from ``Grammars`` a step later (``apply_step``)."""
         if request.grammar_key is None or request.is_finished:
             return False
+        sent = self._tokens_sent
         if request.reasoning_end_token_id is not None:  # thinking: the grammar waits
-            if token == request.reasoning_end_token_id:
-                request.reasoning_end_token_id = None
-            return False
-        if not self._tokens_sent:
+            opening, request.reasoning_start_token_id = request.reasoning_start_token_id, None
+            if opening is None or token in (opening, request.reasoning_end_token_id):
+                if token == request.reasoning_end_token_id:
+                    request.reasoning_end_token_id = None
+                return False
+            request.reasoning_end_token_id = None  # no thinking: this token starts the answer
+            sent = False  # (an OpenFill step sends no tokens ahead)
+        if not sent:
             assert self.grammars is not None
             self.grammars.accept(request.grammar_key, token)
         if token in self.structured.stop_token_ids:

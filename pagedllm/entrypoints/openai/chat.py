@@ -25,8 +25,8 @@ from pagedllm.entrypoints.openai.errors import RequestError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
 from pagedllm.entrypoints.openai.reasoning import (
     ReasoningSplitter,
-    end_token_id,
     get_reasoning_format,
+    reasoning_token_ids,
 )
 from pagedllm.entrypoints.openai.serving import (
     Choice,
@@ -90,8 +90,8 @@ class ServingChat(ServingBase):
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.enable_auto_tools = enable_auto_tool_choice
         self.reasoning = get_reasoning_format(reasoning_parser) if reasoning_parser else None
-        self.reasoning_end_id = (
-            end_token_id(self.reasoning, self.tokenizer) if self.reasoning else None
+        self.reasoning_ids = (
+            reasoning_token_ids(self.reasoning, self.tokenizer) if self.reasoning else None
         )
 
     def tool_mode(self, req: ChatCompletionRequest) -> ToolMode:
@@ -162,9 +162,12 @@ class ServingChat(ServingBase):
         elif mode.kind == "auto" and self.tool_parser and self.tool_parser.needs_special_tokens:
             params.skip_special_tokens = False  # the parser reads its special-token markers
         so = params.structured_outputs
-        if so is not None and self.reasoning is not None:
-            if ReasoningSplitter(self.reasoning, text).in_reasoning:  # the answer comes later
-                so.reasoning_end_token_id = self.reasoning_end_id
+        if so is not None and self.reasoning_ids is not None:
+            state = ReasoningSplitter(self.reasoning, text).state
+            if state != "answer":  # the grammar waits for the thinking to end
+                so.reasoning_end_token_id = self.reasoning_ids[1]
+            if state == "opening":  # ... if the output opens one
+                so.reasoning_start_token_id = self.reasoning_ids[0]
         try:
             self.llm.validate({"prompt": text, "prompt_token_ids": ids}, params)
         except ValueError as e:

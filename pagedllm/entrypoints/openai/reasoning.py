@@ -58,16 +58,20 @@ def get_reasoning_format(name: str) -> ReasoningFormat:
         ) from None
 
 
-def end_token_id(fmt: ReasoningFormat, tokenizer: Any) -> int:
-    """The id of the format's end tag as one token of ``tokenizer``; ValueError if the
-    tokenizer spells it in several tokens (the engine gates grammars on one token id)."""
-    ids = tokenizer.encode(fmt.end, add_special_tokens=False)
-    if len(ids) != 1:
-        raise ValueError(
-            f"--reasoning-parser {fmt.name}: this model's tokenizer has no single token for "
-            f"{fmt.end!r} (it encodes to {len(ids)} tokens), so it is not a {fmt.name} model."
-        )
-    return int(ids[0])
+def reasoning_token_ids(fmt: ReasoningFormat, tokenizer: Any) -> tuple[int, int]:
+    """(start, end) tags as single tokens of ``tokenizer``; ValueError if the tokenizer spells
+    one in several tokens (the engine gates grammars on token ids)."""
+    out = []
+    for tag in (fmt.start, fmt.end):
+        ids = tokenizer.encode(tag, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(
+                f"--reasoning-parser {fmt.name}: this model's tokenizer has no single token "
+                f"for {tag!r} (it encodes to {len(ids)} tokens), so it is not a {fmt.name} "
+                "model."
+            )
+        out.append(int(ids[0]))
+    return out[0], out[1]
 
 
 def _held_prefix(text: str, tag: str) -> int:
