@@ -103,11 +103,6 @@ class ReasoningSplitter:
         self.thought = self.state == "thinking"  # the output had a thinking part
         self._buf = ""
 
-    @property
-    def in_reasoning(self) -> bool:
-        """True while the output may still be thinking (the grammar has not started)."""
-        return self.state != "answer"
-
     def feed(self, delta: str) -> tuple[str, str]:
         """(reasoning, answer) text that ``delta`` completes."""
         self._buf += delta
