@@ -161,9 +161,6 @@ class Shaped:
     content: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # stream-delta form
 
-    def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.tool_calls)
-
 
 class ChoiceShaper:
     """Splits one choice's text, delta by delta, into reasoning, content and tool calls.
@@ -188,10 +185,6 @@ class ChoiceShaper:
         self.content = ""
         self._named: ToolCall | None = None
         self._required = RequiredListStream() if mode.kind == "required" else None
-
-    @property
-    def tools_called(self) -> bool:
-        return bool(self.calls)
 
     def feed(self, delta: str) -> Shaped:
         if self.splitter is None:
