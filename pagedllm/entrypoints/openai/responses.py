@@ -56,7 +56,8 @@ STORE_TTL_S = 3600.0
 STORE_MAX = 4096
 
 # chat's field names in errors, as this API names them
-_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
+_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
+           "max_completion_tokens": "max_output_tokens", "response_format": "text"}
 
 
 class ResponsesRequest(OpenAIBaseModel):
