@@ -299,15 +299,21 @@ class AsyncLLMBase:
         )
 
     async def add_beam_request(
-        self, prompt: Any, params: BeamSearchParams, request_id: str | None = None
+        self,
+        prompt: Any,
+        params: BeamSearchParams,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate and queue a beam search; its stream yields ONE ``RequestOutput`` when the
-        search ends, whose outputs are the hypotheses, best first (``index`` 0, 1, ...)."""
+        search ends, whose outputs are the hypotheses, best first (``index`` 0, 1, ...).
+        ``lora_request``: the adapter every beam runs with."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}.")
         self._check_running()
-        text, ids = self.validate(prompt, SamplingParams(max_tokens=params.max_tokens))
-        return await self._queue(prompt, text, ids, params, request_id, 0, "final")
+        sp = SamplingParams(max_tokens=params.max_tokens)
+        text, ids = self.validate(prompt, sp, lora_request)
+        return await self._queue(prompt, text, ids, params, request_id, 0, "final", lora_request)
 
     async def _queue(
         self,
@@ -609,7 +615,7 @@ class AsyncLLM(AsyncLLMBase):
             if rid in self._streams:
                 raise ValueError(f"request_id {rid!r} is already in use.")
             if isinstance(cmd.params, BeamSearchParams):
-                self.engine.add_beam_request(rid, cmd.prompt, cmd.params)
+                self.engine.add_beam_request(rid, cmd.prompt, cmd.params, cmd.lora_request)
             elif "cache_salt" in cmd.prompt:
                 self._add_salted(rid, cmd)
             else:

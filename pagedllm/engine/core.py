@@ -214,6 +214,8 @@ class EngineCore:
                 f"beam_width ({params.beam_width}) is larger than max_num_seqs "
                 f"({self.config.scheduler_config.max_num_seqs})."
             )
+        if request.lora_request is not None:  # every beam runs with the search's adapter
+            self._lora_registry().acquire(request.lora_request)
         self.scheduler.add_request(request)
         self.scheduler.beams.register(request, params, eos_ids)
 

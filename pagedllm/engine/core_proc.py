@@ -10,7 +10,7 @@ Messages in:
     ("init", config, eos_token_id)           first, once; replies ("ready", info) or
                                              ("failed", traceback)
     ("add", id, token_ids, params, priority, arrival_time, cache_salt, lora_request)
-    ("beam", id, token_ids, params, beam_params, arrival_time)
+    ("beam", id, token_ids, params, beam_params, arrival_time, lora_request)
     ("abort", ids)  /  ("stop", ids)         end requests (client gone / a stop string)
     ("wake",)                                nothing (ends an idle wait: expert parallelism)
     ("utility", call_id, name, args)         "prepare_structured", "compile" (on a helper
@@ -270,10 +270,12 @@ class EngineCoreProc:
             except Exception as e:  # the front end checked already; this request only
                 self._refuse(rid, e, client)
         elif kind == "beam":
-            _, rid, ids, params, beam_params, arrival = msg
+            _, rid, ids, params, beam_params, arrival, lora = msg
             try:
                 eos = {self.eos_token_id} if self.eos_token_id is not None else set()
-                core.add_beam_request(self._request(rid, ids, params, 0, arrival), beam_params, eos)
+                request = self._request(rid, ids, params, 0, arrival)
+                request.lora_request = lora
+                core.add_beam_request(request, beam_params, eos)
             except Exception as e:
                 self._refuse(rid, e, client)
         elif kind in ("abort", "stop"):  # no output follows: forget whose they were

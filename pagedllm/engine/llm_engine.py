@@ -72,14 +72,20 @@ class LLMEngine:
         )
 
     def add_beam_request(
-        self, request_id: str, prompt: PromptType, params: BeamSearchParams
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a beam search; its one RequestOutput (when it ends) has a CompletionOutput per
-        hypothesis, best first."""
+        hypothesis, best first. ``lora_request``: the adapter every beam runs with."""
         if self.output_processor.has(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use.")
         sp = beam_sampling_params(params)
-        request, text = self.input_processor.process(request_id, prompt, sp)
+        request, text = self.input_processor.process(
+            request_id, prompt, sp, lora_request=lora_request
+        )
         eos = self.input_processor.eos_token_id
         self.engine_core.add_beam_request(request, params, {eos} if eos is not None else set())
         self.output_processor.add_request(request_id, text, request.prompt_token_ids, sp)

@@ -241,7 +241,7 @@ class MPAsyncLLM(AsyncLLMBase):
         stream = RequestStream(rid, self, asyncio.get_running_loop())
         self._streams[rid] = stream
         if beam:
-            self._send(("beam", rid, ids, sp, params, request.arrival_time))
+            self._send(("beam", rid, ids, sp, params, request.arrival_time, lora_request))
         else:
             self._send(("add", rid, ids, sp, priority, request.arrival_time, salt, lora_request))
         return stream

@@ -116,9 +116,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search for each prompt (HF transformers' rule, see pagedllm/beam_search.py);
-        beams of all prompts run together in the continuous batch, sharing blocks."""
+        beams of all prompts run together in the continuous batch, sharing blocks.
+        ``lora_request``: one adapter for all prompts, or one (or None) per prompt."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -126,8 +128,11 @@ class LLM:
         prompts = list(prompts)  # type: ignore[arg-type]
         engine = self.llm_engine
         ids = [engine.next_request_id() for _ in prompts]
-        for rid, p in zip(ids, prompts):
-            engine.add_beam_request(rid, p, params)
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts.")
+        for rid, p, lr in zip(ids, prompts, loras):
+            engine.add_beam_request(rid, p, params, lr)
         outs = self._run_engine(ids, use_tqdm)
         return [
             BeamSearchOutput(

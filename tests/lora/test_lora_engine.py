@@ -30,6 +30,26 @@ def test_one_batch_mixes_two_adapters_and_the_base_model(lora_setup, references)
     llm.llm_engine.engine_core.check_integrity()
 
 
+def test_beam_search_with_an_adapter_equals_its_merged_checkpoint(lora_setup):
+    """Every beam of a search runs with the search's adapter: the hypotheses equal those of
+    the merged checkpoint searched alone, and differ from the base model's."""
+    from pagedllm.beam_search import BeamSearchParams
+
+    base, adapters, merged = lora_setup
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(2)]
+
+    def hyps(outs) -> list[list[list[int]]]:  # noqa: ANN001
+        return [[s.tokens for s in o.sequences] for o in outs]
+
+    lora = LoRARequest("a2", 2, adapters["a2"])
+    llm = _engine(base, enable_lora=True, max_loras=2)
+    got = hyps(llm.beam_search(prompts, params, lora_request=lora))
+    plain = hyps(llm.beam_search(prompts, params))
+    want = hyps(_engine(merged["a2"]).beam_search(prompts, params))
+    assert got == want and got != plain
+
+
 def test_prefix_cache_is_per_adapter(lora_setup, references):
     """The same prompt under a1, then a2, then a1 again: a2 finds none of a1's blocks, the
     second a1 finds them; every output stays its merged reference."""

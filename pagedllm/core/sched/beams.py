@@ -91,6 +91,7 @@ class BeamManager:
         )
         child.max_tokens = parent.max_tokens
         child.beam_group = child.parent_id = gid
+        child.lora_request = parent.lora_request
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
         self.kv.fork(parent, child)

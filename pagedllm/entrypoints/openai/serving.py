@@ -303,10 +303,7 @@ class ServingBase:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
                 if isinstance(params, BeamSearchParams):
-                    if lora_request is not None:
-                        raise RequestError("use_beam_search is not supported with a LoRA "
-                                           "adapter.", param="use_beam_search")  # fmt: skip
-                    stream = await self.llm.add_beam_request(prompt, params, rid)
+                    stream = await self.llm.add_beam_request(prompt, params, rid, lora_request)
                 else:
                     if cache_salt is not None:
                         prompt["cache_salt"] = cache_salt
