@@ -335,6 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
         "llama3_json (Llama 3.x), mistral (default: none; tool_choice auto is then refused).",
     )
     serve.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='Leave the tools out of the chat template when a request says tool_choice "none" '
+        "(default: the template gets them anyway, as vLLM's default).",
+    )
+    serve.add_argument(
         "--reasoning-parser",
         default=None,
         choices=sorted(REASONING_PARSER_NAMES),

@@ -154,6 +154,14 @@ def test_server_refusals(llm: AsyncLLM, tiny_models) -> None:  # noqa: ANN001
     assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
     ok = _post(app, "/v1/chat/completions", {**body, "tool_choice": "none"})
     assert ok.status_code == 200
+    # vLLM's --exclude-tools-when-tool-choice-none: the template sees no tools then
+    names = "{% for t in tools or [] %}{{ t.function.name }}{% endfor %}."
+    for exclude, want in ((False, "f."), (True, ".")):
+        app2 = build_app(llm, Namespace(exclude_tools_when_tool_choice_none=exclude))
+        r = _post(app2, "/v1/chat/completions", {**body, "tool_choice": "none",
+                                                 "chat_template": names})  # fmt: skip
+        assert r.json()["usage"]["prompt_tokens"] == len(llm.tokenizer.encode(
+            want, add_special_tokens=False)), exclude  # fmt: skip
     with pytest.raises(ValueError, match="--tool-call-parser"):
         build_app(llm, Namespace(enable_auto_tool_choice=True))
     with pytest.raises(ValueError, match="tool-call-parser"):

@@ -82,9 +82,11 @@ class ServingChat(ServingBase):
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        exclude_tools_when_tool_choice_none: bool = False,
     ) -> None:
         super().__init__(llm, model_name, longest_token)
         self.chat_template = chat_template
+        self.exclude_tools_when_none = exclude_tools_when_tool_choice_none
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser.")
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
@@ -123,7 +125,7 @@ class ServingChat(ServingBase):
             if k not in _RESERVED_TEMPLATE_KWARGS
         }
         tools = parse_tools(req.tools)
-        if tools:
+        if tools and not (self.exclude_tools_when_none and self.tool_mode(req).kind == "none"):
             kwargs["tools"] = [t.to_openai() for t in tools]
         try:
             text = self.tokenizer.apply_chat_template(

@@ -251,6 +251,9 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
         enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None),
+        exclude_tools_when_tool_choice_none=bool(
+            getattr(args, "exclude_tools_when_tool_choice_none", False)
+        ),
     )
     completions.track = chat.track = drain.track
     models = ServingModels(async_llm, model_name)
