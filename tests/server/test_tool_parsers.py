@@ -17,6 +17,7 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
+    PythonicToolParser,
     RequiredListStream,
     ToolParser,
     get_tool_parser,
@@ -42,6 +43,13 @@ CASES: list[tuple[type[ToolParser], str, str, list[tuple[str, dict]]]] = [
     (MistralToolParser, '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}', "",
      [("f", {"a": 1}), ("g", {})]),
     (MistralToolParser, "[TOOL_CALLS]nonsense", "[TOOL_CALLS]nonsense", []),
+    (PythonicToolParser, '[get_weather(city="Paris", days=[1, 2]), now()]', "",
+     [("get_weather", {"city": "Paris", "days": [1, 2]}), ("now", {})]),
+    (PythonicToolParser, '<|python_start|>[f(a=None, b={"x": 1.5})]<|python_end|>', "",
+     [("f", {"a": None, "b": {"x": 1.5}})]),
+    (PythonicToolParser, "[f(__import__('os'))]", "[f(__import__('os'))]", []),  # not literal
+    (PythonicToolParser, "[f(x=open('y'))]", "[f(x=open('y'))]", []),
+    (PythonicToolParser, "Sure: [f(a=1)]", "Sure: [f(a=1)]", []),
 ]  # fmt: skip
 
 

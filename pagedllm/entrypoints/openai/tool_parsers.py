@@ -8,6 +8,8 @@ format, found in its output, as whole replies and as streamed deltas.
   ``<|python_tag|>``; an output that does not open with one of those is all content.
 - ``mistral``: content, then ``[TOOL_CALLS]`` and either a JSON list of ``{"name", "arguments"}``
   (tokenizers up to v7) or ``name[ARGS]{...}`` per call (v11 and later).
+- ``pythonic`` (Llama 3.2, Llama 4): the output is a Python list of calls with keyword
+  arguments, ``[get_weather(city="Paris")]``, read with ``ast`` (literals only).
 
 A parser reads one choice's text delta by delta (``feed``) and hands back the content that is
 certainly not part of a call, and each call once it is complete (a streamed call arrives in one
@@ -273,6 +275,71 @@ class MistralToolParser(ToolParser):
         return calls
 
 
+class PythonicToolParser(ToolParser):
+    """Llama 3.2 / Llama 4's pythonic calls (vLLM's ``pythonic``): the whole output is a Python
+    list of calls with literal keyword arguments, ``[get_weather(city="Paris"), now()]``
+    (optionally after ``<|python_start|>``); anything else is all content. The list is read
+    with ``ast`` (literals only: nothing is evaluated)."""
+
+    name = "pythonic"
+    needs_special_tokens = True
+    TAGS = ("<|python_start|>", "<|python_end|>")
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._mode = "deciding"  # -> "content" | "calls"
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        self._buf += delta
+        if self._mode == "deciding":
+            head = self._buf.lstrip()
+            if head.startswith(("[", self.TAGS[0])):
+                self._mode = "calls"
+            elif not head or self.TAGS[0].startswith(head):
+                return "", []
+            else:
+                self._mode = "content"
+        if self._mode == "calls":
+            return "", []
+        out, self._buf = self._buf, ""
+        return out, []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        rest, self._buf = self._buf, ""
+        if self._mode != "calls":
+            return rest, []
+        body = rest.strip()
+        for tag in self.TAGS:
+            body = body.replace(tag, "")
+        calls = _pythonic_calls(body.strip())
+        return ("", calls) if calls else (rest, [])
+
+
+def _pythonic_calls(text: str) -> list[ToolCall] | None:
+    """``[f(a=1), g(b="x")]`` as calls; None if it is anything else (positional arguments,
+    non-literal values, not a list of calls)."""
+    import ast
+
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, ast.Name):
+            return None
+        try:
+            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+        except ValueError:
+            return None
+        if None in args:  # **kwargs
+            return None
+        calls.append(ToolCall(node.func.id, json.dumps(args, ensure_ascii=False)))
+    return calls
+
+
 def _string_end(t: str, i: int) -> int | None:
     """Index after the JSON string starting at ``t[i]`` (a quote), None if it is not closed."""
     j = i + 1
@@ -400,7 +467,8 @@ class RequiredListStream:
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+    p.name: p
+    for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
 }
 
 
