@@ -332,8 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=sorted(TOOL_PARSER_NAMES),
         help="The format the model writes tool calls in: hermes (Qwen2.5/Qwen3, Hermes), "
-        "llama3_json (Llama 3.1-3.3 JSON), mistral, pythonic (Llama 3.2/4) (default: none; "
-        "tool_choice auto is then refused).",
+        "llama3_json (Llama 3.1-3.3 JSON), mistral, pythonic (Llama 3.2/4), qwen3_xml or "
+        "qwen3_coder (Qwen3-Coder) (default: none; tool_choice auto is then refused).",
     )
     serve.add_argument(
         "--exclude-tools-when-tool-choice-none",

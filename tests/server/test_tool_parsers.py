@@ -72,6 +72,32 @@ def test_parsers_whole_and_by_deltas(cls, text, content, calls) -> None:  # noqa
         assert all(len(c.id) == 9 and c.id.isalnum() for c in cls().parse(text)[1])
 
 
+def test_qwen3_xml_types_values_by_the_schema() -> None:
+    text = (
+        "Let me look.\n<tool_call>\n<function=search>\n<parameter=query>\nred <b>\nshoes\n"
+        "</parameter>\n<parameter=top_k>\n5\n</parameter>\n<parameter=exact>\nTrue\n"
+        "</parameter>\n<parameter=filters>\n{\"size\": [9, 10]}\n</parameter>\n"
+        "<parameter=note>\n12\n</parameter>\n</function>\n</tool_call>"
+    )
+    schema = {"properties": {"query": {"type": "string"}, "top_k": {"type": "integer"},
+                             "exact": {"type": "boolean"}, "filters": {"type": "object"},
+                             "note": {"type": "string"}}}  # fmt: skip
+    want = {"query": "red <b>\nshoes", "top_k": 5, "exact": True,
+            "filters": {"size": [9, 10]}, "note": "12"}  # fmt: skip
+    assert get_tool_parser("qwen3_coder") is get_tool_parser("qwen3_xml")
+    for cut in range(len(text) + 1):
+        p = get_tool_parser("qwen3_xml")()
+        p.schemas = {"search": schema}
+        c1, t1 = p.feed(text[:cut])
+        c2, t2 = p.feed(text[cut:])
+        c3, t3 = p.finish()
+        assert c1 + c2 + c3 == "Let me look.\n", cut
+        calls = t1 + t2 + t3
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [("search", want)], cut
+    broken = "<tool_call>\n<function search>\n</tool_call>"
+    assert get_tool_parser("qwen3_xml")().parse(broken) == (broken, [])
+
+
 def test_unknown_parser_names_the_choices() -> None:
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("nope")

@@ -107,6 +107,8 @@ class ServingChat(ServingBase):
         if mode.kind == "none" and self.reasoning is None:
             return None
         parser = self.tool_parser() if self.tool_parser is not None else None
+        if parser is not None:
+            parser.schemas = {t.name: t.parameters or {} for t in mode.tools}
         return ChoiceShaper(mode, parser, self.reasoning, prompt_text)
 
     def render(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:

@@ -10,6 +10,8 @@ format, found in its output, as whole replies and as streamed deltas.
   (tokenizers up to v7) or ``name[ARGS]{...}`` per call (v11 and later).
 - ``pythonic`` (Llama 3.2, Llama 4): the output is a Python list of calls with keyword
   arguments, ``[get_weather(city="Paris")]``, read with ``ast`` (literals only).
+- ``qwen3_xml`` / ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=NAME><parameter=KEY>
+  VALUE</parameter></function></tool_call>``, values typed by the tool's schema.
 
 A parser reads one choice's text delta by delta (``feed``) and hands back the content that is
 certainly not part of a call, and each call once it is complete (a streamed call arrives in one
@@ -90,6 +92,9 @@ class ToolParser:
     name = ""
     # the format's markers are special tokens: the detokenizer must keep them
     needs_special_tokens = False
+    # the request's tools' parameter schemas by function name (formats that write arguments
+    # as text, e.g. qwen3_xml, read their types from them)
+    schemas: dict[str, dict[str, Any]] = {}
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         """(content, completed calls) that ``delta`` settles."""
@@ -135,7 +140,7 @@ class HermesToolParser(ToolParser):
                 return content, calls
             body, self._buf = self._buf[:j], self._buf[j + len(self.CLOSE) :]
             self._in_call = False
-            call = _decode_one(body)
+            call = self.decode(body)
             if call is None:
                 content += self.OPEN + body + self.CLOSE
             else:
@@ -146,8 +151,54 @@ class HermesToolParser(ToolParser):
         if not self._in_call:
             return rest, []
         self._in_call = False  # an unclosed call (the output was cut, or stopped at the tag)
-        call = _decode_one(rest)
+        call = self.decode(rest)
         return ("", [call]) if call is not None else (self.OPEN + rest, [])
+
+    def decode(self, body: str) -> ToolCall | None:
+        """One call's text between the tags, or None if it does not parse."""
+        return _decode_one(body)
+
+
+class Qwen3XmlToolParser(HermesToolParser):
+    """Qwen3-Coder's XML calls (vLLM's ``qwen3_xml``, alias ``qwen3_coder``): inside
+    ``<tool_call>``, ``<function=NAME>`` and one ``<parameter=KEY>VALUE</parameter>`` per
+    argument. Values are text, typed by the tool's schema (integer, number, boolean, object,
+    array; a string stays as written, less the newline after the tag and before the end)."""
+
+    name = "qwen3_xml"
+
+    def decode(self, body: str) -> ToolCall | None:
+        import re
+
+        m = re.fullmatch(r"\s*<function=([^>\n]+)>(.*?)(?:</function>)?\s*", body, re.S)
+        if m is None:
+            return None
+        name, inner = m.group(1).strip(), m.group(2)
+        props = (self.schemas.get(name) or {}).get("properties") or {}
+        args: dict[str, Any] = {}
+        for key, raw in re.findall(r"<parameter=([^>\n]+)>(.*?)</parameter>", inner, re.S):
+            text = raw[1:] if raw.startswith("\n") else raw
+            text = text[:-1] if text.endswith("\n") else text
+            args[key.strip()] = _typed(text, (props.get(key.strip()) or {}).get("type"))
+        return ToolCall(name, json.dumps(args, ensure_ascii=False)) if name else None
+
+
+def _typed(text: str, kind: Any) -> Any:
+    """A parameter's text as its schema's type says (the text itself where it does not
+    parse as that type, or the schema gives none and it is not JSON)."""
+    if kind == "string":
+        return text
+    if kind == "boolean" and text.strip().lower() in ("true", "false"):
+        return text.strip().lower() == "true"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    if kind == "integer" and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if kind in ("integer", "number") and not isinstance(value, (int, float)):
+        return text
+    return value
 
 
 def _decode_one(body: str) -> ToolCall | None:
@@ -468,8 +519,10 @@ class RequiredListStream:
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p
-    for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
+    for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
+              Qwen3XmlToolParser)  # fmt: skip
 }
+TOOL_PARSERS["qwen3_coder"] = Qwen3XmlToolParser  # vLLM's other name for it
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
