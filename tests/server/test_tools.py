@@ -116,6 +116,27 @@ def test_required_calls_parse_streaming_and_not(client, server: LiveServer) -> N
     assert len(one["tool_calls"]) == 1
 
 
+def test_required_with_n_2_streams_each_choice_apart(client, server: LiveServer) -> None:  # noqa: ANN001
+    calls: dict[int, dict[int, dict[str, str]]] = {}
+    finish: dict[int, str] = {}
+    for chunk in client.chat.completions.create(
+        model=server.model, messages=MSGS, tools=TOOLS, tool_choice="required", n=2,
+        parallel_tool_calls=False,
+        temperature=1.0, seed=5, max_tokens=160, stream=True,
+    ):  # fmt: skip
+        for ch in chunk.choices:
+            for tc in ch.delta.tool_calls or []:
+                c = calls.setdefault(ch.index, {}).setdefault(tc.index, {"name": "", "args": ""})
+                c["name"] += (tc.function.name or "") if tc.function else ""
+                c["args"] += (tc.function.arguments or "") if tc.function else ""
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert sorted(calls) == [0, 1] and finish == {0: "tool_calls", 1: "tool_calls"}
+    for per_choice in calls.values():
+        _check_calls([{"id": "x", "name": c["name"], "arguments": c["args"]}
+                      for c in per_choice.values()])  # fmt: skip
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_named_function(client, server: LiveServer, stream: bool) -> None:  # noqa: ANN001
     choice = {"type": "function", "function": {"name": "get_time"}}
