@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.entrypoints.openai.tool_parsers import split_held
+
 START, END = "<think>", "</think>"
 
 
@@ -72,15 +74,6 @@ def reasoning_token_ids(fmt: ReasoningFormat, tokenizer: Any) -> tuple[int, int]
             )
         out.append(int(ids[0]))
     return out[0], out[1]
-
-
-def _held_prefix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag`` (text that
-    may turn out to be the tag once the next delta comes). Example: ("ab</th", "</think>") -> 4."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class ReasoningSplitter:
@@ -134,10 +127,8 @@ class ReasoningSplitter:
                     self._buf = self._buf[i + len(self.fmt.end) :]
                     self.state = "answer"
                     continue
-                hold = _held_prefix(self._buf, self.fmt.end)
-                reasoning += self._buf[: len(self._buf) - hold]
-                self._buf = self._buf[len(self._buf) - hold :]
-                return reasoning, answer
+                settled, self._buf = split_held(self._buf, self.fmt.end)
+                return reasoning + settled, answer
             answer += self._buf
             self._buf = ""
         return reasoning, answer

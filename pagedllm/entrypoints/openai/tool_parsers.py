@@ -77,13 +77,13 @@ def _call_of(obj: Any, args_keys: tuple[str, ...] = ("arguments",)) -> ToolCall 
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _held_prefix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``.
-    Example: ("Sure <tool", "<tool_call>") -> 5."""
+def split_held(text: str, tag: str) -> tuple[str, str]:
+    """(the text certainly not part of ``tag``, the tail that may turn out to begin it once
+    the next delta comes). Example: ("Sure <tool", "<tool_call>") -> ("Sure ", "<tool")."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
-            return k
-    return 0
+            return text[:-k], text[-k:]
+    return text, ""
 
 
 class ToolParser:
@@ -128,10 +128,8 @@ class HermesToolParser(ToolParser):
             if not self._in_call:
                 i = self._buf.find(self.OPEN)
                 if i < 0:
-                    hold = _held_prefix(self._buf, self.OPEN)
-                    content += self._buf[: len(self._buf) - hold]
-                    self._buf = self._buf[len(self._buf) - hold :]
-                    return content, calls
+                    settled, self._buf = split_held(self._buf, self.OPEN)
+                    return content + settled, calls
                 content += self._buf[:i]
                 self._buf = self._buf[i + len(self.OPEN) :]
                 self._in_call = True
@@ -239,12 +237,14 @@ def _decode_many(text: str, args_keys: tuple[str, ...], sep: str = ";") -> list[
     return calls or None
 
 
-class Llama3JsonToolParser(ToolParser):
-    """The whole output is the calls (JSON objects, ``;``-separated), or it is all content."""
+class WholeOutputToolParser(ToolParser):
+    """Formats where the whole output is the calls or it is all content, decided by how it
+    opens (after whitespace): with ``TAG`` or ``OPENER`` it is held to the end (the arguments
+    may hold anything) and ``calls_of`` reads it; anything else streams as content."""
 
-    name = "llama3_json"
     needs_special_tokens = True
-    TAG = "<|python_tag|>"
+    TAG = ""  # an optional special token before the calls
+    OPENER = ""  # the calls' first character
 
     def __init__(self) -> None:
         self._buf = ""
@@ -254,14 +254,14 @@ class Llama3JsonToolParser(ToolParser):
         self._buf += delta
         if self._mode == "deciding":
             head = self._buf.lstrip()
-            if head.startswith((self.TAG, "{")):
+            if head.startswith((self.TAG, self.OPENER)):
                 self._mode = "calls"
             elif not head or self.TAG.startswith(head):
                 return "", []
             else:
                 self._mode = "content"
         if self._mode == "calls":
-            return "", []  # decided at the end (the arguments may hold anything)
+            return "", []  # decided at the end
         out, self._buf = self._buf, ""
         return out, []
 
@@ -269,10 +269,22 @@ class Llama3JsonToolParser(ToolParser):
         rest, self._buf = self._buf, ""
         if self._mode != "calls":
             return rest, []
-        body = rest.lstrip()
-        body = body[len(self.TAG) :] if body.startswith(self.TAG) else body
-        calls = _decode_many(body, ("parameters", "arguments"))
+        calls = self.calls_of(rest.strip().removeprefix(self.TAG))
         return ("", calls) if calls else (rest, [])
+
+    def calls_of(self, body: str) -> list[ToolCall] | None:
+        """The calls of the output after ``TAG`` (None: it is not calls after all)."""
+        raise NotImplementedError
+
+
+class Llama3JsonToolParser(WholeOutputToolParser):
+    """The whole output is the calls (JSON objects, ``;``-separated), or it is all content."""
+
+    name = "llama3_json"
+    TAG, OPENER = "<|python_tag|>", "{"
+
+    def calls_of(self, body: str) -> list[ToolCall] | None:
+        return _decode_many(body, ("parameters", "arguments"))
 
 
 class MistralToolParser(ToolParser):
@@ -295,9 +307,7 @@ class MistralToolParser(ToolParser):
             content, self._buf = self._buf[:i], self._buf[i + len(self.TAG) :]
             self._in_calls = True
             return content, []
-        hold = _held_prefix(self._buf, self.TAG)
-        content = self._buf[: len(self._buf) - hold]
-        self._buf = self._buf[len(self._buf) - hold :]
+        content, self._buf = split_held(self._buf, self.TAG)
         return content, []
 
     def finish(self) -> tuple[str, list[ToolCall]]:
@@ -326,44 +336,19 @@ class MistralToolParser(ToolParser):
         return calls
 
 
-class PythonicToolParser(ToolParser):
+class PythonicToolParser(WholeOutputToolParser):
     """Llama 3.2 / Llama 4's pythonic calls (vLLM's ``pythonic``): the whole output is a Python
     list of calls with literal keyword arguments, ``[get_weather(city="Paris"), now()]``
-    (optionally after ``<|python_start|>``); anything else is all content. The list is read
-    with ``ast`` (literals only: nothing is evaluated)."""
+    (optionally between ``<|python_start|>`` and ``<|python_end|>``); anything else is all
+    content. The list is read with ``ast`` (literals only: nothing is evaluated)."""
 
     name = "pythonic"
-    needs_special_tokens = True
-    TAGS = ("<|python_start|>", "<|python_end|>")
+    TAG, OPENER = "<|python_start|>", "["
 
-    def __init__(self) -> None:
-        self._buf = ""
-        self._mode = "deciding"  # -> "content" | "calls"
-
-    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
-        self._buf += delta
-        if self._mode == "deciding":
-            head = self._buf.lstrip()
-            if head.startswith(("[", self.TAGS[0])):
-                self._mode = "calls"
-            elif not head or self.TAGS[0].startswith(head):
-                return "", []
-            else:
-                self._mode = "content"
-        if self._mode == "calls":
-            return "", []
-        out, self._buf = self._buf, ""
-        return out, []
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        rest, self._buf = self._buf, ""
-        if self._mode != "calls":
-            return rest, []
-        body = rest.strip()
-        for tag in self.TAGS:
+    def calls_of(self, body: str) -> list[ToolCall] | None:
+        for tag in (self.TAG, "<|python_end|>"):
             body = body.replace(tag, "")
-        calls = _pythonic_calls(body.strip())
-        return ("", calls) if calls else (rest, [])
+        return _pythonic_calls(body.strip())
 
 
 def _pythonic_calls(text: str) -> list[ToolCall] | None:
