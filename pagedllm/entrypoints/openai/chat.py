@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from pagedllm.engine.async_llm import AsyncLLMBase
 from pagedllm.entrypoints.openai.errors import RequestError
@@ -45,6 +45,7 @@ from pagedllm.entrypoints.openai.tools import (
     parse_tools,
     resolve_tool_choice,
 )
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.params import StructuredOutputsParams
@@ -66,6 +67,17 @@ def load_chat_template(value: str | None) -> str | None:
     if "{" not in value:
         raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template.")
     return value
+
+
+class Prepared(NamedTuple):
+    """A chat request checked and rendered: its prompt, sampling params, resolved tool choice
+    and LoRA adapter (None: the base model)."""
+
+    text: str
+    ids: list[int]
+    params: SamplingParams
+    mode: ToolMode
+    lora: LoRARequest | None
 
 
 class ServingChat(ServingBase):
@@ -111,8 +123,9 @@ class ServingChat(ServingBase):
             parser.schemas = {t.name: t.parameters or {} for t in mode.tools}
         return ChoiceShaper(mode, parser, self.reasoning, prompt_text)
 
-    def render(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-        """(prompt text, token ids) of the conversation under the chat template."""
+    def render(self, req: ChatCompletionRequest, mode: ToolMode) -> tuple[str, list[int]]:
+        """(prompt text, token ids) of the conversation under the chat template, which gets
+        the request's tools (``mode``: its resolved tool_choice)."""
         template = req.chat_template or self.chat_template
         if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(
@@ -126,9 +139,8 @@ class ServingChat(ServingBase):
             for k, v in (req.chat_template_kwargs or {}).items()
             if k not in _RESERVED_TEMPLATE_KWARGS
         }
-        tools = parse_tools(req.tools)
-        if tools and not (self.exclude_tools_when_none and self.tool_mode(req).kind == "none"):
-            kwargs["tools"] = [t.to_openai() for t in tools]
+        if mode.tools and not (self.exclude_tools_when_none and mode.kind == "none"):
+            kwargs["tools"] = [t.to_openai() for t in mode.tools]
         try:
             text = self.tokenizer.apply_chat_template(
                 req.conversation(),
@@ -147,13 +159,13 @@ class ServingChat(ServingBase):
         ids = list(self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
         return text, ids
 
-    def prepare(self, req: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
-        """Check, render and tokenize: (prompt text, ids, sampling params)."""
-        self.check_model(req.model)
+    def prepare(self, req: ChatCompletionRequest) -> Prepared:
+        """Check, render and tokenize (on the tokenizer thread)."""
+        lora = self.check_model(req.model)
         mode = self.tool_mode(req)
         params = req.to_sampling_params()
         self.check_num_seqs(req.n, "n")
-        text, ids = self._render_checked(req, req.max_new_tokens())
+        text, ids = self._render_checked(req, mode, req.max_new_tokens())
         if mode.constrained:
             if params.structured_outputs is not None:
                 raise RequestError(
@@ -176,11 +188,11 @@ class ServingChat(ServingBase):
             self.llm.validate({"prompt": text, "prompt_token_ids": ids}, params)
         except ValueError as e:
             raise RequestError(str(e), param="messages") from e
-        return text, ids, params
+        return Prepared(text, ids, params, mode, lora)
 
-    def _render_checked(self, req: ChatCompletionRequest, max_tokens: int | None
-                        ) -> tuple[str, list[int]]:  # fmt: skip
-        text, ids = self.render(req)
+    def _render_checked(self, req: ChatCompletionRequest, mode: ToolMode,
+                        max_tokens: int | None) -> tuple[str, list[int]]:  # fmt: skip
+        text, ids = self.render(req, mode)
         if not ids:
             raise RequestError("the rendered conversation has no tokens.", param="messages")
         self.check_length(len(ids), max_tokens, "messages")
@@ -200,30 +212,29 @@ class ServingChat(ServingBase):
         """The response body (dict) or, when streaming, an SSE text iterator."""
         if req.use_beam_search:
             return await self._beam_search(req)
-        text, ids, params = await off_loop(self.prepare, req)
-        await self.check_structured(params, req.structured_field)
+        p = await off_loop(self.prepare, req)
+        await self.check_structured(p.params, req.structured_field)
         rid = random_id("chatcmpl")
-        started = await self.start([(text, ids)], params, rid, req.priority, req.cache_salt,
-                                   req.n, lora_request=self.check_model(req.model))  # fmt: skip
+        started = await self.start([(p.text, p.ids)], p.params, rid, req.priority,
+                                   req.cache_salt, req.n, lora_request=p.lora)  # fmt: skip
         created = now()
-        mode = self.tool_mode(req)
         if req.stream:
-            return self._stream(req, started, rid, created, mode)
-        return self._response(req, await self.collect(started), rid, created, mode)
+            return self._stream(req, started, rid, created, p.mode)
+        return self._response(req, await self.collect(started), rid, created, p.mode)
 
     async def _beam_search(self, req: ChatCompletionRequest) -> dict[str, Any]:
-        self.check_model(req.model)
-        if self.tool_mode(req).kind != "none":
+        lora = self.check_model(req.model)
+        mode = self.tool_mode(req)
+        if mode.kind != "none":
             raise RequestError("tool calls are not supported with use_beam_search.",
                                param="tool_choice")  # fmt: skip
         req.to_beam_search_params(1)  # checks the fields before the template is rendered
         self.check_num_seqs(req.n, "n")
-        text, ids = await off_loop(self._render_checked, req, req.max_new_tokens())
+        text, ids = await off_loop(self._render_checked, req, mode, req.max_new_tokens())
         params = req.to_beam_search_params(self.max_model_len - len(ids))
         rid = random_id("chatcmpl")
-        started = await self.start([(text, ids)], params, rid, n=req.n,
-                                   lora_request=self.check_model(req.model))  # fmt: skip
-        return self._response(req, await self.collect(started), rid, now(), ToolMode("none"))
+        started = await self.start([(text, ids)], params, rid, n=req.n, lora_request=lora)
+        return self._response(req, await self.collect(started), rid, now(), mode)
 
     def _response(
         self,

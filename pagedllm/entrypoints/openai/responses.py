@@ -275,17 +275,15 @@ class ServingResponses:
         """The response object or, when streaming, its SSE events."""
         try:
             creq, conversation = self.to_chat(req)
-            text, ids, params = await off_loop(self.chat.prepare, creq)
-            await self.chat.check_structured(params, creq.structured_field)
+            p = await off_loop(self.chat.prepare, creq)
+            await self.chat.check_structured(p.params, creq.structured_field)
             rid = random_id("resp")
-            lora = self.chat.check_model(creq.model)
-            started = await self.chat.start([(text, ids)], params, rid, creq.priority,
-                                            creq.cache_salt, lora_request=lora)  # fmt: skip
+            started = await self.chat.start([(p.text, p.ids)], p.params, rid, creq.priority,
+                                            creq.cache_salt, lora_request=p.lora)  # fmt: skip
         except RequestError as e:
             e.param = _PARAMS.get(e.param or "", e.param)
             raise
-        mode = self.chat.tool_mode(creq)
-        shaper = self.chat.shaper(mode, text) or ChoiceShaper(mode, None, None, text)
+        shaper = self.chat.shaper(p.mode, p.text) or ChoiceShaper(p.mode, None, None, p.text)
         base = self._base(req, rid)
         if req.stream:
             return SSEStream(self._events(req, base, started[0], shaper, conversation), started)

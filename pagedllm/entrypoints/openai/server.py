@@ -98,6 +98,7 @@ from pagedllm.entrypoints.openai.shutdown import (
     exit_cleanly,
     shutdown_timeout_of,
 )
+from pagedllm.entrypoints.openai.tools import ToolMode
 from pagedllm.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -382,7 +383,7 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
                     messages=req.messages, add_generation_prompt=req.add_generation_prompt,
                     add_special_tokens=req.add_special_tokens,
                 )  # fmt: skip
-                _, ids = chat.render(creq)
+                _, ids = chat.render(creq, ToolMode("none"))
             else:
                 chat.check_text_fits(len(req.prompt), "prompt")
                 add = req.add_special_tokens
