@@ -5,7 +5,9 @@ process, output tokens per second of each and their ratio:
 
     python benchmarks/tools_gpu.py --num-prompts 256 --max-tokens 256 --out DIR
 
-Qwen3-0.6B shape, random bf16 weights, prompts of 100-1024 random tokens. The tools' string
+Qwen3-0.6B shape, random bf16 weights, with the vocabulary of the tokenizer in
+``PAGEDLLM_TOKENIZER_DIR`` (SmolLM2's, carried in ``.bench_tok/``: the grammar needs a real
+vocabulary), prompts of 100-1024 random tokens. The tools' string
 arguments have no length bound, so a random model's constrained output runs to ``max_tokens``
 like the free one (the run records both token counts). Needs xgrammar (carried as a wheel).
 The issue's goal: required >= 0.9x no tools. The JSON lands in DIR as
@@ -24,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.gpu_suite import free_mem, make_hf_model, provenance  # noqa: E402
+from benchmarks.gpu_suite import free_mem, provenance, structured_model  # noqa: E402
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.bench.throughput import make_workload  # noqa: E402
 from pagedllm.entrypoints.openai.tools import parse_tools, resolve_tool_choice  # noqa: E402
@@ -69,9 +71,12 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
-    path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
-    prompts, _ = make_workload(args.num_prompts, 562, 562, 462 / 562, 151936, seed=0)
-    llm = LLM(path, dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
+    tok_dir = os.environ["PAGEDLLM_TOKENIZER_DIR"]
+    path = structured_model(tok_dir)
+    with open(os.path.join(path, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    prompts, _ = make_workload(args.num_prompts, 562, 562, 462 / 562, vocab, seed=0)
+    llm = LLM(path, tokenizer=tok_dir, dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
               gpu_memory_utilization=0.85)  # fmt: skip
     runs = [run(llm, prompts, args.max_tokens, g) for g in (False, True)]
     del llm
@@ -79,7 +84,7 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     ratio = runs[1]["output_tokens_per_s"] / runs[0]["output_tokens_per_s"]
     result = {**provenance("tools-required"), "device": device,
-              "workload": {"model": "qwen3-0.6b shape, random weights, bf16",
+              "workload": {"model": "qwen3-0.6b shape, SmolLM2 vocabulary, random weights, bf16",
                            "num_prompts": args.num_prompts, "input_len": "100-1024",
                            "max_tokens": args.max_tokens, "tools": TOOLS},
               "runs": runs, "ratio_required_to_none": ratio,
