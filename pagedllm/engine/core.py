@@ -98,6 +98,7 @@ class EngineCore:
             raise
         self.num_blocks = num_blocks
         self.num_steps = 0  # step() calls so far (the metrics' engine steps)
+        self.step_seconds = 0.0  # wall time inside step() so far (the dashboard's step time)
         self.num_async_steps = 0  # of which asynchronous (async_scheduling, nothing forcing sync)
         # of those, the steps that took the last step's results before scheduling (a KV
         # connector asked: ``Scheduler.wants_results_first``)
@@ -266,11 +267,13 @@ class EngineCore:
             self._dp_agree(None)  # nothing here: the other cores' steps still need this one
             return []
         self.num_steps += 1
+        t0 = time.perf_counter()
         if self.async_scheduling and not self.scheduler.needs_sync:
             self.num_async_steps += 1
             outputs = self._step_async(after_launch)
         else:
             outputs = self._step_sync(after_launch)
+        self.step_seconds += time.perf_counter() - t0
         self.consecutive_failures = 0
         return outputs
 
@@ -448,6 +451,7 @@ class EngineCore:
         stats["num_free_blocks"] = kv.num_free_blocks()
         stats["num_blocks"] = kv.num_blocks
         stats["num_steps"] = self.num_steps
+        stats["step_seconds"] = self.step_seconds
         stats["num_async_steps"] = self.num_async_steps
         stats["num_results_first"] = self.num_results_first
         if self._has_experts and time.monotonic() - self._load_taken >= EXPERT_LOAD_PERIOD_S:

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedllm.core.kv_cache.block import BlockHash
+from pagedllm.core.kv_cache.block_map import BlockMap, build_block_map
 from pagedllm.core.kv_cache.hashing import block_hash_extra, hash_request_blocks
 from pagedllm.core.kv_cache.id_pool import make_id_pool
 from pagedllm.core.kv_cache.interface import KVCacheManagerBase
@@ -695,6 +696,20 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         computed."""
         state = state or self.states[request.request_id]
         return state.lens - (state.num_tokens - request.num_computed_tokens)
+
+    def block_map(self) -> BlockMap:
+        """Every one-head block of every rank's pool: held by a request's table, parked in
+        the prefix cache (no request holds it), or free."""
+        tables = ((rid, st.held()) for rid, st in self.states.items())
+        return build_block_map(self.pool.num_blocks, tables, np.flatnonzero(self.in_cache))
+
+    def head_lens(self, request_id: str) -> np.ndarray | None:
+        """[layers, H] the KVs each (layer, KV head) of the request holds (H: every rank's
+        KV heads), or None when it holds none."""
+        state = self.states.get(request_id)
+        if state is None:
+            return None
+        return state.lens.reshape(self.spec.num_layers, -1)
 
     def held_kvs(self, request_id: str) -> int:
         """KVs the request holds in compressible heads after its protected cached prefix

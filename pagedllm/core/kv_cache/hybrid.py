@@ -21,7 +21,7 @@ coordinator does). Each group caches its own blocks under (group, block hash).
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from pagedllm.core.kv_cache.block import KVCacheBlock
 from pagedllm.core.kv_cache.block_pool import BlockPool
@@ -260,6 +260,12 @@ class HybridKVCacheManager(KVCacheManagerBase):
 
     def get_block_table(self, request_id: str) -> tuple[list[int], ...]:
         return tuple(m.get_block_ids(request_id) for m in self.groups)
+
+    def request_tables(self) -> Iterator[tuple[str, list[int]]]:
+        null = self.block_pool.null_block
+        for m in self.groups:
+            for rid, blocks in m.req_to_blocks.items():
+                yield rid, [b.block_id for b in blocks if b is not null]
 
     def free(self, request: Request) -> None:
         for m in self.groups:

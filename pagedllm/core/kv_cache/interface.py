@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from pagedllm.core.kv_cache.block import KVCacheBlock
+from pagedllm.core.kv_cache.block_map import BlockMap, build_block_map
 from pagedllm.core.kv_cache.block_pool import BlockPool
 from pagedllm.core.kv_cache.swap import SwapSpace
 from pagedllm.core.request import Request
@@ -141,6 +142,20 @@ class KVCacheManagerBase(ABC):
     @abstractmethod
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
         """(host, device) pairs to copy back into new blocks; None if the pool is short."""
+
+    # ----------------------------------------------------------------------- map
+    def block_map(self) -> BlockMap:
+        """Every device block's state and a request holding it (``block_map.py``), for the
+        dashboard. It walks every table: call it between steps, a few times a second at most."""
+        pool = self.block_pool
+        cached = [b.block_id for b in pool.cached_block_hash_to_block.values()]
+        null = pool.null_block
+        reserved = [null.block_id] if null is not None else []
+        return build_block_map(pool.num_blocks, self.request_tables(), cached, reserved)
+
+    def request_tables(self) -> Iterable[tuple[str, list[int]]]:
+        """(request id, device block ids) of every table, one per request and KV group."""
+        raise NotImplementedError(f"{type(self).__name__} has no block map")
 
     # --------------------------------------------------------------------- checks
     @abstractmethod

@@ -7,7 +7,7 @@ all sharing one pool (see ``hybrid.py``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from pagedllm.core.kv_cache.block import BlockHash, KVCacheBlock
 from pagedllm.core.kv_cache.block_pool import BlockPool
@@ -108,6 +108,10 @@ class KVCacheManager(KVCacheManagerBase):
     def get_block_table(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids per group (one group here)."""
         return (self.get_block_ids(request_id),)
+
+    def request_tables(self) -> Iterator[tuple[str, list[int]]]:
+        for rid, blocks in self.req_to_blocks.items():
+            yield rid, [b.block_id for b in blocks]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached blocks that starts the request's tokens, and how many
