@@ -7,6 +7,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
+# the dashboard's browser test drives Debian's chromium (it skips, saying so, without one)
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get install -y -q chromium >/dev/null 2>&1 || echo "chromium not installed" >&2
+fi
 VENV=${PAGEDLLM_VENV:-.venv}
 workers=${PAGEDLLM_TEST_WORKERS:-$(( $(nproc) >= 2 ? 2 : 0 ))}
 args=()

@@ -95,6 +95,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         (
             "pagedllm",
             "pagedllm.entrypoints",
+            "pagedllm.dashboard",
             "pagedllm.bench",
             "pagedllm.metrics",
             "pagedllm.metrics_reader",

@@ -347,6 +347,12 @@ class AsyncLLMBase:
         """``fn(engine_core)`` run by the engine between steps; its result."""
         raise NotImplementedError
 
+    async def call_in_cores(self, fn: Callable[[Any], Any]) -> list[Any]:
+        """``fn(engine_core)`` run by every engine core between its steps (one core, or each
+        data-parallel core in order); the results. ``fn`` must be a module-level function and
+        its result plain data: a core in another process gets and returns them pickled."""
+        return [await self._in_core(fn)]
+
     def prepare_structured_outputs(self) -> concurrent.futures.Future[Any]:
         """Create the engine's grammar manager off the event loop and the engine loop (once;
         idempotent): a Future that resolves when it is ready. Its exception is a ValueError

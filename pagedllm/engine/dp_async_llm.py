@@ -26,6 +26,7 @@ On GPUs core i sees GPUs [i * tp, (i + 1) * tp) (``CUDA_VISIBLE_DEVICES`` of its
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import logging
@@ -183,6 +184,9 @@ class DPAsyncLLM(AsyncLLMBase):
     async def start(self) -> None:
         for core in self.cores:
             await core.start()
+
+    async def call_in_cores(self, fn: Callable[[Any], Any]) -> list[Any]:
+        return list(await asyncio.gather(*(c.call_in_core(fn) for c in self.cores)))
 
     def new_request_id(self, prefix: str = "req") -> str:
         self._ids += 1

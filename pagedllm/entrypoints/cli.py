@@ -312,8 +312,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=os.environ.get("PAGEDLLM_API_KEY"),
         metavar="KEY",
-        help="Require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDLLM_API_KEY; "
-        "unset: no key needed).",
+        help="Require 'Authorization: Bearer KEY' on /v1 and /dashboard routes (default: "
+        "$PAGEDLLM_API_KEY; unset: no key needed). A browser opens /dashboard?api_key=KEY once.",
+    )
+    serve.add_argument(
+        "--dashboard",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Serve the live engine dashboard at /dashboard (the KV block map, per-head "
+        "KV-Compress heat map, requests, rates) and its JSON at /dashboard/state. The engine "
+        "builds a snapshot only while a page or script asks for one.",
+    )
+    serve.add_argument(
+        "--dashboard-hz",
+        type=float,
+        default=2.0,
+        metavar="HZ",
+        help="Snapshots a second pushed to each open dashboard page (at most 4).",
     )
     serve.add_argument(
         "--chat-template",

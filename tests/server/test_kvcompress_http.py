@@ -1,15 +1,20 @@
 """KV-Compress over HTTP: the per-request fields work on a server started with --enable-kvc,
 bad values are 400s naming the field, a server without it refuses them, and the server stays
-healthy with every block free afterwards."""
+healthy with every block free afterwards. The dashboard, in headless Chromium, shows a
+KV-Compress request and a shared prefix as they run (this server has both: one start)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server.conftest import LiveServer, live_server
+from tests.server.conftest import ROOT, LiveServer, live_server
 
 CMPL = "/v1/completions"
 
@@ -70,3 +75,79 @@ def test_server_without_kvc_refuses_the_fields(server: LiveServer) -> None:
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "max_cache_tokens"
     assert "enable-kvc" in r.json()["error"]["message"]
+
+
+def _chromium() -> str | None:
+    return next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)
+
+
+def test_dashboard_in_a_browser(kvc_server: LiveServer) -> None:
+    """Open /dashboard in headless Chromium (the key given once in the URL, then a cookie),
+    run two requests sharing a prefix and a KV-Compress one, and read from the DOM that the
+    block map, the per-head heat map, the request table and the counters follow them. A
+    screenshot taken mid-run lands in $PAGEDLLM_TEST_ARTIFACTS (default .test-artifacts/)."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("no chromium (scripts/test.sh installs Debian's package where it can)")
+    artifacts = Path(os.environ.get("PAGEDLLM_TEST_ARTIFACTS", ROOT / ".test-artifacts"))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    srv = kvc_server
+    srv.wait_idle()
+    prefix = "Our ship log, day one: the sea was calm and the wind came from the west. " * 14
+    bodies = [{"model": srv.model, "prompt": prefix + f"Entry {i}:", "max_tokens": 96,
+               "ignore_eos": True, "temperature": 0} for i in range(2)]  # fmt: skip
+    bodies.append({**bodies[0], "prompt": "A different story. " * 50, "compression_rate": 4})
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1500})
+            page.goto(f"{srv.url}/dashboard?api_key={srv.api_key}")
+            page.wait_for_function("document.body.dataset.state === 'live'", timeout=30_000)
+
+            def read() -> dict:
+                return page.evaluate("""() => ({
+                    map: {...document.getElementById('blockmap').dataset},
+                    heads: {...document.getElementById('heatmap').dataset},
+                    rows: document.querySelectorAll('#requests tbody tr').length,
+                    hits: +document.getElementById('t-prefix-hit').dataset.value || 0,
+                    evicted: +document.getElementById('t-evicted').dataset.value || 0,
+                    updates: +document.getElementById('updates').textContent})""")
+
+            before = read()
+            assert before["map"]["used"] == before["map"]["shared"] == "0"
+            assert int(before["map"]["total"]) > 0
+            first = httpx.post(srv.url + CMPL, json=bodies[0], headers=srv.headers, timeout=300)
+            assert first.status_code == 200  # its prefix is now in the cache
+            threads = [threading.Thread(target=httpx.post, args=(srv.url + CMPL,),
+                                        kwargs={"json": b, "headers": srv.headers,
+                                                "timeout": 300}) for b in bodies]  # fmt: skip
+            for t in threads:
+                t.start()
+            # mid-run: blocks held (the prefix by two requests), the compressed request's
+            # heads on the heat map with KVs evicted, the requests in the table
+            page.wait_for_function("""() => {
+                const m = document.getElementById('blockmap').dataset;
+                const h = document.getElementById('heatmap').dataset;
+                return +m.shared > 0 && +m.used > 0 && +h.requests > 0 && +h.keptMean < 0.9
+                    && document.querySelectorAll('#requests tbody tr').length >= 2; }""",
+                                   timeout=120_000)  # fmt: skip
+            during = read()
+            page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
+            assert page.locator("#requests tbody tr td", has_text="4x").count() == 1
+            for t in threads:
+                t.join()
+            # after: nothing held, the prompts' blocks cached, the counters moved
+            page.wait_for_function("""() => {
+                const m = document.getElementById('blockmap').dataset;
+                return m.used === '0' && m.shared === '0'
+                    && document.querySelectorAll('#requests tbody tr').length === 0; }""",
+                                   timeout=60_000)  # fmt: skip
+            after = read()
+        finally:
+            browser.close()
+    assert int(after["map"]["cached"]) > int(before["map"]["cached"])
+    assert after["hits"] > before["hits"] and after["evicted"] > before["evicted"]
+    assert float(during["heads"]["keptMean"]) < 0.9 and after["updates"] > during["updates"]
+    assert (artifacts / "dashboard.png").stat().st_size > 10_000
+    srv.wait_idle()

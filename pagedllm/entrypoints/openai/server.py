@@ -55,7 +55,9 @@ import signal
 import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable
+from http.cookies import SimpleCookie
 from typing import Any
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -105,20 +107,38 @@ logger = logging.getLogger(__name__)
 
 
 class APIKeyMiddleware:
-    """Pure ASGI middleware (no buffering of streamed bodies): ``/v1`` needs the bearer key."""
+    """Pure ASGI middleware (no buffering of streamed bodies): ``/v1`` and ``/dashboard``
+    need the bearer key; a browser on the dashboard may give it as the cookie the page sets
+    or as ``?api_key=`` (``dashboard/routes.py``)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
+        self.key = api_key.encode()
         self.expected = f"Bearer {api_key}".encode()
 
+    def _dashboard_key(self, scope: Scope) -> bool:
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        given = [v.encode() for v in query.get("api_key", [])]
+        cookie = next((v for k, v in scope["headers"] if k == b"cookie"), b"")
+        if cookie:
+            jar: SimpleCookie = SimpleCookie()
+            try:
+                jar.load(cookie.decode("latin-1"))
+            except Exception:  # a malformed cookie header: no key from it
+                jar = SimpleCookie()
+            if "pagedllm_api_key" in jar:
+                given.append(jar["pagedllm_api_key"].value.encode())
+        return any(secrets.compare_digest(g, self.key) for g in given)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] == "http"
-            and scope["path"].startswith("/v1")
-            and scope.get("method") != "OPTIONS"
-        ):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        dashboard = path == "/dashboard" or path.startswith("/dashboard/")
+        if (path.startswith("/v1") or dashboard) and scope.get("method") != "OPTIONS":
             auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not secrets.compare_digest(auth, self.expected):
+            ok = secrets.compare_digest(auth, self.expected)
+            if not ok and dashboard:
+                ok = self._dashboard_key(scope)
+            if not ok:
                 err = RequestError(
                     "Unauthorized: a valid 'Authorization: Bearer <api key>' header is required.",
                     status_code=401,
@@ -264,10 +284,24 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
     max_model_len = async_llm.model_config.max_model_len
     created = now()
 
+    dashboard = None
+    if getattr(args, "dashboard", True):
+        from pagedllm.dashboard.service import DEFAULT_HZ, DashboardService
+
+        hz = getattr(args, "dashboard_hz", None)
+        hz = DEFAULT_HZ if hz is None else hz
+        dashboard = DashboardService(async_llm, metrics, hz, stopping=lambda: drain.draining)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await async_llm.start()  # an engine core process: read its outputs on this loop
-        yield
+        if dashboard is not None:
+            dashboard.start()
+        try:
+            yield
+        finally:
+            if dashboard is not None:
+                await dashboard.close()
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.state.async_llm = async_llm
@@ -277,9 +311,14 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
     app.state.max_request_body_bytes = (
         getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_BODY_BYTES
     )
+    app.state.dashboard = dashboard
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(DrainMiddleware, drain=drain)  # outermost: counts every request
+    if dashboard is not None:
+        from pagedllm.dashboard.routes import add_dashboard
+
+        add_dashboard(app, dashboard, api_key)
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> JSONResponse:

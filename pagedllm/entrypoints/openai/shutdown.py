@@ -37,6 +37,8 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0  # uvicorn's and Kubernetes' usual grace perio
 FLUSH_GRACE_S = 2.0  # after the final events, how long connections get to send them
 # routes that keep answering while draining (probes, scrapes); every other route counts as work
 PROBE_PATHS = frozenset({"/health", "/metrics", "/version", "/v1/models", "/ping"})
+# the dashboard's pages and streams: watching, not work (its streams end when draining starts)
+WATCH_PREFIX = "/dashboard"
 
 
 def shutdown_timeout_of(args: Any) -> float:
@@ -130,7 +132,8 @@ class DrainMiddleware:
         self.drain = drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in PROBE_PATHS or path.startswith(WATCH_PREFIX):
             await self.app(scope, receive, send)
             return
         if self.drain.draining:

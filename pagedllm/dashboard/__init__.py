@@ -1,0 +1,5 @@
+"""The live engine dashboard of ``pagedllm serve`` (``/dashboard``): the KV block pool as a map,
+the KVs each (layer, KV head) holds under KV-Compress, the requests, and the engine's rates.
+``service.py`` keeps its data, ``routes.py`` serves it, ``static/`` is the page (plain
+JavaScript and canvas, no build step), ``report.py`` writes the same map to an HTML file for
+``pagedllm bench``."""

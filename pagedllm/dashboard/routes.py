@@ -1,0 +1,73 @@
+"""The dashboard's routes on the OpenAI server (``pagedllm serve``; ``--no-dashboard`` leaves
+them out):
+
+    GET /dashboard                the page (static files in this package: no build step, no
+                                  fetch from the network)
+    GET /dashboard/static/NAME    its script and style sheet
+    GET /dashboard/state          the state as JSON, for scripts (``docs/DASHBOARD.md``)
+    GET /dashboard/events?hz=H    the same, pushed as server-sent events, at most 4 a second
+
+With an API key (``--api-key``) every dashboard route needs it, as a bearer header, as a
+cookie the page sets from ``/dashboard?api_key=KEY`` (so its own requests carry it), or as
+that query parameter (``APIKeyMiddleware``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+
+from pagedllm.dashboard.service import DashboardService
+
+STATIC = Path(__file__).parent / "static"
+_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
+KEY_COOKIE = "pagedllm_api_key"
+
+
+def add_dashboard(app: FastAPI, service: DashboardService, api_key: str | None) -> None:
+    """Register the dashboard's routes on ``app``, served from ``service`` (whose sampler
+    the app's lifespan starts and stops)."""
+    files = {p.name: p for p in STATIC.iterdir() if p.suffix in _TYPES}
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def page(request: Request) -> Response:
+        response = FileResponse(files["index.html"], media_type="text/html")
+        key = request.query_params.get("api_key")
+        if api_key and key == api_key:  # (the middleware checked it) remember it
+            response.set_cookie(KEY_COOKIE, key, httponly=True, samesite="strict",
+                                path="/dashboard")  # fmt: skip
+        response.headers["Cache-Control"] = "no-store"
+        return response
+
+    @app.get("/dashboard/static/{name}", include_in_schema=False)
+    async def static(name: str) -> Response:
+        path = files.get(name)
+        if path is None:
+            return JSONResponse({"error": {"message": f"no file {name!r}", "type":
+                                           "NotFoundError", "code": 404}}, 404)  # fmt: skip
+        return FileResponse(path, media_type=_TYPES[path.suffix])
+
+    @app.get("/dashboard/state", summary="The dashboard's state (engine snapshot + history)")
+    async def state(since: float | None = None) -> JSONResponse:
+        """The engine snapshot (block map, requests, per-head KVs, host tiers, stats) and the
+        last ten minutes of one-second samples (after ``since``, a Unix time, if given)."""
+        snap = await service.snapshot()
+        return JSONResponse(service.state(snap, since))
+
+    @app.get("/dashboard/events", include_in_schema=False)
+    async def events(request: Request, hz: float | None = None) -> Response:
+        async def stream() -> Any:
+            gen = service.events(hz)
+            try:
+                async for chunk in gen:
+                    if await request.is_disconnected():
+                        break
+                    yield chunk
+            finally:
+                await gen.aclose()
+
+        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)

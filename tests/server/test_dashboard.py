@@ -1,0 +1,142 @@
+"""The dashboard's routes in-process (``build_app`` over a tiny random model): the page and its
+files are served from the package, ``/dashboard/state`` is the documented JSON, the API key
+guards every dashboard route (bearer, cookie, query), ``--no-dashboard`` removes them, the
+event stream pushes states, and bad settings are refused. The page itself, in a browser
+against a live KV-Compress server, is tested in ``test_kvcompress_http.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from argparse import Namespace
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from pagedllm.dashboard.service import DashboardService
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.server import build_app
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models) -> Iterator[AsyncLLM]:  # noqa: ANN001
+    from pagedllm.config import EngineArgs
+
+    args = EngineArgs(model=tiny_models("llama"), dtype="float32", max_model_len=128,
+                      num_gpu_blocks_override=32, device="cpu")  # fmt: skip
+    engine = AsyncLLM.from_engine_args(args)
+    yield engine
+    engine.shutdown()
+
+
+def _call(app: Any, method: str, path: str, **kw: Any) -> httpx.Response:
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.request(method, path, **kw)
+
+    return asyncio.run(go())
+
+
+def test_page_files_and_state(llm: AsyncLLM) -> None:
+    app = build_app(llm, Namespace(served_model_name="tiny-m"))
+    page = _call(app, "GET", "/dashboard")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/dashboard/static/dashboard.js" in page.text
+    js = _call(app, "GET", "/dashboard/static/dashboard.js")
+    assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
+    assert "EventSource" in js.text
+    assert _call(app, "GET", "/dashboard/static/dashboard.css").status_code == 200
+    for bad in ("nope.js", "..%2Fservice.py", "__init__.py"):
+        r = _call(app, "GET", f"/dashboard/static/{bad}")
+        assert r.status_code == 404, bad
+    r = _call(app, "POST", "/v1/completions", json={"model": "tiny-m", "prompt": [5] * 20,
+                                                    "max_tokens": 4})  # fmt: skip
+    assert r.status_code == 200
+    state = _call(app, "GET", "/dashboard/state").json()
+    assert state["model"] == "tiny-m" and state["version"] >= 1
+    snap = state["snapshot"]
+    blocks = snap["blocks"]
+    assert blocks["total"] == 32 and sum(blocks["counts"].values()) == 32
+    assert blocks["counts"]["cached"] >= 1  # the finished prompt's full blocks
+    assert len(blocks["cells"]) == len(blocks["cell_owner"]) == 32
+    assert snap["stats"]["num_steps"] >= 4 and snap["heads"] is None
+    assert snap["requests"] == [] and snap["cores"] == 1 and snap["build_ms"] >= 0
+
+
+def test_api_key_guards_every_dashboard_route(llm: AsyncLLM) -> None:
+    app = build_app(llm, Namespace(api_key="sekret"))
+    for path in ("/dashboard", "/dashboard/state", "/dashboard/static/dashboard.js",
+                 "/dashboard/events"):  # fmt: skip
+        r = _call(app, "GET", path)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+        assert _call(app, "GET", path + "?api_key=wrong").status_code == 401
+        bad_cookie = {"Cookie": "pagedllm_api_key=wrong"}
+        assert _call(app, "GET", path, headers=bad_cookie).status_code == 401
+    r = _call(app, "GET", "/dashboard/state", headers={"Authorization": "Bearer sekret"})
+    assert r.status_code == 200
+    page = _call(app, "GET", "/dashboard?api_key=sekret")
+    assert page.status_code == 200
+    cookie = page.headers["set-cookie"]
+    assert "pagedllm_api_key=sekret" in cookie and "HttpOnly" in cookie
+    assert "Path=/dashboard" in cookie
+    r = _call(app, "GET", "/dashboard/state", headers={"Cookie": "pagedllm_api_key=sekret"})
+    assert r.status_code == 200
+    # a malformed cookie header is no key, not a crash
+    r = _call(app, "GET", "/dashboard/state", headers={"Cookie": 'a="; pagedllm_api_key'})
+    assert r.status_code == 401
+    # the cookie opens the dashboard only, never the API
+    r = _call(app, "GET", "/v1/models", headers={"Cookie": "pagedllm_api_key=sekret"})
+    assert r.status_code == 401
+
+
+def test_no_dashboard_and_bad_rate(llm: AsyncLLM) -> None:
+    app = build_app(llm, Namespace(dashboard=False))
+    assert _call(app, "GET", "/dashboard").status_code == 404
+    assert _call(app, "GET", "/dashboard/state").status_code == 404
+    for bad in (0, -1.0, float("nan"), "2"):
+        with pytest.raises(ValueError, match="dashboard_hz"):
+            build_app(llm, Namespace(dashboard_hz=bad))
+
+
+def test_event_stream_and_history(llm: AsyncLLM) -> None:
+    """The stream's first event is a full state; the next ones come at the asked rate (capped
+    at 4 a second) with only the history points since the last; the sampler's points turn
+    counters into rates."""
+    from pagedllm.metrics import ServerMetrics
+
+    async def go() -> tuple[list[dict], list[dict]]:
+        metrics = ServerMetrics("tiny-m")
+        llm.stat_loggers.append(metrics.record)
+        service = DashboardService(llm, metrics, hz=4.0)
+        try:
+            service.sample()
+            params = __import__("pagedllm").SamplingParams(max_tokens=6, ignore_eos=True)
+            async for _ in llm.generate({"prompt_token_ids": [5] * 20}, params, "dash-1"):
+                pass
+            await asyncio.sleep(0.05)
+            service.sample()
+            events = []
+            gen = service.events(hz=100.0)  # asks for more than the cap
+            t0 = asyncio.get_running_loop().time()
+            async for chunk in gen:
+                assert chunk.startswith(b"data: ") and chunk.endswith(b"\n\n")
+                events.append(json.loads(chunk[6:]))
+                if len(events) == 3:
+                    break
+            await gen.aclose()
+            assert asyncio.get_running_loop().time() - t0 >= 0.45  # 2 periods of >= 0.25 s
+            assert service.viewers == 0
+            return events, list(service.history)
+        finally:
+            llm.stat_loggers.remove(metrics.record)
+            await service.close()
+
+    events, history = asyncio.run(go())
+    assert len(events[0]["history"]) == 2 and events[1]["history"] == []
+    assert events[0]["snapshot"]["stats"]["num_steps"] >= 6
+    point = history[-1]
+    assert point["gen_tok_s"] > 0 and point["steps_s"] > 0 and point["step_ms"] > 0
+    assert history[0]["gen_tok_s"] is None  # no rate from a single sample
