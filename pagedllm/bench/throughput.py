@@ -219,6 +219,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "profiler's cost). Default: none.",
     )
     p.add_argument(
+        "--kv-map-report",
+        default=None,
+        metavar="PATH",
+        help="Also write the dashboard's view of the run (block map, per-head KV-Compress heat "
+        "map, requests; a frame every --kv-map-every s) as one self-contained HTML file.",
+    )
+    p.add_argument(
+        "--kv-map-every",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="Seconds between the report's frames (each costs a snapshot, in the timings).",
+    )
+    p.add_argument(
         "--output-json",
         default=None,
         metavar="PATH",
@@ -536,6 +550,14 @@ def run(args: argparse.Namespace) -> dict:
         start, _, count = args.kernel_profile.partition(":")
         window = (int(start), int(count or 50))
     rec = StepRecorder(llm, window)
+    frames = None
+    if getattr(args, "kv_map_report", None):
+        if getattr(core, "scheduler", None) is None:
+            raise ValueError("kv_map_report needs the engine core in this process (no data "
+                             "parallelism).")  # fmt: skip
+        from pagedllm.dashboard.report import FrameRecorder
+
+        frames = FrameRecorder(core, args.kv_map_every)
     # counters from the scheduler, or (data parallelism) the core processes' merged stats
     kv = getattr(getattr(core, "scheduler", None), "kv_cache_manager", None)
     kvc_before = tuple(
@@ -559,6 +581,11 @@ def run(args: argparse.Namespace) -> dict:
             prof.disable()
         elapsed = time.perf_counter() - t
     rec.finish()
+    if frames is not None:
+        from pagedllm.dashboard.report import write_report
+
+        path = write_report(args.kv_map_report, frames.finish(), mc.served_model_name)
+        print(f"wrote {path} ({len(frames.frames)} frames)")
     if prof is not None:
         with open(args.profile_host, "w") as f:
             for key in ("tottime", "cumulative"):

@@ -14,15 +14,14 @@ that query parameter (``APIKeyMiddleware``).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
+from pagedllm.dashboard import STATIC
 from pagedllm.dashboard.service import DashboardService
 
-STATIC = Path(__file__).parent / "static"
 _TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
 KEY_COOKIE = "pagedllm_api_key"
 

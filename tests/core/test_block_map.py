@@ -122,3 +122,33 @@ def test_per_head_map_and_heads_show_evictions(tiny_models) -> None:  # noqa: AN
     rows = {r["id"]: r for r in snap["requests"]}
     assert rows["r0"]["kvc"] == "4x" and rows["r1"]["kvc"] is None
     assert rows["r0"]["held_kvs"] < rows["r1"]["held_kvs"]
+
+
+def test_bench_report_frames_and_page(tiny_models, tmp_path) -> None:  # noqa: ANN001
+    """``pagedllm bench throughput --kv-map-report``'s pieces: frames recorded between steps
+    (the core's own ``step`` back afterwards), written as one page that carries them all and
+    fetches nothing."""
+    from pagedllm import LLM
+    from pagedllm.dashboard.report import FrameRecorder, write_report
+
+    llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=512, enable_kvc=True,
+              protected_window_size=8, kv_cache_memory_bytes=8 << 20, device="cpu")  # fmt: skip
+    core = llm.llm_engine.engine_core
+    with pytest.raises(ValueError, match="interval"):
+        FrameRecorder(core, 0)
+    rec = FrameRecorder(core, every_s=1e-6)  # a frame after every step
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, compression_rate=2.0)
+    llm.generate([{"prompt_token_ids": list(range(5, 120))}] * 2, sp, use_tqdm=False)
+    frames = rec.finish()
+    assert "step" not in vars(core)  # recording over: the class's step again
+    assert len(frames) >= 12 and frames[-1]["requests"] == []
+    assert any(f["heads"]["requests"] for f in frames)
+    path = write_report(tmp_path / "run.html", frames, "tiny")
+    page = path.read_text()
+    assert "window.PAGEDLLM_FRAMES = " in page and "/dashboard/static/" not in page
+    data = page.split("window.PAGEDLLM_FRAMES = ", 1)[1].split(";</script>", 1)[0]
+    states = json.loads(data.replace("<\\/", "</"))
+    assert len(states) == len(frames) and states[-1]["history"][-1]["t"] == frames[-1]["time"]
+    assert states[3]["history"][3]["step_ms"] > 0
+    with pytest.raises(ValueError, match="frame"):
+        write_report(tmp_path / "empty.html", [], "tiny")

@@ -278,6 +278,7 @@ function offline(frames) {  // a bench report: a slider over the recorded frames
   const label = document.createElement("span");
   label.className = "dim";
   document.querySelector("header").append(slider, label);
+  $("history-title").textContent = "The run";
   const show = () => {
     const f = frames[+slider.value];
     label.textContent = `frame ${+slider.value + 1}: t = ${(f.snapshot.time - frames[0].snapshot.time).toFixed(1)} s`;
