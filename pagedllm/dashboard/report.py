@@ -85,7 +85,8 @@ def write_report(path: str | Path, frames: list[dict[str, Any]], model: str) -> 
     if not frames:
         raise ValueError("a report needs at least one frame.")
     points = history_of(frames)
-    states = [{"model": model, "version": i + 1, "hz": 0, "snapshot": {**f, "cores": 1},
+    states = [{"model": model, "version": i + 1, "hz": 0, "period_s": None,
+               "snapshot": {**f, "cores": 1},
                "history": points[: i + 1]} for i, f in enumerate(frames)]  # fmt: skip
     page = (STATIC / "index.html").read_text()
     css = (STATIC / "dashboard.css").read_text()

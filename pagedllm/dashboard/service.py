@@ -7,7 +7,10 @@ Costs, by design:
   come with every step's outputs, the Prometheus counters); the engine core does nothing;
 - viewers connected (any number): one snapshot per period (``hz``, at most ``MAX_HZ`` a
   second) built by the core between two steps and shared by every viewer; ``/dashboard/state``
-  reuses a snapshot younger than ``1 / MAX_HZ`` s.
+  reuses a snapshot younger than ``1 / MAX_HZ`` s;
+- whatever the rate asked, the period is at least the last snapshot's build time over
+  ``CORE_BUDGET``: snapshots never take more than 0.5% of the core's time (a pool of millions
+  of blocks refreshes less often; ``period_s`` in the state says how often).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ logger = logging.getLogger(__name__)
 MAX_HZ = 4.0  # snapshots a second, whatever the viewers ask
 DEFAULT_HZ = 2.0
 HISTORY_S = 600  # seconds of history kept (one sample a second)
+CORE_BUDGET = 0.005  # the most of the core's time snapshots may take
 
 
 def _rate(new: dict, old: dict | None, key: str, dt: float) -> float | None:
@@ -137,10 +141,18 @@ class DashboardService:
         return float(value or 0.0)
 
     # ------------------------------------------------------------------ snapshots
+    @property
+    def min_period(self) -> float:
+        """The shortest time between two snapshots: ``1 / MAX_HZ``, or longer when the last
+        one took more than ``CORE_BUDGET`` of that."""
+        build_s = self._snapshot["build_ms"] / 1e3 if self._snapshot is not None else 0.0
+        return max(1.0 / MAX_HZ, build_s / CORE_BUDGET)
+
     async def snapshot(self, max_age: float | None = None) -> dict[str, Any]:
-        """A snapshot of the engine no older than ``max_age`` s (default ``1 / MAX_HZ``):
-        the last one, or a new one fetched from the core (one fetch at a time, shared)."""
-        max_age = 1.0 / MAX_HZ if max_age is None else max_age
+        """A snapshot of the engine no older than ``max_age`` s (default and at least
+        ``min_period``): the last one, or a new one fetched from the core (one fetch at a
+        time, shared)."""
+        max_age = max(max_age or 0.0, self.min_period)
         if self._snapshot is not None and time.monotonic() - self._snapshot_at < max_age:
             return self._snapshot
         if self._fetch is None:
@@ -172,6 +184,7 @@ class DashboardService:
             "server_started": self.started,
             "version": self.version,
             "hz": self.hz,
+            "period_s": max(1.0 / self.hz, self.min_period),
             "snapshot": snap,
             "history": hist,
         }
@@ -180,12 +193,13 @@ class DashboardService:
         """Server-sent events: a full state first, then each new snapshot with the history
         points since the last event, at most ``hz`` a second (capped at ``MAX_HZ``), until
         the server closes the dashboard or the client goes."""
-        period = 1.0 / min(max(hz or self.hz, 0.1), MAX_HZ)
+        asked = 1.0 / min(max(hz or self.hz, 0.1), MAX_HZ)
         self.viewers += 1
         try:
             since: float | None = None
             while not self.closed and not self.stopping():
                 t0 = time.monotonic()
+                period = max(asked, self.min_period)
                 try:
                     snap = await self.snapshot(max_age=period / 2)
                 except Exception as e:  # the engine is gone or busy failing: say so, go on

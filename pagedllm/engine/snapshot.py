@@ -63,7 +63,8 @@ def engine_snapshot(core: Any, max_cells: int = DEFAULT_CELLS) -> dict[str, Any]
             "block_size": kv.block_size,
             "per_head": per_head,
             "counts": bmap.counts(),
-            "blocks_per_cell": k,
+            "blocks_per_cell": k * bmap.stride,
+            "sampled_every": bmap.stride,
             "cells": cells.tolist(),
             "cell_owner": cell_owner.tolist(),
             "owners": list(bmap.request_ids),
@@ -172,5 +173,6 @@ def _host_tiers(kv: Any, sched: Any) -> list[dict[str, Any]]:
             counts = bmap.counts()
             tiers.append({"name": "host prefix tier", "total": c.num_host_blocks,
                           "used": counts["cached"] + counts["used"], "busy": len(c.busy),
-                          "blocks_per_cell": k, "cells": cells.tolist()})  # fmt: skip
+                          "blocks_per_cell": k * bmap.stride,
+            "sampled_every": bmap.stride, "cells": cells.tolist()})  # fmt: skip
     return tiers

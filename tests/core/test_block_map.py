@@ -122,6 +122,14 @@ def test_per_head_map_and_heads_show_evictions(tiny_models) -> None:  # noqa: AN
     rows = {r["id"]: r for r in snap["requests"]}
     assert rows["r0"]["kvc"] == "4x" and rows["r1"]["kvc"] is None
     assert rows["r0"]["held_kvs"] < rows["r1"]["held_kvs"]
+    # a pool too big to read whole: sampled at a stride, with the same exact counts
+    full = kv.block_map()
+    sampled = kv.block_map(full_limit=1000, samples=-(-kv.num_blocks // 10))
+    assert sampled.stride == 10 and sampled.num_blocks == kv.num_blocks
+    assert sampled.counts() == full.counts()
+    assert (sampled.state == full.state[::10]).all() and (sampled.owner == -1).all()
+    assert sampled.request_ids == full.request_ids
+    assert (sampled.request_blocks == full.request_blocks).all()
 
 
 def test_bench_report_frames_and_page(tiny_models, tmp_path) -> None:  # noqa: ANN001

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from argparse import Namespace
 from collections.abc import Iterator
 from typing import Any
@@ -140,3 +141,31 @@ def test_event_stream_and_history(llm: AsyncLLM) -> None:
     point = history[-1]
     assert point["gen_tok_s"] > 0 and point["steps_s"] > 0 and point["step_ms"] > 0
     assert history[0]["gen_tok_s"] is None  # no rate from a single sample
+
+
+def test_slow_snapshots_slow_the_rate(llm: AsyncLLM) -> None:
+    """A snapshot that took 10 ms is not asked again for 2 s (0.5% of the core's time), for
+    any viewer or script; a 0.5 ms one only waits the 4 Hz period."""
+    from pagedllm.dashboard.service import CORE_BUDGET
+    from pagedllm.metrics import ServerMetrics
+
+    service = DashboardService(llm, ServerMetrics("tiny-m"), hz=4.0)
+    calls = []
+
+    async def fake(fn: Any) -> list[dict]:
+        calls.append(fn)
+        return [{"build_ms": build_ms, "requests": []}]
+
+    llm_calls = llm.call_in_cores
+    llm.call_in_cores = fake  # type: ignore[method-assign]
+    try:
+        for build_ms, period in ((0.5, 0.25), (10.0, 10e-3 / CORE_BUDGET)):
+            time.sleep(0.3)  # the last snapshot is older than 4 Hz's period
+            calls.clear()
+            snap = asyncio.run(service.snapshot(max_age=0))
+            assert snap["build_ms"] == build_ms and service.min_period == pytest.approx(period)
+            assert service.state(snap)["period_s"] == pytest.approx(period)
+            asyncio.run(service.snapshot(max_age=0))  # within the period: the same one
+            assert len(calls) == 1
+    finally:
+        llm.call_in_cores = llm_calls  # type: ignore[method-assign]

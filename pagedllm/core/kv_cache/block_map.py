@@ -25,19 +25,28 @@ STATE_NAMES = ("free", "cached", "used", "shared", "reserved")
 @dataclass(frozen=True)
 class BlockMap:
     """Every block's state (the codes above) and the index in ``request_ids`` of one request
-    holding it (-1 when none), with the blocks each request holds."""
+    holding it (-1 when none), with the blocks each request holds.
 
-    state: np.ndarray  # [num_blocks] uint8
-    owner: np.ndarray  # [num_blocks] int32
+    A sampled map (``stride`` > 1; a pool too big to read whole a few times a second) lists
+    blocks 0, stride, 2 * stride, ... only, names no owners (-1), and carries the exact
+    ``exact_counts`` of the whole pool."""
+
+    state: np.ndarray  # [num_blocks / stride] uint8
+    owner: np.ndarray  # [num_blocks / stride] int32
     request_ids: tuple[str, ...]
     request_blocks: np.ndarray  # [len(request_ids)] int64: blocks each request holds
+    stride: int = 1
+    total: int | None = None  # blocks in the pool (sampled maps)
+    exact_counts: dict[str, int] | None = None
 
     @property
     def num_blocks(self) -> int:
-        return len(self.state)
+        return self.total if self.total is not None else len(self.state)
 
     def counts(self) -> dict[str, int]:
         """Blocks in each state, by name."""
+        if self.exact_counts is not None:
+            return dict(self.exact_counts)
         n = np.bincount(self.state, minlength=len(STATE_NAMES))
         return {name: int(n[i]) for i, name in enumerate(STATE_NAMES)}
 
@@ -85,18 +94,24 @@ def build_block_map(
 def downsample(bmap: BlockMap, max_cells: int) -> tuple[int, np.ndarray, np.ndarray]:
     """At most ``max_cells`` cells of ``k`` consecutive blocks each: (k, each cell's most
     common state (ties to the higher code: a cell half used shows as used), the owner of the
-    cell's first block in that state).
+    cell's first block in that state). ``k`` counts the map's entries: a sampled map's cell
+    covers ``k * stride`` blocks.
 
     Example: states [USED, FREE, FREE, CACHED, USED], max_cells 3 -> k 2, cells (USED|FREE:
     USED), (FREE|CACHED: CACHED), (USED: USED)."""
-    n = bmap.num_blocks
+    n = len(bmap.state)
     k = max(1, -(-n // max(1, max_cells)))
     cells = -(-n // k)
-    pad = cells * k - n
-    state = np.concatenate([bmap.state, np.full(pad, 255, np.uint8)]).reshape(cells, k)
+    pad = cells * k - n  # padding takes code 7, counted in a column nobody reads
+    state = np.concatenate([bmap.state, np.full(pad, 7, np.uint8)]).reshape(cells, k)
     owner = np.concatenate([bmap.owner, np.full(pad, -1, np.int32)]).reshape(cells, k)
-    counts = np.stack([(state == c).sum(axis=1) for c in range(len(STATE_NAMES))], axis=1)
+    # one bincount for every (cell, state): cell c's counts are entries [8c, 8c + 5)
+    keyed = state + (np.arange(cells, dtype=np.int64) * 8)[:, None]  # [cells, k]
+    counts = np.bincount(keyed.ravel(), minlength=cells * 8).reshape(cells, 8)
+    counts = counts[:, : len(STATE_NAMES)]  # [cells, 5]
     # argmax of the reversed columns: the highest code among the most common
     top = len(STATE_NAMES) - 1 - np.argmax(counts[:, ::-1], axis=1)  # [cells]
+    if k == 1:
+        return k, top.astype(np.uint8), owner[:, 0]
     first = np.argmax(state == top[:, None], axis=1)  # [cells] first block in that state
     return k, top.astype(np.uint8), owner[np.arange(cells), first]

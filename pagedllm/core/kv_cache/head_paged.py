@@ -51,7 +51,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedllm.core.kv_cache.block import BlockHash
-from pagedllm.core.kv_cache.block_map import BlockMap, build_block_map
+from pagedllm.core.kv_cache.block_map import (
+    CACHED,
+    FREE,
+    SHARED,
+    USED,
+    BlockMap,
+    build_block_map,
+)
 from pagedllm.core.kv_cache.hashing import block_hash_extra, hash_request_blocks
 from pagedllm.core.kv_cache.id_pool import make_id_pool
 from pagedllm.core.kv_cache.interface import KVCacheManagerBase
@@ -150,6 +157,10 @@ class _HeadState:
     def held(self) -> np.ndarray:
         mask = np.arange(self.table.shape[1])[None, :] < self.nblocks[:, None]
         return self.table[mask]
+
+
+FULL_MAP_LIMIT = 1 << 18  # blocks the dashboard's map reads whole; a bigger pool is sampled
+MAP_SAMPLES = 1 << 16  # blocks a sampled map reads (16 per cell of the dashboard's 4,096)
 
 
 class HeadPagedKVCacheManager(KVCacheManagerBase):
@@ -697,11 +708,31 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         state = state or self.states[request.request_id]
         return state.lens - (state.num_tokens - request.num_computed_tokens)
 
-    def block_map(self) -> BlockMap:
+    def block_map(
+        self, full_limit: int = FULL_MAP_LIMIT, samples: int = MAP_SAMPLES
+    ) -> BlockMap:
         """Every one-head block of every rank's pool: held by a request's table, parked in
-        the prefix cache (no request holds it), or free."""
-        tables = ((rid, st.held()) for rid, st in self.states.items())
-        return build_block_map(self.pool.num_blocks, tables, np.flatnonzero(self.in_cache))
+        the prefix cache (no request holds it), or free. A pool of more than ``full_limit``
+        blocks (a GPU's: millions) is sampled at a stride (about ``samples`` blocks) from the
+        ref counts, with exact counts (one pass over the ref counts) and no owners."""
+        n = self.pool.num_blocks
+        if n <= full_limit:
+            tables = ((rid, st.held()) for rid, st in self.states.items())
+            return build_block_map(n, tables, np.flatnonzero(self.in_cache))
+        stride = -(-n // samples)
+        ref = self.pool.ref[::stride]  # [n / stride] tables holding each sampled block
+        state = np.where(self.in_cache[::stride], CACHED, FREE).astype(np.uint8)
+        state[ref == 1] = USED
+        state[ref > 1] = SHARED
+        cached = len(self.parked) * self.num_heads
+        shared = int(np.count_nonzero(self.pool.ref > 1))
+        free = self.pool.num_free
+        counts = {"free": free, "cached": cached, "used": n - free - cached - shared,
+                  "shared": shared, "reserved": 0}  # fmt: skip
+        ids = tuple(self.states)
+        held = np.array([int(st.nblocks.sum()) for st in self.states.values()], dtype=np.int64)
+        owner = np.full(len(state), -1, dtype=np.int32)
+        return BlockMap(state, owner, ids, held, stride, n, counts)
 
     def head_lens(self, request_id: str) -> np.ndarray | None:
         """[layers, H] the KVs each (layer, KV head) of the request holds (H: every rank's

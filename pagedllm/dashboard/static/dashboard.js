@@ -91,7 +91,8 @@ function drawMap(blocks) {
   $("map-note").textContent =
     `${blocks.total} blocks of ${blocks.block_size} tokens` +
     (blocks.per_head ? " of one (layer, KV head)" : "") +
-    (blocks.blocks_per_cell > 1 ? ` · ${blocks.blocks_per_cell} blocks per cell` : "");
+    (blocks.blocks_per_cell > 1 ? ` · ${blocks.blocks_per_cell} blocks per cell` : "") +
+    (blocks.sampled_every > 1 ? ` · sampled every ${blocks.sampled_every} blocks (no owners)` : "");
   drawLegend(blocks);
 }
 
@@ -245,6 +246,7 @@ function render(state, replaceHistory) {
   document.body.dataset.version = String(state.version);
   $("model").textContent = state.model + (snap.cores > 1 ? ` · ${snap.cores} data-parallel cores (core 0's pool)` : "");
   $("build-ms").textContent = snap.build_ms.toFixed(2);
+  $("period").textContent = state.period_s ? state.period_s.toFixed(2) : "-";
   drawTiles(state);
   drawMap(snap.blocks);
   drawHost(snap.host);
