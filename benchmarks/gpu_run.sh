@@ -115,6 +115,8 @@ one() {
       python benchmarks/lora_gpu.py --adapters "${LORA_ADAPTERS:-4,16}" --out "$OUT" ;;
     tools-required)  # free decoding vs tool_choice required's grammar (needs xgrammar in .whl/)
       python benchmarks/tools_gpu.py --num-prompts "${TOOLS_PROMPTS:-256}" --out "$OUT" ;;
+    dashboard-a)  # Benchmark A offline, with vs without dashboard snapshots at 4 Hz (3 pairs)
+      python benchmarks/dashboard_cost.py --gpu --pairs "${DASH_PAIRS:-3}" --out "$OUT" ;;
     tests-dcp)  # decode context parallelism's Triton kernels against the PyTorch reference
       $PYTEST tests/kernels/test_dcp_attention.py ;;
     dcp-2gpu)  # 2+ GPUs: the longest context and TPOT at DCP 1 vs 2 (8B shape, DCP_* knobs)
