@@ -157,8 +157,12 @@ def gpu(pairs: int) -> dict[str, Any]:
             runs[mode].append({"output_tokens_per_s": r["output_tokens_per_s"],
                                "roofline_fraction": roof.get("achieved_fraction")})  # fmt: skip
     med = {k: statistics.median(x["output_tokens_per_s"] for x in v) for k, v in runs.items()}
-    return {"device": torch.cuda.get_device_name(), "runs": runs,
-            "median_output_tokens_per_s": med, "ratio_open_to_closed": med["open"] / med["closed"]}
+    return {
+        "device": torch.cuda.get_device_name(),
+        "runs": runs,
+        "median_output_tokens_per_s": med,
+        "ratio_open_to_closed": med["open"] / med["closed"],
+    }
 
 
 def main() -> None:
@@ -182,9 +186,12 @@ def main() -> None:
                   "paged": cpu_server("paged", (), args.pairs, args.prompts),
                   "kvc": cpu_server("kvc", ("--enable-kvc", "--compression-rate", "4"),
                                     args.pairs, args.prompts)}  # fmt: skip
-    result["commit"] = os.environ.get("PAGEDLLM_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
+    result["commit"] = (
+        os.environ.get("PAGEDLLM_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip()
+    )
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"dashboard_cost_{device.replace(' ', '_')}.json")
     with open(path, "w") as f:

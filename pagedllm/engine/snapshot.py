@@ -70,14 +70,29 @@ def engine_snapshot(core: Any, max_cells: int = DEFAULT_CELLS) -> dict[str, Any]
             "owners": list(bmap.request_ids),
         },
         "host": _host_tiers(kv, sched),
-        "requests": _requests(sched, kv, held, per_head),
+        "requests": _requests(sched, kv, held, per_head, core.config.kvc_config),
         "heads": _heads(kv, sched, core.config.kvc_config) if per_head else None,
     }
     out["build_ms"] = (time.perf_counter() - t0) * 1e3
     return out
 
 
-def _requests(sched: Any, kv: Any, held: dict[str, int], per_head: bool) -> list[dict]:
+def _budget(r: Any, kvc: Any) -> str | None:
+    """A request's KV-Compress budget as the table shows it ("256 tokens", "4x"), its own or
+    the server's default; None without one."""
+    sp = r.sampling_params
+    for tokens, rate, whose in (
+        (sp.max_cache_tokens, sp.compression_rate, ""),
+        (kvc.max_cache_tokens, kvc.compression_rate, " (default)"),
+    ):
+        if tokens is not None:
+            return f"{tokens} tokens{whose}"
+        if rate is not None:
+            return f"{rate:g}x{whose}"
+    return None
+
+
+def _requests(sched: Any, kv: Any, held: dict[str, int], per_head: bool, kvc: Any) -> list[dict]:
     """The request table: running (in their batch order), then waiting and preempted (in
     their queue order), at most ``MAX_REQUESTS``."""
     now = time.monotonic()
@@ -86,12 +101,6 @@ def _requests(sched: Any, kv: Any, held: dict[str, int], per_head: bool) -> list
     order += [r for r in sched.requests.values() if r.request_id not in seen]
     rows = []
     for r in order[:MAX_REQUESTS]:
-        sp = r.sampling_params
-        kvc = None
-        if getattr(sp, "max_cache_tokens", None) is not None:
-            kvc = f"{sp.max_cache_tokens} tokens"
-        elif getattr(sp, "compression_rate", None) is not None:
-            kvc = f"{sp.compression_rate:g}x"
         status = _STATUS.get(r.status, r.status.name.lower())
         if r.status == RequestStatus.PREEMPTED and r.swapped:
             status = "swapped"
@@ -106,18 +115,11 @@ def _requests(sched: Any, kv: Any, held: dict[str, int], per_head: bool) -> list
             "priority": r.priority,
             "age_s": round(now - r.arrival_time, 3),
             "preemptions": r.num_preemptions,
-            "kvc": kvc,
+            "kvc": _budget(r, kvc) if per_head else None,
             "held_kvs": kv.held_kvs(r.request_id) if per_head else None,
             "lora": r.lora_request.lora_name if r.lora_request is not None else None,
         })  # fmt: skip
     return rows
-
-
-def _budgeted(r: Any, kvc: Any) -> bool:
-    """Whether KV-Compress evicts this request's KVs (its own budget or the server's)."""
-    sp = r.sampling_params
-    return any(x is not None for x in (sp.max_cache_tokens, sp.compression_rate,
-                                       kvc.max_cache_tokens, kvc.compression_rate))  # fmt: skip
 
 
 def _heads(kv: Any, sched: Any, kvc: Any) -> dict[str, Any]:
@@ -129,7 +131,7 @@ def _heads(kv: Any, sched: Any, kvc: Any) -> dict[str, Any]:
     for rid in list(kv.states):
         r = sched.requests.get(rid)
         h = kv.head_lens(rid)
-        if h is not None and r is not None and _budgeted(r, kvc):
+        if h is not None and r is not None and _budget(r, kvc) is not None:
             lens[rid] = h
     kv_heads = kv.num_heads // max(1, layers)
     kept = np.zeros((layers, kv_heads))
