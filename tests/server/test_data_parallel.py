@@ -119,6 +119,11 @@ def test_same_outputs_spread_and_affinity(dp: Live, tiny_models) -> None:  # noq
     assert values["pagedllm:kv_cache_total_blocks"] == sum(c.num_blocks for c in llm.cores)
     assert values["vllm:generation_tokens_total"] == 10 * (len(prompts) + 2)
     assert llm.stats()["dp_live_cores"] == 2
+    # the dashboard: core 0's pool (its prompts' blocks cached), the two cores counted
+    state = httpx.get(dp.url + "/dashboard/state", headers=HEADERS, timeout=30).json()
+    snap = state["snapshot"]
+    assert snap["cores"] == 2 and snap["blocks"]["total"] == llm.cores[0].num_blocks
+    assert snap["blocks"]["counts"]["cached"] > 0 and snap["requests"] == []
 
 
 def test_dead_core_fails_its_own_requests_only(tiny_models) -> None:  # noqa: ANN001

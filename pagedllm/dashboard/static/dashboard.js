@@ -35,7 +35,7 @@ function setTile(id, text, value) {
 
 function drawTiles(state) {
   const s = state.snapshot.stats || {};
-  const h = state.history && state.history.length ? state.history[state.history.length - 1] : {};
+  const h = history.length ? history[history.length - 1] : {};  // (drawHistory ran first)
   setTile("t-running", fmt(s.num_running_reqs), s.num_running_reqs);
   setTile("t-waiting", fmt(s.num_waiting_reqs), s.num_waiting_reqs);
   setTile("t-preempted", fmt(s.num_preemptions), s.num_preemptions);
@@ -157,12 +157,12 @@ function drawHeads(heads) {
   const one = heads.requests.find((r) => r.id === sel.value);
   if (one) {
     grid = one.lens.map((row) => row.map((v) => v / Math.max(1, one.num_tokens)));
-    label = `${one.id}: ${one.num_tokens} tokens`;
+    label = `one request, ${one.num_tokens} tokens`;
   }
   const L = heads.layers, H = heads.kv_heads;
   const cw = Math.max(6, Math.min(40, Math.floor(480 / Math.max(1, H))));
   const ch = Math.max(4, Math.min(18, Math.floor(360 / Math.max(1, L))));
-  canvas.width = Math.max(360, H * cw + 40);
+  canvas.width = Math.max(420, H * cw + 40);
   canvas.height = L * ch + 14;
   const ctx = canvas.getContext("2d");
   ctx.fillStyle = "#1a1f25";
@@ -182,7 +182,7 @@ function drawHeads(heads) {
     }
   }
   ctx.fillStyle = "#8b949e";
-  ctx.fillText(`${H} KV heads →  (${label})`, 40, L * ch + 11);
+  ctx.fillText(`${H} KV heads → · ${label}`, 40, L * ch + 11);
   canvas.dataset.requests = String(heads.requests.length);
   canvas.dataset.keptMean = cells ? (sum / cells).toFixed(4) : "";
   canvas.dataset.selected = sel.value;
@@ -247,12 +247,12 @@ function render(state, replaceHistory) {
   $("model").textContent = state.model + (snap.cores > 1 ? ` · ${snap.cores} data-parallel cores (core 0's pool)` : "");
   $("build-ms").textContent = snap.build_ms.toFixed(2);
   $("period").textContent = state.period_s ? state.period_s.toFixed(2) : "-";
+  drawHistory(state.history, replaceHistory);
   drawTiles(state);
   drawMap(snap.blocks);
   drawHost(snap.host);
   drawHeads(snap.heads);
   drawRequests(snap.requests, (snap.stats.num_running_reqs || 0) + (snap.stats.num_waiting_reqs || 0));
-  drawHistory(state.history, replaceHistory);
 }
 
 function live() {
