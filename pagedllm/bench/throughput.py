@@ -223,7 +223,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="Also write the dashboard's view of the run (block map, per-head KV-Compress heat "
-        "map, requests; a frame every --kv-map-every s) as one self-contained HTML file.",
+        "map, requests; a frame every --kv-map-every s) as one self-contained HTML file "
+        "(default: none).",
     )
     p.add_argument(
         "--kv-map-every",

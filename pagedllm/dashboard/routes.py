@@ -7,13 +7,17 @@ them out):
     GET /dashboard/state          the state as JSON, for scripts (``docs/DASHBOARD.md``)
     GET /dashboard/events?hz=H    the same, pushed as server-sent events, at most 4 a second
 
-With an API key (``--api-key``) every dashboard route needs it, as a bearer header, as a
-cookie the page sets from ``/dashboard?api_key=KEY`` (so its own requests carry it), or as
-that query parameter (``APIKeyMiddleware``).
+    POST /dashboard/login         {"api_key": KEY}: sets the cookie the page's requests carry
+
+With an API key (``--api-key``) the state and the events need it (``APIKeyMiddleware``): a
+bearer header from a script, or the HTTP-only cookie that the page's key form gets from
+``/dashboard/login`` (the key never goes in a URL, which access logs keep). The page and its
+files hold no data and need no key.
 """
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,13 +36,26 @@ def add_dashboard(app: FastAPI, service: DashboardService, api_key: str | None) 
     files = {p.name: p for p in STATIC.iterdir() if p.suffix in _TYPES}
 
     @app.get("/dashboard", include_in_schema=False)
-    async def page(request: Request) -> Response:
+    async def page() -> Response:
         response = FileResponse(files["index.html"], media_type="text/html")
-        key = request.query_params.get("api_key")
-        if api_key and key == api_key:  # (the middleware checked it) remember it
-            response.set_cookie(KEY_COOKIE, key, httponly=True, samesite="strict",
-                                path="/dashboard")  # fmt: skip
         response.headers["Cache-Control"] = "no-store"
+        return response
+
+    @app.post("/dashboard/login", include_in_schema=False)
+    async def login(request: Request) -> Response:
+        try:
+            key = (await request.json()).get("api_key")
+        except Exception:  # not a JSON object: no key
+            key = None
+        if not api_key:  # no key needed: nothing to remember
+            return Response(status_code=204)
+        if not isinstance(key, str) or not secrets.compare_digest(key.encode(), api_key.encode()):
+            err = {"message": "Unauthorized: wrong API key.", "type": "AuthenticationError",
+                   "param": "api_key", "code": 401}  # fmt: skip
+            return JSONResponse({"error": err}, 401)
+        response = Response(status_code=204)
+        response.set_cookie(KEY_COOKIE, key, httponly=True, samesite="strict",
+                            path="/dashboard")  # fmt: skip
         return response
 
     @app.get("/dashboard/static/{name}", include_in_schema=False)

@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("PAGEDLLM_API_KEY"),
         metavar="KEY",
         help="Require 'Authorization: Bearer KEY' on /v1 and /dashboard routes (default: "
-        "$PAGEDLLM_API_KEY; unset: no key needed). A browser opens /dashboard?api_key=KEY once.",
+        "$PAGEDLLM_API_KEY; unset: no key needed); the dashboard's page asks for it once.",
     )
     serve.add_argument(
         "--dashboard",

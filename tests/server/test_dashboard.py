@@ -1,7 +1,7 @@
 """The dashboard's routes in-process (``build_app`` over a tiny random model): the page and its
 files are served from the package, ``/dashboard/state`` is the documented JSON, the API key
-guards every dashboard route (bearer, cookie, query), ``--no-dashboard`` removes them, the
-event stream pushes states, and bad settings are refused. The page itself, in a browser
+guards the dashboard's data (bearer, or the cookie its login sets), ``--no-dashboard`` removes
+them, the event stream pushes states, and bad settings are refused. The page itself, in a browser
 against a live KV-Compress server, is tested in ``test_kvcompress_http.py``."""
 
 from __future__ import annotations
@@ -67,22 +67,32 @@ def test_page_files_and_state(llm: AsyncLLM) -> None:
     assert snap["requests"] == [] and snap["cores"] == 1 and snap["build_ms"] >= 0
 
 
-def test_api_key_guards_every_dashboard_route(llm: AsyncLLM) -> None:
+def test_api_key_guards_the_dashboard_data(llm: AsyncLLM) -> None:
+    """With a key: the state and the events need it (bearer, or the cookie ``/dashboard/login``
+    sets for a right key); the page and its files hold no data and need none; a key in the
+    URL is not accepted (access logs keep URLs)."""
     app = build_app(llm, Namespace(api_key="sekret"))
-    for path in ("/dashboard", "/dashboard/state", "/dashboard/static/dashboard.js",
-                 "/dashboard/events"):  # fmt: skip
+    for path in ("/dashboard", "/dashboard/static/dashboard.js"):
+        assert _call(app, "GET", path).status_code == 200
+    for path in ("/dashboard/state", "/dashboard/events"):
         r = _call(app, "GET", path)
         assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
-        assert _call(app, "GET", path + "?api_key=wrong").status_code == 401
+        assert _call(app, "GET", path + "?api_key=sekret").status_code == 401
         bad_cookie = {"Cookie": "pagedllm_api_key=wrong"}
         assert _call(app, "GET", path, headers=bad_cookie).status_code == 401
     r = _call(app, "GET", "/dashboard/state", headers={"Authorization": "Bearer sekret"})
     assert r.status_code == 200
-    page = _call(app, "GET", "/dashboard?api_key=sekret")
-    assert page.status_code == 200
-    cookie = page.headers["set-cookie"]
+    for bad in ({"api_key": "wrong"}, {"api_key": 7}, {}, ["sekret"]):
+        r = _call(app, "POST", "/dashboard/login", json=bad)
+        assert r.status_code == 401 and "set-cookie" not in r.headers, bad
+        assert r.json()["error"]["param"] == "api_key"
+    r = _call(app, "POST", "/dashboard/login", content=b"not json")
+    assert r.status_code == 401
+    r = _call(app, "POST", "/dashboard/login", json={"api_key": "sekret"})
+    assert r.status_code == 204
+    cookie = r.headers["set-cookie"]
     assert "pagedllm_api_key=sekret" in cookie and "HttpOnly" in cookie
-    assert "Path=/dashboard" in cookie
+    assert "Path=/dashboard" in cookie and "SameSite=strict" in cookie
     r = _call(app, "GET", "/dashboard/state", headers={"Cookie": "pagedllm_api_key=sekret"})
     assert r.status_code == 200
     # a malformed cookie header is no key, not a crash
@@ -91,6 +101,10 @@ def test_api_key_guards_every_dashboard_route(llm: AsyncLLM) -> None:
     # the cookie opens the dashboard only, never the API
     r = _call(app, "GET", "/v1/models", headers={"Cookie": "pagedllm_api_key=sekret"})
     assert r.status_code == 401
+    # without a key on the server, login is a no-op
+    open_app = build_app(llm, Namespace())
+    r = _call(open_app, "POST", "/dashboard/login", json={"api_key": "anything"})
+    assert r.status_code == 204 and "set-cookie" not in r.headers
 
 
 def test_no_dashboard_and_bad_rate(llm: AsyncLLM) -> None:

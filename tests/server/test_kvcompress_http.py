@@ -82,7 +82,7 @@ def _chromium() -> str | None:
 
 
 def test_dashboard_in_a_browser(kvc_server: LiveServer) -> None:
-    """Open /dashboard in headless Chromium (the key given once in the URL, then a cookie),
+    """Open /dashboard in headless Chromium (the key typed once into its form: a cookie),
     run two requests sharing a prefix and a KV-Compress one, and read from the DOM that the
     block map, the per-head heat map, the request table and the counters follow them. A
     screenshot taken mid-run lands in $PAGEDLLM_TEST_ARTIFACTS (default .test-artifacts/)."""
@@ -102,7 +102,13 @@ def test_dashboard_in_a_browser(kvc_server: LiveServer) -> None:
         browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1500})
-            page.goto(f"{srv.url}/dashboard?api_key={srv.api_key}")
+            page.goto(f"{srv.url}/dashboard")
+            page.wait_for_function("document.body.dataset.state === 'login'", timeout=30_000)
+            page.fill("#key", "not the key")
+            page.click("#login button")
+            page.wait_for_function("document.getElementById('login-error').textContent !== ''")
+            page.fill("#key", srv.api_key)
+            page.click("#login button")
             page.wait_for_function("document.body.dataset.state === 'live'", timeout=30_000)
 
             def read() -> dict:

@@ -256,7 +256,8 @@ function render(state, replaceHistory) {
 }
 
 function live() {
-  const es = new EventSource("/dashboard/events" + location.search.replace(/api_key=[^&]*&?/, ""));
+  const hz = new URLSearchParams(location.search).get("hz");
+  const es = new EventSource("/dashboard/events" + (hz ? "?hz=" + encodeURIComponent(hz) : ""));
   let first = true;
   es.onmessage = (ev) => {
     document.body.dataset.state = "live";
@@ -296,4 +297,20 @@ $("head-select").addEventListener("change", (ev) => {
   selectedHead = ev.target.value;
   if (last) drawHeads(last.snapshot.heads);
 });
-if (window.PAGEDLLM_FRAMES) offline(window.PAGEDLLM_FRAMES); else live();
+async function start() {  // the server may want its API key: ask for it once, then go live
+  const r = await fetch("/dashboard/state", { credentials: "same-origin" });
+  if (r.status !== 401) { live(); return; }
+  document.body.dataset.state = "login";
+  $("conn").textContent = "API key needed";
+  const form = $("login");
+  form.hidden = false;
+  form.onsubmit = async (ev) => {
+    ev.preventDefault();
+    const res = await fetch("/dashboard/login", {
+      method: "POST", credentials: "same-origin", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ api_key: $("key").value }) });
+    if (res.ok) { form.hidden = true; live(); } else { $("login-error").textContent = "wrong key"; }
+  };
+}
+
+if (window.PAGEDLLM_FRAMES) offline(window.PAGEDLLM_FRAMES); else start();

@@ -57,7 +57,6 @@ import threading
 from collections.abc import AsyncIterator, Awaitable
 from http.cookies import SimpleCookie
 from typing import Any
-from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -107,37 +106,37 @@ logger = logging.getLogger(__name__)
 
 
 class APIKeyMiddleware:
-    """Pure ASGI middleware (no buffering of streamed bodies): ``/v1`` and ``/dashboard``
-    need the bearer key; a browser on the dashboard may give it as the cookie the page sets
-    or as ``?api_key=`` (``dashboard/routes.py``)."""
+    """Pure ASGI middleware (no buffering of streamed bodies): ``/v1`` and the dashboard's
+    data (``/dashboard/state``, ``/dashboard/events``) need the bearer key; a browser on the
+    dashboard gives it once to ``POST /dashboard/login``, which sets an HTTP-only cookie the
+    data routes accept instead (``dashboard/routes.py``; a key in a URL would end up in
+    access logs). The page and its static files need no key: they hold no data."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.key = api_key.encode()
         self.expected = f"Bearer {api_key}".encode()
 
-    def _dashboard_key(self, scope: Scope) -> bool:
-        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-        given = [v.encode() for v in query.get("api_key", [])]
+    def _cookie_key(self, scope: Scope) -> bool:
         cookie = next((v for k, v in scope["headers"] if k == b"cookie"), b"")
-        if cookie:
-            jar: SimpleCookie = SimpleCookie()
-            try:
-                jar.load(cookie.decode("latin-1"))
-            except Exception:  # a malformed cookie header: no key from it
-                jar = SimpleCookie()
-            if "pagedllm_api_key" in jar:
-                given.append(jar["pagedllm_api_key"].value.encode())
-        return any(secrets.compare_digest(g, self.key) for g in given)
+        if not cookie:
+            return False
+        jar: SimpleCookie = SimpleCookie()
+        try:
+            jar.load(cookie.decode("latin-1"))
+        except Exception:  # a malformed cookie header: no key from it
+            return False
+        given = jar["pagedllm_api_key"].value.encode() if "pagedllm_api_key" in jar else b""
+        return bool(given) and secrets.compare_digest(given, self.key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
-        dashboard = path == "/dashboard" or path.startswith("/dashboard/")
+        dashboard = path in ("/dashboard/state", "/dashboard/events")
         if (path.startswith("/v1") or dashboard) and scope.get("method") != "OPTIONS":
             auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             ok = secrets.compare_digest(auth, self.expected)
             if not ok and dashboard:
-                ok = self._dashboard_key(scope)
+                ok = self._cookie_key(scope)
             if not ok:
                 err = RequestError(
                     "Unauthorized: a valid 'Authorization: Bearer <api key>' header is required.",
