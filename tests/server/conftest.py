@@ -1,7 +1,9 @@
 """A live ``pagedllm serve`` on loopback (the default model, loaded once per session), clients.
 
 The server runs as a subprocess started through the real CLI, so the tests exercise exactly
-what users run; it requires an API key, so every test also exercises the auth path.
+what users run; it requires an API key, so every test also exercises the auth path. For
+in-process tests of ``build_app``: ``tiny_async_llm`` (an engine thread on a tiny model) and
+``asgi_call`` (one request through the ASGI transport).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +28,33 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def tiny_async_llm(model: str) -> Iterator[Any]:
+    """An ``AsyncLLM`` (engine thread) on ``model``: float32, CPU, 128 tokens, 32 blocks."""
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.async_llm import AsyncLLM
+
+    args = EngineArgs(model=model, dtype="float32", max_model_len=128,
+                      num_gpu_blocks_override=32, device="cpu")  # fmt: skip
+    engine = AsyncLLM.from_engine_args(args)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def asgi_call(app: Any, method: str, path: str, **kw: Any) -> Any:
+    """One request to an in-process app (no server, no lifespan); the ``httpx.Response``."""
+    import asyncio
+
+    async def go() -> Any:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.request(method, path, **kw)
+
+    return asyncio.run(go())
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 512
 MODEL_NAME = "SmolLM2-135M-Instruct"

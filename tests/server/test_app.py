@@ -8,7 +8,6 @@ import json
 import re
 from argparse import Namespace
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
@@ -16,28 +15,18 @@ import pytest
 from pagedllm.engine.async_llm import AsyncLLM, merge_deltas
 from pagedllm.entrypoints.openai.server import build_app
 from pagedllm.outputs import CompletionOutput, RequestOutput
+from tests.server.conftest import asgi_call, tiny_async_llm
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_models) -> Iterator[AsyncLLM]:  # noqa: ANN001
-    from pagedllm.config import EngineArgs
-
-    args = EngineArgs(model=tiny_models("llama"), dtype="float32", max_model_len=128,
-                      num_gpu_blocks_override=32, device="cpu")  # fmt: skip
-    engine = AsyncLLM.from_engine_args(args)
-    yield engine
-    engine.shutdown()
+    with tiny_async_llm(tiny_models("llama")) as engine:
+        yield engine
 
 
-def _call(app: Any, method: str, path: str, **kw: Any) -> httpx.Response:
-    async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            return await c.request(method, path, **kw)
-
-    return asyncio.run(go())
+_call = asgi_call
 
 
 def test_chat_template_override_and_env_key(llm: AsyncLLM, monkeypatch) -> None:  # noqa: ANN001

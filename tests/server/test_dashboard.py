@@ -13,32 +13,21 @@ from argparse import Namespace
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 
 from pagedllm.dashboard.service import DashboardService
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.server import build_app
+from tests.server.conftest import asgi_call, tiny_async_llm
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_models) -> Iterator[AsyncLLM]:  # noqa: ANN001
-    from pagedllm.config import EngineArgs
-
-    args = EngineArgs(model=tiny_models("llama"), dtype="float32", max_model_len=128,
-                      num_gpu_blocks_override=32, device="cpu")  # fmt: skip
-    engine = AsyncLLM.from_engine_args(args)
-    yield engine
-    engine.shutdown()
+    with tiny_async_llm(tiny_models("llama")) as engine:
+        yield engine
 
 
-def _call(app: Any, method: str, path: str, **kw: Any) -> httpx.Response:
-    async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            return await c.request(method, path, **kw)
-
-    return asyncio.run(go())
+_call = asgi_call
 
 
 def test_page_files_and_state(llm: AsyncLLM) -> None:
