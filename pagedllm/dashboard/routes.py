@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from pagedllm.dashboard import STATIC
-from pagedllm.dashboard.service import DashboardService
+from pagedllm.dashboard.service import DashboardService, to_json
 
 _TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
 KEY_COOKIE = "pagedllm_api_key"
@@ -67,11 +67,11 @@ def add_dashboard(app: FastAPI, service: DashboardService, api_key: str | None) 
         return FileResponse(path, media_type=_TYPES[path.suffix])
 
     @app.get("/dashboard/state", summary="The dashboard's state (engine snapshot + history)")
-    async def state(since: float | None = None) -> JSONResponse:
+    async def state(since: float | None = None) -> Response:
         """The engine snapshot (block map, requests, per-head KVs, host tiers, stats) and the
         last ten minutes of one-second samples (after ``since``, a Unix time, if given)."""
         snap = await service.snapshot()
-        return JSONResponse(service.state(snap, since))
+        return Response(to_json(service.state(snap, since)), media_type="application/json")
 
     @app.get("/dashboard/events", include_in_schema=False)
     async def events(request: Request, hz: float | None = None) -> Response:

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -165,8 +166,9 @@ class DashboardService:
             cores = await self.async_llm.call_in_cores(engine_snapshot)
             snap = dict(cores[0])
             snap["cores"] = len(cores)
-            if len(cores) > 1:  # data parallel: core 0's map, every core's table
+            if len(cores) > 1:  # data parallel: core 0's map, every core's table and counts
                 snap["requests"] = [r for c in cores for r in c["requests"]]
+                snap["stats"] = {**snap["stats"], **self.async_llm.stats()}
             self._snapshot, self._snapshot_at = snap, time.monotonic()
             self.version += 1
             return snap
@@ -203,17 +205,31 @@ class DashboardService:
                 try:
                     snap = await self.snapshot(max_age=period / 2)
                 except Exception as e:  # the engine is gone or busy failing: say so, go on
-                    yield b"event: error\ndata: " + _json({"error": str(e)}) + b"\n\n"
+                    yield b"event: engine-error\ndata: " + to_json({"error": str(e)}) + b"\n\n"
                     await asyncio.sleep(1.0)
                     continue
                 state = self.state(snap, since)
                 if state["history"]:
                     since = state["history"][-1]["t"]
-                yield b"data: " + _json(state) + b"\n\n"
+                yield b"data: " + to_json(state) + b"\n\n"
                 await asyncio.sleep(max(0.0, period - (time.monotonic() - t0)))
         finally:
             self.viewers -= 1
 
 
-def _json(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+def to_json(obj: Any) -> bytes:
+    """Compact JSON; a non-finite number (which JSON cannot carry) becomes null."""
+    try:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError:
+        return json.dumps(_finite(obj), separators=(",", ":"), allow_nan=False).encode()
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pagedllm.dashboard.service import DashboardService
+from pagedllm.dashboard.service import DashboardService, to_json
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.server import build_app
 from tests.server.conftest import asgi_call, tiny_async_llm
@@ -172,3 +172,10 @@ def test_slow_snapshots_slow_the_rate(llm: AsyncLLM) -> None:
             assert len(calls) == 1
     finally:
         llm.call_in_cores = llm_calls  # type: ignore[method-assign]
+
+
+def test_non_finite_numbers_become_null() -> None:
+    data = {"a": [1.5, float("nan")], "b": {"c": float("inf")}, "d": "x", "e": (2, -float("inf"))}
+    assert json.loads(to_json(data)) == {"a": [1.5, None], "b": {"c": None}, "d": "x",
+                                         "e": [2, None]}  # fmt: skip
+    assert to_json({"a": 1}) == b'{"a":1}'

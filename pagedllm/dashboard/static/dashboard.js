@@ -265,6 +265,10 @@ function live() {
     render(JSON.parse(ev.data), first);
     first = false;
   };
+  es.addEventListener("engine-error", (ev) => {  // the server is up, the engine is not
+    document.body.dataset.state = "lost";
+    $("conn").textContent = "engine: " + JSON.parse(ev.data).error;
+  });
   es.onerror = () => {
     document.body.dataset.state = "lost";
     $("conn").textContent = "reconnecting";
