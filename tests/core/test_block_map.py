@@ -160,3 +160,21 @@ def test_bench_report_frames_and_page(tiny_models, tmp_path) -> None:  # noqa: A
     assert states[3]["history"][3]["step_ms"] > 0
     with pytest.raises(ValueError, match="frame"):
         write_report(tmp_path / "empty.html", [], "tiny")
+
+
+def test_host_prefix_tier_in_the_snapshot(tiny_models) -> None:  # noqa: ANN001
+    """With the host tier (``kv_offloading_size``) the snapshot lists it: the prefix blocks
+    the device pool gave up are held in host blocks, drawn as cached cells."""
+    from pagedllm import LLM
+
+    llm = LLM(tiny_models("llama"), dtype="float32", max_model_len=256, device="cpu",
+              num_gpu_blocks_override=24, max_num_seqs=2, kv_offloading_size=0.01)  # fmt: skip
+    core = llm.llm_engine.engine_core
+    (tier,) = [t for t in engine_snapshot(core)["host"] if t["name"] == "host prefix tier"]
+    assert tier["used"] == 0 and tier["total"] > 0
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    for i in range(3):  # 10 blocks each into a 24-block pool: the first ones are pushed out
+        llm.generate([{"prompt_token_ids": [50 + i] * 150}], sp, use_tqdm=False)
+    (tier,) = [t for t in engine_snapshot(core)["host"] if t["name"] == "host prefix tier"]
+    assert tier["used"] >= 9 and len(tier["cells"]) <= 1024
+    assert tier["cells"].count(CACHED) > 0

@@ -116,14 +116,27 @@ function onMapHover(ev) {
 }
 
 function drawHost(tiers) {
-  $("host").innerHTML = (tiers || []).map((t) => {
+  tiers = tiers || [];
+  $("host").innerHTML = tiers.map((t, i) => {
     const used = t.total ? (100 * t.used) / t.total : 0;
     const busy = t.total ? (100 * t.busy) / t.total : 0;
-    return `<div class="host" data-tier="${esc(t.name)}" data-used="${t.used}"><span>${t.name}</span>` +
-      `<span class="track"><span style="width:${used}%;background:#3d6b9c"></span>` +
-      `<span style="width:${busy}%;background:#e0a030"></span></span>` +
-      `<span class="dim">${t.used} / ${t.total} host blocks${t.busy ? `, ${t.busy} in flight` : ""}</span></div>`;
+    const bar = t.cells ? `<canvas class="hostmap" data-i="${i}" width="600" height="10"></canvas>`
+      : `<span class="track"><span style="width:${used}%;background:#3d6b9c"></span>` +
+        `<span style="width:${busy}%;background:#e0a030"></span></span>`;
+    return `<div class="host" data-tier="${esc(t.name)}" data-used="${t.used}"><span>${esc(t.name)}</span>` +
+      bar + `<span class="dim">${t.used} / ${t.total} host blocks${t.busy ? `, ${t.busy} in flight` : ""}</span></div>`;
   }).join("");
+  // a host tier with a map (the prefix cache's): one cell per block or run of blocks
+  document.querySelectorAll("#host canvas.hostmap").forEach((canvas) => {
+    const t = tiers[+canvas.dataset.i];
+    const ctx = canvas.getContext("2d");
+    const w = canvas.width / Math.max(1, t.cells.length);
+    const colors = ["#262c33", "#3d6b9c", "#e0a030", "#e0a030", "#000000"];  // free, cached, in flight
+    t.cells.forEach((c, j) => {
+      ctx.fillStyle = colors[c] || "#888";
+      ctx.fillRect(Math.floor(j * w), 0, Math.ceil(w), canvas.height);
+    });
+  });
 }
 
 function heatColor(v) {  // 0 (nothing kept) .. 1 (every token kept)
