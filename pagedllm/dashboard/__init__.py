@@ -7,3 +7,4 @@ JavaScript and canvas, no build step), ``report.py`` writes the same map to an H
 from pathlib import Path
 
 STATIC = Path(__file__).parent / "static"  # the page, its script and style sheet
+KEY_COOKIE = "pagedllm_api_key"  # the API key a browser gave /dashboard/login

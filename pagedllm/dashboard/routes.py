@@ -21,13 +21,13 @@ import secrets
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, Response, StreamingResponse
 
-from pagedllm.dashboard import STATIC
+from pagedllm.dashboard import KEY_COOKIE, STATIC
 from pagedllm.dashboard.service import DashboardService, to_json
+from pagedllm.entrypoints.openai.errors import RequestError, error_response
 
 _TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
-KEY_COOKIE = "pagedllm_api_key"
 
 
 def add_dashboard(app: FastAPI, service: DashboardService, api_key: str | None) -> None:
@@ -50,9 +50,9 @@ def add_dashboard(app: FastAPI, service: DashboardService, api_key: str | None) 
         if not api_key:  # no key needed: nothing to remember
             return Response(status_code=204)
         if not isinstance(key, str) or not secrets.compare_digest(key.encode(), api_key.encode()):
-            err = {"message": "Unauthorized: wrong API key.", "type": "AuthenticationError",
-                   "param": "api_key", "code": 401}  # fmt: skip
-            return JSONResponse({"error": err}, 401)
+            err = RequestError("Unauthorized: wrong API key.", "api_key", 401,
+                               "AuthenticationError")  # fmt: skip
+            return error_response(err)
         response = Response(status_code=204)
         response.set_cookie(KEY_COOKIE, key, httponly=True, samesite="strict",
                             path="/dashboard")  # fmt: skip
@@ -62,8 +62,7 @@ def add_dashboard(app: FastAPI, service: DashboardService, api_key: str | None) 
     async def static(name: str) -> Response:
         path = files.get(name)
         if path is None:
-            return JSONResponse({"error": {"message": f"no file {name!r}", "type":
-                                           "NotFoundError", "code": 404}}, 404)  # fmt: skip
+            return error_response(RequestError(f"no file {name!r}", None, 404, "NotFoundError"))
         return FileResponse(path, media_type=_TYPES[path.suffix])
 
     @app.get("/dashboard/state", summary="The dashboard's state (engine snapshot + history)")

@@ -66,6 +66,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import __version__
 from pagedllm.config import engine_args_from
+from pagedllm.dashboard import KEY_COOKIE
 from pagedllm.engine.async_llm import AsyncLLM, AsyncLLMBase, EngineDeadError, EngineError
 from pagedllm.entrypoints.openai.chat import ServingChat, load_chat_template
 from pagedllm.entrypoints.openai.completions import ServingCompletion
@@ -126,7 +127,7 @@ class APIKeyMiddleware:
             jar.load(cookie.decode("latin-1"))
         except Exception:  # a malformed cookie header: no key from it
             return False
-        given = jar["pagedllm_api_key"].value.encode() if "pagedllm_api_key" in jar else b""
+        given = jar[KEY_COOKIE].value.encode() if KEY_COOKIE in jar else b""
         return bool(given) and secrets.compare_digest(given, self.key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -23,8 +23,10 @@ text").
 
 from __future__ import annotations
 
+import ast
 import json
 import random
+import re
 import string
 import uuid
 from dataclasses import dataclass, field
@@ -166,8 +168,6 @@ class Qwen3XmlToolParser(HermesToolParser):
     name = "qwen3_xml"
 
     def decode(self, body: str) -> ToolCall | None:
-        import re
-
         m = re.fullmatch(r"\s*<function=([^>\n]+)>(.*?)(?:</function>)?\s*", body, re.S)
         if m is None:
             return None
@@ -354,8 +354,6 @@ class PythonicToolParser(WholeOutputToolParser):
 def _pythonic_calls(text: str) -> list[ToolCall] | None:
     """``[f(a=1), g(b="x")]`` as calls; None if it is anything else (positional arguments,
     non-literal values, not a list of calls)."""
-    import ast
-
     try:
         tree = ast.parse(text, mode="eval").body
     except SyntaxError:
