@@ -179,3 +179,32 @@ def test_non_finite_numbers_become_null() -> None:
     assert json.loads(to_json(data)) == {"a": [1.5, None], "b": {"c": None}, "d": "x",
                                          "e": [2, None]}  # fmt: skip
     assert to_json({"a": 1}) == b'{"a":1}'
+
+
+def test_a_failed_snapshot_is_an_event_not_the_end(llm: AsyncLLM) -> None:
+    """When the engine cannot give a snapshot, the stream says so (``engine-error``) and stays
+    open for the next one."""
+    from pagedllm.metrics import ServerMetrics
+
+    service = DashboardService(llm, ServerMetrics("tiny-m"), hz=4.0)
+
+    async def broken(fn: Any) -> list[dict]:
+        raise RuntimeError("the engine is gone")
+
+    async def go() -> bytes:
+        gen = service.events()
+        try:
+            return await gen.__anext__()
+        finally:
+            await gen.aclose()
+
+    real = llm.call_in_cores
+    llm.call_in_cores = broken  # type: ignore[method-assign]
+    try:
+        first = asyncio.run(go())
+    finally:
+        llm.call_in_cores = real  # type: ignore[method-assign]
+    event, data = first.split(b"\n", 1)
+    assert event == b"event: engine-error"
+    assert json.loads(data.removeprefix(b"data: "))["error"] == "the engine is gone"
+    assert service.viewers == 0
