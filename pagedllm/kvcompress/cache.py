@@ -357,6 +357,12 @@ class HeadPagedCache:
         ``prepare_step`` planned (a CUDA-graph replay needs none: it has its own); the first
         with real tokens calibrates an fp8 cache's scales where ``calculate_kv_scales`` asks."""
         self.kv_scales.finish_metadata(md)
+        self.layer_groups(md)
+
+    def layer_groups(self, md: AttentionMetadata) -> None:
+        """``finish_metadata`` without the calibration: each layer's metadata only. The
+        profiling pass uses it: its tokens are not real, and scales calibrated on them would
+        stay (on a GPU they clamped real keys and decode drifted, issue 56)."""
         if md.groups is None:
             slots, rows_t, positions, plan = md.plan["kvc"]
             if not plan.tensors:  # the step's index tensors, shared by every layer

@@ -163,7 +163,7 @@ class KVCompressWorker(HeadPagedCache, KVConnectorWorker):
         self.tables[: len(rows), :, :nb] = torch.arange(nb, device=self.device) % num_blocks
         sampling = np.ones(len(rows), dtype=bool)
         self.prepare_step(inputs.metadata, rows, n_sched, inputs.positions, sampling)
-        self.finish_metadata(inputs.metadata)
+        self.layer_groups(inputs.metadata)  # (never calibrates fp8 scales: not real tokens)
 
     def end_dummy(self, num_rows: int) -> None:
         self.lens[:num_rows] = 0
