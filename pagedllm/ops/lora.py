@@ -8,10 +8,13 @@ sorted ids [2, 0, 3, ...], starts [0, 1], counts [1, 2]; token 1 (slot -1: the b
 is in no segment and is never touched.
 
 - ``lora_shrink``: s[k, t, :] = x[t] @ A[slot(t), k*R:(k+1)*R, :]^T for every sub-projection
-  k (q, k, v of a fused qkv_proj) -> [S, T, R] float32. Grid (M tiles, L, S): a program
-  takes BLOCK_M tokens of slot l's segment (programs past the segment's end return), so the
-  grid depends only on T and the shapes: a CUDA graph captures it, and the step's ``meta``
-  and the slots' weights are read from static buffers at replay.
+  k (q, k, v of a fused qkv_proj) -> [S, T, R] float32. Grid (M tiles, L, S * SPLIT_K): a
+  program takes BLOCK_M tokens of slot l's segment (programs past the segment's end return)
+  and one of SPLIT_K stretches of the K dimension, so the grid depends only on T and the
+  shapes: a CUDA graph captures it, and the step's ``meta`` and the slots' weights are read
+  from static buffers at replay. Split-K (partial sums added atomically into a zeroed ``s``)
+  because a decode step has few tokens per slot: without it a slot's whole K loop (48
+  iterations for down_proj's 3,072 inputs) ran in one program, a handful of programs in all.
 - ``lora_expand``: out[t, off_k + j] += s[k, t, :] @ B[slot(t), off_k + j, :] for j below
   the sub-projection's size; grid (M tiles x N tiles, L, S).
 
@@ -42,14 +45,17 @@ def _shrink_kernel(
     stride_al,
     stride_ar,
     stride_ss,
+    k_per_split,  # a multiple of BLOCK_K
     R: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # > 1: partial sums over K stretches, added atomically
     F32: tl.constexpr,  # dots in float32 (float32 models, and the CPU's interpreter)
 ):
     pid_m = tl.program_id(0)
     slot = tl.program_id(1)
-    sub = tl.program_id(2)
+    sub = tl.program_id(2) // SPLIT_K
+    split = tl.program_id(2) % SPLIT_K
     count = tl.load(meta_ptr + max_tokens + num_slots + slot)
     if pid_m * BLOCK_M >= count:
         return
@@ -60,7 +66,9 @@ def _shrink_kernel(
     offs_r = tl.arange(0, R)
     a_cols = a_ptr + slot * stride_al + (sub * R + offs_r)[None, :] * stride_ar
     acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # Example: K 3,072, BLOCK_K 64, SPLIT_K 12 -> k_per_split 256: split 5 sums K 1,280-1,535
+    k_lo = split * k_per_split
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
         x = tl.load(
@@ -73,9 +81,11 @@ def _shrink_kernel(
             acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(x, a.to(x.dtype))
-    tl.store(
-        s_ptr + sub * stride_ss + tok[:, None] * R + offs_r[None, :], acc, mask=mmask[:, None]
-    )
+    s_ptrs = s_ptr + sub * stride_ss + tok[:, None] * R + offs_r[None, :]
+    if SPLIT_K > 1:
+        tl.atomic_add(s_ptrs, acc, mask=mmask[:, None], sem="relaxed")
+    else:
+        tl.store(s_ptrs, acc, mask=mmask[:, None])
 
 
 @triton.jit
@@ -140,26 +150,51 @@ def _f32(t: torch.Tensor) -> bool:
 
 
 def _block_m(num_tokens: int) -> int:
-    # decode batches are small (one tile covers a slot's tokens); prompts take wider tiles
-    return 16 if num_tokens <= 128 else 64
+    # decode batches spread few tokens over each slot: narrow tiles (a tile past a slot's
+    # tokens returns at once); prompts take wider tiles
+    return 16 if num_tokens <= 512 else 64
+
+
+SHRINK_BLOCK_K = 64
+SHRINK_K_PER_SPLIT = 256  # K elements a split-K program sums (4 loop steps of BLOCK_K)
+
+
+def shrink_split_k(num_tokens: int, k: int) -> int:
+    """How many K stretches the shrink splits into: up to 2,048 tokens (decode and small
+    mixed steps, few tiles per slot) one per 256 inputs, else 1 (prompts fill the GPU with
+    M tiles). Example: K 1,024 -> 4; down_proj's 3,072 -> 12."""
+    return triton.cdiv(k, SHRINK_K_PER_SPLIT) if num_tokens <= 2048 else 1
 
 
 def lora_shrink(
-    x: torch.Tensor, a: torch.Tensor, meta: torch.Tensor, max_tokens: int, rank: int
+    x: torch.Tensor,
+    a: torch.Tensor,
+    meta: torch.Tensor,
+    max_tokens: int,
+    rank: int,
+    block_m: int | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """[T, K] x, [L, S * R, K] slots' A (R = ``rank``, a power of two >= 16), the step's
-    ``meta`` -> [S, T, R] float32 (rows of tokens without an adapter are left unwritten)."""
+    ``meta`` -> [S, T, R] float32 (rows of tokens without an adapter: zero with split-K,
+    else unwritten). ``block_m``/``split_k`` override the defaults (``_block_m``,
+    ``shrink_split_k``; the micro-benchmark sweeps them)."""
     T, K = x.shape
     L, SR, _ = a.shape
     R = rank
     S = SR // R
     assert x.stride(1) == 1 and a.stride(2) == 1
-    s = torch.empty((S, T, R), dtype=torch.float32, device=x.device)
-    bm = _block_m(T)
-    grid = (triton.cdiv(T, bm), L, S)
+    bm = block_m or _block_m(T)
+    split = split_k or shrink_split_k(T, K)
+    bk = SHRINK_BLOCK_K
+    per = triton.cdiv(triton.cdiv(K, split), bk) * bk  # K elements per split, whole blocks
+    split = triton.cdiv(K, per)  # (no empty split: K 100, split 4 -> per 64 -> 2 splits)
+    alloc = torch.zeros if split > 1 else torch.empty
+    s = alloc((S, T, R), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(T, bm), L, S * split)
     _shrink_kernel[grid](
         x, a, s, meta, max_tokens, L, K, x.stride(0), a.stride(0), a.stride(1), s.stride(0),
-        R=R, BLOCK_M=bm, BLOCK_K=64, F32=_f32(x),
+        per, R=R, BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=split, F32=_f32(x),
     )  # fmt: skip
     return s
 
@@ -172,6 +207,7 @@ def lora_expand(
     subs: torch.Tensor,
     max_tokens: int,
     max_sub_size: int,
+    block_m: int | None = None,
 ) -> None:
     """``out`` [T, N] += each token's [S, R] shrink times its slot's B [L, N, R], each
     sub-projection into its own columns (``subs``: [2S] offsets then sizes, on the device;
@@ -179,7 +215,7 @@ def lora_expand(
     S, T, R = s.shape
     L = b.shape[0]
     assert out.stride(1) == 1 and b.stride(2) == 1
-    bm, bn = _block_m(T), 64
+    bm, bn = block_m or _block_m(T), 64
     nb = triton.cdiv(max_sub_size, bn)
     grid = (triton.cdiv(T, bm) * nb, L, S)
     _expand_kernel[grid](

@@ -21,10 +21,10 @@ from pagedllm.ops.lora import lora_expand, lora_shrink
 L, R, MAX_TOKENS = 3, 16, 64
 
 
-def _case(rank: int, subs: list[int], dtype: torch.dtype, seed: int):  # noqa: ANN202
+def _case(rank: int, subs: list[int], dtype: torch.dtype, seed: int, K: int = 48):  # noqa: ANN202
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    T, K, N = 37, 48, sum(subs)
+    T, N = 37, sum(subs)
     # ragged runs of slots (a request's tokens are contiguous), -1 runs between them
     slots = np.repeat(rng.integers(-1, L, 9), rng.integers(1, 8, 9))[:T]
     T = len(slots)
@@ -39,9 +39,15 @@ def _case(rank: int, subs: list[int], dtype: torch.dtype, seed: int):  # noqa: A
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rank,subs", [(8, [32, 16, 16]), (16, [40]), (16, [24, 24])])
-def test_shrink_and_expand_match_the_reference(rank, subs, dtype):
-    slots, x, a, b, out = _case(rank, subs, dtype, seed=rank + len(subs))
+@pytest.mark.parametrize(
+    "rank,subs,K,tiles",
+    [(8, [32, 16, 16], 48, {}), (16, [40], 48, {}), (16, [24, 24], 48, {}),
+     # split-K: 4 stretches of K (partial sums added atomically), and one ragged stretch
+     (16, [32, 16, 16], 300, {"split_k": 4}), (8, [40], 300, {"split_k": 3, "block_m": 64})],
+    ids=["qkv", "one", "gate_up", "qkv-split4", "split3-wide"],
+)  # fmt: skip
+def test_shrink_and_expand_match_the_reference(rank, subs, K, tiles, dtype):
+    slots, x, a, b, out = _case(rank, subs, dtype, seed=rank + len(subs), K=K)
     order, starts, counts = segments(slots, L)
     assert counts.sum() < len(slots) and (counts > 0).sum() >= 2  # base rows and 2+ slots
     meta = np.zeros(MAX_TOKENS + 2 * L, dtype=np.int64)
@@ -57,7 +63,7 @@ def test_shrink_and_expand_match_the_reference(rank, subs, dtype):
 
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     meta_t = dev(torch.from_numpy(meta))
-    s = lora_shrink(dev(x), dev(a), meta_t, MAX_TOKENS, R)
+    s = lora_shrink(dev(x), dev(a), meta_t, MAX_TOKENS, R, **tiles)
     rows = torch.from_numpy(order)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(s.cpu()[:, rows], s_ref[:, rows], rtol=tol, atol=tol)
