@@ -113,8 +113,13 @@ one() {
       $PYTEST tests/kernels/test_lora_kernels.py ;;
     lora-a)  # Benchmark A's workload: the base model, then 4 and 16 rank-16 adapters mixed
       python benchmarks/lora_gpu.py --adapters "${LORA_ADAPTERS:-4,16}" --out "$OUT" ;;
-    tools-required)  # free decoding vs tool_choice required's grammar (needs xgrammar in .whl/)
-      python benchmarks/tools_gpu.py --num-prompts "${TOOLS_PROMPTS:-256}" --out "$OUT" ;;
+    lora-micro)  # the shrink/expand kernels alone, launch parameters swept (LORA_TOKENS, LORA_SLOTS)
+      python benchmarks/lora_micro.py --tokens "${LORA_TOKENS:-256,64}" \
+        --slots "${LORA_SLOTS:-4,16}" --out "$OUT" | tail -12 ;;
+    tools-required)  # free decoding vs tool_choice required's grammar (needs xgrammar in .whl/);
+      # TOOLS_DIAGNOSE=1: also the host's time per call and the device's per step
+      python benchmarks/tools_gpu.py --num-prompts "${TOOLS_PROMPTS:-256}" \
+        ${TOOLS_DIAGNOSE:+--diagnose} --out "$OUT" ;;
     dashboard-a)  # Benchmark A offline, with vs without dashboard snapshots at 4 Hz (3 pairs)
       python benchmarks/dashboard_cost.py --gpu --pairs "${DASH_PAIRS:-3}" --out "$OUT" ;;
     tests-dcp)  # decode context parallelism's Triton kernels against the PyTorch reference

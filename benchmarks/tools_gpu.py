@@ -31,6 +31,7 @@ from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.bench.throughput import make_workload  # noqa: E402
 from pagedllm.entrypoints.openai.tools import parse_tools, resolve_tool_choice  # noqa: E402
 from pagedllm.structured_output.params import StructuredOutputsParams  # noqa: E402
+from pagedllm.worker.profiler import DeviceTimer  # noqa: E402
 
 TOOLS = [
     {"type": "function", "function": {"name": "search", "parameters": {
@@ -44,7 +45,60 @@ TOOLS = [
 ]  # fmt: skip
 
 
-def run(llm: LLM, prompts: list[list[int]], max_tokens: int, grammar: bool) -> dict:
+class HostSpans:
+    """Host seconds inside the engine loop's calls that may block a grammar step (wrapped on
+    the instances, summed per run): waiting for the grammar worker (``collect``), for the
+    device (``resolve``), queueing the sampling and the forward, the scheduler's two calls.
+    With ``DeviceTimer``'s device seconds per step they say what a step waits on."""
+
+    def __init__(self, llm: LLM) -> None:
+        core = llm.llm_engine.engine_core
+        self.seconds: dict[str, float] = {}
+        self.work_s = 0.0  # the grammar worker's own accept + fill seconds
+        ex, sched = core.executor, core.scheduler
+        for name, obj in (("resolve", ex), ("launch_sample", ex), ("launch_forward", ex),
+                          ("launch_step", ex), ("execute_model", ex), ("schedule", sched),
+                          ("update_from_output", sched)):  # fmt: skip
+            self._wrap(obj, name)
+        self.grammars = sched.grammar_book
+
+    def _wrap(self, obj: object, name: str, key: str | None = None) -> None:
+        fn = getattr(obj, name)
+        key = key or name
+
+        def timed(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, timed)
+
+    def wrap_grammars(self) -> None:
+        """The grammars exist after the first structured request: wrap their collect."""
+        g = self.grammars.grammars
+        if g is None or getattr(g, "_timed", False):
+            return
+        collect = g.collect
+
+        def timed():  # noqa: ANN202
+            t = time.perf_counter()
+            step = collect()
+            self.seconds["grammar_collect"] = (
+                self.seconds.get("grammar_collect", 0.0) + time.perf_counter() - t
+            )
+            self.work_s += step.work_seconds
+            return step
+
+        g.collect, g._timed = timed, True
+
+    def reset(self) -> None:
+        self.seconds, self.work_s = {}, 0.0
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int, grammar: bool,
+        spans: HostSpans | None = None) -> dict:  # fmt: skip
     so = None
     if grammar:
         mode = resolve_tool_choice(parse_tools(TOOLS), "required", None, False)
@@ -53,6 +107,13 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int, grammar: bool) -> d
                             structured_outputs=so)  # fmt: skip
     warm = [[7] * len(p) for p in prompts[:32]]
     llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
+    core = llm.llm_engine.engine_core
+    timer = None
+    if spans is not None:
+        spans.wrap_grammars()
+        spans.reset()
+        timer = core.executor.runner.profiler = DeviceTimer()
+    steps0 = core.num_steps
     torch.cuda.synchronize()
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -60,9 +121,21 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int, grammar: bool) -> d
     el = time.perf_counter() - t
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     by_length = sum(o.outputs[0].finish_reason == "length" for o in outs)
-    return {"grammar": "tool_choice required" if grammar else "none", "elapsed_s": el,
-            "output_tokens": produced, "output_tokens_per_s": produced / el,
-            "finished_by_length": by_length}  # fmt: skip
+    out = {"grammar": "tool_choice required" if grammar else "none", "elapsed_s": el,
+           "output_tokens": produced, "output_tokens_per_s": produced / el,
+           "finished_by_length": by_length, "steps": core.num_steps - steps0}  # fmt: skip
+    if spans is not None and timer is not None:
+        core.executor.runner.profiler = None
+        n = max(out["steps"], 1)
+        out["diagnosis"] = {
+            "wall_ms_per_step": 1e3 * el / n,
+            # CUDA events from before a step's forward to after its sampling: with a grammar
+            # this includes the device's wait for the bitmask
+            "device_ms_per_step": 1e3 * sum(timer.step_seconds) / max(len(timer.step_seconds), 1),
+            "host_ms_per_step": {k: 1e3 * v / n for k, v in sorted(spans.seconds.items())},
+            "grammar_worker_ms_per_step": 1e3 * spans.work_s / n,
+        }
+    return out
 
 
 def main() -> None:
@@ -70,6 +143,9 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--diagnose", action="store_true",
+                   help="also time the host's calls per step and the device per step (CUDA "
+                   "events), and run the grammars in the engine loop too (default: off)")
     args = p.parse_args()
     tok_dir = os.environ["PAGEDLLM_TOKENIZER_DIR"]
     path = structured_model(tok_dir)
@@ -79,6 +155,15 @@ def main() -> None:
     llm = LLM(path, tokenizer=tok_dir, dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
               gpu_memory_utilization=0.85)  # fmt: skip
     runs = [run(llm, prompts, args.max_tokens, g) for g in (False, True)]
+    if args.diagnose:  # again, timed, then with the grammars in the engine loop
+        spans = HostSpans(llm)
+        runs += [run(llm, prompts, args.max_tokens, g, spans) for g in (False, True)]
+        del llm
+        free_mem()
+        llm = LLM(path, tokenizer=tok_dir, dtype="bfloat16", max_model_len=2048,
+                  max_num_seqs=256, gpu_memory_utilization=0.85, grammar_process=False)  # fmt: skip
+        spans = HostSpans(llm)
+        runs.append({**run(llm, prompts, args.max_tokens, True, spans), "grammar_process": False})
     del llm
     free_mem()
     device = torch.cuda.get_device_name()
