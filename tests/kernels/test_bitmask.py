@@ -1,4 +1,4 @@
-"""The Triton grammar-bitmask kernel against the PyTorch version (the CPU path and reference).
+"""The grammar-bitmask kernels (Triton; xgrammar's on the CPU) against the PyTorch reference.
 
 On a machine without CUDA the kernel runs through Triton's interpreter on small shapes.
 """
@@ -13,7 +13,7 @@ from tests.kernels.triton_setup import CUDA, DEVICE
 # isort: split
 
 from pagedllm.ops.bitmask import apply_token_bitmask_triton
-from pagedllm.structured_output.bitmask import apply_token_bitmask
+from pagedllm.structured_output.bitmask import apply_token_bitmask, apply_token_bitmask_ref
 
 
 @pytest.mark.parametrize("vocab", [40, 1000, 5000] if not CUDA else [40, 5000, 151936])
@@ -28,7 +28,10 @@ def test_bitmask_equals_the_reference(vocab: int, allowed_frac: float) -> None:
     mask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # as int32
     rows = torch.tensor([5, 0, 3])
     ref = logits.clone()
-    apply_token_bitmask(ref, mask, rows)  # CPU tensors: the PyTorch path
+    apply_token_bitmask_ref(ref, mask, rows)
+    cpu = logits.clone()
+    apply_token_bitmask(cpu, mask, rows)  # CPU tensors: xgrammar's kernel
+    assert torch.equal(cpu, ref)
     got = logits.to(DEVICE)
     apply_token_bitmask_triton(got, mask.to(DEVICE), rows.to(DEVICE))
     assert torch.equal(got.cpu(), ref)
@@ -40,10 +43,12 @@ def test_bitmask_equals_the_reference(vocab: int, allowed_frac: float) -> None:
     assert torch.equal(got.cpu()[[1, 2, 4, 6]], logits[[1, 2, 4, 6]])
     # without row indices mask row i applies to logits row i
     ref2, got2 = logits.clone(), logits.to(DEVICE)
-    apply_token_bitmask(ref2, mask, None)
+    apply_token_bitmask_ref(ref2, mask, None)
     apply_token_bitmask_triton(got2, mask.to(DEVICE), None)
-    apply_token_bitmask(logits, mask, torch.arange(3))  # the same, spelled out
-    assert torch.equal(got2.cpu(), ref2) and torch.equal(ref2, logits)
+    cpu2 = logits.clone()
+    apply_token_bitmask(cpu2, mask, None)
+    apply_token_bitmask_ref(logits, mask, torch.arange(3))  # the same, spelled out
+    assert torch.equal(got2.cpu(), ref2) and torch.equal(ref2, logits) and torch.equal(cpu2, ref2)
 
 
 def test_bitmask_rejects_a_short_mask() -> None:
