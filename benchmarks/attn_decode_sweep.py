@@ -3,7 +3,7 @@
 Benchmark A decodes 256 requests with ragged contexts (100-2048) on the Qwen3-0.6B shape (16
 query heads over 8 KV heads, GQA 2); Benchmark B 256 requests on the Llama-3.1-8B shape (32
 over 8, GQA 4). The default launch shape was picked on uniform-length GQA-4 batches
-(benchmarks/kernels.py), so this times every (tile_n, num_warps, num_stages) of the unified
+(benchmarks/attn_kernels.py), so this times every (tile_n, num_warps, num_stages) of the unified
 kernel and split counts 2/4 on ragged and uniform batches of both shapes, as a fraction of the
 device copy bandwidth measured in the same run (bytes of K/V read / time). Layout "kvc" times
 KV-Compress's per-head decode kernel (:func:`pagedllm.ops.kvc_attention.kvc_decode_attention`)
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.kernels import bench, copy_bandwidth_gbps  # noqa: E402
+from benchmarks.attn_kernels import bench, copy_bandwidth_gbps  # noqa: E402
 from pagedllm.ops.kvc_attention import kvc_decode_attention  # noqa: E402
 from pagedllm.ops.paged_attention import TileConfig, paged_attention  # noqa: E402
 

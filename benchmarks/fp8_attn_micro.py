@@ -22,7 +22,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_suite import device_tag, provenance  # noqa: E402
-from benchmarks.kernels import bench  # noqa: E402
+from benchmarks.attn_kernels import bench  # noqa: E402
 from pagedllm.bench.roofline import measure_copy_bandwidth  # noqa: E402
 from pagedllm.kv_layout import FP8  # noqa: E402
 from pagedllm.ops.paged_attention import (  # noqa: E402
@@ -61,7 +61,7 @@ def main() -> None:
                 cfg = TileConfig(block_m=16, tile_n=tile)
 
                 inputs = (q, cache, qsl, lens, tables, 1, args.ctx, d**-0.5)
-                # CUDA-graph replays, L2 flushed between runs (benchmarks/kernels.py)
+                # CUDA-graph replays, L2 flushed between runs (benchmarks/attn_kernels.py)
                 s = 1e-3 * bench(lambda x=inputs, c=cfg, k=kv_scale: paged_attention(
                     *x, tile_config=c, kv_scale=k), dev)  # fmt: skip
                 rows.append({"batch": batch, "ctx": args.ctx, "cache": name, "tile_n": tile,

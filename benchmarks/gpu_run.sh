@@ -180,7 +180,7 @@ one() {
         | grep -v '"tokens"' ;;
     # the hybrid KV cache (Gemma 3's sliding-window layers), kernels
     hybrid-kv) python benchmarks/hybrid_kv_gpu.py --out "$OUT" | tail -40 ;;
-    kernels) python benchmarks/kernels.py --out-dir "$OUT" | tail -40 ;;
+    kernels) python benchmarks/attn_kernels.py --out-dir "$OUT" | tail -40 ;;
     attn-sweep) python benchmarks/attn_decode_sweep.py --layouts "${SWEEP_LAYOUTS:-nhd,kvcs}" \
         --out "$OUT/attn_decode_sweep.json" ;;
     # several GPUs: TP = N tokens against TP = 1, all-reduce times, Benchmark B by TP and DP

@@ -50,8 +50,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-# run as a script, this folder would come first on the path and its kernels.py would shadow the
-# `kernels` package that transformers probes for: the repository root goes there instead
+# run as a script, this folder would come first on the path, where a module of it may shadow a
+# package of the same name: the repository root goes there instead
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

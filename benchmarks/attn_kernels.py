@@ -28,8 +28,8 @@ timings (TFLOP/s) against SDPA. Writes ``benchmarks/results/kernels_<device>.jso
 
 Usage (GPU)::
 
-    python benchmarks/kernels.py
-    python benchmarks/kernels.py --smoke   # tiny shapes; also runs on CPU via TRITON_INTERPRET=1
+    python benchmarks/attn_kernels.py
+    python benchmarks/attn_kernels.py --smoke   # tiny shapes; also runs on CPU via TRITON_INTERPRET=1
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ import triton  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # `python benchmarks/kernels.py` from the repo root
+if str(ROOT) not in sys.path:  # `python benchmarks/attn_kernels.py` from the repo root
     sys.path.insert(0, str(ROOT))
 
 from pagedllm.attention.backends.torch_native import TorchNativeBackend  # noqa: E402
