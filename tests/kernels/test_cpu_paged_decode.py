@@ -46,9 +46,11 @@ def _reference(q, k_cache, v_cache, tables, lens, scale, window):  # noqa: ANN00
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# head_dim 40: not a multiple of 16, the plain loops instead of the AVX-512 ones
+# float32 loops: AVX-512 for head sizes that are multiples of 16 (40: the plain loops), AVX2
+# for multiples of 8 (80 and 40: their 8-lane tails), the plain loops elsewhere (36)
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(8, 2, 64), (4, 4, 32), (6, 1, 80), (4, 2, 40)]
+    ("heads", "kv_heads", "head_dim"),
+    [(8, 2, 64), (4, 4, 32), (6, 1, 80), (4, 2, 40), (4, 2, 36)],
 )
 @pytest.mark.parametrize("window", [0, 20])
 @pytest.mark.parametrize("sharp", [False, True], ids=["", "sharp"])
