@@ -194,17 +194,19 @@ def _small_ops(x: Any) -> Any:
     return cpu_ops(build=False)
 
 
-def _float32_ops(x: Any) -> Any:
+def _float32_ops(x: Any, scalar_ok: bool = False) -> Any:
     """The compiled module where a float32 or bfloat16 CPU tensor may take the element-wise
     kernels that are not bit for bit PyTorch's in float32 (a different order of a sum, a
-    polynomial exponential: within an ulp or two); float32 only where they are vectorized
-    (``PAGEDLLM_FLOAT32_EXACT=1`` keeps float32 on PyTorch's ops, bit for bit HF's)."""
+    polynomial exponential: within an ulp or two); float32 only where they are vectorized,
+    or with ``scalar_ok`` where even the scalar loop beats PyTorch (the norm: one pass where
+    PyTorch makes five, 2-7x on AVX2 cores; a scalar silu is 3x slower than PyTorch's).
+    ``PAGEDLLM_FLOAT32_EXACT=1`` keeps float32 on PyTorch's ops, bit for bit HF's."""
     import torch
 
     ops = _small_ops(x)
     if ops is None or x.dtype == torch.bfloat16:
         return ops
-    if float32_exact() or not ops.small_ops_vectorized():
+    if float32_exact() or not (scalar_ok or ops.small_ops_vectorized()):
         return None
     return ops
 
@@ -214,7 +216,7 @@ def rms_norm(x: Any, weight: Any, eps: float, offset: float, residual: Any = Non
     ``rms_norm`` (the same arithmetic, and in bfloat16 the same roundings op for op; the sum
     of squares in another order): y, or (y, x + residual) with ``residual``; None where the
     kernels cannot take it (the caller runs the PyTorch code)."""
-    ops = _float32_ops(x)
+    ops = _float32_ops(x, scalar_ok=True)
     if ops is None or weight.dtype != x.dtype:
         return None
     if residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape):
