@@ -229,6 +229,23 @@ inline void reduce8_256(const __m256* a, float* out) {
   _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
 }
 
+// exp of 8 arguments <= 88: exp512's 8-lane form (the same polynomial)
+inline __m256 exp256(__m256 x) {
+  const __m256 y = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)),
+                                 _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(y, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(_mm256_fmadd_ps(f, p, _mm256_set1_ps(1.f)), _mm256_castsi256_ps(bits));
+}
+
 inline float hsum256(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_hadd_ps(x, x);
@@ -1094,6 +1111,25 @@ void silu_and_mul_rows(const T* xs, T* os, int64_t rows, int64_t n) {
         const __m512 silu = rnd16<T>(_mm512_div_ps(gv, _mm512_add_ps(one, e)));
         st16(o + j, _mm512_mul_ps(silu, ld16(u + j)));
       }
+#elif defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<T, float>) {  // the same steps, 8 lanes (float32 only)
+        const __m256 one = _mm256_set1_ps(1.f);
+        for (; j + 8 <= n; j += 8) {
+          const __m256 gv = _mm256_loadu_ps(g + j);
+          const __m256 ng = _mm256_sub_ps(_mm256_setzero_ps(), gv);
+          __m256 e = exp256(_mm256_min_ps(ng, _mm256_set1_ps(87.f)));
+          const __m256 big = _mm256_cmp_ps(ng, _mm256_set1_ps(87.f), _CMP_GT_OQ);
+          if (_mm256_movemask_ps(big)) {
+            const __m256 h = exp256(_mm256_mul_ps(_mm256_min_ps(ng, _mm256_set1_ps(88.7228394f)),
+                                                  _mm256_set1_ps(0.5f)));
+            e = _mm256_blendv_ps(e, _mm256_mul_ps(h, h), big);
+            e = _mm256_blendv_ps(e, _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+                                 _mm256_cmp_ps(ng, _mm256_set1_ps(88.7228394f), _CMP_GT_OQ));
+          }
+          const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+          _mm256_storeu_ps(o + j, _mm256_mul_ps(silu, _mm256_loadu_ps(u + j)));
+        }
+      }
 #endif
       for (; j < n; ++j) {
         const float gv = tof(g[j]);
@@ -1123,7 +1159,12 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 
 // Whether the element-wise kernels above run vectorized here (AVX-512 with BF16); the
 // float32 callers take them only then (PyTorch's own ops are as fast as scalar loops).
+// float32's silu-and-mul is vectorized with AVX-512 (and BF16) or AVX2 + FMA
+#if defined(__AVX2__) && defined(__FMA__)
+bool small_ops_vectorized() { return true; }
+#else
 bool small_ops_vectorized() { return kAvx512Bf16; }
+#endif
 
 // ---------------------------------------------------------------- prefill attention
 // The prefill chunks of a step (several query tokens of one request) over the request's keys
