@@ -16,7 +16,8 @@ is in no segment and is never touched.
   because a decode step has few tokens per slot: without it a slot's whole K loop (48
   iterations for down_proj's 3,072 inputs) ran in one program, a handful of programs in all.
 - ``lora_expand``: out[t, off_k + j] += s[k, t, :] @ B[slot(t), off_k + j, :] for j below
-  the sub-projection's size; grid (M tiles x N tiles, L, S).
+  the sub-projection's size; grid (M tiles of the slot-sorted tokens x N tiles, S): a tile
+  adds one product per slot among its tokens.
 
 Slots' weights are zero past an adapter's rank (and for a sub-projection it does not
 target), so R, the slots' rank, needs no mask. The PyTorch reference is
@@ -108,35 +109,49 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     F32: tl.constexpr,  # dots in float32 (float32 models, and the CPU's interpreter)
 ):
+    # A program takes BLOCK_M consecutive tokens of the slot-sorted order (not of one slot):
+    # the grid no longer grows with the slots (16 slots x 16 M tiles x 48 N tiles x 2 subs
+    # were 24,576 programs for gate_up_proj's decode step, most of them returning at once).
+    # A tile meets one slot or a few; each slot it meets adds one product, its rows' shrink
+    # loaded and the others' zero. Example: BLOCK_M 16, slots' starts [0, 10], counts [10, 20]
+    # -> tile 0 (sorted 0-15) takes slot 0's rows 0-9 and slot 1's 10-15; tile 1 slot 1 only.
     pid = tl.program_id(0)
     pid_m = pid // num_n_blocks
     pid_n = pid % num_n_blocks
-    slot = tl.program_id(1)
-    sub = tl.program_id(2)
-    count = tl.load(meta_ptr + max_tokens + num_slots + slot)
+    sub = tl.program_id(1)
     size = tl.load(sub_ptr + num_subs + sub)
-    if (pid_m * BLOCK_M >= count) | (pid_n * BLOCK_N >= size):
+    m0 = pid_m * BLOCK_M
+    last = meta_ptr + max_tokens + num_slots - 1  # the last slot's start; its count after
+    total = tl.load(last) + tl.load(last + num_slots)  # tokens on an adapter
+    if (m0 >= total) | (pid_n * BLOCK_N >= size):
         return
-    start = tl.load(meta_ptr + max_tokens + slot)
     off = tl.load(sub_ptr + sub)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mmask = offs_m < count
-    tok = tl.load(meta_ptr + start + offs_m, mask=mmask, other=0)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    mmask = offs_m < total
+    tok = tl.load(meta_ptr + offs_m, mask=mmask, other=0)
     offs_r = tl.arange(0, R)
-    s = tl.load(
-        s_ptr + sub * stride_ss + tok[:, None] * R + offs_r[None, :], mask=mmask[:, None], other=0.0
-    )  # [BLOCK_M, R]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < size
-    b = tl.load(
-        b_ptr + slot * stride_bl + (off + offs_n)[None, :] * stride_bn + offs_r[:, None],
-        mask=nmask[None, :],
-        other=0.0,
-    )  # [R, BLOCK_N]: B's rows as columns
-    if F32:
-        acc = tl.dot(s, b.to(tl.float32), input_precision="ieee")
-    else:
-        acc = tl.dot(s.to(b.dtype), b)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for slot in range(0, num_slots):
+        start = tl.load(meta_ptr + max_tokens + slot)
+        end = start + tl.load(meta_ptr + max_tokens + num_slots + slot)
+        if (start < m0 + BLOCK_M) & (end > m0):
+            rows = mmask & (offs_m >= start) & (offs_m < end)
+            sv = tl.load(
+                s_ptr + sub * stride_ss + tok[:, None] * R + offs_r[None, :],
+                mask=rows[:, None],
+                other=0.0,
+            )  # [BLOCK_M, R]: this slot's rows, zero elsewhere
+            b = tl.load(
+                b_ptr + slot * stride_bl + (off + offs_n)[None, :] * stride_bn + offs_r[:, None],
+                mask=nmask[None, :],
+                other=0.0,
+            )  # [R, BLOCK_N]: B's rows as columns
+            if F32:
+                acc += tl.dot(sv, b.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(sv.to(b.dtype), b)
     o_ptrs = out_ptr + tok[:, None] * stride_ot + (off + offs_n)[None, :]
     omask = mmask[:, None] & nmask[None, :]
     o = tl.load(o_ptrs, mask=omask, other=0.0)
@@ -217,7 +232,7 @@ def lora_expand(
     assert out.stride(1) == 1 and b.stride(2) == 1
     bm, bn = block_m or _block_m(T), 64
     nb = triton.cdiv(max_sub_size, bn)
-    grid = (triton.cdiv(T, bm) * nb, L, S)
+    grid = (triton.cdiv(T, bm) * nb, S)
     _expand_kernel[grid](
         s, b, out, meta, subs, max_tokens, L, S, nb, out.stride(0), b.stride(0), b.stride(1),
         s.stride(0), R=R, BLOCK_M=bm, BLOCK_N=bn, F32=_f32(out),
