@@ -2,7 +2,7 @@
 shrink and the expand for each projection of the Qwen3-0.6B shape, a decode step's tokens
 spread evenly over K adapter slots, rank 16, bf16; the launch parameters swept (M tile,
 split-K) and the defaults' time per decode step over all layers against the base model's own
-projection matmuls:
+projection matmuls (and the shrink without split-K, as it was before):
 
     python benchmarks/lora_micro.py --tokens 256 --slots 4,16 --out DIR
 
@@ -85,7 +85,6 @@ def case(tokens: int, slots: int, k_in: int, subs: list[int]) -> dict:
     row["expand_us"] = {f"bm{bm}": graph_us(
         lambda bm=bm: lora_expand(s, b, out, meta, ranges, tokens, max(subs), bm))
         for bm in (16, 32, 64)}  # fmt: skip
-    row["expand_old_us"] = row["expand_us"][f"bm{old_bm}"]
     row["expand_default_us"] = row["expand_us"][f"bm{_block_m(tokens)}"]
     return row
 
@@ -101,16 +100,17 @@ def main() -> None:
                     "layers": LAYERS, "cases": []}  # fmt: skip
     for t in (int(v) for v in args.tokens.split(",")):
         for n in (int(v) for v in args.slots.split(",")):
-            per_step = {"base_ms": 0.0, "lora_old_ms": 0.0, "lora_default_ms": 0.0}
+            per_step = {"base_ms": 0.0, "lora_ms": 0.0, "shrink_ms": 0.0, "shrink_unsplit_ms": 0.0}
             for name, k_in, subs in SHAPES:
                 r = case(t, n, k_in, subs)
                 r.update(tokens=t, slots=n, projection=name)
                 result["cases"].append(r)
                 per_step["base_ms"] += LAYERS * r["base_matmul_us"] / 1e3
-                per_step["lora_old_ms"] += LAYERS * (r["shrink_old_us"] + r["expand_old_us"]) / 1e3
-                per_step["lora_default_ms"] += (
+                per_step["lora_ms"] += (
                     LAYERS * (r["shrink_default_us"] + r["expand_default_us"]) / 1e3
                 )
+                per_step["shrink_ms"] += LAYERS * r["shrink_default_us"] / 1e3
+                per_step["shrink_unsplit_ms"] += LAYERS * r["shrink_old_us"] / 1e3
                 print(t, n, name, {k: v for k, v in r.items() if k.endswith("_us") and
                                    not isinstance(v, dict)}, flush=True)  # fmt: skip
             result.setdefault("per_decode_step", []).append({"tokens": t, "slots": n, **per_step})

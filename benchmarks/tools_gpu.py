@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.gpu_suite import free_mem, provenance, structured_model  # noqa: E402
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.bench.throughput import make_workload  # noqa: E402
+from pagedllm.bench.throughput import make_workload, time_triton_compiles  # noqa: E402
 from pagedllm.entrypoints.openai.tools import parse_tools, resolve_tool_choice  # noqa: E402
 from pagedllm.structured_output.params import StructuredOutputsParams  # noqa: E402
 from pagedllm.worker.profiler import DeviceTimer  # noqa: E402
@@ -115,15 +115,18 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int, grammar: bool,
         timer = core.executor.runner.profiler = DeviceTimer()
     steps0 = core.num_steps
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    torch.cuda.synchronize()
-    el = time.perf_counter() - t
+    with time_triton_compiles() as compiles:  # a kernel variant the warm-up missed stalls
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        torch.cuda.synchronize()
+        el = time.perf_counter() - t
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     by_length = sum(o.outputs[0].finish_reason == "length" for o in outs)
     out = {"grammar": "tool_choice required" if grammar else "none", "elapsed_s": el,
            "output_tokens": produced, "output_tokens_per_s": produced / el,
-           "finished_by_length": by_length, "steps": core.num_steps - steps0}  # fmt: skip
+           "finished_by_length": by_length, "steps": core.num_steps - steps0,
+           "triton_compiles_timed": compiles.count, "triton_compile_s_timed": compiles.seconds,
+           "triton_compiled_kernels_timed": dict(compiles.kernels)}  # fmt: skip
     if spans is not None and timer is not None:
         core.executor.runner.profiler = None
         n = max(out["steps"], 1)
