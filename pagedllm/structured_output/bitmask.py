@@ -38,7 +38,7 @@ def apply_token_bitmask(
                 full[rows] = bitmask  # (small: a 32nd of the logits' rows)
                 bitmask, indices = full, rows.tolist()
             xgr.apply_token_bitmask_inplace(
-                logits, bitmask, vocab_size=logits.shape[1], indices=indices, backend="cpu"
+                logits, bitmask, vocab_size=logits.shape[1], indices=indices
             )
             return
     apply_token_bitmask_ref(logits, bitmask, rows)
