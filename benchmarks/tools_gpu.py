@@ -45,6 +45,9 @@ TOOLS = [
 ]  # fmt: skip
 
 
+ALLOC_KEYS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+
+
 class HostSpans:
     """Host seconds inside the engine loop's calls that may block a grammar step (wrapped on
     the instances, summed per run): waiting for the grammar worker (``collect``), for the
@@ -115,18 +118,23 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int, grammar: bool,
         timer = core.executor.runner.profiler = DeviceTimer()
     steps0 = core.num_steps
     torch.cuda.synchronize()
+    mem0 = torch.cuda.memory_stats()
     with time_triton_compiles() as compiles:  # a kernel variant the warm-up missed stalls
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         torch.cuda.synchronize()
         el = time.perf_counter() - t
+    mem1 = torch.cuda.memory_stats()
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     by_length = sum(o.outputs[0].finish_reason == "length" for o in outs)
     out = {"grammar": "tool_choice required" if grammar else "none", "elapsed_s": el,
            "output_tokens": produced, "output_tokens_per_s": produced / el,
            "finished_by_length": by_length, "steps": core.num_steps - steps0,
            "triton_compiles_timed": compiles.count, "triton_compile_s_timed": compiles.seconds,
-           "triton_compiled_kernels_timed": dict(compiles.kernels)}  # fmt: skip
+           "triton_compiled_kernels_timed": dict(compiles.kernels),
+           # the caching allocator's device calls in the run (a cudaFree waits for the device;
+           # a retry frees the cache first): the other first-run cost a warm-up may miss
+           "allocator_timed": {k: mem1.get(k, 0) - mem0.get(k, 0) for k in ALLOC_KEYS}}  # fmt: skip
     if spans is not None and timer is not None:
         core.executor.runner.profiler = None
         n = max(out["steps"], 1)
