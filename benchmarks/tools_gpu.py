@@ -10,8 +10,10 @@ Qwen3-0.6B shape, random bf16 weights, with the vocabulary of the tokenizer in
 vocabulary), prompts of 100-1024 random tokens. The tools' string
 arguments have no length bound, so a random model's constrained output runs to ``max_tokens``
 like the free one (the run records both token counts). Needs xgrammar (carried as a wheel).
-The issue's goal: required >= 0.9x no tools. The JSON lands in DIR as
-``tools_required_<device>.json``.
+The issue's goal: required >= 0.9x no tools. Each run records its Triton compiles and the
+caching allocator's device calls; ``--diagnose`` runs the pair again with the engine loop's
+calls timed and CUDA events per step (``HostSpans``), then the grammars in the engine loop.
+The JSON lands in DIR as ``tools_required_<device>.json``.
 """
 
 from __future__ import annotations
@@ -65,16 +67,15 @@ class HostSpans:
             self._wrap(obj, name)
         self.grammars = sched.grammar_book
 
-    def _wrap(self, obj: object, name: str, key: str | None = None) -> None:
+    def _wrap(self, obj: object, name: str) -> None:
         fn = getattr(obj, name)
-        key = key or name
 
         def timed(*a, **kw):  # noqa: ANN002, ANN003, ANN202
             t = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
-                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
 
         setattr(obj, name, timed)
 
