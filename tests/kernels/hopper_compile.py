@@ -238,9 +238,10 @@ def _other_variants() -> list[tuple[str, object, dict, dict]]:
     )  # fmt: skip
     for dtype, f32 in ((BF16, False), (F32, True)):
         lp = dict(x_ptr=dtype, a_ptr=dtype, s_ptr=F32, meta_ptr=I64)
-        for bm in (16, 64):
-            out.append((f"lora shrink BLOCK_M={bm} f32={f32}", lora._shrink_kernel, lp,
-                        dict(R=16, BLOCK_M=bm, BLOCK_K=64, F32=f32)))  # fmt: skip
+        for bm, split in ((16, 4), (64, 1)):  # decode: split-K, atomic adds; prompts: stores
+            c = dict(R=16, BLOCK_M=bm, BLOCK_K=64, SPLIT_K=split, F32=f32)
+            out.append((f"lora shrink BLOCK_M={bm} SPLIT_K={split} f32={f32}",
+                        lora._shrink_kernel, lp, c))  # fmt: skip
             ep = dict(s_ptr=F32, b_ptr=dtype, out_ptr=dtype, meta_ptr=I64, sub_ptr=I64)
             out.append((f"lora expand BLOCK_M={bm} f32={f32}", lora._expand_kernel, ep,
                         dict(R=16, BLOCK_M=bm, BLOCK_N=64, F32=f32)))  # fmt: skip
