@@ -29,7 +29,7 @@ timings (TFLOP/s) against SDPA. Writes ``benchmarks/results/kernels_<device>.jso
 Usage (GPU)::
 
     python benchmarks/attn_kernels.py
-    python benchmarks/attn_kernels.py --smoke   # tiny shapes; also runs on CPU via TRITON_INTERPRET=1
+    python benchmarks/attn_kernels.py --smoke   # tiny shapes; on CPU with TRITON_INTERPRET=1
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_suite import device_tag, provenance  # noqa: E402
 from benchmarks.attn_kernels import bench  # noqa: E402
+from benchmarks.gpu_suite import device_tag, provenance  # noqa: E402
 from pagedllm.bench.roofline import measure_copy_bandwidth  # noqa: E402
 from pagedllm.kv_layout import FP8  # noqa: E402
 from pagedllm.ops.paged_attention import (  # noqa: E402
