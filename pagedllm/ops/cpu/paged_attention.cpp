@@ -84,16 +84,16 @@ inline float to_float(at::BFloat16 x) {
 // arguments (x <= 0, the block's maximum subtracted); x is clamped at -87 (exp(-87) ~ 1.6e-38,
 // nothing beside the maximum's 1; the exponent stays normal). Faster than std::exp in the
 // decode kernel in both dtypes (benchmarks/cpu_kernel_ab.py).
+// P's coefficients, highest degree first (the vector forms below use the same ones)
+constexpr float kExp2Poly[6] = {1.535336188319500e-4f, 1.339887440266574e-3f,
+                                9.618437357674640e-3f, 5.550332471162809e-2f,
+                                2.402264791363012e-1f, 6.931472028550421e-1f};
 inline float exp_softmax(float x) {
   const float y = std::max(x, -87.f) * 1.44269504088896341f;
   const float n = std::nearbyint(y);
   const float f = y - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
+  float p = kExp2Poly[0];
+  for (int i = 1; i < 6; ++i) p = p * f + kExp2Poly[i];
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   return (1.f + f * p) * __builtin_bit_cast(float, bits);
 }
@@ -108,12 +108,8 @@ inline __m512 exp512(__m512 x) {
                                  _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
   const __m512i bits = _mm512_slli_epi32(
       _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(_mm512_fmadd_ps(f, p, _mm512_set1_ps(1.f)), _mm512_castsi512_ps(bits));
@@ -138,8 +134,8 @@ inline void reduce8(const __m512* a, float* out) {
 // s[t] = q . k_t for the slots t in [lo, hi): four keys at a time, each with its own
 // accumulator (four independent FMA chains instead of one dependent chain and a horizontal
 // sum per key before the next key starts).
-inline void scores_avx512(const float* qg, const float* const* kr, int64_t lo, int64_t hi,
-                          int64_t D, float* s) {
+inline void scores_f32(const float* qg, const float* const* kr, int64_t lo, int64_t hi,
+                       int64_t D, float* s) {
   int64_t t = lo;
   for (; t + 8 <= hi; t += 8) {
     __m512 a[8];
@@ -175,8 +171,8 @@ inline void scores_avx512(const float* qg, const float* const* kr, int64_t lo, i
 
 // a = a * corr + sum over t in [lo, hi) of p[t] v_t: 64 lanes of a at a time held in four
 // registers across the slots (not loaded and stored back once per slot).
-inline void accumulate_avx512(float* a, float corr, const float* p, const float* const* vr,
-                              int64_t lo, int64_t hi, int64_t D) {
+inline void accumulate_f32(float* a, float corr, const float* p, const float* const* vr,
+                           int64_t lo, int64_t hi, int64_t D) {
   const __m512 c = _mm512_set1_ps(corr);
   int64_t d = 0;
   for (; d + 64 <= D; d += 64) {
@@ -205,18 +201,9 @@ inline void accumulate_avx512(float* a, float corr, const float* p, const float*
   }
 }
 constexpr int64_t kF32Lanes = 16;  // the float32 decode loops' vector width
-inline void scores_f32(const float* qg, const float* const* kr, int64_t lo, int64_t hi,
-                       int64_t D, float* s) {
-  scores_avx512(qg, kr, lo, hi, D, s);
-}
-inline void accumulate_f32(float* a, float corr, const float* p, const float* const* vr,
-                           int64_t lo, int64_t hi, int64_t D) {
-  accumulate_avx512(a, corr, p, vr, lo, hi, D);
-}
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 forms of the same two loops (8 lanes; head sizes a multiple of 8), for CPUs without
-// AVX-512: the plain loops' per-key horizontal sum left the float32 decode at a third of the
-// memory bandwidth (2.8 ms a layer for SmolLM2's 64 x ~290-token batch on 2 AVX2 cores).
+// AVX-512, where the plain loops would take a horizontal sum per key.
 constexpr int64_t kF32Lanes = 8;
 
 // out[i] = the sum of a[i]'s 8 lanes, i < 8 (reduce8's second half: pairwise adds across
@@ -235,12 +222,8 @@ inline __m256 exp256(__m256 x) {
                                  _mm256_set1_ps(1.44269504088896341f));
   const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(y, n);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
   const __m256i bits = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(_mm256_fmadd_ps(f, p, _mm256_set1_ps(1.f)), _mm256_castsi256_ps(bits));
@@ -252,7 +235,7 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(_mm_hadd_ps(x, x));
 }
 
-// s[t] = q . k_t, eight keys at a time with their own accumulators (scores_avx512's plan)
+// s[t] = q . k_t, eight keys at a time with their own accumulators (the AVX-512 form's plan)
 inline void scores_f32(const float* qg, const float* const* kr, int64_t lo, int64_t hi,
                        int64_t D, float* s) {
   int64_t t = lo;
@@ -306,7 +289,7 @@ inline void accumulate_f32(float*, float, const float*, const float* const*, int
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 constexpr bool kAvx512Bf16 = true;
 
-// The bfloat16 form of scores_avx512, reading the keys in place (no widening): s[t] =
+// The bfloat16 form of the AVX-512 scores_f32, reading the keys in place (no widening): s[t] =
 // scale * (q . k_t), the products summed in float32 by VDPBF16PS (32 bfloat16 products per
 // instruction; a bfloat16 product is exact in float32). q is the unscaled bfloat16 query.
 // D is a multiple of 32; key t starts at kb + t * stride.
@@ -1157,9 +1140,9 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
-// Whether the element-wise kernels above run vectorized here (AVX-512 with BF16); the
-// float32 callers take them only then (PyTorch's own ops are as fast as scalar loops).
-// float32's silu-and-mul is vectorized with AVX-512 (and BF16) or AVX2 + FMA
+// Whether float32's silu-and-mul runs vectorized here (AVX-512 with BF16, or AVX2 + FMA):
+// float32 callers take it only then (its scalar loop is slower than PyTorch's ops; the norm's
+// one scalar pass is not, and runs everywhere: ops/cpu/__init__.py).
 #if defined(__AVX2__) && defined(__FMA__)
 bool small_ops_vectorized() { return true; }
 #else
