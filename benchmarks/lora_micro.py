@@ -2,7 +2,7 @@
 shrink and the expand for each projection of the Qwen3-0.6B shape, a decode step's tokens
 spread evenly over K adapter slots, rank 16, bf16; the launch parameters swept (M tile,
 split-K) and the defaults' time per decode step over all layers against the base model's own
-projection matmuls (and the shrink without split-K, as it was before):
+projection matmuls (and the shrink with split-K off):
 
     python benchmarks/lora_micro.py --tokens 256 --slots 4,16 --out DIR
 
@@ -68,7 +68,6 @@ def case(tokens: int, slots: int, k_in: int, subs: list[int]) -> dict:
     flat = [sum(subs[:i]) for i in range(S)] + subs
     ranges = torch.tensor(flat, dtype=torch.int64, device=dev)
     row: dict = {"base_matmul_us": graph_us(lambda: torch.matmul(x, w.T))}
-    old_bm = 16 if tokens <= 128 else 64  # the kernels before split-K
     sweep = {}
     for bm in (16, 32, 64):
         for split in (1, 2, 4, 8, 12, 16):
@@ -78,7 +77,7 @@ def case(tokens: int, slots: int, k_in: int, subs: list[int]) -> dict:
                 lambda bm=bm, split=split: lora_shrink(x, a, meta, tokens, RANK, bm, split)
             )
     row["shrink_us"] = sweep
-    row["shrink_old_us"] = sweep[f"bm{old_bm}_split1"]
+    row["shrink_unsplit_us"] = sweep[f"bm{_block_m(tokens)}_split1"]  # split-K off
     row["shrink_default_us"] = graph_us(lambda: lora_shrink(x, a, meta, tokens, RANK))
     row["default"] = {"block_m": _block_m(tokens), "split_k": shrink_split_k(tokens, k_in)}
     s = lora_shrink(x, a, meta, tokens, RANK)
@@ -110,7 +109,7 @@ def main() -> None:
                     LAYERS * (r["shrink_default_us"] + r["expand_default_us"]) / 1e3
                 )
                 per_step["shrink_ms"] += LAYERS * r["shrink_default_us"] / 1e3
-                per_step["shrink_unsplit_ms"] += LAYERS * r["shrink_old_us"] / 1e3
+                per_step["shrink_unsplit_ms"] += LAYERS * r["shrink_unsplit_us"] / 1e3
                 print(t, n, name, {k: v for k, v in r.items() if k.endswith("_us") and
                                    not isinstance(v, dict)}, flush=True)  # fmt: skip
             result.setdefault("per_decode_step", []).append({"tokens": t, "slots": n, **per_step})
