@@ -362,7 +362,7 @@ class HeadPagedCache:
     def layer_groups(self, md: AttentionMetadata) -> None:
         """``finish_metadata`` without the calibration: each layer's metadata only. The
         profiling pass uses it: its tokens are not real, and scales calibrated on them would
-        stay (on a GPU they clamped real keys and decode drifted, issue 56)."""
+        stay and clamp real keys."""
         if md.groups is None:
             slots, rows_t, positions, plan = md.plan["kvc"]
             if not plan.tensors:  # the step's index tensors, shared by every layer

@@ -281,7 +281,7 @@ def test_kv_compress_over_fp8(tiny_models, engine_kw):
     plain_llm = _llm(path, **kw)
     kvc = _llm(path, enable_kvc=True, **kw)
     for llm in (plain_llm, kvc):  # a GPU's memory-profiling pass, which a CPU engine skips:
-        _profiling_pass(llm)  # its dummy tokens never calibrate (they clamped real keys once)
+        _profiling_pass(llm)  # its dummy tokens never calibrate (they would clamp real keys)
     plain = _run(plain_llm, prompts)
     lax = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0,
                          max_cache_tokens=200)  # fmt: skip

@@ -199,7 +199,7 @@ def _float32_ops(x: Any, scalar_ok: bool = False) -> Any:
     kernels that are not bit for bit PyTorch's in float32 (a different order of a sum, a
     polynomial exponential: within an ulp or two); float32 only where they are vectorized,
     or with ``scalar_ok`` where even the scalar loop beats PyTorch (the norm: one pass where
-    PyTorch makes five, 2-7x on AVX2 cores; a scalar silu is 3x slower than PyTorch's).
+    PyTorch makes five; a scalar silu is slower than PyTorch's).
     ``PAGEDLLM_FLOAT32_EXACT=1`` keeps float32 on PyTorch's ops, bit for bit HF's."""
     import torch
 
