@@ -180,3 +180,19 @@ def test_several_api_servers_share_one_core(tiny_models, tmp_path: Path) -> None
         assert all(_wait_gone(pid, 30) for pid in kids)
     finally:
         server.stop()
+
+
+def test_a_port_in_use_fails_before_the_engine_starts(tiny_models, tmp_path: Path) -> None:  # noqa: ANN001
+    """``pagedllm serve`` binds its port before it loads anything: a port already in use ends
+    it at once, with no engine core started (and no child of the engine can take the port
+    while the model loads)."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", tiny_models("llama"),
+               "--port", str(port), "--device", "cpu", "--dtype", "float32"]  # fmt: skip
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    log = done.stdout + done.stderr
+    assert "Address already in use" in log or "address already in use" in log, log[-2000:]
+    assert "engine core process" not in log  # it failed before starting one

@@ -496,37 +496,18 @@ def run_server(args: Any) -> int:
     logger.info("loading %s", engine_args.model)
     died: list[str] = []
     workers: list[Any] = []
-    listen = None
+    # bound before anything slow: a port in use fails at once, and no process the engine
+    # starts meanwhile (engine cores, workers, their gloo ranks on ephemeral ports) can take it
+    listen = socket.create_server((args.host, args.port), backlog=2048)
     stopping = threading.Event()  # set when this server stops: its API servers may exit
-    if engine_process:
-        from pagedllm.engine.mp_async_llm import MPAsyncLLM
-
-        os.environ.setdefault("PAGEDLLM_LOG_LEVEL", str(getattr(args, "log_level", "INFO")))
-        if count > 1:  # bound before anything slow: a port in use fails at once
-            listen = socket.create_server((args.host, args.port), backlog=2048)
-        engine_config = engine_args.create_engine_config()
-        dp = engine_config.parallel_config.data_parallel_size
-        if dp > 1:
-            from pagedllm.engine.dp_async_llm import DPAsyncLLM
-
-            if count > 1:
-                raise ValueError(
-                    "api_server_count > 1 cannot be combined with data_parallel_size > 1."
-                )
-            async_llm: AsyncLLMBase = DPAsyncLLM(engine_config)
-            logger.info("%d engine core processes ready in %.1f s", dp, async_llm.startup_seconds)
-        else:
-            async_llm = MPAsyncLLM(engine_config, api_server_count=count)
-            logger.info(
-                "engine core process %d ready in %.1f s",
-                async_llm.core.pid,
-                async_llm.startup_seconds,
-            )
-    else:
-        async_llm = AsyncLLM.from_engine_args(engine_args)
+    try:
+        async_llm = _start_engine(args, engine_args, count, engine_process)
+    except BaseException:
+        listen.close()
+        raise
     try:
         app = build_app(async_llm, args)
-        if listen is not None:
+        if count > 1:
             workers = _start_api_servers(args, async_llm, listen)
         mc = async_llm.model_config
         logger.info(
@@ -559,15 +540,39 @@ def run_server(args: Any) -> int:
             threading.Thread(
                 target=_watch_api_server, args=(proc, on_dead, stopping), daemon=True
             ).start()
-        server.run(sockets=[listen] if listen is not None else None)
+        server.run(sockets=[listen])
     finally:
         stopping.set()
         _stop_api_servers(workers, timeout=shutdown_timeout_of(args) + 10.0)
         async_llm.shutdown()
+        listen.close()
     if died:
         logger.error("exiting: %s", died[0])
         return 1
     return 0
+
+
+def _start_engine(args: Any, engine_args: Any, count: int, engine_process: bool) -> AsyncLLMBase:
+    """The server's engine: its core in a process of its own (one per data-parallel rank), or
+    in this process without ``engine_process``."""
+    if not engine_process:
+        return AsyncLLM.from_engine_args(engine_args)
+    from pagedllm.engine.mp_async_llm import MPAsyncLLM
+
+    os.environ.setdefault("PAGEDLLM_LOG_LEVEL", str(getattr(args, "log_level", "INFO")))
+    engine_config = engine_args.create_engine_config()
+    dp = engine_config.parallel_config.data_parallel_size
+    if dp > 1:
+        from pagedllm.engine.dp_async_llm import DPAsyncLLM
+
+        if count > 1:
+            raise ValueError("api_server_count > 1 cannot be combined with data_parallel_size > 1.")
+        async_llm: AsyncLLMBase = DPAsyncLLM(engine_config)
+        logger.info("%d engine core processes ready in %.1f s", dp, async_llm.startup_seconds)
+        return async_llm
+    mp = MPAsyncLLM(engine_config, api_server_count=count)
+    logger.info("engine core process %d ready in %.1f s", mp.core.pid, mp.startup_seconds)
+    return mp
 
 
 def _signal_api_servers(workers: list[Any], sig: int) -> None:
