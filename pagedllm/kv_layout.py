@@ -355,5 +355,28 @@ class KVCacheLayout:
 
     def capture_graphs(self, runner: Any) -> bool:
         """Capture this layout's own CUDA graphs on ``runner``; False: the runner's plain
-        decode graphs apply."""
+        decode graphs apply. First (GPU, eager too) the prefill kernels' start-up passes
+        (``warm_up_prefill_kernels``)."""
+        warm_up_prefill_kernels(runner, self.num_blocks, self.dtype)
         return False
+
+
+def warm_up_prefill_kernels(runner: Any, num_blocks: int, cache_dtype: torch.dtype) -> list[int]:
+    """One profiling-style pass (``_dummy_run``: dummy tokens, no scales calibrated) per
+    variant of the attention kernels that steps with prompt tokens meet, which run eagerly:
+    else the first step whose longest row picks a new tile shape - e.g. a prompt's last 5
+    tokens beside decode rows - stalls for its Triton compile in the middle of serving.
+    Returns the passes' lengths (the backend's ``prefill_variant_query_lens``)."""
+    sched = runner.config.scheduler_config
+    max_len = min(runner.max_model_len, sched.max_num_batched_tokens or runner.max_model_len)
+    itemsize = torch.empty(0, dtype=cache_dtype).element_size()
+    lens: set[int] = set()
+    for a in runner.model.attention_layers():
+        g = a.num_heads // a.num_kv_heads
+        lens.update(runner.backend.prefill_variant_query_lens(
+            a.head_dim, g, runner.device, itemsize, max_len
+        ))  # fmt: skip
+    with torch.inference_mode():
+        for q in sorted(lens):
+            runner._dummy_run(q, num_blocks)
+    return sorted(lens)

@@ -170,11 +170,14 @@ class KVCompressWorker(HeadPagedCache, KVConnectorWorker):
         self.tables[:num_rows] = 0
 
     def capture_graphs(self, runner: Any) -> bool:
-        """Compile the decode kernels' variants (eagerly too), then capture the KV-Compress
-        decode graphs unless every layer has a window that is compacted (Mistral v0.1: the
-        window is found by position in torch, with shapes that vary per step)."""
+        """Compile the prefill and decode kernels' variants (eagerly too), then capture the
+        KV-Compress decode graphs unless every layer has a window that is compacted (Mistral
+        v0.1: the window is found by position in torch, with shapes that vary per step)."""
         if self.num_blocks:
+            from pagedllm.kv_layout import warm_up_prefill_kernels
             from pagedllm.kvcompress.triton_backend import warm_up_decode_kernels
+
+            warm_up_prefill_kernels(runner, self.num_blocks, self.dtype)
 
             warm_up_decode_kernels(
                 self,

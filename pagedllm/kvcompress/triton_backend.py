@@ -43,6 +43,7 @@ from pagedllm.ops.kvc_attention import (
     kvc_paged_attention,
     kvc_window_scores,
 )
+from pagedllm.ops.paged_attention import prefill_variant_query_lens
 
 
 class KVCTritonBackend(AttentionBackend):
@@ -52,6 +53,8 @@ class KVCTritonBackend(AttentionBackend):
     # the layer's rope kernel writes K/V to each head's own slot (``rope_and_cache`` with
     # per-head slots): forward then gets key = value = None
     fuses_rope = True
+    # its prefill kernel picks the unified kernel's tile shapes (``unified_block_m``)
+    prefill_variant_query_lens = staticmethod(prefill_variant_query_lens)
 
     def forward(
         self,

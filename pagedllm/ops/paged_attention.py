@@ -592,6 +592,37 @@ def default_tile_config(
     return TileConfig(block_m=32, tile_n=tile_n)
 
 
+def unified_block_m(cfg: TileConfig, g: int, max_query_len: int, tuned: bool = False) -> int:
+    """The unified kernel's query rows x heads per tile (``BLOCK_M``) for a step whose longest
+    row has ``max_query_len`` tokens, G query heads per KV head."""
+    block_m = max(cfg.block_m, triton.next_power_of_2(g))
+    if max_query_len > 1 and not tuned and max_query_len * g < block_m:
+        # short rows (speculative decoding: a token and its k drafts; a prompt's last few
+        # tokens beside decode rows): a tile just big enough for one row's query tokens x
+        # heads, not 64 rows of which most would be masked.
+        # Example: 5-token rows, G 2 -> block_m 16 (BLOCK_Q 8); G 4 -> 32 (BLOCK_Q 8)
+        block_m = max(16, triton.next_power_of_2(max_query_len * g))
+    return block_m
+
+
+def prefill_variant_query_lens(
+    head_dim: int, g: int, device: torch.device, itemsize: int, max_len: int
+) -> list[int]:
+    """One longest-row length per variant of the unified kernel that steps with prompt tokens
+    can meet (its tile shape is a compile-time constant), up to ``max_len`` tokens: a step
+    that meets a variant no step met before stalls for a Triton compile (a second or more),
+    so the runner runs each once at start-up (``KVCacheLayout.capture_graphs``).
+
+    Example (head_dim 128, G 2, Hopper, 16-bit cache): [2, 9, 17, 2048] -> tiles of 16, 32,
+    64 and 256 rows (the last: chunks of ``LONG_CHUNK`` tokens or more)."""
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    seen: dict[tuple, int] = {}
+    for q in range(2, max_len + 1):
+        cfg = default_tile_config(head_pad, False, q, device, itemsize)
+        seen.setdefault((unified_block_m(cfg, g, q), cfg), q)
+    return sorted(seen.values())
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -648,12 +679,7 @@ def paged_attention(
         num_splits = choose_num_splits(
             num_reqs, num_kv_heads, max_query_len, max_seq_len, query.device, cfg.tile_n
         )
-    block_m = max(cfg.block_m, triton.next_power_of_2(g))
-    if not decode and tile_config is None and max_query_len * g < block_m:
-        # short rows (speculative decoding: a token and its k drafts): a tile just big enough
-        # for one row's query tokens x heads, not 64 rows of which most would be masked.
-        # Example: 5-token rows, G 2 -> block_m 16 (BLOCK_Q 8); G 4 -> 32 (BLOCK_Q 8)
-        block_m = max(16, triton.next_power_of_2(max_query_len * g))
+    block_m = unified_block_m(cfg, g, max_query_len, tuned=tile_config is not None)
     tile_n = cfg.tile_n
 
     if num_splits > 1:

@@ -495,3 +495,28 @@ def test_long_chunks_take_the_long_tiles(monkeypatch: pytest.MonkeyPatch, dtype:
     ).cpu()
     atol, rtol, _ = TOL[dtype]
     torch.testing.assert_close(out.float().cpu(), ref, atol=atol, rtol=rtol)
+
+
+def test_start_up_lengths_cover_every_prefill_tile_shape(monkeypatch: pytest.MonkeyPatch):
+    """``prefill_variant_query_lens`` gives one longest-row length per tile shape of the
+    unified kernel (a compile each) that a step with prompt tokens can pick, and every
+    length up to the limit picks one of those shapes: a runner that runs them at start-up
+    meets no compile later."""
+    import pagedllm.ops.paged_attention as pa
+
+    monkeypatch.setattr(pa, "_is_hopper", lambda device: True)
+    dev = torch.device("cpu")
+    for head_dim, g, size in [(128, 2, 2), (128, 4, 1), (256, 8, 2), (64, 1, 4), (128, 6, 2)]:
+        pad = max(16, 1 << (head_dim - 1).bit_length())
+
+        def shape(q: int, pad: int = pad, g: int = g, size: int = size) -> tuple:
+            cfg = pa.default_tile_config(pad, False, q, dev, size)
+            return pa.unified_block_m(cfg, g, q), cfg
+
+        lens = pa.prefill_variant_query_lens(head_dim, g, dev, size, 4096)
+        assert len({shape(q) for q in lens}) == len(lens)
+        assert {shape(q) for q in range(2, 4097)} == {shape(q) for q in lens}
+        short = pa.prefill_variant_query_lens(head_dim, g, dev, size, 12)
+        assert short == [q for q in lens if q <= 12]
+    # the docstring's example: 16, 32, 64 and 256-row tiles
+    assert pa.prefill_variant_query_lens(128, 2, dev, 2, 4096) == [2, 9, 17, pa.LONG_CHUNK]

@@ -44,6 +44,14 @@ class AttentionBackend(ABC):
         kv_scale: torch.Tensor | None = None,  # [2, num_kv_heads] float32: fp8 caches only
     ) -> torch.Tensor: ...
 
+    def prefill_variant_query_lens(
+        self, head_dim: int, g: int, device: torch.device, itemsize: int, max_len: int
+    ) -> list[int]:
+        """Longest-row lengths of steps with prompt tokens, one per compiled variant of this
+        backend's kernels (the runner runs each once at start-up so that no step stalls for a
+        compile); none for a backend that compiles nothing."""
+        return []
+
     # the KV write of ``forward``: (key, value, kv_cache, slot_mapping, kv_scale) -> None
     _kv_write = staticmethod(write_kv_ref)
 

@@ -23,7 +23,7 @@ import torch
 from pagedllm.attention.backends.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.ops.kv_write import write_kv_cache
-from pagedllm.ops.paged_attention import paged_attention
+from pagedllm.ops.paged_attention import paged_attention, prefill_variant_query_lens
 
 
 class TritonBackend(AttentionBackend):
@@ -39,6 +39,8 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, num_splits: int | None = None) -> None:
         self.num_splits = num_splits
+
+    prefill_variant_query_lens = staticmethod(prefill_variant_query_lens)
 
     def forward(
         self,

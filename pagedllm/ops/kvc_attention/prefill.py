@@ -21,6 +21,7 @@ from pagedllm.ops.paged_attention import (
     _query_tile,
     _store_tile,
     default_tile_config,
+    unified_block_m,
 )
 from pagedllm.ops.paged_attention import _attend_range as _paged_attend_range
 
@@ -162,11 +163,9 @@ def kvc_paged_attention(
     cfg = tile_config or default_tile_config(
         c.head_pad, False, max_query_len, query.device, kv_cache.element_size()
     )
-    block_m = max(cfg.block_m, triton.next_power_of_2(g))
-    if tile_config is None and max_query_len * g < block_m:
-        # short chunks: a tile just big enough for one chunk's queries x heads (as
-        # paged_attention). Example: 5-token chunks, G 2 -> block_m 16 (BLOCK_Q 8)
-        block_m = max(16, triton.next_power_of_2(max_query_len * g))
+    # short chunks: a tile just big enough for one chunk's queries x heads (as
+    # paged_attention; its tile shapes, warmed up at start-up)
+    block_m = unified_block_m(cfg, g, max(max_query_len, 2), tuned=tile_config is not None)
     block_q = block_m // g
     n_tok = num_tokens if num_chunk_tokens is None else num_chunk_tokens
     lse_args = {}
