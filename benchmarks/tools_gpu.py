@@ -110,7 +110,8 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int, grammar: bool,
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=not grammar,
                             structured_outputs=so)  # fmt: skip
     warm = [[7] * len(p) for p in prompts[:32]]
-    llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
+    with time_triton_compiles() as warm_compiles:
+        llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
     core = llm.llm_engine.engine_core
     timer = None
     if spans is not None:
@@ -133,6 +134,9 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int, grammar: bool,
            "finished_by_length": by_length, "steps": core.num_steps - steps0,
            "triton_compiles_timed": compiles.count, "triton_compile_s_timed": compiles.seconds,
            "triton_compiled_kernels_timed": dict(compiles.kernels),
+           # what the timed run's compiles specialized on, beside the warm-up's (the reason)
+           "triton_compile_keys_timed": compiles.keys,
+           "triton_compile_keys_warm_up": warm_compiles.keys,
            # the caching allocator's device calls in the run (a cudaFree waits for the device;
            # a retry frees the cache first): the other first-run cost a warm-up may miss
            "allocator_timed": {k: mem1.get(k, 0) - mem0.get(k, 0) for k in ALLOC_KEYS}}  # fmt: skip

@@ -871,7 +871,7 @@ class time_triton_compiles:  # noqa: N801 (a context manager used like a functio
                 self.seconds += time.perf_counter() - t
                 self.kernels[getattr(fn, "__name__", None) or repr(fn)[:60]] += 1
                 if len(self.keys) < 8:  # what it specialized on (the reason it compiled)
-                    self.keys.append(str(args[0])[:400] if args else "")
+                    self.keys.append(str(args[0])[:4000] if args else "")
 
         self._cls._do_compile = timed
         return self

@@ -36,7 +36,7 @@ from pagedllm.ops.paged_attention import (
 LN2 = tl.constexpr(0.6931471805599453)  # (a global a kernel reads must be a constexpr)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "rank"])
+@triton.jit(do_not_specialize=["num_reqs", "rank", "stride_bt"])
 def _dcp_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] float32
     lse_ptr,  # [num_tokens, num_heads] float32

@@ -282,11 +282,12 @@ def _attend_range(
 # --------------------------------------------------------------------------------------------
 
 
-# num_reqs varies step by step: no specialization on it (Triton would compile one variant for
-# 1, one for multiples of 16, one for the rest, and a step that meets a new one stalls for the
-# compile)
+# num_reqs and stride_bt (the block table's width: the step's longest request, in blocks)
+# vary step by step: no specialization on them (Triton would compile one variant for 1, one
+# for multiples of 16, one for the rest, and a step that meets a new one stalls for the
+# compile: on an H100 the tools-required benchmark met one mid-run, 1.2 s of a 2.4 s run)
 @triton.jit(
-    do_not_specialize=["num_reqs"],
+    do_not_specialize=["num_reqs", "stride_bt"],
     do_not_specialize_on_alignment=["qsl_ptr", "seq_lens_ptr", "bt_ptr"],
 )
 def _unified_kernel(
@@ -358,7 +359,7 @@ def _unified_kernel(
     _store_tile(out_ptr, acc, l_i, tok, head, d, io_mask, stride_ot, stride_oh)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # (see _unified_kernel)
 def _split_kernel(
     part_acc_ptr,  # [num_reqs, num_heads, NUM_SPLITS, HEAD_PAD] fp32
     part_m_ptr,  # [num_reqs, num_heads, NUM_SPLITS] fp32

@@ -319,13 +319,16 @@ def test_kv_compress_over_fp8(tiny_models, engine_kw):
     assert runner.kv_layout.kv.dtype == torch.float8_e4m3fn
     scales = runner.kv_layout.kv_scales.scales
     assert all(not bool((s == 1).all()) for s in scales)
-    # the same first step calibrates both: the same scales, bit for bit
+    # the same first step calibrates both: the same scales (bit for bit on the CPU, where both
+    # run the same PyTorch code; on a GPU each layout's own rope-and-write kernel rounds the
+    # keys its max comes from). Dummy tokens would give scales nowhere near these.
+    cpu = runner.device.type == "cpu"
     for a, b in zip(_runner(plain_llm).kv_layout.scales, scales, strict=True):
-        assert torch.equal(a, b)
-    # On the CPU both read the cache with the same PyTorch code; on a GPU the plain Triton
-    # kernel reads an fp8 cache with the query rounded to float16 and KV-Compress's kernels
-    # in the query's dtype (float32 here): the same tokens, logprobs a rounding apart
-    atol = 1e-4 if runner.device.type == "cpu" else 2e-2
+        torch.testing.assert_close(a, b, rtol=0 if cpu else 1e-3, atol=0)
+    # on a GPU the plain Triton kernel also reads an fp8 cache with the query rounded to
+    # float16, KV-Compress's kernels in the query's dtype (float32 here): the same tokens,
+    # logprobs a rounding apart
+    atol = 1e-4 if cpu else 2e-2
     for (t1, lp1), (t2, lp2) in zip(plain, got):
         assert t1 == t2
         np.testing.assert_allclose(lp1, lp2, atol=atol)
