@@ -311,10 +311,10 @@ def test_kv_compress_over_fp8(tiny_models, engine_kw):
     kvc = _llm(path, enable_kvc=True, **kw)
     for llm in (plain_llm, kvc):  # a GPU's memory-profiling pass, which a CPU engine skips:
         _profiling_pass(llm)  # its dummy tokens never calibrate (they would clamp real keys)
-    plain = _run(plain_llm, prompts)
-    lax = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0,
-                         max_cache_tokens=200)  # fmt: skip
-    got = _run(kvc, prompts, lax)
+    top2 = dict(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    ids = [{"prompt_token_ids": p} for p in prompts]
+    plain = plain_llm.generate(ids, SamplingParams(**top2), use_tqdm=False)
+    got = kvc.generate(ids, SamplingParams(**top2, max_cache_tokens=200), use_tqdm=False)
     runner = _runner(kvc)
     assert runner.kv_layout.kv.dtype == torch.float8_e4m3fn
     scales = runner.kv_layout.kv_scales.scales
@@ -325,13 +325,23 @@ def test_kv_compress_over_fp8(tiny_models, engine_kw):
     cpu = runner.device.type == "cpu"
     for a, b in zip(_runner(plain_llm).kv_layout.scales, scales, strict=True):
         torch.testing.assert_close(a, b, rtol=0 if cpu else 1e-3, atol=0)
-    # on a GPU the plain Triton kernel also reads an fp8 cache with the query rounded to
-    # float16, KV-Compress's kernels in the query's dtype (float32 here): the same tokens,
-    # logprobs a rounding apart
+    # On the CPU: the same tokens and logprobs. On a GPU the plain Triton kernel also reads an
+    # fp8 cache with the query rounded to float16, KV-Compress's kernels in the query's dtype
+    # (float32 here): logprobs a rounding apart, and where the top two of a tiny random
+    # model's tokens are closer than that (the H100: 397 over 312 by 0.009 in one engine,
+    # 312 over 397 by 0.002 in the other), greedy may part there: each token is then the
+    # other's runner-up, within the gap, and the rest of the sequence is not compared.
     atol = 1e-4 if cpu else 2e-2
-    for (t1, lp1), (t2, lp2) in zip(plain, got):
-        assert t1 == t2
-        np.testing.assert_allclose(lp1, lp2, atol=atol)
+    for a, b in zip(plain, got):
+        a, b = a.outputs[0], b.outputs[0]
+        for j, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+            la, lb = a.logprobs[j], b.logprobs[j]
+            if ta != tb:
+                assert not cpu and tb in la and ta in lb, (j, ta, tb)
+                assert abs(la[ta].logprob - la[tb].logprob) < 2 * atol
+                assert abs(lb[ta].logprob - lb[tb].logprob) < 2 * atol
+                break
+            assert abs(la[ta].logprob - lb[tb].logprob) < atol, (j, la[ta], lb[tb])
     if "swap_space" in engine_kw:
         assert kvc.llm_engine.engine_core.scheduler.num_preemptions > 0
     tight = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
