@@ -552,11 +552,6 @@ class EngineArgs:
         if offload and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size needs enable_prefix_caching=True.")
         transfer = KVTransferConfig.parse(self.kv_transfer_config, self.tensor_parallel_size)
-        if transfer is not None and self.enable_kvc:
-            raise ValueError(
-                "kv_transfer_config does not work with KV-Compress yet (per-head blocks); "
-                "use one or the other."
-            )
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.core.kv_transfer.files import row_bytes
 from pagedllm.core.kv_transfer.scheduler import TransferMetadata, TransferReport, TransferSave
 from pagedllm.distributed.parallel_state import tp_info
 from pagedllm.kv_layout import copy_dtype
@@ -63,7 +64,13 @@ class KVTransferWorker(KVConnectorWorker):
         self.cuda = self.device.type == "cuda"
         self.ids = PinnedRing(self.device, 1024)  # block ids to the device without a wait
         self.dtype: torch.dtype = copy_dtype(runner.kv_dtype)  # uint8 for an fp8 cache
-        self.pages, self.block_bytes = page_layout(runner.kv_groups, self.dtype)
+        # KV-Compress: the per-head blocks gathered into / scattered from the plain rows
+        self.per_head = runner.kv_groups.head_paged is not None
+        self._head_rows: HeadRows | None = None
+        if self.per_head:
+            self.pages, self.block_bytes = [], row_bytes(runner.kv_groups)
+        else:
+            self.pages, self.block_bytes = page_layout(runner.kv_groups, self.dtype)
         self.rank = tp_info()[0]
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
         self._load: tuple[float, int] = (0.0, 0)  # (host seconds, bytes) of this step's loads
@@ -75,6 +82,14 @@ class KVTransferWorker(KVConnectorWorker):
         self._ring_events: list[Any] = [None, None]
 
     RING_BYTES = 64 << 20
+
+    @property
+    def head_rows(self) -> HeadRows:
+        """KV-Compress's rows over the runner's per-head cache (made at first use: the cache
+        comes after the connectors)."""
+        if self._head_rows is None:
+            self._head_rows = HeadRows(self.runner.kv_layout, self.ids)
+        return self._head_rows
 
     def _slot(self, j: int) -> torch.Tensor:
         """Ring buffer ``j % 2`` once the copy that last used it is done."""
@@ -110,7 +125,7 @@ class KVTransferWorker(KVConnectorWorker):
         if metadata is None or not metadata.loads:
             return
         t0, nbytes, j = time.perf_counter(), 0, 0
-        tensors = self.runner.kv_layout.copy_tensors
+        tensors = [] if self.per_head else self.runner.kv_layout.copy_tensors
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
         for load in metadata.loads:
             path = load.path.format(rank=self.rank)
@@ -126,6 +141,11 @@ class KVTransferWorker(KVConnectorWorker):
                     rows = buf.to(self.device, non_blocking=True) if self.cuda else buf
                     self._copied(j, stream)
                     j += 1
+                    if load.heads is not None:
+                        at = np.fromiter((r for r, _ in chunk), np.int64)
+                        self.head_rows.scatter(rows, load.heads[c0 : c0 + len(chunk)], at)
+                        nbytes += buf.numel()
+                        continue
                     dst = self.ids.ship(np.fromiter((d for _, d in chunk), np.int64))
                     for dev, src in zip(tensors, block_views(self.pages, self.dtype, rows)):
                         dev.index_copy_(1, dst, src)
@@ -145,12 +165,16 @@ class KVTransferWorker(KVConnectorWorker):
         self._load = (0.0, 0)
         if metadata is None or not metadata.saves:
             return PendingWrites([], None, report) if report.load_bytes else None
-        tensors = self.runner.kv_layout.copy_tensors
+        tensors = [] if self.per_head else self.runner.kv_layout.copy_tensors
         gathered, event = [], None
         for save in metadata.saves:
-            src = self.ids.ship(np.fromiter((d for _, d in save.rows), np.int64))
             rows = torch.empty(len(save.rows), self.block_bytes, dtype=torch.uint8,
                                device=self.device)  # fmt: skip
+            if save.heads is not None:
+                self.head_rows.gather(save.heads, rows)
+                gathered.append([save, rows])
+                continue
+            src = self.ids.ship(np.fromiter((d for _, d in save.rows), np.int64))
             for dev, view in zip(tensors, block_views(self.pages, self.dtype, rows)):
                 view.copy_(dev.index_select(1, src))
             gathered.append([save, rows])
@@ -217,6 +241,64 @@ class KVTransferWorker(KVConnectorWorker):
             os.close(fd)
         if save.final:
             os.replace(tmp, path)
+
+
+class HeadRows:
+    """KV-Compress's per-head blocks as transfer rows (``files.layout_of``): row i holds block
+    i of every layer's KV heads on this rank, each layer's ``[2, block_size, Hr, head_dim]``
+    page as a plain cache's, gathered from (or scattered into) one block per head of the
+    per-head pool ``kv [2, num_blocks, block_size, head_dim]``. A loaded slot also gets its
+    token's position (row i's j-th slot: position i * block_size + j) and a zero score, as a
+    computed one (``HeadPagedCache.prepare_step``).
+
+    Example: 2 layers, Hr 2, heads [[5, 9, 2, 7]] (the blocks of l0h0, l0h1, l1h0, l1h1 for
+    row 3) -> the row is layer 0's page, K then V, each token's keys of blocks 5 and 9 side
+    by side ([2, bs, 2, d]), then layer 1's of blocks 2 and 7; loading it writes positions
+    48..63 (bs 16) into each of the four blocks' slots."""
+
+    def __init__(self, cache: Any, ids: PinnedRing) -> None:
+        self.cache = cache
+        self.ids = ids
+        self.shard = cache.shard
+        self.layers, self.heads = cache.num_layers, cache.num_kv_heads
+        self.bs = cache.block_size
+        self.width = cache.head_dim * torch.empty(0, dtype=cache.dtype).element_size()
+
+    def _local(self, heads: np.ndarray) -> torch.Tensor:
+        """[n, LH] every rank's block ids -> this rank's, [n * L * Hr] (row, layer, head)
+        order, on the device."""
+        shard = self.shard
+        if shard.world > 1:
+            heads = heads[:, shard.mine] - shard.rank * shard.num_blocks
+        return self.ids.ship(np.ascontiguousarray(heads, dtype=np.int64).reshape(-1))
+
+    def _kv(self) -> torch.Tensor:
+        """[2, num_blocks, bs, head_dim * itemsize] the pool's bytes."""
+        return self.cache.kv.view(torch.uint8)
+
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """[n, row_bytes] bytes -> [n, L, 2, bs, Hr, head_dim bytes]."""
+        return rows.view(rows.shape[0], self.layers, 2, self.bs, self.heads, self.width)
+
+    def gather(self, heads: np.ndarray, rows: torch.Tensor) -> None:
+        """Rows ``[n, row_bytes]`` from the blocks ``heads`` [n, LH]."""
+        n = heads.shape[0]
+        src = self._kv().index_select(1, self._local(heads))  # [2, n * L * Hr, bs, w]
+        src = src.view(2, n, self.layers, self.heads, self.bs, self.width)
+        self._rows(rows).copy_(src.permute(1, 2, 0, 4, 3, 5))
+
+    def scatter(self, rows: torch.Tensor, heads: np.ndarray, at: np.ndarray) -> None:
+        """Rows ``[n, row_bytes]`` (on the device) into the blocks ``heads`` [n, LH]; ``at``
+        [n]: each row's block index in its prompt."""
+        ids = self._local(heads)
+        src = self._rows(rows).permute(2, 0, 1, 4, 3, 5)  # [2, n, L, Hr, bs, w]
+        self._kv().index_copy_(1, ids, src.reshape(2, -1, self.bs, self.width))
+        span = torch.arange(self.bs, device=ids.device)
+        slots = (ids[:, None] * self.bs + span).reshape(-1)  # [n * L * Hr * bs]
+        first = self.ids.ship(np.repeat(at * self.bs, self.layers * self.heads))
+        positions = (first[:, None] + span).reshape(-1)
+        self.cache.positions.index_copy_(0, slots, positions.to(self.cache.positions.dtype))
+        self.cache.scores.index_fill_(0, slots, 0.0)
 
 
 def _pwrite_all(fd: int, data: Any, offset: int) -> None:

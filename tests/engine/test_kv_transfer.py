@@ -226,16 +226,74 @@ def test_unclaimed_transfers_expire_and_roles_are_checked(tiny_models, tmp_path)
     ):
         with pytest.raises(ValueError, match=field):
             LLM(tiny_models("llama"), device="cpu", kv_transfer_config=bad)
-    with pytest.raises(ValueError, match="KV-Compress"):
-        LLM(tiny_models("llama"), device="cpu", enable_kvc=True,
-            kv_transfer_config={"kv_role": "kv_both"})  # fmt: skip
 
 
-def test_a_pair_with_tensor_parallelism(tiny_models, tmp_path):
-    """TP=2 on both sides (gloo): each rank writes and reads its own shard's file; the tokens
-    are one engine's."""
+def _kvc_decode(params: dict | None, budget: int) -> SamplingParams:
+    extra = {"kv_transfer_params": params} if params is not None else None
+    return SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0,
+                          extra_args=extra, max_cache_tokens=budget,
+                          protected_window_size=8)  # fmt: skip
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", "auto"), ("gemma3", "auto"), ("qwen3", "fp8")])
+def test_kv_compress_on_a_pair_equals_one_engine(tiny_models, tmp_path, arch, dtype):
+    """KV-Compress with prefill/decode disaggregation. The producer hands its prompts' KVs
+    over whole (a request it hands over is never evicted there), gathered from the per-head
+    blocks into the plain layout's rows; the consumer loads them into its per-head blocks,
+    computes each prompt's last 32 tokens itself (their queries score every key, as one
+    engine's last chunk's do) and evicts to its budget. Tokens and logprobs are one
+    KV-Compress engine's, with a budget that evicts nothing and with one that evicts; a
+    producer without KV-Compress feeds the consumer the same rows (Gemma 3's plain engine,
+    whose window layers have a table of their own, is refused by layout). An fp8 cache's rows
+    move as bytes."""
+    blocks = {"num_gpu_blocks_override": 1024, "kv_cache_dtype": dtype}  # (one-head blocks)
+    kvc = {"enable_kvc": True, "max_num_batched_tokens": 256, **blocks}
+    producer = _llm(tiny_models, arch, "kv_producer", tmp_path, enable_kvc=True,
+                    max_num_batched_tokens=32, **blocks)  # fmt: skip
+    consumer = _llm(tiny_models, arch, "kv_consumer", tmp_path, **kvc)
+    single = _llm(tiny_models, arch, None, tmp_path, **kvc)
+    manager = consumer.llm_engine.engine_core.scheduler.kv_cache_manager
+    for seed, budget in ((20, 200), (30, 24)):
+        prompts = [_prompt(seed, 150), _prompt(seed + 1, 70), _prompt(seed + 2, 20)]
+        params = _hand_over(producer, prompts)
+        assert producer.llm_engine.engine_core.scheduler.kv_cache_manager.num_evicted_kvs == 0
+        evicted = manager.num_evicted_kvs
+        decode = [_kvc_decode(p, budget) for p in params]
+        got = consumer.generate([{"prompt_token_ids": p} for p in prompts], decode,
+                                use_tqdm=False)  # fmt: skip
+        ref = single.generate([{"prompt_token_ids": p} for p in prompts],
+                              _kvc_decode(None, budget), use_tqdm=False)  # fmt: skip
+        for g, r in zip(got, ref):
+            (toks, lps), (ref_toks, ref_lps) = _tokens(g), _tokens(r)
+            assert toks == ref_toks
+            np.testing.assert_allclose(lps, ref_lps, rtol=1e-5, atol=1e-5)
+        assert (manager.num_evicted_kvs > evicted) == (budget < 150)
+        consumer.llm_engine.engine_core.check_integrity()
+    # (150 - 32) // 16 = 7 blocks, (70 - 32) // 16 = 2, a 20-token prompt none: twice
+    assert _role(consumer).received_tokens == 2 * (7 + 2) * BLOCK
+    assert os.listdir(tmp_path) == []
+    plain = _llm(tiny_models, arch, "kv_producer", tmp_path, kv_cache_dtype=dtype)
+    prompt = _prompt(40, 100)
+    (params,) = _hand_over(plain, [prompt])
+    if arch == "gemma3":
+        assert "another KV layout" in _refused(consumer, prompt, params)
+        return
+    (got,) = consumer.generate([{"prompt_token_ids": prompt}], _kvc_decode(params, 24),
+                               use_tqdm=False)  # fmt: skip
+    (ref,) = single.generate([{"prompt_token_ids": prompt}], _kvc_decode(None, 24),
+                             use_tqdm=False)  # fmt: skip
+    assert _tokens(got)[0] == _tokens(ref)[0]
+
+
+@pytest.mark.parametrize("kvc", [False, True], ids=["plain", "kv_compress"])
+def test_a_pair_with_tensor_parallelism(tiny_models, tmp_path, kvc):
+    """TP=2 on both sides (gloo): each rank writes and reads its own shard's file (with
+    KV-Compress, its own KV heads' blocks, whose ids the scheduler numbers over both ranks'
+    pools); the tokens are one engine's."""
     prompt = _prompt(13, 100)
     kw = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    if kvc:  # (a budget that evicts nothing: TP=1 without KV-Compress is the reference)
+        kw |= {"enable_kvc": True, "num_gpu_blocks_override": 1024, "max_num_batched_tokens": 64}
     producer = _llm(tiny_models, "llama", "kv_producer", tmp_path, **kw)
     try:
         (params,) = _hand_over(producer, [prompt])
@@ -248,7 +306,8 @@ def test_a_pair_with_tensor_parallelism(tiny_models, tmp_path):
     try:
         (got,) = consumer.generate([{"prompt_token_ids": prompt}], _decode(params),
                                    use_tqdm=False)  # fmt: skip
-        assert _role(consumer).received_tokens == 6 * BLOCK
+        # (100 - 1) // 16 = 6 blocks; KV-Compress computes the last 32: (100 - 32) // 16 = 4
+        assert _role(consumer).received_tokens == (4 if kvc else 6) * BLOCK
     finally:
         consumer.llm_engine.engine_core.shutdown()
     (ref,) = _llm(tiny_models, "llama", None, tmp_path).generate(

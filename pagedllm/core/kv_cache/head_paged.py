@@ -693,6 +693,28 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
             return ()
         return (new_blocks,) if len(new_blocks) else ()
 
+    def block_columns(self, request_id: str, first: int, n: int) -> np.ndarray:
+        """[n, LH] the blocks ``first .. first + n - 1`` of every head of a request whose heads
+        still hold the same tokens (never evicted from: prefill/decode disaggregation moves
+        them as rows, ``core/kv_transfer/``). Example: bs 16, first 2, n 1 -> each head's
+        block holding tokens 32..47."""
+        state = self.states[request_id]
+        assert int(state.nblocks.min()) >= first + n and state.uniform, request_id
+        return state.table[:, first : first + n].T.copy()
+
+    def count_loaded(self, request_id: str, num_tokens: int) -> None:
+        """The first ``num_tokens`` tokens the request's latest allocation made room for hold
+        their KVs already (a KV connector loads them before the step): the table the runner
+        gets (``get_block_table``) counts them as computed."""
+        self.states[request_id].pending -= num_tokens
+
+    def fits_first(self, request: Request, num_tokens: int) -> bool:
+        """Whether a request not yet admitted finds blocks in every head for ``num_tokens``
+        tokens after its prefix hit (the hit's parked entries taken back count)."""
+        hit = self._lookup(request)
+        parked = sum(key in self.parked for key in hit)
+        return not self._missing(self._blocks_for(None, num_tokens), entries=parked)
+
     def get_block_table(self, request_id: str) -> tuple:
         """The whole table, with the KVs per head computed before the step being scheduled:
         (``HeadTable``,)."""

@@ -10,7 +10,8 @@ A file (``<engine_id>-<request_id>.kv.r<rank>``):
     rows_offset       [num_groups * num_blocks, block_bytes] rows (4 KiB aligned): row
                       g * num_blocks + i holds block i of KV-cache group g, block-major (every
                       layer's K and V pages of that block id, back to back: the host tier's
-                      layout, ``worker/offload.py``)
+                      layout, ``worker/offload.py``; KV-Compress's per-head blocks are
+                      gathered into the same rows, ``layout_of``)
 
 The producer writes ``<name>.tmp`` and renames it when the prompt's last block is in, so a
 consumer sees a whole file or none; the consumer claims it by renaming it to
@@ -39,9 +40,27 @@ ALIGN = 4096
 
 def layout_of(kv_groups: Any, tp_size: int) -> str:
     """What both engines must agree on for a row to mean the same KV: the groups, block size,
-    each cache tensor's page shape and element size, and the tensor-parallel size."""
+    each cache tensor's page shape and element size, and the tensor-parallel size.
+
+    KV-Compress's per-head blocks (``kv_groups.head_paged``) are written in the plain
+    layout's rows: one group, each layer's ``[2, block_size, kv_heads, head_dim]`` page (the
+    worker role gathers a row's heads from their own blocks), so an engine with KV-Compress
+    and one without exchange transfers. Example: 2 layers, 4 KV heads of 64, bfloat16, block
+    16 -> '[1, 16, [[[16, 4, 64], 2], [[16, 4, 64], 2]], 1]', as the plain engine's."""
+    head = kv_groups.head_paged
+    if head is not None:
+        page = [[head.block_size, head.num_kv_heads, head.head_dim], head.dtype_bytes]
+        return json.dumps([1, head.block_size, [page] * head.num_layers, tp_size])
     pages = [[list(s.page_shape), s.dtype_bytes] for s in kv_groups.tensor_specs()]
     return json.dumps([kv_groups.num_groups, kv_groups.block_size, pages, tp_size])
+
+
+def row_bytes(kv_groups: Any) -> int:
+    """Bytes of one row (one block of every layer, K and V, this rank's heads)."""
+    head = kv_groups.head_paged
+    if head is not None:
+        return head.num_layers * head.num_kv_heads * head.page_bytes
+    return kv_groups.block_bytes
 
 
 def transfer_name(engine_id: str, request_id: str) -> str:

@@ -21,6 +21,12 @@ key; the proxy fills it in):
   plans their loads, which the worker role makes before the step's forward pass; the file is
   deleted then (or when the request ends first).
 
+KV-Compress (per-head blocks, ``heads``): a row is block i of every (layer, KV head), in the
+plain layout (``files.layout_of``), so either side may run without it. A producer's request
+is never compressed there (``core/sched/kvc.py``); a consumer computes the prompt's last
+``keep_last`` tokens (the observation window, whose queries score the keys its first eviction
+keeps) and counts the loaded ones as computed in the runner's table (``count_loaded``).
+
 A producer deletes its own transfers that nobody claimed within ``kv_transfer_timeout``
 (the consumer died, or the proxy gave up); a consumer whose producer died finds no file and
 fails that request alone.
@@ -42,13 +48,13 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.core.kv_cache.manager import KVCacheManager
 from pagedllm.core.kv_transfer.config import KVTransferConfig
 from pagedllm.core.kv_transfer.files import (
     TransferHeader,
     layout_of,
     rank_path,
     read_header,
+    row_bytes,
     token_digest,
     transfer_name,
 )
@@ -65,19 +71,27 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KVTransferRoleConfig:
-    """The transfer config and what the rows' layout is for this engine's KV groups."""
+    """The transfer config and what the rows' layout is for this engine's KV groups;
+    ``keep_last``: prompt tokens a consumer always computes itself (KV-Compress: its
+    observation window, whose queries score the keys it evicts by)."""
 
     transfer: KVTransferConfig
     layout: str
     block_bytes: int
+    keep_last: int = 1
 
 
-def kv_transfer_role_config(transfer: KVTransferConfig | None, kv_groups: Any) -> Any:
+def kv_transfer_role_config(
+    transfer: KVTransferConfig | None, kv_groups: Any, kvc_config: Any = None
+) -> Any:
     """The role's config (None when the engine has no ``kv_transfer_config``)."""
     if transfer is None or kv_groups is None:
         return None
+    keep = 1
+    if kv_groups.head_paged is not None and kvc_config is not None:
+        keep = max(1, kvc_config.prefill_metric_collection_window_size)
     return KVTransferRoleConfig(
-        transfer, layout_of(kv_groups, transfer.tp_size), kv_groups.block_bytes
+        transfer, layout_of(kv_groups, transfer.tp_size), row_bytes(kv_groups), keep
     )
 
 
@@ -124,12 +138,14 @@ class Receive:
 @dataclass
 class TransferLoad:
     """Rows of one claimed transfer to copy into device blocks before the forward pass; the
-    files are deleted after."""
+    files are deleted after. KV-Compress: ``heads`` [len(rows), LH] the block of each (layer,
+    KV head) a row goes to (every rank's heads; the rows' own device entries are unused)."""
 
     path: str  # with "{rank}"
     rows_offset: int
     num_rows: int
     rows: list[tuple[int, int]]  # (row, device block)
+    heads: np.ndarray | None = None
 
 
 @dataclass
@@ -144,6 +160,7 @@ class TransferSave:
     num_rows: int
     rows: list[tuple[int, int]]  # (row, device block)
     final: bool
+    heads: np.ndarray | None = None  # KV-Compress: as ``TransferLoad.heads``
 
 
 @dataclass
@@ -175,14 +192,19 @@ class KVTransferScheduler(KVConnectorScheduler):
         if config is None:
             raise ValueError("the 'kv_transfer' KV connector needs kv_transfer_config.")
         kv = context.kv_manager
-        self.tables: list[KVCacheManager] = block_tables(kv, "kv_transfer_config")
+        # KV-Compress's per-head manager: a row is a block index of every (layer, KV head)
+        self.heads: Any = kv if hasattr(kv, "block_columns") else None
+        self.tables: list[Any] = (
+            [kv] if self.heads is not None else block_tables(kv, "kv_transfer_config")
+        )
         self.kv = kv
+        self.keep_last = config.keep_last
         self.transfer = config.transfer
         self.layout = config.layout
         self.block_bytes = config.block_bytes
         self.block_size = kv.block_size
         self.budget = context.scheduler_config.max_num_batched_tokens
-        null = kv.block_pool.null_block
+        null = None if self.heads is not None else kv.block_pool.null_block
         self.null_id = -1 if null is None else null.block_id
         self.dir = config.transfer.kv_buffer_path
         os.makedirs(self.dir, exist_ok=True)
@@ -282,11 +304,17 @@ class KVTransferScheduler(KVConnectorScheduler):
             return 0
         bs = self.block_size
         first = num_device_hit // bs
-        last = min(got.header.num_blocks, (request.num_tokens - 1) // bs)
+        last = min(got.header.num_blocks, (request.num_tokens - self.keep_last) // bs)
         n = 0
         while first + n < last and got.mask[:, first + n].all():
             n += 1
-        n = cap_to_free(self.kv, len(self.tables), self.budget, request, num_device_hit, n)
+        if self.heads is None:
+            n = cap_to_free(self.kv, len(self.tables), self.budget, request, num_device_hit, n)
+        else:  # every head takes a block per row; the chunk after them too
+            left = request.num_tokens - num_device_hit
+            fits = self.heads.fits_first
+            while n and not fits(request, n * bs + min(self.budget, left - n * bs)):
+                n -= 1
         return n * bs
 
     def external_alloc(self, request: Request, num_device_hit: int, num_tokens: int) -> None:
@@ -295,12 +323,17 @@ class KVTransferScheduler(KVConnectorScheduler):
         got = self.receives.pop(request.request_id)
         bs, nb = self.block_size, got.header.num_blocks
         first, n = num_device_hit // bs, num_tokens // bs
-        rows = []
-        for g, m in enumerate(self.tables):
+        rows, heads = [], None
+        if self.heads is not None:  # (one group: row i is block i)
+            heads = self.heads.block_columns(request.request_id, first, n)
+            rows = [(first + i, -1) for i in range(n)]
+            self.heads.count_loaded(request.request_id, num_tokens)
+        for g, m in enumerate(self.tables if heads is None else ()):
             device = m.get_block_ids(request.request_id)[first : first + n]
             rows += [(g * nb + first + i, d) for i, d in enumerate(device)]
         h = got.header
-        self.planned.loads.append(TransferLoad(got.path, h.rows_offset(), h.num_rows, rows))
+        load = TransferLoad(got.path, h.rows_offset(), h.num_rows, rows, heads)
+        self.planned.loads.append(load)
         self.received_tokens += num_tokens
 
     # ---------------------------------------------------------------------- steps
@@ -347,8 +380,11 @@ class KVTransferScheduler(KVConnectorScheduler):
             request, h = self.context.requests[rid], send.header
             computed = request.num_computed_tokens + n
             full = min(computed // bs, h.num_blocks)
-            rows = []
-            for g, m in enumerate(self.tables):
+            rows, heads = [], None
+            if self.heads is not None and full > send.planned:
+                heads = self.heads.block_columns(rid, send.planned, full - send.planned)
+                rows = [(i, -1) for i in range(send.planned, full)]
+            for g, m in enumerate(self.tables if self.heads is None else ()):
                 device = m.get_block_ids(rid)
                 rows += [
                     (g * h.num_blocks + i, device[i])
@@ -360,7 +396,7 @@ class KVTransferScheduler(KVConnectorScheduler):
             meta.saves.append(
                 TransferSave(
                     path, None if send.created else h, h.mask_offset(), h.rows_offset(),
-                    h.num_rows, rows, send.done,
+                    h.num_rows, rows, send.done, heads,
                 )
             )  # fmt: skip
             send.created, send.planned = True, full

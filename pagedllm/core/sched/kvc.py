@@ -165,6 +165,12 @@ class KVCompressPlanner(KVConnectorScheduler):
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
         rule = self.config.budget_of(request.sampling_params)
+        if _hands_over(request):
+            # a prefill engine's request (prefill/decode disaggregation): its prompt's KVs
+            # leave whole, as rows of every head written while the prompt runs, and the
+            # decode engine compresses them with its own budget (an eviction here would
+            # compact the blocks under the rows being gathered)
+            rule = (None, None)
         self.tracks[request.request_id] = _Track(rule)
         if rule != (None, None):
             self.budgeted.add(request.request_id)
@@ -500,3 +506,11 @@ class KVCompressPlanner(KVConnectorScheduler):
             "kvc_compressions": self.kvm.num_compressions,
             "kvc_evicted_kvs": self.kvm.num_evicted_kvs,
         }
+
+
+def _hands_over(request: Request) -> bool:
+    """Whether the request asks to hand its prompt's KV to a decode engine
+    (``kv_transfer_params.do_remote_decode``, ``core/kv_transfer/scheduler.py``)."""
+    extra = getattr(request.sampling_params, "extra_args", None)
+    params = extra.get("kv_transfer_params") if isinstance(extra, dict) else None
+    return isinstance(params, dict) and bool(params.get("do_remote_decode"))

@@ -14,5 +14,5 @@ def role_configs(kvc_config: Any, cache_config: Any, kv_groups: Any) -> dict[str
     return {
         "kvcompress": kvc_config,
         "offload": offload_config(cache_config, kv_groups),
-        "kv_transfer": kv_transfer_role_config(cache_config.kv_transfer, kv_groups),
+        "kv_transfer": kv_transfer_role_config(cache_config.kv_transfer, kv_groups, kvc_config),
     }
