@@ -103,7 +103,7 @@ one() {
       python benchmarks/kv_offload.py --model "${OFFLOAD_MODEL:-qwen3-0.6b}" --load-format dummy \
         --device cuda --conversations "${OFFLOAD_CONVS:-64}" --turns "${OFFLOAD_TURNS:-8}" \
         --out "$OUT" ;;
-    tests-pd) $PYTEST tests/engine/test_kv_transfer.py -k gpu ;;
+    tests-pd) $PYTEST tests/engine/test_kv_transfer.py -k "gpu or plain_rows" ;;
     tests-fp8)  # fp8 KV caches: the kernels, then the engine (HF equality suite untouched)
       $PYTEST tests/kernels/test_fp8_kv.py tests/models/test_fp8_kv.py ;;
     tests-fp8-kvc)  # fp8 caches under KV-Compress: the per-head kernels, then the engine

@@ -393,3 +393,68 @@ def test_a_consumer_with_async_scheduling_or_drafts_equals_one_engine(tiny_model
     )
     assert [_tokens(g)[0] for g in got] == [_tokens(r)[0] for r in ref]
     assert _role(consumer).received_tokens == (9 + 5) * BLOCK
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("world,rank", [(1, 0), (2, 1)], ids=["one_rank", "rank1_of_2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_per_head_blocks_move_as_plain_rows(device, world, rank, dtype):
+    """``HeadRows`` against a plain cache built by hand: gathering rows from one-head blocks
+    gives, per layer, the ``[2, block_size, kv_heads, head_dim]`` page a plain cache holds
+    for those tokens (so an engine without KV-Compress reads them); scattering them into other
+    blocks writes those blocks' bytes, each slot's position (row index x block size + offset)
+    and a zero score, and nothing else. Under tensor parallelism a rank takes its own heads,
+    the scheduler's ids translated to its pool."""
+    from types import SimpleNamespace
+
+    from pagedllm.kvcompress.shard import HeadShard
+    from pagedllm.utils.pinned import PinnedRing
+    from pagedllm.worker.kv_transfer import HeadRows
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    layers, hr, bs, d, nb = 2, 2, 4, 8, 40  # hr: this rank's KV heads of a layer
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, nb, bs, d, generator=g).to(dtype).to(device)
+    shard = HeadShard(rank, world, layers, hr)
+    shard.num_blocks = nb
+    cache = SimpleNamespace(kv=kv, shard=shard, num_layers=layers, num_kv_heads=hr,
+                            block_size=bs, head_dim=d, dtype=dtype,
+                            positions=torch.full((nb * bs,), -7, dtype=torch.int32, device=device),
+                            scores=torch.full((nb * bs,), 5.0, device=device))  # fmt: skip
+    rows_of = HeadRows(cache, PinnedRing(torch.device(device), 64))
+    lh = layers * hr * world  # every rank's heads
+    perm = np.random.default_rng(1).permutation(nb)
+    # rows 3 and 4 of a prompt: the scheduler's ids of every rank's heads (rank r: + r * nb)
+    heads = perm[: 2 * lh].reshape(2, lh) + rank * nb
+    nbytes = layers * hr * 2 * bs * d * kv.element_size()
+    rows = torch.zeros(2, nbytes, dtype=torch.uint8, device=device)
+    rows_of.gather(heads, rows)
+    mine = heads[:, shard.mine] - rank * nb  # [2, L * hr] this rank's blocks, local ids
+    for i in range(2):
+        for layer in range(layers):
+            ids = torch.as_tensor(mine[i, layer * hr : (layer + 1) * hr], device=device)
+            page = kv.view(torch.uint8)[:, ids].permute(0, 2, 1, 3)  # [2, bs, hr, d bytes]
+            size = page.numel()
+            got = rows[i, layer * size : (layer + 1) * size].view(page.shape)
+            assert torch.equal(got, page)
+    # into other blocks of a cache of zeros, as rows 3 and 4
+    dst = perm[2 * lh : 4 * lh].reshape(2, lh) + rank * nb
+    before = kv.clone()
+    cache.kv = torch.zeros_like(kv)
+    rows_of.scatter(rows, dst, np.array([3, 4]))
+    local = dst[:, shard.mine] - rank * nb
+    src_local = mine
+    raw, ref = cache.kv.view(torch.uint8), before.view(torch.uint8)
+    assert torch.equal(raw[:, torch.as_tensor(local.reshape(-1), device=device)],
+                       ref[:, torch.as_tensor(src_local.reshape(-1), device=device)])  # fmt: skip
+    touched = torch.zeros(nb, dtype=torch.bool)
+    touched[torch.as_tensor(local.reshape(-1))] = True
+    assert not raw[:, ~touched.to(device)].any()
+    pos = cache.positions.view(nb, bs).cpu()
+    for i, at in enumerate((3, 4)):
+        for b in local[i]:
+            assert pos[b].tolist() == list(range(at * bs, (at + 1) * bs))
+    assert (pos[~touched] == -7).all()
+    scores = cache.scores.view(nb, bs).cpu()
+    assert (scores[touched] == 0).all() and (scores[~touched] == 5).all()
