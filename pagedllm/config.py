@@ -412,9 +412,13 @@ def _with_offload(names: tuple[str, ...], offload: bool, transfer: bool = False)
 def kv_connector_names(
     kvc_config: KVCompressConfig | None, extra: tuple[str, ...] = ()
 ) -> tuple[str, ...]:
-    """The engine's KV connectors in hook order: KV-Compress first when it is on, then the
-    ``kv_connectors`` named. Example: enabled, ('offload',) -> ('kvcompress', 'offload')."""
-    return ("kvcompress",) * bool(kvc_config is not None and kvc_config.enabled) + tuple(extra)
+    """The engine's KV connectors in hook order: the ``kv_connectors`` named, then KV-Compress
+    when it is on. KV-Compress comes last because its eviction rewrites blocks the others read:
+    a role that copies a step's KVs out (the host tier's saves, a transfer's rows) plans them
+    before KV-Compress plans the eviction (which may take cached entries out of the device
+    cache) and gathers them after the forward pass, before the eviction compacts the blocks.
+    Example: enabled, ('offload',) -> ('offload', 'kvcompress')."""
+    return tuple(extra) + ("kvcompress",) * bool(kvc_config is not None and kvc_config.enabled)
 
 
 @dataclass
@@ -544,11 +548,6 @@ class EngineArgs:
             isinstance(offload, bool) or not isinstance(offload, (int, float)) or offload <= 0
         ):
             raise ValueError(f"kv_offloading_size must be a positive GiB count, got {offload!r}.")
-        if offload and self.enable_kvc:
-            raise ValueError(
-                "kv_offloading_size does not work with KV-Compress yet (per-head blocks); "
-                "use one or the other."
-            )
         if offload and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size needs enable_prefix_caching=True.")
         transfer = KVTransferConfig.parse(self.kv_transfer_config, self.tensor_parallel_size)

@@ -31,9 +31,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.core.kv_transfer.files import row_bytes
 from pagedllm.core.sched.offload import OffloadMetadata, OffloadReport
 from pagedllm.kv_layout import copy_dtype
 from pagedllm.utils.pinned import PinnedRing
+from pagedllm.worker.head_rows import HeadRows
 from pagedllm.worker.kv_connector import KVConnectorWorker, StepBatch
 
 
@@ -106,12 +108,30 @@ class OffloadWorker(KVConnectorWorker):
         self.host_tensors: list[torch.Tensor] = []  # CPU: [2, num_host_blocks, *page] each
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
         self._load_s = 0.0  # host time of the loads of the step being launched
+        self.per_head = False  # KV-Compress: its per-head blocks move as rows (``head_rows``)
+        self._head_rows: HeadRows | None = None
+
+    @property
+    def head_rows(self) -> HeadRows:
+        """The rows over the runner's per-head cache (made at first use: the cache comes
+        after the connectors)."""
+        if self._head_rows is None:
+            self._head_rows = HeadRows(self.runner.kv_layout, self.ids)
+        return self._head_rows
 
     @classmethod
     def for_runner(cls, runner: Any) -> OffloadWorker:
         """The role with its host memory allocated now, at start-up (pinning GiBs takes
         seconds: not in a request's first step), laid out for the device cache's tensors."""
         groups = runner.kv_groups
+        if groups.head_paged is not None:  # KV-Compress: a host block is a row of every head
+            block = row_bytes(groups)
+            role = cls(runner, runner.cache_config.kv_offloading_bytes // block)
+            role.block_bytes, role.per_head = block, True
+            role.host = torch.empty(
+                role.num_host_blocks, block, dtype=torch.uint8, pin_memory=role.cuda
+            )
+            return role
         role = cls(runner, runner.cache_config.kv_offloading_bytes // groups.block_bytes)
         role.pages, role.block_bytes = page_layout(groups, role.dtype)
         if role.cuda:
@@ -132,6 +152,13 @@ class OffloadWorker(KVConnectorWorker):
             return
         t0 = time.perf_counter()
         host_ids = [h for h, _ in metadata.loads]
+        if self.per_head:
+            self.head_rows.scatter(
+                self._host_rows(host_ids), np.stack(metadata.load_heads),
+                np.fromiter((i for _, i in metadata.loads), np.int64),
+            )  # fmt: skip
+            self._load_s = time.perf_counter() - t0
+            return
         dst = self.ids.ship(np.fromiter((d for _, d in metadata.loads), np.int64))
         if self.cuda:
             staged = torch.empty(
@@ -147,6 +174,31 @@ class OffloadWorker(KVConnectorWorker):
             dev.index_copy_(1, dst, source)
         self._load_s = time.perf_counter() - t0
 
+    def _host_rows(self, host_ids: list[int]) -> torch.Tensor:
+        """[n, block_bytes] host blocks ``host_ids`` on the device (one asynchronous copy per
+        run of consecutive ids on a GPU; a gather on a CPU)."""
+        if not self.cuda:
+            return self.host.index_select(0, torch.tensor(host_ids))
+        staged = torch.empty(len(host_ids), self.block_bytes, dtype=torch.uint8, device=self.device)
+        for first, pos, n in host_runs(host_ids):
+            staged[pos : pos + n].copy_(self.host[first : first + n], non_blocking=True)
+        return staged
+
+    def _gathered(self, metadata: OffloadMetadata) -> torch.Tensor:
+        """[n, block_bytes] the step's saved blocks on the device, block-major (queued on the
+        compute stream, after the forward pass that wrote them)."""
+        staged = torch.empty(
+            len(metadata.saves), self.block_bytes, dtype=torch.uint8, device=self.device
+        )
+        if self.per_head:
+            self.head_rows.gather(np.stack(metadata.save_heads), staged)
+            return staged
+        src = self.ids.ship(np.fromiter((d for d, _ in metadata.saves), np.int64))
+        views = block_views(self.pages, self.dtype, staged)
+        for dev, view in zip(self.runner.kv_layout.copy_tensors, views):
+            view.copy_(dev.index_select(1, src))
+        return staged
+
     def after_forward(self, so: Any, metadata: OffloadMetadata | None) -> PendingSaves | None:
         """Start the step's saves (see the module docstring); the pending report."""
         if metadata is None:
@@ -157,15 +209,9 @@ class OffloadWorker(KVConnectorWorker):
         if metadata.saves:
             t0 = time.perf_counter()
             host_ids = [h for _, h in metadata.saves]
-            src = self.ids.ship(np.fromiter((d for d, _ in metadata.saves), np.int64))
-            tensors = self.runner.kv_layout.copy_tensors
             if self.cuda:
                 assert self.side is not None
-                staged = torch.empty(
-                    len(host_ids), self.block_bytes, dtype=torch.uint8, device=self.device
-                )  # [n, block_bytes]
-                for dev, view in zip(tensors, block_views(self.pages, self.dtype, staged)):
-                    view.copy_(dev.index_select(1, src))
+                staged = self._gathered(metadata)
                 self.side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self.side):
                     staged.record_stream(self.side)
@@ -173,9 +219,12 @@ class OffloadWorker(KVConnectorWorker):
                         self.host[first : first + n].copy_(staged[pos : pos + n], non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(self.side)
+            elif self.per_head:
+                self.host.index_copy_(0, torch.tensor(host_ids), self._gathered(metadata))
             else:
+                src = torch.tensor([d for d, _ in metadata.saves])
                 dst = torch.tensor(host_ids)
-                for dev, host in zip(tensors, self.host_tensors):
+                for dev, host in zip(self.runner.kv_layout.copy_tensors, self.host_tensors):
                     host.index_copy_(1, dst, dev.index_select(1, src))
             report.host_s += time.perf_counter() - t0
         return PendingSaves(event, report)

@@ -101,8 +101,8 @@ def test_a_second_connector_attaches_at_the_hooks(tiny_models, recorder, kvc, na
     assert tokens == expected
     core = llm.llm_engine.engine_core
     roles = core.scheduler.connectors
-    assert [r.name for r in roles] == ["kvcompress"] * kvc + ["recorder"]
-    sched_role, worker_role = roles[-1], core.model_runner.connectors[-1]
+    assert [r.name for r in roles] == ["recorder"] + ["kvcompress"] * kvc  # (it rewrites last)
+    sched_role, worker_role = roles[0], core.model_runner.connectors[0]
     assert sorted(sched_role.added) == sorted(sched_role.freed) and len(sched_role.added) == 4
     # every step's plan reached the worker role, and its report came back with the plan
     assert worker_role.seen == [sum(p.values()) for p in sched_role.planned if p]

@@ -409,7 +409,7 @@ def test_per_head_blocks_move_as_plain_rows(device, world, rank, dtype):
 
     from pagedllm.kvcompress.shard import HeadShard
     from pagedllm.utils.pinned import PinnedRing
-    from pagedllm.worker.kv_transfer import HeadRows
+    from pagedllm.worker.head_rows import HeadRows
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a GPU")

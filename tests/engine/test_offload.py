@@ -110,12 +110,49 @@ def test_prefix_shared_inside_the_tier_and_the_device(tiny_models):
 def test_bad_settings_are_refused_with_the_field_named(tiny_models):
     with pytest.raises(ValueError, match="kv_offloading_size"):
         _llm(tiny_models, kv_offloading_size=-1)
-    with pytest.raises(ValueError, match="kv_offloading_size"):
-        _llm(tiny_models, kv_offloading_size=0.01, enable_kvc=True, max_cache_tokens=64)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         _llm(tiny_models, kv_offloading_size=0.01, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="smaller than one KV block"):
         _llm(tiny_models, kv_offloading_size=1e-9)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_kv_compress_blocks_come_back_from_the_host_tier(tiny_models, arch):
+    """KV-Compress (one-head blocks): a prompt's cached entries - a block of every (layer, KV
+    head) - are saved as rows while it runs, from the device cache's entries (which keep the
+    prompt's KVs whole while its request is evicted from), the device gives them up under four
+    more prompts, and a rerun loads them, computing the last 32 tokens itself (the queries
+    that score what it keeps). Its tokens and logprobs equal the cold run's and an engine's
+    without the tier, with a budget that evicts nothing and with one that evicts."""
+    a = _prompt(1, 150)
+    others = [_prompt(s, 150) for s in range(2, 6)]
+    lh = {"llama": 4, "gemma3": 8}[arch]  # (layers x KV heads: one-head blocks per token block)
+    kw = {"enable_kvc": True, "num_gpu_blocks_override": 16 * lh, "max_num_seqs": 1}
+    for budget in (200, 24):
+        sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0,
+                            max_cache_tokens=budget, protected_window_size=8)  # fmt: skip
+
+        def run(llm: LLM, prompts: list[list[int]], sp: SamplingParams = sp) -> list:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            llm.llm_engine.engine_core.check_integrity()
+            return [(list(o.outputs[0].token_ids),
+                     [d[t].logprob for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                    for o in outs]  # fmt: skip
+
+        llm = _llm(tiny_models, arch, kv_offloading_size=0.01, **kw)
+        assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.num_heads == lh
+        cold = run(llm, [a])
+        tier = _tier(llm)
+        assert tier.saved_blocks >= 9 and tier.hit_tokens == 0
+        run(llm, others)
+        (again,) = run(llm, [a])
+        assert tier.hit_tokens == (150 - 32) // BLOCK * BLOCK  # 7 blocks
+        plain = run(_llm(tiny_models, arch, **kw), [a] + others + [a])
+        for toks, lps in (cold[0], plain[-1]):
+            assert again[0] == toks
+            np.testing.assert_allclose(again[1], lps, rtol=1e-5, atol=1e-5)
+        evicted = llm.llm_engine.engine_core.scheduler.kv_cache_manager.num_evicted_kvs
+        assert (evicted > 0) == (budget < 150)
 
 
 @pytest.mark.parametrize("one_table", [False, True])

@@ -702,6 +702,16 @@ class HeadPagedKVCacheManager(KVCacheManagerBase):
         assert int(state.nblocks.min()) >= first + n and state.uniform, request_id
         return state.table[:, first : first + n].T.copy()
 
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """The chained hashes of the request's full blocks of known tokens (the prefix
+        cache's keys; the host tier's too)."""
+        return self._hashes(request)
+
+    def cached_ids(self, key: BlockHash) -> np.ndarray | None:
+        """[LH] the blocks of the prefix cache's entry ``key`` (one per (layer, KV head)), or
+        None when the device cache does not hold it."""
+        return self.cache.get(key)
+
     def count_loaded(self, request_id: str, num_tokens: int) -> None:
         """The first ``num_tokens`` tokens the request's latest allocation made room for hold
         their KVs already (a KV connector loads them before the step): the table the runner

@@ -63,7 +63,7 @@ from pagedllm.core.sched.connector import (
     ConnectorContext,
     KVConnectorScheduler,
     block_tables,
-    cap_to_free,
+    cap_external,
 )
 
 logger = logging.getLogger(__name__)
@@ -308,13 +308,7 @@ class KVTransferScheduler(KVConnectorScheduler):
         n = 0
         while first + n < last and got.mask[:, first + n].all():
             n += 1
-        if self.heads is None:
-            n = cap_to_free(self.kv, len(self.tables), self.budget, request, num_device_hit, n)
-        else:  # every head takes a block per row; the chunk after them too
-            left = request.num_tokens - num_device_hit
-            fits = self.heads.fits_first
-            while n and not fits(request, n * bs + min(self.budget, left - n * bs)):
-                n -= 1
+        n = cap_external(self.kv, len(self.tables), self.budget, request, num_device_hit, n)
         return n * bs
 
     def external_alloc(self, request: Request, num_device_hit: int, num_tokens: int) -> None:

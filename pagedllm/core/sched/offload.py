@@ -33,23 +33,27 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.core.kv_cache.manager import KVCacheManager
+import numpy as np
+
+from pagedllm.core.kv_transfer.files import row_bytes
 from pagedllm.core.request import Request
 from pagedllm.core.sched.connector import (
     ConnectorContext,
     KVConnectorScheduler,
     block_tables,
-    cap_to_free,
+    cap_external,
 )
 
 
 @dataclass(frozen=True)
 class OffloadConfig:
     """The host tier's size in blocks (``kv_offloading_size`` bytes over a block's bytes in
-    every layer's K and V)."""
+    every layer's K and V); ``keep_last``: prompt tokens a hit always leaves to compute
+    (KV-Compress: its observation window, as ``KVTransferRoleConfig.keep_last``)."""
 
     num_host_blocks: int
     block_bytes: int = 0  # of one block id in every layer's K and V (the metrics' bytes)
+    keep_last: int = 1
 
     def __post_init__(self) -> None:
         if self.num_host_blocks < 1:
@@ -59,22 +63,32 @@ class OffloadConfig:
             )
 
 
-def offload_config(cache_config: Any, kv_groups: Any) -> OffloadConfig | None:
+def offload_config(
+    cache_config: Any, kv_groups: Any, kvc_config: Any = None
+) -> OffloadConfig | None:
     """The tier's config from ``kv_offloading_bytes`` (None when it is 0 or the KV groups are
-    unknown)."""
+    unknown). KV-Compress: a host block is a row of one block of every (layer, KV head)."""
     nbytes = cache_config.kv_offloading_bytes
     if not nbytes or kv_groups is None:
         return None
-    return OffloadConfig(nbytes // kv_groups.block_bytes, kv_groups.block_bytes)
+    block = row_bytes(kv_groups)
+    keep = 1
+    if kv_groups.head_paged is not None and kvc_config is not None:
+        keep = max(1, kvc_config.prefill_metric_collection_window_size)
+    return OffloadConfig(nbytes // block, block, keep)
 
 
 @dataclass
 class OffloadMetadata:
     """One step's copies: loads (host block, device block) before the forward pass, saves
-    (device block, host block) after it."""
+    (device block, host block) after it. KV-Compress: a load is (host block, its block index
+    in the prompt) and a save (block index, host block), with ``load_heads`` /
+    ``save_heads`` [n, LH] (aligned with them) the block of each (layer, KV head)."""
 
     loads: list[tuple[int, int]] = field(default_factory=list)
     saves: list[tuple[int, int]] = field(default_factory=list)
+    load_heads: list[np.ndarray] = field(default_factory=list)
+    save_heads: list[np.ndarray] = field(default_factory=list)
 
 
 @dataclass
@@ -95,11 +109,16 @@ class OffloadScheduler(KVConnectorScheduler):
         if config is None:
             raise ValueError("the 'offload' KV connector needs kv_offloading_size (GiB).")
         kv = context.kv_manager
-        self.tables: list[KVCacheManager] = block_tables(kv, "kv_offloading_size")
+        # KV-Compress's per-head manager: a host block is block i of every (layer, KV head)
+        self.heads: Any = kv if hasattr(kv, "block_columns") else None
+        self.tables: list[Any] = (
+            [kv] if self.heads is not None else block_tables(kv, "kv_offloading_size")
+        )
         if not kv.enable_caching:
             raise ValueError("kv_offloading_size needs enable_prefix_caching=True.")
         self.kv = kv
-        null = kv.block_pool.null_block
+        self.keep_last = config.keep_last
+        null = None if self.heads is not None else kv.block_pool.null_block
         self.null_id = -1 if null is None else null.block_id
         self.block_size = kv.block_size
         self.budget = context.scheduler_config.max_num_batched_tokens
@@ -124,6 +143,16 @@ class OffloadScheduler(KVConnectorScheduler):
         self.skipped_saves = 0
         self.host_s = 0.0
 
+    def _hashes(self, request: Request) -> list:
+        """The request's full blocks' hashes."""
+        if self.heads is not None:
+            return self.heads.block_hashes(request)
+        return self.tables[0]._block_hashes(request)
+
+    def _keys(self, h: Any) -> list:
+        """Every table's key of block hash ``h`` (KV-Compress: one, the hash itself)."""
+        return [h] if self.heads is not None else [m._key(h) for m in self.tables]
+
     # ------------------------------------------------------------------ admission
     def external_hit(self, request: Request, num_device_hit: int) -> int:
         """Tokens after the device hit (``num_device_hit``, block-aligned) that the tier holds:
@@ -132,7 +161,7 @@ class OffloadScheduler(KVConnectorScheduler):
         if not self.kv.uses_prefix_cache(request):
             return 0
         bs = self.block_size
-        first, last = num_device_hit // bs, (request.num_tokens - 1) // bs
+        first, last = num_device_hit // bs, (request.num_tokens - self.keep_last) // bs
         # counted once the request is admitted (build_metadata): a request that waits asks
         # again each step
         self.asked[request.request_id] = max(last - first, 0) * bs
@@ -141,13 +170,12 @@ class OffloadScheduler(KVConnectorScheduler):
             # every table's block (a window group's too: loaded whole, the runner's next
             # step drops what left the window)
             entries, landing = self.entries, self.landing
-            for h in self.tables[0]._block_hashes(request)[first:last]:
-                keys = [m._key(h) for m in self.tables]
-                if any(k not in entries or entries[k] in landing for k in keys):
+            for h in self._hashes(request)[first : max(first, last)]:
+                if any(k not in entries or entries[k] in landing for k in self._keys(h)):
                     break
                 n += 1
-        if n:  # (the loaded blocks are allocated at once, in every table: cap_to_free)
-            n = cap_to_free(self.kv, len(self.tables), self.budget, request, num_device_hit, n)
+        if n:  # (the loaded blocks are allocated at once, in every table: cap_external)
+            n = cap_external(self.kv, len(self.tables), self.budget, request, num_device_hit, n)
         return n * bs
 
     def external_alloc(self, request: Request, num_device_hit: int, num_tokens: int) -> None:
@@ -155,17 +183,27 @@ class OffloadScheduler(KVConnectorScheduler):
         the device hit: plan their loads (this step, before the forward pass)."""
         bs = self.block_size
         first = num_device_hit // bs
-        hashes = self.tables[0]._block_hashes(request)[first : first + num_tokens // bs]
-        for m in self.tables:
+        hashes = self._hashes(request)[first : first + num_tokens // bs]
+        if self.heads is not None:  # (loaded, not computed: the runner's table counts them)
+            columns = self.heads.block_columns(request.request_id, first, len(hashes))
+            self.heads.count_loaded(request.request_id, num_tokens)
+            for i in reversed(range(len(hashes))):  # (head last: build_metadata)
+                host = self._touch(hashes[i])
+                self.planned.loads.append((host, first + i))
+                self.planned.load_heads.append(columns[i])
+        for m in self.tables if self.heads is None else ():
             device = m.get_block_ids(request.request_id)[first : first + len(hashes)]
             for h, d in reversed(list(zip(hashes, device))):  # (head last: build_metadata)
-                key = m._key(h)
-                host = self.entries[key]
-                self.entries.move_to_end(key)
-                self.busy[host] = self.busy.get(host, 0) + 1
-                self.planned.loads.append((host, d))
+                self.planned.loads.append((self._touch(m._key(h)), d))
         self.hit_tokens += num_tokens
         self.loaded_blocks += len(hashes) * len(self.tables)
+
+    def _touch(self, key: Any) -> int:
+        """The host block of entry ``key``, made most recently used and busy (a load)."""
+        host = self.entries[key]
+        self.entries.move_to_end(key)
+        self.busy[host] = self.busy.get(host, 0) + 1
+        return host
 
     # ---------------------------------------------------------------------- steps
     def _host_block(self) -> int | None:
@@ -196,14 +234,16 @@ class OffloadScheduler(KVConnectorScheduler):
             start = self.saved_upto.get(rid, 0)
             if full <= start:
                 continue
-            hashes = self.tables[0]._block_hashes(request)
-            for m in self.tables:
+            hashes = self._hashes(request)
+            if self.heads is not None:
+                self._save_heads(hashes, start, full, meta)
+            for m in self.tables if self.heads is None else ():
                 self._save(m, hashes, m.get_block_ids(rid), start, full, meta)
             self.saved_upto[rid] = full
         return meta if meta.loads or meta.saves else None
 
     def _save(
-        self, m: KVCacheManager, hashes: list, device: list[int], start: int, full: int,
+        self, m: Any, hashes: list, device: list[int], start: int, full: int,
         meta: OffloadMetadata,
     ) -> None:  # fmt: skip
         """Plan the saves of one table's blocks [start, full) that the tier lacks, touching
@@ -226,6 +266,31 @@ class OffloadScheduler(KVConnectorScheduler):
             self.landing[host] = key
             self.busy[host] = self.busy.get(host, 0) + 1
             meta.saves.append((device[i], host))
+
+    def _save_heads(self, hashes: list, start: int, full: int, meta: OffloadMetadata) -> None:
+        """``_save`` for KV-Compress: a block is the device prefix cache's entry of its hash
+        (one block of every (layer, KV head), ``cached_ids``), saved from the entry, not
+        the request's table: an entry keeps the prompt's KVs whole while the request that
+        made it is evicted from (it moves to copies, ``detach_own``), and one the device no
+        longer caches (it left at an eviction) is not saved."""
+        entries = self.entries
+        for i in reversed(range(min(full, len(hashes)))):
+            key = hashes[i]
+            if key in entries:
+                entries.move_to_end(key)
+                continue
+            ids = self.heads.cached_ids(key) if i >= start else None
+            if ids is None:
+                continue
+            host = self._host_block()
+            if host is None:
+                self.skipped_saves += 1
+                continue
+            entries[key] = host
+            self.landing[host] = key
+            self.busy[host] = self.busy.get(host, 0) + 1
+            meta.saves.append((i, host))
+            meta.save_heads.append(ids.copy())
 
     def update(self, metadata: OffloadMetadata | None, output: OffloadReport | None) -> None:
         """A step's copies are done: its saved entries become loadable, its host blocks
@@ -257,8 +322,8 @@ class OffloadScheduler(KVConnectorScheduler):
         if not self.kv.uses_prefix_cache(request):
             return True
         full = request.num_computed_tokens // self.block_size
-        hashes = self.tables[0]._block_hashes(request)[:full]
-        return any(m._key(h) not in self.entries for h in hashes for m in self.tables)
+        hashes = self._hashes(request)[:full]
+        return any(k not in self.entries for h in hashes for k in self._keys(h))
 
     def on_preempt(self, request: Request, swapped: bool) -> None:
         """A recomputed request saves again from its first block (hashes already held are

@@ -13,6 +13,6 @@ def role_configs(kvc_config: Any, cache_config: Any, kv_groups: Any) -> dict[str
     """Each built-in role's own config (None where a role is off)."""
     return {
         "kvcompress": kvc_config,
-        "offload": offload_config(cache_config, kv_groups),
+        "offload": offload_config(cache_config, kv_groups, kvc_config),
         "kv_transfer": kv_transfer_role_config(cache_config.kv_transfer, kv_groups, kvc_config),
     }
