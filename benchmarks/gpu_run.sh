@@ -104,6 +104,8 @@ one() {
         --device cuda --conversations "${OFFLOAD_CONVS:-64}" --turns "${OFFLOAD_TURNS:-8}" \
         --out "$OUT" ;;
     tests-pd) $PYTEST tests/engine/test_kv_transfer.py -k "gpu or plain_rows" ;;
+    tests-kv-moves)  # the host tier's and the transfers' GPU paths, KV-Compress's rows too
+      $PYTEST tests/engine/test_offload.py tests/engine/test_kv_transfer.py -k "gpu or plain_rows" ;;
     tests-fp8)  # fp8 KV caches: the kernels, then the engine (HF equality suite untouched)
       $PYTEST tests/kernels/test_fp8_kv.py tests/models/test_fp8_kv.py ;;
     tests-fp8-kvc)  # fp8 caches under KV-Compress: the per-head kernels, then the engine
