@@ -754,13 +754,6 @@ class EngineArgs:
                 f"speculative_config.method {config.method!r} cannot be combined with "
                 f"enable_kvc: {KVC_SPEC_UNSUPPORTED[config.method]}; use 'ngram' or 'suffix'."
             )
-        if self.enable_kvc and self.tensor_parallel_size > 1:
-            # each works with KV-Compress alone; a verify row's dropped and kept queries have
-            # not been carried through the ranks' sharded evictions (kvcompress/shard.py)
-            raise ValueError(
-                "speculative_config cannot be combined with enable_kvc and "
-                "tensor_parallel_size > 1 (yet): use one of the two with KV-Compress."
-            )
         return config
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:

@@ -284,7 +284,28 @@ def test_unsupported_combinations_name_the_field(tiny_models) -> None:
         )
 
 
-def test_spec_decode_with_kvc_and_tensor_parallelism_is_refused(tiny_models) -> None:
-    path = tiny_models("llama")
-    with pytest.raises(ValueError, match="speculative_config.*tensor_parallel_size"):
-        _engine(path, enable_kvc=True, speculative_config=NGRAM, tensor_parallel_size=2)
+@pytest.mark.parametrize("arch,spec", [("llama", NGRAM), ("gemma3", SUFFIX)])
+def test_spec_decode_with_kvc_over_two_ranks_equals_one(tiny_models, arch: str, spec: dict):
+    """Speculative decoding with KV-Compress under tensor parallelism (two gloo ranks, a KV
+    head each; async steps asked for): each rank drops its heads' rejected drafts' KVs and
+    scores its heads' keys with the verify rows' queries it kept, and the evictions choose
+    across both ranks' heads as one rank would. Without eviction, with one after the prompt
+    and with continual compression: one rank's tokens and evicted KVs, drafts kept and
+    dropped. (Gemma 3: window layers that keep their KVs.)"""
+    path = tiny_models(arch)
+    prompts = _prompts()
+    kw = {"enable_kvc": True, "speculative_config": spec, "async_scheduling": True,
+          "device": "cpu", "kv_cache_memory_bytes": 32 << 20}  # fmt: skip
+    one, two = _engine(path, **kw), _engine(path, tensor_parallel_size=2, **kw)
+    try:
+        for params in ({"max_cache_tokens": 200},
+                       {"max_cache_tokens": 16, "protected_window_size": 4, "compress_once": True},
+                       {"compression_rate": 2.0, "protected_window_size": 3}):  # fmt: skip
+            evicted = _kv(one).num_evicted_kvs, _kv(two).num_evicted_kvs
+            assert _tokens(two, prompts, **params) == _tokens(one, prompts, **params), params
+            now = _kv(one).num_evicted_kvs - evicted[0]
+            assert _kv(two).num_evicted_kvs - evicted[1] == now
+            assert (now > 0) == ("max_cache_tokens" not in params or "compress_once" in params)
+        _accepted_and_rejected(two)
+    finally:
+        two.llm_engine.engine_core.shutdown()
