@@ -717,9 +717,8 @@ class EngineArgs:
                 "parallelism copies onto several ranks, over those ranks."
             )
         others = {  # (KV-Compress needs each KV head on one rank: _check_tensor_parallel)
-            "kv_transfer_config": self.kv_transfer_config,
-            "kv_offloading_size": self.kv_offloading_size,
-            "kv_connectors": self.kv_connectors,
+            # (the built-in host tier and KV transfer move each rank's share of a block)
+            "kv_connectors": [n for n in self.kv_connectors if n not in ("offload", "kv_transfer")],
             "enable_dbo": self.enable_dbo,
         }
         if spec is not None:  # the draft model's and the device lookup's own KV writes

@@ -148,8 +148,7 @@ def test_refused_shapes(tiny_models, kw: dict, match: str) -> None:
 @pytest.mark.parametrize(
     ("extra", "name"),
     [
-        ({"kv_transfer_config": {"kv_role": "kv_both"}}, "kv_transfer_config"),
-        ({"kv_offloading_size": 1}, "kv_offloading_size"),
+        ({"kv_connectors": ("a_probe",)}, "kv_connectors"),
         ({"speculative_config": {"method": "ngram_gpu", "num_speculative_tokens": 2}},
          "ngram_gpu"),
     ],
@@ -159,6 +158,57 @@ def test_refused_combinations(one_kv_head, extra: dict, name: str) -> None:
                       decode_context_parallel_size=2, **extra)  # fmt: skip
     with pytest.raises(ValueError, match=f"decode_context_parallel_size > 1 .*{name}"):
         args.create_engine_config()
+
+
+def test_the_host_tier_and_kv_transfers_move_each_ranks_share(one_kv_head, tmp_path) -> None:
+    """DCP = 2 with the host KV tier and with prefill/decode disaggregation: each rank saves,
+    writes and loads its own share of every block (the scheduler's blocks span D x block_size
+    positions: 32 here). A prompt pushed out of a 12-block device pool comes back from the
+    tier with the cold run's tokens and logprobs; a DCP pair's tokens are one rank's, each
+    rank reading its own file."""
+    from tests.engine.test_kv_transfer import _decode, _hand_over, _role
+
+    path = one_kv_head("llama")
+    rng = np.random.default_rng(3)
+    a, *others = (rng.integers(3, 500, 150).tolist() for _ in range(5))
+    one = _tokens(_engine(path, 1, 1), [{"prompt_token_ids": a}])
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+
+    def run(llm: LLM, prompt: list[int]) -> tuple[list[int], list[float]]:
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
+        c = out.outputs[0]
+        return list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
+
+    llm = _engine(path, 2, 2, kv_offloading_size=0.01, num_gpu_blocks_override=12,
+                  max_num_seqs=1)  # fmt: skip
+    try:
+        cold = run(llm, a)
+        for p in others:
+            run(llm, p)
+        again = run(llm, a)
+        tier = next(c for c in llm.llm_engine.engine_core.scheduler.connectors
+                    if c.name == "offload")  # fmt: skip
+        assert tier.hit_tokens == (150 - 1) // 32 * 32
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert again[0] == cold[0] == one[0][:8]
+    np.testing.assert_allclose(again[1], cold[1], rtol=1e-5, atol=1e-5)
+    pair = {}
+    for role in ("kv_producer", "kv_consumer"):
+        pair[role] = _engine(path, 2, 2, max_num_batched_tokens=32, kv_transfer_config={
+            "kv_role": role, "kv_buffer_path": str(tmp_path), "engine_id": role[3:]})  # fmt: skip
+    try:
+        (params,) = _hand_over(pair["kv_producer"], [a])
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            params["remote_block_file"] + f".r{r}" for r in range(2)
+        ]
+        consumer = pair["kv_consumer"]
+        (got,) = consumer.generate([{"prompt_token_ids": a}], _decode(params, 24), use_tqdm=False)
+        assert _role(consumer).received_tokens == (150 - 1) // 32 * 32
+    finally:
+        for llm in pair.values():
+            llm.llm_engine.engine_core.shutdown()
+    assert list(got.outputs[0].token_ids) == one[0]
 
 
 def test_cli_flag() -> None:
