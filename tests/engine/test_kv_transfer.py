@@ -285,15 +285,15 @@ def test_kv_compress_on_a_pair_equals_one_engine(tiny_models, tmp_path, arch, dt
     assert _tokens(got)[0] == _tokens(ref)[0]
 
 
-@pytest.mark.parametrize("kvc", [False, True], ids=["plain", "kv_compress"])
-def test_a_pair_with_tensor_parallelism(tiny_models, tmp_path, kvc):
-    """TP=2 on both sides (gloo): each rank writes and reads its own shard's file (with
-    KV-Compress, its own KV heads' blocks, whose ids the scheduler numbers over both ranks'
-    pools); the tokens are one engine's."""
+def test_a_pair_with_tensor_parallelism(tiny_models, tmp_path):
+    """TP=2 on both sides (gloo), with KV-Compress: each rank writes and reads its own file,
+    its own KV heads' blocks, whose ids the scheduler numbers over both ranks' pools (the
+    plain layout's shards take the same files: the DCP pair of
+    ``tests/models/test_decode_context_parallel.py``); the tokens are one engine's without
+    KV-Compress (a budget that evicts nothing)."""
     prompt = _prompt(13, 100)
-    kw = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
-    if kvc:  # (a budget that evicts nothing: TP=1 without KV-Compress is the reference)
-        kw |= {"enable_kvc": True, "num_gpu_blocks_override": 1024, "max_num_batched_tokens": 64}
+    kw = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "enable_kvc": True,
+          "num_gpu_blocks_override": 1024, "max_num_batched_tokens": 64}  # fmt: skip
     producer = _llm(tiny_models, "llama", "kv_producer", tmp_path, **kw)
     try:
         (params,) = _hand_over(producer, [prompt])
@@ -306,8 +306,8 @@ def test_a_pair_with_tensor_parallelism(tiny_models, tmp_path, kvc):
     try:
         (got,) = consumer.generate([{"prompt_token_ids": prompt}], _decode(params),
                                    use_tqdm=False)  # fmt: skip
-        # (100 - 1) // 16 = 6 blocks; KV-Compress computes the last 32: (100 - 32) // 16 = 4
-        assert _role(consumer).received_tokens == (4 if kvc else 6) * BLOCK
+        # KV-Compress computes the last 32 tokens: (100 - 32) // 16 = 4 blocks
+        assert _role(consumer).received_tokens == 4 * BLOCK
     finally:
         consumer.llm_engine.engine_core.shutdown()
     (ref,) = _llm(tiny_models, "llama", None, tmp_path).generate(

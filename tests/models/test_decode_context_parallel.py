@@ -193,21 +193,19 @@ def test_the_host_tier_and_kv_transfers_move_each_ranks_share(one_kv_head, tmp_p
         llm.llm_engine.engine_core.shutdown()
     assert again[0] == cold[0] == one[0][:8]
     np.testing.assert_allclose(again[1], cold[1], rtol=1e-5, atol=1e-5)
-    pair = {}
-    for role in ("kv_producer", "kv_consumer"):
-        pair[role] = _engine(path, 2, 2, max_num_batched_tokens=32, kv_transfer_config={
-            "kv_role": role, "kv_buffer_path": str(tmp_path), "engine_id": role[3:]})  # fmt: skip
+    # one engine in both roles (no prefix cache: the consumer side reads the whole transfer)
+    both = _engine(path, 2, 2, max_num_batched_tokens=32, enable_prefix_caching=False,
+                   kv_transfer_config={"kv_role": "kv_both", "kv_buffer_path": str(tmp_path),
+                                       "engine_id": "both"})  # fmt: skip
     try:
-        (params,) = _hand_over(pair["kv_producer"], [a])
+        (params,) = _hand_over(both, [a])
         assert sorted(p.name for p in tmp_path.iterdir()) == [
             params["remote_block_file"] + f".r{r}" for r in range(2)
         ]
-        consumer = pair["kv_consumer"]
-        (got,) = consumer.generate([{"prompt_token_ids": a}], _decode(params, 24), use_tqdm=False)
-        assert _role(consumer).received_tokens == (150 - 1) // 32 * 32
+        (got,) = both.generate([{"prompt_token_ids": a}], _decode(params, 24), use_tqdm=False)
+        assert _role(both).received_tokens == (150 - 1) // 32 * 32
     finally:
-        for llm in pair.values():
-            llm.llm_engine.engine_core.shutdown()
+        both.llm_engine.engine_core.shutdown()
     assert list(got.outputs[0].token_ids) == one[0]
 
 
