@@ -284,14 +284,15 @@ def test_unsupported_combinations_name_the_field(tiny_models) -> None:
         )
 
 
-@pytest.mark.parametrize("arch,spec", [("llama", NGRAM), ("gemma3", SUFFIX)])
+@pytest.mark.parametrize("arch,spec", [("gemma3", SUFFIX)])
 def test_spec_decode_with_kvc_over_two_ranks_equals_one(tiny_models, arch: str, spec: dict):
     """Speculative decoding with KV-Compress under tensor parallelism (two gloo ranks, a KV
     head each; async steps asked for): each rank drops its heads' rejected drafts' KVs and
     scores its heads' keys with the verify rows' queries it kept, and the evictions choose
     across both ranks' heads as one rank would. Without eviction, with one after the prompt
     and with continual compression: one rank's tokens and evicted KVs, drafts kept and
-    dropped. (Gemma 3: window layers that keep their KVs.)"""
+    dropped. (Gemma 3, suffix drafts: window layers that keep their KVs beside compressed
+    ones; llama with ngram drafts passes too, left out for the suite's time.)"""
     path = tiny_models(arch)
     prompts = _prompts()
     kw = {"enable_kvc": True, "speculative_config": spec, "async_scheduling": True,

@@ -225,3 +225,28 @@ class PerHeadKVManager(Protocol):
     def detach_own(self, request: Request, keep_cached: bool = False) -> Any: ...
     def apply_compaction(self, request: Request, lens: Any, computed: int | None = None) -> int: ...
     def drop_last(self, request: Request, num_tokens: int) -> int: ...
+
+
+@runtime_checkable
+class PerHeadRows(Protocol):
+    """What a per-head KV manager offers the roles that move whole blocks of a request's
+    prompt (the host tier, ``core/sched/offload.py``; KV transfers,
+    ``core/kv_transfer/scheduler.py``), beyond ``KVCacheManagerBase``: a row is block i of
+    every (layer, KV head), as long as the request was never evicted from.
+
+    - ``block_columns(rid, first, n)``: [n, LH] the block ids of blocks first..first+n-1;
+    - ``count_loaded(rid, n)``: the first n tokens of the latest allocation were loaded, not
+      computed (the runner's table counts them);
+    - ``fits_first(r, n)``: whether a request not yet admitted finds blocks for n tokens
+      after its prefix hit;
+    - ``block_hashes(r)`` / ``cached_ids(key)``: the prefix cache's keys of r's full blocks,
+      and the [LH] blocks of the device cache's entry for a key (None: not cached).
+    """
+
+    block_size: int
+
+    def block_columns(self, request_id: str, first: int, n: int) -> Any: ...
+    def count_loaded(self, request_id: str, num_tokens: int) -> None: ...
+    def fits_first(self, request: Request, num_tokens: int) -> bool: ...
+    def block_hashes(self, request: Request) -> list: ...
+    def cached_ids(self, key: Any) -> Any: ...

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.core.kv_cache.interface import PerHeadRows
 from pagedllm.core.kv_transfer.config import KVTransferConfig
 from pagedllm.core.kv_transfer.files import (
     TransferHeader,
@@ -193,7 +194,7 @@ class KVTransferScheduler(KVConnectorScheduler):
             raise ValueError("the 'kv_transfer' KV connector needs kv_transfer_config.")
         kv = context.kv_manager
         # KV-Compress's per-head manager: a row is a block index of every (layer, KV head)
-        self.heads: Any = kv if hasattr(kv, "block_columns") else None
+        self.heads: PerHeadRows | None = kv if isinstance(kv, PerHeadRows) else None
         self.tables: list[Any] = (
             [kv] if self.heads is not None else block_tables(kv, "kv_transfer_config")
         )

@@ -232,7 +232,9 @@ def cap_to_free(kv: Any, num_tables: int, budget: int, request: Request, hit: in
 def cap_external(kv: Any, num_tables: int, budget: int, request: Request, hit: int, n: int) -> int:
     """``cap_to_free`` for any KV manager: KV-Compress's per-head one (``fits_first``) needs a
     block of every (layer, KV head) per external block, and the first chunk's after them."""
-    if not hasattr(kv, "fits_first"):
+    from pagedllm.core.kv_cache.interface import PerHeadRows
+
+    if not isinstance(kv, PerHeadRows):
         return cap_to_free(kv, num_tables, budget, request, hit, n)
     bs, left = kv.block_size, request.num_tokens - hit
     while n and not kv.fits_first(request, n * bs + min(budget, left - n * bs)):

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.core.kv_cache.interface import PerHeadRows
 from pagedllm.core.kv_transfer.files import row_bytes
 from pagedllm.core.request import Request
 from pagedllm.core.sched.connector import (
@@ -110,7 +111,7 @@ class OffloadScheduler(KVConnectorScheduler):
             raise ValueError("the 'offload' KV connector needs kv_offloading_size (GiB).")
         kv = context.kv_manager
         # KV-Compress's per-head manager: a host block is block i of every (layer, KV head)
-        self.heads: Any = kv if hasattr(kv, "block_columns") else None
+        self.heads: PerHeadRows | None = kv if isinstance(kv, PerHeadRows) else None
         self.tables: list[Any] = (
             [kv] if self.heads is not None else block_tables(kv, "kv_offloading_size")
         )
