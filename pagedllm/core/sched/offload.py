@@ -259,14 +259,21 @@ class OffloadScheduler(KVConnectorScheduler):
                 continue
             if i < start or device[i] == self.null_id:  # (a skipped save is not retried)
                 continue
-            host = self._host_block()
-            if host is None:
-                self.skipped_saves += 1
-                continue
-            entries[key] = host
-            self.landing[host] = key
-            self.busy[host] = self.busy.get(host, 0) + 1
-            meta.saves.append((device[i], host))
+            host = self._landing_block(key)
+            if host is not None:
+                meta.saves.append((device[i], host))
+
+    def _landing_block(self, key: Any) -> int | None:
+        """A host block for entry ``key``'s save, the entry landing until the step's results
+        come back; None (counted as skipped) when every host block is busy."""
+        host = self._host_block()
+        if host is None:
+            self.skipped_saves += 1
+            return None
+        self.entries[key] = host
+        self.landing[host] = key
+        self.busy[host] = self.busy.get(host, 0) + 1
+        return host
 
     def _save_heads(self, hashes: list, start: int, full: int, meta: OffloadMetadata) -> None:
         """``_save`` for KV-Compress: a block is the device prefix cache's entry of its hash
@@ -281,17 +288,10 @@ class OffloadScheduler(KVConnectorScheduler):
                 entries.move_to_end(key)
                 continue
             ids = self.heads.cached_ids(key) if i >= start else None
-            if ids is None:
-                continue
-            host = self._host_block()
-            if host is None:
-                self.skipped_saves += 1
-                continue
-            entries[key] = host
-            self.landing[host] = key
-            self.busy[host] = self.busy.get(host, 0) + 1
-            meta.saves.append((i, host))
-            meta.save_heads.append(ids.copy())
+            host = None if ids is None else self._landing_block(key)
+            if host is not None:
+                meta.saves.append((i, host))
+                meta.save_heads.append(ids.copy())
 
     def update(self, metadata: OffloadMetadata | None, output: OffloadReport | None) -> None:
         """A step's copies are done: its saved entries become loadable, its host blocks
