@@ -8,7 +8,7 @@ score the keys, as a prompt's last chunk does), and its remaining prompt tokens 
 prompt logprobs - see the compressed cache; it is never evicted again. Every eviction of
 every request is logged as (request id, KVs before, KVs after) in the planner's ``log``
 (compressible heads, its shared cached prefix included), e.g.
-``llm.llm_engine.engine_core.scheduler.connectors[0].log``.
+``llm.llm_engine.engine_core.scheduler.connectors[-1].log`` (KV-Compress's role: last).
 
 Use: ``with measured_prefix(): llm = LLM(..., enable_kvc=True); llm.generate(...)`` (the
 engine's KV-Compress scheduler role is this subclass while the block runs; in-process

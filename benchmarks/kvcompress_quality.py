@@ -143,7 +143,9 @@ def run_ours(llm: Any, tok: Any, tasks: list[dict], rate: float | None) -> list[
 
     core = llm.llm_engine.engine_core
     kv = core.scheduler.kv_cache_manager
-    probe = core.scheduler.connectors[0] if rate is not None else None  # (kvc_probe.py)
+    probe = None
+    if rate is not None:  # the planner (kvc_probe.py; KV-Compress's hooks run last)
+        probe = next(c for c in core.scheduler.connectors if c.name == "kvcompress")
     if probe is not None:
         probe.log.clear()
     kvc = {} if rate is None else {"compression_rate": float(rate), "compress_once": True}
