@@ -285,7 +285,7 @@ def _attend_range(
 # num_reqs and stride_bt (the block table's width: the step's longest request, in blocks)
 # vary step by step: no specialization on them (Triton would compile one variant for 1, one
 # for multiples of 16, one for the rest, and a step that meets a new one stalls for the
-# compile: on an H100 the tools-required benchmark met one mid-run, 1.2 s of a 2.4 s run)
+# compile, a second or more)
 @triton.jit(
     do_not_specialize=["num_reqs", "stride_bt"],
     do_not_specialize_on_alignment=["qsl_ptr", "seq_lens_ptr", "bt_ptr"],

@@ -161,12 +161,7 @@ class OffloadWorker(KVConnectorWorker):
             return
         dst = self.ids.ship(np.fromiter((d for _, d in metadata.loads), np.int64))
         if self.cuda:
-            staged = torch.empty(
-                len(host_ids), self.block_bytes, dtype=torch.uint8, device=self.device
-            )  # [n, block_bytes]
-            for first, pos, n in host_runs(host_ids):
-                staged[pos : pos + n].copy_(self.host[first : first + n], non_blocking=True)
-            sources = block_views(self.pages, self.dtype, staged)
+            sources = block_views(self.pages, self.dtype, self._host_rows(host_ids))
         else:
             src = torch.tensor(host_ids)
             sources = [h.index_select(1, src) for h in self.host_tensors]
@@ -176,7 +171,8 @@ class OffloadWorker(KVConnectorWorker):
 
     def _host_rows(self, host_ids: list[int]) -> torch.Tensor:
         """[n, block_bytes] host blocks ``host_ids`` on the device (one asynchronous copy per
-        run of consecutive ids on a GPU; a gather on a CPU)."""
+        run of consecutive ids on a GPU, on the compute stream: no host sync; a gather on a
+        CPU, whose block-major host tensor only KV-Compress's rows use)."""
         if not self.cuda:
             return self.host.index_select(0, torch.tensor(host_ids))
         staged = torch.empty(len(host_ids), self.block_bytes, dtype=torch.uint8, device=self.device)

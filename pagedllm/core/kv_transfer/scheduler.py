@@ -83,16 +83,14 @@ class KVTransferRoleConfig:
 
 
 def kv_transfer_role_config(
-    transfer: KVTransferConfig | None, kv_groups: Any, kvc_config: Any = None
+    transfer: KVTransferConfig | None, kv_groups: Any, keep_last: int = 1
 ) -> Any:
-    """The role's config (None when the engine has no ``kv_transfer_config``)."""
+    """The role's config (None when the engine has no ``kv_transfer_config``;
+    ``keep_last``: ``core/sched/roles.keep_last``)."""
     if transfer is None or kv_groups is None:
         return None
-    keep = 1
-    if kv_groups.head_paged is not None and kvc_config is not None:
-        keep = max(1, kvc_config.prefill_metric_collection_window_size)
     return KVTransferRoleConfig(
-        transfer, layout_of(kv_groups, transfer.tp_size), row_bytes(kv_groups), keep
+        transfer, layout_of(kv_groups, transfer.tp_size), row_bytes(kv_groups), keep_last
     )
 
 

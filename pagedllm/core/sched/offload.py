@@ -64,19 +64,15 @@ class OffloadConfig:
             )
 
 
-def offload_config(
-    cache_config: Any, kv_groups: Any, kvc_config: Any = None
-) -> OffloadConfig | None:
+def offload_config(cache_config: Any, kv_groups: Any, keep_last: int = 1) -> OffloadConfig | None:
     """The tier's config from ``kv_offloading_bytes`` (None when it is 0 or the KV groups are
-    unknown). KV-Compress: a host block is a row of one block of every (layer, KV head)."""
+    unknown; ``keep_last``: ``roles.keep_last``). KV-Compress: a host block is a row of one
+    block of every (layer, KV head)."""
     nbytes = cache_config.kv_offloading_bytes
     if not nbytes or kv_groups is None:
         return None
     block = row_bytes(kv_groups)
-    keep = 1
-    if kv_groups.head_paged is not None and kvc_config is not None:
-        keep = max(1, kvc_config.prefill_metric_collection_window_size)
-    return OffloadConfig(nbytes // block, block, keep)
+    return OffloadConfig(nbytes // block, block, keep_last)
 
 
 @dataclass
