@@ -114,8 +114,7 @@ one() {
     tests-lora)  # the LoRA shrink/expand Triton kernels against the PyTorch reference
       $PYTEST tests/kernels/test_lora_kernels.py ;;
     lora-a)  # Benchmark A's workload: the base model, then 4 and 16 rank-16 adapters mixed
-      python benchmarks/lora_gpu.py --adapters "${LORA_ADAPTERS:-4,16}" ${LORA_PARTIALS:+--partials} \
-        --out "$OUT" ;;
+      python benchmarks/lora_gpu.py --adapters "${LORA_ADAPTERS:-4,16}" --out "$OUT" ;;
     lora-micro)  # the shrink/expand kernels alone, launch parameters swept (LORA_TOKENS, LORA_SLOTS)
       python benchmarks/lora_micro.py --tokens "${LORA_TOKENS:-256,64}" \
         --slots "${LORA_SLOTS:-4,16}" --out "$OUT" | tail -12 ;;

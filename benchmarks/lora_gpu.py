@@ -101,9 +101,6 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--partials", action="store_true",
-                   help="then each adapter count again with split-K's sums stored apart "
-                   "(pagedllm.ops.lora.SHRINK_PARTIALS: no memset, no atomics)")  # fmt: skip
     args = p.parse_args()
     path = make_hf_model("qwen3-0.6b", torch.bfloat16, "/tmp/qwen3_bfloat16")
     device = torch.cuda.get_device_name()
@@ -112,22 +109,14 @@ def main() -> None:
                                  "num_prompts": args.num_prompts, "input_len": "100-1024",
                                  "output_len": "100-1024", "ignore_eos": True}}  # fmt: skip
     runs = [run(path, args.num_prompts, 0, args.rank)]
-    counts = [int(x) for x in args.adapters.split(",") if x]
-    for k in counts:
+    for k in (int(x) for x in args.adapters.split(",") if x):
         runs.append(run(path, args.num_prompts, k, args.rank))
-    if args.partials:  # (read when the engine captures its graphs: set before it is built)
-        import pagedllm.ops.lora as lora_ops
-
-        lora_ops.SHRINK_PARTIALS = True
-        for k in counts:
-            runs.append({**run(path, args.num_prompts, k, args.rank), "partials": True})
-        lora_ops.SHRINK_PARTIALS = False
     base = runs[0]["output_tokens_per_s"]
     for r in runs:
         r["ratio_to_base"] = r["output_tokens_per_s"] / base
     result["runs"] = runs
     result["goal"] = "every adapter run >= 0.8x the base"
-    result["goal_met"] = all(r["ratio_to_base"] >= 0.8 for r in runs if not r.get("partials"))
+    result["goal_met"] = all(r["ratio_to_base"] >= 0.8 for r in runs)
     os.makedirs(args.out, exist_ok=True)
     name = f"lora_bench-a_{device.replace(' ', '_')}.json"
     with open(os.path.join(args.out, name), "w") as f:

@@ -2,8 +2,7 @@
 shrink and the expand for each projection of the Qwen3-0.6B shape, a decode step's tokens
 spread evenly over K adapter slots, rank 16, bf16; the launch parameters swept (M tile,
 split-K) and the defaults' time per decode step over all layers against the base model's own
-projection matmuls (and the shrink with split-K off; and split-K's sums stored apart for the
-expand to add, ``partials``, against the default's atomics into a zeroed buffer):
+projection matmuls (and the shrink with split-K off):
 
     python benchmarks/lora_micro.py --tokens 256 --slots 4,16 --out DIR
 
@@ -86,12 +85,6 @@ def case(tokens: int, slots: int, k_in: int, subs: list[int]) -> dict:
         lambda bm=bm: lora_expand(s, b, out, meta, ranges, tokens, max(subs), bm))
         for bm in (16, 32, 64)}  # fmt: skip
     row["expand_default_us"] = row["expand_us"][f"bm{_block_m(tokens)}"]
-    # split-K's sums stored apart (no memset, no atomics) and added by the expand
-    row["shrink_partials_us"] = graph_us(
-        lambda: lora_shrink(x, a, meta, tokens, RANK, partials=True))
-    parts = lora_shrink(x, a, meta, tokens, RANK, partials=True)
-    row["expand_partials_us"] = graph_us(
-        lambda: lora_expand(parts, b, out, meta, ranges, tokens, max(subs)))  # fmt: skip
     return row
 
 
@@ -106,8 +99,7 @@ def main() -> None:
                     "layers": LAYERS, "cases": []}  # fmt: skip
     for t in (int(v) for v in args.tokens.split(",")):
         for n in (int(v) for v in args.slots.split(",")):
-            per_step = {"base_ms": 0.0, "lora_ms": 0.0, "shrink_ms": 0.0,
-                        "shrink_unsplit_ms": 0.0, "lora_partials_ms": 0.0}  # fmt: skip
+            per_step = {"base_ms": 0.0, "lora_ms": 0.0, "shrink_ms": 0.0, "shrink_unsplit_ms": 0.0}
             for name, k_in, subs in SHAPES:
                 r = case(t, n, k_in, subs)
                 r.update(tokens=t, slots=n, projection=name)
@@ -118,9 +110,6 @@ def main() -> None:
                 )
                 per_step["shrink_ms"] += LAYERS * r["shrink_default_us"] / 1e3
                 per_step["shrink_unsplit_ms"] += LAYERS * r["shrink_unsplit_us"] / 1e3
-                per_step["lora_partials_ms"] += (
-                    LAYERS * (r["shrink_partials_us"] + r["expand_partials_us"]) / 1e3
-                )
                 print(t, n, name, {k: v for k, v in r.items() if k.endswith("_us") and
                                    not isinstance(v, dict)}, flush=True)  # fmt: skip
             result.setdefault("per_decode_step", []).append({"tokens": t, "slots": n, **per_step})

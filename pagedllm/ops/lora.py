@@ -12,9 +12,8 @@ is in no segment and is never touched.
   program takes BLOCK_M tokens of slot l's segment (programs past the segment's end return)
   and one of SPLIT_K stretches of the K dimension, so the grid depends only on T and the
   shapes: a CUDA graph captures it, and the step's ``meta`` and the slots' weights are read
-  from static buffers at replay. Split-K (partial sums added atomically into a zeroed ``s``,
-  or with ``SHRINK_PARTIALS`` stored apart for the expand to add) because a decode step has
-  few tokens per slot: without it a slot's whole K loop (48
+  from static buffers at replay. Split-K (partial sums added atomically into a zeroed ``s``)
+  because a decode step has few tokens per slot: without it a slot's whole K loop (48
   iterations for down_proj's 3,072 inputs) ran in one program, a handful of programs in all.
 - ``lora_expand``: out[t, off_k + j] += s[k, t, :] @ B[slot(t), off_k + j, :] for j below
   the sub-projection's size; grid (M tiles of the slot-sorted tokens x N tiles, S): a tile
@@ -47,13 +46,11 @@ def _shrink_kernel(
     stride_al,
     stride_ar,
     stride_ss,
-    stride_sp,  # PARTIALS: between the splits' partial sums
     k_per_split,  # a multiple of BLOCK_K
     R: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,  # > 1: partial sums over K stretches, added atomically
-    PARTIALS: tl.constexpr,  # with SPLIT_K > 1: each split stores its own (no atomics)
     F32: tl.constexpr,  # dots in float32 (float32 models, and the CPU's interpreter)
 ):
     pid_m = tl.program_id(0)
@@ -86,9 +83,7 @@ def _shrink_kernel(
         else:
             acc += tl.dot(x, a.to(x.dtype))
     s_ptrs = s_ptr + sub * stride_ss + tok[:, None] * R + offs_r[None, :]
-    if PARTIALS:
-        tl.store(s_ptrs + split * stride_sp, acc, mask=mmask[:, None])
-    elif SPLIT_K > 1:
+    if SPLIT_K > 1:
         tl.atomic_add(s_ptrs, acc, mask=mmask[:, None], sem="relaxed")
     else:
         tl.store(s_ptrs, acc, mask=mmask[:, None])
@@ -109,11 +104,9 @@ def _expand_kernel(
     stride_bl,
     stride_bn,
     stride_ss,
-    stride_sp,  # between the shrink's partial sums (NUM_PARTS > 1)
     R: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_PARTS: tl.constexpr,  # the shrink's partial sums to add (1: one sum)
     F32: tl.constexpr,  # dots in float32 (float32 models, and the CPU's interpreter)
 ):
     # A program takes BLOCK_M consecutive tokens of the slot-sorted order (not of one slot):
@@ -145,11 +138,11 @@ def _expand_kernel(
         end = start + tl.load(meta_ptr + max_tokens + num_slots + slot)
         if (start < m0 + BLOCK_M) & (end > m0):
             rows = mmask & (offs_m >= start) & (offs_m < end)
-            sv_ptrs = s_ptr + sub * stride_ss + tok[:, None] * R + offs_r[None, :]
-            sv = tl.load(sv_ptrs, mask=rows[:, None], other=0.0)
-            for part in tl.static_range(1, NUM_PARTS):
-                sv += tl.load(sv_ptrs + part * stride_sp, mask=rows[:, None], other=0.0)
-            # sv [BLOCK_M, R]: this slot's rows, zero elsewhere
+            sv = tl.load(
+                s_ptr + sub * stride_ss + tok[:, None] * R + offs_r[None, :],
+                mask=rows[:, None],
+                other=0.0,
+            )  # [BLOCK_M, R]: this slot's rows, zero elsewhere
             b = tl.load(
                 b_ptr + slot * stride_bl + (off + offs_n)[None, :] * stride_bn + offs_r[:, None],
                 mask=nmask[None, :],
@@ -179,10 +172,6 @@ def _block_m(num_tokens: int) -> int:
 
 SHRINK_BLOCK_K = 64
 SHRINK_K_PER_SPLIT = 256  # K elements a split-K program sums (4 loop steps of BLOCK_K)
-# split-K's partial sums: False, added atomically into a zeroed ``s`` (a memset per call);
-# True, each split's stored apart and the expand adds them (no memset, no atomics; not yet
-# timed against the atomic form on a GPU: ``benchmarks/lora_micro.py`` sweeps both)
-SHRINK_PARTIALS = False
 
 
 def shrink_split_k(num_tokens: int, k: int) -> int:
@@ -200,13 +189,10 @@ def lora_shrink(
     rank: int,
     block_m: int | None = None,
     split_k: int | None = None,
-    partials: bool | None = None,
 ) -> torch.Tensor:
     """[T, K] x, [L, S * R, K] slots' A (R = ``rank``, a power of two >= 16), the step's
     ``meta`` -> [S, T, R] float32 (rows of tokens without an adapter: zero with split-K,
-    else unwritten); with split-K and ``partials`` (default ``SHRINK_PARTIALS``), [P, S, T, R]
-    the P splits' partial sums, which ``lora_expand`` adds (rows without an adapter
-    unwritten). ``block_m``/``split_k`` override the defaults (``_block_m``,
+    else unwritten). ``block_m``/``split_k`` override the defaults (``_block_m``,
     ``shrink_split_k``; the micro-benchmark sweeps them)."""
     T, K = x.shape
     L, SR, _ = a.shape
@@ -218,16 +204,14 @@ def lora_shrink(
     bk = SHRINK_BLOCK_K
     per = triton.cdiv(triton.cdiv(K, split), bk) * bk  # K elements per split, whole blocks
     split = triton.cdiv(K, per)  # (no empty split: K 100, split 4 -> per 64 -> 2 splits)
-    apart = split > 1 and (SHRINK_PARTIALS if partials is None else partials)
-    alloc = torch.zeros if split > 1 and not apart else torch.empty
-    s = alloc((split if apart else 1, S, T, R), dtype=torch.float32, device=x.device)
+    alloc = torch.zeros if split > 1 else torch.empty
+    s = alloc((S, T, R), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(T, bm), L, S * split)
     _shrink_kernel[grid](
-        x, a, s, meta, max_tokens, L, K, x.stride(0), a.stride(0), a.stride(1), s.stride(1),
-        s.stride(0), per, R=R, BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=split, PARTIALS=apart,
-        F32=_f32(x),
+        x, a, s, meta, max_tokens, L, K, x.stride(0), a.stride(0), a.stride(1), s.stride(0),
+        per, R=R, BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=split, F32=_f32(x),
     )  # fmt: skip
-    return s if apart else s[0]
+    return s
 
 
 def lora_expand(
@@ -240,19 +224,16 @@ def lora_expand(
     max_sub_size: int,
     block_m: int | None = None,
 ) -> None:
-    """``out`` [T, N] += each token's [S, R] shrink (``s`` [S, T, R], or [P, S, T, R]
-    partial sums added here) times its slot's B [L, N, R], each sub-projection into its own
-    columns (``subs``: [2S] offsets then sizes, on the device; ``max_sub_size``: the largest
-    size, on the host)."""
-    parts = s if s.dim() == 4 else s[None]
-    P, S, T, R = parts.shape
+    """``out`` [T, N] += each token's [S, R] shrink times its slot's B [L, N, R], each
+    sub-projection into its own columns (``subs``: [2S] offsets then sizes, on the device;
+    ``max_sub_size``: the largest size, on the host)."""
+    S, T, R = s.shape
     L = b.shape[0]
     assert out.stride(1) == 1 and b.stride(2) == 1
     bm, bn = block_m or _block_m(T), 64
     nb = triton.cdiv(max_sub_size, bn)
     grid = (triton.cdiv(T, bm) * nb, S)
     _expand_kernel[grid](
-        parts, b, out, meta, subs, max_tokens, L, S, nb, out.stride(0), b.stride(0),
-        b.stride(1), parts.stride(1), parts.stride(0), R=R, BLOCK_M=bm, BLOCK_N=bn,
-        NUM_PARTS=P, F32=_f32(out),
+        s, b, out, meta, subs, max_tokens, L, S, nb, out.stride(0), b.stride(0), b.stride(1),
+        s.stride(0), R=R, BLOCK_M=bm, BLOCK_N=bn, F32=_f32(out),
     )  # fmt: skip

@@ -238,16 +238,13 @@ def _other_variants() -> list[tuple[str, object, dict, dict]]:
     )  # fmt: skip
     for dtype, f32 in ((BF16, False), (F32, True)):
         lp = dict(x_ptr=dtype, a_ptr=dtype, s_ptr=F32, meta_ptr=I64)
-        # decode: split-K, atomic adds or partial sums stored apart; prompts: stores
-        for bm, split, apart in ((16, 4, False), (16, 4, True), (64, 1, False)):
-            c = dict(R=16, BLOCK_M=bm, BLOCK_K=64, SPLIT_K=split, PARTIALS=apart, F32=f32)
-            out.append((f"lora shrink BLOCK_M={bm} SPLIT_K={split} partials={apart} "
-                        f"f32={f32}", lora._shrink_kernel, lp, c))  # fmt: skip
+        for bm, split in ((16, 4), (64, 1)):  # decode: split-K, atomic adds; prompts: stores
+            c = dict(R=16, BLOCK_M=bm, BLOCK_K=64, SPLIT_K=split, F32=f32)
+            out.append((f"lora shrink BLOCK_M={bm} SPLIT_K={split} f32={f32}",
+                        lora._shrink_kernel, lp, c))  # fmt: skip
             ep = dict(s_ptr=F32, b_ptr=dtype, out_ptr=dtype, meta_ptr=I64, sub_ptr=I64)
-            parts = split if apart else 1
-            ec = dict(R=16, BLOCK_M=bm, BLOCK_N=64, NUM_PARTS=parts, F32=f32)
-            out.append((f"lora expand BLOCK_M={bm} parts={parts} f32={f32}",
-                        lora._expand_kernel, ep, ec))  # fmt: skip
+            out.append((f"lora expand BLOCK_M={bm} f32={f32}", lora._expand_kernel, ep,
+                        dict(R=16, BLOCK_M=bm, BLOCK_N=64, F32=f32)))  # fmt: skip
     out.append(("drafts prepare", drafts._prepare_kernel, spec, dict(K=4, BLOCK_K=8)))
     out.append(("drafts verify", drafts._verify_kernel, spec,
                 dict(K=4, BLOCK_K=8, MAX_N=4, BLOCK_N=4, BLOCK_W=1024, LOOKUP=True)))  # fmt: skip
