@@ -6,6 +6,7 @@ each value, resolves 'auto' choices and the model's own config, and returns an `
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -894,6 +895,7 @@ def _resolve_dtype(dtype: str, hf_config: Any, load_format: str, device: str) ->
     return name
 
 
+@functools.cache
 def cpu_has_bf16() -> bool:
     """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX); Linux's
     /proc/cpuinfo flags, False where they cannot be read."""

@@ -101,6 +101,7 @@ def test_packed_linear_and_lm_head_equal_f_linear(monkeypatch: pytest.MonkeyPatc
     from pagedllm.model.layers.embedding import LMHead
     from pagedllm.model.layers.linear import QKVParallelLinear, ReplicatedLinear
 
+    monkeypatch.setenv("PAGEDLLM_BF16_CARRIER", "0")  # (the float32 carrier: the next test)
     if cpu_ops_pack_unavailable():
         pytest.skip("this torch has no oneDNN bfloat16 matmul")
     g = torch.Generator().manual_seed(5)
@@ -141,6 +142,48 @@ def test_packed_linear_and_lm_head_equal_f_linear(monkeypatch: pytest.MonkeyPatc
 
 def cpu_ops_pack_unavailable() -> bool:
     return cpu_ops.pack_linear(torch.zeros(4, 4, dtype=torch.bfloat16)) is None
+
+
+def test_bfloat16_matmuls_on_a_float32_carrier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU without bfloat16 instructions (forced here), bfloat16 linear layers and the LM
+    head multiply on float32 copies of their weights: the outputs are bfloat16, each the
+    exact product rounded once (within half an ulp of a float64 reference, plus float32's
+    summation error), ties broken as a bfloat16 matmul's would be up to the sums' order;
+    PAGEDLLM_BF16_CARRIER=0 turns it off."""
+    from pagedllm import config as config_mod
+    from pagedllm.model.layers.embedding import LMHead
+    from pagedllm.model.layers.linear import QKVParallelLinear, ReplicatedLinear
+
+    monkeypatch.setattr(config_mod, "cpu_has_bf16", lambda: False)
+    if cpu_ops.pack_linear(torch.zeros(4, 4)) is None:
+        pytest.skip("this torch has no oneDNN matmul")
+    g = torch.Generator().manual_seed(7)
+
+    def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+        assert y.dtype == torch.bfloat16
+        ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        mag = torch.nn.functional.linear(x.double().abs(), w.double().abs())  # sum of |terms|
+        err = (y.double() - ref).abs()
+        assert (err <= ref.abs() * 2.0**-8 + mag * 2.0**-20).all(), err.max()
+
+    layers = [ReplicatedLinear(64, 96, True, torch.bfloat16),
+              QKVParallelLinear(64, 16, 4, 2, False, torch.bfloat16)]  # fmt: skip
+    for layer in layers:
+        for p in layer.parameters():
+            p.data = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+        w, b = layer.weight.data.clone(), layer.bias
+        assert layer.pack_for_cpu() and layer._packed.dtype == torch.float32
+        for shape in [(1, 64), (300, 64), (2, 5, 64)]:
+            x = torch.randn(shape, generator=g).to(torch.bfloat16)
+            check(layer(x), x, w, b)
+    head = LMHead(1000, 64, torch.bfloat16)
+    head.weight.data = torch.randn(1000, 64, generator=g).to(torch.bfloat16)
+    h = torch.randn(9, 64, generator=g).to(torch.bfloat16)
+    assert head.pack_for_cpu()
+    check(head._logits(h), h, head.weight.data, None)
+    monkeypatch.setenv("PAGEDLLM_BF16_CARRIER", "0")
+    layer = ReplicatedLinear(8, 8, False, torch.bfloat16)
+    assert not layer.pack_for_cpu() or layer._packed.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("shape", [(1, 2 * 576), (64, 2 * 1536), (3, 5, 2 * 40), (2, 2 * 7)])

@@ -124,9 +124,9 @@ def _fed_tokens(prompts: list[list[int]]) -> int:
 
 @pytest.mark.parametrize(
     "arch,cores,backend,a2a",
+    # (each architecture once, 4 cores once; for the suite's time, not every architecture
+    # under both exchanges: mixtral and qwen2_moe under allgather were cut, 28 s)
     [("qwen3_moe", 2, "uni", "allgather_reducescatter"),
-     ("qwen2_moe", 2, "uni", "allgather_reducescatter"),
-     ("mixtral", 4, "uni", "allgather_reducescatter"),
      ("qwen3_moe", 2, "mp", "allgather_reducescatter"),
      ("mixtral", 4, "uni", "alltoallv"), ("qwen2_moe", 2, "uni", "alltoallv")],
 )  # fmt: skip

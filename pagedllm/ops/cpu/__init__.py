@@ -280,7 +280,15 @@ def pack_linear(weight: Any) -> Any:
     sums run in another order than F.linear's (MKL's sgemm): within float32 rounding (tested),
     and faster on AMD CPUs, where MKL takes no AVX-512 path. ``benchmarks/throughput.py`` with
     and without ``PAGEDLLM_CPU_KERNELS=0`` measures it end to end. No compiler needed: the
-    matmul is torch's own oneDNN."""
+    matmul is torch's own oneDNN.
+
+    A bfloat16 weight on a CPU without bfloat16 instructions (no AVX512-BF16, no AMX:
+    ``bf16_carrier()``) is packed as float32 copies of its bfloat16 values, which
+    ``packed_linear`` multiplies by the bfloat16 activations widened to float32: a product of
+    two bfloat16 numbers (8-bit significands) is exact in float32 and a bfloat16 matmul sums
+    in float32 too, so the output is a bfloat16 matmul's up to the order of the sums (an ulp
+    on ~0.02% of outputs), at float32's speed - on an AVX2 CPU 7x F.linear's emulated
+    bfloat16 - for twice the weight's memory."""
     import torch
 
     if (
@@ -293,14 +301,29 @@ def pack_linear(weight: Any) -> Any:
         or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     ):
         return None
+    if weight.dtype == torch.bfloat16 and bf16_carrier():
+        weight = weight.float()
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight, 64)  # batch-size hint: decode
     except RuntimeError:  # a oneDNN build without bfloat16 kernels
         return None
 
 
+def bf16_carrier() -> bool:
+    """Whether bfloat16 matmuls run on float32 copies of the weights (``pack_linear``): on a
+    CPU without bfloat16 instructions, unless ``PAGEDLLM_BF16_CARRIER=0``."""
+    from pagedllm.config import cpu_has_bf16
+
+    return os.environ.get("PAGEDLLM_BF16_CARRIER", "") != "0" and not cpu_has_bf16()
+
+
 def packed_linear(x: Any, packed: Any, bias: Any) -> Any:
-    """F.linear(x, W, bias) with ``packed = pack_linear(W)``."""
+    """F.linear(x, W, bias) with ``packed = pack_linear(W)`` (a bfloat16 ``x`` over a float32
+    carrier: widened, multiplied, the output rounded back to bfloat16)."""
     import torch
 
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if x.dtype == packed.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    b = None if bias is None else bias.float()
+    y = torch.ops.mkldnn._linear_pointwise(x.float(), packed, b, "none", [], "")
+    return y.to(x.dtype)
