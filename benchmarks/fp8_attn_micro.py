@@ -3,9 +3,8 @@ one GPU: Llama-3.1-8B's heads (32 query heads over 8 KV heads, head_dim 128), bl
 decode batches of ``--batches`` at ``--ctx`` tokens each; per cache dtype and key tile
 (``--tiles``) the microseconds a call and the KV bytes read per second against the device's
 copy bandwidth. What the engine's default tile is for an fp8 cache comes from here.
-``--configs`` sweeps launch shapes as TILE_N:WARPS:STAGES, or TILE_N:WARPS:STAGES:late for V
-loaded after the scores (``TileConfig.v_late``); the tiles of ``--tiles`` run with the
-defaults' 4 warps and 2 stages, the split-K path's stages as its default.
+``--configs`` sweeps launch shapes as TILE_N:WARPS:STAGES (the tiles of ``--tiles`` run with
+the defaults' 4 warps and 2 stages, the split-K path's stages as its default).
 
     python -P benchmarks/fp8_attn_micro.py --out benchmarks/results
 """
@@ -41,8 +40,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--tiles", default="64,128")
     ap.add_argument("--configs", default="",
-                    help="extra launch shapes, TILE_N:WARPS:STAGES[:late] comma-separated "
-                    "(default none)")
+                    help="extra launch shapes, TILE_N:WARPS:STAGES comma-separated (default none)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -63,22 +61,20 @@ def main() -> None:
         splits = choose_num_splits(batch, kvh, 1, args.ctx, dev)
         for name, (cache, kv_scale) in caches.items():
             kv_bytes = batch * args.ctx * kvh * d * 2 * cache.element_size()
-            shapes = [(int(t), 4, 2, False) for t in args.tiles.split(",")]
-            for c in filter(None, args.configs.split(",")):
-                t, w, st, *late = c.split(":")
-                shapes.append((int(t), int(w), int(st), late == ["late"]))
-            for tile, warps, stages, late in shapes:
+            shapes = [(int(t), 4, 2) for t in args.tiles.split(",")]
+            shapes += [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",") if c]
+            for tile, warps, stages in shapes:
                 split_stages = TileConfig(16, tile).split_num_stages if (warps, stages) == (
                     4, 2) else stages  # fmt: skip
                 cfg = TileConfig(block_m=16, tile_n=tile, num_warps=warps, num_stages=stages,
-                                 split_num_stages=split_stages, v_late=late)  # fmt: skip
+                                 split_num_stages=split_stages)  # fmt: skip
 
                 inputs = (q, cache, qsl, lens, tables, 1, args.ctx, d**-0.5)
                 # CUDA-graph replays, L2 flushed between runs (benchmarks/attn_kernels.py)
                 s = 1e-3 * bench(lambda x=inputs, c=cfg, k=kv_scale: paged_attention(
                     *x, tile_config=c, kv_scale=k), dev)  # fmt: skip
                 rows.append({"batch": batch, "ctx": args.ctx, "cache": name, "tile_n": tile,
-                             "num_warps": warps, "num_stages": stages, "v_late": late,
+                             "num_warps": warps, "num_stages": stages,
                              "num_splits": splits, "us": s * 1e6,
                              "kv_GBps": kv_bytes / s / 1e9,
                              "fraction_of_copy_bw": kv_bytes / s / bw})  # fmt: skip

@@ -129,7 +129,7 @@ one() {
     dcp-2gpu)  # 2+ GPUs: the longest context and TPOT at DCP 1 vs 2 (8B shape, DCP_* knobs)
       python benchmarks/dcp_gpu.py --tp "${DCP_TP:-2}" --dcp "${DCP_SIZES:-1,2}" \
         --kv-heads "${DCP_KV_HEADS:-1}" --kv-gib "${DCP_KV_GIB:-1}" --out "$OUT" ;;
-    fp8-micro)  # FP8_CONFIGS: launch shapes TILE_N:WARPS:STAGES[:late] beside the tiles
+    fp8-micro)  # FP8_CONFIGS: launch shapes TILE_N:WARPS:STAGES beside the tiles
       python benchmarks/fp8_attn_micro.py --tiles "${FP8_TILES:-32,64,128}" \
         --configs "${FP8_CONFIGS:-}" --batches "${FP8_BATCHES:-32,128,256}" --out "$OUT" ;;
     fp8-b)  # Benchmark B's shapes, bf16 vs fp8 KV at equal KV memory (FP8_* knobs)

@@ -116,7 +116,6 @@ def _attend_tiles(
     UPCAST: tl.constexpr,  # dots in fp32 (the CPU interpreter mis-computes bf16 dots)
     PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else "tf32" (unused for 16-bit)
     MASKED: tl.constexpr,  # False: every key of every tile is visible to every valid row
-    V_LATE: tl.constexpr = False,  # load V after the scores (fewer registers live at once)
 ):
     """Online softmax over key tiles ``[tile_lo, tile_hi)``; returns the updated (acc, l, m)."""
     d = tl.arange(0, HEAD_PAD)
@@ -133,11 +132,14 @@ def _attend_tiles(
         kv_ptrs = off[:, None] + d[None, :]  # [TILE_N, HEAD_PAD]
         if MASKED:
             kv_mask = j_mask[:, None] & d_mask[None, :]
-        else:  # (all true where HEAD_PAD == HEAD_DIM: the compiler drops it)
-            kv_mask = d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        if not V_LATE:
+            k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        elif HEAD_PAD == HEAD_DIM:
+            k = tl.load(k_cache_ptr + kv_ptrs)
+            v = tl.load(v_cache_ptr + kv_ptrs)
+        else:
+            k = tl.load(k_cache_ptr + kv_ptrs, mask=d_mask[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + kv_ptrs, mask=d_mask[None, :], other=0.0)
         if UPCAST:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
         else:
@@ -154,8 +156,6 @@ def _attend_tiles(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if V_LATE:
-            v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
         if UPCAST:
             pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
         else:  # (an fp8 cache's V in the query's dtype: the dot stays 16-bit)
@@ -248,7 +248,6 @@ def _attend_range(
     TILE_N: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
-    V_LATE: tl.constexpr = False,
 ):
     """Tiles ``[tile_lo, tile_hi)`` in three runs: masked, mask-free, masked.
 
@@ -263,17 +262,17 @@ def _attend_range(
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off,
         tile_lo, full_lo, key_end, qk_scale, stride_cb, stride_cs,
-        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST, PRECISION, True, V_LATE,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST, PRECISION, True,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off,
         full_lo, full_hi, key_end, qk_scale, stride_cb, stride_cs,
-        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST, PRECISION, False, V_LATE,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST, PRECISION, False,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off,
         full_hi, tile_hi, key_end, qk_scale, stride_cb, stride_cs,
-        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST, PRECISION, True, V_LATE,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST, PRECISION, True,
     )  # fmt: skip
     return acc, l_i, m_i
 
@@ -322,7 +321,6 @@ def _unified_kernel(
     DECODE: tl.constexpr,  # every q_len <= 1: program r is request r's only tile
     scale_ptr=None,  # QUANT: [2, num_kv_heads] float32, an fp8 cache's K then V scales
     QUANT: tl.constexpr = False,
-    V_LATE: tl.constexpr = False,  # TileConfig.v_late
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -354,7 +352,7 @@ def _unified_kernel(
         acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr,
         bt_ptr + r.to(tl.int64) * stride_bt, kvh * stride_ch, tile_lo, tile_hi, first_pos, key_end,
         window, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
-        PRECISION, V_LATE,
+        PRECISION,
     )  # fmt: skip
     if QUANT:  # sum p (v_fp8 * s_v) = s_v * sum p v_fp8
         acc = acc * tl.load(scale_ptr + tl.num_programs(1) + kvh)
@@ -392,7 +390,6 @@ def _split_kernel(
     PRECISION: tl.constexpr,
     scale_ptr=None,  # QUANT: [2, num_kv_heads] float32 (as the unified kernel's)
     QUANT: tl.constexpr = False,
-    V_LATE: tl.constexpr = False,  # TileConfig.v_late
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -435,7 +432,7 @@ def _split_kernel(
         acc, l_i, m_i, q, q_pos, win_lo, k_cache_ptr, v_cache_ptr,
         bt_ptr + r.to(tl.int64) * stride_bt, kvh * stride_ch, tile_lo, tile_hi, pos, seq_len,
         window, qk_scale, stride_cb, stride_cs, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, UPCAST,
-        PRECISION, V_LATE,
+        PRECISION,
     )  # fmt: skip
     if QUANT:  # every split's part times V's scale: the reduce's sums stay linear
         acc = acc * tl.load(scale_ptr + tl.num_programs(1) + kvh)
@@ -544,8 +541,7 @@ class TileConfig:
     ``block_m``: query rows per program of the unified kernel (query tokens x GQA group); the
     split kernel always uses max(16, next_pow2(G)) rows (one decode token's group).
     ``tile_n``: keys per inner-loop step. ``num_stages``: software-pipelining depth of the
-    K/V loads (unified kernel; ``split_num_stages`` for the split-K kernel). ``v_late``: a
-    key tile's V loaded after its scores, not beside its K (fewer registers live at once).
+    K/V loads (unified kernel; ``split_num_stages`` for the split-K kernel).
     """
 
     block_m: int
@@ -553,7 +549,6 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 2
     split_num_stages: int = 3  # the split-K kernel's pipelining depth
-    v_late: bool = False
 
 
 # A chunk at least this long takes LONG_CHUNK_TILES on Hopper (see default_tile_config).
@@ -704,7 +699,7 @@ def paged_attention(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NUM_HEADS=num_heads,
             NUM_SPLITS=num_splits, G=g, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
             BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(g)), TILE_N=tile_n,
-            UPCAST=upcast, PRECISION=precision, V_LATE=cfg.v_late, num_warps=cfg.num_warps,
+            UPCAST=upcast, PRECISION=precision, num_warps=cfg.num_warps,
             num_stages=cfg.split_num_stages, **scales,
         )  # fmt: skip
         _reduce_kernel[(num_reqs, num_heads)](
@@ -723,7 +718,7 @@ def paged_attention(
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), G=g,
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_Q=block_q, TILE_N=tile_n, UPCAST=upcast, PRECISION=precision, DECODE=decode,
-        V_LATE=cfg.v_late, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **scales,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **scales,
     )  # fmt: skip
     return out
 

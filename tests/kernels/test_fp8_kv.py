@@ -8,8 +8,6 @@ interpreter's one conversion bug); reads of the same cache as tightly as 16-bit 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -27,11 +25,7 @@ from pagedllm.kv_layout import (
     write_kv_ref,
 )
 from pagedllm.ops.kv_write import write_kv_cache
-from pagedllm.ops.paged_attention import (
-    default_tile_config,
-    paged_attention,
-    paged_attention_ref,
-)
+from pagedllm.ops.paged_attention import paged_attention, paged_attention_ref
 from pagedllm.ops.rotary import rope, rope_and_cache
 from tests.kernels.test_paged_attention import TOL, make_batch
 
@@ -167,27 +161,21 @@ def _fp8_batch(q_lens, ctx, dtype, seed, heads=4, kvh=2, d=32, bs=16):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("v_late", [False, True])
-def test_paged_attention_fp8(dtype: torch.dtype, num_splits: int, v_late: bool) -> None:
+def test_paged_attention_fp8(dtype: torch.dtype, num_splits: int) -> None:
     """Unified (mixed batch, and decode-only) and split-K paths over an fp8 cache equal the
-    float32 reference over fp8 * scale, sliding window included; with each key tile's V loaded
-    beside its K or after its scores (``TileConfig.v_late``)."""
+    float32 reference over fp8 * scale, sliding window included."""
     scale = 32**-0.5
     cases = [([1, 7, 1, 20], [9, 130, 70, 0]), ([1, 1, 1, 0], [150, 1, 40, 0])]
     for q_lens, ctx in cases:
         if num_splits > 1 and max(q_lens) > 1:
             continue
         b, kv_scale = _fp8_batch(q_lens, ctx, dtype, seed=len(ctx) + num_splits)
-        cfg = None
-        if v_late:  # the defaults' shape, V loaded late
-            decode = b.max_query_len <= 1
-            cfg = replace(default_tile_config(32, decode, b.max_query_len, None, 1), v_late=True)
         for window in (None, 8):
             out = torch.full_like(b.query, 7.0)
             paged_attention(
                 b.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables,
                 b.max_query_len, b.max_seq_len, scale, window, out=out, num_splits=num_splits,
-                kv_scale=kv_scale, tile_config=cfg,
+                kv_scale=kv_scale,
             )  # fmt: skip
             ref = paged_attention_ref(
                 b.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, scale,
