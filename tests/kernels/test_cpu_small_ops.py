@@ -99,18 +99,13 @@ def test_packed_linear_and_lm_head_equal_f_linear(monkeypatch: pytest.MonkeyPatc
     from torch.nn import functional as F
 
     from pagedllm.model.layers.embedding import LMHead
-    from pagedllm.model.layers.linear import QKVParallelLinear, ReplicatedLinear
+    from pagedllm.model.layers.linear import ReplicatedLinear
 
     monkeypatch.setenv("PAGEDLLM_BF16_CARRIER", "0")  # (the float32 carrier: the next test)
     if cpu_ops_pack_unavailable():
         pytest.skip("this torch has no oneDNN bfloat16 matmul")
     g = torch.Generator().manual_seed(5)
-    layers = [ReplicatedLinear(64, 96, True, torch.bfloat16),
-              QKVParallelLinear(64, 16, 4, 2, False, torch.bfloat16)]  # fmt: skip
-    for layer in layers:
-        for p in layer.parameters():
-            p.data = torch.randn(p.shape, generator=g).to(torch.bfloat16)
-        w, b = layer.weight.data.clone(), layer.bias
+    for layer, w, b in _random_bf16_layers(g):
         assert layer.pack_for_cpu()
         assert layer.weight.numel() == 0  # the plain copy is gone
         for shape in [(1, 64), (7, 64), (300, 64), (2, 5, 64)]:
@@ -140,6 +135,20 @@ def test_packed_linear_and_lm_head_equal_f_linear(monkeypatch: pytest.MonkeyPatc
     assert not ReplicatedLinear(8, 8, False, torch.float32).pack_for_cpu()
 
 
+def _random_bf16_layers(g: torch.Generator) -> list:
+    """A bfloat16 linear layer with a bias and a fused QKV one, random weights: (layer, its
+    weight, its bias) each, the weight cloned before packing frees it."""
+    from pagedllm.model.layers.linear import QKVParallelLinear, ReplicatedLinear
+
+    out = []
+    for layer in (ReplicatedLinear(64, 96, True, torch.bfloat16),
+                  QKVParallelLinear(64, 16, 4, 2, False, torch.bfloat16)):  # fmt: skip
+        for p in layer.parameters():
+            p.data = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+        out.append((layer, layer.weight.data.clone(), layer.bias))
+    return out
+
+
 def cpu_ops_pack_unavailable() -> bool:
     return cpu_ops.pack_linear(torch.zeros(4, 4, dtype=torch.bfloat16)) is None
 
@@ -152,7 +161,7 @@ def test_bfloat16_matmuls_on_a_float32_carrier(monkeypatch: pytest.MonkeyPatch) 
     PAGEDLLM_BF16_CARRIER=0 turns it off."""
     from pagedllm import config as config_mod
     from pagedllm.model.layers.embedding import LMHead
-    from pagedllm.model.layers.linear import QKVParallelLinear, ReplicatedLinear
+    from pagedllm.model.layers.linear import ReplicatedLinear
 
     monkeypatch.setattr(config_mod, "cpu_has_bf16", lambda: False)
     if cpu_ops.pack_linear(torch.zeros(4, 4)) is None:
@@ -166,12 +175,7 @@ def test_bfloat16_matmuls_on_a_float32_carrier(monkeypatch: pytest.MonkeyPatch) 
         err = (y.double() - ref).abs()
         assert (err <= ref.abs() * 2.0**-8 + mag * 2.0**-20).all(), err.max()
 
-    layers = [ReplicatedLinear(64, 96, True, torch.bfloat16),
-              QKVParallelLinear(64, 16, 4, 2, False, torch.bfloat16)]  # fmt: skip
-    for layer in layers:
-        for p in layer.parameters():
-            p.data = torch.randn(p.shape, generator=g).to(torch.bfloat16)
-        w, b = layer.weight.data.clone(), layer.bias
+    for layer, w, b in _random_bf16_layers(g):
         assert layer.pack_for_cpu() and layer._packed.dtype == torch.float32
         for shape in [(1, 64), (300, 64), (2, 5, 64)]:
             x = torch.randn(shape, generator=g).to(torch.bfloat16)
