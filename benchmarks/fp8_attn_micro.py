@@ -64,10 +64,10 @@ def main() -> None:
             shapes = [(int(t), 4, 2) for t in args.tiles.split(",")]
             shapes += [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",") if c]
             for tile, warps, stages in shapes:
-                split_stages = TileConfig(16, tile).split_num_stages if (warps, stages) == (
-                    4, 2) else stages  # fmt: skip
+                # the split-K path (32 requests) keeps its own default depth at the defaults
+                default = (warps, stages) == (4, 2)
                 cfg = TileConfig(block_m=16, tile_n=tile, num_warps=warps, num_stages=stages,
-                                 split_num_stages=split_stages)  # fmt: skip
+                                 split_num_stages=3 if default else stages)  # fmt: skip
 
                 inputs = (q, cache, qsl, lens, tables, 1, args.ctx, d**-0.5)
                 # CUDA-graph replays, L2 flushed between runs (benchmarks/attn_kernels.py)
