@@ -67,7 +67,8 @@ def main() -> None:
                 # the split-K path (32 requests) keeps its own default depth at the defaults
                 default = (warps, stages) == (4, 2)
                 cfg = TileConfig(block_m=16, tile_n=tile, num_warps=warps, num_stages=stages,
-                                 split_num_stages=3 if default else stages)  # fmt: skip
+                                 split_num_stages=TileConfig(16, tile).split_num_stages
+                                 if default else stages)  # fmt: skip
 
                 inputs = (q, cache, qsl, lens, tables, 1, args.ctx, d**-0.5)
                 # CUDA-graph replays, L2 flushed between runs (benchmarks/attn_kernels.py)
