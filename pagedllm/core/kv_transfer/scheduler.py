@@ -307,7 +307,9 @@ class KVTransferScheduler(KVConnectorScheduler):
         n = 0
         while first + n < last and got.mask[:, first + n].all():
             n += 1
-        n = cap_external(self.kv, len(self.tables), self.budget, request, num_device_hit, n)
+        n = cap_external(
+            self.kv, self.heads, len(self.tables), self.budget, request, num_device_hit, n
+        )
         return n * bs
 
     def external_alloc(self, request: Request, num_device_hit: int, num_tokens: int) -> None:

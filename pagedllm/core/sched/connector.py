@@ -229,15 +229,17 @@ def cap_to_free(kv: Any, num_tables: int, budget: int, request: Request, hit: in
     return n
 
 
-def cap_external(kv: Any, num_tables: int, budget: int, request: Request, hit: int, n: int) -> int:
-    """``cap_to_free`` for any KV manager: KV-Compress's per-head one (``fits_first``) needs a
-    block of every (layer, KV head) per external block, and the first chunk's after them."""
-    from pagedllm.core.kv_cache.interface import PerHeadRows
-
-    if not isinstance(kv, PerHeadRows):
+def cap_external(
+    kv: Any, heads: Any, num_tables: int, budget: int, request: Request, hit: int, n: int
+) -> int:
+    """``cap_to_free`` for any KV manager: ``heads``, KV-Compress's per-head manager where
+    ``kv`` is one (a ``PerHeadRows``, resolved once by the role; else None), needs a block of
+    every (layer, KV head) per external block, and the first chunk's after them
+    (``fits_first``)."""
+    if heads is None:
         return cap_to_free(kv, num_tables, budget, request, hit, n)
-    bs, left = kv.block_size, request.num_tokens - hit
-    while n and not kv.fits_first(request, n * bs + min(budget, left - n * bs)):
+    bs, left = heads.block_size, request.num_tokens - hit
+    while n and not heads.fits_first(request, n * bs + min(budget, left - n * bs)):
         n -= 1
     return n
 

@@ -172,7 +172,9 @@ class OffloadScheduler(KVConnectorScheduler):
                     break
                 n += 1
         if n:  # (the loaded blocks are allocated at once, in every table: cap_external)
-            n = cap_external(self.kv, len(self.tables), self.budget, request, num_device_hit, n)
+            n = cap_external(
+                self.kv, self.heads, len(self.tables), self.budget, request, num_device_hit, n
+            )
         return n * bs
 
     def external_alloc(self, request: Request, num_device_hit: int, num_tokens: int) -> None:
