@@ -91,8 +91,25 @@ one() {
         --out "$OUT/fused_moe_configs.json" ;;
     extras) python benchmarks/gpu_suite.py extras --out "$OUT" | tail -40 ;;
     structured) python benchmarks/gpu_suite.py extras --only-structured --out "$OUT" | tail -30 ;;
-    # the server against the in-process engine
-    serving-qwen) python benchmarks/serving_gpu.py --shape qwen3-0.6b --out "$OUT" ;;
+    # the per-kernel tables: a window of steps (KPROF_A / KPROF_B, START:COUNT) of Benchmark
+    # A's workload and of Benchmark B's two, each kind of kernel against its bytes and FLOPs
+    kprofile)
+      T="python -m pagedllm.entrypoints.cli bench throughput --load-format dummy --dtype bfloat16
+         --max-model-len 2048 --gpu-memory-utilization 0.85"
+      $T --model qwen3-0.6b --num-prompts 256 --input-len 562 --output-len 562 \
+        --range-ratio 0.822 --kernel-profile "${KPROF_A:-40:50}" \
+        --output-json "$OUT/kernels_bench-a.json" | tail -2
+      $T --model llama-3.1-8b --num-prompts 256 --input-len 128 --output-len 1024 \
+        --kernel-profile "${KPROF_B:-200:50}" --output-json "$OUT/kernels_bench-b_in128_out1024.json" \
+        | tail -2
+      $T --model llama-3.1-8b --num-prompts "${KPROF_B_PROMPTS:-512}" --input-len 1024 \
+        --output-len 128 --kernel-profile "${KPROF_B:-200:50}" \
+        --output-json "$OUT/kernels_bench-b_in1024_out128.json" | tail -2
+      python benchmarks/kernel_table.py "$OUT"/kernels_bench-*.json ;;
+    # the server against the in-process engine (SERVING_MODES, SERVING_CONC)
+    serving-qwen) python benchmarks/serving_gpu.py --shape qwen3-0.6b --out "$OUT" \
+        --modes "${SERVING_MODES:-offline,server_process,server_thread,canned}" \
+        --concurrency "${SERVING_CONC:-1,64,256}" ;;
     serving-llama8b) python benchmarks/serving_gpu.py --shape llama-3.1-8b --single-prompts 8 \
         --out "$OUT" ;;
     # KV-Compress: Benchmark D (KVC_PROMPTS, KVC_LENS, KVC_RATES, KVC_BASELINE: an earlier

@@ -80,6 +80,41 @@ def process_cpu() -> dict[str, float]:
     return out
 
 
+# where a first token waits, as the server's histograms see it (``pagedllm.metrics``)
+WAITS = {
+    "server_ttft": "vllm:time_to_first_token_seconds",
+    "handoff": "pagedllm:request_handoff_time_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+}
+
+
+def scrape_waits(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each ``WAITS`` histogram on the server at ``url`` (its /v1 base)."""
+    import httpx
+
+    text = httpx.get(url.rsplit("/v1", 1)[0] + "/metrics", timeout=30).text
+    out: dict[str, tuple[float, float]] = {}
+    for key, name in WAITS.items():
+        total = count = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith(name + "_count"):
+                count += float(line.rsplit(" ", 1)[1])
+        out[key] = (total, count)
+    return out
+
+
+def mean_waits(before: dict, after: dict) -> dict[str, float | None]:
+    """Mean ms of each wait over the requests between two scrapes."""
+    out: dict[str, float | None] = {}
+    for key in WAITS:
+        n = after[key][1] - before[key][1]
+        out[key] = 1e3 * (after[key][0] - before[key][0]) / n if n else None
+    return out
+
+
 def triton_kernels() -> int:
     """Kernels in Triton's on-disk cache: a timed run that adds some paid for compiling them."""
     root = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
@@ -245,9 +280,13 @@ def run_shape(shape: str, args: argparse.Namespace, device: str) -> dict:
                 profiles = []
                 if args.profile_front and c == concs[-1]:
                     profiles = start_profiles(args.profile_front, args.out, f"{mode}_c{c}")
+                waits = scrape_waits(url)
                 before, kernels = process_cpu(), triton_kernels()
                 r = bs.summarize(*bs.http_run(a, prompts, arrivals))
                 after = process_cpu()
+                # the first token's wait as the server saw it (mean ms); the client's mean
+                # TTFT less server_ttft is HTTP's share (parsing in, the stream out)
+                r["waits_ms"] = mean_waits(waits, scrape_waits(url))
                 r["triton_kernels_compiled"] = triton_kernels() - kernels
                 if profiles:
                     out.setdefault("profiles", {})[f"{mode}_c{c}"] = finish_profiles(profiles)
@@ -292,7 +331,7 @@ def brief(r: dict) -> dict:
     return {"tok/s": round(r["output_throughput"] or 0), "failed": r["failed"],
             "tpot_p50": r["tpot_ms"]["p50"], "ttft_p50": r["ttft_ms"]["p50"],
             "tok/chunk": r.get("mean_tokens_per_chunk"), "cpu": cpu,
-            "client_cpu_s": r.get("client_cpu_s"),
+            "client_cpu_s": r.get("client_cpu_s"), "waits_ms": r.get("waits_ms"),
             "compiled": r.get("triton_kernels_compiled")}  # fmt: skip
 
 

@@ -160,6 +160,22 @@ class ServerMetrics:
         self.e2e = hist(
             "vllm:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS
         )
+        # where a first token waited: the front end's hand-off to the engine core, the
+        # scheduler's queue, and from the first scheduling to the token at the front end
+        self.handoff = hist(
+            "pagedllm:request_handoff_time_seconds",
+            "Time from the front end accepting a request to the engine core queuing it.",
+            _LATENCY_BUCKETS,
+        )
+        self.queue_time = hist(
+            "vllm:request_queue_time_seconds", "Time in the scheduler's waiting queue.",
+            _LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.prefill_time = hist(
+            "vllm:request_prefill_time_seconds",
+            "Time from the first scheduling to the first token at the front end.",
+            _LATENCY_BUCKETS,
+        )
         self.req_prompt = hist(
             "vllm:request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS
         )
@@ -173,7 +189,8 @@ class ServerMetrics:
             self.running, self.waiting, self.kv_usage, self.free_blocks, self.total_blocks,
             self.preemptions, self.prompt_tokens, self.generation_tokens, self.prefix_queries,
             self.prefix_hits, self.steps, self.kvc_compressions, self.kvc_evicted, self.ttft,
-            self.tpot, self.e2e, self.req_prompt, self.req_gen,
+            self.tpot, self.e2e, self.req_prompt, self.req_gen, self.handoff, self.queue_time,
+            self.prefill_time,
         ):  # fmt: skip
             self._l(metric)
         for reason in ("stop", "length", "abort"):
@@ -291,6 +308,14 @@ class ServerMetrics:
             arrival = out.metrics.get("arrival_time")
             if first is not None and arrival is not None and n_new:
                 self._l(self.ttft).observe(max(0.0, first - arrival))
+            queued = out.metrics.get("queued_time")
+            scheduled = out.metrics.get("first_scheduled_time")
+            if queued is not None and arrival is not None:
+                self._l(self.handoff).observe(max(0.0, queued - arrival))
+            if scheduled is not None and queued is not None:
+                self._l(self.queue_time).observe(max(0.0, scheduled - queued))
+                if first is not None:
+                    self._l(self.prefill_time).observe(max(0.0, first - scheduled))
         if not out.finished:
             return n_new
         self._num_tokens.pop(rid, None)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pagedllm.bench._flags import add_device, add_dtype, add_load_format
+from pagedllm.bench.kernel_table import KernelCosts, kernel_costs, kernel_kind, kernel_table
 from pagedllm.bench.roofline import (
     StepRecord,
     measure_copy_bandwidth,
@@ -404,18 +405,25 @@ class StepRecorder:
         if self._profiling:
             self._stop_profiler()
 
-    def kernel_profile(self) -> dict | None:
+    def kernel_profile(
+        self, costs: KernelCosts | None = None, bandwidth: float = 0.0, peak_flops: float = 0.0
+    ) -> dict | None:
         """Device time by kernel over the profiled steps (on a CPU: self time by operator):
         per step, the top 25, with how many of those steps were decode-only and their mean
-        running requests."""
+        running requests. On a GPU with ``costs``, also the per-kernel table (``by_kind``:
+        each kind's time against its bytes and FLOPs at ``bandwidth`` and ``peak_flops``,
+        ``bench/kernel_table.py``)."""
         if self.profiler is None or not self.profiled_steps:
             return None
         n = len(self.profiled_steps)
         top = []
+        kinds: dict[str, float] = {}
         for e in self.profiler.key_averages():
             ms = (e.self_device_time_total if self._cuda else e.self_cpu_time_total) / 1e3
             if ms > 0:
                 top.append((ms, e.count, e.key[:100]))
+                kind = kernel_kind(e.key)
+                kinds[kind] = kinds.get(kind, 0.0) + ms
         top.sort(reverse=True)
         decode = [s for s in self.profiled_steps if max(s.num_tokens) == 1]
         out = {
@@ -435,6 +443,11 @@ class StepRecorder:
             spans = [(e.time_range.start, e.time_range.end)
                      for e in self.profiler.events() if e.device_type == device]  # fmt: skip
             out.update(device_gaps(spans, n))
+            if costs is not None:
+                out["copy_bandwidth_GBps"] = bandwidth / 1e9
+                out["matmul_TFLOPs"] = peak_flops / 1e12
+                out["by_kind"] = kernel_table(kinds, self.profiled_steps, costs, bandwidth,
+                                              peak_flops)  # fmt: skip
         return out
 
 
@@ -714,7 +727,12 @@ def run(args: argparse.Namespace) -> dict:
         "first_tokens": [o.outputs[0].token_ids[:8] for o in outs[:4]],
     }
     if window is not None:  # the profiler's own cost is inside this run's times
-        result["kernel_profile"] = rec.kernel_profile()
+        # the per-kernel table models plain caches (KV-Compress's kernels read the evicted
+        # lengths, which the step records do not hold)
+        kc = None
+        if cost is not None and not args.enable_kvc:
+            kc = kernel_costs(runner.model, cost, mc.torch_dtype.itemsize)
+        result["kernel_profile"] = rec.kernel_profile(kc, bw, flops)
     return result
 
 

@@ -116,6 +116,12 @@ class Request:
         # async scheduling: the lookups after consecutive steps mostly agree)
         self.device_drafts_found: int | None = None
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 = not yet
+        # the core's clock (time.monotonic: one clock for every process of the host) when
+        # the scheduler queued the request and first scheduled it; the first output with
+        # tokens carries both to the front end (EngineCoreOutput.timing), once
+        self.queued_time: float | None = None
+        self.scheduled_time: float | None = None
+        self.timing_sent = False
         self.num_preemptions = 0
         self.swapped = False  # preempted by swap: its KV waits in host memory
         self.parent_id: str | None = None  # parallel sampling: the request this sequence is of

@@ -47,6 +47,9 @@ class RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     first_token_time: float | None = None
+    # the engine core's stamps (EngineCoreOutput.timing): queued, first scheduled
+    queued_time: float | None = None
+    scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -155,6 +158,8 @@ class OutputProcessor:
                 continue
             if out.new_token_ids and state.first_token_time is None:
                 state.first_token_time = now
+            if out.timing is not None and state.queued_time is None:
+                state.queued_time, state.scheduled_time = out.timing
             state.num_cached_tokens = out.num_cached_tokens
             try:
                 if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
@@ -311,6 +316,11 @@ class OutputProcessor:
         metrics = {"arrival_time": state.arrival_time}
         if state.first_token_time is not None:
             metrics["first_token_time"] = state.first_token_time
+        if state.queued_time is not None:  # vLLM's RequestMetrics names, one clock
+            metrics["queued_time"] = state.queued_time
+            if state.scheduled_time is not None:
+                metrics["first_scheduled_time"] = state.scheduled_time
+                metrics["time_in_queue"] = state.scheduled_time - state.queued_time
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,

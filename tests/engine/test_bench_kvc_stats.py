@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from pagedllm.bench.roofline import StepRecord
 from pagedllm.bench.throughput import _compress_split, device_gaps, head_len_stats
@@ -74,3 +75,44 @@ def test_bench_throughput_reads_head_lengths_and_profiles_kernels(tiny_models, t
     assert kp["running_mean"] == 3 and kp["device_ms_per_step"] > 0
     assert kp["wall_ms_per_step"] > 0  # (the device's gaps only on a GPU)
     assert any("mm" in k["name"] or "linear" in k["name"] for k in kp["top_ms_per_step"])
+
+
+def test_kernel_table_counts_each_kinds_bytes(tiny_models):  # noqa: ANN001
+    """The per-kernel table's least traffic, from the model's layers, on a hand count of the
+    tiny Llama (hidden 64, MLP 128, 2 layers, 4 heads / 2 KV heads of 16, vocabulary 512,
+    float32): every linear weight once for the GEMMs, the live KV for attention, and each
+    kind's fraction is its limit over its time at the given rates."""
+    from pagedllm import LLM
+    from pagedllm.bench.kernel_table import kernel_costs, kernel_kind, kernel_table
+    from pagedllm.bench.roofline import model_cost
+
+    llm = LLM(tiny_models("llama"), device="cpu", dtype="float32", max_model_len=128)
+    model = llm.llm_engine.engine_core.model_runner.model
+    kc = kernel_costs(model, model_cost(model, torch.float32), 4)
+    H, inter, layers, heads, kvh, d, vocab = 64, 128, 2, 4, 2, 16, 512
+    lin = layers * (H * (heads + 2 * kvh) * d + heads * d * H + H * 2 * inter + inter * H)
+    assert kc.linear_params == lin and kc.linear_weight_bytes == 4 * lin
+    assert kc.head_params == vocab * H
+    assert kc.norm_bytes == (2 * layers + 1) * 4 * H * 4  # two pre-norms a layer + the final
+    assert kc.act_bytes == layers * 3 * inter * 4
+    kv_token = layers * 2 * kvh * d * 4
+    assert kc.cost.kv_bytes_per_token == kv_token
+
+    # one decode step of two requests at 10 and 20 tokens of context
+    steps = [StepRecord(num_tokens=[1, 1], seq_lens=[10, 20])]
+    bw, peak = 1e9, 1e12
+    rows = {r["kind"]: r for r in kernel_table(
+        {"attention": 0.5, "gemm": 2.0, "other": 0.1}, steps, kc, bw, peak)}  # fmt: skip
+    att = rows["attention"]
+    assert att["bytes_per_step"] == 30 * kv_token + 2 * layers * 2 * heads * d * 4
+    assert att["fraction_of_limit"] == pytest.approx(1e3 * att["bytes_per_step"] / bw / 0.5)
+    assert att["bound"] == "memory"
+    gemm = rows["gemm"]
+    assert gemm["flops_per_step"] == 2 * (2 * lin + 2 * vocab * H)
+    assert gemm["bytes_per_step"] > kc.linear_weight_bytes + vocab * H * 4
+    assert "bytes_per_step" not in rows["other"] and rows["other"]["ms_per_step"] == 0.1
+    assert list(rows) == ["gemm", "attention", "other"]  # slowest first
+    assert kernel_kind("nvjet_tst_128x64_64x8") == "gemm"
+    assert kernel_kind("_rope_kernel") == "rope"
+    assert kernel_kind("_unified_kernel") == "attention"
+    assert kernel_kind("Memcpy DtoD") == "other"

@@ -186,7 +186,16 @@ def test_metrics_rise(server: LiveServer, client) -> None:  # noqa: ANN001
         "vllm:time_to_first_token_seconds_count",
         "vllm:time_per_output_token_seconds_count",
         "vllm:e2e_request_latency_seconds_count",
+        "pagedllm:request_handoff_time_seconds_count",
+        "vllm:request_queue_time_seconds_count",
+        "vllm:request_prefill_time_seconds_count",
     ):
         assert delta(h) == 1
+    # where the first token waited, on one clock across the two processes: the hand-off to
+    # the engine core, the scheduler's queue and the prefill add up to the time to it
+    parts = sum(delta(f"{h}_sum") for h in ("pagedllm:request_handoff_time_seconds",
+                "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds"))
+    assert parts == pytest.approx(delta("vllm:time_to_first_token_seconds_sum"), abs=1e-6)
+    assert delta("vllm:request_prefill_time_seconds_sum") > 0
     assert server.metric("vllm:num_requests_running") == 0
     assert server.metric("pagedllm:kv_cache_total_blocks") > 0

@@ -207,6 +207,8 @@ class EngineCoreOutput:
     seq_index: int = 0
     # beam search, when it ends: (tokens, cumulative logprob, score, finish reason), best first
     beam_sequences: list[tuple[list[int], float, float, str]] | None = None
+    # with a request's first tokens: (queued, first scheduled) on the core's monotonic clock
+    timing: tuple[float | None, float | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -229,6 +231,7 @@ def pack_outputs(outputs: list[EngineCoreOutput]) -> list[tuple]:
             o.parent_id,
             o.seq_index,
             o.beam_sequences,
+            o.timing,
         )
         for o in outputs
     ]

@@ -144,6 +144,7 @@ class Scheduler:
         capacity = self.kv_cache_manager.token_capacity()
         check_admissible(request, self.config.max_num_seqs, self.max_model_len, capacity)
         request.status = RequestStatus.WAITING
+        request.queued_time = time.monotonic()
         if request.sampling_params.structured_outputs is not None:
             self.grammar_book.submit(request)
         self.groups.register(request)
@@ -403,6 +404,7 @@ class Scheduler:
             self.waiting.remove(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+                request.scheduled_time = time.monotonic()
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.add(request)
@@ -781,6 +783,9 @@ class Scheduler:
             parent_id=request.parent_id,
             seq_index=request.seq_index,
         )
+        if new_tokens and not request.timing_sent:  # the first tokens: when it waited
+            request.timing_sent = True
+            out.timing = (request.queued_time, request.scheduled_time)
         if request.is_finished:
             if request in self.running:
                 self.running.remove(request)
