@@ -12,7 +12,7 @@ mkdir -p "$OUT" /tmp/site
 if [ -d .whl ] && ! [ -f /tmp/site/.done ]; then
   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1 && touch /tmp/site/.done
 fi
-export PYTHONPATH=/tmp/site:$PWD TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=/tmp/site:$PWD TOKENIZERS_PARALLELISM=false PATH=/tmp/site/bin:$PATH
 # the serving and structured-output benchmarks need a real tokenizer: SmolLM2's, in .bench_tok/
 [ -d .bench_tok ] && export PAGEDLLM_TOKENIZER_DIR=${PAGEDLLM_TOKENIZER_DIR:-$PWD/.bench_tok}
 PYTEST="python -m pytest -q -x -p no:cacheprovider"
@@ -106,10 +106,11 @@ one() {
         --output-len 128 --kernel-profile "${KPROF_B:-200:50}" \
         --output-json "$OUT/kernels_bench-b_in1024_out128.json" | tail -2
       python benchmarks/kernel_table.py "$OUT"/kernels_bench-*.json ;;
-    # the server against the in-process engine (SERVING_MODES, SERVING_CONC)
+    # the server against the in-process engine (SERVING_MODES, SERVING_CONC; SERVING_PROFILE:
+    # py-spy seconds on each server process at the last cap, where py-spy is in .whl/)
     serving-qwen) python benchmarks/serving_gpu.py --shape qwen3-0.6b --out "$OUT" \
         --modes "${SERVING_MODES:-offline,server_process,server_thread,canned}" \
-        --concurrency "${SERVING_CONC:-1,64,256}" ;;
+        --concurrency "${SERVING_CONC:-1,64,256}" --profile-front "${SERVING_PROFILE:-0}" ;;
     serving-llama8b) python benchmarks/serving_gpu.py --shape llama-3.1-8b --single-prompts 8 \
         --out "$OUT" ;;
     # KV-Compress: Benchmark D (KVC_PROMPTS, KVC_LENS, KVC_RATES, KVC_BASELINE: an earlier
