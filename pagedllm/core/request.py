@@ -121,7 +121,7 @@ class Request:
         # tokens carries both to the front end (EngineCoreOutput.timing), once
         self.queued_time: float | None = None
         self.scheduled_time: float | None = None
-        self.timing_sent = False
+        self._timing_sent = False
         self.num_preemptions = 0
         self.swapped = False  # preempted by swap: its KV waits in host memory
         self.parent_id: str | None = None  # parallel sampling: the request this sequence is of
@@ -152,6 +152,22 @@ class Request:
         self.max_tokens: int = max_tokens if max_tokens is not None else 2**31
         self.output_token_ids = ConstantList(self._output_token_ids)
         self.all_token_ids = ConstantList(self._all_token_ids)
+
+    def mark_scheduled(self, num_hit: int) -> None:
+        """Taken from the waiting queue with ``num_hit`` tokens cached: the first time, its
+        prefix-cache hit and the time are kept (a preempted request's later scheduling
+        changes neither)."""
+        if self.num_cached_tokens < 0:
+            self.num_cached_tokens = num_hit
+            self.scheduled_time = time.monotonic()
+
+    def first_timing(self) -> tuple[float | None, float | None] | None:
+        """(queued, first scheduled) the first time it is asked (the output with the first
+        tokens carries them), None after."""
+        if self._timing_sent:
+            return None
+        self._timing_sent = True
+        return self.queued_time, self.scheduled_time
 
     @property
     def num_tokens(self) -> int:

@@ -402,9 +402,7 @@ class Scheduler:
                     c.external_alloc(request, first, n)  # (its loads: this step's)
                 num_hit += ext
             self.waiting.remove(request)
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-                request.scheduled_time = time.monotonic()
+            request.mark_scheduled(num_hit)
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.add(request)
@@ -782,10 +780,8 @@ class Scheduler:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             parent_id=request.parent_id,
             seq_index=request.seq_index,
+            timing=request.first_timing() if new_tokens else None,
         )
-        if new_tokens and not request.timing_sent:  # the first tokens: when it waited
-            request.timing_sent = True
-            out.timing = (request.queued_time, request.scheduled_time)
         if request.is_finished:
             if request in self.running:
                 self.running.remove(request)
