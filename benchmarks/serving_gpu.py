@@ -220,7 +220,8 @@ def run_shape(shape: str, args: argparse.Namespace, device: str) -> dict:
         "client": f"raw asyncio client, {args.client_processes} processes",
     }
     out: dict = {"shape": shape, "device": device, "host_cpu": host_cpu(),
-                 "cpu_count": os.cpu_count(), "workload": workload, "runs": {}}  # fmt: skip
+                 "cpu_count": os.cpu_count(), "workload": workload, "runs": {},
+                 "server_stack": server_stack()}  # fmt: skip
 
     def make(c: int, extra: list[str], warm: bool = False) -> tuple[argparse.Namespace, list, list]:
         n = prompts_for(c, args)
@@ -315,6 +316,20 @@ def run_shape(shape: str, args: argparse.Namespace, device: str) -> dict:
                     "ttft_p50_ms": [r["ttft_ms"]["p50"], o["ttft_ms"]["p50"]],
                 }
     out["vs_offline"] = ratios
+    return out
+
+
+def server_stack() -> dict[str, str | None]:
+    """The versions of the server's event loop and HTTP parser packages (None: missing; then
+    uvicorn falls back to asyncio's loop and the pure-Python h11, a slower front end)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for pkg in ("uvicorn", "uvloop", "httptools", "fastapi"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
     return out
 
 
