@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.peers import hf_gpu  # noqa: E402
 from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm.bench.kernel_table import kernel_kind  # noqa: E402
 from pagedllm.bench.roofline import (  # noqa: E402
     measure_copy_bandwidth,
     measure_matmul_flops,
@@ -171,21 +172,6 @@ def phase_split(steps: list, dev: list[float], cost, bw: float, flops: float) ->
     return out
 
 
-KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
-    ("attention", ("_unified_kernel", "_split_kernel", "_reduce_kernel", "_decode_kernel",
-                   "_combine_kernel")),
-    ("kvc_scores", ("_score",)),
-    ("index_copy_scatter", ("index_copy", "scatter", "index_put", "indexFuncLarge",
-                            "index_elementwise", "gather")),
-    ("kv_write", ("kv_write", "_write_kv", "reshape_and_cache")),
-    ("rope", ("_rope",)),
-    ("rms_norm", ("rms",)),
-    ("act_and_mul", ("act_and_mul", "_act")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "splitkreduce")),
-    ("sampling", ("argmax", "softmax", "topk", "sort", "exponential", "bitmask")),
-)
-
-
 def kernel_profile(llm, prompts: list, params: list) -> dict:  # noqa: ANN001
     """Device time of one run of the workload by kernel kind (torch.profiler with CUPTI: the
     kernels inside CUDA graphs are traced one by one), and the top kernels by name."""
@@ -203,7 +189,7 @@ def kernel_profile(llm, prompts: list, params: list) -> dict:  # noqa: ANN001
         ms = e.self_device_time_total / 1e3
         if ms <= 0:
             continue
-        kind = next((k for k, subs in KERNEL_KINDS if any(x in e.key for x in subs)), "other")
+        kind = kernel_kind(e.key)
         kinds[kind] = kinds.get(kind, 0.0) + ms
         top.append((ms, e.count, e.key[:90]))
     top.sort(reverse=True)
