@@ -17,7 +17,7 @@ rate). The bytes are each kind's least traffic for the profiled steps (``StepRec
     rms_norm       per hidden-size norm and token: the input and the residual read, both
                    written (the residual pre-norm; a norm without residual is counted the same)
     act_and_mul    per MLP and token: gate and up read, their product written
-    moe            the experts the step's tokens touch (``ModelCost.step_weights``), FLOPs over
+    moe            the experts the step's tokens touch (``MoELayerCost.touched``), FLOPs over
                    each token's top-k experts
     sampling       the float32 logits of one row a request read once
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.bench.roofline import ModelCost, StepRecord
+from pagedllm.bench.roofline import ModelCost, StepRecord, attended_keys
 
 KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("_unified_kernel", "_split_kernel", "_reduce_kernel", "_decode_kernel",
@@ -75,7 +75,6 @@ class KernelCosts:
     kv_write_bytes: int  # per token: K and V read and written into the cache
     norm_bytes: int  # per token: the hidden-size norms
     act_bytes: int  # per token: the dense MLPs' act-and-mul
-    has_rope_kernel: bool = True  # the rope kernel writes the cache (no kv_write kernel)
 
 
 def kernel_costs(model: Any, cost: ModelCost, elem: int) -> KernelCosts:
@@ -88,30 +87,29 @@ def kernel_costs(model: Any, cost: ModelCost, elem: int) -> KernelCosts:
     from pagedllm.model.layers.norm import RMSNorm
 
     lin_bytes = lin_params = io = head_bytes = head_params = vocab = hidden = 0
-    norms = acts = 0
-    for m in model.modules():
+    acts = inter = 0
+    norm_sizes: list[int] = []
+    moe = False
+    for name, m in model.named_modules():
         if isinstance(m, LinearBase):
             n = m.in_features * m.out_features
             lin_params += n
             lin_bytes += n * elem
             io += m.in_features + m.out_features
+            if name.endswith("down_proj"):  # a dense MLP's width: its down projection's input
+                inter = max(inter, m.in_features)
         elif isinstance(m, LMHead):
             vocab, hidden = m.weight.shape[0], m.weight.shape[1]
             head_params = vocab * hidden
             head_bytes = head_params * m.weight.element_size()
         elif isinstance(m, (SiluAndMul, GeluAndMul)):
             acts += 1
-    for m in model.modules():
-        if isinstance(m, RMSNorm) and m.weight.numel() == hidden:
-            norms += 1
-    inter = 0
-    if acts:  # a dense MLP's width: its down projection's input
-        downs = [
-            m for name, m in model.named_modules()
-            if isinstance(m, LinearBase) and name.endswith("down_proj")
-        ]  # fmt: skip
-        inter = max((d.in_features for d in downs), default=0)
-    if any(isinstance(m, FusedMoE) for m in model.modules()):
+        elif isinstance(m, RMSNorm):
+            norm_sizes.append(m.weight.numel())
+        elif isinstance(m, FusedMoE):
+            moe = True
+    norms = norm_sizes.count(hidden)  # (q/k norms are head-sized: inside the rope kernel)
+    if moe:
         acts = 0  # the experts' act-and-mul is inside the fused MoE kernels
     layers = model.attention_layers()
     kv_elem = cost.kv_bytes_per_token // max(
@@ -153,8 +151,7 @@ def kind_work(kind: str, steps: list[StepRecord], kc: KernelCosts) -> tuple[floa
             flops += 2.0 * (kc.linear_params * toks + kc.head_params * rows)
         elif kind == "attention":
             nbytes += sum(s.seq_lens) * kc.cost.kv_bytes_per_token + toks * kc.qo_bytes
-            keys = sum(n * (sl - n / 2) for n, sl in zip(s.num_tokens, s.seq_lens))
-            flops += kc.cost.attn_flops_per_query_key * keys
+            flops += kc.cost.attn_flops_per_query_key * attended_keys(s)
         elif kind == "rope":
             nbytes += toks * kc.rope_bytes
         elif kind == "kv_write":

@@ -100,6 +100,15 @@ def model_cost(
     return ModelCost(num_params * elem, num_params, kv, attn, moe)
 
 
+def attended_keys(step: StepRecord) -> float:
+    """(query, key) pairs a step's attention computes: each of a request's n new tokens
+    attends to its context, on average seq_len - n / 2 keys.
+
+    Example: 4 new tokens at seq_len 10 -> 4 x 8 = 32 (causally they attend to 7 + 8 + 9 +
+    10 = 34 keys: the rule is the lower estimate)."""
+    return sum(n * (sl - n / 2) for n, sl in zip(step.num_tokens, step.seq_lens))
+
+
 def roofline(
     steps: list[StepRecord], cost: ModelCost, bandwidth: float, peak_flops: float
 ) -> Roofline:
@@ -110,9 +119,7 @@ def roofline(
         toks = sum(s.num_tokens)
         weights, params = cost.step_weights(toks)
         nbytes = weights + ctx * cost.kv_bytes_per_token
-        # attention: each query token attends to (on average) its own context
-        attn = sum(n * (sl - n / 2) for n, sl in zip(s.num_tokens, s.seq_lens))
-        flops = 2 * params * toks + cost.attn_flops_per_query_key * attn
+        flops = 2 * params * toks + cost.attn_flops_per_query_key * attended_keys(s)
         m, c = nbytes / bandwidth, flops / peak_flops
         r.memory_s += m
         r.compute_s += c
