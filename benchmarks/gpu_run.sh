@@ -98,14 +98,14 @@ one() {
          --max-model-len 2048 --gpu-memory-utilization 0.85"
       $T --model qwen3-0.6b --num-prompts 256 --input-len 562 --output-len 562 \
         --range-ratio 0.822 --kernel-profile "${KPROF_A:-40:50}" \
-        --output-json "$OUT/kernels_bench-a.json" | tail -2
+        --output-json "$OUT/kernel_table_bench-a.json" | tail -2
       $T --model llama-3.1-8b --num-prompts 256 --input-len 128 --output-len 1024 \
-        --kernel-profile "${KPROF_B:-200:50}" --output-json "$OUT/kernels_bench-b_in128_out1024.json" \
+        --kernel-profile "${KPROF_B:-200:50}" --output-json "$OUT/kernel_table_bench-b_in128_out1024.json" \
         | tail -2
       $T --model llama-3.1-8b --num-prompts "${KPROF_B_PROMPTS:-512}" --input-len 1024 \
         --output-len 128 --kernel-profile "${KPROF_B:-200:50}" \
-        --output-json "$OUT/kernels_bench-b_in1024_out128.json" | tail -2
-      python benchmarks/kernel_table.py "$OUT"/kernels_bench-*.json ;;
+        --output-json "$OUT/kernel_table_bench-b_in1024_out128.json" | tail -2
+      python benchmarks/kernel_table.py "$OUT"/kernel_table_bench-*.json ;;
     # the server against the in-process engine (SERVING_MODES, SERVING_CONC; SERVING_PROFILE:
     # py-spy seconds on each server process at the last cap, where py-spy is in .whl/)
     serving-qwen) python benchmarks/serving_gpu.py --shape qwen3-0.6b --out "$OUT" \

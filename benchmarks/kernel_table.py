@@ -2,7 +2,7 @@
 (``kernel_profile.by_kind``: each kind of kernel's ms a step against the least bytes and FLOPs
 it must move and do, at the copy and matmul rates measured in the same call).
 
-    python benchmarks/kernel_table.py benchmarks/results/kernels_bench-a_NVIDIA_H200.json
+    python benchmarks/kernel_table.py benchmarks/results/kernel_table_bench-*.json
 """
 
 from __future__ import annotations

@@ -236,7 +236,8 @@ def run_shape(shape: str, args: argparse.Namespace, device: str) -> dict:
         for c in concs:
             run(*make(c, extra, warm=True))
 
-    modes = {"server_process": "", "server_thread": " --no-engine-process"}
+    modes = {"server_process": "", "server_thread": " --no-engine-process",
+             "server_api2": " --api-server-count 2", "server_api4": " --api-server-count 4"}
     for mode in args.modes.split(","):
         if mode == "canned":
             from pagedllm.bench import canned_server
@@ -358,14 +359,17 @@ def plot(result: dict, path: str) -> None:
 
     runs = result["runs"]
     concs = result["workload"]["concurrency"]
-    modes = [m for m in ("offline", "server_process", "server_thread", "canned") if m in runs]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    modes = list(runs)  # in the order they ran
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     width = 0.8 / max(1, len(modes))
+    panels = (("output tokens/s", lambda r: r["output_throughput"]),
+              ("TPOT p50 (ms)", lambda r: r["tpot_ms"]["p50"]),
+              ("TTFT p50 (ms)", lambda r: r["ttft_ms"]["p50"]))  # fmt: skip
     for i, m in enumerate(modes):
         xs = [j + i * width for j in range(len(concs))]
-        axes[0].bar(xs, [runs[m][c]["output_throughput"] or 0 for c in concs], width, label=m)
-        axes[1].bar(xs, [runs[m][c]["tpot_ms"]["p50"] or 0 for c in concs], width, label=m)
-    for ax, title in zip(axes, ("output tokens/s", "TPOT p50 (ms)")):
+        for ax, (_, value) in zip(axes, panels):
+            ax.bar(xs, [value(runs[m][c]) or 0 for c in concs], width, label=m)
+    for ax, (title, _) in zip(axes, panels):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(concs))], [str(c) for c in concs])
         ax.set_xlabel("concurrency")
         ax.set_title(title)

@@ -8,7 +8,8 @@ limit / measured time: 1.0 moves its bytes at the copy rate (or does its FLOPs a
 rate). The bytes are each kind's least traffic for the profiled steps (``StepRecord``s):
 
     gemm           every linear weight once, plus its tokens' inputs and outputs; the LM head
-                   on one row a request (float32 logits written); FLOPs 2 x params x tokens
+                   on one row a request (its logits written in the activations' dtype, as
+                   greedy steps keep them); FLOPs 2 x params x tokens
     attention      the live KV cache of every request (its context, all layers), the queries
                    read and the outputs written; FLOPs 4 x heads x head_dim a (query, key)
     rope           q and k read, q written, K and V written into the cache and V read (the
@@ -19,7 +20,7 @@ rate). The bytes are each kind's least traffic for the profiled steps (``StepRec
     act_and_mul    per MLP and token: gate and up read, their product written
     moe            the experts the step's tokens touch (``MoELayerCost.touched``), FLOPs over
                    each token's top-k experts
-    sampling       the float32 logits of one row a request read once
+    sampling       the logits of one row a request read once (in the activations' dtype)
 
 Other kinds (copies, scatters, KV-Compress's scoring, anything unnamed) get their time only.
 Kernels are sorted into kinds by name (``KERNEL_KINDS``, first match wins).
@@ -48,7 +49,7 @@ KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rms_norm", ("rms",)),
     ("act_and_mul", ("act_and_mul", "_act")),
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "splitkreduce")),
-    ("sampling", ("argmax", "softmax", "topk", "sort", "exponential", "bitmask")),
+    ("sampling", ("argmax", "ArgMax", "softmax", "topk", "sort", "exponential", "bitmask")),
 )  # fmt: skip
 
 
@@ -147,7 +148,7 @@ def kind_work(kind: str, steps: list[StepRecord], kc: KernelCosts) -> tuple[floa
         toks, rows = sum(s.num_tokens), len(s.num_tokens)
         if kind == "gemm":
             nbytes += kc.linear_weight_bytes + toks * kc.linear_io_elems * kc.elem
-            nbytes += kc.head_bytes + rows * (kc.hidden * kc.elem + kc.vocab * 4)
+            nbytes += kc.head_bytes + rows * (kc.hidden + kc.vocab) * kc.elem
             flops += 2.0 * (kc.linear_params * toks + kc.head_params * rows)
         elif kind == "attention":
             nbytes += sum(s.seq_lens) * kc.cost.kv_bytes_per_token + toks * kc.qo_bytes
@@ -161,7 +162,7 @@ def kind_work(kind: str, steps: list[StepRecord], kc: KernelCosts) -> tuple[floa
         elif kind == "act_and_mul":
             nbytes += toks * kc.act_bytes
         elif kind == "sampling":
-            nbytes += rows * kc.vocab * 4
+            nbytes += rows * kc.vocab * kc.elem
         elif kind == "moe" and kc.cost.moe_layers:
             for m in kc.cost.moe_layers:
                 nbytes += m.touched(toks) * m.expert_bytes

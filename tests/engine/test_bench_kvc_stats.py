@@ -102,7 +102,8 @@ def test_kernel_table_counts_each_kinds_bytes(tiny_models):  # noqa: ANN001
     steps = [StepRecord(num_tokens=[1, 1], seq_lens=[10, 20])]
     bw, peak = 1e9, 1e12
     rows = {r["kind"]: r for r in kernel_table(
-        {"attention": 0.5, "gemm": 2.0, "other": 0.1}, steps, kc, bw, peak)}  # fmt: skip
+        {"attention": 0.5, "gemm": 2.0, "other": 0.1, "sampling": 0.05}, steps, kc, bw,
+        peak)}  # fmt: skip
     att = rows["attention"]
     assert att["bytes_per_step"] == 30 * kv_token + 2 * layers * 2 * heads * d * 4
     assert att["fraction_of_limit"] == pytest.approx(1e3 * att["bytes_per_step"] / bw / 0.5)
@@ -111,8 +112,11 @@ def test_kernel_table_counts_each_kinds_bytes(tiny_models):  # noqa: ANN001
     assert gemm["flops_per_step"] == 2 * (2 * lin + 2 * vocab * H)
     assert gemm["bytes_per_step"] > kc.linear_weight_bytes + vocab * H * 4
     assert "bytes_per_step" not in rows["other"] and rows["other"]["ms_per_step"] == 0.1
-    assert list(rows) == ["gemm", "attention", "other"]  # slowest first
+    assert rows["sampling"]["bytes_per_step"] == 2 * vocab * 4  # a row of logits a request
+    assert list(rows) == ["gemm", "attention", "other", "sampling"]  # slowest first
     assert kernel_kind("nvjet_tst_128x64_64x8") == "gemm"
     assert kernel_kind("_rope_kernel") == "rope"
     assert kernel_kind("_unified_kernel") == "attention"
     assert kernel_kind("Memcpy DtoD") == "other"
+    greedy = "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, at::native::ArgMaxOps<float>"  # noqa: E501
+    assert kernel_kind(greedy) == "sampling"
