@@ -340,3 +340,39 @@ def test_fp8_micro_table_quotes_its_file() -> None:
     for b, _ in fp8:
         fastest = min(r["us"] for r in rows if r["cache"] == "fp8" and r["batch"] == b)
         assert fp8[b, 128] <= 1.01 * fastest
+
+
+def test_kernel_and_server_tables_quote_their_files() -> None:
+    """The per-kernel table (H100) is its three files' by_kind rows (ms a step and fraction of
+    the limit) and device ms a step; the server's H100 table is its file's TTFT p50 / p99 and
+    throughput ratios, and the four API servers' TTFT p50 beats the one's, as the text says."""
+    text = BENCH_README.read_text()
+    names = ("a", "b_in128_out1024", "b_in1024_out128")
+    profiles = [_load(f"kernel_table_bench-{n}_NVIDIA_H100_80GB_HBM3.json")["kernel_profile"]
+                for n in names]  # fmt: skip
+    for kind in ("attention", "gemm", "rms_norm", "rope", "act_and_mul", "sampling", "other"):
+        cells = []
+        for kp in profiles:
+            row = next(r for r in kp["by_kind"] if r["kind"] == kind)
+            cell = f"{row['ms_per_step']:.3f}"
+            if "fraction_of_limit" in row:
+                cell += f" ({row['fraction_of_limit']:.2f})"
+            cells.append(cell)
+        assert _row(text, f"{kind} |") == f"| {kind} | " + " | ".join(cells) + " |"
+    device = " | ".join(f"{kp['device_ms_per_step']:.3f}" for kp in profiles)
+    assert _row(text, "device ms a step") == f"| device ms a step | {device} |"
+
+    d = _load("serving_gpu_qwen3-0.6b_NVIDIA_H100_80GB_HBM3.json")
+    runs, ratios = d["runs"], d["vs_offline"]
+    for c in ("64", "256"):
+        off = runs["offline"][c]
+        cells = [f"{off['ttft_ms']['p50']:.1f} / {off['ttft_ms']['p99']:.1f}, "
+                 f"{off['output_throughput']:,.0f}"]  # fmt: skip
+        for mode in ("server_process", "server_api2", "server_api4"):
+            t = runs[mode][c]["ttft_ms"]
+            cells.append(f"{t['p50']:.1f} / {t['p99']:.1f}, "
+                         f"{ratios[mode][c]['throughput_ratio']:.3f}x")  # fmt: skip
+        assert _row(text, f"{c} | {off['ttft_ms']['p50']:.1f}") == f"| {c} | " + " | ".join(
+            cells) + " |"  # fmt: skip
+        ttft = {m: runs[m][c]["ttft_ms"]["p50"] for m in ("server_process", "server_api4")}
+        assert ttft["server_api4"] < ttft["server_process"]
