@@ -376,3 +376,6 @@ def test_kernel_and_server_tables_quote_their_files() -> None:
             cells) + " |"  # fmt: skip
         ttft = {m: runs[m][c]["ttft_ms"]["p50"] for m in ("server_process", "server_api4")}
         assert ttft["server_api4"] < ttft["server_process"]
+    # the README's line on --api-server-count quotes the same file
+    readme = _flat((ROOT / "README.md").read_text())
+    assert f"from {ttft['server_process']:.1f} to {ttft['server_api4']:.1f} ms p50" in readme
