@@ -61,8 +61,12 @@ class InputProcessor:
     def _check_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)) or len(ids) == 0:
             raise ValueError("prompt must not be empty (prompt_token_ids has no tokens).")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        # the common case in C (a map, min, max); the element-wise checks name what is wrong
+        plain = set(map(type, ids)) == {int}
+        if not plain and not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("prompt_token_ids must be a list of integers.")
+        if plain and min(ids) >= 0 and max(ids) < self.vocab_size:
+            return list(ids)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(

@@ -27,6 +27,21 @@ from pagedllm.entrypoints.openai.serving import (
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
+# token-id prompts up to this many ids in all are checked on the event loop (tens of
+# microseconds); longer ones, and any text, go to the tokenizer thread
+INLINE_IDS = 16384
+
+
+def _ids_only(prompt: Any) -> bool:
+    """Whether ``prompt`` (a completion request's) is token ids only, at most ``INLINE_IDS``."""
+    if isinstance(prompt, str) or not prompt:
+        return False
+    if isinstance(prompt[0], int):
+        return len(prompt) <= INLINE_IDS
+    if any(isinstance(p, str) for p in prompt):
+        return False
+    return sum(map(len, prompt)) <= INLINE_IDS
+
 
 class ServingCompletion(ServingBase):
     """The legacy completions endpoint, with vLLM's extras (echo, prompt logprobs, ...)."""
@@ -67,7 +82,10 @@ class ServingCompletion(ServingBase):
         """The response body (dict) or, when streaming, an SSE text iterator."""
         if req.use_beam_search:
             return await self._beam_search(req)
-        prompts, params = await off_loop(self.prepare, req)
+        if _ids_only(req.prompt):  # nothing to tokenize: checked here, no thread hop
+            prompts, params = self.prepare(req)
+        else:
+            prompts, params = await off_loop(self.prepare, req)
         await self.check_structured(params, req.structured_field)
         rid = random_id("cmpl")
         best_of = (params.best_of or params.n) > params.n  # the engine picks the n best at the end

@@ -59,7 +59,7 @@ from http.cookies import SimpleCookie
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -71,6 +71,7 @@ from pagedllm.engine.async_llm import AsyncLLM, AsyncLLMBase, EngineDeadError, E
 from pagedllm.entrypoints.openai.chat import ServingChat, load_chat_template
 from pagedllm.entrypoints.openai.completions import ServingCompletion
 from pagedllm.entrypoints.openai.errors import RequestError, error_response
+from pagedllm.entrypoints.openai.hot_path import Endpoint, HotRoutes, SSEResponse
 from pagedllm.entrypoints.openai.models import ServingModels, runtime_updates_allowed
 from pagedllm.entrypoints.openai.openapi import (
     ChatCompletionChunk,
@@ -92,7 +93,7 @@ from pagedllm.entrypoints.openai.protocol import (
     now,
 )
 from pagedllm.entrypoints.openai.responses import ResponsesRequest, ServingResponses
-from pagedllm.entrypoints.openai.serving import SSEStream, internal_error, off_loop
+from pagedllm.entrypoints.openai.serving import internal_error, off_loop
 from pagedllm.entrypoints.openai.shutdown import (
     Drain,
     DrainingServer,
@@ -312,6 +313,9 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
         getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_BODY_BYTES
     )
     app.state.dashboard = dashboard
+    # innermost: the load's two endpoints skip FastAPI's layers (hot_path.py); filled below
+    hot: dict[str, Endpoint] = {}
+    app.add_middleware(HotRoutes, routes=hot, on_error=lambda r, e: _internal(r, e))
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(DrainMiddleware, drain=drain)  # outermost: counts every request
@@ -353,6 +357,9 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
     async def create_chat_completion(request: Request) -> Response:
         req = await parse_body(request, ChatCompletionRequest)
         return await handle(request, chat.create(req), bool(req.stream))
+
+    hot.update({"/v1/completions": create_completion,
+                "/v1/chat/completions": create_chat_completion})  # fmt: skip
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
@@ -453,21 +460,6 @@ def build_app(async_llm: AsyncLLMBase, args: Any = None) -> FastAPI:
         extra=[ChatCompletionChunk],
     )  # fmt: skip
     return app
-
-
-class SSEResponse(StreamingResponse):
-    """Streams an ``SSEStream``; however the response ends (done, client gone, send error),
-    the requests behind it are aborted (a no-op for the finished ones)."""
-
-    def __init__(self, stream: SSEStream) -> None:
-        super().__init__(stream.events, media_type="text/event-stream")
-        self.stream = stream
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.stream.abort()
 
 
 def run_server(args: Any) -> int:

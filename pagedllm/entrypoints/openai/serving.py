@@ -391,27 +391,39 @@ class ServingBase:
         prompt_tokens = sum(len(s.prompt_token_ids) for s in started)
         gen_tokens = 0
         cached: dict[int, int] = {}
+        # one write per output (all its chunks); the last output's events wait for the usage
+        # chunk and [DONE], which end the response in the same write
+        tail: list[str] = []
         try:
             for s in started:
                 for chunk in first_chunks(s):
                     yield sse(chunk)
+            running = len(started)
             async for s, out in _interleave(started):
                 gen_tokens += sum(len(c.token_ids) for c in out.outputs)
                 cached[s.index] = max(cached.get(s.index, 0), out.num_cached_tokens)
+                events = []
                 for c in out.outputs:
                     for chunk in make_chunks(s, c, out):
                         if continuous_usage:
                             chunk["usage"] = usage_dict(prompt_tokens, gen_tokens)
-                        yield sse(chunk)
+                        events.append(sse(chunk))
                 if out.error is not None:
-                    yield sse(ErrorResponse.of(engine_error(out.error)).model_dump())
+                    events.append(sse(ErrorResponse.of(engine_error(out.error)).model_dump()))
+                running -= out.finished
+                if running > 0:
+                    if events:
+                        yield "".join(events)
+                else:
+                    tail = events
             if usage_chunk is not None:
-                yield sse(usage_chunk(usage_dict(prompt_tokens, gen_tokens, sum(cached.values()))))
+                usage = usage_dict(prompt_tokens, gen_tokens, sum(cached.values()))
+                tail.append(sse(usage_chunk(usage)))
         except (EngineError, EngineDeadError) as e:
-            yield sse(ErrorResponse.of(internal_error(e)).model_dump())
+            tail.append(sse(ErrorResponse.of(internal_error(e)).model_dump()))
         finally:
             _abort_all(started)
-        yield SSE_DONE
+        yield "".join(tail) + SSE_DONE
 
     def token_str(self, token_id: int, lp: Logprob | None) -> str:
         if lp is not None and lp.decoded_token is not None:
