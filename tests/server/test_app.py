@@ -41,6 +41,10 @@ def test_chat_template_override_and_env_key(llm: AsyncLLM, monkeypatch) -> None:
     text = _call(app, "POST", "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
     assert text == "[user]Hi"
     body = {"model": "tiny-m", "messages": msgs, "max_tokens": 3, "temperature": 0}
+    # the hot endpoints (hot_path.HotRoutes) sit inside the key check too
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        r = _call(app, "POST", path, json={**body, "prompt": "Hi"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
     r = _call(app, "POST", "/v1/chat/completions", json=body, headers=auth)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == tok["count"]
     r = _call(app, "POST", "/detokenize", json={"tokens": [10**7]})
