@@ -96,7 +96,9 @@ class SSEResponse(StreamingResponse):
         except asyncio.CancelledError:
             if not self._gone:
                 raise
-            task.uncancel()  # our own cancel (the client left): the response just ends
+            # our own cancel (the client left): the response just ends (3.10 counts none)
+            if hasattr(task, "uncancel"):
+                task.uncancel()
         except OSError:  # the client left while a chunk was being written
             pass
         finally:
