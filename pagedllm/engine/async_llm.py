@@ -101,9 +101,11 @@ class RequestStream:
         self._items: deque[RequestOutput | BaseException] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._pending_error: BaseException | None = None
+        self.delivered = False  # anything put yet (``put_all`` hands first outputs out first)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Event-loop side: enqueue one output (or an error to raise in the consumer)."""
+        self.delivered = True
         items = self._items
         if items:
             last = items[-1]
@@ -684,7 +686,7 @@ class AsyncLLM(AsyncLLMBase):
                 del self._streams[out.request_id]
             by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
-            _call_soon(loop, _put_all, items)
+            _call_soon(loop, put_all, items)
 
     def _fail(self, request_ids: list[str], err: BaseException) -> None:
         """End these requests' streams with ``err`` (raised in their consumers)."""
@@ -694,7 +696,7 @@ class AsyncLLM(AsyncLLMBase):
             if s is not None:
                 by_loop.setdefault(s.loop, []).append((s, err))
         for loop, items in by_loop.items():
-            _call_soon(loop, _put_all, items)
+            _call_soon(loop, put_all, items)
 
     def _fail_all(self, err: BaseException) -> None:
         streams, self._streams = self._streams, {}
@@ -702,7 +704,7 @@ class AsyncLLM(AsyncLLMBase):
         for s in streams.values():
             by_loop.setdefault(s.loop, []).append((s, err))
         for loop, items in by_loop.items():
-            _call_soon(loop, _put_all, items)
+            _call_soon(loop, put_all, items)
         while self._commands and self._stopping:
             cmd = self._commands.popleft()
             if isinstance(cmd, (_Add, _Call)) and cmd.done.set_running_or_notify_cancel():
@@ -714,7 +716,13 @@ class AsyncLLM(AsyncLLMBase):
         return stats
 
 
-def _put_all(items: list[tuple[RequestStream, Any]]) -> None:
+def put_all(items: list[tuple[RequestStream, Any]]) -> None:
+    """Put each item in its stream, the streams that have had nothing yet first: consumers
+    wake in the order they are put, so a request's first token is written out before the
+    running streams' next ones (under load, a first chunk waits behind none of them)."""
+    firsts = [(s, item) for s, item in items if not s.delivered]
+    if firsts and len(firsts) < len(items):
+        items = firsts + [(s, item) for s, item in items if s.delivered]
     for stream, item in items:
         try:
             stream.put(item)

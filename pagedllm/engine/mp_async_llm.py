@@ -50,6 +50,7 @@ from pagedllm.engine.async_llm import (
     RequestStream,
     StatLogger,
     cache_salt_of,
+    put_all,
 )
 from pagedllm.engine.core_client import AttachedCore, EngineCoreClient
 from pagedllm.engine.input_processor import InputProcessor
@@ -427,16 +428,15 @@ class MPAsyncLLM(AsyncLLMBase):
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         streams = self._streams
+        items = []
         for out in outputs:
             stream = streams.get(out.request_id)
             if stream is None:
                 continue
             if out.finished:
                 del streams[out.request_id]
-            try:
-                stream.put(out)
-            except Exception:  # one broken consumer must not starve the others
-                logger.exception("delivering output of %s failed", out.request_id)
+            items.append((stream, out))
+        put_all(items)  # first outputs first
 
     def _fail(self, request_ids: list[str], err: BaseException) -> None:
         """End these requests' streams with ``err`` (ids unknown here are ignored)."""

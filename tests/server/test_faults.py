@@ -28,7 +28,13 @@ from unittest import mock
 
 import pytest
 
-from pagedllm.engine.async_llm import MAX_UNREAD_OUTPUTS, AsyncLLM, AsyncLLMBase, RequestStream
+from pagedllm.engine.async_llm import (
+    MAX_UNREAD_OUTPUTS,
+    AsyncLLM,
+    AsyncLLMBase,
+    RequestStream,
+    put_all,
+)
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.mp_async_llm import MPAsyncLLM
 from pagedllm.entrypoints.openai.server import build_app
@@ -426,6 +432,39 @@ def test_unread_outputs_merge_into_one() -> None:
             await stream.__anext__()
 
     asyncio.run(run())
+
+
+def test_first_outputs_are_handed_out_first() -> None:
+    """One step's outputs for running streams and for a request's first token: the new
+    request's consumer wakes first (its first chunk is written before the others' next ones),
+    each stream still gets its own outputs in order."""
+
+    class Owner:
+        def abort_nowait(self, request_id: str) -> None:
+            pass
+
+    def delta(rid: str, i: int) -> RequestOutput:
+        return RequestOutput(rid, "p", [1], None, [CompletionOutput(0, f"t{i}", [i], None, None,
+                                                                    None)], False)  # fmt: skip
+
+    async def run() -> list[tuple[str, int]]:
+        loop = asyncio.get_running_loop()
+        a, b, c = (RequestStream(r, Owner(), loop) for r in "abc")  # type: ignore[arg-type]
+        put_all([(a, delta("a", 0)), (c, delta("c", 0))])  # a and c are running
+        assert [(await s.__anext__()).request_id for s in (a, c)] == ["a", "c"]
+        woke: list[tuple[str, int]] = []
+
+        async def consume(s: RequestStream) -> None:
+            out = await s.__anext__()
+            woke.append((out.request_id, out.outputs[0].token_ids[0]))
+
+        tasks = [asyncio.create_task(consume(s)) for s in (a, b, c)]
+        await asyncio.sleep(0)  # every consumer waits
+        put_all([(a, delta("a", 1)), (b, delta("b", 0)), (c, delta("c", 1))])
+        await asyncio.gather(*tasks)
+        return woke
+
+    assert asyncio.run(run()) == [("b", 0), ("a", 1), ("c", 1)]
 
 
 # ------------------------------------------------------------- failures in a row: dead
