@@ -21,7 +21,6 @@ disconnect with one plain task; a disconnect cancels the stream (its requests ar
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -31,8 +30,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.errors import RequestError, error_response
 from pagedllm.entrypoints.openai.serving import SSE_DONE, SSEStream
-
-logger = logging.getLogger(__name__)
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -109,8 +106,12 @@ class SSEResponse(StreamingResponse):
                 await aclose()
 
     async def _watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
-        """Wait for ``http.disconnect``; then cancel the streaming task."""
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        """Wait for ``http.disconnect``; then cancel the streaming task. (A ``receive`` that
+        fails ends the watch only: the stream's own send then finds the connection gone.)"""
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 - nothing to watch any more
+            return
         self._gone = True
         task.cancel()
