@@ -378,6 +378,18 @@ def test_kernel_and_server_tables_quote_their_files() -> None:
         assert ttft["server_api4"] < ttft["server_process"]
         for mode in ("server_process", "server_api4"):  # the hot path's cut, as the text says
             assert runs[mode][c]["ttft_ms"]["p50"] < before[mode][c]["ttft_ms"]["p50"]
+    rep = d["repeat_call"]["runs"]  # the later call's ratios, as the text gives them
+
+    def ratio(mode: str, c: str, q: str) -> str:
+        return f"{rep[mode][c]['ttft_ms'][q] / rep['offline'][c]['ttft_ms'][q]:.2f}x"
+
+    line = (
+        f"at {ratio('server_api4', '64', 'p50')} (64) and {ratio('server_api4', '256', 'p50')}"
+        f" (256) the engine's TTFT p50, p99 {ratio('server_api4', '64', 'p99')} and "
+        f"{ratio('server_api4', '256', 'p99')}; one API server at "
+        f"{ratio('server_process', '64', 'p50')} and {ratio('server_process', '256', 'p50')}."
+    )
+    assert line in _flat(text)
     # the README's line on --api-server-count quotes the same file
     readme = _flat((ROOT / "README.md").read_text())
     assert f"from {ttft['server_process']:.1f} to {ttft['server_api4']:.1f} ms p50" in readme
