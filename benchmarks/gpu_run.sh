@@ -121,7 +121,8 @@ one() {
       python benchmarks/kv_offload.py --model "${OFFLOAD_MODEL:-qwen3-0.6b}" --load-format dummy \
         --device cuda --conversations "${OFFLOAD_CONVS:-64}" --turns "${OFFLOAD_TURNS:-8}" \
         --out "$OUT" ;;
-    tests-pd) $PYTEST tests/engine/test_kv_transfer.py -k "gpu or plain_rows" ;;
+    tests-pd) $PYTEST tests/engine/test_kv_transfer.py tests/engine/test_kv_transfer_buffer.py \
+        -k "gpu or plain_rows" ;;
     tests-kv-moves)  # the host tier's and the transfers' GPU paths, KV-Compress's rows too
       $PYTEST tests/engine/test_offload.py tests/engine/test_kv_transfer.py -k "gpu or plain_rows" ;;
     tests-fp8)  # fp8 KV caches: the kernels, then the engine (HF equality suite untouched)
@@ -153,11 +154,14 @@ one() {
     fp8-b)  # Benchmark B's shapes, bf16 vs fp8 KV at equal KV memory (FP8_* knobs)
       python benchmarks/fp8_kv_gpu.py --num "${FP8_PROMPTS:-500}" --kv-gib "${FP8_KV_GIB:-12}" \
         --peer-num "${FP8_PEER:-32}" --shapes "${FP8_SHAPES:-1024x128,128x1024}" --out "$OUT" ;;
-    pd-transfer)  # prefill/decode disaggregation on one GPU: colocated, producer, consumer
+    pd-transfer)  # prefill/decode disaggregation on one GPU: colocated, then a producer and a
+      # consumer per transport (PD_TRANSPORTS: file = through host memory, buffer = the
+      # producer's device buffer read by CUDA IPC)
       df -h /dev/shm /tmp | sed 's/^/  /'
       python benchmarks/pd_transfer.py --model "${PD_MODEL:-qwen3-0.6b}" --load-format dummy \
         --device cuda --num-prompts "${PD_PROMPTS:-16}" --input-len "${PD_LEN:-4000}" \
-        ${PD_BUFFER:+--buffer "$PD_BUFFER"} --out "$OUT" ;;
+        --transports "${PD_TRANSPORTS:-file,buffer}" ${PD_BUFFER:+--buffer "$PD_BUFFER"} \
+        --out "$OUT" ;;
     kvc-d-quick) python benchmarks/kvcompress_throughput.py --model qwen3-0.6b --num-prompts 64 \
         --input-len 2000 --output-len 200 --max-model-len 4096 --kv-cache-memory-bytes 1073741824 \
         --rates "${KVC_RATES:-8,64}" --out "$OUT" | grep -v "^ " ;;

@@ -2,17 +2,24 @@
 engine to a consumer engine costs (``kv_transfer_config``, the shared-memory transport), next
 to one engine computing everything, and to the machine's copy rates.
 
-Three processes, one after another, each with the whole device (the transfer files wait in
-``--buffer`` between them):
+One process per phase, each with the device (the transfer files wait in ``--buffer``
+between them):
 
 - ``colocated``: one engine runs the ``--num-prompts`` prompts (``--input-len`` random token
   ids) to ``--output-len`` tokens: the time until every prompt has its first token (the
   prefill) and the total; the reference tokens.
 - ``producer``: the prompts with one output token and ``do_remote_decode``: prefill plus the
-  writes (gathered on the device, copied to pinned memory, written to the files).
+  writes. Transport ``file`` (``kv_buffer_size`` 0): gathered on the device, copied to pinned
+  memory, written to the files; the process ends before the consumer starts. Transport
+  ``buffer``: gathered into the producer's device buffer (``--buffer-gib``); the process
+  stays until the consumer is done (the buffer is its memory).
 - ``consumer``: the prompts with the producer's ``kv_transfer_params``: the loads (files to
-  pinned memory to the device) plus each prompt's last partial block, then the decode; its
-  greedy tokens must be the colocated ones.
+  pinned memory to the device; or the producer's buffer, opened by CUDA IPC, device to
+  device) plus each prompt's last partial block, then the decode; its greedy tokens must be
+  the colocated ones.
+
+Copy rates are device time for the buffer (CUDA events around the copies) and host time
+for files (the reads and writes, which the steps wait for).
 
 The copy rates of the same machine, for scale: pinned host to device, device to pinned host,
 device to device, and a write and a read of a shared-memory file (``numpy.memmap``).
@@ -45,7 +52,8 @@ sys.path.insert(0, str(ROOT))
 ROLES = {"producer": "kv_producer", "consumer": "kv_consumer"}
 
 
-def phase(a: argparse.Namespace, name: str, params: list[dict] | None) -> dict:
+def phase(a: argparse.Namespace, name: str, params: list[dict] | None,
+          transport: str = "file") -> dict:  # fmt: skip
     """One phase in this process (see the module docstring)."""
     from benchmarks.kv_offload import _device_name
     from pagedllm import SamplingParams
@@ -54,9 +62,10 @@ def phase(a: argparse.Namespace, name: str, params: list[dict] | None) -> dict:
 
     kw: dict[str, Any] = {}
     if name in ROLES:
+        size = int(a.buffer_gib * 2**30) if transport == "buffer" else 0
         kw["kv_transfer_config"] = {
-            "kv_role": ROLES[name], "kv_buffer_path": a.buffer, "engine_id": "bench",
-            "kv_transfer_timeout": 3600,
+            "kv_role": ROLES[name], "kv_buffer_path": a.buffer, "engine_id": f"bench-{transport}",
+            "kv_transfer_timeout": 3600, "kv_buffer_size": size,
         }  # fmt: skip
     args = EngineArgs(
         model=a.model, load_format=a.load_format, dtype=a.dtype, device=a.device, seed=0,
@@ -108,6 +117,12 @@ def phase(a: argparse.Namespace, name: str, params: list[dict] | None) -> dict:
     return result
 
 
+def _producer_stays(a: argparse.Namespace, conn: Any) -> None:
+    """The buffer transport's producer: its phase, the result sent, then alive until told."""
+    conn.send(phase(a, "producer", None, "buffer"))
+    conn.recv()
+
+
 def copy_rates(device: str, directory: str, nbytes: int = 256 << 20) -> dict[str, float]:
     """GB/s of the copies a transfer is made of, on this machine."""
     import torch
@@ -154,6 +169,10 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--kv-cache-gib", type=float, default=12.0, help="each engine's KV cache")
     ap.add_argument("--buffer", default="", help="transfer directory (default: a new one)")
+    ap.add_argument("--transports", default="file,buffer",
+                    help="file (through host memory), buffer (the producer's device buffer)")
+    ap.add_argument("--buffer-gib", type=float, default=10.0,
+                    help="the producer's kv_buffer_size for the buffer transport")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
@@ -161,20 +180,64 @@ def main() -> None:
     if made:
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         a.buffer = tempfile.mkdtemp(prefix="pd-bench-", dir=base)
+    transports = a.transports.split(",")
+    if not set(transports) <= {"file", "buffer"}:
+        raise SystemExit(f"--transports: file and/or buffer, got {a.transports!r}")
     runs: dict[str, dict] = {}
     ctx = multiprocessing.get_context("spawn")
+
+    def show(name: str, r: dict) -> None:
+        print(f"{name}: first tokens {r['all_first_tokens_s']:.3f} s, total "
+              f"{r['total_s']:.3f} s", flush=True)  # fmt: skip
+
     try:
-        params = None
-        for name in ("colocated", "producer", "consumer"):
-            with ctx.Pool(1) as pool:  # its own process: the engine's memory goes back with it
-                runs[name] = r = pool.apply(phase, (a, name, params))
-            params = r["kv_transfer_params"] if name == "producer" else params
-            print(f"{name}: first tokens {r['all_first_tokens_s']:.3f} s, total "
-                  f"{r['total_s']:.3f} s", flush=True)  # fmt: skip
+        with ctx.Pool(1) as pool:  # its own process: the engine's memory goes back with it
+            runs["colocated"] = pool.apply(phase, (a, "colocated", None))
+        show("colocated", runs["colocated"])
+        for t in transports:
+            stay = None
+            if t == "file":
+                with ctx.Pool(1) as pool:
+                    prod = pool.apply(phase, (a, "producer", None, t))
+            else:
+                here, there = ctx.Pipe()
+                stay = ctx.Process(target=_producer_stays, args=(a, there))
+                stay.start()
+                prod = here.recv()
+            show(f"producer ({t})", prod)
+            try:
+                with ctx.Pool(1) as pool:
+                    cons = pool.apply(phase, (a, "consumer", prod["kv_transfer_params"], t))
+            finally:
+                if stay is not None:
+                    here.send("done")
+                    stay.join(120)
+            show(f"consumer ({t})", cons)
+            runs[f"producer_{t}"], runs[f"consumer_{t}"] = prod, cons
     finally:
         if made:
             shutil.rmtree(a.buffer, ignore_errors=True)
-    col, prod, cons = runs["colocated"], runs["producer"], runs["consumer"]
+    col = runs["colocated"]
+    results: dict[str, Any] = {}
+    for t in transports:
+        results[t] = {
+            "summary": _summary(a, t, col, runs[f"producer_{t}"], runs[f"consumer_{t}"]),
+            "runs": {"producer": runs[f"producer_{t}"], "consumer": runs[f"consumer_{t}"]},
+        }
+    for r in runs.values():
+        r.pop("tokens")
+        r.pop("kv_transfer_params")
+    device = col["device"].replace(" ", "_")
+    out = Path(a.out) / f"pd_transfer_{os.path.basename(a.model.rstrip('/'))}_{device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    args = {k: v for k, v in vars(a).items() if k != "buffer"}
+    out.write_text(json.dumps({"args": args, "colocated": col, **results}, indent=1))
+    print(json.dumps({t: r["summary"] for t, r in results.items()}, indent=1))
+    print("wrote", out)
+
+
+def _summary(a: argparse.Namespace, transport: str, col: dict, prod: dict, cons: dict) -> dict:
+    """One transport's ratios to the colocated run and to the machine's copy rates."""
     rates = cons["copy_rates_gb_s"]
     same = [
         next((j for j, (x, y) in enumerate(zip(c, r)) if x != y), len(r))
@@ -185,6 +248,7 @@ def main() -> None:
         "requests_equal": sum(n == a.output_len for n in same),
         "mean_tokens_before_a_difference": float(np.mean(same)),
         "transferred_tokens": cons.get("kv_transfer_received_tokens", 0),
+        "buffered_transfers": prod.get("kv_transfer_buffered", 0),
         "save_gb_s": prod["kv_transfer_bytes"] / max(prod["kv_transfer_save_s"], 1e-9) / 1e9,
         "load_gb_s": cons["kv_transfer_bytes"] / max(cons["kv_transfer_load_s"], 1e-9) / 1e9,
         "producer_over_colocated_prefill": prod["total_s"] / col["all_first_tokens_s"],
@@ -193,20 +257,15 @@ def main() -> None:
         ),
         "consumer_total_over_colocated": cons["total_s"] / col["total_s"],
     }
+    if transport == "buffer" and "device_to_device" in rates:
+        for k in ("save", "load"):
+            summary[f"{k}_over_device_copy"] = summary[f"{k}_gb_s"] / rates["device_to_device"]
+        return summary
     slow = ("device_to_host", "file_write") if "device_to_host" in rates else ("file_write",)
     summary["save_over_slowest_copy"] = summary["save_gb_s"] / min(rates[k] for k in slow)
     slow = ("host_to_device", "file_read") if "host_to_device" in rates else ("file_read",)
     summary["load_over_slowest_copy"] = summary["load_gb_s"] / min(rates[k] for k in slow)
-    for r in runs.values():
-        r.pop("tokens")
-        r.pop("kv_transfer_params")
-    device = col["device"].replace(" ", "_")
-    out = Path(a.out) / f"pd_transfer_{os.path.basename(a.model.rstrip('/'))}_{device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    args = {k: v for k, v in vars(a).items() if k != "buffer"}
-    out.write_text(json.dumps({"args": args, "summary": summary, "runs": runs}, indent=1))
-    print(json.dumps(summary, indent=1))
-    print("wrote", out)
+    return summary
 
 
 if __name__ == "__main__":

@@ -583,6 +583,8 @@ class EngineArgs:
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if transfer is not None:
+            transfer = transfer.with_device(device)
         load_format = detect_load_format(self.model, self.load_format)
         hf_config = load_hf_config(resolve_model_path(self.model, load_format), load_format)
         dtype = _resolve_dtype(self.dtype, hf_config, load_format, device)

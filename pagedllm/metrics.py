@@ -91,6 +91,8 @@ _TRANSFER_COUNTERS = (
      "Requests refused because their KV transfer was missing, truncated or foreign."),
     ("kv_transfer_send_failures", "pagedllm:kv_transfer_send_failures",
      "KV transfers this engine could not write."),
+    ("kv_transfer_buffered", "pagedllm:kv_transfer_buffered",
+     "KV transfers whose rows went through this producer's buffer (kv_buffer_size), not a file."),
     ("kv_transfer_bytes", "pagedllm:kv_transfer_bytes",
      "Bytes of KV written to and read from transfers."),
     ("kv_transfer_load_s", "pagedllm:kv_transfer_load_seconds",

@@ -2,10 +2,22 @@
 the transfer files (the bookkeeping: ``core/kv_transfer/scheduler.py``; the format:
 ``core/kv_transfer/files.py``).
 
-Every copy goes through a ring of two host buffers (``RING_BYTES`` each, pinned on a GPU),
-made once: a chunk of rows at a time, one buffer filled while the other's copy to or from
-the device is in flight. Pinning memory runs at a few GB/s: a buffer of the request's size
-per copy (500 MB for a 4,000-token Llama-3.1-8B prompt) would cost more than the copy.
+A transfer's rows are in the producer's buffer (``kv_buffer_size``, ``worker/kv_arena.py``)
+when the scheduler placed them there, else in its file:
+
+- Buffer, producer: after the forward pass the device blocks are gathered block-major and
+  copied into the transfer's range (device work, queued on the compute stream); ``finish``
+  writes the file's header and mask once the step's device work is done.
+- Buffer, consumer: before the forward pass each chunk's rows are copied from the producer's
+  buffer (CUDA IPC on a GPU; one copy per run of consecutive rows) and scattered into their
+  blocks; the files are deleted at ``finish``, once those copies have run (which gives the
+  producer its range back).
+
+Every copy through a file goes through a ring of two host buffers (``RING_BYTES`` each,
+pinned on a GPU), made once: a chunk of rows at a time, one buffer filled while the other's
+copy to or from the device is in flight. Pinning memory runs at a few GB/s: a buffer of the
+request's size per copy (500 MB for a 4,000-token Llama-3.1-8B prompt) would cost more than
+the copy.
 
 - Loads (consumer), before the forward pass: each chunk is read from the claimed file (one
   read per run of consecutive rows) into a ring buffer, copied to the device (no host sync)
@@ -33,11 +45,18 @@ import numpy as np
 import torch
 
 from pagedllm.core.kv_transfer.files import row_bytes
-from pagedllm.core.kv_transfer.scheduler import TransferMetadata, TransferReport, TransferSave
+from pagedllm.core.kv_transfer.scheduler import (
+    TransferLoad,
+    TransferMetadata,
+    TransferReport,
+    TransferSave,
+    arena_rows,
+)
 from pagedllm.distributed.parallel_state import tp_info
 from pagedllm.kv_layout import copy_dtype
 from pagedllm.utils.pinned import PinnedRing
 from pagedllm.worker.head_rows import HeadRows
+from pagedllm.worker.kv_arena import ArenaViews, ProducerArena
 from pagedllm.worker.kv_connector import KVConnectorWorker, StepBatch
 from pagedllm.worker.offload import block_views, host_runs, page_layout
 
@@ -49,9 +68,11 @@ class PendingWrites:
     """A step's saves in flight: each save with its gathered rows ``[n, block_bytes]`` (on
     the device; ready once ``event``, recorded after the gathers, is done)."""
 
-    saves: list[tuple[TransferSave, torch.Tensor]]
+    saves: list[tuple[TransferSave, torch.Tensor | None]]  # None: rows in the buffer
     event: Any
     report: TransferReport
+    loaded: list[str]  # the files of the step's loads from buffers (deleted at finish)
+    timed: list[tuple[str, Any, Any]]  # ("load" | "save", start, end): buffer copies (GPU)
 
 
 class KVTransferWorker(KVConnectorWorker):
@@ -81,6 +102,18 @@ class KVTransferWorker(KVConnectorWorker):
         self.ring_rows = max(1, self.RING_BYTES // max(self.block_bytes, 1))
         self._ring: list[torch.Tensor] = []
         self._ring_events: list[Any] = [None, None]
+        # the producer's buffer (made now: before the KV cache is sized), producers' buffers
+        transfer = runner.cache_config.kv_transfer
+        n = arena_rows(transfer, self.block_bytes)
+        self.arena: ProducerArena | None = None
+        if n:
+            self.arena = ProducerArena(
+                transfer.kv_buffer_path, transfer.engine_id, self.rank, n, self.block_bytes,
+                self.device,
+            )  # fmt: skip
+        self.views = ArenaViews(transfer.kv_buffer_path, self.rank)
+        self._loaded: list[str] = []  # this step's loads from buffers: their files
+        self._timed: list[tuple[str, Any, Any]] = []
 
     RING_BYTES = 64 << 20
 
@@ -125,11 +158,20 @@ class KVTransferWorker(KVConnectorWorker):
         into its blocks."""
         if metadata is None or not metadata.loads:
             return
-        t0, nbytes, j = time.perf_counter(), 0, 0
-        tensors = [] if self.per_head else self.runner.kv_layout.copy_tensors
+        host_s, nbytes, j = 0.0, 0, 0
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
         for load in metadata.loads:
             path = load.path.format(rank=self.rank)
+            if load.arena:
+                start, t0 = self._event(), time.perf_counter()
+                nbytes += self._load_from_arena(load)
+                self._loaded.append(path)
+                if start is not None:  # (device time: the forward pass waits for it)
+                    self._timed.append(("load", start, self._event()))
+                else:
+                    host_s += time.perf_counter() - t0
+                continue
+            t0 = time.perf_counter()
             fd = os.open(path, os.O_RDONLY) if load.rows else -1
             try:
                 for c0 in range(0, len(load.rows), self.ring_rows):
@@ -142,14 +184,7 @@ class KVTransferWorker(KVConnectorWorker):
                     rows = buf.to(self.device, non_blocking=True) if self.cuda else buf
                     self._copied(j, stream)
                     j += 1
-                    if load.heads is not None:
-                        at = np.fromiter((r for r, _ in chunk), np.int64)
-                        self.head_rows.scatter(rows, load.heads[c0 : c0 + len(chunk)], at)
-                        nbytes += buf.numel()
-                        continue
-                    dst = self.ids.ship(np.fromiter((d for _, d in chunk), np.int64))
-                    for dev, src in zip(tensors, block_views(self.pages, self.dtype, rows)):
-                        dev.index_copy_(1, dst, src)
+                    self._scatter(rows, load, c0, len(chunk))
                     nbytes += buf.numel()
             finally:
                 if fd >= 0:
@@ -158,34 +193,102 @@ class KVTransferWorker(KVConnectorWorker):
                 os.unlink(path)
             except OSError:
                 pass
-        self._load = (time.perf_counter() - t0, nbytes)
+            host_s += time.perf_counter() - t0
+        self._load = (host_s, nbytes)
+
+    def _load_from_arena(self, load: TransferLoad) -> int:
+        """Scatter a load's rows from the producer's buffer into their blocks, a run of
+        consecutive buffer rows at a time: straight from the buffer where it is on this device
+        (or the shared-memory file on a CPU); from another GPU through a staging copy of
+        ``ring_rows`` rows at most. The bytes."""
+        try:
+            src = self.views.rows(load.arena)  # [buffer rows, row_bytes]
+        except (RuntimeError, ValueError) as e:
+            raise RuntimeError(
+                f"the prefill engine's KV buffer {load.arena} could not be opened ({e}); the "
+                "decode engine must see the prefill engine's GPU (CUDA IPC), or give the "
+                "prefill engine kv_buffer_size 0 (transfers through files)."
+            ) from e
+        here = self.device
+        if here.type == "cuda" and here.index is None:
+            here = torch.device("cuda", torch.cuda.current_device())
+        for first, pos, n in host_runs([load.arena_row + r for r, _ in load.rows]):
+            for c0 in range(0, n, self.ring_rows):
+                m = min(self.ring_rows, n - c0)
+                rows = src[first + c0 : first + c0 + m]
+                if rows.device != here:  # (another GPU's: peer to peer)
+                    rows = rows.to(here, non_blocking=True)
+                self._scatter(rows, load, pos + c0, m)
+        return len(load.rows) * self.block_bytes
+
+    def _scatter(self, rows: torch.Tensor, load: TransferLoad, c0: int, n: int) -> None:
+        """Rows ``[n, block_bytes]`` (on the device) of ``load.rows[c0 : c0 + n]`` into their
+        device blocks (KV-Compress: into each (layer, KV head)'s block)."""
+        chunk = load.rows[c0 : c0 + n]
+        if n == 0:
+            return
+        if load.heads is not None:
+            at = np.fromiter((r for r, _ in chunk), np.int64)
+            self.head_rows.scatter(rows, load.heads[c0 : c0 + n], at)
+            return
+        dst = self.ids.ship(np.fromiter((d for _, d in chunk), np.int64))
+        tensors = self.runner.kv_layout.copy_tensors
+        for dev, src in zip(tensors, block_views(self.pages, self.dtype, rows)):
+            dev.index_copy_(1, dst, src)
 
     def after_forward(self, so: Any, metadata: TransferMetadata | None) -> PendingWrites | None:
         """Gather the step's saved blocks (block-major, to host memory)."""
         report = TransferReport(load_s=self._load[0], load_bytes=self._load[1])
-        self._load = (0.0, 0)
+        loaded, self._load, self._loaded = self._loaded, (0.0, 0), []
+        timed, self._timed = self._timed, []
         if metadata is None or not metadata.saves:
-            return PendingWrites([], None, report) if report.load_bytes else None
-        tensors = [] if self.per_head else self.runner.kv_layout.copy_tensors
-        gathered, event = [], None
+            if not (report.load_bytes or loaded):
+                return None
+            return PendingWrites([], self._event(), report, loaded, timed)
+        gathered: list[tuple[TransferSave, torch.Tensor | None]] = []
         for save in metadata.saves:
+            if save.arena_row >= 0 and self.arena is not None:  # into the buffer's rows
+                start, t0 = self._event(), time.perf_counter()
+                for first, pos, n in host_runs([save.arena_row + r for r, _ in save.rows]):
+                    self._gather(save, pos, n, self.arena.rows[first : first + n])
+                if start is not None:
+                    timed.append(("save", start, self._event()))
+                else:
+                    report.save_s += time.perf_counter() - t0
+                gathered.append((save, None))
+                report.save_bytes += len(save.rows) * self.block_bytes
+                continue
             rows = torch.empty(len(save.rows), self.block_bytes, dtype=torch.uint8,
                                device=self.device)  # fmt: skip
-            if save.heads is not None:
-                self.head_rows.gather(save.heads, rows)
-                gathered.append([save, rows])
-                continue
-            src = self.ids.ship(np.fromiter((d for _, d in save.rows), np.int64))
-            for dev, view in zip(tensors, block_views(self.pages, self.dtype, rows)):
-                view.copy_(dev.index_select(1, src))
-            gathered.append([save, rows])
-        if self.cuda and gathered:
+            self._gather(save, 0, len(save.rows), rows)
+            gathered.append((save, rows))
+        if self.cuda:
             assert self.side is not None
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
             for _, rows in gathered:  # (read on the side stream at finish)
-                rows.record_stream(self.side)
-        return PendingWrites([(s, r) for s, r in gathered], event, report)
+                if rows is not None:
+                    rows.record_stream(self.side)
+        return PendingWrites(gathered, self._event(), report, loaded, timed)
+
+    def _gather(self, save: TransferSave, pos: int, n: int, dst: torch.Tensor) -> None:
+        """The device blocks of ``save.rows[pos : pos + n]`` into ``dst`` ``[n, block_bytes]``
+        (block-major; KV-Compress: from each (layer, KV head)'s block)."""
+        if n == 0:
+            return
+        if save.heads is not None:
+            self.head_rows.gather(save.heads[pos : pos + n], dst)
+            return
+        src = self.ids.ship(np.fromiter((d for _, d in save.rows[pos : pos + n]), np.int64))
+        tensors = self.runner.kv_layout.copy_tensors
+        for dev, view in zip(tensors, block_views(self.pages, self.dtype, dst)):
+            view.copy_(dev.index_select(1, src))
+
+    def _event(self) -> Any:
+        """An event after the work queued so far on the compute stream (None off a GPU)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def finish(self, pending: PendingWrites | None) -> TransferReport | None:
         """Write the gathered rows into their files (publishing the complete ones); the
@@ -194,18 +297,28 @@ class KVTransferWorker(KVConnectorWorker):
             return None
         report = pending.report
         if pending.event is not None:
-            pending.event.synchronize()  # the gathers (not the writes' time)
+            pending.event.synchronize()  # the gathers and copies (not the writes' time)
+        for kind, start, end in pending.timed:  # the buffer copies' device time
+            if kind == "load":
+                report.load_s += start.elapsed_time(end) / 1e3
+            else:
+                report.save_s += start.elapsed_time(end) / 1e3
+        for path in pending.loaded:  # (their rows are copied: the producer may reuse them)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         t0 = time.perf_counter()
         for save, rows in pending.saves:
             path = save.path.format(rank=self.rank)
             try:
                 self._write(save, path, rows)
-                report.save_bytes += rows.numel()
+                report.save_bytes += 0 if rows is None else rows.numel()
             except OSError as e:
                 logger.warning("KV transfer %s not written: %s", path, e)
                 report.failed.append(os.path.basename(path))
         if pending.saves:
-            report.save_s = time.perf_counter() - t0
+            report.save_s += time.perf_counter() - t0
         return report
 
     def _host_rows(self, rows: torch.Tensor, c0: int, m: int, j: int) -> np.ndarray:
@@ -220,10 +333,11 @@ class KVTransferWorker(KVConnectorWorker):
         self._slot(j)  # (waits for that copy)
         return buf.numpy()
 
-    def _write(self, save: TransferSave, path: str, rows: torch.Tensor) -> None:
-        """The rows (a ring chunk at a time, one write per run of consecutive rows) and their
-        mask bytes; the header first when the file is new (sized now, sparse: a full disk is
-        an OSError of a write, never a fault), the rename when the prompt is complete."""
+    def _write(self, save: TransferSave, path: str, rows: torch.Tensor | None) -> None:
+        """The rows (a ring chunk at a time, one write per run of consecutive rows; none when
+        they are in the buffer) and their mask bytes; the header first when the file is new
+        (sized now, sparse: a full disk is an OSError of a write, never a fault), the rename
+        when the prompt is complete."""
         tmp = path + ".tmp"
         flags = os.O_WRONLY | (os.O_CREAT | os.O_TRUNC if save.header is not None else 0)
         fd = os.open(tmp, flags, 0o600)  # (FileNotFoundError: its request ended)
@@ -233,10 +347,11 @@ class KVTransferWorker(KVConnectorWorker):
                 os.ftruncate(fd, save.header.file_size())
             for j, c0 in enumerate(range(0, len(save.rows), self.ring_rows)):
                 chunk = save.rows[c0 : c0 + self.ring_rows]
-                host = self._host_rows(rows, c0, len(chunk), j)
+                host = None if rows is None else self._host_rows(rows, c0, len(chunk), j)
                 for first, pos, n in host_runs([r for r, _ in chunk]):
-                    at = save.rows_offset + first * self.block_bytes
-                    _pwrite_all(fd, host[pos : pos + n], at)
+                    if host is not None:
+                        at = save.rows_offset + first * self.block_bytes
+                        _pwrite_all(fd, host[pos : pos + n], at)
                     _pwrite_all(fd, b"\x01" * n, save.mask_offset + first)
         finally:
             os.close(fd)

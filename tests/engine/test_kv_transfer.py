@@ -235,8 +235,10 @@ def _kvc_decode(params: dict | None, budget: int) -> SamplingParams:
                           protected_window_size=8)  # fmt: skip
 
 
-@pytest.mark.parametrize("arch,dtype", [("llama", "auto"), ("gemma3", "auto"), ("qwen3", "fp8")])
-def test_kv_compress_on_a_pair_equals_one_engine(tiny_models, tmp_path, arch, dtype):
+@pytest.mark.parametrize(
+    "arch,dtype,buffer", [("llama", "auto", 0), ("gemma3", "auto", 0), ("qwen3", "fp8", 1 << 22)]
+)
+def test_kv_compress_on_a_pair_equals_one_engine(tiny_models, tmp_path, arch, dtype, buffer):
     """KV-Compress with prefill/decode disaggregation. The producer hands its prompts' KVs
     over whole (a request it hands over is never evicted there), gathered from the per-head
     blocks into the plain layout's rows; the consumer loads them into its per-head blocks,
@@ -245,10 +247,12 @@ def test_kv_compress_on_a_pair_equals_one_engine(tiny_models, tmp_path, arch, dt
     KV-Compress engine's, with a budget that evicts nothing and with one that evicts; a
     producer without KV-Compress feeds the consumer the same rows (Gemma 3's plain engine,
     whose window layers have a table of their own, is refused by layout). An fp8 cache's rows
-    move as bytes."""
+    move as bytes, through the producer's buffer (``kv_buffer_size``)."""
     blocks = {"num_gpu_blocks_override": 1024, "kv_cache_dtype": dtype}  # (one-head blocks)
     kvc = {"enable_kvc": True, "max_num_batched_tokens": 256, **blocks}
-    producer = _llm(tiny_models, arch, "kv_producer", tmp_path, enable_kvc=True,
+    cfg = {"kv_role": "kv_producer", "kv_buffer_path": str(tmp_path), "engine_id": "producer",
+           "kv_buffer_size": buffer}  # fmt: skip
+    producer = _llm(tiny_models, arch, None, tmp_path, enable_kvc=True, kv_transfer_config=cfg,
                     max_num_batched_tokens=32, **blocks)  # fmt: skip
     consumer = _llm(tiny_models, arch, "kv_consumer", tmp_path, **kvc)
     single = _llm(tiny_models, arch, None, tmp_path, **kvc)
@@ -257,6 +261,7 @@ def test_kv_compress_on_a_pair_equals_one_engine(tiny_models, tmp_path, arch, dt
         prompts = [_prompt(seed, 150), _prompt(seed + 1, 70), _prompt(seed + 2, 20)]
         params = _hand_over(producer, prompts)
         assert producer.llm_engine.engine_core.scheduler.kv_cache_manager.num_evicted_kvs == 0
+        assert _role(producer).buffered_transfers == (3 if seed == 20 else 6) * bool(buffer)
         evicted = manager.num_evicted_kvs
         decode = [_kvc_decode(p, budget) for p in params]
         got = consumer.generate([{"prompt_token_ids": p} for p in prompts], decode,
@@ -271,7 +276,7 @@ def test_kv_compress_on_a_pair_equals_one_engine(tiny_models, tmp_path, arch, dt
         consumer.llm_engine.engine_core.check_integrity()
     # (150 - 32) // 16 = 7 blocks, (70 - 32) // 16 = 2, a 20-token prompt none: twice
     assert _role(consumer).received_tokens == 2 * (7 + 2) * BLOCK
-    assert os.listdir(tmp_path) == []
+    assert [n for n in os.listdir(tmp_path) if ".arena." not in n] == []
     plain = _llm(tiny_models, arch, "kv_producer", tmp_path, kv_cache_dtype=dtype)
     prompt = _prompt(40, 100)
     (params,) = _hand_over(plain, [prompt])
@@ -314,17 +319,22 @@ def test_a_pair_with_tensor_parallelism(tiny_models, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("buffer", [0, None], ids=["file", "buffer"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_on_a_gpu_a_pair_equals_one_engine(tiny_models, tmp_path, arch):
+def test_on_a_gpu_a_pair_equals_one_engine(tiny_models, tmp_path, arch, buffer):
     """Two engines sharing one GPU (async scheduling, CUDA graphs): the producer's rows are
     gathered on the device and written from pinned memory, the consumer's go back through
-    pinned memory. The reference is one engine that ran the prompts once, as the producer did,
-    and then hits its own prefix cache, computing each prompt's tail as the consumer does
+    pinned memory (``kv_buffer_size`` 0); or (the default) they stay in the producer's
+    device buffer, which the consumer (in the same process: no IPC) reads. The reference
+    is one engine that ran the prompts once, as the producer did, and then hits its own
+    prefix cache, computing each prompt's tail as the consumer does
     (the same kernels on the same shapes: a GPU's sums depend on them): the consumer's tokens
     and logprobs are that engine's, so the KV that crossed is the KV it cached."""
     prompts = [_prompt(20, 150), _prompt(21, 70)]
     kw = {"device": "cuda", "max_num_batched_tokens": 32}
-    producer = _llm(tiny_models, arch, "kv_producer", tmp_path, **kw)
+    cfg = {"kv_role": "kv_producer", "kv_buffer_path": str(tmp_path), "engine_id": "producer",
+           "kv_buffer_size": buffer}  # fmt: skip
+    producer = _llm(tiny_models, arch, None, tmp_path, kv_transfer_config=cfg, **kw)
     consumer = _llm(tiny_models, arch, "kv_consumer", tmp_path, **kw)
     params = _hand_over(producer, prompts)
     got = consumer.generate([{"prompt_token_ids": p} for p in prompts],
@@ -339,6 +349,7 @@ def test_on_a_gpu_a_pair_equals_one_engine(tiny_models, tmp_path, arch):
         assert toks == ref_toks
         np.testing.assert_allclose(lps, ref_lps, rtol=1e-5, atol=1e-5)
     assert _role(consumer).received_tokens == (9 + 4) * BLOCK
+    assert _role(producer).buffered_transfers == (0 if buffer == 0 else 2)
 
 
 def test_parallel_sampling_on_the_consumer_equals_one_engine(tiny_models, tmp_path):

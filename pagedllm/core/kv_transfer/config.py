@@ -6,11 +6,18 @@
 
 Keys: ``kv_role`` (``kv_producer``: computes prompts and hands their KV over; ``kv_consumer``:
 continues requests from a producer's KV; ``kv_both``: either, per request), ``kv_connector``
-(the transport; ``SharedMemoryConnector``, the only one so far: engines of one host, through
-files in ``kv_buffer_path``), ``engine_id`` (names this engine's transfers; default: random),
-``kv_buffer_path`` (a directory both engines see; default ``/dev/shm/pagedllm-kv``, else the
-temporary directory), ``kv_transfer_timeout`` (seconds a producer keeps a transfer nobody took;
+(the transport; ``SharedMemoryConnector``, the only one so far: engines of one host),
+``engine_id`` (names this engine's transfers; default: random), ``kv_buffer_path`` (a
+directory both engines see; default ``/dev/shm/pagedllm-kv``, else the temporary directory),
+``kv_buffer_size`` (bytes of a producer's buffer, vLLM's key: on a GPU, device memory the
+consumers read by CUDA IPC; on a CPU, a shared-memory mapping; default 1e9 on a GPU producer,
+0 elsewhere), ``kv_transfer_timeout`` (seconds a producer keeps a transfer nobody took;
 default 120).
+
+Where a transfer's rows go: into a free range of the producer's buffer when one is large
+enough (``core/kv_transfer/arena.py``; the consumer copies them device to device), else into
+the transfer's file in ``kv_buffer_path`` (through host memory). Either way the file holds
+the header and which rows hold KV, and its name is what the proxy passes on.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import json
 import os
 import tempfile
 import uuid
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -42,6 +49,7 @@ class KVTransferConfig:
     engine_id: str = ""
     kv_buffer_path: str = ""
     kv_transfer_timeout: float = 120.0
+    kv_buffer_size: float | None = None  # bytes (None: by device, ``with_device``)
     tp_size: int = 1
 
     def __post_init__(self) -> None:
@@ -59,11 +67,26 @@ class KVTransferConfig:
             raise ValueError(
                 f"kv_transfer_config.kv_transfer_timeout must be positive seconds, got {t!r}."
             )
+        size = self.kv_buffer_size
+        if size is not None and (
+            isinstance(size, bool) or not isinstance(size, (int, float)) or not size >= 0
+        ):
+            raise ValueError(
+                f"kv_transfer_config.kv_buffer_size must be a byte count >= 0, got {size!r}."
+            )
         if not isinstance(self.engine_id, str) or not _safe(self.engine_id):
             raise ValueError(
                 "kv_transfer_config.engine_id may hold letters, digits, '.', '_' and '-' only, "
                 f"got {self.engine_id!r}."
             )
+
+    def with_device(self, device: str) -> KVTransferConfig:
+        """``kv_buffer_size`` resolved for the engine's device: 1e9 bytes on a GPU producer
+        (vLLM's default), else 0 (files only) where it was not given."""
+        if self.kv_buffer_size is not None:
+            return self
+        size = 1e9 if device == "cuda" and self.is_producer else 0
+        return replace(self, kv_buffer_size=size)
 
     @property
     def is_producer(self) -> bool:
@@ -77,8 +100,8 @@ class KVTransferConfig:
     def parse(cls, value: Any, tp_size: int = 1) -> KVTransferConfig | None:
         """From a dict, its JSON text, or a config (None: off). Unknown keys are an error
         naming them; vLLM's keys this transport has no use for (``kv_rank``,
-        ``kv_parallel_size``, ``kv_ip``, ``kv_port``, ``kv_connector_extra_config``) are
-        accepted and ignored."""
+        ``kv_parallel_size``, ``kv_ip``, ``kv_port``, ``kv_connector_extra_config``,
+        ``kv_buffer_device``) are accepted and ignored."""
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, str):
@@ -91,7 +114,14 @@ class KVTransferConfig:
                 f"kv_transfer_config must be a dict or its JSON text, got {type(value).__name__}."
             )
         known = {f.name for f in fields(cls)} - {"tp_size"}
-        ignored = {"kv_rank", "kv_parallel_size", "kv_ip", "kv_port", "kv_connector_extra_config"}
+        ignored = {
+            "kv_rank",
+            "kv_parallel_size",
+            "kv_ip",
+            "kv_port",
+            "kv_connector_extra_config",
+            "kv_buffer_device",
+        }
         unknown = sorted(set(value) - known - ignored)
         if unknown:
             raise ValueError(

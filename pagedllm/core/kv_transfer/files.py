@@ -7,7 +7,9 @@ A file (``<engine_id>-<request_id>.kv.r<rank>``):
     offset 0          b"PGKV0001", then the header's length (8 bytes, little endian)
     offset 16         the header, JSON (``TransferHeader``)
     mask_offset       [num_groups, num_blocks] bytes: 1 where the row holds its block's KV
-    rows_offset       [num_groups * num_blocks, block_bytes] rows (4 KiB aligned): row
+    rows_offset       [num_groups * num_blocks, block_bytes] rows (4 KiB aligned; absent when
+                      the header names the producer's buffer, ``arena``: the rows are there,
+                      from ``arena_row`` on, ``arena.py``): row
                       g * num_blocks + i holds block i of KV-cache group g, block-major (every
                       layer's K and V pages of that block id, back to back: the host tier's
                       layout, ``worker/offload.py``; KV-Compress's per-head blocks are
@@ -90,6 +92,8 @@ class TransferHeader:
     num_groups: int
     num_blocks: int
     tokens: str  # token_digest of the first num_blocks * block_size prompt tokens
+    arena: str = ""  # the producer's buffer holding the rows ("": this file holds them)
+    arena_row: int = -1  # the buffer row of row 0
 
     def encode(self) -> bytes:
         text = json.dumps(asdict(self)).encode()
@@ -107,7 +111,7 @@ class TransferHeader:
         return -(-end // ALIGN) * ALIGN
 
     def file_size(self) -> int:
-        return self.rows_offset() + self.num_rows * self.block_bytes
+        return self.rows_offset() + (0 if self.arena else self.num_rows * self.block_bytes)
 
 
 def read_header(path: str) -> tuple[TransferHeader, np.ndarray]:

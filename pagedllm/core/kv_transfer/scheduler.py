@@ -7,9 +7,11 @@ key; the proxy fills it in):
 
 - ``{"do_remote_decode": true}`` on a producer: compute the prompt and hand its KV over.
   Every step, the full prompt blocks the step completes are written through to the request's
-  transfer file (``build_metadata`` lists (row, device block) pairs; the worker role writes
-  them after the forward pass), so a window group's blocks are written while the window still
-  holds them; the step that completes the prompt also finalizes the file. The response then
+  rows (``build_metadata`` lists (row, device block) pairs; the worker role writes them after
+  the forward pass): into the range of the producer's buffer the transfer got at admission
+  when one was free (``arena.py``), else into its file; so a window group's blocks are written
+  while the window still holds them. The step that completes the prompt also finalizes the
+  file. The response then
   carries ``{"do_remote_prefill": true, "remote_engine_id", "remote_block_file"}``
   (``producer_params``), which the proxy passes on to the consumer.
 - ``{"do_remote_prefill": true, ...}`` on a consumer: ``add_request`` claims the file, checks
@@ -28,8 +30,10 @@ is never compressed there (``core/sched/kvc.py``); a consumer computes the promp
 keeps) and counts the loaded ones as computed in the runner's table (``count_loaded``).
 
 A producer deletes its own transfers that nobody claimed within ``kv_transfer_timeout``
-(the consumer died, or the proxy gave up); a consumer whose producer died finds no file and
-fails that request alone.
+(the consumer died, or the proxy gave up); a consumer whose producer died finds no file (or,
+for rows in a GPU buffer, no live producer) and fails that request alone. A buffer range is
+given back once the transfer's files are gone (the consumer deletes them when its copies are
+done).
 
 Example (block size 16, a 40-token prompt, the consumer caching the first block): the
 producer writes rows 0 and 1 in the prompt's step; the consumer's device hit is 16 tokens,
@@ -49,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from pagedllm.core.kv_cache.interface import PerHeadRows
+from pagedllm.core.kv_transfer.arena import ArenaRanges, arena_path, read_handle
 from pagedllm.core.kv_transfer.config import KVTransferConfig
 from pagedllm.core.kv_transfer.files import (
     TransferHeader,
@@ -80,6 +85,7 @@ class KVTransferRoleConfig:
     layout: str
     block_bytes: int
     keep_last: int = 1
+    arena_rows: int = 0  # rows of the producer's buffer (0: none; every row through files)
 
 
 def kv_transfer_role_config(
@@ -89,9 +95,19 @@ def kv_transfer_role_config(
     ``keep_last``: ``core/sched/roles.keep_last``)."""
     if transfer is None or kv_groups is None:
         return None
+    block_bytes = row_bytes(kv_groups)
     return KVTransferRoleConfig(
-        transfer, layout_of(kv_groups, transfer.tp_size), row_bytes(kv_groups), keep_last
-    )
+        transfer, layout_of(kv_groups, transfer.tp_size), block_bytes, keep_last,
+        arena_rows(transfer, block_bytes),
+    )  # fmt: skip
+
+
+def arena_rows(transfer: KVTransferConfig, block_bytes: int) -> int:
+    """Rows of a producer's buffer: ``kv_buffer_size`` // row bytes (0 for a consumer).
+    Example: 1e9 bytes of 1 MiB rows -> 953 rows (15,248 tokens of block size 16)."""
+    if not transfer.is_producer or not transfer.kv_buffer_size:
+        return 0
+    return int(transfer.kv_buffer_size // max(block_bytes, 1))
 
 
 def transfer_params(request_params: Any) -> dict | None:
@@ -123,6 +139,10 @@ class Send:
     created: bool = False
     done: bool = False
 
+    @property
+    def arena_row(self) -> int:
+        return self.header.arena_row
+
 
 @dataclass
 class Receive:
@@ -145,6 +165,8 @@ class TransferLoad:
     num_rows: int
     rows: list[tuple[int, int]]  # (row, device block)
     heads: np.ndarray | None = None
+    arena: str = ""  # the producer's buffer holding the rows ("": the file)
+    arena_row: int = -1  # its row of row 0
 
 
 @dataclass
@@ -160,6 +182,7 @@ class TransferSave:
     rows: list[tuple[int, int]]  # (row, device block)
     final: bool
     heads: np.ndarray | None = None  # KV-Compress: as ``TransferLoad.heads``
+    arena_row: int = -1  # >= 0: the rows go to this engine's buffer from this row on
 
 
 @dataclass
@@ -209,6 +232,11 @@ class KVTransferScheduler(KVConnectorScheduler):
         os.makedirs(self.dir, exist_ok=True)
         self.sends: dict[str, Send] = {}
         self.receives: dict[str, Receive] = {}
+        # the producer's buffer: free ranges, and the published transfers holding one
+        self.arena = ArenaRanges(config.arena_rows) if config.arena_rows else None
+        self.held: dict[str, tuple[int, int]] = {}  # file name -> (first row, rows)
+        self._next_release = 0.0
+        self.buffered_transfers = 0
         self.planned = TransferMetadata()
         self._next_sweep = 0.0
         self.sent_transfers = 0
@@ -234,11 +262,14 @@ class KVTransferScheduler(KVConnectorScheduler):
                     f"(kv_role {self.transfer.kv_role!r})."
                 )
             n = request.num_prompt_tokens // self.block_size
+            start = self.arena.take(n * len(self.tables)) if self.arena and n else -1
             header = TransferHeader(
                 self.layout, self.block_size, self.block_bytes, len(self.tables), n,
                 token_digest(request.prompt_token_ids[: n * self.block_size]),
+                self.transfer.engine_id if start >= 0 else "", start,
             )  # fmt: skip
             self.sends[rid] = Send(transfer_name(self.transfer.engine_id, rid), header)
+            self.buffered_transfers += start >= 0
         elif params.get("do_remote_prefill"):
             if not self.transfer.is_consumer:
                 raise ValueError(
@@ -284,6 +315,16 @@ class KVTransferScheduler(KVConnectorScheduler):
             prompt = request.prompt_token_ids
             if n > len(prompt) or token_digest(prompt[:n]) != header.tokens:
                 raise ValueError(f"the KV transfer {name} is of another prompt.")
+            for r in range(self.transfer.tp_size if header.arena else 0):
+                handle = read_handle(arena_path(self.dir, header.arena, r))
+                if (
+                    int(handle["row_bytes"]) != header.block_bytes
+                    or int(handle["rows"]) < header.arena_row + header.num_rows
+                ):
+                    raise ValueError(
+                        f"the KV transfer {name}'s rows are not in its producer's buffer "
+                        "(the prefill engine restarted with another kv_buffer_size?)."
+                    )
         except (ValueError, OSError) as e:
             self.refused_transfers += 1
             for path in taken:
@@ -327,17 +368,35 @@ class KVTransferScheduler(KVConnectorScheduler):
             device = m.get_block_ids(request.request_id)[first : first + n]
             rows += [(g * nb + first + i, d) for i, d in enumerate(device)]
         h = got.header
-        load = TransferLoad(got.path, h.rows_offset(), h.num_rows, rows, heads)
+        load = TransferLoad(
+            got.path, h.rows_offset(), h.num_rows, rows, heads, h.arena, h.arena_row
+        )
         self.planned.loads.append(load)
         self.received_tokens += num_tokens
 
     # ---------------------------------------------------------------------- steps
     def begin_step(self) -> None:
-        """Now and then, delete this producer's transfers nobody claimed in time."""
+        """Now and then, delete this producer's transfers nobody claimed in time; every few
+        milliseconds, give back the buffer ranges of the transfers whose files are gone."""
         now = time.monotonic()
         if self.transfer.is_producer and now >= self._next_sweep:
             self._next_sweep = now + min(10.0, self.transfer.kv_transfer_timeout / 4)
             self._sweep()
+        if self.held and now >= self._next_release:
+            self._next_release = now + 0.005
+            self._release_held()
+
+    def _release_held(self) -> None:
+        """Published transfers in the buffer whose files (every rank's, published or
+        claimed) are gone: the consumer has copied their rows, or the sweep gave up on them."""
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return
+        present = {n.partition(".kv.r")[0] + ".kv" for n in names if ".kv.r" in n}
+        for name in [n for n in self.held if n not in present]:
+            assert self.arena is not None
+            self.arena.give(*self.held.pop(name))
 
     def _sweep(self) -> None:
         """Names: "<name>.r<rank>" published, "...tmp" being written (a live request's are
@@ -391,7 +450,7 @@ class KVTransferScheduler(KVConnectorScheduler):
             meta.saves.append(
                 TransferSave(
                     path, None if send.created else h, h.mask_offset(), h.rows_offset(),
-                    h.num_rows, rows, send.done, heads,
+                    h.num_rows, rows, send.done, heads, h.arena_row,
                 )
             )  # fmt: skip
             send.created, send.planned = True, full
@@ -416,13 +475,21 @@ class KVTransferScheduler(KVConnectorScheduler):
         request that had not loaded yet keeps its claim."""
 
     def on_free(self, request: Request) -> None:
-        """A producer's unfinished file goes (the worker role skips its later writes); a
+        """A producer's unfinished file goes (the worker role skips its later writes) and its
+        buffer range with it; a finished one's range is held until its files are gone. A
         consumer's claimed file nobody loaded goes."""
         rid = request.request_id
         send = self.sends.pop(rid, None)
         if send is not None and send.created and not send.done:
             for r in range(self.transfer.tp_size):
                 _unlink(rank_path(self.dir, send.name, r) + ".tmp")
+        if send is not None and send.arena_row >= 0:
+            assert self.arena is not None
+            span = (send.arena_row, send.header.num_rows)
+            if send.done:
+                self.held[send.name] = span
+            else:  # (this engine's later gathers into it are queued behind this step's)
+                self.arena.give(*span)
         got = self.receives.pop(rid, None)
         if got is not None:  # ended before its first step: nobody will load it
             for r in range(self.transfer.tp_size):
@@ -441,6 +508,7 @@ class KVTransferScheduler(KVConnectorScheduler):
             "kv_transfer_load_s": self.load_s,
             "kv_transfer_save_s": self.save_s,
             "kv_transfer_bytes": self.bytes_moved,
+            "kv_transfer_buffered": self.buffered_transfers,
         }
 
 
