@@ -212,11 +212,12 @@ class KVTransferWorker(KVConnectorWorker):
         here = self.device
         if here.type == "cuda" and here.index is None:
             here = torch.device("cuda", torch.cuda.current_device())
+        step = self.ring_rows if src.device != here else len(load.rows)
         for first, pos, n in host_runs([load.arena_row + r for r, _ in load.rows]):
-            for c0 in range(0, n, self.ring_rows):
-                m = min(self.ring_rows, n - c0)
+            for c0 in range(0, n, step):
+                m = min(step, n - c0)
                 rows = src[first + c0 : first + c0 + m]
-                if rows.device != here:  # (another GPU's: peer to peer)
+                if rows.device != here:  # (another GPU's: peer to peer, ring_rows at a time)
                     rows = rows.to(here, non_blocking=True)
                 self._scatter(rows, load, pos + c0, m)
         return len(load.rows) * self.block_bytes
@@ -233,6 +234,11 @@ class KVTransferWorker(KVConnectorWorker):
             return
         dst = self.ids.ship(np.fromiter((d for _, d in chunk), np.int64))
         tensors = self.runner.kv_layout.copy_tensors
+        if self.cuda:  # (every layer in one launch)
+            from pagedllm.ops.block_rows import copy_block_rows
+
+            copy_block_rows(tensors, dst, rows, to_rows=False)
+            return
         for dev, src in zip(tensors, block_views(self.pages, self.dtype, rows)):
             dev.index_copy_(1, dst, src)
 
@@ -279,6 +285,11 @@ class KVTransferWorker(KVConnectorWorker):
             return
         src = self.ids.ship(np.fromiter((d for _, d in save.rows[pos : pos + n]), np.int64))
         tensors = self.runner.kv_layout.copy_tensors
+        if self.cuda:  # (every layer in one launch)
+            from pagedllm.ops.block_rows import copy_block_rows
+
+            copy_block_rows(tensors, src, dst, to_rows=True)
+            return
         for dev, view in zip(tensors, block_views(self.pages, self.dtype, dst)):
             view.copy_(dev.index_select(1, src))
 

@@ -26,6 +26,7 @@ from triton.compiler import ASTSource
 import pagedllm.ops.activation as act
 import pagedllm.ops.all_reduce_norm as arn
 import pagedllm.ops.bitmask as bitmask
+import pagedllm.ops.block_rows as block_rows
 import pagedllm.ops.dcp_attention as dcp
 import pagedllm.ops.kv_write as kv_write
 import pagedllm.ops.kvc_attention.decode as kvc_decode
@@ -212,7 +213,7 @@ def _paged_variants() -> list[tuple[str, object, dict, dict]]:
 
 def _other_variants() -> list[tuple[str, object, dict, dict]]:
     """Norms, activations, the grammar bitmask, LoRA, the device drafts, the fused
-    all-reduce."""
+    all-reduce, the KV blocks' rows."""
     ptrs = dict(
         x_ptr=BF16, y_ptr=BF16, w_ptr=BF16, r_ptr=BF16, s_ptr=BF16, logits_ptr=F32,
         mask_ptr=I32, rows_ptr=I64, buf_ptrs=I64, pad_ptrs=I64,
@@ -245,6 +246,10 @@ def _other_variants() -> list[tuple[str, object, dict, dict]]:
             ep = dict(s_ptr=F32, b_ptr=dtype, out_ptr=dtype, meta_ptr=I64, sub_ptr=I64)
             out.append((f"lora expand BLOCK_M={bm} f32={f32}", lora._expand_kernel, ep,
                         dict(R=16, BLOCK_M=bm, BLOCK_N=64, F32=f32)))  # fmt: skip
+    rows = dict(base_ptr=I32, rows_ptr=I32, ids_ptr=I64, table_ptr=I64)
+    for to_rows in (False, True):
+        out.append((f"block rows to_rows={to_rows}", block_rows._block_rows_kernel, rows,
+                    dict(BLOCK=1024, TO_ROWS=to_rows)))  # fmt: skip
     out.append(("drafts prepare", drafts._prepare_kernel, spec, dict(K=4, BLOCK_K=8)))
     out.append(("drafts verify", drafts._verify_kernel, spec,
                 dict(K=4, BLOCK_K=8, MAX_N=4, BLOCK_N=4, BLOCK_W=1024, LOOKUP=True)))  # fmt: skip
@@ -260,7 +265,8 @@ def uncovered(todo: list) -> list[str]:
     """Kernels (``*_kernel`` JIT functions) of the imported ops modules with no variant here:
     a new kernel must be added to ``variants``."""
     kvc = (kvc_decode, kvc_split, kvc_prefill, kvc_window, kvc_step)
-    modules = (act, arn, bitmask, dcp, kv_write, *kvc, lora, paged, rms, rotary, drafts)
+    modules = (act, arn, bitmask, block_rows, dcp, kv_write, *kvc, lora, paged, rms, rotary,
+               drafts)  # fmt: skip
     have = {id(fn) for _, fn, _, _ in todo}
     return [
         f"{m.__name__}.{name}"
