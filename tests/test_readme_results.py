@@ -343,13 +343,13 @@ def test_fp8_micro_table_quotes_its_file() -> None:
 
 
 def test_kernel_and_server_tables_quote_their_files() -> None:
-    """The per-kernel table (H100) is its three files' by_kind rows (ms a step and fraction of
+    """The per-kernel table (H100, H200) is its six files' by_kind rows (ms a step and fraction of
     the limit) and device ms a step; the server's H100 table is its file's TTFT p50 / p99 and
     throughput ratios, and the four API servers' TTFT p50 beats the one's, as the text says."""
     text = BENCH_README.read_text()
     names = ("a", "b_in128_out1024", "b_in1024_out128")
-    profiles = [_load(f"kernel_table_bench-{n}_NVIDIA_H100_80GB_HBM3.json")["kernel_profile"]
-                for n in names]  # fmt: skip
+    profiles = [_load(f"kernel_table_bench-{n}_{dev}.json")["kernel_profile"]
+                for n in names for dev in ("NVIDIA_H100_80GB_HBM3", "NVIDIA_H200")]  # fmt: skip
     for kind in ("attention", "gemm", "rms_norm", "rope", "act_and_mul", "sampling", "other"):
         cells = []
         for kp in profiles:
