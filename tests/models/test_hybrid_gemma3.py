@@ -25,7 +25,12 @@ def text_prompts(path: str, length: int, tails: int, tail_len: int = 40) -> list
 
     tok = load_tokenizer(path, None, "gguf")
     root = Path(__file__).resolve().parents[2] / "pagedllm"
-    text = "\n".join(p.read_text() for p in sorted(root.rglob("*.py")))
+    need = length + tails * tail_len
+    text = ""  # (enough files for ~8 characters a token, not all 2 MB of them)
+    for p in sorted(root.rglob("*.py")):
+        text += p.read_text() + "\n"
+        if len(text) > 8 * need:
+            break
     ids = tok.encode(text, add_special_tokens=False)
     assert len(ids) >= length + tails * tail_len
     tail = ids[length:]
