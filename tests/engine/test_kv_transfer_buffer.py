@@ -124,6 +124,31 @@ def test_a_transfer_too_large_for_the_free_buffer_goes_through_its_file(tiny_mod
     assert not (tmp_path / (c["remote_block_file"] + ".r0")).exists()  # (the claim let go)
 
 
+def test_a_gpu_buffer_whose_producer_exited_is_refused(tmp_path):
+    """A GPU buffer's memory goes with its process: a handle whose pid is gone is refused,
+    naming it; a malformed or missing handle too. A CPU buffer (a shared-memory file) outlives
+    its producer and stays readable."""
+    import subprocess
+    import sys
+
+    from pagedllm.core.kv_transfer.arena import arena_path, read_handle, write_handle
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    path = arena_path(str(tmp_path), "p", 0)
+    handle = {"pid": int(gone.stdout), "device": "cuda", "rows": 4, "row_bytes": 64}
+    write_handle(path, handle)
+    with pytest.raises(ValueError, match="has exited"):
+        read_handle(path)
+    write_handle(path, {**handle, "device": "cpu"})
+    assert read_handle(path)["rows"] == 4
+    write_handle(path, {**handle, "rows": 0})
+    with pytest.raises(ValueError, match="malformed"):
+        read_handle(path)
+    with pytest.raises(ValueError, match="is gone"):
+        read_handle(arena_path(str(tmp_path), "q", 0))
+
+
 def test_the_buffer_size_is_checked_and_defaults_by_device():
     assert KVTransferConfig.parse({"kv_role": "kv_producer"}).with_device("cuda").kv_buffer_size
     consumer = KVTransferConfig.parse({"kv_role": "kv_consumer"})
