@@ -54,6 +54,23 @@ def _role(llm: LLM) -> KVTransferScheduler:
     return next(c for c in core.scheduler.connectors if isinstance(c, KVTransferScheduler))
 
 
+def _equals_one_engine(
+    consumer: LLM, tiny_models: Callable[[str], str], arch: str, buf: Path,
+    prompts: list[list[int]], params: list[dict], **kw: Any,
+) -> None:  # fmt: skip
+    """The consumer's greedy tokens and logprobs for ``prompts`` with the producer's
+    ``params`` are those of one engine (``kw``: its settings) that computes everything."""
+    got = consumer.generate([{"prompt_token_ids": p} for p in prompts],
+                            [_decode(p) for p in params], use_tqdm=False)  # fmt: skip
+    ref = _llm(tiny_models, arch, None, buf, **kw).generate(
+        [{"prompt_token_ids": p} for p in prompts], _decode(None), use_tqdm=False
+    )
+    for g, r in zip(got, ref):
+        (toks, lps), (ref_toks, ref_lps) = _tokens(g), _tokens(r)
+        assert toks == ref_toks
+        np.testing.assert_allclose(lps, ref_lps, rtol=1e-5, atol=1e-5)
+
+
 def _hand_over(producer: LLM, prompts: list[list[int]]) -> list[dict]:
     outs = producer.generate([{"prompt_token_ids": p} for p in prompts], HANDOVER,
                              use_tqdm=False)  # fmt: skip
@@ -76,15 +93,7 @@ def test_a_prefill_decode_pair_equals_one_engine(tiny_models, tmp_path, arch):
         "remote_block_file": params[0]["remote_block_file"],
     }  # fmt: skip
     assert sorted(os.listdir(tmp_path)) == sorted(p["remote_block_file"] + ".r0" for p in params)
-    got = consumer.generate([{"prompt_token_ids": p} for p in prompts],
-                            [_decode(p) for p in params], use_tqdm=False)  # fmt: skip
-    ref = _llm(tiny_models, arch, None, tmp_path, **kw).generate(
-        [{"prompt_token_ids": p} for p in prompts], _decode(None), use_tqdm=False
-    )
-    for g, r in zip(got, ref):
-        (toks, lps), (ref_toks, ref_lps) = _tokens(g), _tokens(r)
-        assert toks == ref_toks
-        np.testing.assert_allclose(lps, ref_lps, rtol=1e-5, atol=1e-5)
+    _equals_one_engine(consumer, tiny_models, arch, tmp_path, prompts, params, **kw)
     # (150 - 1) // 16 = 9 blocks, (37 - 1) // 16 = 2, (16 - 1) // 16 = 0
     assert _role(consumer).received_tokens == (9 + 2) * BLOCK
     assert os.listdir(tmp_path) == []  # the consumer deleted what it read

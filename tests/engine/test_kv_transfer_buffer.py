@@ -11,7 +11,6 @@ import multiprocessing
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -21,6 +20,7 @@ from pagedllm.core.kv_transfer.config import KVTransferConfig
 from tests.engine.test_kv_transfer import (
     BLOCK,
     _decode,
+    _equals_one_engine,
     _hand_over,
     _llm,
     _prompt,
@@ -78,15 +78,7 @@ def test_a_pair_through_the_buffer_equals_one_engine(tiny_models, tmp_path, arch
     assert role.buffered_transfers == 2 and role.arena.free_rows < total
     for p in params:  # header and mask only
         assert os.path.getsize(tmp_path / (p["remote_block_file"] + ".r0")) <= 4096
-    got = consumer.generate([{"prompt_token_ids": p} for p in prompts],
-                            [_decode(p) for p in params], use_tqdm=False)  # fmt: skip
-    ref = _llm(tiny_models, arch, None, tmp_path, **kw).generate(
-        [{"prompt_token_ids": p} for p in prompts], _decode(None), use_tqdm=False
-    )
-    for g, r in zip(got, ref):
-        (toks, lps), (ref_toks, ref_lps) = _tokens(g), _tokens(r)
-        assert toks == ref_toks
-        np.testing.assert_allclose(lps, ref_lps, rtol=1e-5, atol=1e-5)
+    _equals_one_engine(consumer, tiny_models, arch, tmp_path, prompts, params, **kw)
     assert _role(consumer).received_tokens == (9 + 4) * BLOCK
     assert _files(tmp_path) == []
     role._next_release = 0.0
