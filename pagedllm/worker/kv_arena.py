@@ -49,6 +49,7 @@ class ProducerArena:
             data = path + ".data"
             files.append(data)
             tmp = data + ".tmp"  # (a consumer never maps a half-made file)
+            _unlink_all([(tmp, _inode(tmp))])  # (one a crashed start left: its size)
             self.rows = torch.from_file(tmp, shared=True, size=n * row_bytes, dtype=torch.uint8)
             self.rows = self.rows.view(n, row_bytes)
             os.replace(tmp, data)
@@ -140,6 +141,13 @@ def _open_ipc(h: dict[str, Any]) -> torch.Tensor:
 
 def _b64(v: Any) -> str | None:
     return None if v is None else base64.b64encode(bytes(v)).decode()
+
+
+def _inode(path: str) -> int:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return -1
 
 
 def _unlink_all(owned: list[tuple[str, int]]) -> None:

@@ -5,13 +5,15 @@ the transfer files (the bookkeeping: ``core/kv_transfer/scheduler.py``; the form
 A transfer's rows are in the producer's buffer (``kv_buffer_size``, ``worker/kv_arena.py``)
 when the scheduler placed them there, else in its file:
 
-- Buffer, producer: after the forward pass the device blocks are gathered block-major and
-  copied into the transfer's range (device work, queued on the compute stream); ``finish``
-  writes the file's header and mask once the step's device work is done.
-- Buffer, consumer: before the forward pass each chunk's rows are copied from the producer's
-  buffer (CUDA IPC on a GPU; one copy per run of consecutive rows) and scattered into their
-  blocks; the files are deleted at ``finish``, once those copies have run (which gives the
-  producer its range back).
+- Buffer, producer: after the forward pass the device blocks are gathered block-major
+  straight into the transfer's range (on a GPU one launch for every layer,
+  ``ops/block_rows.py``, queued on the compute stream); ``finish`` writes the file's header
+  and mask once the step's device work is done.
+- Buffer, consumer: before the forward pass the rows are scattered from the producer's
+  buffer (opened by CUDA IPC on a GPU) into their blocks, a run of consecutive buffer rows at
+  a time: straight from it on the same GPU, through a staging copy from another; the files
+  are deleted at ``finish``, once those copies have run (which gives the producer its range
+  back).
 
 Every copy through a file goes through a ring of two host buffers (``RING_BYTES`` each,
 pinned on a GPU), made once: a chunk of rows at a time, one buffer filled while the other's
@@ -163,6 +165,9 @@ class KVTransferWorker(KVConnectorWorker):
         for load in metadata.loads:
             path = load.path.format(rank=self.rank)
             if load.arena:
+                if not os.path.exists(path):  # (the producer's sweep gave up on the claim:
+                    # its range may hold another transfer's rows by now)
+                    raise FileNotFoundError(f"the KV transfer {path} is gone")
                 start, t0 = self._event(), time.perf_counter()
                 nbytes += self._load_from_arena(load)
                 self._loaded.append(path)

@@ -11,9 +11,8 @@ key; the proxy fills it in):
   the forward pass): into the range of the producer's buffer the transfer got at admission
   when one was free (``arena.py``), else into its file; so a window group's blocks are written
   while the window still holds them. The step that completes the prompt also finalizes the
-  file. The response then
-  carries ``{"do_remote_prefill": true, "remote_engine_id", "remote_block_file"}``
-  (``producer_params``), which the proxy passes on to the consumer.
+  file. The response then carries ``{"do_remote_prefill": true, "remote_engine_id",
+  "remote_block_file"}`` (``producer_params``), which the proxy passes on to the consumer.
 - ``{"do_remote_prefill": true, ...}`` on a consumer: ``add_request`` claims the file, checks
   it (this model's layout, the request's own prompt, not truncated) and refuses the request
   with the reason (ValueError: the engine answers that request with an error, the others go
