@@ -301,24 +301,30 @@ def test_kv_compress_on_a_pair_equals_one_engine(tiny_models, tmp_path, arch, dt
 
 def test_a_pair_with_tensor_parallelism(tiny_models, tmp_path):
     """TP=2 (gloo), with KV-Compress, one engine in both roles (no prefix cache: its consumer
-    side reads the whole transfer): each rank writes and reads its own file, its own KV
-    heads' blocks, whose ids the scheduler numbers over both ranks' pools (the plain layout's
-    shards take the same files: the DCP pair of ``tests/models/test_decode_context_parallel.py``);
-    the tokens are one engine's without KV-Compress (a budget that evicts nothing)."""
+    side reads the whole transfer), through its buffer: each rank gathers into and scatters
+    from its own buffer (a shared-memory file per rank, the rows at the one range the
+    scheduler placed for both) its own KV heads' blocks, whose ids the scheduler numbers over
+    both ranks' pools, and each rank's header-only file goes once it has copied (the plain
+    layout's shards through files: the DCP pair of
+    ``tests/models/test_decode_context_parallel.py``); the tokens are one engine's without
+    KV-Compress (a budget that evicts nothing)."""
     prompt = _prompt(13, 100)
     kw = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "enable_kvc": True,
           "num_gpu_blocks_override": 1024, "max_num_batched_tokens": 64,
           "enable_prefix_caching": False}  # fmt: skip
-    both = _llm(tiny_models, "llama", "kv_both", tmp_path, **kw)
+    cfg = {"kv_role": "kv_both", "kv_buffer_path": str(tmp_path), "engine_id": "both",
+           "kv_buffer_size": 1 << 22}  # fmt: skip
+    both = _llm(tiny_models, "llama", None, tmp_path, kv_transfer_config=cfg, **kw)
     try:
         (params,) = _hand_over(both, [prompt])
-        assert sorted(os.listdir(tmp_path)) == [
-            params["remote_block_file"] + f".r{r}" for r in range(2)
-        ]
+        assert _role(both).buffered_transfers == 1
+        files = [params["remote_block_file"] + f".r{r}" for r in range(2)]
+        assert sorted(n for n in os.listdir(tmp_path) if ".arena." not in n) == files
+        assert all(os.path.getsize(tmp_path / f) <= 4096 for f in files)
         (got,) = both.generate([{"prompt_token_ids": prompt}], _decode(params), use_tqdm=False)
         # KV-Compress computes the last 32 tokens: (100 - 32) // 16 = 4 blocks
         assert _role(both).received_tokens == 4 * BLOCK
-        assert os.listdir(tmp_path) == []
+        assert [n for n in os.listdir(tmp_path) if ".arena." not in n] == []
     finally:
         both.llm_engine.engine_core.shutdown()
     (ref,) = _llm(tiny_models, "llama", None, tmp_path).generate(
