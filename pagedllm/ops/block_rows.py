@@ -103,7 +103,7 @@ def copy_block_rows(
         and base % 16 == 0
         and rows.data_ptr() % 16 == 0
         and rows.stride(1) == 1
-        and rows.stride(0) % 4 == 0
+        and rows.stride(0) % 16 == 0
         and rows.shape[1] == 2 * sum(pages)
     )
     if not ok:
