@@ -120,15 +120,20 @@ def test_transfers_go_through_the_ring_a_block_at_a_time(tiny_models, tmp_path, 
     assert _role(consumer).received_tokens == (9 + 4) * BLOCK
 
 
-def test_a_consumer_with_the_prefix_cached_reads_only_the_rest(tiny_models, tmp_path):
+@pytest.mark.parametrize("buffer", [0, 1 << 22], ids=["file", "buffer"])
+def test_a_consumer_with_the_prefix_cached_reads_only_the_rest(tiny_models, tmp_path, buffer):
     """The consumer served a 100-token prompt before; a 150-token prompt that starts with it
-    hits its 6 cached blocks and takes blocks 6..8 from the transfer."""
+    hits its 6 cached blocks and takes blocks 6..8 from the transfer (its file's rows, or
+    rows 6..8 of the producer's buffer range)."""
     shared = _prompt(4, 100)
     prompt = shared + _prompt(5, 50)
-    producer = _llm(tiny_models, "llama", "kv_producer", tmp_path)
+    cfg = {"kv_role": "kv_producer", "kv_buffer_path": str(tmp_path), "engine_id": "producer",
+           "kv_buffer_size": buffer}  # fmt: skip
+    producer = _llm(tiny_models, "llama", None, tmp_path, kv_transfer_config=cfg)
     consumer = _llm(tiny_models, "llama", "kv_consumer", tmp_path)
     consumer.generate([{"prompt_token_ids": shared}], _decode(None, 1), use_tqdm=False)
     (params,) = _hand_over(producer, [prompt])
+    assert _role(producer).buffered_transfers == int(buffer > 0)
     (got,) = consumer.generate([{"prompt_token_ids": prompt}], _decode(params), use_tqdm=False)
     assert got.num_cached_tokens == 6 * BLOCK + 3 * BLOCK
     assert _role(consumer).received_tokens == 3 * BLOCK
