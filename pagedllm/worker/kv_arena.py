@@ -57,10 +57,7 @@ class ProducerArena:
         write_handle(path, handle)
         # (by inode: a producer restarted under this id in this process keeps its own files)
         owned = [(f, os.stat(f).st_ino) for f in files]
-        self._finalizer = weakref.finalize(self, _unlink_all, owned)
-
-    def close(self) -> None:
-        self._finalizer()
+        weakref.finalize(self, _unlink_all, owned)  # (at exit too)
 
 
 class ArenaViews:
