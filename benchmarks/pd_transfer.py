@@ -169,10 +169,17 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--kv-cache-gib", type=float, default=12.0, help="each engine's KV cache")
     ap.add_argument("--buffer", default="", help="transfer directory (default: a new one)")
-    ap.add_argument("--transports", default="file,buffer",
-                    help="file (through host memory), buffer (the producer's device buffer)")
-    ap.add_argument("--buffer-gib", type=float, default=10.0,
-                    help="the producer's kv_buffer_size for the buffer transport")
+    ap.add_argument(
+        "--transports",
+        default="file,buffer",
+        help="file (through host memory), buffer (the producer's device buffer)",
+    )
+    ap.add_argument(
+        "--buffer-gib",
+        type=float,
+        default=10.0,
+        help="the producer's kv_buffer_size for the buffer transport",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()

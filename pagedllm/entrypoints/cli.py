@@ -158,7 +158,7 @@ _HELP = {
     '\'{"kv_role": "kv_producer"}\' (computes prompts and hands their KV over), "kv_consumer" '
     '(continues requests from a producer\'s KV) or "kv_both"; engines of one host: on GPUs '
     'through the producer\'s device buffer ("kv_buffer_size", bytes, default 1e9; read by '
-    "CUDA IPC), else through shared memory (\"kv_buffer_path\", default /dev/shm/pagedllm-kv); "
+    'CUDA IPC), else through shared memory ("kv_buffer_path", default /dev/shm/pagedllm-kv); '
     "'pagedllm proxy' puts one endpoint in front of a pair (default: off).",
     "speculative_config": "Speculative decoding, as vLLM's JSON: "
     '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (prompt lookup), '
