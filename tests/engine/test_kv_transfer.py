@@ -29,11 +29,15 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def _llm(tiny_models: Callable[[str], str], arch: str, role: str | None, buf: Path,
-         **kw: Any) -> LLM:  # fmt: skip
+         buffer: float | None = None, **kw: Any) -> LLM:  # fmt: skip
+    """A tiny engine; with a ``role``, a KV transfer config in ``buf`` whose engine id is the
+    role's second word and whose ``kv_buffer_size`` is ``buffer`` (None: the device's
+    default)."""
     kw = {"max_model_len": 256, "num_gpu_blocks_override": 64, "max_num_seqs": 4, **kw}
     if role is not None:
         kw["kv_transfer_config"] = {"kv_role": role, "kv_buffer_path": str(buf),
-                                    "engine_id": role.split("_")[1]}  # fmt: skip
+                                    "engine_id": role.split("_")[1],
+                                    "kv_buffer_size": buffer}  # fmt: skip
     kw.setdefault("device", "cpu")
     return LLM(tiny_models(arch), dtype="float32", seed=0, **kw)
 
@@ -127,9 +131,7 @@ def test_a_consumer_with_the_prefix_cached_reads_only_the_rest(tiny_models, tmp_
     rows 6..8 of the producer's buffer range)."""
     shared = _prompt(4, 100)
     prompt = shared + _prompt(5, 50)
-    cfg = {"kv_role": "kv_producer", "kv_buffer_path": str(tmp_path), "engine_id": "producer",
-           "kv_buffer_size": buffer}  # fmt: skip
-    producer = _llm(tiny_models, "llama", None, tmp_path, kv_transfer_config=cfg)
+    producer = _llm(tiny_models, "llama", "kv_producer", tmp_path, buffer)
     consumer = _llm(tiny_models, "llama", "kv_consumer", tmp_path)
     consumer.generate([{"prompt_token_ids": shared}], _decode(None, 1), use_tqdm=False)
     (params,) = _hand_over(producer, [prompt])
@@ -264,9 +266,7 @@ def test_kv_compress_on_a_pair_equals_one_engine(tiny_models, tmp_path, arch, dt
     move as bytes, through the producer's buffer (``kv_buffer_size``)."""
     blocks = {"num_gpu_blocks_override": 1024, "kv_cache_dtype": dtype}  # (one-head blocks)
     kvc = {"enable_kvc": True, "max_num_batched_tokens": 256, **blocks}
-    cfg = {"kv_role": "kv_producer", "kv_buffer_path": str(tmp_path), "engine_id": "producer",
-           "kv_buffer_size": buffer}  # fmt: skip
-    producer = _llm(tiny_models, arch, None, tmp_path, enable_kvc=True, kv_transfer_config=cfg,
+    producer = _llm(tiny_models, arch, "kv_producer", tmp_path, buffer, enable_kvc=True,
                     max_num_batched_tokens=32, **blocks)  # fmt: skip
     consumer = _llm(tiny_models, arch, "kv_consumer", tmp_path, **kvc)
     single = _llm(tiny_models, arch, None, tmp_path, **kvc)
@@ -317,9 +317,7 @@ def test_a_pair_with_tensor_parallelism(tiny_models, tmp_path):
     kw = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "enable_kvc": True,
           "num_gpu_blocks_override": 1024, "max_num_batched_tokens": 64,
           "enable_prefix_caching": False}  # fmt: skip
-    cfg = {"kv_role": "kv_both", "kv_buffer_path": str(tmp_path), "engine_id": "both",
-           "kv_buffer_size": 1 << 22}  # fmt: skip
-    both = _llm(tiny_models, "llama", None, tmp_path, kv_transfer_config=cfg, **kw)
+    both = _llm(tiny_models, "llama", "kv_both", tmp_path, 1 << 22, **kw)
     try:
         (params,) = _hand_over(both, [prompt])
         assert _role(both).buffered_transfers == 1
@@ -352,9 +350,7 @@ def test_on_a_gpu_a_pair_equals_one_engine(tiny_models, tmp_path, arch, buffer):
     and logprobs are that engine's, so the KV that crossed is the KV it cached."""
     prompts = [_prompt(20, 150), _prompt(21, 70)]
     kw = {"device": "cuda", "max_num_batched_tokens": 32}
-    cfg = {"kv_role": "kv_producer", "kv_buffer_path": str(tmp_path), "engine_id": "producer",
-           "kv_buffer_size": buffer}  # fmt: skip
-    producer = _llm(tiny_models, arch, None, tmp_path, kv_transfer_config=cfg, **kw)
+    producer = _llm(tiny_models, arch, "kv_producer", tmp_path, buffer, **kw)
     consumer = _llm(tiny_models, arch, "kv_consumer", tmp_path, **kw)
     params = _hand_over(producer, prompts)
     got = consumer.generate([{"prompt_token_ids": p} for p in prompts],

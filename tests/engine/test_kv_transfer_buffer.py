@@ -30,11 +30,6 @@ from tests.engine.test_kv_transfer import (
 )
 
 
-def _config(role: str, buf: Path, size: float, engine_id: str = "") -> dict:
-    return {"kv_role": role, "kv_buffer_path": str(buf),
-            "engine_id": engine_id or role.split("_")[1], "kv_buffer_size": size}  # fmt: skip
-
-
 def _files(buf: Path) -> list[str]:
     return sorted(n for n in os.listdir(buf) if ".kv.r" in n)
 
@@ -66,8 +61,7 @@ def test_a_pair_through_the_buffer_equals_one_engine(tiny_models, tmp_path, arch
     the ranges back."""
     prompts = [_prompt(70, 150), _prompt(71, 70)]
     kw = {"max_num_batched_tokens": 32}
-    cfg = _config("kv_producer", tmp_path, 1 << 22)
-    producer = _llm(tiny_models, arch, None, tmp_path, kv_transfer_config=cfg, **kw)
+    producer = _llm(tiny_models, arch, "kv_producer", tmp_path, 1 << 22, **kw)
     consumer = _llm(tiny_models, arch, "kv_consumer", tmp_path, **kw)
     role = _role(producer)
     assert role.arena is not None and sorted(os.listdir(tmp_path)) == [
@@ -90,13 +84,9 @@ def test_a_transfer_too_large_for_the_free_buffer_goes_through_its_file(tiny_mod
     """A buffer of 10 rows: a 150-token prompt (9 blocks) takes rows 0..8, the next prompt
     (4 blocks) finds 1 row free and goes through its file; both decode as one engine. A
     consumer whose producer's buffer is gone refuses the request that needs it, naming why."""
-    probe = _llm(tiny_models, "llama", None, tmp_path,
-                 kv_transfer_config=_config("kv_producer", tmp_path, 1 << 20, "probe"))  # fmt: skip
-    row = _role(probe).block_bytes
-    del probe
-    cfg = _config("kv_producer", tmp_path, 10 * row)
-    producer = _llm(tiny_models, "llama", None, tmp_path, kv_transfer_config=cfg)
     consumer = _llm(tiny_models, "llama", "kv_consumer", tmp_path)
+    row = _role(consumer).block_bytes  # (the same model: the producer's row bytes)
+    producer = _llm(tiny_models, "llama", "kv_producer", tmp_path, 10 * row)
     prompts = [_prompt(72, 150), _prompt(73, 70)]
     a, b = _hand_over(producer, prompts)
     assert _role(producer).arena.free_rows == 1 and _role(producer).buffered_transfers == 1
