@@ -26,6 +26,7 @@ the first prompt's largest before it clips at 448). Block copies and swaps move 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import numpy as np
@@ -179,6 +180,28 @@ def write_kv_ref(
         key, value = quantize_fp8(key, kv_scale[0]), quantize_fp8(value, kv_scale[1])
     as_bytes(k_flat).index_copy_(0, slots, as_bytes(key.to(k_flat.dtype)))
     as_bytes(v_flat).index_copy_(0, slots, as_bytes(value.to(v_flat.dtype)))
+
+
+def block_pages(tensors: list[torch.Tensor]) -> list[int]:
+    """Each tensor's page in bytes (a [2, num_blocks, *page] tensor)."""
+    return [math.prod(t.shape[2:]) * t.element_size() for t in tensors]
+
+
+def copy_block_rows_ref(
+    tensors: list[torch.Tensor], ids: torch.Tensor, rows: torch.Tensor, to_rows: bool
+) -> None:
+    """``rows`` [n, row_bytes] (uint8) from (``to_rows``) or into the blocks ``ids`` [n] of
+    each ``[2, num_blocks, *page]`` tensor: row i is block ids[i] of every tensor back to back,
+    tensor t's K page then its V page (``worker/offload.page_layout``). The CPU's path, and
+    the reference of the GPU's one-launch kernel (``ops/block_rows.py``)."""
+    n, offset = rows.shape[0], 0
+    for t, size in zip(tensors, block_pages(tensors)):
+        part = rows[:, offset : offset + 2 * size].view(t.dtype).view(n, 2, *t.shape[2:])
+        if to_rows:
+            part.copy_(t.index_select(1, ids).transpose(0, 1))
+        else:
+            t.index_copy_(1, ids, part.transpose(0, 1))
+        offset += 2 * size
 
 
 class KVScales:

@@ -12,7 +12,7 @@ argument: 16-byte aligned, and known to be): tensor t starts ``delta_t`` words f
 (a multiple of 4), so the compiler can use 16-byte accesses. ``BLOCK`` divides every page,
 so a program's chunk is whole or absent (a tensor with a smaller page). Where a condition
 does not hold (an address or a page not a multiple of 16 bytes) ``copy_block_rows`` takes
-the PyTorch path, ``copy_block_rows_ref``.
+the PyTorch path, ``copy_block_rows_ref`` (in ``pagedllm.kv_layout``: the CPU's path too).
 
 This module imports Triton at import time: import it only where Triton is installed.
 """
@@ -24,6 +24,10 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.kv_layout import block_pages, copy_block_rows_ref
+
+__all__ = ["copy_block_rows", "copy_block_rows_ref"]
 
 _TABLES: dict[tuple, torch.Tensor] = {}  # (pointers, shapes, device) -> [4, T] int64
 
@@ -64,26 +68,6 @@ def _block_rows_kernel(
         tl.store(base_ptr + cache + w, x, mask=mask)
 
 
-def _pages(tensors: list[torch.Tensor]) -> list[int]:
-    """Each tensor's page in bytes (a [2, num_blocks, *page] tensor)."""
-    return [math.prod(t.shape[2:]) * t.element_size() for t in tensors]
-
-
-def copy_block_rows_ref(
-    tensors: list[torch.Tensor], ids: torch.Tensor, rows: torch.Tensor, to_rows: bool
-) -> None:
-    """PyTorch version: ``rows`` [n, row_bytes] (uint8) from / into the blocks ``ids`` [n] of
-    each ``[2, num_blocks, *page]`` tensor (the module docstring's layout)."""
-    n, offset = rows.shape[0], 0
-    for t, size in zip(tensors, _pages(tensors)):
-        part = rows[:, offset : offset + 2 * size].view(t.dtype).view(n, 2, *t.shape[2:])
-        if to_rows:
-            part.copy_(t.index_select(1, ids).transpose(0, 1))
-        else:
-            t.index_copy_(1, ids, part.transpose(0, 1))
-        offset += 2 * size
-
-
 def copy_block_rows(
     tensors: list[torch.Tensor],  # each [2, num_blocks, *page], contiguous
     ids: torch.Tensor,  # [n] int64, on the tensors' device
@@ -95,7 +79,7 @@ def copy_block_rows(
     n = rows.shape[0]
     if n == 0 or not tensors:
         return
-    pages = _pages(tensors)
+    pages = block_pages(tensors)
     base = tensors[0].data_ptr()
     ok = (
         all(t.is_contiguous() and (t.data_ptr() - base) % 16 == 0 for t in tensors)

@@ -55,12 +55,12 @@ from pagedllm.core.kv_transfer.scheduler import (
     arena_rows,
 )
 from pagedllm.distributed.parallel_state import tp_info
-from pagedllm.kv_layout import copy_dtype
+from pagedllm.kv_layout import copy_block_rows_ref, copy_dtype
 from pagedllm.utils.pinned import PinnedRing
 from pagedllm.worker.head_rows import HeadRows
 from pagedllm.worker.kv_arena import ArenaViews, ProducerArena
 from pagedllm.worker.kv_connector import KVConnectorWorker, StepBatch
-from pagedllm.worker.offload import block_views, host_runs, page_layout
+from pagedllm.worker.offload import host_runs, page_layout
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +92,9 @@ class KVTransferWorker(KVConnectorWorker):
         self.per_head = runner.kv_groups.head_paged is not None
         self._head_rows: HeadRows | None = None
         if self.per_head:
-            self.pages, self.block_bytes = [], row_bytes(runner.kv_groups)
+            self.block_bytes = row_bytes(runner.kv_groups)
         else:
-            self.pages, self.block_bytes = page_layout(runner.kv_groups, self.dtype)
+            self.block_bytes = page_layout(runner.kv_groups, self.dtype)[1]
         self.rank = tp_info()[0]
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
         self._load: tuple[float, int] = (0.0, 0)  # (host seconds, bytes) of this step's loads
@@ -229,23 +229,31 @@ class KVTransferWorker(KVConnectorWorker):
 
     def _scatter(self, rows: torch.Tensor, load: TransferLoad, c0: int, n: int) -> None:
         """Rows ``[n, block_bytes]`` (on the device) of ``load.rows[c0 : c0 + n]`` into their
-        device blocks (KV-Compress: into each (layer, KV head)'s block)."""
-        chunk = load.rows[c0 : c0 + n]
-        if n == 0:
+        device blocks."""
+        heads = None if load.heads is None else load.heads[c0 : c0 + n]
+        self._move(load.rows[c0 : c0 + n], heads, rows, to_rows=False)
+
+    def _move(self, pairs: list[tuple[int, int]], heads: np.ndarray | None,
+              rows: torch.Tensor, to_rows: bool) -> None:  # fmt: skip
+        """Rows ``[n, block_bytes]`` from (``to_rows``) or into the device blocks of ``pairs``
+        ((row, device block) each; KV-Compress: each (layer, KV head)'s block in ``heads``
+        [n, LH]); on a GPU every layer in one launch (``ops/block_rows.py``)."""
+        if not pairs:
             return
-        if load.heads is not None:
-            at = np.fromiter((r for r, _ in chunk), np.int64)
-            self.head_rows.scatter(rows, load.heads[c0 : c0 + n], at)
+        if heads is not None:
+            if to_rows:
+                self.head_rows.gather(heads, rows)
+            else:
+                self.head_rows.scatter(rows, heads, np.fromiter((r for r, _ in pairs), np.int64))
             return
-        dst = self.ids.ship(np.fromiter((d for _, d in chunk), np.int64))
+        ids = self.ids.ship(np.fromiter((d for _, d in pairs), np.int64))
         tensors = self.runner.kv_layout.copy_tensors
-        if self.cuda:  # (every layer in one launch)
+        if self.cuda:
             from pagedllm.ops.block_rows import copy_block_rows
 
-            copy_block_rows(tensors, dst, rows, to_rows=False)
-            return
-        for dev, src in zip(tensors, block_views(self.pages, self.dtype, rows)):
-            dev.index_copy_(1, dst, src)
+            copy_block_rows(tensors, ids, rows, to_rows)
+        else:
+            copy_block_rows_ref(tensors, ids, rows, to_rows)
 
     def after_forward(self, so: Any, metadata: TransferMetadata | None) -> PendingWrites | None:
         """Gather the step's saved blocks (block-major, to host memory)."""
@@ -282,21 +290,9 @@ class KVTransferWorker(KVConnectorWorker):
 
     def _gather(self, save: TransferSave, pos: int, n: int, dst: torch.Tensor) -> None:
         """The device blocks of ``save.rows[pos : pos + n]`` into ``dst`` ``[n, block_bytes]``
-        (block-major; KV-Compress: from each (layer, KV head)'s block)."""
-        if n == 0:
-            return
-        if save.heads is not None:
-            self.head_rows.gather(save.heads[pos : pos + n], dst)
-            return
-        src = self.ids.ship(np.fromiter((d for _, d in save.rows[pos : pos + n]), np.int64))
-        tensors = self.runner.kv_layout.copy_tensors
-        if self.cuda:  # (every layer in one launch)
-            from pagedllm.ops.block_rows import copy_block_rows
-
-            copy_block_rows(tensors, src, dst, to_rows=True)
-            return
-        for dev, view in zip(tensors, block_views(self.pages, self.dtype, dst)):
-            view.copy_(dev.index_select(1, src))
+        (block-major)."""
+        heads = None if save.heads is None else save.heads[pos : pos + n]
+        self._move(save.rows[pos : pos + n], heads, dst, to_rows=True)
 
     def _event(self) -> Any:
         """An event after the work queued so far on the compute stream (None off a GPU)."""
