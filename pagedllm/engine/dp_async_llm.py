@@ -148,8 +148,10 @@ class DPAsyncLLM(AsyncLLMBase):
             for core in cores:
                 core.finish_start()
         except BaseException:
+            # (no requests to finish: a core still starting, e.g. waiting for a peer that
+            # failed, cannot read its stop message before its start ends; it is killed)
             for core in cores:
-                core.shutdown()
+                core.shutdown(timeout=1.0)
             raise
         first = cores[0]
         super().__init__(config, first.tokenizer, first.input_processor, stat_loggers)

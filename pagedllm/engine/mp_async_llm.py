@@ -309,7 +309,8 @@ class MPAsyncLLM(AsyncLLMBase):
             loop.remove_reader(self.core.chan.sock.fileno())
             loop.remove_writer(self.core.chan.sock.fileno())
             self._fail_all(EngineDeadError("the engine was shut down."))
-        self.core.chan.sock.setblocking(True)
+        if self.core.chan.sock.fileno() >= 0:  # (closed already where the start failed)
+            self.core.chan.sock.setblocking(True)
         self.core.shutdown(timeout)
 
     # ------------------------------------------------------------------ transport

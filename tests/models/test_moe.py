@@ -237,6 +237,25 @@ def test_expert_parallel_over_data_parallel_cores_refuses_what_it_cannot_do(tiny
     assert config.device_config.enforce_eager
 
 
+def test_a_core_that_cannot_start_is_a_clear_error(tiny_models, monkeypatch):
+    """When the first core cannot listen on the cores' port (another process holds it: a
+    race CI met once), the engine's start fails with the core's reason, every core stopped,
+    not with an error of the clean-up (a closed socket used again)."""
+    import socket
+
+    from pagedllm.engine import dp_async_llm
+
+    path = tiny_models("qwen3_moe")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        ports = iter([port, port + 1 if port < 65535 else port - 1])
+        monkeypatch.setattr(dp_async_llm, "free_port", lambda: next(ports))
+        with pytest.raises(RuntimeError, match="failed to start(.|\\n)*address already in use"):
+            LLM(path, device="cpu", dtype="float32", max_model_len=256, data_parallel_size=2,
+                enable_expert_parallel=True, distributed_executor_backend="uni",
+                kv_cache_memory_bytes=32 << 20)  # fmt: skip
+
+
 def test_the_expert_load_counts_each_pair_once(tiny_models):
     """One engine: every MoE layer's counts add up to k pairs per fed token (prefix-cache
     hits are not fed again), and the stats carry the per-expert sums."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any
 import pytest
 
 from pagedllm.utils.child import stop_process, wait_healthy
+from pagedllm.utils.net import free_port as _free_port
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -55,6 +55,8 @@ def asgi_call(app: Any, method: str, path: str, **kw: Any) -> Any:
             return await c.request(method, path, **kw)
 
     return asyncio.run(go())
+
+
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 512
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -127,12 +129,6 @@ class LiveServer:
 
 def _pick(metrics: dict[str, float], name: str) -> float:
     return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from pagedllm.engine.async_llm import EngineDeadError
 from pagedllm.engine.mp_async_llm import MPAsyncLLM
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils.child import process_alive
+from pagedllm.utils.net import free_port as _free_port
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -62,12 +63,6 @@ def test_killed_core_fails_streams_and_reports(tiny_models) -> None:  # noqa: AN
         assert len(reports) == 1 and f"pid {llm.core.pid}" in reports[0]
     finally:
         llm.shutdown()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Server:
