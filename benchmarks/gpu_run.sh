@@ -121,8 +121,9 @@ one() {
       python benchmarks/kv_offload.py --model "${OFFLOAD_MODEL:-qwen3-0.6b}" --load-format dummy \
         --device cuda --conversations "${OFFLOAD_CONVS:-64}" --turns "${OFFLOAD_TURNS:-8}" \
         --out "$OUT" ;;
-    tests-pd) $PYTEST tests/kernels/test_block_rows.py && $PYTEST tests/engine/test_kv_transfer.py \
-        tests/engine/test_kv_transfer_buffer.py -k "gpu or plain_rows" ;;
+    tests-pd)  # the block-rows kernel, then the transfers' and the host tier's GPU paths
+      $PYTEST tests/kernels/test_block_rows.py && $PYTEST tests/engine/test_kv_transfer.py \
+        tests/engine/test_kv_transfer_buffer.py tests/engine/test_offload.py -k "gpu or plain_rows" ;;
     tests-kv-moves)  # the host tier's and the transfers' GPU paths, KV-Compress's rows too
       $PYTEST tests/engine/test_offload.py tests/engine/test_kv_transfer.py -k "gpu or plain_rows" ;;
     tests-fp8)  # fp8 KV caches: the kernels, then the engine (HF equality suite untouched)

@@ -55,7 +55,7 @@ from pagedllm.core.kv_transfer.scheduler import (
     arena_rows,
 )
 from pagedllm.distributed.parallel_state import tp_info
-from pagedllm.kv_layout import copy_block_rows_ref, copy_dtype
+from pagedllm.kv_layout import copy_dtype, move_block_rows
 from pagedllm.utils.pinned import PinnedRing
 from pagedllm.worker.head_rows import HeadRows
 from pagedllm.worker.kv_arena import ArenaViews, ProducerArena
@@ -247,13 +247,7 @@ class KVTransferWorker(KVConnectorWorker):
                 self.head_rows.scatter(rows, heads, np.fromiter((r for r, _ in pairs), np.int64))
             return
         ids = self.ids.ship(np.fromiter((d for _, d in pairs), np.int64))
-        tensors = self.runner.kv_layout.copy_tensors
-        if self.cuda:
-            from pagedllm.ops.block_rows import copy_block_rows
-
-            copy_block_rows(tensors, ids, rows, to_rows)
-        else:
-            copy_block_rows_ref(tensors, ids, rows, to_rows)
+        move_block_rows(self.runner.kv_layout.copy_tensors, ids, rows, to_rows)
 
     def after_forward(self, so: Any, metadata: TransferMetadata | None) -> PendingWrites | None:
         """Gather the step's saved blocks (block-major, to host memory)."""

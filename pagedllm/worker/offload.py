@@ -12,12 +12,13 @@ views are strided, and gathering through them made the tier's loads slower on a 
 
 - Loads, before the forward pass: the host blocks are copied into a device staging buffer
   (one asynchronous copy per run of consecutive host ids, on the compute stream: no host
-  sync), then scattered into each cache tensor's device blocks, which the forward pass reads.
-- Saves, after the forward pass: the device blocks are gathered into a staging buffer on the
-  compute stream (after the forward wrote them; a later step's writes come after the gather),
-  then copied straight into their host blocks on a side stream, overlapping the next steps;
-  ``finish`` (when the step resolves) waits for that copy before the scheduler counts the
-  entries as loadable.
+  sync), then scattered into every cache tensor's device blocks in one launch
+  (``ops/block_rows.py``), which the forward pass reads.
+- Saves, after the forward pass: the device blocks are gathered into a staging buffer (one
+  launch) on the compute stream (after the forward wrote them; a later step's writes come
+  after the gather), then copied straight into their host blocks on a side stream,
+  overlapping the next steps; ``finish`` (when the step resolves) waits for that copy
+  before the scheduler counts the entries as loadable.
 On a CPU the copies are ``index_select`` / ``index_copy_`` calls made at once.
 """
 
@@ -33,7 +34,7 @@ import torch
 
 from pagedllm.core.kv_transfer.files import row_bytes
 from pagedllm.core.sched.offload import OffloadMetadata, OffloadReport
-from pagedllm.kv_layout import copy_dtype
+from pagedllm.kv_layout import copy_dtype, move_block_rows
 from pagedllm.utils.pinned import PinnedRing
 from pagedllm.worker.head_rows import HeadRows
 from pagedllm.worker.kv_connector import KVConnectorWorker, StepBatch
@@ -72,20 +73,6 @@ def page_layout(kv_groups: Any, dtype: torch.dtype) -> tuple[list[tuple[int, tup
         pages.append((offset, tuple(spec.page_shape)))
         offset += 2 * math.prod(spec.page_shape) * elem
     return pages, offset
-
-
-def block_views(
-    pages: list[tuple[int, tuple]], dtype: torch.dtype, buf: torch.Tensor
-) -> list[torch.Tensor]:
-    """Each cache tensor's pages in a block-major byte buffer ``[n, block_bytes]``, as
-    ``[2, n, *page]`` views of the cache's dtype (what ``index_copy_(1, ...)`` takes)."""
-    n, views = buf.shape[0], []
-    elem = torch.empty(0, dtype=dtype).element_size()
-    for offset, page in pages:
-        size = 2 * math.prod(page) * elem
-        part = buf[:, offset : offset + size].view(dtype).view(n, 2, *page)
-        views.append(part.transpose(0, 1))
-    return views
 
 
 class OffloadWorker(KVConnectorWorker):
@@ -160,13 +147,13 @@ class OffloadWorker(KVConnectorWorker):
             self._load_s = time.perf_counter() - t0
             return
         dst = self.ids.ship(np.fromiter((d for _, d in metadata.loads), np.int64))
-        if self.cuda:
-            sources = block_views(self.pages, self.dtype, self._host_rows(host_ids))
+        tensors = self.runner.kv_layout.copy_tensors
+        if self.cuda:  # every layer's blocks in one launch
+            move_block_rows(tensors, dst, self._host_rows(host_ids), to_rows=False)
         else:
             src = torch.tensor(host_ids)
-            sources = [h.index_select(1, src) for h in self.host_tensors]
-        for dev, source in zip(self.runner.kv_layout.copy_tensors, sources):
-            dev.index_copy_(1, dst, source)
+            for dev, host in zip(tensors, self.host_tensors):
+                dev.index_copy_(1, dst, host.index_select(1, src))
         self._load_s = time.perf_counter() - t0
 
     def _host_rows(self, host_ids: list[int]) -> torch.Tensor:
@@ -190,9 +177,7 @@ class OffloadWorker(KVConnectorWorker):
             self.head_rows.gather(np.stack(metadata.save_heads), staged)
             return staged
         src = self.ids.ship(np.fromiter((d for d, _ in metadata.saves), np.int64))
-        views = block_views(self.pages, self.dtype, staged)
-        for dev, view in zip(self.runner.kv_layout.copy_tensors, views):
-            view.copy_(dev.index_select(1, src))
+        move_block_rows(self.runner.kv_layout.copy_tensors, src, staged, to_rows=True)
         return staged
 
     def after_forward(self, so: Any, metadata: OffloadMetadata | None) -> PendingSaves | None:
