@@ -162,7 +162,13 @@ one() {
       python benchmarks/pd_transfer.py --model "${PD_MODEL:-qwen3-0.6b}" --load-format dummy \
         --device cuda --num-prompts "${PD_PROMPTS:-16}" --input-len "${PD_LEN:-4000}" \
         --transports "${PD_TRANSPORTS:-file,buffer}" ${PD_BUFFER:+--buffer "$PD_BUFFER"} \
-        --out "$OUT" ;;
+        ${PD_GPUS:+--gpus "$PD_GPUS"} --out "$OUT" ;;  # PD_GPUS=0,1: producer, consumer
+    pd-mixed)  # long prompts beside chat at rising rates: one engine vs a prefill/decode
+      # pair behind the proxy (PD_GPUS=0,1 on two GPUs: the colocated engine on the first)
+      python benchmarks/pd_mixed.py --device cuda ${PD_GPUS:+--gpus "$PD_GPUS"} \
+        --model-name qwen3-0.6b --server-args "qwen3-0.6b --load-format dummy --max-model-len 8192" \
+        --long-in 4000 --long-out 100 --chat-in 200 --chat-out 400 \
+        --rates "${PD_RATES:-2,4,8,16}" --duration "${PD_DURATION:-20}" --out "$OUT" ;;
     kvc-d-quick) python benchmarks/kvcompress_throughput.py --model qwen3-0.6b --num-prompts 64 \
         --input-len 2000 --output-len 200 --max-model-len 4096 --kv-cache-memory-bytes 1073741824 \
         --rates "${KVC_RATES:-8,64}" --out "$OUT" | grep -v "^ " ;;

@@ -8,9 +8,15 @@ are sent, streamed, and timed as ``pagedllm bench serving`` times them (TTFT: se
 text; TPOT: the rest of the latency over the other tokens). The servers (``pagedllm serve``
 with ``--server-args``): ``colocated`` one engine; ``pd`` a ``kv_producer`` and a
 ``kv_consumer`` sharing a transfer directory, behind ``pagedllm proxy``. On a CPU,
-``--pd-threads`` splits the cores between the two (each engine's ``--cpu-threads``).
+``--pd-threads`` splits the cores between the two (each engine's ``--cpu-threads``). On two
+GPUs, ``--gpus P,C``: the colocated engine on GPU P; the producer on P and the consumer on C,
+each seeing both (``CUDA_VISIBLE_DEVICES`` P,C and C,P: the consumer opens the producer's
+buffer by CUDA IPC).
 
     python benchmarks/pd_mixed.py --device cpu            # the default model, on this CPU
+    python benchmarks/pd_mixed.py --device cuda --gpus 0,1 --model-name qwen3-0.6b \
+        --server-args "qwen3-0.6b --load-format dummy --max-model-len 8192" \
+        --long-in 4000 --long-out 100 --chat-in 200 --chat-out 400 --rates 2,4,8,16
 
 Writes ``pd_mixed_<model>_<device>.json`` under ``--out``.
 """
@@ -45,13 +51,16 @@ def _port() -> int:
 
 
 @contextlib.contextmanager
-def _process(cmd: list[str], url: str, log: Path) -> Iterator[str]:
-    """``cmd`` running until ``url``/health answers 200; yields ``url``."""
+def _process(cmd: list[str], url: str, log: Path, gpus: str = "") -> Iterator[str]:
+    """``cmd`` running until ``url``/health answers 200 (``gpus``: its
+    CUDA_VISIBLE_DEVICES); yields ``url``."""
     from pagedllm.utils.child import stop_process, wait_healthy
 
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             if not wait_healthy(proc, url, 600):
                 raise RuntimeError(f"{cmd[3]} did not start:\n{log.read_text()[-2000:]}")
@@ -60,19 +69,20 @@ def _process(cmd: list[str], url: str, log: Path) -> Iterator[str]:
             stop_process(proc, 20)
 
 
-def _serve(a: argparse.Namespace, log: Path, *extra: str) -> Any:
+def _serve(a: argparse.Namespace, log: Path, *extra: str, gpus: str = "") -> Any:
     port = _port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
            "--uvicorn-log-level", "warning", "--device", a.device,
            *shlex.split(a.server_args), *extra]  # fmt: skip
-    return _process(cmd, f"http://127.0.0.1:{port}", log)
+    return _process(cmd, f"http://127.0.0.1:{port}", log, gpus)
 
 
 @contextlib.contextmanager
 def servers(a: argparse.Namespace, setup: str, logs: Path) -> Iterator[str]:
     """The base URL clients send to for ``setup`` (colocated | pd)."""
+    p_gpu, c_gpu = a.gpus.split(",") if a.gpus else ("", "")
     if setup == "colocated":
-        with _serve(a, logs / "colocated.log", *a.colocated_args.split()) as url:
+        with _serve(a, logs / "colocated.log", *a.colocated_args.split(), gpus=p_gpu) as url:
             yield url
         return
     buf = tempfile.mkdtemp(
@@ -84,8 +94,9 @@ def servers(a: argparse.Namespace, setup: str, logs: Path) -> Iterator[str]:
         return ["--kv-transfer-config", json.dumps(config), *a.pd_args.split()]
 
     with contextlib.ExitStack() as stack:
-        p = stack.enter_context(_serve(a, logs / "producer.log", *role("kv_producer")))
-        d = stack.enter_context(_serve(a, logs / "consumer.log", *role("kv_consumer")))
+        pc, cp = (f"{p_gpu},{c_gpu}", f"{c_gpu},{p_gpu}") if a.gpus else ("", "")
+        p = stack.enter_context(_serve(a, logs / "producer.log", *role("kv_producer"), gpus=pc))
+        d = stack.enter_context(_serve(a, logs / "consumer.log", *role("kv_consumer"), gpus=cp))
         port = _port()
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "proxy", "--prefill", p,
                "--decode", d, "--port", str(port)]  # fmt: skip
@@ -154,9 +165,12 @@ def main() -> None:
     ap.add_argument("--chat-out", type=int, default=100)
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals a rate")
     ap.add_argument("--setups", default="colocated,pd")
+    ap.add_argument("--gpus", default="", help="P,C: the producer's and consumer's GPUs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
+    if a.gpus and (a.device != "cuda" or len(set(a.gpus.split(","))) != 2):
+        raise SystemExit(f"--gpus: two different GPUs as P,C with --device cuda, got {a.gpus!r}")
     from benchmarks.kv_offload import _device_name
 
     logs = Path(tempfile.mkdtemp(prefix="pd-mixed-logs-"))
@@ -169,7 +183,7 @@ def main() -> None:
                 r = asyncio.run(load(a, base, rate, a.seed + i))
                 runs[setup].append(r)
                 print(setup, json.dumps(r), flush=True)
-    device = _device_name(a.device)
+    device = _device_name(a.device) + ("_x2" if a.gpus else "")
     out = Path(a.out) / f"pd_mixed_{a.model_name}_{device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(a), "device": device, "runs": runs}, indent=1))

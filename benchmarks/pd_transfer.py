@@ -21,10 +21,16 @@ between them):
 Copy rates are device time for the buffer (CUDA events around the copies) and host time
 for files (the reads and writes, which the steps wait for).
 
+``--gpus P,C`` (two GPUs of one host): the colocated run and the producer on GPU P, the
+consumer on GPU C, which also sees P (``CUDA_VISIBLE_DEVICES=C,P``: CUDA IPC opens only a
+visible GPU's memory); the buffer's rows then cross between the GPUs (NVLink or PCIe peer to
+peer) and the reference rate is a peer copy, P to C.
+
 The copy rates of the same machine, for scale: pinned host to device, device to pinned host,
 device to device, and a write and a read of a shared-memory file (``numpy.memmap``).
 
     python benchmarks/pd_transfer.py --model qwen3-0.6b --load-format dummy --device cuda
+    python benchmarks/pd_transfer.py --model qwen3-0.6b --load-format dummy --gpus 0,1
     python benchmarks/pd_transfer.py --model TINY_DIR --num-prompts 4 --input-len 500 \\
         --output-len 8 --device cpu                                    # a CPU smoke run
 
@@ -55,6 +61,9 @@ ROLES = {"producer": "kv_producer", "consumer": "kv_consumer"}
 def phase(a: argparse.Namespace, name: str, params: list[dict] | None,
           transport: str = "file") -> dict:  # fmt: skip
     """One phase in this process (see the module docstring)."""
+    if a.gpus:  # (before CUDA starts in this process)
+        p, c = a.gpus.split(",")
+        os.environ["CUDA_VISIBLE_DEVICES"] = f"{c},{p}" if name == "consumer" else f"{p},{c}"
     from benchmarks.kv_offload import _device_name
     from pagedllm import SamplingParams
     from pagedllm.config import EngineArgs
@@ -113,7 +122,7 @@ def phase(a: argparse.Namespace, name: str, params: list[dict] | None,
         **{k: v for k, v in stats.items() if k.startswith("kv_transfer_")},
     }
     if name == "consumer":
-        result["copy_rates_gb_s"] = copy_rates(a.device, a.buffer)
+        result["copy_rates_gb_s"] = copy_rates(a.device, a.buffer, peer=bool(a.gpus))
     return result
 
 
@@ -123,8 +132,11 @@ def _producer_stays(a: argparse.Namespace, conn: Any) -> None:
     conn.recv()
 
 
-def copy_rates(device: str, directory: str, nbytes: int = 256 << 20) -> dict[str, float]:
-    """GB/s of the copies a transfer is made of, on this machine."""
+def copy_rates(
+    device: str, directory: str, nbytes: int = 256 << 20, peer: bool = False
+) -> dict[str, float]:
+    """GB/s of the copies a transfer is made of, on this machine (``peer``: also from the
+    second visible GPU to the first, the producer's to the consumer's)."""
     import torch
 
     def rate(fn: Any, sync: Any) -> float:
@@ -147,6 +159,9 @@ def copy_rates(device: str, directory: str, nbytes: int = 256 << 20) -> dict[str
         rates["host_to_device"] = rate(lambda: dev.copy_(host, non_blocking=True), sync)
         rates["device_to_host"] = rate(lambda: host.copy_(dev, non_blocking=True), sync)
         rates["device_to_device"] = rate(lambda: dev2.copy_(dev), sync)
+        if peer:
+            far = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+            rates["peer_to_device"] = rate(lambda: dev.copy_(far), sync)
     else:
         rates["host_to_host"] = rate(lambda: other.copy_(host), sync)
     path = os.path.join(directory, "rate.bin")
@@ -180,9 +195,12 @@ def main() -> None:
         default=10.0,
         help="the producer's kv_buffer_size for the buffer transport",
     )
+    ap.add_argument("--gpus", default="", help="P,C: producer and consumer GPUs (two GPUs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
+    if a.gpus and (a.device != "cuda" or len(set(a.gpus.split(","))) != 2):
+        raise SystemExit(f"--gpus: two different GPUs as P,C with --device cuda, got {a.gpus!r}")
     made = not a.buffer
     if made:
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -234,7 +252,7 @@ def main() -> None:
     for r in runs.values():
         r.pop("tokens")
         r.pop("kv_transfer_params")
-    device = col["device"].replace(" ", "_")
+    device = col["device"].replace(" ", "_") + ("_x2" if a.gpus else "")
     out = Path(a.out) / f"pd_transfer_{os.path.basename(a.model.rstrip('/'))}_{device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     args = {k: v for k, v in vars(a).items() if k != "buffer"}
@@ -267,6 +285,8 @@ def _summary(a: argparse.Namespace, transport: str, col: dict, prod: dict, cons:
     if transport == "buffer" and "device_to_device" in rates:
         for k in ("save", "load"):
             summary[f"{k}_over_device_copy"] = summary[f"{k}_gb_s"] / rates["device_to_device"]
+        if "peer_to_device" in rates:  # (the load crosses between the GPUs)
+            summary["load_over_peer_copy"] = summary["load_gb_s"] / rates["peer_to_device"]
         return summary
     slow = ("device_to_host", "file_write") if "device_to_host" in rates else ("file_write",)
     summary["save_over_slowest_copy"] = summary["save_gb_s"] / min(rates[k] for k in slow)

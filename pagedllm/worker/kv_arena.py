@@ -4,8 +4,9 @@ the producers' buffers it reads (the placement and the handle file's format:
 
 - On a GPU the buffer is device memory (made before the KV cache is sized, so the memory
   profile counts it); a consumer opens it by its CUDA IPC handle and copies rows device to
-  device (between two GPUs of one host: peer to peer; the consumer must see the producer's
-  GPU, e.g. both started with the same ``CUDA_VISIBLE_DEVICES``).
+  device (between two GPUs of one host: peer to peer). The consumer must see the producer's
+  GPU, which it finds by its UUID (``local_gpu``): e.g. ``CUDA_VISIBLE_DEVICES=0,1`` for the
+  producer and ``1,0`` for the consumer, each engine on its first GPU.
 - On a CPU it is a shared-memory file in ``kv_buffer_path`` both engines map.
 
 A GPU buffer's own process cannot open its IPC handle (CUDA refuses): a consumer in the
@@ -44,6 +45,8 @@ class ProducerArena:
         if device.type == "cuda":
             self.rows = torch.empty(n, row_bytes, dtype=torch.uint8, device=device)
             handle["ipc"] = _ipc_handle(self.rows)
+            # (the GPU by its UUID: a consumer's CUDA_VISIBLE_DEVICES may number it otherwise)
+            handle["gpu_uuid"] = str(torch.cuda.get_device_properties(self.rows.device).uuid)
             _IN_PROCESS[path] = self
         else:
             data = path + ".data"
@@ -87,7 +90,7 @@ class ArenaViews:
         if own is not None:
             rows = own.rows
         elif handle["device"] == "cuda":
-            rows = _open_ipc(handle["ipc"])
+            rows = _open_ipc(handle["ipc"], local_gpu(handle))
         else:
             data = os.path.join(self.dir, os.path.basename(str(handle["data"])))
             rows = torch.from_file(data, shared=True, size=n * row_bytes, dtype=torch.uint8)
@@ -117,7 +120,27 @@ def _ipc_handle(t: torch.Tensor) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _open_ipc(h: dict[str, Any]) -> torch.Tensor:
+def local_gpu(handle: dict[str, Any]) -> int:
+    """This process's index of the GPU holding a producer's buffer (found by its UUID;
+    ValueError when this process cannot see it: CUDA IPC maps only a visible GPU's memory).
+
+    Example: producer with CUDA_VISIBLE_DEVICES=0,1 on its cuda:0 (physical GPU 0); a
+    consumer with CUDA_VISIBLE_DEVICES=1,0 finds that GPU at its index 1."""
+    uuid = handle.get("gpu_uuid")
+    if uuid is None:  # (a handle without it: the producer's own index)
+        return int(handle["ipc"]["device"])
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+            return i
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
+    raise ValueError(
+        f"the producer's buffer is on GPU {uuid}, which this process does not see "
+        f"(CUDA_VISIBLE_DEVICES={seen}); list both engines' GPUs in both, each engine's "
+        "first (e.g. 0,1 for the prefill engine and 1,0 for the decode engine)"
+    )
+
+
+def _open_ipc(h: dict[str, Any], device: int) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     storage_cls = {"TypedStorage": torch.storage.TypedStorage,
@@ -130,7 +153,7 @@ def _open_ipc(h: dict[str, Any]) -> torch.Tensor:
 
     return rebuild_cuda_tensor(
         torch.Tensor, torch.Size(h["size"]), tuple(h["stride"]), int(h["offset"]),
-        storage_cls, torch.uint8, int(h["device"]), raw(h["handle"]),
+        storage_cls, torch.uint8, device, raw(h["handle"]),
         int(h["storage_bytes"]), int(h["storage_offset"]), False, raw(h["ref_handle"]),
         int(h["ref_offset"]), raw(h["event_handle"]), bool(h["event_sync"]),
     )  # fmt: skip

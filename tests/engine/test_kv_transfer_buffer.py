@@ -143,9 +143,32 @@ def test_the_buffer_size_is_checked_and_defaults_by_device():
     assert cfg.kv_buffer_size is None  # (vLLM's key, accepted and ignored)
 
 
-def _gpu_producer(model: str, buf: str, prompt: list[int], conn) -> None:
+def test_the_consumer_finds_the_producers_gpu_by_its_uuid(monkeypatch):
+    """A buffer's handle names its GPU by UUID; a consumer numbering the GPUs otherwise
+    (another CUDA_VISIBLE_DEVICES order) opens it at its own index of that GPU, and one that
+    does not see it gets an error naming the GPU and what to set."""
+    from types import SimpleNamespace
+
+    from pagedllm.worker.kv_arena import local_gpu
+
+    uuids = ["GPU-aaaa", "GPU-bbbb"]  # this process's cuda:0, cuda:1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(uuids))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(uuid=uuids[i]))  # fmt: skip
+    handle = {"ipc": {"device": 0}, "gpu_uuid": "GPU-bbbb"}  # the producer's cuda:0
+    assert local_gpu(handle) == 1
+    assert local_gpu({"ipc": {"device": 0}}) == 0  # (no UUID: the producer's index)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(ValueError, match="GPU-cccc.*CUDA_VISIBLE_DEVICES=0,1"):
+        local_gpu({**handle, "gpu_uuid": "GPU-cccc"})
+
+
+def _gpu_producer(model: str, buf: str, prompt: list[int], conn, gpus: str = "") -> None:
     """A producer engine in its own process (CUDA IPC needs two): hands ``prompt`` over,
-    sends the params, and keeps its buffer alive until told to go."""
+    sends the params, and keeps its buffer alive until told to go. ``gpus``: its
+    CUDA_VISIBLE_DEVICES (its engine on the first)."""
+    if gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
     from pagedllm import LLM
 
     cfg = {"kv_role": "kv_producer", "kv_buffer_path": buf, "engine_id": "gpu"}
@@ -159,15 +182,20 @@ def _gpu_producer(model: str, buf: str, prompt: list[int], conn) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_on_a_gpu_the_consumer_opens_the_producers_buffer_by_cuda_ipc(tiny_models, tmp_path):
+@pytest.mark.parametrize("gpus", ["", "1,0"])
+def test_on_a_gpu_the_consumer_opens_the_producers_buffer_by_cuda_ipc(tiny_models, tmp_path, gpus):
     """The producer in another process (its buffer in device memory, 1e9 bytes by default):
     the consumer opens it by its IPC handle and copies the rows device to device; the tokens
-    are those of one engine that cached the prompt (the GPU's sums depend on the shapes)."""
+    are those of one engine that cached the prompt (the GPU's sums depend on the shapes).
+    "1,0": the producer on the second GPU (its own cuda:0), the consumer on the first, which
+    finds the buffer at its cuda:1 and copies peer to peer."""
+    if gpus and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
     prompt = _prompt(75, 150)
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe()
     proc = ctx.Process(target=_gpu_producer,
-                       args=(tiny_models("llama"), str(tmp_path), prompt, there))  # fmt: skip
+                       args=(tiny_models("llama"), str(tmp_path), prompt, there, gpus))  # fmt: skip
     proc.start()
     try:
         assert here.poll(300), "the producer process did not answer"
