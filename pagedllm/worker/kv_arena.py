@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.core.kv_transfer.arena import arena_path, read_handle, write_handle
+from pagedllm.core.kv_transfer.arena import arena_path, gpu_not_seen, read_handle, write_handle
 
 MAX_OPEN = 8  # producers' buffers a consumer keeps open (the least recently used closes)
 _IN_PROCESS: weakref.WeakValueDictionary[str, ProducerArena] = weakref.WeakValueDictionary()
@@ -90,7 +90,7 @@ class ArenaViews:
         if own is not None:
             rows = own.rows
         elif handle["device"] == "cuda":
-            rows = _open_ipc(handle["ipc"], local_gpu(handle))
+            rows = _open_ipc(handle["ipc"], local_gpu(handle, arena_id))
         else:
             data = os.path.join(self.dir, os.path.basename(str(handle["data"])))
             rows = torch.from_file(data, shared=True, size=n * row_bytes, dtype=torch.uint8)
@@ -120,7 +120,7 @@ def _ipc_handle(t: torch.Tensor) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def local_gpu(handle: dict[str, Any]) -> int:
+def local_gpu(handle: dict[str, Any], name: str = "") -> int:
     """This process's index of the GPU holding a producer's buffer (found by its UUID;
     ValueError when this process cannot see it: CUDA IPC maps only a visible GPU's memory).
 
@@ -132,12 +132,7 @@ def local_gpu(handle: dict[str, Any]) -> int:
     for i in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(i).uuid) == uuid:
             return i
-    seen = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
-    raise ValueError(
-        f"the producer's buffer is on GPU {uuid}, which this process does not see "
-        f"(CUDA_VISIBLE_DEVICES={seen}); list both engines' GPUs in both, each engine's "
-        "first (e.g. 0,1 for the prefill engine and 1,0 for the decode engine)"
-    )
+    raise gpu_not_seen(uuid, name)
 
 
 def _open_ipc(h: dict[str, Any], device: int) -> torch.Tensor:

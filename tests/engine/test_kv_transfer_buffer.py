@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pagedllm import SamplingParams
-from pagedllm.core.kv_transfer.arena import ArenaRanges
+from pagedllm.core.kv_transfer.arena import ArenaRanges, read_handle, write_handle
 from pagedllm.core.kv_transfer.config import KVTransferConfig
 from tests.engine.test_kv_transfer import (
     BLOCK,
@@ -83,7 +83,8 @@ def test_a_pair_through_the_buffer_equals_one_engine(tiny_models, tmp_path, arch
 def test_a_transfer_too_large_for_the_free_buffer_goes_through_its_file(tiny_models, tmp_path):
     """A buffer of 10 rows: a 150-token prompt (9 blocks) takes rows 0..8, the next prompt
     (4 blocks) finds 1 row free and goes through its file; both decode as one engine. A
-    consumer whose producer's buffer is gone refuses the request that needs it, naming why."""
+    consumer refuses, naming why, a request whose rows are in a buffer on a GPU it does not
+    see, and one whose producer's buffer is gone."""
     consumer = _llm(tiny_models, "llama", "kv_consumer", tmp_path)
     row = _role(consumer).block_bytes  # (the same model: the producer's row bytes)
     producer = _llm(tiny_models, "llama", "kv_producer", tmp_path, 10 * row)
@@ -99,9 +100,12 @@ def test_a_transfer_too_large_for_the_free_buffer_goes_through_its_file(tiny_mod
     assert [_tokens(g)[0] for g in got] == [_tokens(r)[0] for r in ref]
     _role(producer)._next_release = 0.0
     _step(producer)  # (the ranges the consumer read come back)
-    (c,) = _hand_over(producer, [_prompt(74, 60)])
+    c, d = _hand_over(producer, [_prompt(74, 60), _prompt(76, 60)])
     assert os.path.getsize(tmp_path / (c["remote_block_file"] + ".r0")) <= 4096
-    os.unlink(tmp_path / "producer.arena.r0")
+    handle = str(tmp_path / "producer.arena.r0")
+    write_handle(handle, {**read_handle(handle), "device": "cuda", "gpu_uuid": "GPU-unseen"})
+    assert "GPU-unseen, which this engine does not see" in _refused(consumer, _prompt(76, 60), d)
+    os.unlink(handle)
     assert "is gone" in _refused(consumer, _prompt(74, 60), c)
     assert not (tmp_path / (c["remote_block_file"] + ".r0")).exists()  # (the claim let go)
 
@@ -113,7 +117,7 @@ def test_a_gpu_buffer_whose_producer_exited_is_refused(tmp_path):
     import subprocess
     import sys
 
-    from pagedllm.core.kv_transfer.arena import arena_path, read_handle, write_handle
+    from pagedllm.core.kv_transfer.arena import arena_path
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip

@@ -63,6 +63,40 @@ def read_handle(path: str) -> dict[str, Any]:
     return handle
 
 
+def check_visible(handle: dict[str, Any], name: str) -> None:
+    """ValueError when a GPU buffer's handle names a GPU (``gpu_uuid``) this process does
+    not see: CUDA IPC maps only a visible GPU's memory, so the consumer refuses the request
+    at its claim rather than fail the step that would load it. (The engine's workers see
+    what its core process sees: the same ``CUDA_VISIBLE_DEVICES``.)"""
+    uuid = handle.get("gpu_uuid")
+    if handle["device"] == "cuda" and uuid is not None and uuid not in visible_gpus():
+        raise gpu_not_seen(str(uuid), name)
+
+
+def gpu_not_seen(uuid: str, name: str) -> ValueError:
+    """The error for a producer's buffer ``name`` on a GPU this process does not see."""
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
+    return ValueError(
+        f"the producer's KV buffer {name} is on GPU {uuid}, which this engine does not see "
+        f"(CUDA_VISIBLE_DEVICES={seen}); list both engines' GPUs in both, each engine's "
+        "first (e.g. 0,1 for the prefill engine and 1,0 for the decode engine), or give "
+        "the prefill engine kv_buffer_size 0 (transfers through files)."
+    )
+
+
+_VISIBLE: list[frozenset[str]] = []
+
+
+def visible_gpus() -> frozenset[str]:
+    """The UUIDs of the GPUs this process sees (found once; none without CUDA)."""
+    if not _VISIBLE:
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        _VISIBLE.append(frozenset(str(torch.cuda.get_device_properties(i).uuid) for i in range(n)))
+    return _VISIBLE[0]
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -52,7 +52,12 @@ from typing import Any
 import numpy as np
 
 from pagedllm.core.kv_cache.interface import PerHeadRows
-from pagedllm.core.kv_transfer.arena import ArenaRanges, arena_path, read_handle
+from pagedllm.core.kv_transfer.arena import (
+    ArenaRanges,
+    arena_path,
+    check_visible,
+    read_handle,
+)
 from pagedllm.core.kv_transfer.config import KVTransferConfig
 from pagedllm.core.kv_transfer.files import (
     TransferHeader,
@@ -316,6 +321,7 @@ class KVTransferScheduler(KVConnectorScheduler):
                 raise ValueError(f"the KV transfer {name} is of another prompt.")
             for r in range(self.transfer.tp_size if header.arena else 0):
                 handle = read_handle(arena_path(self.dir, header.arena, r))
+                check_visible(handle, header.arena)
                 if (
                     int(handle["row_bytes"]) != header.block_bytes
                     or int(handle["rows"]) < header.arena_row + header.num_rows
