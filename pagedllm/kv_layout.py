@@ -204,19 +204,6 @@ def copy_block_rows_ref(
         offset += 2 * size
 
 
-def move_block_rows(
-    tensors: list[torch.Tensor], ids: torch.Tensor, rows: torch.Tensor, to_rows: bool
-) -> None:
-    """``copy_block_rows_ref``'s copy, on a GPU in one launch for every tensor
-    (``ops/block_rows.py``; imported here only there, where Triton is)."""
-    if rows.is_cuda:
-        from pagedllm.ops.block_rows import copy_block_rows
-
-        copy_block_rows(tensors, ids, rows, to_rows)
-    else:
-        copy_block_rows_ref(tensors, ids, rows, to_rows)
-
-
 class KVScales:
     """An fp8 cache's scales: one [2, num_kv_heads] float32 tensor per attention layer (0 = K,
     1 = V), the checkpoint's where it gave some, else 1.0, made at the first ``bind`` and kept

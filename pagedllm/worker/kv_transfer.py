@@ -55,7 +55,8 @@ from pagedllm.core.kv_transfer.scheduler import (
     arena_rows,
 )
 from pagedllm.distributed.parallel_state import tp_info
-from pagedllm.kv_layout import copy_dtype, move_block_rows
+from pagedllm.kv_layout import copy_dtype
+from pagedllm.ops.kv_rows import move_block_rows
 from pagedllm.utils.pinned import PinnedRing
 from pagedllm.worker.head_rows import HeadRows
 from pagedllm.worker.kv_arena import ArenaViews, ProducerArena

@@ -34,7 +34,8 @@ import torch
 
 from pagedllm.core.kv_transfer.files import row_bytes
 from pagedllm.core.sched.offload import OffloadMetadata, OffloadReport
-from pagedllm.kv_layout import copy_dtype, move_block_rows
+from pagedllm.kv_layout import copy_dtype
+from pagedllm.ops.kv_rows import move_block_rows
 from pagedllm.utils.pinned import PinnedRing
 from pagedllm.worker.head_rows import HeadRows
 from pagedllm.worker.kv_connector import KVConnectorWorker, StepBatch
