@@ -329,6 +329,29 @@ def test_fp8_kv_compress_quality_table_quotes_its_files() -> None:
             assert row in bench, row
 
 
+def test_gemma3_quality_table_quotes_its_file() -> None:
+    """The Gemma-3-270M quality rows (benchmarks README) are its file's numbers: each method's
+    average score and interval at every rate, and its loss; the full cache's too."""
+    bench = BENCH_README.read_text()
+    d = _load("kvcompress_quality_gemma3_cpu.json")
+    s = (d["summary_peer_tasks"] or d["summary"])["methods"]
+    rates = [str(r) for r in d["rates"]]
+    full = s["full"]["1"]
+    flat = _flat(bench)
+    assert f"Full cache {full['avg']['mean']:.2f} [{full['avg']['ci'][0]:.2f}, " in flat
+    assert f"loss {full['nll']['mean']:.3f}" in flat
+    labels = {"kvcompress": "KV-Compress", "uniform": "uniform per head", "random": "random"}
+    section = bench[bench.index("**Gemma-3-270M**") :]
+    for key, label in labels.items():
+        cells = [
+            f"{s[key][r]['avg']['mean']:.2f} [{s[key][r]['avg']['ci'][0]:.2f}, "
+            f"{s[key][r]['avg']['ci'][1]:.2f}]"
+            for r in rates
+        ]
+        loss = " / ".join(f"{s[key][r]['nll']['mean']:.3f}" for r in rates)
+        assert _row(section, label) == f"| {label} | " + " | ".join(cells) + f" | {loss} |"
+
+
 def test_fp8_micro_table_quotes_its_file() -> None:
     """The fp8 decode kernel's table (H100) is its file's rows: every row it shows, and at
     least the defaults' launch shape (4 warps, 2 stages) for bf16 at 64-key tiles and fp8 at
