@@ -69,7 +69,10 @@ def check_visible(handle: dict[str, Any], name: str) -> None:
     at its claim rather than fail the step that would load it. (The engine's workers see
     what its core process sees: the same ``CUDA_VISIBLE_DEVICES``.)"""
     uuid = handle.get("gpu_uuid")
-    if handle["device"] == "cuda" and uuid is not None and uuid not in visible_gpus():
+    if handle["device"] != "cuda" or uuid is None:
+        return
+    seen = visible_gpus()
+    if seen is not None and uuid not in seen:
         raise gpu_not_seen(str(uuid), name)
 
 
@@ -87,13 +90,23 @@ def gpu_not_seen(uuid: str, name: str) -> ValueError:
 _VISIBLE: list[frozenset[str]] = []
 
 
-def visible_gpus() -> frozenset[str]:
-    """The UUIDs of the GPUs this process sees (found once; none without CUDA)."""
+def visible_gpus() -> frozenset[str] | None:
+    """The UUIDs of the GPUs this process sees (found once): none without CUDA; None (not
+    known) where CUDA is there but this process has not started it - an engine core whose
+    model runs in worker processes - rather than make a CUDA context here for the check
+    (the worker's open then names the same error)."""
     if not _VISIBLE:
         import torch
 
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        _VISIBLE.append(frozenset(str(torch.cuda.get_device_properties(i).uuid) for i in range(n)))
+        if not torch.cuda.is_available():
+            _VISIBLE.append(frozenset())
+        elif not torch.cuda.is_initialized():
+            return None
+        else:
+            n = torch.cuda.device_count()
+            _VISIBLE.append(
+                frozenset(str(torch.cuda.get_device_properties(i).uuid) for i in range(n))
+            )
     return _VISIBLE[0]
 
 
