@@ -29,7 +29,6 @@ import contextlib
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,11 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pagedllm.utils.net import free_port  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -70,7 +65,7 @@ def _process(cmd: list[str], url: str, log: Path, gpus: str = "") -> Iterator[st
 
 
 def _serve(a: argparse.Namespace, log: Path, *extra: str, gpus: str = "") -> Any:
-    port = _port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
            "--uvicorn-log-level", "warning", "--device", a.device,
            *shlex.split(a.server_args), *extra]  # fmt: skip
@@ -97,7 +92,7 @@ def servers(a: argparse.Namespace, setup: str, logs: Path) -> Iterator[str]:
         pc, cp = (f"{p_gpu},{c_gpu}", f"{c_gpu},{p_gpu}") if a.gpus else ("", "")
         p = stack.enter_context(_serve(a, logs / "producer.log", *role("kv_producer"), gpus=pc))
         d = stack.enter_context(_serve(a, logs / "consumer.log", *role("kv_consumer"), gpus=cp))
-        port = _port()
+        port = free_port()
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "proxy", "--prefill", p,
                "--decode", d, "--port", str(port)]  # fmt: skip
         yield stack.enter_context(_process(cmd, f"http://127.0.0.1:{port}", logs / "proxy.log"))

@@ -23,7 +23,14 @@ from typing import Any
 
 import torch
 
-from pagedllm.core.kv_transfer.arena import arena_path, gpu_not_seen, read_handle, write_handle
+from pagedllm.core.kv_transfer.arena import (
+    arena_path,
+    gpu_not_seen,
+    gpu_uuid,
+    gpu_uuids,
+    read_handle,
+    write_handle,
+)
 
 MAX_OPEN = 8  # producers' buffers a consumer keeps open (the least recently used closes)
 _IN_PROCESS: weakref.WeakValueDictionary[str, ProducerArena] = weakref.WeakValueDictionary()
@@ -46,7 +53,7 @@ class ProducerArena:
             self.rows = torch.empty(n, row_bytes, dtype=torch.uint8, device=device)
             handle["ipc"] = _ipc_handle(self.rows)
             # (the GPU by its UUID: a consumer's CUDA_VISIBLE_DEVICES may number it otherwise)
-            handle["gpu_uuid"] = str(torch.cuda.get_device_properties(self.rows.device).uuid)
+            handle["gpu_uuid"] = gpu_uuid(self.rows.device.index)
             _IN_PROCESS[path] = self
         else:
             data = path + ".data"
@@ -129,10 +136,10 @@ def local_gpu(handle: dict[str, Any], name: str = "") -> int:
     uuid = handle.get("gpu_uuid")
     if uuid is None:  # (a handle without it: the producer's own index)
         return int(handle["ipc"]["device"])
-    for i in range(torch.cuda.device_count()):
-        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
-            return i
-    raise gpu_not_seen(uuid, name)
+    uuids = gpu_uuids()
+    if uuid not in uuids:
+        raise gpu_not_seen(uuid, name)
+    return uuids.index(uuid)
 
 
 def _open_ipc(h: dict[str, Any], device: int) -> torch.Tensor:

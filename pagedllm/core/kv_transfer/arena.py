@@ -87,6 +87,21 @@ def gpu_not_seen(uuid: str, name: str) -> ValueError:
     )
 
 
+def gpu_uuid(index: int) -> str:
+    """The UUID of this process's GPU ``index`` (the same GPU under any
+    ``CUDA_VISIBLE_DEVICES`` numbering)."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def gpu_uuids() -> tuple[str, ...]:
+    """The UUIDs of the GPUs this process sees, by index (none without CUDA)."""
+    import torch
+
+    return tuple(gpu_uuid(i) for i in range(torch.cuda.device_count()))
+
+
 _VISIBLE: list[frozenset[str]] = []
 
 
@@ -103,10 +118,7 @@ def visible_gpus() -> frozenset[str] | None:
         elif not torch.cuda.is_initialized():
             return None
         else:
-            n = torch.cuda.device_count()
-            _VISIBLE.append(
-                frozenset(str(torch.cuda.get_device_properties(i).uuid) for i in range(n))
-            )
+            _VISIBLE.append(frozenset(gpu_uuids()))
     return _VISIBLE[0]
 
 
