@@ -340,6 +340,16 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """The element-wise maximum of ``x`` over the ranks, in place (the identity on one rank):
+    flags that any rank raised."""
+    if _world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
 def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` summed over the ranks (a row-parallel layer's output); on GPUs
     with the custom all-reduce the matmul lands in the symmetric buffer directly, which

@@ -54,7 +54,7 @@ from pagedllm.core.kv_transfer.scheduler import (
     TransferSave,
     arena_rows,
 )
-from pagedllm.distributed.parallel_state import tp_info
+from pagedllm.distributed.parallel_state import all_reduce_max, tp_info
 from pagedllm.kv_layout import copy_dtype
 from pagedllm.ops.kv_rows import move_block_rows
 from pagedllm.utils.pinned import PinnedRing
@@ -96,7 +96,7 @@ class KVTransferWorker(KVConnectorWorker):
             self.block_bytes = row_bytes(runner.kv_groups)
         else:
             self.block_bytes = page_layout(runner.kv_groups, self.dtype)[1]
-        self.rank = tp_info()[0]
+        self.rank, self.tp_world = tp_info()
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
         self._load: tuple[float, int] = (0.0, 0)  # (host seconds, bytes) of this step's loads
         # two host buffers of ring_rows rows (pinned on a GPU), made once and reused by every
@@ -116,6 +116,8 @@ class KVTransferWorker(KVConnectorWorker):
             )  # fmt: skip
         self.views = ArenaViews(transfer.kv_buffer_path, self.rank)
         self._loaded: list[str] = []  # this step's loads from buffers: their files
+        self._failed: dict[str, str] = {}  # this step's loads that failed: request id -> why
+        self._host_s, self._nbytes, self._j = 0.0, 0, 0  # this step's loads so far
         self._timed: list[tuple[str, Any, Any]] = []
 
     RING_BYTES = 64 << 20
@@ -158,49 +160,79 @@ class KVTransferWorker(KVConnectorWorker):
         """Copy the step's loads into their device blocks, then delete their files: a chunk
         of ``ring_rows`` rows at a time, read into a ring buffer (one read per run of
         consecutive rows), copied to the device without a host sync on a GPU, scattered
-        into its blocks."""
+        into its blocks. A load that fails (a file gone or short, a buffer that will not
+        open) is reported by request, never raised; with tensor parallelism the ranks'
+        failures are merged (one all-reduce on a step with loads), so every rank reports
+        the same requests."""
         if metadata is None or not metadata.loads:
             return
-        host_s, nbytes, j = 0.0, 0, 0
+        self._host_s, self._nbytes, self._j = 0.0, 0, 0
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
-        for load in metadata.loads:
-            path = load.path.format(rank=self.rank)
-            if load.arena:
-                if not os.path.exists(path):  # (the producer's sweep gave up on the claim:
-                    # its range may hold another transfer's rows by now)
-                    raise FileNotFoundError(f"the KV transfer {path} is gone")
-                start, t0 = self._event(), time.perf_counter()
-                nbytes += self._load_from_arena(load)
-                self._loaded.append(path)
-                if start is not None:  # (device time: the forward pass waits for it)
-                    self._timed.append(("load", start, self._event()))
-                else:
-                    host_s += time.perf_counter() - t0
-                continue
-            t0 = time.perf_counter()
+        failed = np.zeros(len(metadata.loads), np.int64)
+        why: dict[str, str] = {}
+        for i, load in enumerate(metadata.loads):
+            try:
+                self._load_one(load, stream)
+            except (OSError, EOFError, RuntimeError, ValueError) as e:
+                # this request's blocks are left part-written: it alone fails (the
+                # scheduler ends it and forgets its blocks' cache entries)
+                logger.warning("KV transfer load for %s failed: %s", load.req_id, e)
+                failed[i], why[load.req_id] = 1, str(e)
+                try:  # (nobody will read it: a buffer's producer gets its range back)
+                    os.unlink(load.path.format(rank=self.rank))
+                except OSError:
+                    pass
+        if self.tp_world > 1:  # a load that failed on any rank fails on every rank
+            flags = torch.from_numpy(failed).to(self.device)
+            failed = all_reduce_max(flags).cpu().numpy()
+        self._failed = {
+            load.req_id: why.get(load.req_id, "the KV transfer failed on another rank")
+            for load, bad in zip(metadata.loads, failed)
+            if bad
+        }
+        self._load = (self._host_s, self._nbytes)
+
+    def _load_one(self, load: TransferLoad, stream: Any) -> None:
+        """One load: from the producer's buffer, or its file a chunk at a time (the file is
+        deleted after, also when the load fails)."""
+        path = load.path.format(rank=self.rank)
+        if load.arena:
+            if not os.path.exists(path):  # (the producer's sweep gave up on the claim:
+                # its range may hold another transfer's rows by now)
+                raise FileNotFoundError(f"the KV transfer {path} is gone")
+            start, t0 = self._event(), time.perf_counter()
+            self._nbytes += self._load_from_arena(load)
+            self._loaded.append(path)
+            if start is not None:  # (device time: the forward pass waits for it)
+                self._timed.append(("load", start, self._event()))
+            else:
+                self._host_s += time.perf_counter() - t0
+            return
+        t0 = time.perf_counter()
+        try:
             fd = os.open(path, os.O_RDONLY) if load.rows else -1
             try:
                 for c0 in range(0, len(load.rows), self.ring_rows):
                     chunk = load.rows[c0 : c0 + self.ring_rows]
-                    buf = self._slot(j)[: len(chunk)]
+                    buf = self._slot(self._j)[: len(chunk)]
                     host = buf.numpy()
                     for first, pos, n in host_runs([r for r, _ in chunk]):
                         at = load.rows_offset + first * self.block_bytes
                         _pread_into(fd, host[pos : pos + n], at)
                     rows = buf.to(self.device, non_blocking=True) if self.cuda else buf
-                    self._copied(j, stream)
-                    j += 1
+                    self._copied(self._j, stream)
+                    self._j += 1
                     self._scatter(rows, load, c0, len(chunk))
-                    nbytes += buf.numel()
+                    self._nbytes += buf.numel()
             finally:
                 if fd >= 0:
                     os.close(fd)
+        finally:
             try:
                 os.unlink(path)
             except OSError:
                 pass
-            host_s += time.perf_counter() - t0
-        self._load = (host_s, nbytes)
+            self._host_s += time.perf_counter() - t0
 
     def _load_from_arena(self, load: TransferLoad) -> int:
         """Scatter a load's rows from the producer's buffer into their blocks, a run of
@@ -253,10 +285,11 @@ class KVTransferWorker(KVConnectorWorker):
     def after_forward(self, so: Any, metadata: TransferMetadata | None) -> PendingWrites | None:
         """Gather the step's saved blocks (block-major, to host memory)."""
         report = TransferReport(load_s=self._load[0], load_bytes=self._load[1])
+        report.load_failed, self._failed = self._failed, {}
         loaded, self._load, self._loaded = self._loaded, (0.0, 0), []
         timed, self._timed = self._timed, []
         if metadata is None or not metadata.saves:
-            if not (report.load_bytes or loaded):
+            if not (report.load_bytes or loaded or report.load_failed):
                 return None
             return PendingWrites([], self._event(), report, loaded, timed)
         gathered: list[tuple[TransferSave, torch.Tensor | None]] = []

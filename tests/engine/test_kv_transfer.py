@@ -204,6 +204,53 @@ def test_a_bad_transfer_fails_its_request_alone(tiny_models, tmp_path):
     assert _role(consumer).received_tokens == 9 * BLOCK
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_load_that_fails_after_its_claim_ends_its_request_and_its_sharers_alone(
+    tiny_models, tmp_path, monkeypatch, arch
+):
+    """A claimed transfer whose load then fails (here: its read raises) ends its request with
+    the reason; a request that hit its blocks in the prefix cache in the same step ends too,
+    a request beside them with its own transfer decodes exactly, and the blocks leave the
+    prefix cache: the same prompt computed afterwards gives one engine's tokens (before the
+    isolation, the step failed and took every running request with it)."""
+    from pagedllm.worker.kv_transfer import KVTransferWorker
+
+    prompts = [_prompt(11, 150), _prompt(12, 150)]
+    producer = _llm(tiny_models, arch, "kv_producer", tmp_path)
+    consumer = _llm(tiny_models, arch, "kv_consumer", tmp_path)
+    bad, good = _hand_over(producer, prompts)
+    load_one = KVTransferWorker._load_one
+
+    def failing(self: Any, load: Any, stream: Any) -> None:
+        if bad["remote_block_file"] in load.path:
+            raise OSError("injected read error")
+        load_one(self, load, stream)
+
+    monkeypatch.setattr(KVTransferWorker, "_load_one", failing)
+    outs = consumer.generate(
+        [{"prompt_token_ids": p} for p in (prompts[0], prompts[1], prompts[0])],
+        [_decode(bad), _decode(good), _decode(None)],
+        use_tqdm=False,
+    )
+    assert "could not be loaded: injected read error" in outs[0].error
+    ref = _llm(tiny_models, arch, None, tmp_path).generate(
+        [{"prompt_token_ids": p} for p in prompts], _decode(None), use_tqdm=False
+    )
+    assert outs[1].error is None and _tokens(outs[1])[0] == _tokens(ref[1])[0]
+    # the third: a prefix hit on the failed blocks ends it (the plain manager hits them in
+    # the same step; Gemma 3's window group has none of them cached yet, so it computes)
+    if arch == "llama" or outs[2].error is not None:
+        assert "shared KV blocks" in outs[2].error
+    else:
+        assert _tokens(outs[2])[0] == _tokens(ref[0])[0]
+    assert os.listdir(tmp_path) == []  # the failed load's file went too
+    (again,) = consumer.generate([{"prompt_token_ids": prompts[0]}], _decode(None),
+                                 use_tqdm=False)  # fmt: skip
+    assert again.error is None and _tokens(again)[0] == _tokens(ref[0])[0]
+    core = consumer.llm_engine.engine_core
+    core.scheduler.kv_cache_manager.check_integrity()
+
+
 def test_a_transfer_of_another_model_shape_is_refused(tiny_models, tmp_path):
     """A producer of another architecture (another KV layout): refused, naming the layouts."""
     prompt = _prompt(9, 60)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from pagedllm.core.kv_cache.block import BlockHash, FreeBlockQueue, KVCacheBlock
 
@@ -101,6 +102,14 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached_block_hash_to_block.setdefault(block_hash, block)
+
+    def uncache(self, block: KVCacheBlock) -> Any:
+        """Forget a block's cache entry (its contents are not what its hash says); its key,
+        or None when it had none. Whoever holds it keeps it."""
+        key, block.block_hash = block.block_hash, None
+        if key is not None and self.cached_block_hash_to_block.get(key) is block:
+            del self.cached_block_hash_to_block[key]
+        return key
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; only possible when no block is in use."""

@@ -143,6 +143,14 @@ class KVCacheManagerBase(ABC):
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
         """(host, device) pairs to copy back into new blocks; None if the pool is short."""
 
+    def uncache_blocks(self, block_ids: Iterable[int]) -> list[Any]:
+        """Forget the prefix-cache entries of these device blocks (a KV load into them
+        failed, so their contents are not what their keys say); their holders keep them.
+        Returns the keys dropped (a host tier forgets its copies of them)."""
+        pool = self.block_pool
+        keys = [pool.uncache(pool.blocks[i]) for i in block_ids]
+        return [k for k in keys if k is not None]
+
     # ----------------------------------------------------------------------- map
     def block_map(self) -> BlockMap:
         """Every device block's state and a request holding it (``block_map.py``), for the

@@ -171,6 +171,8 @@ class TransferLoad:
     heads: np.ndarray | None = None
     arena: str = ""  # the producer's buffer holding the rows ("": the file)
     arena_row: int = -1  # its row of row 0
+    req_id: str = ""  # the request it goes to (named when the load fails)
+    first_block: int = 0  # the request's first block it fills
 
 
 @dataclass
@@ -193,13 +195,15 @@ class TransferSave:
 class TransferReport:
     """One step's copies on one rank (rank 0's reach the scheduler): host seconds and bytes
     of the loads (read from files into the device cache) and of the saves (waiting for the
-    gathered rows, then writing them into files), and the saves that failed (by file name)."""
+    gathered rows, then writing them into files), the saves that failed (by file name) and
+    the loads that failed on any rank (request id -> why)."""
 
     load_s: float = 0.0
     load_bytes: int = 0
     save_s: float = 0.0
     save_bytes: int = 0
     failed: list[str] = field(default_factory=list)
+    load_failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -374,8 +378,9 @@ class KVTransferScheduler(KVConnectorScheduler):
             rows += [(g * nb + first + i, d) for i, d in enumerate(device)]
         h = got.header
         load = TransferLoad(
-            got.path, h.rows_offset(), h.num_rows, rows, heads, h.arena, h.arena_row
-        )
+            got.path, h.rows_offset(), h.num_rows, rows, heads, h.arena, h.arena_row,
+            request.request_id, first,
+        )  # fmt: skip
         self.planned.loads.append(load)
         self.received_tokens += num_tokens
 
@@ -464,7 +469,8 @@ class KVTransferScheduler(KVConnectorScheduler):
 
     def update(self, metadata: TransferMetadata | None, output: TransferReport | None) -> None:
         """Add the step's copy times and bytes; count the writes the worker role could not
-        make (the consumer will find no file and fail that request)."""
+        make (the consumer will find no file and fail that request); end the requests whose
+        loads failed (``_fail_loads``)."""
         if output is None:
             return
         self.load_s += output.load_s
@@ -473,6 +479,53 @@ class KVTransferScheduler(KVConnectorScheduler):
         if output.failed:
             self.send_failures += len(output.failed)
             logger.warning("KV transfers not written: %s", ", ".join(output.failed))
+        if output.load_failed and metadata is not None:
+            self._fail_loads(metadata, output.load_failed)
+
+    def _fail_loads(self, metadata: TransferMetadata, errors: Mapping[str, str]) -> None:
+        """Loads that failed after their claim (the file gone, a short read, a buffer that
+        would not open on some rank): their blocks from the first loaded one on hold wrong
+        KVs, and so do the blocks computed over them. Each such request ends with the reason,
+        and so does every live request holding one of those blocks (a prefix hit on them
+        since), its own later blocks counted too, until no more are found; the blocks leave
+        the prefix cache and every role forgets copies of them (a host tier's saves). The
+        others go on. KV-Compress's per-head blocks: the step fails instead (every running
+        request ends, the prefix cache is emptied), as any failed step.
+        Example (bs 16): A loaded blocks 2.. of its table [7, 8, 9, 10] and failed; B hit A's
+        first three blocks [7, 8, 9] and computed [11]: bad {9, 10}, then B (from block 2)
+        adds {11}; A and B end, 7 and 8 stay cached."""
+        reasons = "; ".join(f"{rid}: {why}" for rid, why in errors.items())
+        if self.heads is not None or self.context.fail is None:
+            raise RuntimeError(f"KV transfer loads failed ({reasons})")
+        todo = {ld.req_id: ld.first_block for ld in metadata.loads if ld.req_id in errors}
+        ended = {
+            rid: f"the KV transfer from the prefill engine could not be loaded: {why}"
+            for rid, why in errors.items()
+        }
+        bad: set[int] = set()
+        done: set[str] = set()
+        while todo:
+            for rid, first in todo.items():
+                for m in self.tables:
+                    bad.update(b for b in m.get_block_ids(rid)[first:] if b != self.null_id)
+            done.update(todo)
+            todo = {}
+            for rid in self.context.requests:
+                if rid in done:
+                    continue
+                firsts = [
+                    next((i for i, b in enumerate(m.get_block_ids(rid)) if b in bad), None)
+                    for m in self.tables
+                ]
+                hits = [i for i in firsts if i is not None]
+                if hits:
+                    todo[rid] = min(hits)
+                    ended[rid] = (
+                        "its prompt shared KV blocks with a request whose KV transfer could "
+                        f"not be loaded ({reasons})"
+                    )
+        logger.warning("KV transfer loads failed (%s): ending %s", reasons, ", ".join(ended))
+        self.context.fail(ended, self.kv.uncache_blocks(sorted(bad)))
 
     # ------------------------------------------------------------------ requests
     def on_preempt(self, request: Request, swapped: bool) -> None:

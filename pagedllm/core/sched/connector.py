@@ -43,7 +43,7 @@ owns except through the values its hooks return.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -148,6 +148,10 @@ class KVConnectorScheduler:
     def on_free(self, request: Request) -> None:
         """The request ended (finished, aborted, or dropped from a beam)."""
 
+    def on_cache_invalid(self, keys: Sequence[Any]) -> None:
+        """These prefix-cache keys' device blocks held wrong contents (a KV load into them
+        failed): forget anything made from them (a host tier's copies)."""
+
     def on_drafts_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A step verified ``num_drafts`` draft tokens of the request (speculative decoding)
         and kept the first ``num_accepted``: its ``num_computed_tokens`` already went back by
@@ -248,7 +252,9 @@ def cap_external(
 class ConnectorContext:
     """What a scheduler role may read of the scheduler: its KV manager, its live requests
     (id -> Request), the running and waiting queues, the ids the runner holds state for, and
-    the config. The containers are the scheduler's own (live views, not copies)."""
+    the config. The containers are the scheduler's own (live views, not copies). ``fail``
+    ends requests with an error (id -> why) after telling every role which prefix-cache keys
+    held wrong contents (``on_cache_invalid``)."""
 
     kv_manager: Any
     requests: dict[str, Request]
@@ -256,6 +262,7 @@ class ConnectorContext:
     waiting: Any
     runner_has: set[str]
     scheduler_config: Any
+    fail: Callable[[Mapping[str, str], Sequence[Any]], None] | None = None
 
 
 def make_scheduler_roles(

@@ -126,6 +126,7 @@ class OffloadScheduler(KVConnectorScheduler):
         # a table's prefix-cache key: the block hash, (group, hash) for the hybrid's groups > 0
         self.entries: OrderedDict = OrderedDict()
         self.busy: dict[int, int] = {}  # host block -> copies in flight (landing or loading)
+        self.orphans: set[int] = set()  # busy host blocks whose entry was forgotten
         # host block -> the key its save (not back yet) brings; a key is landing when its
         # entry's host block is here (a busy block is never handed to another key)
         self.landing: dict = {}
@@ -311,6 +312,23 @@ class OffloadScheduler(KVConnectorScheduler):
             self.busy[host] = left
         else:
             self.busy.pop(host, None)
+            if host in self.orphans:  # (its entry was forgotten while it was copied)
+                self.orphans.discard(host)
+                self.free.append(host)
+
+    def on_cache_invalid(self, keys: Sequence[Any]) -> None:
+        """Forget the entries of these keys (their device blocks held wrong contents, so a
+        save from them copied those): a host block still being copied is freed after."""
+        for key in keys:
+            host = self.entries.pop(key, None)
+            if host is None:
+                continue
+            if self.landing.get(host) == key:
+                del self.landing[host]
+            if self.busy.get(host):
+                self.orphans.add(host)
+            else:
+                self.free.append(host)
 
     # ------------------------------------------------------------------ requests
     def may_swap(self, request: Request) -> bool:
@@ -342,6 +360,8 @@ class OffloadScheduler(KVConnectorScheduler):
                 del self.entries[h]
                 self.free.append(host)
         self.landing.clear()
+        self.free.extend(self.orphans)
+        self.orphans.clear()
         self.busy.clear()
         self.planned = OffloadMetadata()
         self.saved_upto.clear()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pagedllm.config import CacheConfig, KVCompressConfig, SchedulerConfig, kv_connector_names
@@ -81,19 +81,15 @@ class Scheduler:
         self.spec = SpecDecoding(spec_config, self.max_model_len) if spec_config else None
         # the KV manager for the model's KV-cache groups (a single table when none are given)
         self.kv_cache_manager = make_kv_cache_manager(
-            kv_groups,
-            num_blocks,
-            cache_config.block_size * context_parallel,
-            cache_config.enable_prefix_caching,
-            num_host_blocks,
+            kv_groups, num_blocks, cache_config.block_size * context_parallel,
+            cache_config.enable_prefix_caching, num_host_blocks,
             scheduler_config.max_num_batched_tokens,
-        )
+        )  # fmt: skip
         mode = cache_config.preemption_mode
         self.use_swap = mode == "swap" or (mode == "auto" and swap_is_cheaper)
         self.clock = clock
-        # "now" for the waiting queue's ranks, in a holder the queue's key closes over: a
-        # closure over self would make a reference cycle, which only the cyclic collector
-        # frees (and a CUDA engine freezes the collector's view after start-up)
+        # "now" for the waiting queue's ranks, in a holder its key closes over (a closure over
+        # self: a cycle only the cyclic collector frees, frozen after a CUDA start-up)
         self._now = Now(clock())
         self.policy = make_policy(
             scheduler_config.policy,
@@ -120,14 +116,13 @@ class Scheduler:
         # Live requests needing host tokens (Request.needs_host_tokens): steps run synchronously
         self._sync_ids: set[str] = set()
         # The Request objects of each scheduled step, in batch order, until its update (two in
-        # flight under async scheduling; a finished request's token may be in flight while a
-        # new request already uses its id).
+        # flight under async scheduling; a finished request's id may be reused meanwhile).
         self._in_flight: dict[int, list[Request]] = {}
         self._step_ids = itertools.count()
         # what changes a KV cache's life: roles called at the hooks below (sched/connector.py)
         context = ConnectorContext(
             self.kv_cache_manager, self.requests, self.running, self.waiting, self._runner_has,
-            scheduler_config,
+            scheduler_config, self.fail_requests,
         )  # fmt: skip
         names = kv_connector_names(kvc_config, kv_connectors)
         configs = role_configs(kvc_config, cache_config, kv_groups)
@@ -186,8 +181,7 @@ class Scheduler:
     def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None:
         """End requests from outside the loop (abort, or a stop string found by the
         detokenizer). Unknown or already finished ids are ignored."""
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
+        request_ids = [request_ids] if isinstance(request_ids, str) else request_ids
         if status == RequestStatus.FINISHED_ABORTED:
             for rid in request_ids:
                 self.beams.abort(rid)
@@ -202,6 +196,18 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = status
             self._free_request(request)
+
+    def fail_requests(self, errors: Mapping[str, str], invalid_keys: Sequence = ()) -> None:
+        """End requests with an error (id -> why; a failed KV load, whose blocks' prefix-cache
+        keys every role forgets first): the update reports them."""
+        for c in self.connectors:
+            c.on_cache_invalid(invalid_keys)
+        for rid, why in errors.items():
+            request = self.requests.get(rid)
+            if request is not None and not request.is_finished:
+                request.error = why
+                self.finish_requests(request.parent_id or rid, RequestStatus.FINISHED_ABORTED)
+                self.failed.append(request)
 
     def _free_request(self, request: Request) -> None:
         if self.spec is not None:
@@ -655,26 +661,19 @@ class Scheduler:
     def _update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = [
-            EngineCoreOutput(
-                r.request_id,
-                [],
-                finish_reason="abort",
-                error=r.error,
-                parent_id=r.parent_id,
-                seq_index=r.seq_index,
-            )
-            for r in self.failed
-        ]
-        self.failed = []
         meta, landed = scheduler_output.kv_connector_metadata, runner_output.kv_connector_output
-        for c in self.connectors:
+        for c in self.connectors:  # (first: a role may end requests, reported below)
             c.update(meta.get(c.name), landed.get(c.name))
+        outputs = [
+            EngineCoreOutput(r.request_id, [], finish_reason="abort", error=r.error,
+                             parent_id=r.parent_id, seq_index=r.seq_index)
+            for r in self.failed
+        ]  # fmt: skip
+        self.failed = []
         sampled = dict(zip(runner_output.req_ids, range(len(runner_output.req_ids))))
         spec_tokens = scheduler_output.scheduled_spec_tokens
-        # the speculation pacer looks at each decoding request while speculating; paused,
-        # only at those its shadow drafts follow (or while it has room for more): a step of
-        # 256 requests then makes a few calls, not 256
+        # the speculation pacer looks at each decoding request while speculating; paused, only
+        # at those its shadow drafts follow (or while it has room): a few calls, not 256
         pacer = self.spec.pacer if self.spec is not None else None
         paused = scheduler_output.spec_paused
         followed = pacer.followed if pacer is not None else {}
