@@ -251,6 +251,37 @@ def test_a_load_that_fails_after_its_claim_ends_its_request_and_its_sharers_alon
     core.scheduler.kv_cache_manager.check_integrity()
 
 
+def test_a_failed_load_leaves_nothing_in_the_host_tier(tiny_models, tmp_path, monkeypatch):
+    """A consumer with a host tier: the write-through saved the failed load's blocks in that
+    step; the failure makes the tier forget them, so the prompt computed afterwards takes
+    nothing from the tier and gives one engine's tokens."""
+    from pagedllm.core.sched.offload import OffloadScheduler
+    from pagedllm.worker.kv_transfer import KVTransferWorker
+
+    prompt = _prompt(13, 150)
+    producer = _llm(tiny_models, "llama", "kv_producer", tmp_path)
+    consumer = _llm(tiny_models, "llama", "kv_consumer", tmp_path, kv_offloading_size=0.01,
+                    num_gpu_blocks_override=24, max_num_seqs=1)  # fmt: skip
+    tier = next(c for c in consumer.llm_engine.engine_core.scheduler.connectors
+                if isinstance(c, OffloadScheduler))  # fmt: skip
+    (params,) = _hand_over(producer, [prompt])
+
+    def failing(self: Any, load: Any, stream: Any) -> None:
+        raise EOFError("a KV transfer ended 100 bytes early")
+
+    monkeypatch.setattr(KVTransferWorker, "_load_one", failing)
+    (out,) = consumer.generate([{"prompt_token_ids": prompt}], _decode(params), use_tqdm=False)
+    assert "ended 100 bytes early" in out.error
+    assert tier.saved_blocks >= 9 and not tier.entries and not tier.busy
+    monkeypatch.undo()
+    (got,) = consumer.generate([{"prompt_token_ids": prompt}], _decode(None), use_tqdm=False)
+    assert tier.hit_tokens == 0 and got.num_cached_tokens == 0
+    (ref,) = _llm(tiny_models, "llama", None, tmp_path).generate(
+        [{"prompt_token_ids": prompt}], _decode(None), use_tqdm=False
+    )
+    assert _tokens(got)[0] == _tokens(ref)[0]
+
+
 def test_a_transfer_of_another_model_shape_is_refused(tiny_models, tmp_path):
     """A producer of another architecture (another KV layout): refused, naming the layouts."""
     prompt = _prompt(9, 60)
