@@ -280,6 +280,14 @@ def test_a_failed_load_leaves_nothing_in_the_host_tier(tiny_models, tmp_path, mo
         [{"prompt_token_ids": prompt}], _decode(None), use_tqdm=False
     )
     assert _tokens(got)[0] == _tokens(ref)[0]
+    # an entry still landing (its copy in flight) when forgotten: its host block is freed
+    # once the copy is done, not before
+    key, host = next(iter(tier.entries.items()))
+    tier.landing[host], tier.busy[host] = key, 1
+    tier.on_cache_invalid([key])
+    assert key not in tier.entries and host not in tier.landing and host not in tier.free
+    tier.update(type(tier.planned)(saves=[(0, host)]), None)
+    assert host in tier.free and not tier.busy
 
 
 def test_a_transfer_of_another_model_shape_is_refused(tiny_models, tmp_path):
