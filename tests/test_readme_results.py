@@ -168,36 +168,40 @@ def test_host_tier_tables_quote_their_files() -> None:
 
 
 def test_disaggregation_tables_quote_their_files() -> None:
-    """The transports' table is its H200 file's summaries (both transports of one call) and
-    copy rates; the earlier H100 file-transport figures quoted in the text are their files'."""
+    """The transports' tables are their files' summaries (both transports of one call per
+    file: the H100's two shapes, the H200's Qwen3-0.6B) and copy rates."""
     bench = _flat(BENCH_README.read_text())
-    d = _load("pd_transfer_qwen3-0.6b_NVIDIA_H200.json")
-    n = d["args"]["num_prompts"]
-    for t in ("file", "buffer"):
-        sm = d[t]["summary"]
-        ref = "slowest_copy" if t == "file" else "device_copy"
-        row = (
-            f"| Qwen3-0.6B | {t} | {sm['producer_over_colocated_prefill']:.2f}x "
-            f"| {sm['consumer_first_tokens_over_colocated']:.2f}x "
-            f"| {sm['save_gb_s']:.1f} ({sm['save_over_' + ref]:.1%}) "
-            f"| {sm['load_gb_s']:.1f} ({sm['load_over_' + ref]:.1%}) "
-            f"| {sm['requests_equal']} of {n} |"
-        )
-        assert row in bench, row
-    r = d["buffer"]["runs"]["consumer"]["copy_rates_gb_s"]
-    assert (
-        f"Qwen3-0.6B: file write / read {r['file_write']:.1f} / {r['file_read']:.1f}, pinned "
-        f"host to device {r['host_to_device']:.0f}, device to device "
-        f"{r['device_to_device']:,.0f} GB/s"
-    ) in bench
-    buf, fil = d["buffer"]["summary"], d["file"]["summary"]
-    assert f"({buf['load_over_device_copy']:.1%})" in bench
+    files = [
+        ("Qwen3-0.6B", "pd_transfer_qwen3-0.6b_NVIDIA_H100_80GB_HBM3.json"),
+        ("Llama-3.1-8B", "pd_transfer_llama-3.1-8b_NVIDIA_H100_80GB_HBM3.json"),
+        ("Qwen3-0.6B", "pd_transfer_qwen3-0.6b_NVIDIA_H200.json"),
+    ]
+    for shape, name in files:
+        d = _load(name)
+        n = d["args"]["num_prompts"]
+        for t in ("file", "buffer"):
+            sm = d[t]["summary"]
+            ref = "slowest_copy" if t == "file" else "device_copy"
+            row = (
+                f"| {shape} | {t} | {sm['producer_over_colocated_prefill']:.2f}x "
+                f"| {sm['consumer_first_tokens_over_colocated']:.2f}x "
+                f"| {sm['save_gb_s']:.1f} ({sm['save_over_' + ref]:.1%}) "
+                f"| {sm['load_gb_s']:.1f} ({sm['load_over_' + ref]:.1%}) "
+                f"| {sm['requests_equal']} of {n} |"
+            )
+            assert row in bench, row
+        if shape == "Qwen3-0.6B":
+            r = d["buffer"]["runs"]["consumer"]["copy_rates_gb_s"]
+            assert (
+                f"Qwen3-0.6B: file write / read {r['file_write']:.1f} / {r['file_read']:.1f}, "
+                f"pinned host to device {r['host_to_device']:.0f}, device to device "
+                f"{r['device_to_device']:,.0f} GB/s"
+            ) in bench
+    h200 = _load("pd_transfer_qwen3-0.6b_NVIDIA_H200.json")
+    buf, fil = h200["buffer"]["summary"], h200["file"]["summary"]
     assert f"{buf['save_gb_s'] / fil['save_gb_s']:.0f}x (write)" in bench
     assert f"{buf['load_gb_s'] / fil['load_gb_s']:.0f}x (read)" in bench
-    for name in ("qwen3-0.6b", "llama-3.1-8b"):
-        sm = _load(f"pd_transfer_{name}_NVIDIA_H100_80GB_HBM3.json")["summary"]
-        assert f"{sm['save_gb_s']:.2f} / {sm['load_gb_s']:.2f} GB/s" in bench
-    big = _load("pd_transfer_llama-3.1-8b_NVIDIA_H100_80GB_HBM3.json")["summary"]
+    big = _load("pd_transfer_llama-3.1-8b_NVIDIA_H100_80GB_HBM3.json")["buffer"]["summary"]
     assert f"{big['requests_equal']} of 16 consumer requests" in bench
     assert f"after {big['mean_tokens_before_a_difference']:.0f} tokens on average" in bench
     mixed = _load("pd_mixed_SmolLM2-135M-Instruct_Intel_Xeon_Processor.json")["runs"]
