@@ -320,6 +320,9 @@ class KVCompressConfig:
     # from the prompt's last queries and a narrow pool evicts them; the quality suite's A/B
     # (benchmarks/README.md, "KV-Compress quality") keeps the needles at 2-16x with 31
     maxpool_kernel: int = 31
+    # 'kvcompress' only: each compressible head keeps at least this fraction of an even share
+    # of the budget's evictable KVs (AdaKV's safeguard; 0: none, 1: uniform's split)
+    head_floor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in _KVC_METHODS:
@@ -339,6 +342,9 @@ class KVCompressConfig:
         k = self.maxpool_kernel
         if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
             raise ValueError(f"maxpool_kernel must be an odd positive integer, got {k!r}.")
+        f = self.head_floor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+            raise ValueError(f"kvc_head_floor must be a number in [0, 1], got {f!r}.")
 
     def budget_of(self, params: Any) -> tuple[int | None, float | None]:
         """(max_cache_tokens, compression_rate) a request is held to: its own, or the
@@ -493,6 +499,7 @@ class EngineArgs:
     prefill_metric_collection_window_size: int = 32
     maxpool_metrics: bool = True
     maxpool_kernel: int = 31  # the max-pooling window of the prefill metric (odd)
+    kvc_head_floor: float = 0.0
     # KV connectors beyond KV-Compress, by registered name (core/sched/connector.py)
     kv_connectors: tuple[str, ...] = ()
     # structured outputs (``StructuredOutputsConfig``): the default whitespace of JSON outputs
@@ -685,6 +692,7 @@ class EngineArgs:
                 prefill_metric_collection_window_size=self.prefill_metric_collection_window_size,
                 maxpool_metrics=bool(self.maxpool_metrics),
                 maxpool_kernel=self.maxpool_kernel,
+                head_floor=self.kvc_head_floor,
             ),
             kv_connectors=_with_offload(
                 parse_names(self.kv_connectors)

@@ -359,6 +359,36 @@ def test_gemma3_quality_table_quotes_its_file() -> None:
         assert _row(section, label) == f"| {label} | " + " | ".join(cells) + f" | {loss} |"
 
 
+def test_smollm2_gpu_quality_table_quotes_its_file() -> None:
+    """The SmolLM2 GPU quality rows (benchmarks README) are its file's numbers: each method's
+    average score and interval at every rate and its losses; the full cache's too."""
+    bench = BENCH_README.read_text()
+    d = _load("kvcompress_quality_smollm2_NVIDIA_H100_80GB_HBM3.json")
+    s = d["summary"]["methods"]
+    rates = [str(r) for r in d["rates"]]
+    flat = _flat(bench)
+    full = s["full"]["1"]
+    assert (
+        f"The full cache's average is {full['avg']['mean']:.3f} [{full['avg']['ci'][0]:.2f}, "
+        in flat
+    )
+    assert f"Loss (full cache {full['nll']['mean']:.3f})" in flat
+    labels = {"kvcompress": "KV-Compress", "uniform": "uniform per head",
+              "kvcompress+kvc_head_floor=0.5": "KV-Compress, head floor 0.5",
+              "kvcompress+kvc_head_floor=0.8": "KV-Compress, head floor 0.8"}  # fmt: skip
+    section = bench[bench.index("SmolLM2-135M-Instruct, bfloat16, one H100") :]
+    for key, label in labels.items():
+        cells = [
+            f"{s[key][r]['avg']['mean']:.3f} [{s[key][r]['avg']['ci'][0]:.2f}, "
+            f"{s[key][r]['avg']['ci'][1]:.2f}]"
+            for r in rates
+        ]
+        assert _row(section, label) == f"| {label} | " + " | ".join(cells) + " |"
+        assert ", ".join(f"{s[key][r]['nll']['mean']:.3f}" for r in rates) in flat
+    kvc8 = s["kvcompress"]["8"]["avg"]["mean"] / full["avg"]["mean"]
+    assert f"KV-Compress keeps {kvc8:.0%} of the full cache's average at 8x" in flat
+
+
 def test_fp8_micro_table_quotes_its_file() -> None:
     """The fp8 decode kernel's table (H100) is its file's rows: every row it shows, and at
     least the defaults' launch shape (4 warps, 2 stages) for bf16 at 64-key tiles and fp8 at

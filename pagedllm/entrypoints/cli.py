@@ -131,6 +131,9 @@ _HELP = {
     "scores the prompt's KVs.",
     "maxpool_metrics": "KV-Compress: max-pool the prompt's scores along the sequence.",
     "maxpool_kernel": "KV-Compress: the max-pooling window of the prompt's scores (odd).",
+    "kvc_head_floor": "KV-Compress (kvcompress method): each KV head keeps at least this "
+    "fraction of an even share of the evictable budget, AdaKV's safeguard (default: 0, none; "
+    "1: uniform's split).",
     "kv_connectors": "KV connectors beyond KV-Compress, by registered name, comma-separated "
     "(pagedllm/core/sched/connector.py: each changes a KV cache's life through the scheduler's "
     "and the runner's hooks).",

@@ -514,6 +514,7 @@ class HeadPagedCache:
             self.kvc.method,
             self.generator,
             self.shard,
+            self.kvc.head_floor,
         )
         kv = self.kv.view(2, -1, self.head_dim)
         new_lens = compact(

@@ -63,6 +63,7 @@ def plan_eviction(
     method: str = "kvcompress",
     generator: torch.Generator | None = None,
     shard: HeadShard | None = None,
+    head_floor: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Choose the evictions (see the module docstring). Returns (evict [B, LH] KVs per head,
     order [B, LH, max_len] logical indices by ascending score, slots, valid).
@@ -70,7 +71,10 @@ def plan_eviction(
     ``shard``: tensor parallelism (``shard.py``); the heads given are this rank's, the
     budgets every rank's. Each head's chunk costs and length are gathered from every rank
     and the chunks chosen across all heads in the global head order, exactly as one rank
-    holding every head chooses them; ``evict`` is of this rank's heads."""
+    holding every head chooses them; ``evict`` is of this rank's heads.
+
+    ``head_floor`` (``kvcompress`` only): a chunk is not taken where it would leave its head
+    with less than ``head_floor`` x an even share of the evictable budget (``_floor``)."""
     bs = block_size
     slots, valid = head_slots(tables, lens, max_len, bs)
     pos = positions[slots].long()
@@ -91,14 +95,18 @@ def plan_eviction(
     nb, removed = _chunks(lens, j, bs)
     cost = sorted_key.gather(-1, (removed - 1).clamp(0, max_len - 1))
     cost = torch.where(j < nb[..., None], cost, _INF)  # [B, LH, J]
+    fixed = (valid & ~evictable).sum(-1)  # [B, LH] KVs each head must keep
     sharded = shard is not None and shard.world > 1
     if sharded:
-        # every rank's heads (one all-gather: each head's chunk costs and its length)
+        # every rank's heads (one all-gather: each head's chunk costs, length and fixed KVs)
         assert shard is not None
-        packed = shard.gather(torch.cat([cost, lens[..., None].to(cost.dtype)], -1))
-        cost, lens = packed[..., :-1], packed[..., -1].long()
+        extra = torch.stack([lens, fixed], -1).to(cost.dtype)
+        packed = shard.gather(torch.cat([cost, extra], -1))
+        cost, lens, fixed = packed[..., :-2], packed[..., -2].long(), packed[..., -1].long()
         compressible = shard.replicate(compressible)
         nb, removed = _chunks(lens, j, bs)
+    if head_floor > 0 and method == "kvcompress":
+        cost = _floor(cost, lens, removed, fixed, budget, compressible, bs, head_floor)
     evict = _choose(cost, lens, nb, removed, budget, compressible, j, bs, method)
     if sharded:
         assert shard is not None
@@ -113,6 +121,32 @@ def _chunks(lens: torch.Tensor, j: torch.Tensor, bs: int) -> tuple[torch.Tensor,
     nb = -(-lens // bs)
     hanging = lens - (nb - 1) * bs  # KVs in the last block (bs when full)
     return nb, hanging[..., None] + j * bs
+
+
+def _floor(
+    cost: torch.Tensor,  # [B, LH, J]
+    lens: torch.Tensor,  # [B, LH]
+    removed: torch.Tensor,  # [B, LH, J]
+    fixed: torch.Tensor,  # [B, LH] unevictable KVs (protected, sinks)
+    budget: torch.Tensor,  # [B]
+    compressible: torch.Tensor,  # [LH] bool
+    bs: int,
+    head_floor: float,
+) -> torch.Tensor:
+    """``cost`` with the chunks a head's floor forbids made +inf. An even split gives each of
+    the ``hc`` compressible heads ``budget / hc`` KVs, ``share = budget / hc - fixed`` of them
+    evictable ones; a head keeps ``floor = fixed + head_floor * share``, rounded down to where
+    its chunks end: chunk j (leaving ``lens - removed[j]`` KVs, a multiple of bs) is allowed
+    while that is more than ``floor - bs``. The floors sum to at most the budget, so it can
+    still be met. Costs grow with j in a head, so forbidding is a suffix of its chunks.
+    Example: budget 192, 3 heads, fixed 32, head_floor 0.5, bs 16 -> share 32, floor 48: a
+    head of 100 KVs (removed [4, 20, 36, 52, 68, 84, 100], left [96, 80, 64, 48, 32, 16, 0])
+    may give up chunks 0-3 (48 left > 32), not chunk 4 (32 left)."""
+    hc = compressible.sum().clamp(min=1)
+    share = (budget[:, None] / hc - fixed).clamp(min=0)  # [B, LH]
+    floor = fixed + head_floor * share  # [B, LH]
+    left = lens[..., None] - removed  # [B, LH, J] KVs kept once chunks 0..j are taken
+    return torch.where(left > floor[..., None] - bs, cost, _INF)
 
 
 def _choose(

@@ -622,6 +622,41 @@ def test_uniform_splits_the_budget_evenly():
         assert 13 <= n <= 16
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_head_floor_keeps_each_head_a_share_of_the_budget(seed):
+    """kvc_head_floor: a head whose KVs all score below the others' still keeps its floor
+    (``head_floor`` x an even share of the evictable budget, within a block), the budget is
+    still met, and without a floor that head is emptied down to its protected KVs."""
+    lens = np.array([[40, 40, 40, 40]])
+    tables, lens_t, scores, positions, _ = _cache(lens, seed)
+    slots, valid = head_slots(tables, lens_t, 40, BS)
+    scores[slots[0, 0]] *= 1e-3  # head 0: every KV cheaper than any other head's
+    budget, protect = 64, 36  # 4 protected KVs a head; even share 16, 12 of them evictable
+
+    def kept(floor: float) -> list[int]:
+        evict, *_ = plan_eviction(
+            scores, positions, tables, lens_t, torch.tensor([budget]), torch.tensor([protect]),
+            torch.ones(4, dtype=torch.bool), 40, BS, head_floor=floor,
+        )  # fmt: skip
+        return (lens_t - evict)[0].tolist()
+
+    assert kept(0.0)[0] == 4  # only its protected window
+    for floor in (0.5, 1.0):
+        new = kept(floor)
+        assert sum(new) <= budget
+        least = 4 + floor * 12 - (BS - 1)  # the floor, less at most a block
+        assert min(new) >= least, (floor, new)
+    assert kept(1.0) == [16, 16, 16, 16]  # a full floor is the even split
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, True, "half"])
+def test_a_head_floor_outside_zero_to_one_is_refused_by_name(bad):
+    from pagedllm.config import KVCompressConfig
+
+    with pytest.raises(ValueError, match="kvc_head_floor must be a number in"):
+        KVCompressConfig(head_floor=bad)
+
+
 def test_maxpool_over_valid_entries():
     metric = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0]])
     valid = torch.tensor([[True] * 8 + [False]])

@@ -144,9 +144,11 @@ def test_shard_gather_and_select_keep_the_global_head_order(monkeypatch):
     assert shards[0].replicate(comp).tolist() == [True] * 4 + [False] * 4
 
 
-@pytest.mark.parametrize("method", ["kvcompress", "uniform"])
+@pytest.mark.parametrize(
+    ("method", "floor"), [("kvcompress", 0.0), ("uniform", 0.0), ("kvcompress", 0.5)]
+)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_sharded_eviction_equals_one_rank(monkeypatch, method, seed):
+def test_sharded_eviction_equals_one_rank(monkeypatch, method, floor, seed):
     """Each rank plans over its own heads, with the chunk costs and lengths of every rank's
     gathered: the union of the ranks' evictions is the one-rank eviction of all heads."""
     rng = np.random.default_rng(seed)
@@ -162,7 +164,7 @@ def test_sharded_eviction_equals_one_rank(monkeypatch, method, seed):
     def plan(shard: HeadShard | None, idx: torch.Tensor) -> torch.Tensor:
         return plan_eviction(
             scores, positions, tables[:, idx], lens_t[:, idx], budget, protect, comp[idx],
-            width, BS, 1, method, shard=shard,
+            width, BS, 1, method, shard=shard, head_floor=floor,
         )[0]  # fmt: skip
 
     want = plan(None, torch.arange(lh))
