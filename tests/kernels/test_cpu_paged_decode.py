@@ -137,10 +137,13 @@ def test_fp8_cache_matches_reference(dtype, heads: int, kv_heads: int, head_dim:
                                kv_scale=kv_scale)  # fmt: skip
         want = _reference(q, k, v, tables, lens, head_dim**-0.5, window)
         # (float32: scores up to ~50, a peaked softmax summed in another order than SDPA's,
-        # as in the sharp case above)
+        # as in the sharp case above; values up to ~140, so an output that cancels to near
+        # zero carries their rounding: the absolute tolerance scales with them - the
+        # AVX-512 loops' 16-lane sums land 1.9e-4 from the reference here, 1.3e-6 of max |v|)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
+        atol = max(tol, 5e-6 * float(v.abs().max())) if dtype == torch.float32 else tol
         assert got.dtype == dtype
-        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+        torch.testing.assert_close(got.float(), want, atol=atol, rtol=tol)
     # the table: every byte (but the two NaNs) as torch decodes it, through a one-key context
     every = torch.arange(256, dtype=torch.uint8)
     every = every[(every != 0x7F) & (every != 0xFF)].view(FP8)  # [254]
