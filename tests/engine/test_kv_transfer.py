@@ -422,6 +422,39 @@ def test_a_pair_with_tensor_parallelism(tiny_models, tmp_path):
     assert _tokens(got)[0] == _tokens(ref)[0]
 
 
+def test_a_load_that_fails_on_one_tensor_parallel_rank_fails_its_request_on_all(
+    tiny_models, tmp_path
+):
+    """TP=2 (gloo), files: rank 1's file of a claimed transfer is gone before its load, rank
+    0's is there. The ranks merge their failures (one all-reduce), so the request ends with
+    the reason on both - rank 0's blocks alone would hold the right KVs, rank 1's not - and a
+    request beside it in the same step decodes exactly; both ranks' files are gone after."""
+    prompts = [_prompt(14, 100), _prompt(15, 100)]
+    kw = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp",
+          "num_gpu_blocks_override": 512, "enable_prefix_caching": False}  # fmt: skip
+    both = _llm(tiny_models, "llama", "kv_both", tmp_path, 0, **kw)
+    try:
+        bad, good = _hand_over(both, prompts)
+        engine = both.llm_engine
+        engine.add_request("bad", {"prompt_token_ids": prompts[0]}, _decode(bad))
+        engine.add_request("good", {"prompt_token_ids": prompts[1]}, _decode(good))
+        (rank1,) = [n for n in os.listdir(tmp_path) if n.startswith(bad["remote_block_file"]
+                    + ".r1.")]  # fmt: skip  (claimed: renamed with the consumer's id)
+        os.unlink(tmp_path / rank1)
+        done: dict[str, Any] = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert "failed on another rank" in done["bad"].error
+        assert done["good"].error is None
+        assert os.listdir(tmp_path) == []
+    finally:
+        both.llm_engine.engine_core.shutdown()
+    (ref,) = _llm(tiny_models, "llama", None, tmp_path).generate(
+        [{"prompt_token_ids": prompts[1]}], _decode(None), use_tqdm=False
+    )
+    assert _tokens(done["good"])[0] == _tokens(ref)[0]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("buffer", [0, None], ids=["file", "buffer"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
