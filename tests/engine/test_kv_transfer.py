@@ -438,8 +438,9 @@ def test_a_load_that_fails_on_one_tensor_parallel_rank_fails_its_request_on_all(
         engine = both.llm_engine
         engine.add_request("bad", {"prompt_token_ids": prompts[0]}, _decode(bad))
         engine.add_request("good", {"prompt_token_ids": prompts[1]}, _decode(good))
-        (rank1,) = [n for n in os.listdir(tmp_path) if n.startswith(bad["remote_block_file"]
-                    + ".r1.")]  # fmt: skip  (claimed: renamed with the consumer's id)
+        # claimed: each rank's file renamed with the consumer's id
+        claimed = bad["remote_block_file"] + ".r1."
+        (rank1,) = [n for n in os.listdir(tmp_path) if n.startswith(claimed)]
         os.unlink(tmp_path / rank1)
         done: dict[str, Any] = {}
         while engine.has_unfinished_requests():
