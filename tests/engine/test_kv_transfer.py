@@ -251,6 +251,36 @@ def test_a_load_that_fails_after_its_claim_ends_its_request_and_its_sharers_alon
     core.scheduler.kv_cache_manager.check_integrity()
 
 
+def test_a_failed_load_under_kv_compress_fails_its_step_and_the_engine_goes_on(
+    tiny_models, tmp_path, monkeypatch
+):
+    """KV-Compress's per-head blocks have no per-request isolation yet: a failed load fails
+    the step (every running request ends, the caller hears why), and the engine then serves
+    the same prompt exactly."""
+    from pagedllm.worker.kv_transfer import KVTransferWorker
+
+    prompts = [_prompt(11, 150), _prompt(12, 150)]
+    producer = _llm(tiny_models, "llama", "kv_producer", tmp_path)
+    consumer = _llm(tiny_models, "llama", "kv_consumer", tmp_path, enable_kvc=True)
+    bad, good = _hand_over(producer, prompts)
+
+    def failing(self: Any, load: Any, stream: Any) -> None:
+        raise OSError("injected read error")
+
+    monkeypatch.setattr(KVTransferWorker, "_load_one", failing)
+    with pytest.raises(RuntimeError, match="KV transfer loads failed .*injected read error"):
+        consumer.generate([{"prompt_token_ids": p} for p in prompts],
+                          [_decode(bad), _decode(good)], use_tqdm=False)  # fmt: skip
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+    (again,) = consumer.generate([{"prompt_token_ids": prompts[0]}], _decode(None),
+                                 use_tqdm=False)  # fmt: skip
+    (ref,) = _llm(tiny_models, "llama", None, tmp_path).generate(
+        [{"prompt_token_ids": prompts[0]}], _decode(None), use_tqdm=False
+    )
+    assert again.error is None and _tokens(again)[0] == _tokens(ref)[0]
+
+
 def test_a_failed_load_leaves_nothing_in_the_host_tier(tiny_models, tmp_path, monkeypatch):
     """A consumer with a host tier: the write-through saved the failed load's blocks in that
     step; the failure makes the tier forget them, so the prompt computed afterwards takes
