@@ -95,18 +95,21 @@ def plan_eviction(
     nb, removed = _chunks(lens, j, bs)
     cost = sorted_key.gather(-1, (removed - 1).clamp(0, max_len - 1))
     cost = torch.where(j < nb[..., None], cost, _INF)  # [B, LH, J]
-    fixed = (valid & ~evictable).sum(-1)  # [B, LH] KVs each head must keep
+    floored = head_floor > 0 and method == "kvcompress"
+    # the KVs each head must keep [B, LH, 1], counted only for a floor ([B, LH, 0] else)
+    fixed = (valid & ~evictable).sum(-1, keepdim=True) if floored else lens[..., None][..., :0]
     sharded = shard is not None and shard.world > 1
     if sharded:
-        # every rank's heads (one all-gather: each head's chunk costs, length and fixed KVs)
+        # every rank's heads (one all-gather: each head's chunk costs, length, fixed KVs)
         assert shard is not None
-        extra = torch.stack([lens, fixed], -1).to(cost.dtype)
+        extra = torch.cat([lens[..., None], fixed], -1).to(cost.dtype)
         packed = shard.gather(torch.cat([cost, extra], -1))
-        cost, lens, fixed = packed[..., :-2], packed[..., -2].long(), packed[..., -1].long()
+        cost, extra = packed[..., : cost.shape[-1]], packed[..., cost.shape[-1] :].long()
+        lens, fixed = extra[..., 0], extra[..., 1:]
         compressible = shard.replicate(compressible)
         nb, removed = _chunks(lens, j, bs)
-    if head_floor > 0 and method == "kvcompress":
-        cost = _floor(cost, lens, removed, fixed, budget, compressible, bs, head_floor)
+    if floored:
+        cost = _floor(cost, lens, removed, fixed[..., 0], budget, compressible, bs, head_floor)
     evict = _choose(cost, lens, nb, removed, budget, compressible, j, bs, method)
     if sharded:
         assert shard is not None
