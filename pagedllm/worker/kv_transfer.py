@@ -117,7 +117,7 @@ class KVTransferWorker(KVConnectorWorker):
         self.views = ArenaViews(transfer.kv_buffer_path, self.rank)
         self._loaded: list[str] = []  # this step's loads from buffers: their files
         self._failed: dict[str, str] = {}  # this step's loads that failed: request id -> why
-        self._host_s, self._nbytes, self._j = 0.0, 0, 0  # this step's loads so far
+        self._j = 0  # the ring buffer the next chunk of a file's load goes through (j % 2)
         self._timed: list[tuple[str, Any, Any]] = []
 
     RING_BYTES = 64 << 20
@@ -166,13 +166,14 @@ class KVTransferWorker(KVConnectorWorker):
         the same requests."""
         if metadata is None or not metadata.loads:
             return
-        self._host_s, self._nbytes, self._j = 0.0, 0, 0
+        host_s, nbytes = 0.0, 0
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
         failed = np.zeros(len(metadata.loads), np.int64)
         why: dict[str, str] = {}
         for i, load in enumerate(metadata.loads):
             try:
-                self._load_one(load, stream)
+                n, s = self._load_one(load, stream)
+                nbytes, host_s = nbytes + n, host_s + s
             except (OSError, EOFError, RuntimeError, ValueError) as e:
                 # this request's blocks are left part-written: it alone fails (the
                 # scheduler ends it and forgets its blocks' cache entries)
@@ -190,49 +191,47 @@ class KVTransferWorker(KVConnectorWorker):
             for load, bad in zip(metadata.loads, failed)
             if bad
         }
-        self._load = (self._host_s, self._nbytes)
+        self._load = (host_s, nbytes)
 
-    def _load_one(self, load: TransferLoad, stream: Any) -> None:
-        """One load: from the producer's buffer, or its file a chunk at a time (the file is
-        deleted after, also when the load fails)."""
+    def _load_one(self, load: TransferLoad, stream: Any) -> tuple[int, float]:
+        """One load, from the producer's buffer or from its file a chunk at a time (the file
+        deleted after); (bytes, host seconds: 0 where CUDA events time a buffer's copies).
+        Raises where it fails (the caller deletes the file)."""
         path = load.path.format(rank=self.rank)
         if load.arena:
             if not os.path.exists(path):  # (the producer's sweep gave up on the claim:
                 # its range may hold another transfer's rows by now)
                 raise FileNotFoundError(f"the KV transfer {path} is gone")
             start, t0 = self._event(), time.perf_counter()
-            self._nbytes += self._load_from_arena(load)
+            nbytes = self._load_from_arena(load)
             self._loaded.append(path)
             if start is not None:  # (device time: the forward pass waits for it)
                 self._timed.append(("load", start, self._event()))
-            else:
-                self._host_s += time.perf_counter() - t0
-            return
-        t0 = time.perf_counter()
+                return nbytes, 0.0
+            return nbytes, time.perf_counter() - t0
+        t0, nbytes = time.perf_counter(), 0
+        fd = os.open(path, os.O_RDONLY) if load.rows else -1
         try:
-            fd = os.open(path, os.O_RDONLY) if load.rows else -1
-            try:
-                for c0 in range(0, len(load.rows), self.ring_rows):
-                    chunk = load.rows[c0 : c0 + self.ring_rows]
-                    buf = self._slot(self._j)[: len(chunk)]
-                    host = buf.numpy()
-                    for first, pos, n in host_runs([r for r, _ in chunk]):
-                        at = load.rows_offset + first * self.block_bytes
-                        _pread_into(fd, host[pos : pos + n], at)
-                    rows = buf.to(self.device, non_blocking=True) if self.cuda else buf
-                    self._copied(self._j, stream)
-                    self._j += 1
-                    self._scatter(rows, load, c0, len(chunk))
-                    self._nbytes += buf.numel()
-            finally:
-                if fd >= 0:
-                    os.close(fd)
+            for c0 in range(0, len(load.rows), self.ring_rows):
+                chunk = load.rows[c0 : c0 + self.ring_rows]
+                buf = self._slot(self._j)[: len(chunk)]
+                host = buf.numpy()
+                for first, pos, n in host_runs([r for r, _ in chunk]):
+                    at = load.rows_offset + first * self.block_bytes
+                    _pread_into(fd, host[pos : pos + n], at)
+                rows = buf.to(self.device, non_blocking=True) if self.cuda else buf
+                self._copied(self._j, stream)
+                self._j += 1
+                self._scatter(rows, load, c0, len(chunk))
+                nbytes += buf.numel()
         finally:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-            self._host_s += time.perf_counter() - t0
+            if fd >= 0:
+                os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return nbytes, time.perf_counter() - t0
 
     def _load_from_arena(self, load: TransferLoad) -> int:
         """Scatter a load's rows from the producer's buffer into their blocks, a run of

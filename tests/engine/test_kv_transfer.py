@@ -221,10 +221,10 @@ def test_a_load_that_fails_after_its_claim_ends_its_request_and_its_sharers_alon
     bad, good = _hand_over(producer, prompts)
     load_one = KVTransferWorker._load_one
 
-    def failing(self: Any, load: Any, stream: Any) -> None:
+    def failing(self: Any, load: Any, stream: Any) -> tuple[int, float]:
         if bad["remote_block_file"] in load.path:
             raise OSError("injected read error")
-        load_one(self, load, stream)
+        return load_one(self, load, stream)
 
     monkeypatch.setattr(KVTransferWorker, "_load_one", failing)
     outs = consumer.generate(
