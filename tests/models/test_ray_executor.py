@@ -28,7 +28,10 @@ ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 def _ray(*args: str) -> None:
     env = {**os.environ, **ENV}
-    subprocess.run([RAY, *args], env=env, check=True, capture_output=True, timeout=120)
+    done = subprocess.run([RAY, *args], env=env, capture_output=True, text=True, timeout=120)
+    if done.returncode:  # (ray's own words: a CI failure of `ray start` must say why)
+        raise RuntimeError(f"ray {' '.join(args)} exited {done.returncode}:\n"
+                           f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
