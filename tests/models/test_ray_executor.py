@@ -40,6 +40,8 @@ def cluster() -> Iterator[str]:
     if not shutil.which(RAY):
         pytest.skip("the ray command is not installed")
     port = free_port()
+    while 10002 <= port <= 19999:  # Ray's default worker ports: it refuses a GCS port there
+        port = free_port()
     address = f"127.0.0.1:{port}"
     saved = {k: os.environ.get(k) for k in (*ENV, "RAY_ADDRESS")}
     try:
